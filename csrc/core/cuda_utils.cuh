@@ -1,0 +1,42 @@
+// CUDA helpers shared by every opforge kernel: 16-byte vector types, alignment tests, launch
+// configuration and the launch check. Block reductions come from CUB (cub::BlockReduce).
+#pragma once
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace opforge {
+namespace cuda {
+
+/// N elements of T loaded or stored as one aligned access (N * sizeof(T) == 16 for a 16-byte access).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T val[N];
+};
+
+/// Elements of T per 16-byte access: 2 for float64, 4 for float32, 8 for float16/bfloat16.
+template <typename T>
+constexpr int vec_size() {
+  return 16 / static_cast<int>(sizeof(T));
+}
+
+/// True when `p` may be read or written through a 16-byte vector access.
+inline bool is_aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+/// Blocks for a grid-stride loop over `n` work items with `threads` per block: enough to fill the
+/// device several times over, never more than the work needs.
+inline int64_t grid_for(int64_t n, int threads) {
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t want = (n + threads - 1) / threads;
+  return std::max<int64_t>(1, std::min<int64_t>(want, sms * 16));
+}
+
+}  // namespace cuda
+}  // namespace opforge

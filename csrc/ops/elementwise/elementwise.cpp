@@ -1,0 +1,214 @@
+// Elementwise ops: checkers, the public C++ API, Meta kernels and autograd.
+#include "ops/elementwise/elementwise.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ExpandUtils.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "core/autograd.h"
+#include "core/check.h"
+#include "core/dispatch.h"
+
+namespace opforge {
+namespace elementwise {
+
+at::Tensor check_unary(const char* op, const at::Tensor& input) {
+  check_floating(op, "input", input);
+  return input.contiguous();
+}
+
+std::pair<at::Tensor, at::Tensor> check_unary_backward(const char* op, const at::Tensor& grad_output,
+                                                       const at::Tensor& saved, const char* saved_name) {
+  check_floating(op, "grad_output", grad_output);
+  check_floating(op, saved_name, saved);
+  check_same_device(op, "grad_output", grad_output, saved_name, saved);
+  TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(saved.sym_sizes()), "opforge::", op, ": expected grad_output and ",
+                    saved_name, " of the same shape, but got ", shape_str(grad_output.sym_sizes()), " and ",
+                    shape_str(saved.sym_sizes()));
+  return {grad_output.contiguous(), to_input_dtype(saved, grad_output.scalar_type()).contiguous()};
+}
+
+void check_square_add_args(const at::Tensor& input, const at::Tensor& other) {
+  check_floating("square_add", "input", input);
+  check_floating("square_add", "other", other);
+  check_same_device("square_add", "input", input, "other", other);
+  const auto xs = input.sym_sizes();
+  const auto os = other.sym_sizes();
+  bool ok = os.size() <= xs.size();
+  for (size_t i = 0; ok && i < os.size(); ++i) {
+    const auto& o = os[os.size() - 1 - i];
+    const auto& x = xs[xs.size() - 1 - i];
+    ok = (o == 1) || (o == x);
+  }
+  TORCH_CHECK_VALUE(ok, "opforge::square_add: expected other broadcastable to input's shape ", shape_str(xs),
+                    ", but got other of shape ", shape_str(os));
+}
+
+SquareAddProblem check_square_add(const at::Tensor& input, const at::Tensor& other) {
+  check_square_add_args(input, other);
+  at::Tensor X = input.contiguous();
+  at::Tensor B = to_input_dtype(other, input.scalar_type());
+  const int64_t d = input.dim();
+  // Pad other to input's rank, then find the first dim j such that other matches input on dims >= j
+  // and is 1 on dims < j: other then repeats with period prod(sizes[j:]) over the flat input.
+  std::vector<int64_t> os(d, 1);
+  for (int64_t i = 0; i < other.dim(); ++i) os[d - other.dim() + i] = other.size(i);
+  int64_t j = d;
+  while (j > 0 && os[j - 1] == input.size(j - 1)) --j;
+  bool leading_ones = true;
+  for (int64_t i = 0; i < j; ++i) leading_ones = leading_ones && os[i] == 1;
+  if (leading_ones) {
+    int64_t period = 1;
+    for (int64_t i = j; i < d; ++i) period *= input.size(i);
+    return {X, B.reshape({period}).contiguous(), period};
+  }
+  return {X, B.expand(input.sizes()).contiguous().view({-1}), X.numel()};
+}
+
+}  // namespace elementwise
+
+// ---- public C++ API: typed dispatcher calls --------------------------------------------------------
+
+at::Tensor sigmoid(const at::Tensor& input) {
+  static auto op = typed_op<decltype(sigmoid)>("opforge::sigmoid");
+  return op.call(input);
+}
+at::Tensor sigmoid_backward(const at::Tensor& grad_output, const at::Tensor& output) {
+  static auto op = typed_op<decltype(sigmoid_backward)>("opforge::sigmoid_backward");
+  return op.call(grad_output, output);
+}
+at::Tensor square(const at::Tensor& input) {
+  static auto op = typed_op<decltype(square)>("opforge::square");
+  return op.call(input);
+}
+at::Tensor square_backward(const at::Tensor& grad_output, const at::Tensor& input) {
+  static auto op = typed_op<decltype(square_backward)>("opforge::square_backward");
+  return op.call(grad_output, input);
+}
+at::Tensor square_add(const at::Tensor& input, const at::Tensor& other) {
+  static auto op = typed_op<decltype(square_add)>("opforge::square_add");
+  return op.call(input, other);
+}
+std::tuple<at::Tensor, at::Tensor> square_add_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                       const at::Tensor& other, std::array<bool, 2> output_mask) {
+  static auto op = typed_op<decltype(square_add_backward)>("opforge::square_add_backward");
+  return op.call(grad_output, input, other, output_mask);
+}
+
+namespace {
+
+// square_add's backward composes ops that have CPU, CUDA and Meta kernels: the grad_input part is
+// square_backward; grad_other is ATen's broadcast reduction (at::sum_to), in other's dtype.
+std::tuple<at::Tensor, at::Tensor> square_add_backward_composite(const at::Tensor& grad_output,
+                                                                 const at::Tensor& input, const at::Tensor& other,
+                                                                 std::array<bool, 2> output_mask) {
+  elementwise::check_square_add_args(input, other);
+  check_same_device("square_add_backward", "grad_output", grad_output, "input", input);
+  at::Tensor grad_input, grad_other;
+  if (output_mask[0]) grad_input = opforge::square_backward(grad_output, input);
+  if (output_mask[1]) {
+    check_floating("square_add_backward", "grad_output", grad_output);
+    // sums in fp32 internally; never a view of grad_output (the schema returns new tensors)
+    grad_other = at::sum_to(grad_output, other.sym_sizes(), /*always_return_non_view=*/true).to(other.scalar_type());
+  }
+  return {grad_input, grad_other};
+}
+
+// ---- Meta: the same checkers, then outputs with the real kernels' shapes, dtypes and strides -------
+
+at::Tensor unary_meta(const char* op, const at::Tensor& input) {
+  elementwise::check_unary(op, input);
+  return at::empty_symint(input.sym_sizes(), input.options());
+}
+at::Tensor sigmoid_meta(const at::Tensor& input) { return unary_meta("sigmoid", input); }
+at::Tensor square_meta(const at::Tensor& input) { return unary_meta("square", input); }
+at::Tensor sigmoid_backward_meta(const at::Tensor& grad_output, const at::Tensor& output) {
+  elementwise::check_unary_backward("sigmoid_backward", grad_output, output, "output");
+  return at::empty_symint(grad_output.sym_sizes(), grad_output.options());
+}
+at::Tensor square_backward_meta(const at::Tensor& grad_output, const at::Tensor& input) {
+  elementwise::check_unary_backward("square_backward", grad_output, input, "input");
+  return at::empty_symint(grad_output.sym_sizes(), grad_output.options());
+}
+at::Tensor square_add_meta(const at::Tensor& input, const at::Tensor& other) {
+  elementwise::check_square_add_args(input, other);
+  return at::empty_symint(input.sym_sizes(), input.options());
+}
+// ---- Autograd: save what backward needs, redispatch below autograd, route backward to the op -------
+
+class SigmoidFunction : public torch::autograd::Function<SigmoidFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    at::Tensor output = opforge::sigmoid(input);
+    ctx->save_for_backward({output});
+    return output;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto output = ctx->get_saved_variables()[0];
+    return {opforge::sigmoid_backward(grads[0], output)};
+  }
+};
+
+class SquareFunction : public torch::autograd::Function<SquareFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({input});
+    return opforge::square(input);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto input = ctx->get_saved_variables()[0];
+    return {opforge::square_backward(grads[0], input)};
+  }
+};
+
+class SquareAddFunction : public torch::autograd::Function<SquareAddFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& other) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({input, other});
+    return opforge::square_add(input, other);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_input, grad_other] = opforge::square_add_backward(
+        grads[0], saved[0], saved[1], {ctx->needs_input_grad(0), ctx->needs_input_grad(1)});
+    return {grad_input, grad_other};
+  }
+};
+
+at::Tensor sigmoid_autograd(const at::Tensor& input) { return SigmoidFunction::apply(input); }
+at::Tensor square_autograd(const at::Tensor& input) { return SquareFunction::apply(input); }
+at::Tensor square_add_autograd(const at::Tensor& input, const at::Tensor& other) {
+  return SquareAddFunction::apply(input, other);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, Meta, m) {
+  m.impl("sigmoid", &sigmoid_meta);
+  m.impl("sigmoid_backward", &sigmoid_backward_meta);
+  m.impl("square", &square_meta);
+  m.impl("square_backward", &square_backward_meta);
+  m.impl("square_add", &square_add_meta);
+}
+
+TORCH_LIBRARY_IMPL(opforge, CompositeExplicitAutograd, m) {
+  m.impl("square_add_backward", &square_add_backward_composite);
+}
+
+TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
+  m.impl("sigmoid", &sigmoid_autograd);
+  m.impl("square", &square_autograd);
+  m.impl("square_add", &square_add_autograd);
+  register_backward_op_autograd(m, "sigmoid_backward");
+  register_backward_op_autograd(m, "square_backward");
+  register_backward_op_autograd(m, "square_add_backward");
+}
+
+}  // namespace opforge

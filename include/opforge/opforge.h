@@ -1,0 +1,55 @@
+// opforge: the public C++ API.
+//
+// Each function enters PyTorch's dispatcher (torch.ops.opforge.<op> from Python), so a C++ program
+// gets the same CPU/CUDA kernels, the same checks and the same autograd as Python. Link the target
+// opforge::opforge from find_package(opforge); the ops are registered when libopforge.so loads.
+//
+// dtypes: float64, float32, float16, bfloat16 for every tensor argument; anything else raises
+// c10::Error ("opforge::<op>: expected ... but got ..."). Mixed dtypes: the output takes input's
+// dtype; a parameter of another floating dtype is converted to it, and the parameter's gradient comes
+// back in the parameter's own dtype. Any strides, zero-size tensors, any CUDA device.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+namespace opforge {
+
+/// y = input · weightᵀ + bias  (torch.nn.functional.linear).
+/// input (*, K), weight (N, K), bias (N,) or none -> (*, N) in input's dtype.
+/// Raises: weight not 2-D, K mismatch, bias not of shape (N,), non-floating dtypes, different devices.
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias = std::nullopt);
+
+/// Gradients of linear: (grad_input (*, K), grad_weight (N, K), grad_bias (N,)) for grad_output (*, N);
+/// entry i is computed only when output_mask[i] (else undefined). Gradients take their argument's dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad_output,
+                                                               const at::Tensor& input,
+                                                               const at::Tensor& weight,
+                                                               std::array<bool, 3> output_mask);
+
+/// y = 1 / (1 + exp(-input)), elementwise; same shape and dtype as input; fp32 math for fp16/bf16.
+/// Saturates to exactly 0 and 1, never NaN for finite or infinite input.
+at::Tensor sigmoid(const at::Tensor& input);
+
+/// grad_input = grad_output · output · (1 − output), where output = sigmoid(input); same shapes.
+at::Tensor sigmoid_backward(const at::Tensor& grad_output, const at::Tensor& output);
+
+/// y = input², elementwise; same shape and dtype as input.
+at::Tensor square(const at::Tensor& input);
+
+/// grad_input = 2 · input · grad_output; same shapes.
+at::Tensor square_backward(const at::Tensor& grad_output, const at::Tensor& input);
+
+/// y = input² + other, with other broadcastable to input's shape; output has input's shape and dtype.
+at::Tensor square_add(const at::Tensor& input, const at::Tensor& other);
+
+/// (grad_input = 2 · input · grad_output, grad_other = grad_output summed to other's shape, in other's
+/// dtype); entry i computed only when output_mask[i].
+std::tuple<at::Tensor, at::Tensor> square_add_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                       const at::Tensor& other, std::array<bool, 2> output_mask);
+
+}  // namespace opforge

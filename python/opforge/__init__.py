@@ -1,0 +1,81 @@
+"""opforge: differentiable PyTorch operators written in C++ and CUDA.
+
+Importing this package imports torch, then loads ``libopforge.so``, which registers the operators
+``torch.ops.opforge.*`` (linear, sigmoid, square, square_add, ... and their ``*_backward`` ops) with
+their CPU, CUDA, Meta and Autograd kernels. The library has no Python C API inside, so one build
+serves every Python version of the same torch.
+
+Raises:
+    ImportError: when the library was built for another torch version (the message names both),
+        or when it cannot be found or loaded (the message says how to build it).
+
+Environment:
+    OPFORGE_LIBRARY: path of a ``libopforge.so`` to load instead of the installed one (e.g. a CMake
+        build tree's ``build/libopforge.so``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+__version__ = "0.1.0"
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+#: Prefix for CMake's ``find_package(opforge)``: ``cmake -DCMAKE_PREFIX_PATH=<this> ...``.
+cmake_prefix_path = str(_PACKAGE_DIR)
+
+
+def _base_version(v: str) -> str:
+    return v.split("+")[0]
+
+
+def _library_path() -> Path:
+    env = os.environ.get("OPFORGE_LIBRARY")
+    if env:
+        return Path(env)
+    return _PACKAGE_DIR / "lib" / "libopforge.so"
+
+
+def _read_build_info(lib: Path) -> dict[str, str]:
+    info: dict[str, str] = {}
+    for candidate in (lib.parent / "opforge_build.txt",):
+        if candidate.exists():
+            for line in candidate.read_text().splitlines():
+                key, _, value = line.partition("=")
+                info[key.strip()] = value.strip()
+    return info
+
+
+def _load() -> Path:
+    lib = _library_path()
+    if not lib.exists():
+        raise ImportError(
+            f"opforge: native library not found at {lib}. Build and install it with "
+            "`pip install --no-build-isolation .` from the opforge source tree, or point "
+            "OPFORGE_LIBRARY at a CMake build's libopforge.so."
+        )
+    built_for = _read_build_info(lib).get("torch")
+    if built_for and _base_version(built_for) != _base_version(torch.__version__):
+        raise ImportError(
+            f"opforge: {lib} was built for torch {built_for}, but torch {torch.__version__} is "
+            "installed; rebuild opforge against this torch (`pip install --no-build-isolation .`)."
+        )
+    try:
+        torch.ops.load_library(str(lib))
+    except OSError as e:  # e.g. an undefined symbol from a torch that changed its ABI
+        raise ImportError(
+            f"opforge: could not load {lib} into torch {torch.__version__} (built for torch "
+            f"{built_for or 'unknown'}): {e}. Rebuild opforge against the installed torch."
+        ) from e
+    return lib
+
+
+library_path = _load()
+
+from . import functional, nn  # noqa: E402
+from .functional import linear, sigmoid, square, square_add  # noqa: E402
+
+__all__ = ["functional", "nn", "linear", "sigmoid", "square", "square_add", "library_path", "cmake_prefix_path"]

@@ -1,0 +1,91 @@
+"""Float64 references and the tolerance rule, shared by the tests and the benchmarks.
+
+Each ``*_reference`` function is the readable eager version of an opforge op, evaluated in float64.
+
+The tolerance rule (DESIGN.md §5): an opforge result in dtype ``d`` passes when its error against the
+float64 reference is at most twice the error of the same math done by PyTorch in ``d``, plus one unit
+of ``d``'s rounding (``torch.finfo(d).eps``) to cover results PyTorch happens to get exact. The rule
+is applied twice: to the norm-relative error (a global bound) and to the largest elementwise error
+(so one wrong element among millions cannot hide).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "linear_reference",
+    "sigmoid_reference",
+    "square_reference",
+    "square_add_reference",
+    "assert_matches_reference",
+    "relative_error",
+]
+
+
+def linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """input · weightᵀ + bias in float64. input (*, K), weight (N, K), bias (N,) -> (*, N) float64."""
+    y = input.double() @ weight.double().t()
+    return y + bias.double() if bias is not None else y
+
+
+def sigmoid_reference(input: Tensor) -> Tensor:
+    """1 / (1 + exp(−input)) in float64, any shape."""
+    return torch.sigmoid(input.double())
+
+
+def square_reference(input: Tensor) -> Tensor:
+    """input² in float64, any shape."""
+    return input.double() ** 2
+
+
+def square_add_reference(input: Tensor, other: Tensor) -> Tensor:
+    """input² + other (broadcast) in float64; input's shape."""
+    return input.double() ** 2 + other.double()
+
+
+def relative_error(actual: Tensor, reference: Tensor) -> float:
+    """‖actual − reference‖₂ / ‖reference‖₂ in float64 (absolute error when the reference is all zeros)."""
+    a, r = actual.double(), reference.double()
+    num = torch.linalg.vector_norm(a - r).item()
+    den = torch.linalg.vector_norm(r).item()
+    return num / den if den > 0 else num
+
+
+def assert_matches_reference(actual: Tensor, reference: Tensor, baseline: Tensor, *, what: str = "output",
+                             factor: float = 2.0) -> None:
+    """Assert the tolerance rule for ``actual`` (opforge, dtype d) against ``reference`` (float64).
+
+    Args:
+        actual: opforge's result.
+        reference: the float64 reference of the same math.
+        baseline: PyTorch's result of the same math in ``actual``'s dtype (the achievable error).
+        what: name used in the failure message.
+        factor: allowed ratio to the baseline's error. Default 2.
+
+    Raises:
+        AssertionError: shape/dtype mismatch, non-finite where the reference is finite, or an error
+            above ``factor`` × baseline error + eps(d) (norm-relative or elementwise-max).
+    """
+    assert actual.shape == reference.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(reference.shape)}"
+    assert actual.dtype == baseline.dtype, f"{what}: dtype {actual.dtype} != {baseline.dtype}"
+    if actual.numel() == 0:
+        return
+    a = actual.detach().double().cpu()
+    r = reference.detach().double().cpu()
+    b = baseline.detach().double().cpu()
+    finite = torch.isfinite(r)
+    assert torch.equal(torch.isfinite(a), finite), f"{what}: non-finite values where the reference is finite (or v.v.)"
+    assert torch.equal(a[~finite], r[~finite]) or torch.isnan(r[~finite]).any(), f"{what}: wrong infinities"
+    a, r, b = a[finite], r[finite], b[finite]
+    eps = torch.finfo(actual.dtype).eps
+    e_ours, e_base = relative_error(a, r), relative_error(b, r)
+    assert e_ours <= factor * e_base + eps, (
+        f"{what}: norm-relative error {e_ours:.3e} exceeds {factor} x PyTorch's {e_base:.3e} + eps {eps:.1e}")
+    scale = r.abs().max().item() if r.numel() else 0.0
+    m_ours = (a - r).abs().max().item() if r.numel() else 0.0
+    m_base = (b - r).abs().max().item() if r.numel() else 0.0
+    assert m_ours <= factor * m_base + eps * max(scale, 1e-30), (
+        f"{what}: max elementwise error {m_ours:.3e} exceeds {factor} x PyTorch's {m_base:.3e} + eps x {scale:.3e}")
