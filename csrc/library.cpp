@@ -20,4 +20,8 @@ TORCH_LIBRARY(opforge, m) {
   m.def("square_add_backward(Tensor grad_output, Tensor input, Tensor other, bool[2] output_mask) -> (Tensor, Tensor)");
   // grad_input = 2 · input · grad_output
   m.def("square_backward(Tensor grad_output, Tensor input) -> Tensor");
+  // y = silu(gate) · up, gate and up of one shape
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  // (grad_gate, grad_up) of swiglu in one fused pass
+  m.def("swiglu_backward(Tensor grad_output, Tensor gate, Tensor up) -> (Tensor, Tensor)");
 }

@@ -52,4 +52,13 @@ at::Tensor square_add(const at::Tensor& input, const at::Tensor& other);
 std::tuple<at::Tensor, at::Tensor> square_add_backward(const at::Tensor& grad_output, const at::Tensor& input,
                                                        const at::Tensor& other, std::array<bool, 2> output_mask);
 
+/// y = silu(gate) · up = gate · σ(gate) · up (Shazeer 2020, "GLU Variants Improve Transformer").
+/// gate and up of one shape (*), floating; output in gate's dtype; fp32 math for fp16/bf16.
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+
+/// (grad_gate, grad_up) of swiglu in one fused pass: with s = σ(gate),
+/// grad_gate = grad_output · up · s · (1 + gate · (1 − s)), grad_up = grad_output · gate · s.
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                   const at::Tensor& up);
+
 }  // namespace opforge

@@ -76,6 +76,6 @@ def _load() -> Path:
 library_path = _load()
 
 from . import functional, nn  # noqa: E402
-from .functional import linear, sigmoid, square, square_add  # noqa: E402
+from .functional import linear, sigmoid, square, square_add, swiglu  # noqa: E402
 
-__all__ = ["functional", "nn", "linear", "sigmoid", "square", "square_add", "library_path", "cmake_prefix_path"]
+__all__ = ["functional", "nn", "linear", "sigmoid", "square", "square_add", "swiglu", "library_path", "cmake_prefix_path"]

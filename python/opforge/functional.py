@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["linear", "sigmoid", "square", "square_add"]
+__all__ = ["linear", "sigmoid", "square", "square_add", "swiglu"]
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -108,3 +108,26 @@ def square_add(input: Tensor, other: Tensor) -> Tensor:
     Source: the seeds' elementwise example, y = x² + b.
     """
     return torch.ops.opforge.square_add(input, other)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """y = silu(gate) · up = gate · σ(gate) · up, elementwise: the gated activation of Llama-style MLPs.
+
+    Args:
+        gate: (*) float64, float32, float16 or bfloat16, any strides. The pre-activation x·W_gateᵀ.
+        up: (*) of gate's shape, floating; converted to gate's dtype if it differs. The value x·W_upᵀ.
+
+    Returns:
+        Tensor of gate's shape and dtype.
+
+    Raises:
+        ValueError: gate and up of different shapes.
+        TypeError: integer, bool or complex tensors.
+        RuntimeError: gate and up on different devices.
+
+    Numerics: float32 math for float16/bfloat16, one rounding. Backward is one fused pass: with
+    s = σ(gate), grad_gate = dy · up · s · (1 + gate · (1 − s)), grad_up = dy · gate · s (grad_up in up's dtype).
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference F.silu(gate) * up.
+    """
+    return torch.ops.opforge.swiglu(gate, up)

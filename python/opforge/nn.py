@@ -9,7 +9,7 @@ import torch
 
 from . import functional as F
 
-__all__ = ["Linear", "Sigmoid"]
+__all__ = ["GatedMLP", "Linear", "Sigmoid"]
 
 
 class Linear(torch.nn.Linear):
@@ -46,3 +46,32 @@ class Sigmoid(torch.nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.sigmoid(input)
+
+
+class GatedMLP(torch.nn.Module):
+    """y = down(silu(gate(x)) · up(x)): the SwiGLU feed-forward block of Llama-style transformers.
+
+    Built from opforge ops: three :class:`Linear` projections and :func:`opforge.functional.swiglu`.
+    Parameter names (``gate_proj``, ``up_proj``, ``down_proj``, no bias by default) follow Hugging Face's
+    LlamaMLP, so its state_dict loads unchanged.
+
+    Args:
+        hidden_size: D, size of the model's hidden state.
+        intermediate_size: F, size of the gated hidden layer.
+        bias: add biases to the three projections. Default: False.
+        device, dtype: factory keyword arguments for the parameters.
+
+    Shape: input (*, D) -> output (*, D).
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer"; Touvron et al. 2023 (LLaMA).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, **kw)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, **kw)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))

@@ -20,6 +20,7 @@ __all__ = [
     "sigmoid_reference",
     "square_reference",
     "square_add_reference",
+    "swiglu_reference",
     "assert_matches_reference",
     "relative_error",
 ]
@@ -89,3 +90,9 @@ def assert_matches_reference(actual: Tensor, reference: Tensor, baseline: Tensor
     m_base = (b - r).abs().max().item() if r.numel() else 0.0
     assert m_ours <= factor * m_base + eps * max(scale, 1e-30), (
         f"{what}: max elementwise error {m_ours:.3e} exceeds {factor} x PyTorch's {m_base:.3e} + eps x {scale:.3e}")
+
+
+def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) · up in float64, gate's shape."""
+    g = gate.double()
+    return g * torch.sigmoid(g) * up.double()
