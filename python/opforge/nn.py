@@ -5,11 +5,14 @@ Each module mirrors its ``torch.nn`` counterpart: same constructor arguments, sa
 """
 from __future__ import annotations
 
+import numbers
+from typing import Optional, Tuple
+
 import torch
 
 from . import functional as F
 
-__all__ = ["GatedMLP", "Linear", "Sigmoid"]
+__all__ = ["FusedAddRMSNorm", "GatedMLP", "Linear", "RMSNorm", "Sigmoid"]
 
 
 class Linear(torch.nn.Linear):
@@ -75,3 +78,73 @@ class GatedMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """y = x / sqrt(mean(x², over the last len(normalized_shape) dims) + eps) · weight, through
+    :func:`opforge.functional.rms_norm`.
+
+    Drop-in for :class:`torch.nn.RMSNorm` (it subclasses it: constructor, ``weight`` (*normalized_shape)
+    initialised to ones, ``eps``, ``state_dict`` keys and ``isinstance`` checks are torch's).
+
+    Args:
+        normalized_shape: int or tuple, the trailing dims to normalize over, e.g. hidden size N.
+        eps: added to the mean square. Default: None (float32's machine epsilon, float64's for
+            float64 input; what torch.nn.RMSNorm computes).
+        elementwise_affine: learn a per-element ``weight``. Default: True.
+        device, dtype: factory keyword arguments for the weight.
+
+    Shape: input (*, *normalized_shape) -> output of the same shape, in input's dtype.
+
+    Raises: as :func:`opforge.functional.rms_norm`.
+
+    Source: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; torch.nn.RMSNorm.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class FusedAddRMSNorm(torch.nn.Module):
+    """(output, residual_out) = (rms_norm(x + residual), x + residual) through
+    :func:`opforge.functional.fused_add_rms_norm`: the pre-norm transformer step in one pass.
+
+    Same constructor, parameter (``weight``) and ``state_dict`` as :class:`torch.nn.RMSNorm`, so an
+    RMSNorm's state_dict loads unchanged; not a subclass of it, since ``forward`` takes two tensors.
+
+    Args:
+        normalized_shape: int or tuple, the trailing dims to normalize over.
+        eps: as :class:`RMSNorm`. Default: None.
+        elementwise_affine: learn a per-element ``weight`` (initialised to ones). Default: True.
+        device, dtype: factory keyword arguments for the weight.
+
+    Shape: x and residual (*, *normalized_shape) -> output and residual_out of the same shape, in x's dtype.
+
+    Raises: as :func:`opforge.functional.fused_add_rms_norm`.
+
+    Source: Zhang & Sennrich 2019; the fused residual form of vLLM's fused_add_rms_norm.
+    """
+
+    def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return F.fused_add_rms_norm(x, residual, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)
