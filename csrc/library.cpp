@@ -6,8 +6,9 @@
 TORCH_LIBRARY(opforge, m) {
   // y = input · weightᵀ + bias; input (*, K), weight (N, K), bias (N,)
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
-  // (grad_input, grad_weight, grad_bias) of linear, each only if its output_mask entry is set
-  m.def("linear_backward(Tensor grad_output, Tensor input, Tensor weight, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // (grad_input, grad_weight, grad_bias) of linear, each only if its output_mask entry is set;
+  // grad_bias in bias_dtype (the forward's bias dtype; input's dtype when None)
+  m.def("linear_backward(Tensor grad_output, Tensor input, Tensor weight, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor, Tensor, Tensor)");
   // y = 1 / (1 + exp(-input))
   m.def("sigmoid(Tensor input) -> Tensor");
   // grad_input = grad_output · output · (1 − output)
