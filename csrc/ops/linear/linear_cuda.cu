@@ -14,6 +14,7 @@
 
 #include "core/check.h"
 #include "ops/linear/linear.h"
+#include "ops/linear/linear_gemv.cuh"
 
 namespace opforge {
 namespace {
@@ -96,6 +97,11 @@ at::Tensor linear_cuda(const at::Tensor& input, const at::Tensor& weight, const 
   out_sizes.back() = p.N;
   at::Tensor Y = at::empty({p.M, p.N}, p.X.options());  // [M, N]
   if (Y.numel() == 0) return Y.view(out_sizes);
+  // Decode sizes (M ≤ 16, fp16/bf16): our tensor-core weight-streaming kernel, bias fused.
+  if (gemv::gemv_supported(p.X, p.W)) {
+    gemv::gemv(p.X, p.W, p.b, Y);
+    return Y.view(out_sizes);
+  }
   // Y = b (broadcast over rows), then Y += X · Wᵀ with beta = 1; without bias Y = X · Wᵀ.
   const bool has_bias = p.b.defined();
   if (has_bias) Y.copy_(p.b.expand({p.M, p.N}));
