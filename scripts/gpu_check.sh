@@ -110,9 +110,11 @@ try:
 except Exception as e:
     print(f"triton: n/a ({type(e).__name__})")
 try:
-    from importlib.metadata import version; print(f"liger-kernel {version('liger-kernel')}")
-except Exception:
-    print("liger-kernel: n/a")
+    from importlib.metadata import version
+    import liger_kernel.transformers  # noqa: F401  (imports triton)
+    print(f"liger-kernel {version('liger-kernel')} imports")
+except Exception as e:
+    print(f"liger-kernel: n/a ({type(e).__name__}: {str(e)[:120]})")
 EOF
   NVCC=$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")
   if [ -x "$NVCC" ]; then "$NVCC" --version | tail -n 2; else echo "nvcc: not found"; fi
