@@ -29,7 +29,7 @@
 #   GPU_CHECK_JOBS            16      ninja parallelism
 #   GPU_CHECK_BUILD_DIR       build/gpu (build/gpu-cpu with GPU_CHECK_NO_CUDA=1)
 #   GPU_CHECK_NO_CUDA         0       1: CPU-only build and runs (to exercise this script without a GPU)
-#   GPU_CHECK_PYTEST_ARGS             extra pytest arguments (e.g. "-k elementwise" or "tests/python/test_x.py")
+#   GPU_CHECK_PYTEST_ARGS     tests/python   what pytest runs (e.g. "tests/python/test_rms_norm.py -x")
 #   GPU_CHECK_SANITIZER       0       1: run the compute-sanitizer step
 #   GPU_CHECK_SANITIZER_K     pytest -k expression of that subset
 #   GPU_CHECK_BENCH           all     benchmark names ("elementwise rms_norm") or "none"
