@@ -21,10 +21,13 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "fused_add_rms_norm_reference",
     "linear_reference",
+    "rms_norm_reference",
     "sigmoid_reference",
     "square_reference",
     "square_add_reference",
+    "swiglu_reference",
     "assert_matches_reference",
     "relative_error",
     "FLOAT64_TOLERANCE",
@@ -38,6 +41,35 @@ def linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = Non
     """input · weightᵀ + bias in float64. input (*, K), weight (N, K), bias (N,) -> (*, N) float64."""
     y = input.double() @ weight.double().t()
     return y + bias.double() if bias is not None else y
+
+
+def rms_norm_reference(input: Tensor, normalized_shape, weight: Optional[Tensor] = None,
+                       eps: Optional[float] = None) -> Tensor:
+    """input / sqrt(mean(input², over the trailing len(normalized_shape) dims) + eps) · weight in float64.
+
+    eps=None: float32's machine epsilon for float32/float16/bfloat16 input, float64's for float64 (as
+    torch.nn.functional.rms_norm computes). Returns input's shape, float64.
+    """
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    if eps is None:
+        eps = torch.finfo(torch.float64 if input.dtype == torch.float64 else torch.float32).eps
+    x = input.double()
+    dims = tuple(range(-len(normalized_shape), 0))
+    y = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps)
+    return y * weight.double() if weight is not None else y
+
+
+def fused_add_rms_norm_reference(input: Tensor, residual: Tensor, normalized_shape, weight: Optional[Tensor] = None,
+                                 eps: Optional[float] = None) -> tuple:
+    """(rms_norm_reference(input + residual), input + residual), both float64.
+
+    The sum is taken in float64 (not rounded to input's dtype first), so it is the exact math.
+    """
+    z = input.double() + residual.double()
+    if eps is None:
+        eps = torch.finfo(torch.float64 if input.dtype == torch.float64 else torch.float32).eps
+    return rms_norm_reference(z, normalized_shape, weight, eps), z
 
 
 def sigmoid_reference(input: Tensor) -> Tensor:
@@ -104,3 +136,9 @@ def assert_matches_reference(actual: Tensor, reference: Tensor, baseline: Tensor
     m_base = (b - r).abs().max().item() if r.numel() else 0.0
     assert m_ours <= factor * m_base + eps * max(scale, 1e-30), (
         f"{what}: max elementwise error {m_ours:.3e} exceeds {factor} x PyTorch's {m_base:.3e} + eps x {scale:.3e}")
+
+
+def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) · up in float64, gate's shape."""
+    g = gate.double()
+    return g * torch.sigmoid(g) * up.double()
