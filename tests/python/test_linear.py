@@ -356,3 +356,23 @@ def test_bad_inputs_backward():
         torch.ops.opforge.linear_backward(dy, x, W, [True, True, True], torch.int32)
     with pytest.raises(ValueError, match=r"opforge::linear_backward: expected input's last dimension"):
         torch.ops.opforge.linear_backward(dy, x[:, :7], W, [True, True, True])
+
+
+# ---- every forward path: the small-M tensor-core GEMV (CUDA, fp16/bf16, M <= 16, K % 8 == 0) and cuBLAS ----
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 17])
+@pytest.mark.parametrize("K, N", [(64, 83), (4096, 769), (5120, 7), (136, 4097)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_batch_paths_match_reference(device, dtype, M, K, N, bias):
+    if device == "cpu" and K * N > 1_000_000:
+        pytest.skip("large decode shapes run on CUDA only (CPU time)")
+    x = torch.randn(M, K, device=device, dtype=dtype)
+    w = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
+    b = torch.randn(N, device=device, dtype=dtype) if bias else None
+    y = opforge.linear(x, w, b)
+    assert_matches_reference(y, linear_reference(x, w, b), F.linear(x, w, b))
+    # an unaligned base pointer takes the fallback path and gives the same values within tolerance
+    buf = torch.randn(M * K + 1, device=device, dtype=dtype)
+    xu = buf[1:].view(M, K)
+    assert_matches_reference(opforge.linear(xu, w, b), linear_reference(xu, w, b), F.linear(xu, w, b))
