@@ -50,9 +50,6 @@ int64_t rows_of(const at::Tensor& input) {
   for (int64_t d = 0; d + 1 < input.dim(); ++d) M *= input.size(d);
   return M;
 }
-}  // namespace
-
-namespace {
 at::Tensor maybe_contiguous(const at::Tensor& t, bool contiguous) { return contiguous ? t.contiguous() : t; }
 }  // namespace
 

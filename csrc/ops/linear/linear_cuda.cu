@@ -29,9 +29,13 @@ GemmTypes gemm_types(at::ScalarType t) {
   switch (t) {
     case at::kDouble:
       return {CUDA_R_64F, CUBLAS_COMPUTE_64F, true};
-    case at::kFloat:
-      return {CUDA_R_32F,
-              at::globalContext().allowTF32CuBLAS() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, false};
+    case at::kFloat: {
+      // TF32 only where torch allows it for CUDA matmuls (torch.backends.cuda.matmul.allow_tf32 /
+      // fp32_precision), read the way ATen's own cuBLAS(Lt) GEMMs read it
+      const bool tf32 = at::globalContext().float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL) ==
+                        at::Float32Precision::TF32;
+      return {CUDA_R_32F, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, false};
+    }
     case at::kHalf:
       return {CUDA_R_16F, CUBLAS_COMPUTE_32F, false};
     case at::kBFloat16:
