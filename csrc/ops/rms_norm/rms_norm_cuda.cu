@@ -2,10 +2,10 @@
 //
 // Mapping: a row of N elements is handled by a group of TPR threads (TPR = blockDim.x, a multiple of
 // 32): one warp per row for short rows (blockDim = (32, 4): 4 rows per block, warp-shuffle sums), one
-// block per row for long rows (blockDim = (TPR, 1), TPR up to 1024, warp shuffles + shared memory).
+// block per row for long rows (blockDim = (TPR, 1), TPR up to 512, warp shuffles + shared memory).
 // TPR is chosen from N so that each thread owns at most MAXV = 4 vectors of the row, which it keeps in
 // registers between the sum-of-squares pass and the scaling pass: x is read from memory once.
-// Rows longer than 4 · 1024 vectors take the streaming variant (MAXV = 0), which re-reads the row
+// Rows longer than 4 · 512 vectors take the streaming variant (MAXV = 0), which re-reads the row
 // (from L2). Blocks loop over rows (grid-stride), so neither M nor N meets a grid or shared-memory
 // ceiling; row offsets are 64-bit.
 //
@@ -19,6 +19,8 @@
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
+#include <atomic>
+
 #include "core/cuda_utils.cuh"
 #include "core/dispatch.h"
 #include "ops/rms_norm/rms_norm.h"
@@ -30,6 +32,7 @@ using cuda::Vec;
 
 constexpr int kMaxVecsPerThread = 4;  // MAXV of the register-cached kernels
 constexpr int kWarpRows = 4;          // rows per block in the warp-per-row mapping
+constexpr int kMaxThreads = 512;      // threads per row at most (launch bound: up to 128 registers, no spills)
 
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
@@ -57,7 +60,7 @@ __device__ __forceinline__ T row_sum(T v, T* smem) {
 //   rstd = 1 / sqrt(Σ x² / N + eps);  y = x · rstd · w
 // MAXV > 0: the thread's vectors v = tid + k·TPR (k < MAXV) stay in registers; MAXV == 0: streaming.
 template <typename T, int VEC, int MAXV, bool FUSED>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(kMaxThreads)
     rms_norm_forward_kernel(const T* __restrict__ X,      // [M, N]
                             const T* __restrict__ R,      // [M, N] (FUSED)
                             const T* __restrict__ W,      // [N] or null
@@ -159,7 +162,7 @@ __global__ void __launch_bounds__(1024)
 //   s = Σ w·dy·x;  dx = rs·w·dy − x·(rs³·s/N);  dw_partial[group] += dy·x·rs
 // One row group per block (blockDim.y == 1); group g = blockIdx.x writes partial row g.
 template <typename T, int VEC, int MAXV>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(kMaxThreads)
     rms_norm_backward_kernel(const T* __restrict__ dY,                     // [M, N]
                              const T* __restrict__ X,                      // [M, N]
                              const at::opmath_type<T>* __restrict__ rstd,  // [M]
@@ -303,6 +306,21 @@ inline RowMapping choose_mapping(int64_t nvec, int max_tpr) {
 
 inline int64_t num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
+// Blocks of `threads` threads of `kernel` resident per SM (CUDA occupancy calculator), cached per
+// kernel and block size: the grid-stride grids below are sized to exactly fill the GPU once.
+template <auto kernel>
+int64_t resident_blocks(int threads) {
+  static std::atomic<int> cache[kMaxThreads / 32 * kWarpRows + 1];
+  const int slot = threads / 32;
+  int n = cache[slot].load(std::memory_order_relaxed);
+  if (n == 0) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+    n = std::max(n, 1);
+    cache[slot].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 // Launcher: device guard, current stream, launch, launch check. M == 0 or N == 0 launch nothing.
 template <typename T, bool FUSED>
 void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd) {
@@ -320,14 +338,18 @@ void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at:
                    (w == nullptr || cuda::is_aligned16(w)) &&
                    (!FUSED || (cuda::is_aligned16(r) && cuda::is_aligned16(z)));
   const int64_t nvec = vec ? N / VEC : N;
-  const RowMapping map = choose_mapping(nvec, 1024);
+  const RowMapping map = choose_mapping(nvec, kMaxThreads);
   const int rows_per_block = map.tpr == 32 ? kWarpRows : 1;
   const dim3 block(map.tpr, rows_per_block);
-  const int64_t blocks_per_sm = std::max<int64_t>(1, 2048 / (map.tpr * rows_per_block));
-  const int64_t grid = std::min<int64_t>((M + rows_per_block - 1) / rows_per_block, num_sms() * blocks_per_sm);
+  const int64_t row_groups = (M + rows_per_block - 1) / rows_per_block;
   auto stream = at::cuda::getCurrentCUDAStream();
-#define OPFORGE_RMS_FWD(V_, MAXV_) \
-  rms_norm_forward_kernel<T, V_, MAXV_, FUSED><<<grid, block, 0, stream>>>(x, r, w, y, z, rs, M, N, eps)
+#define OPFORGE_RMS_FWD(V_, MAXV_)                                                                       \
+  do {                                                                                                   \
+    constexpr auto kernel = rms_norm_forward_kernel<T, V_, MAXV_, FUSED>;                                \
+    const int64_t grid =                                                                                 \
+        std::min<int64_t>(row_groups, num_sms() * resident_blocks<kernel>(map.tpr * rows_per_block));    \
+    kernel<<<grid, block, 0, stream>>>(x, r, w, y, z, rs, M, N, eps);                                    \
+  } while (0)
   if (vec) {
     if (map.cached) OPFORGE_RMS_FWD(VEC, kMaxVecsPerThread);
     else OPFORGE_RMS_FWD(VEC, 0);
@@ -377,6 +399,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cuda(
 }
 
 template <typename T>
+int64_t backward_resident_blocks_t(const RowMapping& map, bool vec) {
+  constexpr int VEC = cuda::vec_size<T>();
+  if (vec) {
+    return map.cached ? resident_blocks<rms_norm_backward_kernel<T, VEC, kMaxVecsPerThread>>(map.tpr)
+                      : resident_blocks<rms_norm_backward_kernel<T, VEC, 0>>(map.tpr);
+  }
+  return map.cached ? resident_blocks<rms_norm_backward_kernel<T, 1, kMaxVecsPerThread>>(map.tpr)
+                    : resident_blocks<rms_norm_backward_kernel<T, 1, 0>>(map.tpr);
+}
+
+int64_t backward_resident_blocks(at::ScalarType dtype, const RowMapping& map, bool vec) {
+  int64_t n = 1;
+  OPFORGE_DISPATCH_FLOATING(dtype, "opforge::rms_norm_backward", [&] { n = backward_resident_blocks_t<scalar_t>(map, vec); });
+  return n;
+}
+
+template <typename T>
 void launch_backward(const rmsnorm::BackwardProblem& p, at::Tensor& dX, at::Tensor& partials, int64_t grid,
                      const RowMapping& map, bool vec) {
   using opmath_t = at::opmath_type<T>;
@@ -423,10 +462,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   const bool vec = N % VEC == 0 && cuda::is_aligned16(p.dY.const_data_ptr()) && cuda::is_aligned16(p.X.const_data_ptr()) &&
                    (!p.W.defined() || cuda::is_aligned16(p.W.const_data_ptr())) &&
                    (!want_dx || cuda::is_aligned16(dX.const_data_ptr()));
-  const RowMapping map = choose_mapping(vec ? N / VEC : N, 512);
-  // one row group per block; ~1024 resident threads per SM keep enough loads in flight, and bound
-  // the partials to (SMs · 1024 / TPR) rows of N floats
-  const int64_t grid = std::min<int64_t>(M, num_sms() * std::max(1, 1024 / map.tpr));
+  const RowMapping map = choose_mapping(vec ? N / VEC : N, kMaxThreads);
+  // one row group per block, as many blocks as are resident at once: the partials are then
+  // (resident blocks) rows of N floats, a few percent of the traffic of dY, X and dX
+  const int64_t grid = std::min<int64_t>(M, num_sms() * backward_resident_blocks(p.X.scalar_type(), map, vec));
   at::Tensor partials;  // [grid, N]
   if (want_dw) {
     auto opts = p.X.options().dtype(acc_dtype);
