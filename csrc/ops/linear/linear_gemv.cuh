@@ -19,6 +19,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "core/cuda_utils.cuh"
 
 namespace opforge {
@@ -143,11 +146,25 @@ inline void gemv(const at::Tensor& X, const at::Tensor& W, const at::Tensor& bia
   const int64_t K = X.size(1), N = W.size(0);
   auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t blocks = (N + 7) / 8;
+  // TUNING PROBE (temporary): OPFORGE_GEMV_CONFIG = "warps,unroll" picks the instantiation.
+  const char* cfg = std::getenv("OPFORGE_GEMV_CONFIG");
+  const std::string c = cfg ? cfg : "8,4";
   AT_DISPATCH_REDUCED_FLOATING_TYPES(X.scalar_type(), "opforge::gemv", [&] {
     const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
-    constexpr int kWarps = 8, kUnroll = 4;
-    gemv_mma_kernel<scalar_t, kWarps, kUnroll><<<blocks, kWarps * 32, 0, stream>>>(
-        X.const_data_ptr<scalar_t>(), W.const_data_ptr<scalar_t>(), b, Y.mutable_data_ptr<scalar_t>(), M, K, N);
+    const scalar_t* x = X.const_data_ptr<scalar_t>();
+    const scalar_t* w = W.const_data_ptr<scalar_t>();
+    scalar_t* y = Y.mutable_data_ptr<scalar_t>();
+    if (c == "4,4") {
+      gemv_mma_kernel<scalar_t, 4, 4><<<blocks, 4 * 32, 0, stream>>>(x, w, b, y, M, K, N);
+    } else if (c == "8,2") {
+      gemv_mma_kernel<scalar_t, 8, 2><<<blocks, 8 * 32, 0, stream>>>(x, w, b, y, M, K, N);
+    } else if (c == "4,8") {
+      gemv_mma_kernel<scalar_t, 4, 8><<<blocks, 4 * 32, 0, stream>>>(x, w, b, y, M, K, N);
+    } else if (c == "16,2") {
+      gemv_mma_kernel<scalar_t, 16, 2><<<blocks, 16 * 32, 0, stream>>>(x, w, b, y, M, K, N);
+    } else {
+      gemv_mma_kernel<scalar_t, 8, 4><<<blocks, 8 * 32, 0, stream>>>(x, w, b, y, M, K, N);
+    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
