@@ -30,7 +30,10 @@ namespace {
 
 using cuda::Vec;
 
-constexpr int kMaxVecsPerThread = 4;  // MAXV of the register-cached kernels
+#ifndef OPFORGE_RMS_MAXV
+#define OPFORGE_RMS_MAXV 4  // tuning knob (-DOPFORGE_RMS_MAXV=2): vectors a thread keeps in registers
+#endif
+constexpr int kMaxVecsPerThread = OPFORGE_RMS_MAXV;  // MAXV of the register-cached kernels
 constexpr int kWarpRows = 4;          // rows per block in the warp-per-row mapping
 constexpr int kMaxThreads = 512;      // threads per row at most (launch bound: up to 128 registers, no spills)
 
