@@ -39,8 +39,6 @@ def graph_time_us(fn, calls):
 
 
 def main():
-    import os
-    print("OPFORGE_GEMV_CONFIG", os.environ.get("OPFORGE_GEMV_CONFIG", "8,4"))
     print(f"{'shape':>18} {'dtype':>9} {'bias':>5} {'opforge us':>11} {'GB/s':>7} {'F.linear us':>12} {'GB/s':>7}")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for (M, K, N) in [(1, 4096, 4096), (8, 4096, 4096), (16, 4096, 4096), (16, 4096, 14336), (4, 8192, 28672)]:

@@ -26,12 +26,12 @@ void check_linear_args(const char* op, const at::Tensor& input, const at::Tensor
                     ": expected weight to be 2-D (out_features, in_features), but got shape ",
                     shape_str(weight.sym_sizes()));
   TORCH_CHECK_VALUE(input.sym_size(-1) == weight.sym_size(1), "opforge::", op,
-                    ": expected input's last dimension to equal weight's in_features ", weight.sym_size(1),
-                    ", but got ", input.sym_size(-1), " (input of shape ", shape_str(input.sym_sizes()),
+                    ": expected input's last dimension to equal weight's in_features ", num_str(weight.sym_size(1)),
+                    ", but got ", num_str(input.sym_size(-1)), " (input of shape ", shape_str(input.sym_sizes()),
                     ", weight of shape ", shape_str(weight.sym_sizes()), ")");
   if (has_bias) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), "opforge::", op,
-                      ": expected bias of shape [", weight.sym_size(0), "] (weight's out_features), but got ",
+                      ": expected bias of shape [", num_str(weight.sym_size(0)), "] (weight's out_features), but got ",
                       shape_str(bias->sym_sizes()));
   }
 }

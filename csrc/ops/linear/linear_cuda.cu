@@ -14,7 +14,6 @@
 
 #include "core/check.h"
 #include "ops/linear/linear.h"
-#include "ops/linear/linear_gemv.cuh"
 
 namespace opforge {
 namespace {
@@ -52,7 +51,7 @@ void check_int_dims(const char* op, int64_t M, int64_t K, int64_t N) {
   TORCH_CHECK(M <= kMax && K <= kMax && N <= kMax, "opforge::", op,
               ": expected M (rows of input: the product of its leading dims), K (in_features) and N (out_features) "
               "each at most ",
-              kMax, " (cuBLAS takes int dimensions), but got M = ", M, ", K = ", K, ", N = ", N,
+              num_str(kMax), " (cuBLAS takes int dimensions), but got M = ", num_str(M), ", K = ", num_str(K), ", N = ", num_str(N),
               "; split the input's rows into smaller calls");
 }
 
@@ -101,11 +100,6 @@ at::Tensor linear_cuda(const at::Tensor& input, const at::Tensor& weight, const 
   out_sizes.back() = p.N;
   at::Tensor Y = at::empty({p.M, p.N}, p.X.options());  // [M, N]
   if (Y.numel() == 0) return Y.view(out_sizes);
-  // Decode sizes (M ≤ 16, fp16/bf16): our tensor-core weight-streaming kernel, bias fused.
-  if (gemv::gemv_supported(p.X, p.W)) {
-    gemv::gemv(p.X, p.W, p.b, Y);
-    return Y.view(out_sizes);
-  }
   // Y = b (broadcast over rows), then Y += X · Wᵀ with beta = 1; without bias Y = X · Wᵀ.
   const bool has_bias = p.b.defined();
   if (has_bias) Y.copy_(p.b.expand({p.M, p.N}));
