@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Quick start: installs what opforge's demo needs (torch 2.13.0 if no torch is installed, the build tools,
+# scikit-learn and tqdm), builds and installs opforge with pip against that torch, then runs the demo:
+# a small MLP made of opforge layers trained on scikit-learn's handwritten digits, next to the same model
+# in plain torch.nn. Safe to run again: what is installed already is kept (ccache makes a rebuild quick).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+missing() {  # prints the pip requirements whose module does not import
+  while [ $# -gt 0 ]; do
+    "$PY" -c "import $1" 2>/dev/null || echo "$2"
+    shift 2
+  done
+}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install torch==2.13.0
+fi
+need=$(missing scikit_build_core scikit-build-core sklearn scikit-learn tqdm tqdm numpy numpy)
+[ -z "$need" ] || "$PY" -m pip install $need
+if ! command -v cmake >/dev/null || ! command -v ninja >/dev/null; then
+  "$PY" -m pip install cmake ninja
+fi
+
+# --no-build-isolation: build against the torch installed above (an isolated build would fetch another
+# torch, and the library would not match the ABI of the torch you run).
+"$PY" -m pip install --no-build-isolation .
+cd /tmp && exec "$PY" -m opforge demo "$@"

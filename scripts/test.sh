@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Runs every opforge test: the Python tests (pytest, tests/python) and the C++ tests (GoogleTest through
+# ctest, tests/cpp), against a CMake build of this source tree in build/test, so the tests always see the
+# code in front of you (not an older installed copy). Exits non-zero if any test fails, or if pytest
+# collected no test at all.
+#
+#   bash scripts/test.sh                 # everything
+#   bash scripts/test.sh -k sigmoid      # extra arguments go to pytest (the C++ tests still run)
+#
+# Needs: torch, cmake, ninja, a C++17 compiler, GoogleTest (Debian: libgtest-dev), pytest, hypothesis,
+# expecttest (.ci/run installs them all). Environment: PYTHON (default python3), OPFORGE_JOBS (ninja -j).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+BUILD=build/test
+JOBS=${OPFORGE_JOBS:-$(nproc)}
+
+TORCH_PREFIX=$("$PY" -c "import torch; print(torch.utils.cmake_prefix_path)")
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DOPFORGE_BUILD_TESTS=ON >/dev/null
+ninja -C "$BUILD" -j "$JOBS"
+
+py_status=0
+OPFORGE_LIBRARY="$PWD/$BUILD/libopforge.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
+  "$PY" -m pytest tests/python -q "$@" || py_status=$?
+if [ "$py_status" -eq 5 ]; then
+  echo "test.sh: pytest collected no tests: counted as a failure" >&2
+fi
+
+cpp_status=0
+ctest --test-dir "$BUILD" --output-on-failure || cpp_status=$?
+
+echo
+echo "test.sh: python tests: $([ $py_status -eq 0 ] && echo PASS || echo "FAIL (pytest exit $py_status)")"
+echo "test.sh: C++ tests:    $([ $cpp_status -eq 0 ] && echo PASS || echo "FAIL (ctest exit $cpp_status)")"
+[ "$py_status" -eq 0 ] && [ "$cpp_status" -eq 0 ]
