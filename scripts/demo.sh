@@ -18,9 +18,10 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 need=$(missing scikit_build_core scikit-build-core sklearn scikit-learn tqdm tqdm numpy numpy)
 [ -z "$need" ] || "$PY" -m pip install $need
-if ! command -v cmake >/dev/null || ! command -v ninja >/dev/null; then
-  "$PY" -m pip install cmake ninja
-fi
+# CMake >= 3.26 and ninja: from PyPI when the machine's are missing or older.
+export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+printf '3.26\n%s\n' "$(cmake --version 2>/dev/null | awk 'NR==1{print $3}')" | sort -V -C || "$PY" -m pip install "cmake>=3.26"
+command -v ninja >/dev/null || "$PY" -m pip install ninja
 
 # --no-build-isolation: build against the torch installed above (an isolated build would fetch another
 # torch, and the library would not match the ABI of the torch you run).
