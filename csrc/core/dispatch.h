@@ -3,6 +3,7 @@
 
 #include <ATen/Dispatch.h>
 
+/// NAME must be a string literal (it becomes a compile-time constant).
 /// Runs the lambda with `scalar_t` bound to one of float64, float32, float16, bfloat16.
 /// Other dtypes never reach a kernel: each op's checker rejects them with a clear message first.
 #define OPFORGE_DISPATCH_FLOATING(TYPE, NAME, ...) \

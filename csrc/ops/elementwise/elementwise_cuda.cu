@@ -125,7 +125,7 @@ template <typename Op>
 at::Tensor unary_cuda(const char* op_name, const at::Tensor& input, Op op) {
   const at::Tensor X = elementwise::check_unary(op_name, input);
   at::Tensor Y = at::empty_like(X);
-  OPFORGE_DISPATCH_FLOATING(X.scalar_type(), op_name, [&] { launch_unary<scalar_t>(X, Y, op); });
+  OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::unary_cuda", [&] { launch_unary<scalar_t>(X, Y, op); });
   return Y;
 }
 
@@ -134,7 +134,7 @@ at::Tensor unary_backward_cuda(const char* op_name, const at::Tensor& grad_outpu
                                const char* saved_name, Op op) {
   auto [dY, S] = elementwise::check_unary_backward(op_name, grad_output, saved, saved_name);
   at::Tensor dX = at::empty_like(dY);
-  OPFORGE_DISPATCH_FLOATING(dY.scalar_type(), op_name, [&] { launch_binary<scalar_t>(dY, S, dY.numel(), dX, op); });
+  OPFORGE_DISPATCH_FLOATING(dY.scalar_type(), "opforge::unary_backward_cuda", [&] { launch_binary<scalar_t>(dY, S, dY.numel(), dX, op); });
   return dX;
 }
 
