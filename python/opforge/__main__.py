@@ -72,6 +72,8 @@ def demo(args: argparse.Namespace) -> int:
         return 1
 
     device = torch.device(args.device)
+    # A tiny model: intra-op threads only add overhead (and contend on a busy machine).
+    torch.set_num_threads(1)
     digits = load_digits()  # 1797 8x8 images of handwritten digits, shipped with scikit-learn
     x_train, x_test, y_train, y_test = train_test_split(
         digits.data / 16.0, digits.target, test_size=0.25, random_state=args.seed, stratify=digits.target)
