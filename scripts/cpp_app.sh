@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 BUILD=build/cpp_app
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}  # cache hits across checkouts
 # Run from /tmp so `import opforge` finds the installed package, not ./python.
 PREFIX=$(cd /tmp && "$PY" -c "import opforge, torch; print(opforge.cmake_prefix_path + ';' + torch.utils.cmake_prefix_path)")
 cmake -S examples/cpp_app -B "$BUILD" -G Ninja -DCMAKE_PREFIX_PATH="$PREFIX" -DCMAKE_BUILD_TYPE=Release \
