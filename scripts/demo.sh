@@ -7,16 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-missing() {  # prints the pip requirements whose module does not import
-  while [ $# -gt 0 ]; do
-    "$PY" -c "import $1" 2>/dev/null || echo "$2"
-    shift 2
-  done
-}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install torch==2.13.0
 fi
-need=$(missing scikit_build_core scikit-build-core sklearn scikit-learn tqdm tqdm numpy numpy)
+need=$("$PY" -c "import importlib.util as u; print(' '.join(r for m, r in [('scikit_build_core', 'scikit-build-core'), ('sklearn', 'scikit-learn'), ('tqdm', 'tqdm'), ('numpy', 'numpy')] if u.find_spec(m) is None))")
 [ -z "$need" ] || "$PY" -m pip install $need
 # CMake >= 3.26 and ninja: from PyPI when the machine's are missing or older.
 export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
