@@ -30,7 +30,7 @@ int main() {
   const auto y = torch::tanh(torch::matmul(x, teacher)) + 0.1 * torch::sin(3 * x.narrow(1, 0, out));
 
   Mlp model(in, hidden, out);
-  torch::optim::SGD optimizer(model.parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
+  torch::optim::SGD optimizer(model.parameters(), torch::optim::SGDOptions(0.2).momentum(0.7));
 
   double first = 0, last = 0;
   for (int64_t step = 0; step < steps; ++step) {
