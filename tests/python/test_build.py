@@ -102,3 +102,14 @@ def test_jit_build_with_an_extra_op(tmp_path):
                                TORCH_EXTENSIONS_DIR=str(REPO / "build" / "jit")), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "opforge_jit" in r.stdout
+
+
+def test_doctor_lists_ops(tmp_path):
+    env = _env(PYTHONPATH=PACKAGE_PARENT)
+    if os.environ.get("OPFORGE_LIBRARY"):
+        env["OPFORGE_LIBRARY"] = os.environ["OPFORGE_LIBRARY"]
+    r = _python("import sys, opforge.__main__ as m; sys.exit(m.main(['doctor']))", env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert str(opforge.library_path) in r.stdout
+    assert "opforge::sigmoid" in r.stdout and "CPU" in r.stdout
+    assert torch.__version__ in r.stdout
