@@ -16,6 +16,9 @@ PY=${PYTHON:-python3}
 BUILD=build/test
 JOBS=${OPFORGE_JOBS:-$(nproc)}
 
+# The same C++ compiler as pip's build (scikit-build-core takes Python's sysconfig CXX), so ccache
+# serves this build from the `pip install` one.
+export CXX=${CXX:-$("$PY" -c "import sysconfig; print((sysconfig.get_config_var('CXX') or 'c++').split()[0])")}
 TORCH_PREFIX=$("$PY" -c "import torch; print(torch.utils.cmake_prefix_path)")
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DOPFORGE_BUILD_TESTS=ON >/dev/null
 ninja -C "$BUILD" -j "$JOBS"
