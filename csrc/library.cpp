@@ -4,10 +4,21 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(opforge, m) {
+  // fused_add_rms_norm plus rstd = 1/sqrt(mean(z²) + eps) over the normalized dims, [*] in float32 (float64 for float64)
+  m.def("_fused_add_rms_norm_forward(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor residual_out, Tensor rstd)");
+  // rms_norm plus rstd = 1/sqrt(mean(x²) + eps) over the normalized dims, [*] in float32 (float64 for float64)
+  m.def("_rms_norm_forward(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor rstd)");
+  // residual_out = input + residual; output = rms_norm(residual_out, normalized_shape, weight, eps)
+  m.def("fused_add_rms_norm(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor residual_out)");
   // y = input · weightᵀ + bias; input (*, K), weight (N, K), bias (N,)
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
-  // (grad_input, grad_weight, grad_bias) of linear, each only if its output_mask entry is set
-  m.def("linear_backward(Tensor grad_output, Tensor input, Tensor weight, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // (grad_input, grad_weight, grad_bias) of linear, each only if its output_mask entry is set;
+  // grad_bias in bias_dtype (the forward's bias dtype; input's dtype when None)
+  m.def("linear_backward(Tensor grad_output, Tensor input, Tensor weight, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor, Tensor, Tensor)");
+  // y = input / sqrt(mean(input², over normalized dims) + eps) · weight; eps=None: float32's machine eps (float64's for float64)
+  m.def("rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
+  // (grad_input, grad_weight) of rms_norm from the saved rstd (normalized dims = input's dims after rstd's), each only if its output_mask entry is set
+  m.def("rms_norm_backward(Tensor grad_output, Tensor input, Tensor rstd, Tensor? weight, bool[2] output_mask) -> (Tensor, Tensor)");
   // y = 1 / (1 + exp(-input))
   m.def("sigmoid(Tensor input) -> Tensor");
   // grad_input = grad_output · output · (1 − output)
@@ -20,4 +31,8 @@ TORCH_LIBRARY(opforge, m) {
   m.def("square_add_backward(Tensor grad_output, Tensor input, Tensor other, bool[2] output_mask) -> (Tensor, Tensor)");
   // grad_input = 2 · input · grad_output
   m.def("square_backward(Tensor grad_output, Tensor input) -> Tensor");
+  // y = silu(gate) · up, gate and up of one shape
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  // (grad_gate, grad_up) of swiglu in one fused pass
+  m.def("swiglu_backward(Tensor grad_output, Tensor gate, Tensor up) -> (Tensor, Tensor)");
 }

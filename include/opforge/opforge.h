@@ -25,11 +25,46 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias = std::nullopt);
 
 /// Gradients of linear: (grad_input (*, K), grad_weight (N, K), grad_bias (N,)) for grad_output (*, N);
-/// entry i is computed only when output_mask[i] (else undefined). Gradients take their argument's dtype.
+/// entry i is computed only when output_mask[i] (else undefined). grad_input takes input's dtype,
+/// grad_weight weight's dtype, grad_bias bias_dtype (pass the forward bias's dtype; input's dtype when
+/// nullopt). The linear has no bias argument here: grad_bias = Σ_rows grad_output, accumulated in fp32.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad_output,
                                                                const at::Tensor& input,
                                                                const at::Tensor& weight,
-                                                               std::array<bool, 3> output_mask);
+                                                               std::array<bool, 3> output_mask,
+                                                               std::optional<at::ScalarType> bias_dtype = std::nullopt);
+
+/// y = input / sqrt(mean(input², over the normalized dims) + eps) · weight  (torch.nn.functional.rms_norm).
+/// input (*, normalized_shape...), weight normalized_shape or none -> input's shape, in input's dtype.
+/// eps = none: float32's machine epsilon (float64's for float64 input), as torch's rms_norm computes.
+/// Raises: normalized_shape empty or not input's trailing dims, weight of another shape, non-floating dtypes.
+at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                    const std::optional<at::Tensor>& weight = std::nullopt, std::optional<double> eps = std::nullopt);
+
+/// (output, residual_out): residual_out = input + residual, output = rms_norm(residual_out, ...), in one pass.
+/// input, residual (*, normalized_shape...); residual converted to input's dtype; both outputs in input's dtype.
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual,
+                                                      at::IntArrayRef normalized_shape,
+                                                      const std::optional<at::Tensor>& weight = std::nullopt,
+                                                      std::optional<double> eps = std::nullopt);
+
+/// rms_norm's forward for autograd: (output, rstd), rstd (*) = 1/sqrt(mean(x²) + eps) per row, float32
+/// (float64 for float64 input).
+std::tuple<at::Tensor, at::Tensor> _rms_norm_forward(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                     const std::optional<at::Tensor>& weight,
+                                                     std::optional<double> eps);
+
+/// fused_add_rms_norm's forward for autograd: (output, residual_out, rstd), rstd (*) as in _rms_norm_forward.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _fused_add_rms_norm_forward(
+    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps);
+
+/// Gradients of rms_norm from the saved rstd (*): (grad_input of input's shape and dtype, grad_weight of
+/// weight's shape and dtype, accumulated over rows in float32); entry i only when output_mask[i]. The
+/// normalized dims are input's dims after rstd's.
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                     const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+                                                     std::array<bool, 2> output_mask);
 
 /// y = 1 / (1 + exp(-input)), elementwise; same shape and dtype as input; fp32 math for fp16/bf16.
 /// Saturates to exactly 0 and 1, never NaN for finite or infinite input.
@@ -51,5 +86,14 @@ at::Tensor square_add(const at::Tensor& input, const at::Tensor& other);
 /// dtype); entry i computed only when output_mask[i].
 std::tuple<at::Tensor, at::Tensor> square_add_backward(const at::Tensor& grad_output, const at::Tensor& input,
                                                        const at::Tensor& other, std::array<bool, 2> output_mask);
+
+/// y = silu(gate) · up = gate · σ(gate) · up (Shazeer 2020, "GLU Variants Improve Transformer").
+/// gate and up of one shape (*), floating; output in gate's dtype; fp32 math for fp16/bf16.
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+
+/// (grad_gate, grad_up) of swiglu in one fused pass: with s = σ(gate),
+/// grad_gate = grad_output · up · s · (1 + gate · (1 − s)), grad_up = grad_output · gate · s.
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                   const at::Tensor& up);
 
 }  // namespace opforge

@@ -1,7 +1,7 @@
 """opforge: differentiable PyTorch operators written in C++ and CUDA.
 
 Importing this package imports torch, then loads ``libopforge.so``, which registers the operators
-``torch.ops.opforge.*`` (linear, sigmoid, square, square_add, ... and their ``*_backward`` ops) with
+``torch.ops.opforge.*`` (linear, rms_norm, sigmoid, square, square_add, ... and their ``*_backward`` ops) with
 their CPU, CUDA, Meta and Autograd kernels. The library has no Python C API inside, so one build
 serves every Python version of the same torch.
 
@@ -82,6 +82,6 @@ def _load() -> Path:
 library_path = _load()
 
 from . import functional, nn  # noqa: E402
-from .functional import linear, sigmoid, square, square_add  # noqa: E402
+from .functional import fused_add_rms_norm, linear, rms_norm, sigmoid, square, square_add, swiglu  # noqa: E402
 
-__all__ = ["functional", "nn", "linear", "sigmoid", "square", "square_add", "library_path", "cmake_prefix_path"]
+__all__ = ["cmake_prefix_path", "functional", "fused_add_rms_norm", "library_path", "linear", "nn", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]

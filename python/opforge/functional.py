@@ -12,35 +12,43 @@ tensors on any one device; inputs on different devices, integer, bool or complex
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["linear", "sigmoid", "square", "square_add"]
+__all__ = ["fused_add_rms_norm", "linear", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """y = input · weightᵀ + bias, as :func:`torch.nn.functional.linear`.
 
     Args:
-        input: (*, K) float64, float32, float16 or bfloat16. Any batch dims, any strides.
-        weight: (N, K) floating. Converted to input's dtype if it differs.
-        bias: (N,) floating, or None (no bias). Default: None.
+        input: (*, K) float64, float32, float16 or bfloat16. Any batch dims (M = prod(*) rows, may be 0),
+            any strides.
+        weight: (N, K) floating, any strides. Converted to input's dtype if it differs; its gradient
+            comes back in weight's own dtype.
+        bias: (N,) floating, or None (no bias). Converted like weight; its gradient comes back in bias's
+            dtype. Default: None.
 
     Returns:
-        (*, N) tensor in input's dtype. With K = 0 the output is the bias broadcast (zeros without bias).
+        (*, N) contiguous tensor in input's dtype. With K = 0 the output is the bias broadcast (zeros
+        without bias); with M = 0 the weight and bias gradients are zeros.
 
     Raises:
-        ValueError: weight not 2-D; input of rank 0; input's last dim != weight's K; bias not of shape (N,).
+        ValueError: input of rank 0; weight not 2-D; input's last dim != weight's in_features K;
+            bias not of shape (N,).
         TypeError: any tensor with an integer, bool or complex dtype.
-        RuntimeError: tensors on different devices.
+        RuntimeError: tensors on different devices (the message names both); on CUDA, M, K or N above
+            2**31 - 1 (cuBLAS takes int dimensions); double backward (``create_graph=True``).
 
-    Numerics: CPU through ATen's GEMM; CUDA through cuBLAS with float32 accumulation for
-    float16/bfloat16 (float32 inputs follow torch's TF32 setting, ``torch.backends.cuda.matmul.allow_tf32``).
-    grad_bias is the sum of grad_output over all rows, accumulated in float32.
+    Numerics: CPU through ATen's GEMM (at::addmm / at::mm); CUDA through cuBLAS (cublasGemmEx) with
+    float32 accumulation for float16/bfloat16 (float32 inputs use TF32 only when
+    ``torch.backends.cuda.matmul.allow_tf32`` is set). grad_bias is the sum of grad_output over all rows,
+    accumulated in float32 (float64 for float64) and rounded once to bias's dtype.
 
-    Source: torch.nn.functional.linear; gradients dX = dY·W, dW = dYᵀ·X, db = Σ_rows dY.
+    Source: torch.nn.functional.linear; gradients dX = dY·W, dW = dYᵀ·X, db = Σ_rows dY
+    (``torch.ops.opforge.linear_backward``).
     """
     return torch.ops.opforge.linear(input, weight, bias)
 
@@ -108,3 +116,105 @@ def square_add(input: Tensor, other: Tensor) -> Tensor:
     Source: the seeds' elementwise example, y = x² + b.
     """
     return torch.ops.opforge.square_add(input, other)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """y = silu(gate) · up = gate · σ(gate) · up, elementwise: the gated activation of Llama-style MLPs.
+
+    Args:
+        gate: (*) float64, float32, float16 or bfloat16, any strides. The pre-activation x·W_gateᵀ.
+        up: (*) of gate's shape, floating; converted to gate's dtype if it differs. The value x·W_upᵀ.
+
+    Returns:
+        Tensor of gate's shape and dtype.
+
+    Raises:
+        ValueError: gate and up of different shapes.
+        TypeError: integer, bool or complex tensors.
+        RuntimeError: gate and up on different devices.
+
+    Numerics: float32 math for float16/bfloat16, one rounding. Backward is one fused pass: with
+    s = σ(gate), grad_gate = dy · up · s · (1 + gate · (1 − s)), grad_up = dy · gate · s (grad_up in up's dtype).
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference F.silu(gate) * up.
+    """
+    return torch.ops.opforge.swiglu(gate, up)
+
+
+_Shape = Union[int, Sequence[int], torch.Size]
+
+
+def _as_shape(normalized_shape: _Shape) -> list:
+    return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+
+
+def rms_norm(input: Tensor, normalized_shape: _Shape, weight: Optional[Tensor] = None,
+             eps: Optional[float] = None) -> Tensor:
+    """y = input / sqrt(mean(input², over the normalized dims) + eps) · weight, as :func:`torch.nn.functional.rms_norm`.
+
+    Args:
+        input: (*, *normalized_shape) float64, float32, float16 or bfloat16. Any strides.
+        normalized_shape: the trailing dims normalized over, e.g. ``(N,)`` or ``N``; at least one dim.
+        weight: (*normalized_shape) floating, or None (no scale). Converted to input's dtype if it
+            differs. Default: None.
+        eps: added to the mean square before the square root. Default: None, meaning the machine
+            epsilon of the compute type: ``torch.finfo(torch.float32).eps`` (1.19e-07) for float32,
+            float16 and bfloat16 input, ``torch.finfo(torch.float64).eps`` for float64. This is what
+            torch.nn.functional.rms_norm computes (ATen uses the epsilon of its float32 compute type;
+            torch's docs say ``finfo(input.dtype).eps``, which would be 60000x larger for bfloat16),
+            so a model moved from torch to opforge keeps its (default) eps.
+
+    Returns:
+        Tensor of input's shape and dtype (contiguous).
+
+    Raises:
+        ValueError: normalized_shape empty or not equal to input's trailing dims; weight's shape not
+            normalized_shape; eps < 0.
+        TypeError: integer, bool or complex input or weight.
+        RuntimeError: input and weight on different devices.
+
+    Numerics: loads and stores in the storage dtype; the mean square, the scaling and the gradient
+    sums are computed in float32 (float64 for float64 input), so a float16 row whose Σx² exceeds
+    65504 still normalizes correctly. y is rounded once (torch rounds x·rstd before multiplying by
+    weight). Mixed dtypes: the output takes input's dtype (torch would promote to weight's); weight's
+    gradient is accumulated over rows in float32 and returned in weight's dtype. The backward saves
+    rstd = 1/sqrt(mean(x²) + eps) per row (float32) and computes
+    dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x), dw = Σ_rows dy·x·rstd.
+
+    Source: B. Zhang and R. Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019;
+    reference torch.nn.functional.rms_norm.
+    """
+    return torch.ops.opforge.rms_norm(input, _as_shape(normalized_shape), weight, eps)
+
+
+def fused_add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: _Shape, weight: Optional[Tensor] = None,
+                       eps: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+    """residual_out = input + residual; output = rms_norm(residual_out, normalized_shape, weight, eps), in one pass.
+
+    The pre-norm transformer step ``h = x + h; y = norm(h)``: one read of input and residual, one
+    write of output and residual_out, instead of three passes for an add followed by a norm.
+
+    Args:
+        input: (*, *normalized_shape) float64, float32, float16 or bfloat16. Any strides.
+        residual: input's shape, floating; converted to input's dtype if it differs.
+        normalized_shape: the trailing dims normalized over, e.g. ``(N,)`` or ``N``.
+        weight: (*normalized_shape) floating, or None. Converted to input's dtype. Default: None.
+        eps: as in :func:`rms_norm`. Default: None (float32's machine epsilon; float64's for float64).
+
+    Returns:
+        (output, residual_out): both of input's shape and dtype. residual_out is input + residual
+        rounded to input's dtype, and output is exactly rms_norm of that stored residual_out.
+
+    Raises:
+        ValueError: as :func:`rms_norm`, and residual's shape differs from input's.
+        TypeError: non-floating input, residual or weight.
+        RuntimeError: tensors on different devices.
+
+    Numerics: the add and the norm are computed in float32 (float64 for float64 input). Gradients:
+    input and residual both receive rms_norm's input gradient plus residual_out's gradient (each in
+    its own dtype); weight's gradient as in :func:`rms_norm`.
+
+    Source: B. Zhang and R. Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019; the fused
+    residual form as in vLLM's ``fused_add_rms_norm``.
+    """
+    return torch.ops.opforge.fused_add_rms_norm(input, residual, _as_shape(normalized_shape), weight, eps)

@@ -5,11 +5,14 @@ Each module mirrors its ``torch.nn`` counterpart: same constructor arguments, sa
 """
 from __future__ import annotations
 
+import numbers
+from typing import Optional, Tuple
+
 import torch
 
 from . import functional as F
 
-__all__ = ["Linear", "Sigmoid"]
+__all__ = ["FusedAddRMSNorm", "GatedMLP", "Linear", "RMSNorm", "Sigmoid"]
 
 
 class Linear(torch.nn.Linear):
@@ -46,3 +49,102 @@ class Sigmoid(torch.nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.sigmoid(input)
+
+
+class GatedMLP(torch.nn.Module):
+    """y = down(silu(gate(x)) · up(x)): the SwiGLU feed-forward block of Llama-style transformers.
+
+    Built from opforge ops: three :class:`Linear` projections and :func:`opforge.functional.swiglu`.
+    Parameter names (``gate_proj``, ``up_proj``, ``down_proj``, no bias by default) follow Hugging Face's
+    LlamaMLP, so its state_dict loads unchanged.
+
+    Args:
+        hidden_size: D, size of the model's hidden state.
+        intermediate_size: F, size of the gated hidden layer.
+        bias: add biases to the three projections. Default: False.
+        device, dtype: factory keyword arguments for the parameters.
+
+    Shape: input (*, D) -> output (*, D).
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer"; Touvron et al. 2023 (LLaMA).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, **kw)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, **kw)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """y = x / sqrt(mean(x², over the last len(normalized_shape) dims) + eps) · weight, through
+    :func:`opforge.functional.rms_norm`.
+
+    Drop-in for :class:`torch.nn.RMSNorm` (it subclasses it: constructor, ``weight`` (*normalized_shape)
+    initialised to ones, ``eps``, ``state_dict`` keys and ``isinstance`` checks are torch's).
+
+    Args:
+        normalized_shape: int or tuple, the trailing dims to normalize over, e.g. hidden size N.
+        eps: added to the mean square. Default: None (float32's machine epsilon, float64's for
+            float64 input; what torch.nn.RMSNorm computes).
+        elementwise_affine: learn a per-element ``weight``. Default: True.
+        device, dtype: factory keyword arguments for the weight.
+
+    Shape: input (*, *normalized_shape) -> output of the same shape, in input's dtype.
+
+    Raises: as :func:`opforge.functional.rms_norm`.
+
+    Source: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; torch.nn.RMSNorm.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class FusedAddRMSNorm(torch.nn.Module):
+    """(output, residual_out) = (rms_norm(x + residual), x + residual) through
+    :func:`opforge.functional.fused_add_rms_norm`: the pre-norm transformer step in one pass.
+
+    Same constructor, parameter (``weight``) and ``state_dict`` as :class:`torch.nn.RMSNorm`, so an
+    RMSNorm's state_dict loads unchanged; not a subclass of it, since ``forward`` takes two tensors.
+
+    Args:
+        normalized_shape: int or tuple, the trailing dims to normalize over.
+        eps: as :class:`RMSNorm`. Default: None.
+        elementwise_affine: learn a per-element ``weight`` (initialised to ones). Default: True.
+        device, dtype: factory keyword arguments for the weight.
+
+    Shape: x and residual (*, *normalized_shape) -> output and residual_out of the same shape, in x's dtype.
+
+    Raises: as :func:`opforge.functional.fused_add_rms_norm`.
+
+    Source: Zhang & Sennrich 2019; the fused residual form of vLLM's fused_add_rms_norm.
+    """
+
+    def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return F.fused_add_rms_norm(x, residual, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)

@@ -7,6 +7,11 @@ float64 reference is at most twice the error of the same math done by PyTorch in
 of ``d``'s rounding (``torch.finfo(d).eps``) to cover results PyTorch happens to get exact. The rule
 is applied twice: to the norm-relative error (a global bound) and to the largest elementwise error
 (so one wrong element among millions cannot hide).
+
+float64 results are the exception: there the "same math in d" *is* the float64 reference, so its
+error is zero by construction and a correct kernel that rounds differently (an fma, another order of
+products) would fail. A float64 result instead passes when every element is within
+``FLOAT64_TOLERANCE`` × max(1, max |reference|) of the reference.
 """
 from __future__ import annotations
 
@@ -16,19 +21,55 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "fused_add_rms_norm_reference",
     "linear_reference",
+    "rms_norm_reference",
     "sigmoid_reference",
     "square_reference",
     "square_add_reference",
+    "swiglu_reference",
     "assert_matches_reference",
     "relative_error",
+    "FLOAT64_TOLERANCE",
 ]
+
+#: Elementwise bound for float64 results, relative to max(1, the reference's largest magnitude).
+FLOAT64_TOLERANCE = 1e-12
 
 
 def linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """input · weightᵀ + bias in float64. input (*, K), weight (N, K), bias (N,) -> (*, N) float64."""
     y = input.double() @ weight.double().t()
     return y + bias.double() if bias is not None else y
+
+
+def rms_norm_reference(input: Tensor, normalized_shape, weight: Optional[Tensor] = None,
+                       eps: Optional[float] = None) -> Tensor:
+    """input / sqrt(mean(input², over the trailing len(normalized_shape) dims) + eps) · weight in float64.
+
+    eps=None: float32's machine epsilon for float32/float16/bfloat16 input, float64's for float64 (as
+    torch.nn.functional.rms_norm computes). Returns input's shape, float64.
+    """
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    if eps is None:
+        eps = torch.finfo(torch.float64 if input.dtype == torch.float64 else torch.float32).eps
+    x = input.double()
+    dims = tuple(range(-len(normalized_shape), 0))
+    y = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps)
+    return y * weight.double() if weight is not None else y
+
+
+def fused_add_rms_norm_reference(input: Tensor, residual: Tensor, normalized_shape, weight: Optional[Tensor] = None,
+                                 eps: Optional[float] = None) -> tuple:
+    """(rms_norm_reference(input + residual), input + residual), both float64.
+
+    The sum is taken in float64 (not rounded to input's dtype first), so it is the exact math.
+    """
+    z = input.double() + residual.double()
+    if eps is None:
+        eps = torch.finfo(torch.float64 if input.dtype == torch.float64 else torch.float32).eps
+    return rms_norm_reference(z, normalized_shape, weight, eps), z
 
 
 def sigmoid_reference(input: Tensor) -> Tensor:
@@ -67,7 +108,8 @@ def assert_matches_reference(actual: Tensor, reference: Tensor, baseline: Tensor
 
     Raises:
         AssertionError: shape/dtype mismatch, non-finite where the reference is finite, or an error
-            above ``factor`` × baseline error + eps(d) (norm-relative or elementwise-max).
+            above ``factor`` × baseline error + eps(d) (norm-relative or elementwise-max); for
+            float64, an element further than ``FLOAT64_TOLERANCE`` × max(1, max |reference|) from the reference.
     """
     assert actual.shape == reference.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(reference.shape)}"
     assert actual.dtype == baseline.dtype, f"{what}: dtype {actual.dtype} != {baseline.dtype}"
@@ -76,6 +118,11 @@ def assert_matches_reference(actual: Tensor, reference: Tensor, baseline: Tensor
     a = actual.detach().double().cpu()
     r = reference.detach().double().cpu()
     b = baseline.detach().double().cpu()
+    if actual.dtype == torch.float64:  # the baseline is the reference itself: a fixed bound instead
+        finite_r = r[torch.isfinite(r)]
+        bound = FLOAT64_TOLERANCE * max(1.0, finite_r.abs().max().item() if finite_r.numel() else 0.0)
+        torch.testing.assert_close(a, r, rtol=0, atol=bound, equal_nan=True, msg=lambda m: f"{what}: {m}")
+        return
     finite = torch.isfinite(r)
     assert torch.equal(torch.isfinite(a), finite), f"{what}: non-finite values where the reference is finite (or v.v.)"
     assert torch.equal(a[~finite], r[~finite]) or torch.isnan(r[~finite]).any(), f"{what}: wrong infinities"
@@ -89,3 +136,9 @@ def assert_matches_reference(actual: Tensor, reference: Tensor, baseline: Tensor
     m_base = (b - r).abs().max().item() if r.numel() else 0.0
     assert m_ours <= factor * m_base + eps * max(scale, 1e-30), (
         f"{what}: max elementwise error {m_ours:.3e} exceeds {factor} x PyTorch's {m_base:.3e} + eps x {scale:.3e}")
+
+
+def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) · up in float64, gate's shape."""
+    g = gate.double()
+    return g * torch.sigmoid(g) * up.double()

@@ -1,99 +1,17 @@
-// CUDA kernels of the elementwise ops: 16-byte vector loads and stores with a scalar tail, fp32
-// math for float16/bfloat16, a grid-stride loop with 64-bit indices.
+// CUDA kernels of the elementwise ops: the math as functors, run by the shared vectorized
+// elementwise kernels of core/map_cuda.cuh (16-byte loads/stores, scalar tail, fp32 opmath).
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
-#include "core/cuda_utils.cuh"
+#include "core/map_cuda.cuh"
 #include "core/dispatch.h"
 #include "ops/elementwise/elementwise.h"
 
 namespace opforge {
 namespace {
 
-using cuda::Vec;
-
-// out[i] = op(a[i]) for i in [0, n). VEC elements per access (1 when a pointer is not 16-byte aligned).
-template <int VEC, typename scalar_t, typename Op>
-__global__ void map_unary_kernel(const scalar_t* __restrict__ a,  // [n]
-                                 scalar_t* __restrict__ out,      // [n]
-                                 int64_t n, Op op) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nvec = n / VEC;
-  for (int64_t v = first; v < nvec; v += stride) {
-    const Vec<scalar_t, VEC> x = reinterpret_cast<const Vec<scalar_t, VEC>*>(a)[v];
-    Vec<scalar_t, VEC> y;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) y.val[k] = static_cast<scalar_t>(op(static_cast<opmath_t>(x.val[k])));
-    reinterpret_cast<Vec<scalar_t, VEC>*>(out)[v] = y;
-  }
-  for (int64_t i = nvec * VEC + first; i < n; i += stride)
-    out[i] = static_cast<scalar_t>(op(static_cast<opmath_t>(a[i])));
-}
-
-// out[i] = op(a[i], b[i mod period]) for i in [0, n); period == n means b is as long as a.
-template <int VEC, typename scalar_t, typename Op>
-__global__ void map_binary_kernel(const scalar_t* __restrict__ a,  // [n]
-                                  const scalar_t* __restrict__ b,  // [period]
-                                  scalar_t* __restrict__ out,      // [n]
-                                  int64_t n, int64_t period, Op op) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nvec = n / VEC;
-  for (int64_t v = first; v < nvec; v += stride) {
-    const int64_t i = v * VEC;
-    const int64_t j = period == n ? i : i % period;  // period % VEC == 0 when VEC > 1
-    const Vec<scalar_t, VEC> x = reinterpret_cast<const Vec<scalar_t, VEC>*>(a)[v];
-    const Vec<scalar_t, VEC> c = *reinterpret_cast<const Vec<scalar_t, VEC>*>(b + j);
-    Vec<scalar_t, VEC> y;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k)
-      y.val[k] = static_cast<scalar_t>(op(static_cast<opmath_t>(x.val[k]), static_cast<opmath_t>(c.val[k])));
-    reinterpret_cast<Vec<scalar_t, VEC>*>(out)[v] = y;
-  }
-  for (int64_t i = nvec * VEC + first; i < n; i += stride)
-    out[i] = static_cast<scalar_t>(op(static_cast<opmath_t>(a[i]), static_cast<opmath_t>(b[period == n ? i : i % period])));
-}
-
-constexpr int kThreads = 256;
-
-// Launcher: device guard, current stream, launch, launch check. Empty inputs launch nothing.
-template <typename scalar_t, typename Op>
-void launch_unary(const at::Tensor& A, at::Tensor& Out, Op op) {
-  const int64_t n = A.numel();
-  if (n == 0) return;
-  c10::cuda::CUDAGuard guard(A.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const scalar_t* a = A.const_data_ptr<scalar_t>();
-  scalar_t* out = Out.mutable_data_ptr<scalar_t>();
-  constexpr int VEC = cuda::vec_size<scalar_t>();
-  if (cuda::is_aligned16(a) && cuda::is_aligned16(out)) {
-    map_unary_kernel<VEC><<<cuda::grid_for(n / VEC + 1, kThreads), kThreads, 0, stream>>>(a, out, n, op);
-  } else {
-    map_unary_kernel<1><<<cuda::grid_for(n, kThreads), kThreads, 0, stream>>>(a, out, n, op);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename scalar_t, typename Op>
-void launch_binary(const at::Tensor& A, const at::Tensor& B, int64_t period, at::Tensor& Out, Op op) {
-  const int64_t n = A.numel();
-  if (n == 0) return;
-  c10::cuda::CUDAGuard guard(A.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const scalar_t* a = A.const_data_ptr<scalar_t>();
-  const scalar_t* b = B.const_data_ptr<scalar_t>();
-  scalar_t* out = Out.mutable_data_ptr<scalar_t>();
-  constexpr int VEC = cuda::vec_size<scalar_t>();
-  if (cuda::is_aligned16(a) && cuda::is_aligned16(b) && cuda::is_aligned16(out) && period % VEC == 0) {
-    map_binary_kernel<VEC><<<cuda::grid_for(n / VEC + 1, kThreads), kThreads, 0, stream>>>(a, b, out, n, period, op);
-  } else {
-    map_binary_kernel<1><<<cuda::grid_for(n, kThreads), kThreads, 0, stream>>>(a, b, out, n, period, op);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
+using cuda::launch_binary;
+using cuda::launch_unary;
 
 // y = 1 / (1 + exp(-x)); exp(-x) = inf gives exactly 0 and exp(-x) = 0 exactly 1, never NaN.
 struct SigmoidOp {

@@ -1,0 +1,318 @@
+// RMSNorm ops: checkers, the public C++ API, Meta kernels and autograd.
+//
+// Op structure (schemas in csrc/library.cpp):
+//   _rms_norm_forward, _fused_add_rms_norm_forward   CPU/CUDA/Meta kernels; also return rstd [*] (fp32)
+//                                                    for the backward; Autograd = the Functions below.
+//   rms_norm, fused_add_rms_norm                     CompositeImplicitAutograd: the forward op without
+//                                                    its rstd, so they have exactly one kernel each.
+//   rms_norm_backward                                CPU/CUDA/Meta kernels; not differentiable.
+#include "ops/rms_norm/rms_norm.h"
+
+#include <ATen/OpMathType.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "core/autograd.h"
+#include "core/check.h"
+#include "core/dispatch.h"
+
+namespace opforge {
+namespace rmsnorm {
+
+double default_eps(at::ScalarType input_dtype) {
+  // ATen's rms_norm uses std::numeric_limits<opmath_t>::epsilon() (float32's for float16/bfloat16,
+  // although torch's docs say finfo(input.dtype).eps); we match the computed values, not the docs.
+  return input_dtype == at::kDouble ? std::numeric_limits<double>::epsilon()
+                                    : static_cast<double>(std::numeric_limits<float>::epsilon());
+}
+
+at::ScalarType rstd_dtype(at::ScalarType input_dtype) { return at::toOpMathType(input_dtype); }
+
+c10::SymIntArrayRef leading_sizes(const at::Tensor& input, int64_t normalized_ndim) {
+  const auto s = input.sym_sizes();
+  return s.slice(0, s.size() - normalized_ndim);
+}
+
+void check_args(const char* op, const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& residual) {
+  check_floating(op, "input", input);
+  const int64_t nd = static_cast<int64_t>(normalized_shape.size());
+  TORCH_CHECK_VALUE(nd >= 1, "opforge::", op, ": expected normalized_shape to have at least 1 dimension, but got ",
+                    shape_str(normalized_shape));
+  const auto xs = input.sym_sizes();
+  bool trailing = input.dim() >= nd;
+  for (int64_t i = 0; trailing && i < nd; ++i) trailing = xs[input.dim() - nd + i] == normalized_shape[i];
+  TORCH_CHECK_VALUE(trailing, "opforge::", op, ": expected input with trailing dims equal to normalized_shape ",
+                    shape_str(normalized_shape), ", but got input of shape ", shape_str(xs));
+  if (weight.has_value() && weight->defined()) {
+    check_floating(op, "weight", *weight);
+    check_same_device(op, "input", input, "weight", *weight);
+    TORCH_CHECK_VALUE(weight->sym_sizes().equals(normalized_shape), "opforge::", op,
+                      ": expected weight of shape ", shape_str(normalized_shape), ", but got ",
+                      shape_str(weight->sym_sizes()));
+  }
+  if (residual.has_value() && residual->defined()) {
+    check_floating(op, "residual", *residual);
+    check_same_device(op, "input", input, "residual", *residual);
+    TORCH_CHECK_VALUE(residual->sym_sizes().equals(xs), "opforge::", op, ": expected residual of input's shape ",
+                      shape_str(xs), ", but got ", shape_str(residual->sym_sizes()));
+  }
+}
+
+Problem check_forward(const char* op, const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                      const std::optional<at::Tensor>& weight, std::optional<double> eps,
+                      const std::optional<at::Tensor>& residual) {
+  check_args(op, input, normalized_shape, weight, residual);
+  Problem p;
+  p.N = 1;
+  for (const auto& s : normalized_shape) p.N *= s.expect_int();
+  p.M = p.N == 0 ? 0 : input.numel() / p.N;
+  if (p.N == 0) {  // rows of zero length: M is the product of the leading dims
+    p.M = 1;
+    for (int64_t i = 0; i < input.dim() - static_cast<int64_t>(normalized_shape.size()); ++i) p.M *= input.size(i);
+  }
+  p.X = input.contiguous();
+  if (residual.has_value() && residual->defined()) p.R = to_input_dtype(*residual, input.scalar_type()).contiguous();
+  if (weight.has_value() && weight->defined()) p.W = to_input_dtype(*weight, input.scalar_type()).contiguous();
+  p.eps = eps.has_value() ? *eps : default_eps(input.scalar_type());
+  TORCH_CHECK_VALUE(p.eps >= 0, "opforge::", op, ": expected eps >= 0, but got ", p.eps);
+  return p;
+}
+
+void check_backward_args(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
+                         const std::optional<at::Tensor>& weight) {
+  const char* op = "rms_norm_backward";
+  check_floating(op, "grad_output", grad_output);
+  check_floating(op, "input", input);
+  check_floating(op, "rstd", rstd);
+  check_same_device(op, "grad_output", grad_output, "input", input);
+  check_same_device(op, "rstd", rstd, "input", input);
+  TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(input.sym_sizes()), "opforge::", op,
+                    ": expected grad_output of input's shape ", shape_str(input.sym_sizes()), ", but got ",
+                    shape_str(grad_output.sym_sizes()));
+  const int64_t nd = input.dim() - rstd.dim();
+  TORCH_CHECK_VALUE(nd >= 1 && leading_sizes(input, nd).equals(rstd.sym_sizes()), "opforge::", op,
+                    ": expected rstd of input's leading dims (input ", shape_str(input.sym_sizes()),
+                    " without the normalized dims), but got ", shape_str(rstd.sym_sizes()));
+  TORCH_CHECK_TYPE(rstd.scalar_type() == rstd_dtype(input.scalar_type()), "opforge::", op, ": expected rstd of dtype ",
+                   rstd_dtype(input.scalar_type()), ", but got ", rstd.scalar_type());
+  if (weight.has_value() && weight->defined()) {
+    check_floating(op, "weight", *weight);
+    check_same_device(op, "input", input, "weight", *weight);
+    const auto xs = input.sym_sizes();
+    TORCH_CHECK_VALUE(weight->sym_sizes().equals(xs.slice(xs.size() - nd)), "opforge::", op,
+                      ": expected weight of shape ", shape_str(xs.slice(xs.size() - nd)), ", but got ",
+                      shape_str(weight->sym_sizes()));
+  }
+}
+
+BackwardProblem check_backward(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
+                               const std::optional<at::Tensor>& weight) {
+  check_backward_args(grad_output, input, rstd, weight);
+  BackwardProblem p;
+  p.M = rstd.numel();
+  p.N = 1;
+  for (int64_t i = rstd.dim(); i < input.dim(); ++i) p.N *= input.size(i);
+  p.X = input.contiguous();
+  p.dY = to_input_dtype(grad_output, input.scalar_type()).contiguous();  // materializes expanded/transposed views
+  p.rstd = rstd.contiguous();
+  if (weight.has_value() && weight->defined()) p.W = to_input_dtype(*weight, input.scalar_type()).contiguous();
+  return p;
+}
+
+}  // namespace rmsnorm
+
+// ---- public C++ API: typed dispatcher calls --------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> _rms_norm_forward(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                     const std::optional<at::Tensor>& weight,
+                                                     std::optional<double> eps) {
+  static auto op = typed_op<decltype(_rms_norm_forward)>("opforge::_rms_norm_forward");
+  return op.call(input, normalized_shape, weight, eps);
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _fused_add_rms_norm_forward(
+    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  static auto op = typed_op<decltype(_fused_add_rms_norm_forward)>("opforge::_fused_add_rms_norm_forward");
+  return op.call(input, residual, normalized_shape, weight, eps);
+}
+at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
+                    std::optional<double> eps) {
+  using Sig = at::Tensor(const at::Tensor&, c10::SymIntArrayRef, const std::optional<at::Tensor>&, std::optional<double>);
+  static auto op = typed_op<Sig>("opforge::rms_norm");
+  return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, eps);
+}
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual,
+                                                      at::IntArrayRef normalized_shape,
+                                                      const std::optional<at::Tensor>& weight,
+                                                      std::optional<double> eps) {
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef,
+                                                 const std::optional<at::Tensor>&, std::optional<double>);
+  static auto op = typed_op<Sig>("opforge::fused_add_rms_norm");
+  return op.call(input, residual, c10::fromIntArrayRefSlow(normalized_shape), weight, eps);
+}
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                     const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+                                                     std::array<bool, 2> output_mask) {
+  static auto op = typed_op<decltype(rms_norm_backward)>("opforge::rms_norm_backward");
+  return op.call(grad_output, input, rstd, weight, output_mask);
+}
+
+namespace {
+
+// ---- CompositeImplicitAutograd: the public ops are the forward ops without rstd ---------------------
+
+at::Tensor rms_norm_composite(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                              const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  return std::get<0>(opforge::_rms_norm_forward(input, normalized_shape, weight, eps));
+}
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_composite(const at::Tensor& input, const at::Tensor& residual,
+                                                                c10::SymIntArrayRef normalized_shape,
+                                                                const std::optional<at::Tensor>& weight,
+                                                                std::optional<double> eps) {
+  auto [output, residual_out, rstd] =
+      opforge::_fused_add_rms_norm_forward(input, residual, normalized_shape, weight, eps);
+  return {output, residual_out};
+}
+
+// ---- Meta: the same checkers, then outputs with the real kernels' shapes, dtypes and strides -------
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward_meta(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                         const std::optional<at::Tensor>& weight,
+                                                         std::optional<double> eps) {
+  rmsnorm::check_args("rms_norm", input, normalized_shape, weight);
+  const auto lead = rmsnorm::leading_sizes(input, normalized_shape.size());
+  return {at::empty_symint(input.sym_sizes(), input.options()),
+          at::empty_symint(lead, input.options().dtype(rmsnorm::rstd_dtype(input.scalar_type())))};
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_meta(
+    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  rmsnorm::check_args("fused_add_rms_norm", input, normalized_shape, weight, residual);
+  const auto lead = rmsnorm::leading_sizes(input, normalized_shape.size());
+  return {at::empty_symint(input.sym_sizes(), input.options()), at::empty_symint(input.sym_sizes(), input.options()),
+          at::empty_symint(lead, input.options().dtype(rmsnorm::rstd_dtype(input.scalar_type())))};
+}
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad_output, const at::Tensor& input,
+                                                          const at::Tensor& rstd,
+                                                          const std::optional<at::Tensor>& weight,
+                                                          std::array<bool, 2> output_mask) {
+  rmsnorm::check_backward_args(grad_output, input, rstd, weight);
+  at::Tensor grad_input, grad_weight;
+  if (output_mask[0]) grad_input = at::empty_symint(input.sym_sizes(), input.options());
+  if (output_mask[1] && weight.has_value() && weight->defined())
+    grad_weight = at::empty_symint(weight->sym_sizes(), weight->options());
+  return {grad_input, grad_weight};
+}
+
+// ---- Autograd: save what backward needs, redispatch below autograd, route backward to the op -------
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The mask of rms_norm_backward from the Function's inputs. needs_input_grad counts defined tensor
+// inputs only (an absent weight has no edge), so weight's index is `weight_edge` when it exists.
+std::array<bool, 2> backward_mask(AutogradContext* ctx, bool x_needs, int64_t weight_edge, bool has_weight) {
+  return {x_needs, has_weight && ctx->needs_input_grad(weight_edge)};
+}
+
+class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                               const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [output, rstd] = opforge::_rms_norm_forward(input, normalized_shape, weight, eps);
+    ctx->save_for_backward({input, weight.value_or(at::Tensor()), rstd});
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {output, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &input = saved[0], &weight = saved[1], &rstd = saved[2];
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const bool has_weight = weight.defined();
+    auto [grad_input, grad_weight] = opforge::rms_norm_backward(
+        grads[0], input, rstd, has_weight ? std::optional<at::Tensor>(weight) : std::nullopt,
+        backward_mask(ctx, ctx->needs_input_grad(0), 1, has_weight));
+    return {grad_input, at::Tensor(), grad_weight, at::Tensor()};
+  }
+};
+
+// residual_out = input + residual, output = rms_norm(residual_out). Both input and residual receive
+// d(residual_out)_total = rms_norm_backward(grad_output) + grad_residual_out.
+class FusedAddRMSNormFunction : public torch::autograd::Function<FusedAddRMSNormFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& residual,
+                               c10::SymIntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
+                               std::optional<double> eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [output, residual_out, rstd] =
+        opforge::_fused_add_rms_norm_forward(input, residual, normalized_shape, weight, eps);
+    ctx->save_for_backward({residual_out, weight.value_or(at::Tensor()), rstd});
+    ctx->saved_data["input_dtype"] = static_cast<int64_t>(input.scalar_type());
+    ctx->saved_data["residual_dtype"] = static_cast<int64_t>(residual.scalar_type());
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {output, residual_out, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &z = saved[0], &weight = saved[1], &rstd = saved[2];
+    const bool has_weight = weight.defined();
+    const bool z_needs = ctx->needs_input_grad(0) || ctx->needs_input_grad(1);
+    at::Tensor dz, grad_weight;
+    if (grads[0].defined()) {
+      std::tie(dz, grad_weight) = opforge::rms_norm_backward(
+          grads[0], z, rstd, has_weight ? std::optional<at::Tensor>(weight) : std::nullopt,
+          backward_mask(ctx, z_needs, 2, has_weight));
+    }
+    if (grads[1].defined() && z_needs) dz = dz.defined() ? dz.add_(grads[1]) : grads[1];
+    at::Tensor grad_input, grad_residual;
+    if (dz.defined()) {
+      // the same gradient for both (as torch's add does); each in its own dtype
+      if (ctx->needs_input_grad(0)) grad_input = dz.to(static_cast<at::ScalarType>(ctx->saved_data["input_dtype"].toInt()));
+      if (ctx->needs_input_grad(1))
+        grad_residual = dz.to(static_cast<at::ScalarType>(ctx->saved_data["residual_dtype"].toInt()));
+    }
+    return {grad_input, grad_residual, at::Tensor(), grad_weight, at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward_autograd(const at::Tensor& input,
+                                                             c10::SymIntArrayRef normalized_shape,
+                                                             const std::optional<at::Tensor>& weight,
+                                                             std::optional<double> eps) {
+  auto out = RMSNormFunction::apply(input, normalized_shape, weight, eps);
+  return {out[0], out[1]};
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_autograd(
+    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  auto out = FusedAddRMSNormFunction::apply(input, residual, normalized_shape, weight, eps);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, CompositeImplicitAutograd, m) {
+  m.impl("rms_norm", &rms_norm_composite);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm_composite);
+}
+
+TORCH_LIBRARY_IMPL(opforge, Meta, m) {
+  m.impl("_rms_norm_forward", &rms_norm_forward_meta);
+  m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_meta);
+  m.impl("rms_norm_backward", &rms_norm_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
+  m.impl("_rms_norm_forward", &rms_norm_forward_autograd);
+  m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_autograd);
+  register_backward_op_autograd(m, "rms_norm_backward");
+}
+
+}  // namespace opforge

@@ -1,0 +1,70 @@
+// RMSNorm ops: rms_norm, fused_add_rms_norm, their rstd-returning forwards and rms_norm_backward.
+//
+//   rstd[m]  = 1 / sqrt(mean_n(x[m, n]²) + eps)
+//   y[m, n]  = x[m, n] · rstd[m] · w[n]
+//   fused:     z = input + residual;  y = rms_norm(z);  returns (y, z)
+//
+// The normalized dims (the trailing len(normalized_shape) dims of input) flatten to N, the leading
+// dims to M: kernels see a contiguous [M, N] problem, produced by the checkers below.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "opforge/opforge.h"
+
+namespace opforge {
+namespace rmsnorm {
+
+/// eps when the caller passes None: the machine epsilon of the compute type (float32 for
+/// float32/float16/bfloat16, float64 for float64), which is what torch.nn.functional.rms_norm uses.
+double default_eps(at::ScalarType input_dtype);
+
+/// Shape, dtype and device checks that also hold for symbolic shapes (shared with Meta).
+/// `residual` is checked only when given (fused_add_rms_norm).
+/// Raises: ValueError when normalized_shape is empty or is not input's trailing dims, when weight's
+/// shape is not normalized_shape, when residual's shape is not input's; TypeError for non-floating
+/// dtypes; RuntimeError for tensors on different devices.
+void check_args(const char* op, const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& residual = std::nullopt);
+
+/// Checks of rms_norm_backward's arguments (symbolic-safe): grad_output of input's shape, rstd of
+/// input's leading dims (normalized dims = input's dims after rstd's), weight of the normalized shape.
+void check_backward_args(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
+                         const std::optional<at::Tensor>& weight);
+
+/// The leading (batch) dims of input, given how many trailing dims are normalized: rstd's shape.
+c10::SymIntArrayRef leading_sizes(const at::Tensor& input, int64_t normalized_ndim);
+
+/// dtype of rstd: float32 for float32/float16/bfloat16 input, float64 for float64 input.
+at::ScalarType rstd_dtype(at::ScalarType input_dtype);
+
+/// The canonical forward problem. X, R: [M, N] contiguous in input's dtype (R only for the fused op);
+/// W: [N] contiguous in input's dtype, or undefined (no weight). The mixed-dtype policy: weight and
+/// residual are converted to input's dtype once on entry.
+struct Problem {
+  at::Tensor X;  // [M, N]
+  at::Tensor R;  // [M, N] or undefined
+  at::Tensor W;  // [N] or undefined
+  int64_t M, N;
+  double eps;
+};
+Problem check_forward(const char* op, const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                      const std::optional<at::Tensor>& weight, std::optional<double> eps,
+                      const std::optional<at::Tensor>& residual = std::nullopt);
+
+/// The canonical backward problem: dY, X [M, N] contiguous in input's dtype (a zero-stride or
+/// transposed grad_output is materialized once), rstd [M] contiguous, W [N] in input's dtype or undefined.
+struct BackwardProblem {
+  at::Tensor dY;    // [M, N]
+  at::Tensor X;     // [M, N]
+  at::Tensor rstd;  // [M]
+  at::Tensor W;     // [N] or undefined
+  int64_t M, N;
+};
+BackwardProblem check_backward(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
+                               const std::optional<at::Tensor>& weight);
+
+}  // namespace rmsnorm
+}  // namespace opforge

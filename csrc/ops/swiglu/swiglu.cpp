@@ -1,0 +1,89 @@
+// swiglu: checker, public C++ API, Meta kernels and autograd.
+#include "ops/swiglu/swiglu.h"
+
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "core/autograd.h"
+#include "core/check.h"
+#include "core/dispatch.h"
+
+namespace opforge {
+
+std::pair<at::Tensor, at::Tensor> check_swiglu(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+  check_floating(op, "gate", gate);
+  check_floating(op, "up", up);
+  check_same_device(op, "gate", gate, "up", up);
+  TORCH_CHECK_VALUE(gate.sym_sizes().equals(up.sym_sizes()), "opforge::", op,
+                    ": expected gate and up of the same shape, but got ", shape_str(gate.sym_sizes()), " and ",
+                    shape_str(up.sym_sizes()));
+  return {gate.contiguous(), to_input_dtype(up, gate.scalar_type()).contiguous()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> check_swiglu_backward(const at::Tensor& grad_output,
+                                                                     const at::Tensor& gate, const at::Tensor& up) {
+  auto [G, U] = check_swiglu("swiglu_backward", gate, up);
+  check_floating("swiglu_backward", "grad_output", grad_output);
+  check_same_device("swiglu_backward", "grad_output", grad_output, "gate", gate);
+  TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(gate.sym_sizes()),
+                    "opforge::swiglu_backward: expected grad_output of gate's shape ", shape_str(gate.sym_sizes()),
+                    ", but got ", shape_str(grad_output.sym_sizes()));
+  return {to_input_dtype(grad_output, gate.scalar_type()).contiguous(), G, U};
+}
+
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  static auto op = typed_op<decltype(swiglu)>("opforge::swiglu");
+  return op.call(gate, up);
+}
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                   const at::Tensor& up) {
+  static auto op = typed_op<decltype(swiglu_backward)>("opforge::swiglu_backward");
+  return op.call(grad_output, gate, up);
+}
+
+namespace {
+
+at::Tensor swiglu_meta(const at::Tensor& gate, const at::Tensor& up) {
+  check_swiglu("swiglu", gate, up);
+  return at::empty_symint(gate.sym_sizes(), gate.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_backward_meta(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                        const at::Tensor& up) {
+  check_swiglu_backward(grad_output, gate, up);
+  return {at::empty_symint(gate.sym_sizes(), gate.options()),
+          at::empty_symint(up.sym_sizes(), up.options())};
+}
+
+class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({gate, up});
+    return opforge::swiglu(gate, up);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    // One fused pass yields both gradients; the pass costs the same with one or two outputs.
+    auto [grad_gate, grad_up] = opforge::swiglu_backward(grads[0], saved[0], saved[1]);
+    return {ctx->needs_input_grad(0) ? grad_gate : at::Tensor(), ctx->needs_input_grad(1) ? grad_up : at::Tensor()};
+  }
+};
+
+at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) { return SwigluFunction::apply(gate, up); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, Meta, m) {
+  m.impl("swiglu", &swiglu_meta);
+  m.impl("swiglu_backward", &swiglu_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
+  m.impl("swiglu", &swiglu_autograd);
+  register_backward_op_autograd(m, "swiglu_backward");
+}
+
+}  // namespace opforge

@@ -1,0 +1,420 @@
+"""rms_norm, fused_add_rms_norm and rms_norm_backward against float64 references (issue 3's cases 1-9)."""
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import opforge
+from opforge.testing import (assert_matches_reference, fused_add_rms_norm_reference, relative_error,
+                             rms_norm_reference)
+
+LOWP_AND_FP32 = [torch.float32, torch.float16, torch.bfloat16]
+HIDDEN_SIZES = [1, 7, 8, 127, 768, 769, 3584, 4095, 4096, 5120, 8200, 12288, 16384]
+
+
+def _ns(x, k=1):
+    return tuple(x.shape[-k:])
+
+
+def _check(x_leaf, view, ns, w, g, eps=None):
+    """Forward and gradients of opforge.rms_norm(view(x_leaf)) against float64 and torch in x's dtype.
+
+    x_leaf: leaf tensor (any dtype); view: function making the op's input from it; w: weight or None;
+    g: grad_output of the output's shape (or None: no backward).
+    """
+    def run(fn, x0, w0, g0):
+        x = x0.detach().clone().requires_grad_(g is not None)
+        ww = w0.detach().clone().requires_grad_(g is not None) if w0 is not None else None
+        y = fn(view(x), ns, ww, eps)
+        if g is not None:
+            y.backward(g0)
+        return y, x.grad, (ww.grad if ww is not None else None)
+
+    ours = run(opforge.rms_norm, x_leaf, w, g)
+    ref = run(rms_norm_reference, x_leaf.double(), w.double() if w is not None else None,
+              g.double() if g is not None else None)
+    base = run(TF.rms_norm, x_leaf, w, g)
+    assert_matches_reference(ours[0], ref[0], base[0], what="output")
+    if g is not None:
+        assert_matches_reference(ours[1], ref[1], base[1], what="grad_input")
+        if w is not None:
+            assert ours[2].dtype == w.dtype and ours[2].shape == w.shape
+            assert_matches_reference(ours[2], ref[2], base[2], what="grad_weight")
+
+
+def _ident(x):
+    return x
+
+
+# ---- case 1: fp16 overflow of Σx² ------------------------------------------------------------------
+
+
+def test_fp16_sum_of_squares_overflow(device):
+    x = torch.full((2, 4096), 8.0, dtype=torch.float16, device=device, requires_grad=True)
+    y = opforge.rms_norm(x, (4096,))
+    assert torch.isfinite(y).all() and torch.allclose(y.float(), torch.ones_like(y, dtype=torch.float32), atol=1e-3)
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    x2 = (torch.randn(4, 8192, device=device) * 300).half()
+    w = torch.randn(8192, device=device, dtype=torch.float16)
+    _check(x2, _ident, (8192,), w, torch.randn_like(x2))
+
+
+# ---- case 2: hidden sizes, unaligned base, row independence -----------------------------------------
+
+
+@pytest.mark.parametrize("dtype", LOWP_AND_FP32)
+@pytest.mark.parametrize("N", HIDDEN_SIZES)
+def test_hidden_sizes(device, dtype, N):
+    M = 3 if device == "cpu" else 37
+    x = torch.randn(M, N, device=device, dtype=dtype)
+    w = (1 + 0.5 * torch.randn(N, device=device)).to(dtype)
+    _check(x, _ident, (N,), w, torch.randn_like(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [40000, 65536])
+def test_long_rows(device, dtype, N):
+    """Rows too long to keep in registers on CUDA (the streaming kernels), vector and scalar widths."""
+    x = torch.randn(3, N, device=device, dtype=dtype)
+    w = torch.randn(N, device=device, dtype=dtype)
+    _check(x, _ident, (N,), w, torch.randn_like(x))
+    r = torch.randn_like(x)
+    out, res = opforge.fused_add_rms_norm(x, r, (N,), w)
+    assert torch.equal(res, x + r) and torch.equal(out, opforge.rms_norm(res, (N,), w))
+
+
+@pytest.mark.parametrize("dtype", LOWP_AND_FP32)
+def test_no_weight(device, dtype):
+    x = torch.randn(5, 3, 769, device=device, dtype=dtype)
+    _check(x, _ident, (769,), None, torch.randn_like(x))
+
+
+def test_normalized_shape_of_two_dims(device):
+    x = torch.randn(4, 6, 33, device=device)
+    w = torch.randn(6, 33, device=device)
+    _check(x, _ident, (6, 33), w, torch.randn_like(x))
+
+
+@pytest.mark.parametrize("dtype", LOWP_AND_FP32)
+def test_unaligned_base_pointer(device, dtype):
+    buf = torch.randn(7 * 769 + 1, device=device, dtype=dtype)
+    w = torch.randn(769, device=device, dtype=dtype)
+    _check(buf, lambda b: b[1:].view(7, 769), (769,), w, torch.randn(7, 769, device=device, dtype=dtype))
+    # fused: unaligned input, aligned residual
+    x = buf[1:].view(7, 769)
+    r = torch.randn(7, 769, device=device, dtype=dtype)
+    out, res = opforge.fused_add_rms_norm(x, r, (769,), w)
+    ref_out, ref_res = fused_add_rms_norm_reference(x, r, (769,), w)
+    assert_matches_reference(res, ref_res, x + r, what="residual_out")
+    assert_matches_reference(out, ref_out, TF.rms_norm(x + r, (769,), w), what="output")
+
+
+@pytest.mark.parametrize("N", [769, 4096])
+def test_rows_independent(device, N):
+    x = torch.randn(6, N, device=device, dtype=torch.bfloat16)
+    w = torch.randn(N, device=device, dtype=torch.bfloat16)
+    y = opforge.rms_norm(x, (N,), w)
+    for i in range(5):
+        x2 = x.clone()
+        x2[i + 1] = torch.randn(N, device=device, dtype=torch.bfloat16) * 100
+        y2 = opforge.rms_norm(x2, (N,), w)
+        assert torch.equal(y[: i + 1], y2[: i + 1]) and torch.equal(y[i + 2:], y2[i + 2:])
+
+
+# ---- case 3 and 4: non-contiguous inputs and grad_outputs -------------------------------------------
+
+
+def test_permuted_input(device):
+    x = torch.randn(4, 4096, 3, device=device, dtype=torch.bfloat16)
+    w = torch.randn(4096, device=device, dtype=torch.bfloat16)
+    _check(x, lambda t: t.permute(0, 2, 1), (4096,), w, torch.randn(4, 3, 4096, device=device, dtype=torch.bfloat16))
+
+
+def test_strided_rows(device):
+    x = torch.randn(16, 4096, device=device)
+    w = torch.randn(4096, device=device)
+    _check(x, lambda t: t[::2], (4096,), w, torch.randn(8, 4096, device=device))
+
+
+def test_qkv_split_view(device):
+    M = 1024 if device == "cuda" else 64
+    qkv = torch.randn(M, 4096, device=device, dtype=torch.bfloat16)
+    w = torch.randn(128, device=device, dtype=torch.bfloat16)
+    view = lambda t: t.split([2048, 1024, 1024], -1)[0].view(M, 16, 128)  # noqa: E731
+    assert not view(qkv).is_contiguous()
+    _check(qkv, view, (128,), w, torch.randn(M, 16, 128, device=device, dtype=torch.bfloat16))
+
+
+def test_expanded_grad_output(device):
+    x = torch.randn(8, 4096, device=device, requires_grad=True)
+    w = torch.randn(4096, device=device, requires_grad=True)
+    opforge.rms_norm(x, (4096,), w).sum().backward()  # grad_output: ones expanded, stride (0, 0)
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    rms_norm_reference(x64, (4096,), w64).sum().backward()
+    xt = x.detach().clone().requires_grad_()
+    wt = w.detach().clone().requires_grad_()
+    TF.rms_norm(xt, (4096,), wt).sum().backward()
+    assert_matches_reference(x.grad, x64.grad, xt.grad, what="grad_input")
+    assert_matches_reference(w.grad, w64.grad, wt.grad, what="grad_weight")
+
+
+def test_transposed_grad_output(device):
+    x = torch.randn(64, 769, device=device, dtype=torch.float16)
+    w = torch.randn(769, device=device, dtype=torch.float16)
+    g = torch.randn(769, 64, device=device, dtype=torch.float16).t()
+    assert not g.is_contiguous()
+    _check(x, _ident, (769,), w, g)
+
+
+def test_grad_output_not_modified_and_weight_grad(device):
+    x = torch.randn(8, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(8, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(8, 256, device=device, dtype=torch.bfloat16)
+    g_res = torch.randn(8, 256, device=device, dtype=torch.bfloat16)
+    g0, g_res0 = g.clone(), g_res.clone()
+    out, res = opforge.fused_add_rms_norm(x, r, 256, w)
+    torch.autograd.backward([out, res], [g, g_res])
+    assert torch.equal(g, g0) and torch.equal(g_res, g_res0)
+    assert w.grad.shape == (256,) and w.grad.dtype == torch.bfloat16
+    # reference: z = x + r; out = rms(z); both inputs get d(out)/dz + g_res
+    x64, r64, w64 = (t.detach().double().requires_grad_() for t in (x, r, w))
+    o64, z64 = fused_add_rms_norm_reference(x64, r64, 256, w64, eps=torch.finfo(torch.float32).eps)
+    torch.autograd.backward([o64, z64], [g.double(), g_res.double()])
+    xt, rt, wt = (t.detach().clone().requires_grad_() for t in (x, r, w))
+    zt = xt + rt
+    torch.autograd.backward([TF.rms_norm(zt, (256,), wt), zt], [g, g_res])
+    assert_matches_reference(x.grad, x64.grad, xt.grad, what="grad_input")
+    assert_matches_reference(r.grad, r64.grad, rt.grad, what="grad_residual")
+    assert_matches_reference(w.grad, w64.grad, wt.grad, what="grad_weight")
+
+
+# ---- fused_add_rms_norm forward --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", LOWP_AND_FP32)
+@pytest.mark.parametrize("N", [7, 769, 4096])
+def test_fused_add_rms_norm(device, dtype, N):
+    x = torch.randn(5, N, device=device, dtype=dtype)
+    r = torch.randn(5, N, device=device, dtype=dtype)
+    w = torch.randn(N, device=device, dtype=dtype)
+    out, res = opforge.fused_add_rms_norm(x, r, (N,), w)
+    assert torch.equal(res, x + r)  # one rounding of the fp32 sum, like torch's add
+    assert torch.equal(out, opforge.rms_norm(res, (N,), w))  # the norm of the stored residual_out
+    ref_out, ref_res = fused_add_rms_norm_reference(x, r, (N,), w)
+    assert_matches_reference(out, ref_out, TF.rms_norm(x + r, (N,), w))
+
+
+def test_fused_grad_only_residual_out(device):
+    x = torch.randn(4, 64, device=device, requires_grad=True)
+    r = torch.randn(4, 64, device=device, requires_grad=True)
+    _, res = opforge.fused_add_rms_norm(x, r, 64)
+    res.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(r.grad, torch.ones_like(r))
+
+
+# ---- case 6: dweight accumulation --------------------------------------------------------------------
+
+
+def _dweight_error(device, M, wdtype):
+    x = torch.randn(M, 4096, device=device, dtype=torch.bfloat16)
+    g = torch.randn(M, 4096, device=device, dtype=torch.bfloat16)
+    w = torch.randn(4096, device=device, dtype=wdtype, requires_grad=True)
+    opforge.rms_norm(x, 4096, w).backward(g)
+    w64 = w.detach().double().requires_grad_()
+    rms_norm_reference(x, 4096, w64).backward(g.double())
+    assert w.grad.dtype == wdtype
+    return relative_error(w.grad, w64.grad)
+
+
+def test_dweight_error_does_not_grow_with_rows(device):
+    small, large = (128, 8192) if device == "cpu" else (128, 65536)
+    e_small, e_large = _dweight_error(device, small, torch.bfloat16), _dweight_error(device, large, torch.bfloat16)
+    assert e_small < 1e-2 and e_large < 1e-2
+    assert e_large <= 2 * e_small + 1e-4, (e_small, e_large)
+    # fp32 weight with bf16 input: dweight is fp32, accumulated in fp32 (no bf16 rounding at all)
+    assert _dweight_error(device, large, torch.float32) < 1e-4
+
+
+# ---- case 7: mixed dtypes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("xdtype,wdtype", [(torch.float16, torch.float32), (torch.float32, torch.float16),
+                                           (torch.bfloat16, torch.float32)])
+def test_mixed_dtypes(device, xdtype, wdtype):
+    x = torch.randn(6, 384, device=device, dtype=xdtype, requires_grad=True)
+    w = torch.randn(384, device=device, dtype=wdtype, requires_grad=True)
+    y = opforge.rms_norm(x, (384,), w)
+    # policy: output in input's dtype, weight converted to input's dtype on entry
+    assert y.dtype == xdtype
+    assert torch.equal(y, opforge.rms_norm(x.detach(), (384,), w.detach().to(xdtype)))
+    y.backward(torch.randn_like(y))
+    assert x.grad.dtype == xdtype and w.grad.dtype == wdtype
+    # Meta: same shapes and dtypes
+    xm, wm = x.detach().to("meta"), w.detach().to("meta")
+    ym, rstd = torch.ops.opforge._rms_norm_forward(xm, [384], wm, None)
+    assert ym.dtype == y.dtype and ym.shape == y.shape and rstd.dtype == torch.float32 and rstd.shape == (6,)
+    gx, gw = torch.ops.opforge.rms_norm_backward(ym, xm, rstd, wm, [True, True])
+    assert gx.dtype == xdtype and gw.dtype == wdtype and gw.shape == (384,)
+    o, res = torch.ops.opforge.fused_add_rms_norm(xm, wm.expand(6, 384).to(torch.float64), [384], wm)
+    assert o.dtype == xdtype and res.dtype == xdtype
+
+
+# ---- case 8: zero rows ---------------------------------------------------------------------------------
+
+
+def test_zero_rows(device):
+    x = torch.randn(0, 4096, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4096, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = opforge.rms_norm(x, (4096,), w)
+    assert y.shape == (0, 4096)
+    y.sum().backward()
+    assert x.grad.shape == (0, 4096)
+    assert torch.equal(w.grad, torch.zeros_like(w))
+    r = torch.randn(2, 0, 4096, device=device, requires_grad=True)
+    out, res = opforge.fused_add_rms_norm(r, r.detach(), 4096)
+    assert out.shape == res.shape == (2, 0, 4096)
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- case 9: past 2^31 elements (H200) ----------------------------------------------------------------
+
+
+def _enough_cuda_memory(nbytes):
+    if not torch.cuda.is_available():
+        return False
+    free, _ = torch.cuda.mem_get_info()
+    return free > nbytes
+
+
+@pytest.mark.skipif(not _enough_cuda_memory(20 * 2**30), reason="needs a CUDA GPU with 20 GiB free")
+def test_more_than_2_31_elements():
+    M, N = 524289, 4096
+    x = torch.randn(M, N, device="cuda", dtype=torch.float16)
+    w = torch.randn(N, device="cuda", dtype=torch.float16)
+    y = opforge.rms_norm(x, (N,), w)
+    tail = opforge.rms_norm(x[-3:].clone(), (N,), w)
+    assert torch.equal(y[-3:], tail)
+    x.requires_grad_()
+    y = opforge.rms_norm(x, (N,), w)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    xt = x[-3:].detach().clone().requires_grad_()
+    (gt,) = torch.autograd.grad(opforge.rms_norm(xt, (N,), w), xt, g[-3:])
+    assert torch.equal(gx[-3:], gt)
+
+
+# ---- opcheck, torch.compile, gradcheck ----------------------------------------------------------------
+
+
+def test_opcheck(device):
+    x = torch.randn(3, 5, 96, device=device, requires_grad=True)
+    r = torch.randn(3, 5, 96, device=device, requires_grad=True)
+    w = torch.randn(96, device=device, requires_grad=True)
+    ops = torch.ops.opforge
+    torch.library.opcheck(ops._rms_norm_forward.default, (x, [96], w, None))
+    torch.library.opcheck(ops._rms_norm_forward.default, (x, [5, 96], None, 1e-5))
+    torch.library.opcheck(ops.rms_norm.default, (x, [96], w, 1e-6))
+    torch.library.opcheck(ops._fused_add_rms_norm_forward.default, (x, r, [96], w, None))
+    torch.library.opcheck(ops.fused_add_rms_norm.default, (x, r, [96], None, None))
+    xd = x.detach()
+    _, rstd = ops._rms_norm_forward(xd, [96], w.detach(), None)
+    backward_utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    for mask in ([True, True], [True, False], [False, True]):
+        torch.library.opcheck(ops.rms_norm_backward.default, (torch.randn_like(xd), xd, rstd, w.detach(), mask),
+                              test_utils=backward_utils)
+    torch.library.opcheck(ops.rms_norm_backward.default,
+                          (torch.randn_like(xd), xd, rstd, None, [True, True]), test_utils=backward_utils)
+
+
+def test_double_backward_raises(device):
+    x = torch.randn(3, 16, device=device, dtype=torch.float64, requires_grad=True)
+    y = opforge.rms_norm(x, 16)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_torch_compile(device):
+    torch._dynamo.reset()
+
+    def f(x, r, w):
+        out, res = opforge.fused_add_rms_norm(x, r, (48,), w)
+        return opforge.rms_norm(out, (48,), w, 1e-5) + res
+
+    x = torch.randn(4, 48, device=device, requires_grad=True)
+    r = torch.randn(4, 48, device=device, requires_grad=True)
+    w = torch.randn(48, device=device, requires_grad=True)
+    g = torch.randn(4, 48, device=device)
+    eager = f(x, r, w)
+    ge = torch.autograd.grad(eager, (x, r, w), g)
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    out = compiled(x, r, w)
+    gc = torch.autograd.grad(out, (x, r, w), g)
+    torch.testing.assert_close(out, eager)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_gradcheck(device, with_weight):
+    x = torch.randn(3, 2, 7, device=device, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(3, 2, 7, device=device, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, device=device, dtype=torch.float64, requires_grad=True) if with_weight else None
+    args = (x, w) if with_weight else (x,)
+    assert torch.autograd.gradcheck(lambda x, *w: opforge.rms_norm(x, (7,), *w, eps=1e-3), args)
+    args = (x, r, w) if with_weight else (x, r)
+    assert torch.autograd.gradcheck(lambda x, r, *w: opforge.fused_add_rms_norm(x, r, (7,), *w, eps=1e-3), args)
+
+
+# ---- nn modules -------------------------------------------------------------------------------------
+
+
+def test_rmsnorm_module_is_drop_in(device):
+    ref = torch.nn.RMSNorm(64, eps=1e-6, device=device)
+    torch.nn.init.normal_(ref.weight)
+    ours = opforge.nn.RMSNorm(64, eps=1e-6, device=device)
+    assert isinstance(ours, torch.nn.RMSNorm)
+    ours.load_state_dict(ref.state_dict())
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    x = torch.randn(3, 64, device=device)
+    torch.testing.assert_close(ours(x), ref(x))
+    fused = opforge.nn.FusedAddRMSNorm(64, eps=1e-6, device=device)
+    fused.load_state_dict(ref.state_dict())
+    r = torch.randn(3, 64, device=device)
+    out, res = fused(x, r)
+    torch.testing.assert_close(res, x + r)
+    torch.testing.assert_close(out, ref(x + r))
+    assert opforge.nn.RMSNorm(8, elementwise_affine=False).weight is None
+
+
+# ---- bad inputs ---------------------------------------------------------------------------------------
+
+BAD = [
+    (lambda: opforge.rms_norm(torch.randn(4, 8), (7,)), ValueError,
+     r"opforge::rms_norm: expected input with trailing dims equal to normalized_shape \[7\], but got input of shape \[4, 8\]"),
+    (lambda: opforge.rms_norm(torch.randn(8), (2, 8)), ValueError, r"trailing dims equal to normalized_shape \[2, 8\]"),
+    (lambda: opforge.rms_norm(torch.randn(4, 8), ()), ValueError, "normalized_shape to have at least 1 dimension"),
+    (lambda: opforge.rms_norm(torch.randn(4, 8), (8,), torch.randn(7)), ValueError,
+     r"opforge::rms_norm: expected weight of shape \[8\], but got \[7\]"),
+    (lambda: opforge.rms_norm(torch.ones(4, 8, dtype=torch.int32), (8,)), TypeError,
+     "expected input to have a floating dtype .* but got Int"),
+    (lambda: opforge.rms_norm(torch.randn(4, 8), (8,), torch.ones(8, dtype=torch.int64)), TypeError,
+     "expected weight to have a floating dtype"),
+    (lambda: opforge.rms_norm(torch.randn(4, 8), (8,), None, -1.0), ValueError, "expected eps >= 0"),
+    (lambda: opforge.fused_add_rms_norm(torch.randn(4, 8), torch.randn(3, 8), (8,)), ValueError,
+     r"opforge::fused_add_rms_norm: expected residual of input's shape \[4, 8\], but got \[3, 8\]"),
+    (lambda: torch.ops.opforge.rms_norm_backward(torch.randn(4, 8), torch.randn(4, 8), torch.randn(3),
+                                                 None, [True, True]), ValueError, "expected rstd of input's leading dims"),
+    (lambda: torch.ops.opforge.rms_norm_backward(torch.randn(4, 7), torch.randn(4, 8), torch.randn(4),
+                                                 None, [True, True]), ValueError, "expected grad_output of input's shape"),
+    (lambda: torch.ops.opforge.rms_norm_backward(torch.randn(4, 8), torch.randn(4, 8), torch.randn(4).double(),
+                                                 None, [True, True]), TypeError, "expected rstd of dtype Float"),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", BAD)
+def test_bad_inputs(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
