@@ -7,14 +7,30 @@
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh -k sigmoid      # extra arguments go to pytest (the C++ tests still run)
 #
-# Needs: torch, cmake, ninja, a C++17 compiler, GoogleTest (Debian: libgtest-dev), pytest, hypothesis,
-# expecttest (.ci/run installs them all). Environment: PYTHON (default python3), OPFORGE_JOBS (ninja -j).
+# Needs torch and a C++ compiler; installs what else is missing: pytest, hypothesis, expecttest (pip),
+# CMake >= 3.26 and ninja (pip), GoogleTest (apt-get install libgtest-dev, as root).
+# Environment: PYTHON (default python3), OPFORGE_JOBS (ninja -j, default: number of cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 BUILD=build/test
 JOBS=${OPFORGE_JOBS:-$(nproc)}
+
+# --- what the tests need, installed only when missing ----------------------------------------------
+need=$("$PY" -c "import importlib.util as u; print(' '.join(m for m in ('pytest', 'hypothesis', 'expecttest') if u.find_spec(m) is None))")
+[ -z "$need" ] || "$PY" -m pip install $need
+export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+printf '3.26\n%s\n' "$(cmake --version 2>/dev/null | awk 'NR==1{print $3}')" | sort -V -C || "$PY" -m pip install "cmake>=3.26"
+command -v ninja >/dev/null || "$PY" -m pip install ninja
+if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libgtest-dev
+  else
+    echo "test.sh: GoogleTest not found: install it (Debian/Ubuntu: sudo apt-get install libgtest-dev)" >&2
+    exit 1
+  fi
+fi
 
 # The same C++ compiler as pip's build (scikit-build-core takes Python's sysconfig CXX), so ccache
 # serves this build from the `pip install` one.
