@@ -11,7 +11,8 @@ Raises:
 
 Environment:
     OPFORGE_LIBRARY: path of a ``libopforge.so`` to load instead of the installed one (e.g. a CMake
-        build tree's ``build/libopforge.so``).
+        build tree's ``build/libopforge.so``), or ``jit`` to compile this source checkout with
+        torch.utils.cpp_extension at import (see :mod:`opforge.jit`; OPFORGE_JIT_SOURCES adds files).
 """
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ def _read_build_info(lib: Path) -> dict[str, str]:
 
 
 def _load() -> Path:
+    if os.environ.get("OPFORGE_LIBRARY") == "jit":  # build from this source checkout instead (opforge.jit)
+        from . import jit
+
+        extra = [s for s in os.environ.get("OPFORGE_JIT_SOURCES", "").split(os.pathsep) if s]
+        return jit.load(extra_sources=extra, verbose=os.environ.get("OPFORGE_JIT_VERBOSE", "") not in ("", "0"))
     lib = _library_path()
     if not lib.exists():
         raise ImportError(

@@ -19,3 +19,20 @@ def device(request):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# ---- slow tests: marked @pytest.mark.slow, skipped unless --run-slow (or OPFORGE_RUN_SLOW=1) -------------
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run tests marked slow (e.g. the JIT build, minutes on a small machine)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import os
+
+    if config.getoption("--run-slow") or os.environ.get("OPFORGE_RUN_SLOW", "") not in ("", "0"):
+        return
+    skip = pytest.mark.skip(reason="slow test: run with --run-slow or OPFORGE_RUN_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

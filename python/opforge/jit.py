@@ -1,0 +1,117 @@
+"""Just-in-time build: opforge's C++ (and CUDA) sources compiled by torch.utils.cpp_extension at import.
+
+The third way to build opforge, next to ``pip install --no-build-isolation .`` and CMake: no install
+step, for prototyping an op in a minute from a source checkout. Select it before ``import opforge``::
+
+    OPFORGE_LIBRARY=jit OPFORGE_JIT_SOURCES=my_op.cpp PYTHONPATH=python python -c \\
+        "import opforge, torch; print(torch.ops.opforge.my_op)"
+
+``import opforge`` then calls :func:`load` instead of loading the installed ``libopforge.so``: the
+JIT library *replaces* the installed one for the whole process (a process holds one opforge library;
+a second one would register the ``opforge`` namespace twice). ``my_op.cpp`` adds its schema with
+``TORCH_LIBRARY_FRAGMENT(opforge, m)`` and its kernels with ``TORCH_LIBRARY_IMPL(opforge, CPU, m)``,
+and may include ``opforge/opforge.h`` and the ``core/*.h`` helpers.
+
+Environment (read by ``import opforge``):
+    OPFORGE_LIBRARY=jit: build and load with :func:`load` instead of the installed library.
+    OPFORGE_JIT_SOURCES: extra ``.cpp``/``.cu`` files, separated by ``os.pathsep`` (``:``).
+    OPFORGE_JIT_VERBOSE=1: show the compiler's commands and output.
+
+The build is cached by torch (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): an
+unchanged source tree loads in about a second; the first build compiles every ``csrc`` file (minutes
+on a small machine).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+__all__ = ["load", "source_dir"]
+
+#: Name of the JIT-built library (``<TORCH_EXTENSIONS_DIR>/opforge_jit/opforge_jit.so``).
+NAME = "opforge_jit"
+
+
+def source_dir() -> Path:
+    """The opforge source checkout this package sits in (``<root>/python/opforge`` -> ``<root>``).
+
+    Raises:
+        RuntimeError: this copy of the package is installed (no ``csrc`` beside it); set
+            ``OPFORGE_SOURCE_DIR`` to a checkout, or run with ``PYTHONPATH=<checkout>/python``.
+    """
+    root = Path(os.environ.get("OPFORGE_SOURCE_DIR") or Path(__file__).resolve().parents[2])
+    if not (root / "csrc" / "library.cpp").exists():
+        raise RuntimeError(
+            f"opforge.jit: no opforge sources at {root} (csrc/library.cpp). The JIT build needs a source "
+            "checkout: run with PYTHONPATH=<checkout>/python or set OPFORGE_SOURCE_DIR=<checkout>.")
+    return root
+
+
+def _opforge_loaded() -> bool:
+    try:
+        return hasattr(torch.ops.opforge, "sigmoid")
+    except Exception:  # noqa: BLE001  (namespace absent)
+        return False
+
+
+def load(extra_sources: Iterable[str | os.PathLike] = (), verbose: bool = False) -> Path:
+    """Compile every opforge source (+ ``extra_sources``) into one library and load it into ``torch.ops``.
+
+    Args:
+        extra_sources: paths of extra ``.cpp`` (or ``.cu``, with a CUDA torch) files compiled into the
+            same library, e.g. a new op's schema (``TORCH_LIBRARY_FRAGMENT(opforge, m)``) and kernels.
+            Default: none.
+        verbose: print the build commands and compiler output. Default: False.
+
+    Returns:
+        Path of the loaded shared library.
+
+    Raises:
+        RuntimeError: an opforge library is already loaded in this process (select the JIT build with
+            ``OPFORGE_LIBRARY=jit`` before ``import opforge``); no source checkout; or a compile error
+            (the compiler's message follows).
+
+    The CUDA sources (``csrc/ops/*/*.cu``) are included when torch is a CUDA build and a CUDA toolkit
+    is found (``CUDA_HOME``). CPU kernels get the same AVX2 flags as the CMake build when the CPU has them.
+    """
+    if _opforge_loaded():
+        raise RuntimeError(
+            "opforge.jit.load: an opforge library is already loaded in this process, and a process holds "
+            "one. Set OPFORGE_LIBRARY=jit (and OPFORGE_JIT_SOURCES for extra files) before `import opforge`.")
+    from torch.utils import cpp_extension
+
+    root = source_dir()
+    csrc = root / "csrc"
+    sources = sorted(csrc.glob("*.cpp")) + sorted(csrc.glob("core/*.cpp")) + sorted(csrc.glob("ops/*/*.cpp"))
+    extra = [Path(s).resolve() for s in extra_sources]
+    for s in extra:
+        if not s.exists():
+            raise RuntimeError(f"opforge.jit.load: extra source {s} does not exist")
+    cflags = ["-O3", "-Wno-unused-function"]
+    # Same CPU kernel flags as CMakeLists.txt (there per *_cpu.cpp file; here the whole library, since the
+    # library is built for this machine only).
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        cflags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    ldflags: list[str] = []
+    cuda_flags: list[str] = []
+    with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if with_cuda:
+        sources += sorted(csrc.glob("ops/*/*.cu"))
+        cflags.append("-DOPFORGE_WITH_CUDA=1")
+        cuda_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DOPFORGE_WITH_CUDA=1"]
+        ldflags = ["-lcublas", "-lcublasLt"]
+    path = cpp_extension.load(
+        name=NAME,
+        sources=[str(s) for s in sources + extra],
+        extra_include_paths=[str(root / "include"), str(csrc)],
+        extra_cflags=cflags,
+        extra_cuda_cflags=cuda_flags,
+        extra_ldflags=ldflags,
+        with_cuda=with_cuda,
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return Path(path)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Builds opforge's CUDA kernels on a machine without a GPU, so a CUDA compile or link error fails CI.
+#
+# A CUDA build needs a CUDA-enabled torch; CI's torch is a CPU build, so this script keeps a second
+# torch (CUDA 13.0 wheels, from the local pip mirror) in its own venv, links the CUDA headers and
+# libraries that those wheels ship (cuBLAS, ...) into the machine's CUDA toolkit where it lacks them,
+# then configures and builds the whole library with nvcc into build/cuda. Nothing built here runs
+# (no GPU); scripts/gpu_check.sh runs the CUDA tests on a GPU machine.
+#
+# Environment: OPFORGE_CUDA_VENV (default $HOME/.venv-cuda), OPFORGE_CUDA_TORCH (default torch==2.14.1),
+# CUDA_HOME (default /usr/local/cuda), TORCH_CUDA_ARCH_LIST (default 9.0: one arch keeps it quick),
+# OPFORGE_JOBS (ninja -j, default: number of cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${OPFORGE_CUDA_VENV:-$HOME/.venv-cuda}
+CUDA_TORCH=${OPFORGE_CUDA_TORCH:-torch==2.14.1}
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+NVCC=$CUDA_HOME/bin/nvcc
+BUILD=build/cuda
+JOBS=${OPFORGE_JOBS:-$(nproc)}
+
+if [ ! -x "$NVCC" ]; then
+  echo "cuda_compile_check: no nvcc at $NVCC (set CUDA_HOME to a CUDA toolkit)" >&2
+  exit 1
+fi
+
+# 1. A CUDA-enabled torch in its own venv (about 2 minutes the first time; reused after).
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+  echo "cuda_compile_check: installing $CUDA_TORCH (CUDA build) into $VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet "$CUDA_TORCH" numpy
+fi
+TORCH_PREFIX=$("$VENV/bin/python" -c "import torch; print(torch.utils.cmake_prefix_path)")
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+
+# 2. The toolkit here has nvcc and cudart but not every library torch's CMake config asks for: link the
+#    headers and shared libraries of the CUDA wheels (nvidia/cu13) into it where they are missing.
+NV=$(ls -d "$SITE"/nvidia/cu1* 2>/dev/null | head -1 || true)
+if [ -n "$NV" ]; then
+  LIBDIR=$CUDA_HOME/lib64
+  [ -d "$LIBDIR" ] || LIBDIR=$CUDA_HOME/lib
+  for f in "$NV"/include/*; do
+    [ -e "$CUDA_HOME/include/$(basename "$f")" ] || ln -s "$f" "$CUDA_HOME/include/"
+  done
+  for f in "$NV"/lib/lib*.so*; do
+    name=$(basename "$f")
+    [ -e "$LIBDIR/$name" ] || ln -s "$f" "$LIBDIR/$name"
+    unversioned=${name%%.so*}.so
+    [ -e "$LIBDIR/$unversioned" ] || ln -s "$f" "$LIBDIR/$unversioned"
+  done
+fi
+
+# 3. Configure and build with nvcc (OPFORGE_CUDA=ON: a missing compiler is an error, never a silent CPU build).
+mkdir -p "$BUILD"
+cmake -S . -B "$BUILD" -G Ninja \
+  -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
+  -DOPFORGE_CUDA=ON \
+  -DCMAKE_CUDA_COMPILER="$NVCC" \
+  -DTORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" > "$BUILD/configure.log" 2>&1 \
+  || { cat "$BUILD/configure.log"; exit 1; }
+grep -q "CUDA kernels: ON" "$BUILD/configure.log" || { cat "$BUILD/configure.log"; echo "cuda_compile_check: CUDA not enabled" >&2; exit 1; }
+ninja -C "$BUILD" -j "$JOBS"
+echo "cuda_compile_check: OK ($(ls csrc/ops/*/*.cu | wc -l) .cu files compiled and linked into $BUILD/libopforge.so)"

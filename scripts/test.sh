@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Runs every opforge test: the Python tests (pytest, tests/python) and the C++ tests (GoogleTest through
+# ctest, tests/cpp), against a CMake build of this source tree in build/test, so the tests always see the
+# code in front of you (not an older installed copy). Exits non-zero if any test fails, or if pytest
+# collected no test at all.
+#
+#   bash scripts/test.sh                 # everything
+#   bash scripts/test.sh -k sigmoid      # extra arguments go to pytest (the C++ tests still run)
+#
+# Needs torch and a C++ compiler; installs what else is missing: pytest, hypothesis, expecttest (pip),
+# CMake >= 3.26 and ninja (pip), GoogleTest (apt-get install libgtest-dev, as root).
+# Environment: PYTHON (default python3), OPFORGE_JOBS (ninja -j, default: number of cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+BUILD=build/test
+JOBS=${OPFORGE_JOBS:-$(nproc)}
+
+# --- what the tests need, installed only when missing ----------------------------------------------
+need=$("$PY" -c "import importlib.util as u; print(' '.join(m for m in ('pytest', 'hypothesis', 'expecttest') if u.find_spec(m) is None))")
+[ -z "$need" ] || "$PY" -m pip install $need
+export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+printf '3.26\n%s\n' "$(cmake --version 2>/dev/null | awk 'NR==1{print $3}')" | sort -V -C || "$PY" -m pip install "cmake>=3.26"
+command -v ninja >/dev/null || "$PY" -m pip install ninja
+if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libgtest-dev
+  else
+    echo "test.sh: GoogleTest not found: install it (Debian/Ubuntu: sudo apt-get install libgtest-dev)" >&2
+    exit 1
+  fi
+fi
+
+# The same C++ compiler as pip's build (scikit-build-core takes Python's sysconfig CXX), so ccache
+# serves this build from the `pip install` one.
+export CXX=${CXX:-$("$PY" -c "import sysconfig; print((sysconfig.get_config_var('CXX') or 'c++').split()[0])")}
+TORCH_PREFIX=$("$PY" -c "import torch; print(torch.utils.cmake_prefix_path)")
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DOPFORGE_BUILD_TESTS=ON >/dev/null
+ninja -C "$BUILD" -j "$JOBS"
+
+py_status=0
+OPFORGE_LIBRARY="$PWD/$BUILD/libopforge.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
+  "$PY" -m pytest tests/python -q "$@" || py_status=$?
+if [ "$py_status" -eq 5 ]; then
+  echo "test.sh: pytest collected no tests: counted as a failure" >&2
+fi
+
+cpp_status=0
+ctest --test-dir "$BUILD" --output-on-failure || cpp_status=$?
+
+echo
+echo "test.sh: python tests: $([ $py_status -eq 0 ] && echo PASS || echo "FAIL (pytest exit $py_status)")"
+echo "test.sh: C++ tests:    $([ $cpp_status -eq 0 ] && echo PASS || echo "FAIL (ctest exit $cpp_status)")"
+[ "$py_status" -eq 0 ] && [ "$cpp_status" -eq 0 ]
