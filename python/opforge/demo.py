@@ -26,7 +26,6 @@ takes an equal slice of the same global batch (gloo on CPU, nccl on CUDA; FSDP2 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import datetime
 import gc
@@ -60,7 +59,7 @@ BF16_FINAL_REL_TOL = 2e-2
 #: "medium" the CUDA default, "report" the GPU throughput shape.
 SIZES: Dict[str, dict] = {
     "tiny": dict(d_model=64, layers=2, heads=4, seq=64, batch=8, steps=20, lr=3e-3),
-    "small": dict(d_model=128, layers=4, heads=4, seq=128, batch=16, steps=150, lr=3e-3),
+    "small": dict(d_model=128, layers=4, heads=4, seq=128, batch=8, steps=150, lr=3e-3),
     "medium": dict(d_model=512, layers=8, heads=8, seq=256, batch=32, steps=600, lr=1e-3),
     "report": dict(d_model=2048, layers=8, heads=16, seq=2048, batch=4, steps=12, lr=1e-4),
 }
@@ -243,76 +242,114 @@ def evaluate(loss_fn, batches: Batches, device, d: Dist) -> float:
     return float(d.mean(total / len(batches.val_offsets)))
 
 
-def train(backend: str, cfg: LlamaConfig, state: dict, batches: Batches, args, device: torch.device, dtype, d: Dist,
-          steps: int, log_every: int = 1, eval_every: int = 0, progress: bool = True, record_losses: bool = True) -> tuple:
-    """Train one model; returns (Result, model)."""
-    model = Llama(cfg, backend=backend, device=device, dtype=dtype)
-    model.load_state_dict(state)
-    mem_kind = "cuda" if device.type == "cuda" else "cpu"
-    if mem_kind == "cpu":
-        x0, y0 = batches.get(d.slice(batches.train_offsets[0]), device)
-        peak = estimate_cpu_memory(model, x0, y0)
-    model = wrap_parallel(model, d)
-    forward = torch.compile(model, fullgraph=True) if args.compile else model
-    loss_fn = _loss_fn(forward)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            foreach=device.type != "cuda" or None, fused=True if device.type == "cuda" else None)
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    res = Result(backend, bool(args.compile))
-    warmup_steps = min(3, max(1, steps // 10)) if steps > 3 else 0
-    lr_warmup = max(1, min(20, steps // 10))
-    timed = 0.0
-    t0 = None
-    losses = []
-    bar = None
-    if progress and d.main:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=steps, desc=f"{backend}{' compiled' if args.compile else ''}", unit="step", leave=True,
-                   dynamic_ncols=True, file=sys.stderr)
-    for step in range(steps):
-        if step == warmup_steps:
-            _sync(device)
-            t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, args.lr, lr_warmup)
-        x, y = batches.get(d.slice(batches.train_offsets[step]), device)
-        loss = loss_fn(x, y)
+class Trainer:
+    """One model, its optimizer and its record; :meth:`step` runs one timed training step.
+
+    Several trainers run in lock-step (step i of every model, then step i+1), so a change in the machine's
+    load (a shared CPU) affects every model alike; each step is timed on its own (CUDA: synchronized).
+    Memory: CUDA, the largest ``max_memory_allocated`` growth within one of this model's steps plus what
+    the model holds between steps (parameters and optimizer state), so models sharing the GPU do not
+    count each other; CPU, :func:`estimate_cpu_memory`.
+    """
+
+    def __init__(self, backend: str, cfg: LlamaConfig, state: dict, batches: Batches, args, device: torch.device,
+                 dtype, d: Dist, steps: int, compiled: bool):
+        self.backend, self.batches, self.args, self.device, self.d, self.steps = backend, batches, args, device, d, steps
+        model = Llama(cfg, backend=backend, device=device, dtype=dtype)
+        model.load_state_dict(state)
+        self.cpu_peak = 0
+        if device.type != "cuda":
+            x0, y0 = batches.get(d.slice(batches.train_offsets[0]), device)
+            self.cpu_peak = estimate_cpu_memory(model, x0, y0)
+        self.model = wrap_parallel(model, d)
+        forward = torch.compile(self.model, fullgraph=True) if compiled else self.model
+        self.loss_fn = _loss_fn(forward)
+        fused = device.type == "cuda" and d.parallel != "fsdp"
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                                     **({"fused": True} if fused else {}))
+        self.res = Result(backend, compiled)
+        self.warmup_steps = min(3, max(1, steps // 10)) if steps > 3 else 0
+        self.lr_warmup = max(1, min(20, steps // 10))
+        self.timed = 0.0
+        self.step_peak = 0
+        self.pending: List[torch.Tensor] = []
+
+    def _resident(self) -> int:
+        n = sum(_nbytes(p.to_local() if hasattr(p, "to_local") else p) for p in self.model.parameters())
+        for st in self.opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    n += _nbytes(v.to_local() if hasattr(v, "to_local") else v)
+        return n
+
+    def step(self, i: int, record: bool = True) -> Optional[float]:
+        dev = self.device
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(i, self.steps, self.args.lr, self.lr_warmup)
+        x, y = self.batches.get(self.d.slice(self.batches.train_offsets[i]), dev)
+        _sync(dev)
+        if dev.type == "cuda":
+            before = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        t0 = time.perf_counter()
+        loss = self.loss_fn(x, y)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if record_losses and (step % log_every == 0 or step == steps - 1):
-            lv = float(d.mean(loss))
-            res.train_loss.append(lv)
-            if bar is not None:
-                bar.set_postfix(loss=f"{lv:.4f}")
-        else:
-            losses.append(loss.detach())
-        if eval_every and ((step + 1) % eval_every == 0 or step == steps - 1):
-            # Evaluation time is taken out of the throughput clock.
-            _sync(device)
-            te = time.perf_counter()
-            res.val_steps.append(step + 1)
-            res.val_loss.append(evaluate(loss_fn, batches, device, d))
-            _sync(device)
-            if t0 is not None:
-                t0 += time.perf_counter() - te
+        if self.args.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        _sync(dev)
+        dt = time.perf_counter() - t0
+        if i >= self.warmup_steps:
+            self.timed += dt
+        if dev.type == "cuda":
+            self.step_peak = max(self.step_peak, torch.cuda.max_memory_allocated(dev) - before)
+        if record:
+            lv = float(self.d.mean(loss.detach()))
+            self.res.train_loss.append(lv)
+            return lv
+        self.pending.append(loss.detach())
+        return None
+
+    def evaluate(self, i: int) -> float:
+        self.res.val_steps.append(i + 1)
+        self.res.val_loss.append(evaluate(self.loss_fn, self.batches, self.device, self.d))
+        return self.res.val_loss[-1]
+
+    def finish(self) -> Result:
+        r = self.res
+        if self.pending:
+            r.train_loss.append(float(self.d.mean(self.pending[-1])))
+            self.pending.clear()
+        r.seconds = self.timed
+        tokens = (self.steps - self.warmup_steps) * self.batches.train_offsets.shape[1] * self.batches.seq
+        r.tokens_per_s = tokens / self.timed if self.timed > 0 else 0.0
+        r.peak_mem = self.step_peak + self._resident() if self.device.type == "cuda" else self.cpu_peak
+        return r
+
+
+def train_lockstep(trainers: List[Trainer], steps: int, eval_every: int = 0, progress: bool = True,
+                   record: bool = True, desc: str = "training") -> List[Result]:
+    """Train every trainer for ``steps`` steps in lock-step; evaluate every ``eval_every`` steps and at the end."""
+    bar = None
+    if progress and trainers and trainers[0].d.main:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)
+    for i in range(steps):
+        post = {}
+        for t in trainers:
+            lv = t.step(i, record)
+            if lv is not None:
+                post[t.backend] = f"{lv:.4f}"
+        if eval_every and ((i + 1) % eval_every == 0 or i == steps - 1):
+            for t in trainers:
+                post[f"val {t.backend}"] = f"{t.evaluate(i):.4f}"
         if bar is not None:
+            bar.set_postfix(post, refresh=False)
             bar.update(1)
-    _sync(device)
-    if t0 is not None:
-        timed = time.perf_counter() - t0
-        res.seconds = timed
-        tokens = (steps - warmup_steps) * batches.train_offsets.shape[1] * batches.seq
-        res.tokens_per_s = tokens / timed if timed > 0 else 0.0
     if bar is not None:
         bar.close()
-    if losses:
-        res.train_loss.append(float(d.mean(losses[-1])))
-    res.peak_mem = torch.cuda.max_memory_allocated(device) if mem_kind == "cuda" else peak
-    return res, model
+    return [t.finish() for t in trainers]
 
 
 def check_agreement(a: Result, b: Result, dtype_name: str) -> dict:
@@ -425,18 +462,13 @@ def run(args) -> dict:
                   f"({cfg.num_parameters() / 1e6:.2f} M params), seq {args.seq}, global batch {args.batch}, {args.steps} steps, "
                   f"{args.dtype}, {_device_name(device)}{', compiled' if args.compile else ''}"
                   f"{f', {d.parallel} x{d.world}' if d.on else ''}; text: {DATA_FILE.name} ({len(batches.tokens):,} bytes)")
-        results: Dict[str, Result] = {}
-        opforge_model = None
-        for backend in args.backends:
-            torch.manual_seed(args.seed)
-            res, model = train(backend, cfg, state, batches, args, device, dtype, d, args.steps, eval_every=eval_every,
-                               progress=not args.quiet)
-            results[backend] = res
-            if backend == "opforge":
-                opforge_model = unwrap(model)
-            else:
-                del model
-            gc.collect()
+        torch.manual_seed(args.seed)
+        trainers = [Trainer(b, cfg, state, batches, args, device, dtype, d, args.steps, bool(args.compile))
+                    for b in args.backends]
+        results: Dict[str, Result] = {t.backend: r for t, r in zip(trainers, train_lockstep(
+            trainers, args.steps, eval_every=eval_every, progress=not args.quiet,
+            desc=" + ".join(args.backends) + (" (compiled)" if args.compile else "")))}
+        opforge_model = next((unwrap(t.model) for t in trainers if t.backend == "opforge"), None)
         out = {"config": cfg.to_dict(), "args": {k: v for k, v in vars(args).items() if k != "func"}, "world": d.world,
                "results": {k: vars(v) for k, v in results.items()}}
         if "opforge" in results and "torch" in results:
@@ -517,12 +549,12 @@ def report(args) -> dict:
     results = []
     for compiled in [m == "compiled" for m in args.modes]:
         for backend in args.backends:
-            args.compile = compiled
             torch.manual_seed(args.seed)
-            res, model = train(backend, cfg, state, batches, args, device, dtype, d, args.steps,
-                               progress=not args.quiet, record_losses=False)
+            t = Trainer(backend, cfg, state, batches, args, device, dtype, d, args.steps, compiled)
+            res = train_lockstep([t], args.steps, progress=not args.quiet, record=False,
+                                 desc=f"{backend} {'compiled' if compiled else 'eager'}")[0]
             results.append(res)
-            del model
+            del t
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -563,6 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="global batch (sequences per step, split across ranks)")
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--lr", type=float, help="peak AdamW learning rate")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: none)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="parameter and activation dtype (default fp32; bf16 with --report)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True) both models")

@@ -2,7 +2,6 @@
 a tiny Llama patched in place gives the unpatched model's logits and gradients (fp32), keeps its Parameter
 objects, and an unsupported model (GPT-2) reports what could not be patched."""
 import copy
-import warnings
 
 import pytest
 import torch
@@ -68,9 +67,11 @@ def test_patching_twice_is_a_no_op():
 
 
 def test_unsupported_model_reports_what_it_could_not_patch():
-    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                                  eos_token_id=0)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
+    pristine = copy.deepcopy(model)
     with pytest.warns(UserWarning, match="could not patch"):
         report = patch.apply(model)
     skipped = {name: reason for name, _, reason in report.skipped}
@@ -81,7 +82,7 @@ def test_unsupported_model_reports_what_it_could_not_patch():
     text = str(report)
     assert "not patched: transformer.h.1.mlp" in text
     with pytest.raises(ValueError, match="could not patch every module"):
-        patch.apply(copy.deepcopy(model), strict=True)
+        patch.apply(pristine, strict=True)
 
 
 def test_different_math_is_detected_and_left_alone():
