@@ -12,7 +12,8 @@ def _run(tmp_path, *extra):
     args = demo.parse_args(["--size", "tiny", "--steps", "24", "--device", "cpu", "--quiet", "--eval-every", "8",
                             "--plot", str(tmp_path / "curves.png"), "--csv", str(tmp_path / "demo_<device>.csv"),
                             "--sample-bytes", "20", *extra])
-    return demo.run(args)
+    with demo._threads(1):  # tiny matrices: one thread is fastest, and robust on a loaded CI machine
+        return demo.run(args)
 
 
 def test_loss_curves_agree_and_fall(tmp_path):
@@ -32,6 +33,15 @@ def test_loss_curves_agree_and_fall(tmp_path):
     rows = list(csv.DictReader((tmp_path / "demo_cpu.csv").open()))
     assert [r["backend"] for r in rows] == ["opforge", "torch"]
     assert isinstance(out["sample"], str) and out["sample"].startswith("Alice ")
+
+
+def test_bf16_loss_curves_agree_by_the_bf16_rule(tmp_path):
+    out = _run(tmp_path, "--dtype", "bf16", "--steps", "16", "--sample-bytes", "0", "--plot", "", "--csv", "")
+    a = out["agreement"]
+    assert a["ok"] and a["max_rel"] <= demo.BF16_REL_TOL, a
+    for name in ("opforge", "torch"):
+        r = out["results"][name]
+        assert r["train_loss"][-1] < r["train_loss"][0] - 0.5
 
 
 def test_bundled_text_and_notice():

@@ -28,7 +28,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not TWO_GPUS, re
 
 def _single(device, tmp_path):
     path = tmp_path / f"single_{device}.json"
-    demo.run(demo.parse_args([*COMMON, "--device", device, "--json", str(path)]))
+    with demo._threads(1):
+        demo.run(demo.parse_args([*COMMON, "--device", device, "--json", str(path)]))
     return json.loads(path.read_text())
 
 
