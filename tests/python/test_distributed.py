@@ -5,7 +5,8 @@ CPU: gloo, always (CI). CUDA: nccl on 2 GPUs, when this machine has them (script
 
 Tolerance: every logged train/validation loss within 1e-4 relative (fp32). The runs differ only in the
 order of floating-point reductions (each rank's mean over half the batch, then the all-reduce/reduce-scatter
-average of gradients), a few float32 ulps per step; over 8 AdamW steps that stays below 1e-5 measured.
+average of gradients), a few float32 ulps per step: measured 1.1e-7 on the CPU (gloo) for both; the bound
+leaves room for GPU GEMMs that pick other algorithms for the half-size per-rank batch.
 """
 import json
 import os
@@ -48,8 +49,10 @@ def _assert_same_losses(dist_out, single_out, what):
     a, b = dist_out["results"]["opforge"], single_out["results"]["opforge"]
     assert dist_out["world"] == 2
     assert len(a["train_loss"]) == len(b["train_loss"]) == STEPS
-    for i, (x, y) in enumerate(zip(a["train_loss"] + a["val_loss"], b["train_loss"] + b["val_loss"])):
-        assert abs(x - y) <= REL_TOL * abs(y), f"{what}: logged loss {i}: {x} vs single-process {y}"
+    rel = [abs(x - y) / abs(y) for x, y in zip(a["train_loss"] + a["val_loss"], b["train_loss"] + b["val_loss"])]
+    print(f"{what}: largest relative difference from the single-process run {max(rel):.2e}")
+    for i, r in enumerate(rel):
+        assert r <= REL_TOL, f"{what}: logged loss {i} differs from the single-process run by {r:.2e} relative"
 
 
 @pytest.fixture(scope="module")
