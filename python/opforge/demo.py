@@ -66,7 +66,7 @@ BF16_FINAL_REL_TOL = 2e-2
 SIZES: Dict[str, dict] = {
     "tiny": dict(d_model=64, layers=2, heads=4, seq=64, batch=8, steps=20, lr=3e-3),
     "small": dict(d_model=128, layers=4, heads=4, seq=128, batch=8, steps=200, lr=1.5e-3),
-    "medium": dict(d_model=512, layers=8, heads=8, seq=256, batch=32, steps=600, lr=1e-3),
+    "medium": dict(d_model=512, layers=8, heads=8, seq=256, batch=32, steps=500, lr=6e-4),
     "report": dict(d_model=2048, layers=8, heads=16, seq=2048, batch=4, steps=12, lr=1e-4),
 }
 
@@ -593,8 +593,14 @@ def report(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    sizes = "\n".join(f"  {k:7s} " + ", ".join(f"{a}={v}" for a, v in kv.items()) for k, kv in SIZES.items())
     p = argparse.ArgumentParser(prog="python -m opforge demo", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"sizes (--d-model etc. override them):\n{sizes}\n\nexamples:\n"
+                                       "  python -m opforge demo                      # CPU: about 2 minutes\n"
+                                       "  python -m opforge demo --device cuda --compile\n"
+                                       "  python -m opforge demo --report             # GPU tokens/s table, bf16\n"
+                                       "  torchrun --nproc_per_node=2 -m opforge.demo --parallel fsdp")
     p.add_argument("--size", choices=sorted(SIZES), default=None,
                    help="named size (default: small on CPU, medium on CUDA, report with --report)")
     p.add_argument("--d-model", type=int, help="hidden size D")
@@ -604,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="global batch (sequences per step, split across ranks)")
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--lr", type=float, help="peak AdamW learning rate")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: none)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping, 0 for none (default 1.0)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="parameter and activation dtype (default fp32; bf16 with --report)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True) both models")
@@ -613,8 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="eager,compiled", help="with --report: comma-separated subset of eager,compiled")
     p.add_argument("--allow-cpu-report", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backends", default="opforge,torch", help="comma-separated subset of opforge,torch")
-    p.add_argument("--plot", default="benchmarks/results/demo_<device>.png", help="PNG of the loss curves ('' for none)")
-    p.add_argument("--csv", default="benchmarks/results/demo_<device>.csv", help="CSV the numbers are appended to ('' for none)")
+    p.add_argument("--plot", default="benchmarks/results/demo_<device>.png", help="PNG of the loss curves, '' for none (default benchmarks/results/demo_<device>.png)")
+    p.add_argument("--csv", default="benchmarks/results/demo_<device>.csv", help="CSV the numbers are appended to, '' for none (default benchmarks/results/demo_<device>.csv)")
     p.add_argument("--json", default="", help="write all results (losses per step) as JSON here")
     p.add_argument("--eval-every", type=int, default=0, help="steps between validation evals (default: steps/5)")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per eval")
