@@ -12,8 +12,9 @@ TORCH_LIBRARY(opforge, m) {
   m.def("fused_add_rms_norm(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor residual_out)");
   // y = input · weightᵀ + bias; input (*, K), weight (N, K), bias (N,)
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
-  // (grad_input, grad_weight, grad_bias) of linear, each only if its output_mask entry is set
-  m.def("linear_backward(Tensor grad_output, Tensor input, Tensor weight, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // (grad_input, grad_weight, grad_bias) of linear, each only if its output_mask entry is set;
+  // grad_bias in bias_dtype (the forward's bias dtype; input's dtype when None)
+  m.def("linear_backward(Tensor grad_output, Tensor input, Tensor weight, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor, Tensor, Tensor)");
   // y = input / sqrt(mean(input², over normalized dims) + eps) · weight; eps=None: float32's machine eps (float64's for float64)
   m.def("rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
   // (grad_input, grad_weight) of rms_norm from the saved rstd (normalized dims = input's dims after rstd's), each only if its output_mask entry is set

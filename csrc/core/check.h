@@ -8,18 +8,32 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <sstream>
+#include <cstdio>
 #include <string>
 
 namespace opforge {
 
+/// Decimal text of a number for error messages. Built with std::to_string / snprintf (C stdio), never
+/// through a std::ostream: on some torch builds (2.11 wheels) an ostream numeric insert from this
+/// library reached a second copy of libstdc++'s locale facets and crashed the process, so every number
+/// that goes into an opforge message goes through num_str first.
+inline std::string num_str(int64_t v) { return std::to_string(v); }
+inline std::string num_str(int v) { return std::to_string(v); }
+inline std::string num_str(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+inline std::string num_str(const c10::SymInt& v) {
+  if (auto i = v.maybe_as_int()) return std::to_string(*i);
+  return v.toSymNodeImplUnowned()->str();  // a symbolic size (torch.compile's dynamic shapes)
+}
+
 /// "[4, 8]"-style text of a (possibly symbolic) shape, for error messages.
 inline std::string shape_str(c10::SymIntArrayRef sizes) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
-  out << "]";
-  return out.str();
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + num_str(sizes[i]);
+  return out + "]";
 }
 
 /// True for the dtypes opforge computes in: float64, float32, float16, bfloat16.
@@ -47,8 +61,8 @@ inline void check_same_device(const char* op, const char* name_a, const at::Tens
 
 /// Raises unless `t` has exactly `dim` dimensions.
 inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
-  TORCH_CHECK_VALUE(t.dim() == dim, "opforge::", op, ": expected ", name, " to have ", dim,
-                    " dimension(s), but got ", t.dim(), " with shape ", shape_str(t.sym_sizes()));
+  TORCH_CHECK_VALUE(t.dim() == dim, "opforge::", op, ": expected ", name, " to have ", num_str(dim),
+                    " dimension(s), but got ", num_str(t.dim()), " with shape ", shape_str(t.sym_sizes()));
 }
 
 /// The mixed-dtype policy of every opforge op, identical on CPU, CUDA and Meta:

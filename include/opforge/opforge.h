@@ -25,11 +25,14 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias = std::nullopt);
 
 /// Gradients of linear: (grad_input (*, K), grad_weight (N, K), grad_bias (N,)) for grad_output (*, N);
-/// entry i is computed only when output_mask[i] (else undefined). Gradients take their argument's dtype.
+/// entry i is computed only when output_mask[i] (else undefined). grad_input takes input's dtype,
+/// grad_weight weight's dtype, grad_bias bias_dtype (pass the forward bias's dtype; input's dtype when
+/// nullopt). The linear has no bias argument here: grad_bias = Σ_rows grad_output, accumulated in fp32.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad_output,
                                                                const at::Tensor& input,
                                                                const at::Tensor& weight,
-                                                               std::array<bool, 3> output_mask);
+                                                               std::array<bool, 3> output_mask,
+                                                               std::optional<at::ScalarType> bias_dtype = std::nullopt);
 
 /// y = input / sqrt(mean(input², over the normalized dims) + eps) · weight  (torch.nn.functional.rms_norm).
 /// input (*, normalized_shape...), weight normalized_shape or none -> input's shape, in input's dtype.

@@ -24,23 +24,31 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
     """y = input · weightᵀ + bias, as :func:`torch.nn.functional.linear`.
 
     Args:
-        input: (*, K) float64, float32, float16 or bfloat16. Any batch dims, any strides.
-        weight: (N, K) floating. Converted to input's dtype if it differs.
-        bias: (N,) floating, or None (no bias). Default: None.
+        input: (*, K) float64, float32, float16 or bfloat16. Any batch dims (M = prod(*) rows, may be 0),
+            any strides.
+        weight: (N, K) floating, any strides. Converted to input's dtype if it differs; its gradient
+            comes back in weight's own dtype.
+        bias: (N,) floating, or None (no bias). Converted like weight; its gradient comes back in bias's
+            dtype. Default: None.
 
     Returns:
-        (*, N) tensor in input's dtype. With K = 0 the output is the bias broadcast (zeros without bias).
+        (*, N) contiguous tensor in input's dtype. With K = 0 the output is the bias broadcast (zeros
+        without bias); with M = 0 the weight and bias gradients are zeros.
 
     Raises:
-        ValueError: weight not 2-D; input of rank 0; input's last dim != weight's K; bias not of shape (N,).
+        ValueError: input of rank 0; weight not 2-D; input's last dim != weight's in_features K;
+            bias not of shape (N,).
         TypeError: any tensor with an integer, bool or complex dtype.
-        RuntimeError: tensors on different devices.
+        RuntimeError: tensors on different devices (the message names both); on CUDA, M, K or N above
+            2**31 - 1 (cuBLAS takes int dimensions); double backward (``create_graph=True``).
 
-    Numerics: CPU through ATen's GEMM; CUDA through cuBLAS with float32 accumulation for
-    float16/bfloat16 (float32 inputs follow torch's TF32 setting, ``torch.backends.cuda.matmul.allow_tf32``).
-    grad_bias is the sum of grad_output over all rows, accumulated in float32.
+    Numerics: CPU through ATen's GEMM (at::addmm / at::mm); CUDA through cuBLAS (cublasGemmEx) with
+    float32 accumulation for float16/bfloat16 (float32 inputs use TF32 only when
+    ``torch.backends.cuda.matmul.allow_tf32`` is set). grad_bias is the sum of grad_output over all rows,
+    accumulated in float32 (float64 for float64) and rounded once to bias's dtype.
 
-    Source: torch.nn.functional.linear; gradients dX = dY·W, dW = dYᵀ·X, db = Σ_rows dY.
+    Source: torch.nn.functional.linear; gradients dX = dY·W, dW = dYᵀ·X, db = Σ_rows dY
+    (``torch.ops.opforge.linear_backward``).
     """
     return torch.ops.opforge.linear(input, weight, bias)
 

@@ -71,6 +71,18 @@ def test_hidden_sizes(device, dtype, N):
     _check(x, _ident, (N,), w, torch.randn_like(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [40000, 65536])
+def test_long_rows(device, dtype, N):
+    """Rows too long to keep in registers on CUDA (the streaming kernels), vector and scalar widths."""
+    x = torch.randn(3, N, device=device, dtype=dtype)
+    w = torch.randn(N, device=device, dtype=dtype)
+    _check(x, _ident, (N,), w, torch.randn_like(x))
+    r = torch.randn_like(x)
+    out, res = opforge.fused_add_rms_norm(x, r, (N,), w)
+    assert torch.equal(res, x + r) and torch.equal(out, opforge.rms_norm(res, (N,), w))
+
+
 @pytest.mark.parametrize("dtype", LOWP_AND_FP32)
 def test_no_weight(device, dtype):
     x = torch.randn(5, 3, 769, device=device, dtype=dtype)

@@ -104,11 +104,16 @@ std::tuple<at::Tensor, at::Tensor> square_add_backward_composite(const at::Tenso
                                                                  const at::Tensor& input, const at::Tensor& other,
                                                                  std::array<bool, 2> output_mask) {
   elementwise::check_square_add_args(input, other);
+  check_floating("square_add_backward", "grad_output", grad_output);
   check_same_device("square_add_backward", "grad_output", grad_output, "input", input);
+  // Fix: grad_output's shape was only checked inside square_backward (mask[0]); with mask [false, true]
+  // a grad_output of the wrong shape was silently summed to other's shape (or failed in at::sum_to).
+  TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(input.sym_sizes()),
+                    "opforge::square_add_backward: expected grad_output of input's shape ",
+                    shape_str(input.sym_sizes()), ", but got ", shape_str(grad_output.sym_sizes()));
   at::Tensor grad_input, grad_other;
   if (output_mask[0]) grad_input = opforge::square_backward(grad_output, input);
   if (output_mask[1]) {
-    check_floating("square_add_backward", "grad_output", grad_output);
     // sums in fp32 internally; never a view of grad_output (the schema returns new tensors)
     grad_other = at::sum_to(grad_output, other.sym_sizes(), /*always_return_non_view=*/true).to(other.scalar_type());
   }

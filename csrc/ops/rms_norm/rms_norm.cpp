@@ -78,7 +78,7 @@ Problem check_forward(const char* op, const at::Tensor& input, c10::SymIntArrayR
   if (residual.has_value() && residual->defined()) p.R = to_input_dtype(*residual, input.scalar_type()).contiguous();
   if (weight.has_value() && weight->defined()) p.W = to_input_dtype(*weight, input.scalar_type()).contiguous();
   p.eps = eps.has_value() ? *eps : default_eps(input.scalar_type());
-  TORCH_CHECK_VALUE(p.eps >= 0, "opforge::", op, ": expected eps >= 0, but got ", p.eps);
+  TORCH_CHECK_VALUE(p.eps >= 0, "opforge::", op, ": expected eps >= 0, but got ", num_str(p.eps));
   return p;
 }
 

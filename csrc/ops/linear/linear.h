@@ -1,0 +1,73 @@
+// linear and linear_backward.
+//
+//   linear(X, W, b)  Y[M, N]  = X[M, K] · W[N, K]ᵀ + b[N]
+//   linear_backward  dX[M, K] = dY[M, N] · W[N, K]
+//                    dW[N, K] = dY[M, N]ᵀ · X[M, K]
+//                    db[N]    = Σ_rows dY[M, N]          (fp32 accumulation)
+//
+// input (*, K) is flattened to M = prod(*) rows. Kernels see only the 2-D contiguous problem the
+// checkers below produce; every backend (CPU, CUDA) and Meta runs the same checks.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "opforge/opforge.h"
+
+namespace opforge {
+// (linear_op, not linear: opforge::linear is the public function.)
+namespace linear_op {
+
+/// Shape, dtype and device checks of linear that hold for symbolic shapes too (used by Meta).
+/// Raises:
+///   ValueError: input of rank 0; weight not 2-D; input's last dim != weight's in_features K;
+///               bias not of shape [N].
+///   TypeError:  any tensor of a non-floating dtype (integer, bool, complex).
+///   RuntimeError: tensors on different devices (the message names both devices).
+void check_linear_args(const char* op, const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias);
+
+/// linear's canonical problem: Y[M, N] = X[M, K] · W[N, K]ᵀ + b[N].
+struct LinearProblem {
+  int64_t M, K, N;
+  at::Tensor X;  // [M, K] contiguous (see check_linear), input's dtype
+  at::Tensor W;  // [N, K] contiguous (see check_linear), converted to input's dtype
+  at::Tensor b;  // [N] contiguous in input's dtype, or undefined (no bias)
+};
+
+/// Validates linear's arguments (check_linear_args) and returns the problem: one dtype conversion for
+/// a parameter of another floating dtype, and (when `contiguous`) one copy for a strided view. With
+/// contiguous = false, X and W are 2-D but may be strided (X is input.reshape, a view when possible):
+/// for backends whose GEMM takes any strides (ATen's on CPU), which then skip the copies and make
+/// the same GEMM calls as torch.nn.functional.linear.
+LinearProblem check_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           bool contiguous = true);
+
+/// Checks of linear_backward that hold for symbolic shapes (Meta): the linear checks on
+/// (input, weight), grad_output floating, on input's device and of shape (*, N) with input's (*),
+/// bias_dtype (if given) floating (TypeError otherwise).
+void check_linear_backward_args(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+                                std::optional<at::ScalarType> bias_dtype);
+
+/// linear_backward's canonical problem, all operands in input's dtype.
+struct LinearBackwardProblem {
+  int64_t M, K, N;
+  at::Tensor dY;  // [M, N] (strided only when check_linear_backward's contiguous = false, as X and W)
+  at::Tensor X;   // [M, K]
+  at::Tensor W;   // [N, K]
+};
+LinearBackwardProblem check_linear_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                            const at::Tensor& weight, std::optional<at::ScalarType> bias_dtype,
+                                            bool contiguous = true);
+
+/// Output shape of linear: input's leading dims followed by N.
+c10::SymDimVector output_sym_sizes(const at::Tensor& input, const at::Tensor& weight);
+
+/// The dtype grad_bias is returned in: bias_dtype, or input's dtype when none is given.
+inline at::ScalarType grad_bias_dtype(const at::Tensor& input, std::optional<at::ScalarType> bias_dtype) {
+  return bias_dtype.value_or(input.scalar_type());
+}
+
+}  // namespace linear_op
+}  // namespace opforge

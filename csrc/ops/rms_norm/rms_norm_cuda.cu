@@ -1,0 +1,491 @@
+// CUDA kernels of the RMSNorm ops.
+//
+// Mapping: a row of N elements is handled by a group of TPR threads (TPR = blockDim.x, a multiple of
+// 32): one warp per row for short rows (blockDim = (32, 4): 4 rows per block, warp-shuffle sums), one
+// block per row for long rows (blockDim = (TPR, 1), TPR up to 512, warp shuffles + shared memory).
+// TPR is chosen from N so that each thread owns at most MAXV = 2 vectors of the row, which it keeps in
+// registers between the sum-of-squares pass and the scaling pass: x is read from memory once.
+// Rows longer than 2 · 512 vectors take the streaming variant (MAXV = 0), which re-reads the row
+// (from L2). Blocks loop over rows (grid-stride), so neither M nor N meets a grid or shared-memory
+// ceiling; row offsets are 64-bit.
+//
+// Vector width: 16-byte accesses (VEC = 8 for float16/bfloat16, 4 for float32, 2 for float64) when
+// every base pointer is 16-byte aligned and N % VEC == 0 (then every row is aligned); otherwise the
+// same kernels run with VEC = 1 (any N, any alignment, still coalesced and register-cached).
+//
+// Backward: one pass computes dX and, per row group, a dweight partial row in fp32 registers over the
+// rows the group visits; partials [G, N] (G = number of groups, from the caching allocator) are summed
+// over G by at::sum in a second, small step.
+#include <ATen/OpMathType.h>
+#include <torch/library.h>
+
+#include <atomic>
+
+#include "core/cuda_utils.cuh"
+#include "core/dispatch.h"
+#include "ops/rms_norm/rms_norm.h"
+
+namespace opforge {
+namespace {
+
+using cuda::Vec;
+
+#ifndef OPFORGE_RMS_MAXV
+#define OPFORGE_RMS_MAXV 2  // vectors a thread keeps in registers (H200, 2026-11-29: 2 beat 4 on 13 of 15 bf16 cases)
+#endif
+constexpr int kMaxVecsPerThread = OPFORGE_RMS_MAXV;  // MAXV of the register-cached kernels
+constexpr int kWarpRows = 4;          // rows per block in the warp-per-row mapping
+constexpr int kMaxThreads = 512;      // threads per row at most (launch bound: up to 128 registers, no spills)
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum of v over the threadIdx.x group of one row (the warp when blockDim.x == 32, else the block,
+// whose blockDim.y is then 1). Every thread of the group gets the sum. smem: 32 values.
+template <typename T>
+__device__ __forceinline__ T row_sum(T v, T* smem) {
+  v = warp_sum(v);
+  if (blockDim.x == 32) return v;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  T total = T(0);
+  for (int i = 0; i < nwarps; ++i) total += smem[i];
+  __syncthreads();  // smem is reused by the next row
+  return total;
+}
+
+// Forward. Per row:  (FUSED: z = x + r, rounded to T and stored; x := z)
+//   rstd = 1 / sqrt(Σ x² / N + eps);  y = x · rstd · w
+// MAXV > 0: the thread's vectors v = tid + k·TPR (k < MAXV) stay in registers; MAXV == 0: streaming.
+template <typename T, int VEC, int MAXV, bool FUSED>
+__global__ void __launch_bounds__(kMaxThreads)
+    rms_norm_forward_kernel(const T* __restrict__ X,      // [M, N]
+                            const T* __restrict__ R,      // [M, N] (FUSED)
+                            const T* __restrict__ W,      // [N] or null
+                            T* __restrict__ Y,            // [M, N]
+                            T* __restrict__ Z,            // [M, N] (FUSED)
+                            at::opmath_type<T>* __restrict__ rstd,  // [M]
+                            int64_t M, int64_t N, at::opmath_type<T> eps) {
+  using opmath_t = at::opmath_type<T>;
+  using V = Vec<T, VEC>;
+  __shared__ opmath_t smem[32];
+  const int tid = threadIdx.x, tpr = blockDim.x;
+  const int64_t nvec = N / VEC;
+  const V* Wv = reinterpret_cast<const V*>(W);
+  // cached variant: the thread's weight vectors (the same columns in every row) stay in registers
+  V wcache[MAXV > 0 ? MAXV : 1];
+  if constexpr (MAXV > 0) {
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+      const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+      if (W != nullptr && v < nvec) wcache[k] = Wv[v];
+    }
+  }
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; row < M;
+       row += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    const int64_t base = row * N;
+    const V* Xv = reinterpret_cast<const V*>(X + base);
+    V* Yv = reinterpret_cast<V*>(Y + base);
+    const V* Rv = FUSED ? reinterpret_cast<const V*>(R + base) : nullptr;
+    V* Zv = FUSED ? reinterpret_cast<V*>(Z + base) : nullptr;
+
+    // x (or z) of vector v, with z = x + r stored on the way when FUSED
+    auto load = [&](int64_t v) -> V {
+      V a = Xv[v];
+      if constexpr (FUSED) {
+        const V b = Rv[v];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+          a.val[j] = static_cast<T>(static_cast<opmath_t>(a.val[j]) + static_cast<opmath_t>(b.val[j]));
+        Zv[v] = a;
+      }
+      return a;
+    };
+    auto sumsq = [&](const V& a) {
+      opmath_t s = 0;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const opmath_t t = static_cast<opmath_t>(a.val[j]);
+        s += t * t;
+      }
+      return s;
+    };
+    // y = x · rstd · w
+    auto scale_store = [&](int64_t v, const V& a, const V& w, opmath_t rs) {
+      V y;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const opmath_t wj = W != nullptr ? static_cast<opmath_t>(w.val[j]) : opmath_t(1);
+        y.val[j] = static_cast<T>(static_cast<opmath_t>(a.val[j]) * rs * wj);
+      }
+      Yv[v] = y;
+    };
+
+    opmath_t ss = 0;
+    if constexpr (MAXV > 0) {
+      V cache[MAXV];
+#pragma unroll
+      for (int k = 0; k < MAXV; ++k) {
+        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+          cache[k] = load(v);
+          ss += sumsq(cache[k]);
+        }
+      }
+      ss = row_sum(ss, smem);
+      const opmath_t rs = opmath_t(1) / sqrt(ss / static_cast<opmath_t>(N) + eps);
+      if (tid == 0) rstd[row] = rs;
+#pragma unroll
+      for (int k = 0; k < MAXV; ++k) {
+        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) scale_store(v, cache[k], wcache[k], rs);
+      }
+    } else {
+      for (int64_t v = tid; v < nvec; v += tpr) ss += sumsq(load(v));
+      ss = row_sum(ss, smem);
+      const opmath_t rs = opmath_t(1) / sqrt(ss / static_cast<opmath_t>(N) + eps);
+      if (tid == 0) rstd[row] = rs;
+      // re-read the row (FUSED: z, written above by this same thread)
+      const V* Sv = FUSED ? reinterpret_cast<const V*>(Zv) : Xv;
+      for (int64_t v = tid; v < nvec; v += tpr) {
+        V w;
+        if (W != nullptr) w = Wv[v];
+        scale_store(v, Sv[v], w, rs);
+      }
+    }
+  }
+}
+
+// Backward. Per row (rs = rstd[row]):
+//   s = Σ w·dy·x;  dx = rs·w·dy − x·(rs³·s/N);  dw_partial[group] += dy·x·rs
+// One row group per block (blockDim.y == 1); group g = blockIdx.x writes partial row g.
+template <typename T, int VEC, int MAXV>
+__global__ void __launch_bounds__(kMaxThreads)
+    rms_norm_backward_kernel(const T* __restrict__ dY,                     // [M, N]
+                             const T* __restrict__ X,                      // [M, N]
+                             const at::opmath_type<T>* __restrict__ rstd,  // [M]
+                             const T* __restrict__ W,                      // [N] or null
+                             T* __restrict__ dX,                           // [M, N] or null
+                             at::opmath_type<T>* __restrict__ dW_partial,  // [gridDim.x, N] or null
+                             int64_t M, int64_t N) {
+  using opmath_t = at::opmath_type<T>;
+  using V = Vec<T, VEC>;
+  __shared__ opmath_t smem[32];
+  const int tid = threadIdx.x, tpr = blockDim.x;
+  const int64_t nvec = N / VEC;
+  const V* Wv = reinterpret_cast<const V*>(W);
+  const opmath_t inv_n = opmath_t(1) / static_cast<opmath_t>(N);
+  auto wval = [&](const V& w, int j) { return W != nullptr ? static_cast<opmath_t>(w.val[j]) : opmath_t(1); };
+
+  if constexpr (MAXV > 0) {
+    opmath_t dw[MAXV][VEC];
+    V w[MAXV];
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+      const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+      if (W != nullptr && v < nvec) w[k] = Wv[v];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dw[k][j] = 0;
+    }
+    for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+      const int64_t base = row * N;
+      const V* dYv = reinterpret_cast<const V*>(dY + base);
+      const V* Xv = reinterpret_cast<const V*>(X + base);
+      const opmath_t rs = rstd[row];
+      V g[MAXV], x[MAXV];
+      opmath_t s = 0;
+#pragma unroll
+      for (int k = 0; k < MAXV; ++k) {
+        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+          g[k] = dYv[v];
+          x[k] = Xv[v];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j)
+            s += wval(w[k], j) * static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]);
+        }
+      }
+      if (dX != nullptr) {
+        s = row_sum(s, smem);
+        const opmath_t c = rs * rs * rs * s * inv_n;
+        V* dXv = reinterpret_cast<V*>(dX + base);
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {
+          const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+          if (v < nvec) {
+            V d;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+              d.val[j] = static_cast<T>(rs * wval(w[k], j) * static_cast<opmath_t>(g[k].val[j]) -
+                                        static_cast<opmath_t>(x[k].val[j]) * c);
+            dXv[v] = d;
+          }
+        }
+      }
+      if (dW_partial != nullptr) {
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {
+          const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+          if (v < nvec) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+              dw[k][j] += static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]) * rs;
+          }
+        }
+      }
+    }
+    if (dW_partial != nullptr) {
+      opmath_t* out = dW_partial + static_cast<int64_t>(blockIdx.x) * N;
+#pragma unroll
+      for (int k = 0; k < MAXV; ++k) {
+        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) out[v * VEC + j] = dw[k][j];
+        }
+      }
+    }
+  } else {
+    // streaming: rows too long for registers; the dweight partial row accumulates in global memory
+    // (this block's own row of dW_partial, zero-initialized by the launcher, L2-resident)
+    opmath_t* part = dW_partial != nullptr ? dW_partial + static_cast<int64_t>(blockIdx.x) * N : nullptr;
+    for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
+      const int64_t base = row * N;
+      const V* dYv = reinterpret_cast<const V*>(dY + base);
+      const V* Xv = reinterpret_cast<const V*>(X + base);
+      const opmath_t rs = rstd[row];
+      opmath_t c = 0;
+      if (dX != nullptr) {
+        opmath_t s = 0;
+        for (int64_t v = tid; v < nvec; v += tpr) {
+          const V g = dYv[v], x = Xv[v];
+          V w;
+          if (W != nullptr) w = Wv[v];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j)
+            s += wval(w, j) * static_cast<opmath_t>(g.val[j]) * static_cast<opmath_t>(x.val[j]);
+        }
+        s = row_sum(s, smem);
+        c = rs * rs * rs * s * inv_n;
+      }
+      for (int64_t v = tid; v < nvec; v += tpr) {
+        const V g = dYv[v], x = Xv[v];
+        if (dX != nullptr) {
+          V w;
+          if (W != nullptr) w = Wv[v];
+          V d;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j)
+            d.val[j] = static_cast<T>(rs * wval(w, j) * static_cast<opmath_t>(g.val[j]) -
+                                      static_cast<opmath_t>(x.val[j]) * c);
+          reinterpret_cast<V*>(dX + base)[v] = d;
+        }
+        if (part != nullptr) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j)
+            part[v * VEC + j] += static_cast<opmath_t>(g.val[j]) * static_cast<opmath_t>(x.val[j]) * rs;
+        }
+      }
+    }
+  }
+}
+
+// Threads per row for nvec vectors per row: enough that each thread owns at most kMaxVecsPerThread
+// vectors, a multiple of 32, at most max_tpr; cached == false when even max_tpr threads cannot.
+struct RowMapping {
+  int tpr;
+  bool cached;
+};
+inline RowMapping choose_mapping(int64_t nvec, int max_tpr) {
+  const int64_t want = (nvec + kMaxVecsPerThread - 1) / kMaxVecsPerThread;
+  if (want > max_tpr) return {max_tpr, false};
+  return {static_cast<int>(std::max<int64_t>(32, (want + 31) / 32 * 32)), true};
+}
+
+inline int64_t num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+// Blocks of `threads` threads of `kernel` resident per SM (CUDA occupancy calculator), cached per
+// kernel and block size: the grid-stride grids below are sized to exactly fill the GPU once.
+template <auto kernel>
+int64_t resident_blocks(int threads) {
+  static std::atomic<int> cache[kMaxThreads / 32 * kWarpRows + 1];
+  const int slot = threads / 32;
+  int n = cache[slot].load(std::memory_order_relaxed);
+  if (n == 0) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+    n = std::max(n, 1);
+    cache[slot].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// Launcher: device guard, current stream, launch, launch check. M == 0 or N == 0 launch nothing.
+template <typename T, bool FUSED>
+void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd) {
+  using opmath_t = at::opmath_type<T>;
+  const int64_t M = p.M, N = p.N;
+  const T* x = p.X.const_data_ptr<T>();
+  const T* r = FUSED ? p.R.const_data_ptr<T>() : nullptr;
+  const T* w = p.W.defined() ? p.W.const_data_ptr<T>() : nullptr;
+  T* y = Y.mutable_data_ptr<T>();
+  T* z = FUSED ? Z.mutable_data_ptr<T>() : nullptr;
+  opmath_t* rs = rstd.mutable_data_ptr<opmath_t>();
+  const opmath_t eps = static_cast<opmath_t>(p.eps);
+  constexpr int VEC = cuda::vec_size<T>();
+  const bool vec = N % VEC == 0 && cuda::is_aligned16(x) && cuda::is_aligned16(y) &&
+                   (w == nullptr || cuda::is_aligned16(w)) &&
+                   (!FUSED || (cuda::is_aligned16(r) && cuda::is_aligned16(z)));
+  const int64_t nvec = vec ? N / VEC : N;
+  const RowMapping map = choose_mapping(nvec, kMaxThreads);
+  const int rows_per_block = map.tpr == 32 ? kWarpRows : 1;
+  const dim3 block(map.tpr, rows_per_block);
+  const int64_t row_groups = (M + rows_per_block - 1) / rows_per_block;
+  auto stream = at::cuda::getCurrentCUDAStream();
+#define OPFORGE_RMS_FWD(V_, MAXV_)                                                                       \
+  do {                                                                                                   \
+    constexpr auto kernel = rms_norm_forward_kernel<T, V_, MAXV_, FUSED>;                                \
+    const int64_t grid =                                                                                 \
+        std::min<int64_t>(row_groups, num_sms() * resident_blocks<kernel>(map.tpr * rows_per_block));    \
+    kernel<<<grid, block, 0, stream>>>(x, r, w, y, z, rs, M, N, eps);                                    \
+  } while (0)
+  if (vec) {
+    if (map.cached) OPFORGE_RMS_FWD(VEC, kMaxVecsPerThread);
+    else OPFORGE_RMS_FWD(VEC, 0);
+  } else {
+    if (map.cached) OPFORGE_RMS_FWD(1, kMaxVecsPerThread);
+    else OPFORGE_RMS_FWD(1, 0);
+  }
+#undef OPFORGE_RMS_FWD
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void forward_cuda(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd) {
+  if (p.M == 0) return;
+  c10::cuda::CUDAGuard guard(p.X.device());
+  if (p.N == 0) {
+    rstd.fill_(1.0 / std::sqrt(p.eps));
+    return;
+  }
+  OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::rms_norm", [&] {
+    if (p.R.defined()) launch_forward<scalar_t, true>(p, Y, Z, rstd);
+    else launch_forward<scalar_t, false>(p, Y, Z, rstd);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                         const std::optional<at::Tensor>& weight,
+                                                         std::optional<double> eps) {
+  const auto p = rmsnorm::check_forward("rms_norm", input, normalized_shape, weight, eps);
+  at::Tensor Y = at::empty(input.sizes(), p.X.options());
+  at::Tensor rstd = at::empty(input.sizes().slice(0, input.dim() - normalized_shape.size()),
+                              p.X.options().dtype(rmsnorm::rstd_dtype(input.scalar_type())));
+  at::Tensor Z;
+  forward_cuda(p, Y, Z, rstd);
+  return {Y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cuda(
+    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  const auto p = rmsnorm::check_forward("fused_add_rms_norm", input, normalized_shape, weight, eps, residual);
+  at::Tensor Y = at::empty(input.sizes(), p.X.options());
+  at::Tensor Z = at::empty(input.sizes(), p.X.options());
+  at::Tensor rstd = at::empty(input.sizes().slice(0, input.dim() - normalized_shape.size()),
+                              p.X.options().dtype(rmsnorm::rstd_dtype(input.scalar_type())));
+  forward_cuda(p, Y, Z, rstd);
+  return {Y, Z, rstd};
+}
+
+template <typename T>
+int64_t backward_resident_blocks_t(const RowMapping& map, bool vec) {
+  constexpr int VEC = cuda::vec_size<T>();
+  if (vec) {
+    return map.cached ? resident_blocks<rms_norm_backward_kernel<T, VEC, kMaxVecsPerThread>>(map.tpr)
+                      : resident_blocks<rms_norm_backward_kernel<T, VEC, 0>>(map.tpr);
+  }
+  return map.cached ? resident_blocks<rms_norm_backward_kernel<T, 1, kMaxVecsPerThread>>(map.tpr)
+                    : resident_blocks<rms_norm_backward_kernel<T, 1, 0>>(map.tpr);
+}
+
+int64_t backward_resident_blocks(at::ScalarType dtype, const RowMapping& map, bool vec) {
+  int64_t n = 1;
+  OPFORGE_DISPATCH_FLOATING(dtype, "opforge::rms_norm_backward", [&] { n = backward_resident_blocks_t<scalar_t>(map, vec); });
+  return n;
+}
+
+template <typename T>
+void launch_backward(const rmsnorm::BackwardProblem& p, at::Tensor& dX, at::Tensor& partials, int64_t grid,
+                     const RowMapping& map, bool vec) {
+  using opmath_t = at::opmath_type<T>;
+  const T* dy = p.dY.const_data_ptr<T>();
+  const T* x = p.X.const_data_ptr<T>();
+  const opmath_t* rs = p.rstd.const_data_ptr<opmath_t>();
+  const T* w = p.W.defined() ? p.W.const_data_ptr<T>() : nullptr;
+  T* dx = dX.defined() ? dX.mutable_data_ptr<T>() : nullptr;
+  opmath_t* part = partials.defined() ? partials.mutable_data_ptr<opmath_t>() : nullptr;
+  constexpr int VEC = cuda::vec_size<T>();
+  auto stream = at::cuda::getCurrentCUDAStream();
+#define OPFORGE_RMS_BWD(V_, MAXV_) \
+  rms_norm_backward_kernel<T, V_, MAXV_><<<grid, map.tpr, 0, stream>>>(dy, x, rs, w, dx, part, p.M, p.N)
+  if (vec) {
+    if (map.cached) OPFORGE_RMS_BWD(VEC, kMaxVecsPerThread);
+    else OPFORGE_RMS_BWD(VEC, 0);
+  } else {
+    if (map.cached) OPFORGE_RMS_BWD(1, kMaxVecsPerThread);
+    else OPFORGE_RMS_BWD(1, 0);
+  }
+#undef OPFORGE_RMS_BWD
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
+                                                          const at::Tensor& rstd,
+                                                          const std::optional<at::Tensor>& weight,
+                                                          std::array<bool, 2> output_mask) {
+  const auto p = rmsnorm::check_backward(grad_output, input, rstd, weight);
+  const int64_t M = p.M, N = p.N;
+  const bool want_dx = output_mask[0];
+  const bool want_dw = output_mask[1] && p.W.defined();
+  at::Tensor dX = want_dx ? at::empty(input.sizes(), p.X.options()) : at::Tensor();
+  if (!want_dx && !want_dw) return {dX, at::Tensor()};
+  const auto acc_dtype = rmsnorm::rstd_dtype(input.scalar_type());
+  c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor dW;
+  if (M == 0 || N == 0) {
+    if (want_dw) dW = at::zeros(weight->sizes(), weight->options());
+    return {dX, dW};
+  }
+  const int64_t elem = p.X.element_size();
+  const int64_t VEC = 16 / elem;
+  const bool vec = N % VEC == 0 && cuda::is_aligned16(p.dY.const_data_ptr()) && cuda::is_aligned16(p.X.const_data_ptr()) &&
+                   (!p.W.defined() || cuda::is_aligned16(p.W.const_data_ptr())) &&
+                   (!want_dx || cuda::is_aligned16(dX.const_data_ptr()));
+  const RowMapping map = choose_mapping(vec ? N / VEC : N, kMaxThreads);
+  // one row group per block, as many blocks as are resident at once: the partials are then
+  // (resident blocks) rows of N floats, a few percent of the traffic of dY, X and dX
+  const int64_t grid = std::min<int64_t>(M, num_sms() * backward_resident_blocks(p.X.scalar_type(), map, vec));
+  at::Tensor partials;  // [grid, N]
+  if (want_dw) {
+    auto opts = p.X.options().dtype(acc_dtype);
+    partials = map.cached ? at::empty({grid, N}, opts) : at::zeros({grid, N}, opts);
+  }
+  OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::rms_norm_backward",
+                            [&] { launch_backward<scalar_t>(p, dX, partials, grid, map, vec); });
+  if (want_dw) dW = partials.sum(0).view(weight->sizes()).to(weight->scalar_type());
+  return {dX, dW};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
+  m.impl("_rms_norm_forward", &rms_norm_forward_cuda);
+  m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_cuda);
+  m.impl("rms_norm_backward", &rms_norm_backward_cuda);
+}
+
+}  // namespace opforge

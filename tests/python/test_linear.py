@@ -1,0 +1,392 @@
+"""linear and linear_backward: accuracy against float64, layouts, zero sizes, opcheck, compile, errors.
+
+Tolerance rule (opforge.testing): our error against the float64 reference is at most 2 x the error of
+torch.nn.functional.linear in the same dtype (plus one eps).
+"""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import opforge
+from opforge.testing import assert_matches_reference, gemm_error_bound, linear_reference
+
+FLOAT_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+# (M, K, N): odd sizes from DESIGN §5, products kept small for the CPU run.
+SHAPES = [(1, 1, 1), (7, 83, 769), (83, 7, 1), (769, 83, 7), (7, 3584, 83), (83, 769, 83)]
+LAYOUTS = ["contiguous", "weight_t", "input_t", "sliced", "batch3d"]
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+
+
+def make_operands(M, K, N, dtype, device, layout, bias=True):
+    """input (*, K) with M rows in the given layout, weight (N, K), bias (N,) or None."""
+    if layout == "input_t":
+        x = torch.randn(K, M, device=device).to(dtype).t()
+    elif layout == "sliced":
+        x = torch.randn(M, 2 * K, device=device).to(dtype)[:, ::2]
+    elif layout == "batch3d":  # (M, 3, K), non-contiguous: 3M rows
+        x = torch.randn(3, M, K, device=device).to(dtype).transpose(0, 1)
+    else:
+        x = torch.randn(M, K, device=device).to(dtype)
+    if layout == "weight_t":
+        w = torch.randn(K, N, device=device).to(dtype).t()
+    else:
+        w = torch.randn(N, K, device=device).to(dtype)
+    b = torch.randn(N, device=device).to(dtype) if bias else None
+    return x, w, b
+
+
+def forward_backward(fn, x, w, b, dy):
+    """fn's output and the grads of (x, w, b) for upstream gradient dy (None where b is None)."""
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    b = b.detach().requires_grad_() if b is not None else None
+    y = fn(x, w, b)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad, (b.grad if b is not None else None)
+
+
+def reference(x, w, b, dy):
+    d = lambda t: t.detach().double() if t is not None else None  # noqa: E731
+    return forward_backward(linear_reference, d(x), d(w), d(b), d(dy))
+
+
+# ---- accuracy over dtype x shape x layout, forward and every gradient --------------------------------
+
+# dtype x shape on contiguous operands, and dtype x layout on one odd shape: the full product would
+# triple the CPU runtime without exercising anything new.
+GRID = [(shape, "contiguous") for shape in SHAPES] + [((83, 769, 7), layout) for layout in LAYOUTS[1:]]
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape,layout", GRID, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_matches_reference(device, dtype, shape, layout, bias):
+    M, K, N = shape
+    x, w, b = make_operands(M, K, N, dtype, device, layout, bias)
+    out_shape = x.shape[:-1] + (N,)
+    dy = torch.randn(out_shape, device=device).to(dtype)
+    ours = forward_backward(opforge.linear, x, w, b, dy)
+    base = forward_backward(F.linear, x, w, b, dy)
+    ref = reference(x, w, b, dy)
+    assert ours[0].shape == out_shape and ours[0].is_contiguous()
+    bounds = gemm_bounds(x, w, b, dy)
+    for what, o, r, t in zip(["output", "grad_input", "grad_weight", "grad_bias"], ours, ref, base):
+        if r is None:
+            assert o is None, what
+            continue
+        assert o.dtype == dtype, what
+        bound = bounds.get(what)
+        check_accuracy(o, r, t, what, bound.reshape(r.shape) if bound is not None else None)
+
+
+def gemm_bounds(x, w, b, dy):
+    """A-priori rounding bounds (opforge.testing.gemm_error_bound) of output, grad_input, grad_weight."""
+    dt = x.dtype
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    out = gemm_error_bound(x, w, dt)
+    if b is not None:
+        out = out + torch.finfo(dt).eps * b.detach().double().abs()
+    return {"output": out, "grad_input": gemm_error_bound(dy, w.t(), dt),
+            "grad_weight": gemm_error_bound(dy2.t(), x2.t(), dt)}
+
+
+def check_accuracy(ours, ref64, baseline, what, bound=None):
+    """The tolerance rule (optionally with a GEMM rounding bound); in float64 the reference *is*
+    PyTorch's float64 math (baseline error 0), so there the rule degenerates and a plain float64
+    closeness check replaces it."""
+    if ours.dtype == torch.float64:
+        torch.testing.assert_close(ours, ref64.to(ours.device), msg=lambda m: f"{what}: {m}")
+    else:
+        assert_matches_reference(ours, ref64, baseline, what=what, bound=bound)
+
+
+# ---- zero sizes --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", [(0, 5, 3), (4, 0, 3), (4, 5, 0), (0, 0, 0)], ids=lambda s: "x".join(map(str, s)))
+def test_zero_sizes(device, shape, bias):
+    M, K, N = shape
+    x, w, b = make_operands(M, K, N, torch.float32, device, "contiguous", bias)
+    dy = torch.randn(M, N, device=device)
+    y, gx, gw, gb = forward_backward(opforge.linear, x, w, b, dy)
+    expected = forward_backward(F.linear, x, w, b, dy)
+    for o, e in zip((y, gx, gw, gb), expected):
+        if e is None:
+            assert o is None
+        else:
+            assert o.shape == e.shape
+            torch.testing.assert_close(o, e)
+
+
+# ---- bug-report cases (issue 2) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_case2_transposed_weight_and_input(device, dtype):
+    W = torch.randn(512, 256, device=device).to(dtype).t()
+    x = torch.randn(7, 3, 512, device=device).to(dtype).transpose(0, 1)
+    y = opforge.linear(x, W)
+    expected = F.linear(x, W)
+    assert y.shape == (3, 7, 256)
+    # equal to F.linear up to rounding: both within the GEMM rounding bound of the float64 result
+    assert_matches_reference(y, linear_reference(x, W), expected, bound=gemm_error_bound(x, W, dtype))
+
+
+def test_case3_zero_rows_requiring_grad(device):
+    x = torch.randn(0, 2100, device=device, requires_grad=True)
+    W = torch.randn(2100, 2100, device=device, requires_grad=True)
+    b = torch.randn(2100, device=device, requires_grad=True)
+    y = opforge.linear(x, W, b)
+    assert y.shape == (0, 2100)
+    y.sum().backward()
+    assert x.grad.shape == (0, 2100)
+    assert torch.equal(W.grad, torch.zeros_like(W))
+    assert torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_case3_zero_in_features(device):
+    x = torch.randn(5, 0, device=device, requires_grad=True)
+    W = torch.randn(3, 0, device=device, requires_grad=True)
+    b = torch.randn(3, device=device, requires_grad=True)
+    y = opforge.linear(x, W, b)
+    assert torch.equal(y, b.detach().expand(5, 3))
+    assert y.data_ptr() != b.data_ptr()  # a new tensor, never a view of bias
+    y.sum().backward()
+    assert x.grad.shape == (5, 0) and W.grad.shape == (3, 0)
+    assert torch.equal(b.grad, torch.full((3,), 5.0, device=device))
+    assert torch.equal(opforge.linear(x.detach(), W.detach()), torch.zeros(5, 3, device=device))
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_case5_every_requires_grad_combination(device, with_bias):
+    for flags in itertools.product([False, True], repeat=3 if with_bias else 2):
+        x = torch.randn(4, 3, 6, device=device, dtype=torch.float64, requires_grad=flags[0])
+        W = torch.randn(5, 6, device=device, dtype=torch.float64, requires_grad=flags[1])
+        b = torch.randn(5, device=device, dtype=torch.float64, requires_grad=flags[2]) if with_bias else None
+        leaves = [t for t in (x, W, b) if t is not None]
+        wanted = [t for t in leaves if t.requires_grad]
+        y = opforge.linear(x, W, b)
+        assert y.requires_grad == bool(wanted)
+        if not wanted:
+            continue
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, wanted, dy)
+        expected = torch.autograd.grad(F.linear(x, W, b), wanted, dy)
+        assert len(grads) == len(wanted)
+        for g, e in zip(grads, expected):
+            torch.testing.assert_close(g, e)
+        # .backward() fills exactly the leaves that require grad
+        opforge.linear(x, W, b).backward(dy)
+        for t in leaves:
+            assert (t.grad is not None) == t.requires_grad
+
+
+# ---- gradcheck, double backward ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_gradcheck(device, bias):
+    x = torch.randn(2, 3, 4, device=device, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(4, 5, device=device, dtype=torch.float64).t().requires_grad_()  # (5, 4), transposed view
+    b = torch.randn(5, device=device, dtype=torch.float64, requires_grad=True) if bias else None
+    assert torch.autograd.gradcheck(opforge.linear, (x, W, b))
+
+
+def test_double_backward_raises(device):
+    x = torch.randn(3, 4, device=device, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(5, 4, device=device, dtype=torch.float64, requires_grad=True)
+    y = opforge.linear(x, W)
+    with pytest.raises(RuntimeError, match="opforge::linear_backward: double backward is not supported"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+# ---- opcheck -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_opcheck_linear(device, bias):
+    x = torch.randn(2, 3, 8, device=device, requires_grad=True)
+    W = torch.randn(5, 8, device=device, requires_grad=True)
+    b = torch.randn(5, device=device, requires_grad=True) if bias else None
+    torch.library.opcheck(torch.ops.opforge.linear.default, (x, W, b))
+    torch.library.opcheck(torch.ops.opforge.linear.default, (x.detach(), W, b))
+
+
+@pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, True)], ids=str)
+def test_opcheck_linear_backward(device, mask):
+    dy = torch.randn(2, 3, 5, device=device)
+    x = torch.randn(2, 3, 8, device=device)
+    W = torch.randn(5, 8, device=device)
+    torch.library.opcheck(torch.ops.opforge.linear_backward.default, (dy, x, W, list(mask), torch.float32))
+    torch.library.opcheck(torch.ops.opforge.linear_backward.default, (dy, x, W, list(mask)))
+
+
+# ---- torch.compile -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compile_matches_eager(device, dynamic):
+    # only our ops in the graphs (forward: linear, backward: linear_backward): no generated kernels to
+    # build, so the test stays fast on CPU
+    compiled = torch.compile(opforge.linear, fullgraph=True, dynamic=dynamic)
+    x, W, b = make_operands(6, 8, 5, torch.float32, device, "batch3d")
+    dy = torch.randn(6, 3, 5, device=device)
+    results = []
+    for f in (opforge.linear, compiled):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, W, b)]
+        y = f(*leaves)
+        y.backward(dy)
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for ours, eager in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, eager)
+
+
+# ---- Meta ------------------------------------------------------------------------------------------
+
+def test_meta_matches_real_kernels():
+    x, W, b = make_operands(7, 8, 5, torch.float16, "cpu", "batch3d")
+    Wf, bf = W.float(), b.float()
+    real = opforge.linear(x, Wf, bf)
+    meta = opforge.linear(x.to("meta"), Wf.to("meta"), bf.to("meta"))
+    assert (meta.shape, meta.dtype, meta.stride()) == (real.shape, real.dtype, real.stride())
+    dy = torch.randn_like(real)
+    args = (dy, x, Wf, [True, True, True], torch.float32)
+    real_grads = torch.ops.opforge.linear_backward(*args)
+    meta_grads = torch.ops.opforge.linear_backward(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+    for r, m in zip(real_grads, meta_grads):
+        assert (m.shape, m.dtype, m.stride()) == (r.shape, r.dtype, r.stride())
+    assert [g.dtype for g in real_grads] == [torch.float16, torch.float32, torch.float32]
+    gi, gw, gb = torch.ops.opforge.linear_backward(dy, x, Wf, [False, True, False])
+    assert gi is None and gb is None and gw.shape == Wf.shape
+
+
+# ---- mixed dtypes and nn.Linear --------------------------------------------------------------------
+
+def test_mixed_dtype_policy(device):
+    x = torch.randn(4, 6, 16, device=device, dtype=torch.float16, requires_grad=True)
+    W = torch.randn(8, 16, device=device, dtype=torch.float32, requires_grad=True)
+    b = torch.randn(8, device=device, dtype=torch.float32, requires_grad=True)
+    y = opforge.linear(x, W, b)
+    assert y.dtype == torch.float16
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert (x.grad.dtype, W.grad.dtype, b.grad.dtype) == (torch.float16, torch.float32, torch.float32)
+    # values: the same math as converting the parameters to fp16 first
+    base = forward_backward(F.linear, x, W.half(), b.half(), dy)
+    ref = reference(x, W, b, dy)
+    for what, o, r, t in zip(["output", "grad_input", "grad_weight", "grad_bias"], (y, x.grad, W.grad, b.grad), ref,
+                             base):
+        check_accuracy(o.to(t.dtype), r, t, what)
+
+
+def test_nn_linear_drop_in(device):
+    for bias in (True, False):
+        ref = torch.nn.Linear(83, 7, bias=bias, device=device)
+        ours = opforge.nn.Linear(83, 7, bias=bias, device=device)
+        assert isinstance(ours, torch.nn.Linear)
+        ours.load_state_dict(ref.state_dict())
+        assert ours.state_dict().keys() == ref.state_dict().keys()
+        x = torch.randn(3, 5, 83, device=device)
+        torch.testing.assert_close(ours(x), ref(x))
+        ours(x).sum().backward()
+        ref(x).sum().backward()
+        torch.testing.assert_close(ours.weight.grad, ref.weight.grad)
+        if bias:
+            torch.testing.assert_close(ours.bias.grad, ref.bias.grad)
+
+
+def test_nn_linear_mixed_dtype(device):
+    layer = opforge.nn.Linear(16, 8, device=device)  # fp32 parameters
+    x = torch.randn(5, 16, device=device, dtype=torch.float16)
+    y = layer(x)
+    assert y.dtype == torch.float16
+    y.float().sum().backward()
+    assert layer.weight.grad.dtype == torch.float32 and layer.bias.grad.dtype == torch.float32
+
+
+# ---- bad inputs: each raises its own message ----------------------------------------------------------
+
+def _bad_cases():
+    f32 = dict(dtype=torch.float32)
+    return [
+        ("rank0", lambda: (torch.tensor(1.0), torch.randn(3, 1), None), ValueError,
+         r"opforge::linear: expected input to have at least 1 dimension"),
+        ("weight_1d", lambda: (torch.randn(4, 8), torch.randn(8), None), ValueError,
+         r"opforge::linear: expected weight to be 2-D \(out_features, in_features\), but got shape \[8\]"),
+        ("weight_3d", lambda: (torch.randn(4, 8), torch.randn(2, 3, 8), None), ValueError,
+         r"expected weight to be 2-D"),
+        ("k_mismatch", lambda: (torch.randn(4, 511), torch.randn(256, 512), None), ValueError,
+         r"opforge::linear: expected input's last dimension to equal weight's in_features 512, but got 511"),
+        ("bias_size", lambda: (torch.randn(4, 512), torch.randn(256, 512), torch.randn(255)), ValueError,
+         r"opforge::linear: expected bias of shape \[256\] \(weight's out_features\), but got \[255\]"),
+        ("bias_2d", lambda: (torch.randn(4, 512), torch.randn(256, 512), torch.randn(1, 256)), ValueError,
+         r"expected bias of shape \[256\].*but got \[1, 256\]"),
+        ("int_input", lambda: (torch.ones(4, 8, dtype=torch.int32), torch.randn(3, 8), None), TypeError,
+         r"opforge::linear: expected input to have a floating dtype .* but got Int"),
+        ("int_weight", lambda: (torch.randn(4, 8), torch.ones(3, 8, dtype=torch.int64), None), TypeError,
+         r"expected weight to have a floating dtype .* but got Long"),
+        ("complex_input", lambda: (torch.randn(4, 8, dtype=torch.complex64), torch.randn(3, 8), None), TypeError,
+         r"expected input to have a floating dtype .* but got ComplexFloat"),
+        ("complex_bias", lambda: (torch.randn(4, 8), torch.randn(3, 8), torch.randn(3, dtype=torch.complex64)),
+         TypeError, r"expected bias to have a floating dtype .* but got ComplexFloat"),
+        ("device_weight", lambda: (torch.randn(4, 8), torch.randn(3, 8, device="meta", **f32), None), RuntimeError,
+         r"expected input and weight to be on the same device, but got input on cpu and weight on meta"),
+        ("device_bias", lambda: (torch.randn(4, 8), torch.randn(3, 8), torch.randn(3, device="meta")), RuntimeError,
+         r"expected input and bias to be on the same device, but got input on cpu and bias on meta"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
+def test_bad_inputs(case):
+    _, make, exc, message = case
+    x, W, b = make()
+    with pytest.raises(exc, match=message):
+        opforge.linear(x, W, b)
+
+
+@pytest.mark.parametrize("case", [c for c in _bad_cases() if c[0] in ("k_mismatch", "int_input", "rank0")],
+                         ids=lambda c: c[0])
+def test_bad_inputs_meta(case):
+    _, make, exc, message = case
+    x, W, b = make()
+    with pytest.raises(exc, match=message):
+        opforge.linear(x.to("meta"), W.to("meta"), b)
+
+
+@requires_cuda
+def test_bad_inputs_cuda_devices():
+    with pytest.raises(RuntimeError, match=r"expected input and weight to be on the same device, but got input on "
+                                           r"cpu and weight on cuda:0"):
+        opforge.linear(torch.randn(4, 8), torch.randn(3, 8, device="cuda"))
+    with pytest.raises(RuntimeError, match=r"expected input and bias to be on the same device"):
+        opforge.linear(torch.randn(4, 8, device="cuda"), torch.randn(3, 8, device="cuda"), torch.randn(3))
+
+
+def test_bad_inputs_backward():
+    dy, x, W = torch.randn(4, 3), torch.randn(4, 8), torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"opforge::linear_backward: expected grad_output of shape \[4, 3\] .*but got "
+                                         r"\[4, 2\]"):
+        torch.ops.opforge.linear_backward(dy[:, :2], x, W, [True, True, True])
+    with pytest.raises(TypeError, match=r"opforge::linear_backward: expected bias_dtype to be a floating dtype"):
+        torch.ops.opforge.linear_backward(dy, x, W, [True, True, True], torch.int32)
+    with pytest.raises(ValueError, match=r"opforge::linear_backward: expected input's last dimension"):
+        torch.ops.opforge.linear_backward(dy, x[:, :7], W, [True, True, True])
+
+
+# ---- every forward path: the small-M tensor-core GEMV (CUDA, fp16/bf16, M <= 16, K % 8 == 0) and cuBLAS ----
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 17])
+@pytest.mark.parametrize("K, N", [(64, 83), (4096, 769), (5120, 7), (136, 4097)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_batch_paths_match_reference(device, dtype, M, K, N, bias):
+    if device == "cpu" and K * N > 1_000_000:
+        pytest.skip("large decode shapes run on CUDA only (CPU time)")
+    x = torch.randn(M, K, device=device, dtype=dtype)
+    w = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
+    b = torch.randn(N, device=device, dtype=dtype) if bias else None
+    y = opforge.linear(x, w, b)
+    assert_matches_reference(y, linear_reference(x, w, b), F.linear(x, w, b))
+    # an unaligned base pointer takes the fallback path and gives the same values within tolerance
+    buf = torch.randn(M * K + 1, device=device, dtype=dtype)
+    xu = buf[1:].view(M, K)
+    assert_matches_reference(opforge.linear(xu, w, b), linear_reference(xu, w, b), F.linear(xu, w, b))
