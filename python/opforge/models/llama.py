@@ -1,0 +1,356 @@
+"""A small Llama-style decoder-only language model, buildable from opforge ops or from torch.nn.
+
+Both backends have the same modules, parameter names and shapes, so one ``state_dict`` loads into
+either and the two train the same function from the same weights; only the kernels differ:
+
+====================  =======================================  =====================================
+piece                 backend="opforge"                        backend="torch"
+====================  =======================================  =====================================
+q/k/v/o, lm_head      :class:`opforge.nn.Linear`               :class:`torch.nn.Linear`
+norms                 :class:`opforge.nn.FusedAddRMSNorm`      ``x + residual``, :class:`torch.nn.RMSNorm`
+                      (residual add and norm in one op)
+MLP                   :class:`opforge.nn.GatedMLP` (swiglu)    torch.nn.Linear ×3, ``F.silu(g) * u``
+attention, RoPE       ``F.scaled_dot_product_attention(is_causal=True)``, rotate-half RoPE (both)
+embedding             :class:`torch.nn.Embedding` (both)
+====================  =======================================  =====================================
+
+Source: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"; Su et al. 2021,
+"RoFormer" (rotary position embedding); Hugging Face transformers' ``modeling_llama.py`` (module names).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as TF
+from torch import Tensor
+
+__all__ = ["LlamaConfig", "Llama", "BACKENDS"]
+
+BACKENDS = ("opforge", "torch")
+
+
+@dataclass
+class LlamaConfig:
+    """Shape of a :class:`Llama` model.
+
+    Args:
+        vocab_size: V, number of token ids (256 for byte-level text). Default: 256.
+        d_model: D, hidden size. Default: 128.
+        n_layers: number of decoder blocks. Default: 4.
+        n_heads: attention heads; D must be divisible by it. Default: 4.
+        n_kv_heads: key/value heads (grouped-query attention); None means n_heads. Default: None.
+        d_ff: F, gated MLP hidden size; None means 8/3·D rounded up to a multiple of 64 (Llama's rule).
+            Default: None.
+        max_seq_len: longest sequence the RoPE tables cover, in tokens. Default: 2048.
+        rope_theta: RoPE base. Default: 10000.0.
+        eps: RMSNorm epsilon, added to the mean square. Default: 1e-5.
+        init_std: standard deviation of the normal initialisation of embeddings and linear weights.
+            Default: 0.02.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None
+    d_ff: Optional[int] = None
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.d_ff is None:
+            self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64)
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(f"LlamaConfig: expected d_model divisible by n_heads, but got {self.d_model} and {self.n_heads}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"LlamaConfig: expected n_heads divisible by n_kv_heads, but got {self.n_heads} and {self.n_kv_heads}")
+        if (self.d_model // self.n_heads) % 2 != 0:
+            raise ValueError(f"LlamaConfig: expected an even head dim for RoPE, but got {self.d_model // self.n_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def num_parameters(self) -> int:
+        """Number of parameters of the model this config builds."""
+        D, F, V, hd = self.d_model, self.d_ff, self.vocab_size, self.head_dim
+        attn = D * D * 2 + 2 * D * self.n_kv_heads * hd
+        block = attn + 3 * D * F + 2 * D
+        return V * D * 2 + self.n_layers * block + D
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"opforge.models.llama: expected backend in {BACKENDS}, but got {backend!r}")
+    return backend
+
+
+def _linear(backend: str, in_features: int, out_features: int, bias: bool = False, **kw) -> torch.nn.Linear:
+    if backend == "opforge":
+        from .. import nn as onn
+        return onn.Linear(in_features, out_features, bias=bias, **kw)
+    return torch.nn.Linear(in_features, out_features, bias=bias, **kw)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, device=None) -> Tuple[Tensor, Tensor]:
+    """cos, sin of RoPE angles t·θ^(−2i/head_dim), each (seq_len, head_dim) float32 (halves repeated).
+
+    Args:
+        seq_len: T, positions 0..T−1.
+        head_dim: H, even.
+        theta: base. Default: 10000.0.
+
+    Returns:
+        (cos, sin), each (T, H) float32, in the rotate-half layout of Hugging Face's Llama.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    t = torch.arange(seq_len, dtype=torch.float64, device=device)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x·cos + rotate_half(x)·sin, with rotate_half(x) = cat(−x₂, x₁) over the last dim.
+
+    Args:
+        x: (B, heads, T, H) any floating dtype.
+        cos, sin: (T, H), cast to x's dtype.
+
+    Returns:
+        (B, heads, T, H) in x's dtype.
+    """
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(torch.nn.Module):
+    """Causal multi-head (or grouped-query) self-attention with RoPE.
+
+    y = o_proj(softmax(q·kᵀ/√H + causal mask)·v), q = RoPE(q_proj(x)), k = RoPE(k_proj(x)), v = v_proj(x);
+    the softmax product is ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` (flash or
+    memory-efficient kernels where the device has them).
+
+    Args:
+        config: the model's :class:`LlamaConfig`.
+        backend: "opforge" or "torch": which Linear the projections use.
+
+    Shape: x (B, T, D), cos/sin (T, H) -> (B, T, D).
+    """
+
+    def __init__(self, config: LlamaConfig, backend: str, device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        D, hd = config.d_model, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
+        self.q_proj = _linear(backend, D, config.n_heads * hd, **kw)
+        self.k_proj = _linear(backend, D, config.n_kv_heads * hd, **kw)
+        self.v_proj = _linear(backend, D, config.n_kv_heads * hd, **kw)
+        self.o_proj = _linear(backend, config.n_heads * hd, D, **kw)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            rep = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        y = TF.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class TorchGatedMLP(torch.nn.Module):
+    """y = down_proj(silu(gate_proj(x)) · up_proj(x)) from torch.nn.Linear and F.silu.
+
+    The torch.nn twin of :class:`opforge.nn.GatedMLP`: same parameter names and shapes.
+
+    Args:
+        hidden_size: D.
+        intermediate_size: F.
+        bias: biases on the projections. Default: False.
+
+    Shape: (*, D) -> (*, D).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
+        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(TF.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class AddRMSNorm(torch.nn.RMSNorm):
+    """(rms_norm(x + residual), x + residual) from torch ops: :class:`torch.nn.RMSNorm` (same
+    constructor, ``weight`` (D,) and state_dict) whose forward also takes the residual stream; the
+    torch.nn twin of :class:`opforge.nn.FusedAddRMSNorm`.
+
+    Shape: x, residual (*, D) -> (output, residual_out), each (*, D). ``residual=None`` means no add.
+    """
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        if residual is not None:
+            x = x + residual
+        return super().forward(x), x
+
+
+def _add_and_norm(norm: torch.nn.Module, x: Tensor, residual: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """(norm(x + residual), x + residual); residual=None (the first block) skips the add."""
+    if residual is not None:
+        return norm(x, residual)
+    if isinstance(norm, AddRMSNorm):
+        return norm(x)
+    from .. import functional as OF
+    return OF.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps), x
+
+
+def _add_norm(backend: str, config: LlamaConfig, **kw) -> torch.nn.Module:
+    if backend == "opforge":
+        from .. import nn as onn
+        return onn.FusedAddRMSNorm(config.d_model, eps=config.eps, **kw)
+    return AddRMSNorm(config.d_model, eps=config.eps, **kw)
+
+
+class Block(torch.nn.Module):
+    """One pre-norm decoder block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
+
+    The residual adds are folded into the next norm (vLLM's layout): ``forward(x, residual)`` receives
+    the previous block's MLP output and the running residual stream, and returns its own MLP output
+    and the updated stream, so every add+norm pair is one :func:`opforge.functional.fused_add_rms_norm`
+    with backend="opforge".
+
+    Args:
+        config: the model's :class:`LlamaConfig`.
+        backend: "opforge" or "torch".
+
+    Shape: x, residual (B, T, D) -> (mlp_out, residual), each (B, T, D); residual=None for the first block.
+    """
+
+    def __init__(self, config: LlamaConfig, backend: str, device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.attn_norm = _add_norm(backend, config, **kw)
+        self.attn = Attention(config, backend, **kw)
+        self.mlp_norm = _add_norm(backend, config, **kw)
+        if backend == "opforge":
+            from .. import nn as onn
+            self.mlp = onn.GatedMLP(config.d_model, config.d_ff, **kw)
+        else:
+            self.mlp = TorchGatedMLP(config.d_model, config.d_ff, **kw)
+
+    def forward(self, x: Tensor, residual: Optional[Tensor], cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
+        h, residual = _add_and_norm(self.attn_norm, x, residual)
+        a = self.attn(h, cos, sin)
+        h, residual = self.mlp_norm(a, residual)
+        return self.mlp(h), residual
+
+
+class Llama(torch.nn.Module):
+    """logits = lm_head(norm(blocks(embed(tokens)))): a Llama-style decoder-only language model.
+
+    Args:
+        config: :class:`LlamaConfig`.
+        backend: "opforge" (opforge.nn.Linear, FusedAddRMSNorm, GatedMLP with swiglu) or "torch"
+            (torch.nn.Linear, torch.nn.RMSNorm, F.silu(g)·u). Default: "opforge".
+        device, dtype: factory keyword arguments for the parameters (all parameters share one dtype;
+            activations run in it).
+
+    Parameters (identical names and shapes for both backends): ``embed.weight`` (V, D);
+    ``layers.{i}.attn_norm.weight`` (D,); ``layers.{i}.attn.{q,o}_proj.weight`` (D, D);
+    ``layers.{i}.attn.{k,v}_proj.weight`` (kv_heads·H, D); ``layers.{i}.mlp_norm.weight`` (D,);
+    ``layers.{i}.mlp.{gate,up}_proj.weight`` (F, D); ``layers.{i}.mlp.down_proj.weight`` (D, F);
+    ``norm.weight`` (D,); ``lm_head.weight`` (V, D). No biases.
+
+    Shape: tokens (B, T) int64 with T ≤ config.max_seq_len -> logits (B, T, V) in the parameters' dtype.
+
+    Raises:
+        ValueError: unknown backend; T > config.max_seq_len.
+
+    Numerics: RoPE tables in float32, cast to the activation dtype; norms accumulate in float32.
+    Initialisation: embeddings and linear weights ~ N(0, init_std²), output projections (o_proj,
+    down_proj) scaled by 1/√(2·n_layers) (GPT-2's rule), norm weights 1. Deterministic given the
+    torch RNG state, and the same for both backends.
+
+    Source: Touvron et al. 2023 (LLaMA); Hugging Face transformers' LlamaForCausalLM.
+    """
+
+    def __init__(self, config: LlamaConfig, backend: str = "opforge", device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.backend = _check_backend(backend)
+        kw = {"device": device, "dtype": dtype}
+        self.embed = torch.nn.Embedding(config.vocab_size, config.d_model, **kw)
+        self.layers = torch.nn.ModuleList(Block(config, backend, **kw) for _ in range(config.n_layers))
+        self.norm = _add_norm(backend, config, **kw)
+        self.lm_head = _linear(backend, config.d_model, config.vocab_size, **kw)
+        cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta, device=device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise every parameter (see the class docstring) from the torch RNG."""
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, out_std)
+            else:
+                p.normal_(0.0, std)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        T = tokens.shape[-1]
+        if T > self.config.max_seq_len:
+            raise ValueError(f"Llama: expected at most {self.config.max_seq_len} tokens, but got {T}")
+        x = self.embed(tokens)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        residual: Optional[Tensor] = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin)
+        h, _ = _add_and_norm(self.norm, x, residual)
+        return self.lm_head(h)
+
+    def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy in float32: tokens, targets (B, T) int64 -> scalar float32."""
+        logits = self(tokens)
+        return TF.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    @torch.no_grad()
+    def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: Optional[int] = 20,
+                 generator: Optional[torch.Generator] = None) -> Tensor:
+        """Sample max_new_tokens tokens after prompt (1-D int64); returns prompt + sample, 1-D int64.
+
+        Recomputes the window of the last max_seq_len tokens for each new token (no KV cache).
+        """
+        seq = prompt.clone()
+        for _ in range(max_new_tokens):
+            window = seq[-self.config.max_seq_len:].unsqueeze(0)
+            logits = self(window)[0, -1].float() / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(seq.device)
+            seq = torch.cat([seq, nxt])
+        return seq
