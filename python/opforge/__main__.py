@@ -6,6 +6,9 @@ Commands:
              scikit-learn's handwritten digits next to the same model in plain torch.nn (same seed,
              same initial weights, same batches) and prints both test accuracies. Needs scikit-learn
              and tqdm (``bash scripts/demo.sh`` installs them); downloads nothing.
+    llama    trains a small Llama-style decoder of opforge layers (RMSNorm, SwiGLU MLP, linear) next to
+             the same model in torch.nn on the bundled public-domain text (opforge/data/alice.txt),
+             byte-level, and compares loss curves, tokens/s and memory (opforge.demo; ``--help``).
 """
 from __future__ import annotations
 
@@ -127,8 +130,15 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["llama"]:  # its own options: python -m opforge llama --help
+        from . import demo as llama_demo
+
+        return llama_demo.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m opforge", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("llama", help="train a Llama-style model of opforge layers next to torch.nn's on bundled text "
+                                 "(options: python -m opforge llama --help)")
     sub.add_parser("doctor", help="torch and opforge versions, library, devices, registered ops")
     d = sub.add_parser("demo", help="train an opforge MLP and a torch.nn MLP on handwritten digits")
     d.add_argument("--epochs", type=int, default=30)
