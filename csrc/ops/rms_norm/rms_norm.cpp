@@ -31,6 +31,15 @@ double default_eps(at::ScalarType input_dtype) {
 
 at::ScalarType rstd_dtype(at::ScalarType input_dtype) { return at::toOpMathType(input_dtype); }
 
+ForwardOutputs empty_forward_outputs(const Problem& p, const at::Tensor& input, int64_t normalized_ndim, bool fused) {
+  ForwardOutputs o;
+  o.Y = at::empty(input.sizes(), p.X.options());
+  if (fused) o.Z = at::empty(input.sizes(), p.X.options());
+  o.rstd = at::empty(input.sizes().slice(0, input.dim() - normalized_ndim),
+                     p.X.options().dtype(rstd_dtype(input.scalar_type())));
+  return o;
+}
+
 c10::SymIntArrayRef leading_sizes(const at::Tensor& input, int64_t normalized_ndim) {
   const auto s = input.sym_sizes();
   return s.slice(0, s.size() - normalized_ndim);

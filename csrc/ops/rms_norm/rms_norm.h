@@ -66,5 +66,12 @@ struct BackwardProblem {
 BackwardProblem check_backward(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
                                const std::optional<at::Tensor>& weight);
 
+/// The forward ops' outputs as every backend returns them: Y (and, when `fused`, Z = residual_out) of
+/// input's shape and dtype, contiguous; rstd of input's leading (un-normalized) dims in rstd_dtype.
+struct ForwardOutputs {
+  at::Tensor Y, Z, rstd;
+};
+ForwardOutputs empty_forward_outputs(const Problem& p, const at::Tensor& input, int64_t normalized_ndim, bool fused);
+
 }  // namespace rmsnorm
 }  // namespace opforge

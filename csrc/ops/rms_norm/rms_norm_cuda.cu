@@ -381,24 +381,18 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input
                                                          const std::optional<at::Tensor>& weight,
                                                          std::optional<double> eps) {
   const auto p = rmsnorm::check_forward("rms_norm", input, normalized_shape, weight, eps);
-  at::Tensor Y = at::empty(input.sizes(), p.X.options());
-  at::Tensor rstd = at::empty(input.sizes().slice(0, input.dim() - normalized_shape.size()),
-                              p.X.options().dtype(rmsnorm::rstd_dtype(input.scalar_type())));
-  at::Tensor Z;
-  forward_cuda(p, Y, Z, rstd);
-  return {Y, rstd};
+  auto o = rmsnorm::empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/false);
+  forward_cuda(p, o.Y, o.Z, o.rstd);
+  return {o.Y, o.rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cuda(
     const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, std::optional<double> eps) {
   const auto p = rmsnorm::check_forward("fused_add_rms_norm", input, normalized_shape, weight, eps, residual);
-  at::Tensor Y = at::empty(input.sizes(), p.X.options());
-  at::Tensor Z = at::empty(input.sizes(), p.X.options());
-  at::Tensor rstd = at::empty(input.sizes().slice(0, input.dim() - normalized_shape.size()),
-                              p.X.options().dtype(rmsnorm::rstd_dtype(input.scalar_type())));
-  forward_cuda(p, Y, Z, rstd);
-  return {Y, Z, rstd};
+  auto o = rmsnorm::empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/true);
+  forward_cuda(p, o.Y, o.Z, o.rstd);
+  return {o.Y, o.Z, o.rstd};
 }
 
 template <typename T>
