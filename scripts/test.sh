@@ -7,7 +7,8 @@
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh -k sigmoid      # extra arguments go to pytest (the C++ tests still run)
 #
-# Needs torch and a C++ compiler; installs what else is missing: pytest, hypothesis, expecttest (pip),
+# Needs torch and a C++ compiler; installs what else is missing: pytest, hypothesis, expecttest,
+# transformers (the Hugging Face patching tests), tqdm, matplotlib (pip),
 # CMake >= 3.26 and ninja (pip), GoogleTest (apt-get install libgtest-dev, as root).
 # Environment: PYTHON (default python3), OPFORGE_JOBS (ninja -j, default: number of cores).
 set -euo pipefail
@@ -18,7 +19,7 @@ BUILD=build/test
 JOBS=${OPFORGE_JOBS:-$(nproc)}
 
 # --- what the tests need, installed only when missing ----------------------------------------------
-need=$("$PY" -c "import importlib.util as u; print(' '.join(m for m in ('pytest', 'hypothesis', 'expecttest') if u.find_spec(m) is None))")
+need=$("$PY" -c "import importlib.util as u; print(' '.join(m for m in ('pytest', 'hypothesis', 'expecttest', 'transformers', 'tqdm', 'matplotlib') if u.find_spec(m) is None))")
 [ -z "$need" ] || "$PY" -m pip install $need
 export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 printf '3.26\n%s\n' "$(cmake --version 2>/dev/null | awk 'NR==1{print $3}')" | sort -V -C || "$PY" -m pip install "cmake>=3.26"
