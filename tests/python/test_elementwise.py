@@ -607,3 +607,11 @@ def test_cuda_second_device():
         y.sum().backward()
         assert y.device == x.grad.device == b.grad.device == torch.device("cuda:1")
         torch.testing.assert_close(y, torch.sigmoid(x) ** 2 + b)
+
+
+def test_mixed_dtype_other_grad_accumulates_in_float32(device):
+    # fp16 input, fp32 other: other's gradient is a sum of 2049 ones, which fp16 cannot hold exactly
+    x = torch.ones(2049, dtype=torch.half, device=device, requires_grad=True)
+    o = torch.zeros((), device=device, requires_grad=True)
+    opforge.square_add(x, o).sum().backward()
+    assert o.grad.dtype == torch.float32 and o.grad.item() == 2049.0

@@ -388,3 +388,13 @@ def test_small_batch_paths_match_reference(device, dtype, M, K, N, bias):
     buf = torch.randn(M * K + 1, device=device, dtype=dtype)
     xu = buf[1:].view(M, K)
     assert_matches_reference(opforge.linear(xu, w, b), linear_reference(xu, w, b), F.linear(xu, w, b))
+
+
+def test_mixed_dtype_weight_grad_accumulates_in_weight_dtype(device):
+    # fp16 input, fp32 weight: dW = Σ over 70000 rows of 1 overflows fp16 (max 65504) but not fp32
+    x = torch.ones(70000, 1, dtype=torch.half, device=device)
+    w = torch.ones(1, 1, device=device, requires_grad=True)
+    b = torch.zeros(1, device=device, requires_grad=True)
+    opforge.linear(x, w, b).float().sum().backward()
+    assert w.grad.dtype == torch.float32 and w.grad.item() == 70000.0
+    assert b.grad.item() == 70000.0

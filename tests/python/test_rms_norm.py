@@ -418,3 +418,12 @@ BAD = [
 def test_bad_inputs(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan")])
+def test_meta_rejects_bad_eps_like_the_real_kernels(eps):
+    for dev in ("cpu", "meta"):
+        with pytest.raises(ValueError, match="opforge::rms_norm: expected eps >= 0"):
+            opforge.rms_norm(torch.empty(2, 4, device=dev), (4,), None, eps)
+        with pytest.raises(ValueError, match="opforge::fused_add_rms_norm: expected eps >= 0"):
+            opforge.fused_add_rms_norm(torch.empty(2, 4, device=dev), torch.empty(2, 4, device=dev), (4,), None, eps)

@@ -38,7 +38,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(const at::Ten
   at::Tensor grad_input, grad_weight, grad_bias;
   // An empty reduction (N == 0 for dX, M == 0 for dW and db) gives zeros: at::mm and at::sum do that.
   if (output_mask[0]) grad_input = at::mm(p.dY, p.W).view(input.sizes());              // dX = dY · W
-  if (output_mask[1]) grad_weight = at::mm(p.dY.t(), p.X).to(weight.scalar_type());   // dW = dYᵀ · X
+  if (output_mask[1]) {
+    // dW = dYᵀ · X, accumulated in the wider of input's and weight's dtypes (an fp16 input with an fp32
+    // weight sums in fp32), rounded once to weight's dtype
+    const auto dt = at::promote_types(p.dY.scalar_type(), weight.scalar_type());
+    grad_weight = at::mm(p.dY.t().to(dt), p.X.to(dt)).to(weight.scalar_type());
+  }
   if (output_mask[2]) {
     // db = Σ_rows dY, accumulated in fp32 (fp64 for fp64), rounded once to bias's dtype
     grad_bias = at::sum(p.dY, {0}, /*keepdim=*/false, opmath_dtype(p.dY.scalar_type()))

@@ -123,8 +123,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cuda(const at::Te
     grad_input = dX.view(input.sizes());
   }
   if (output_mask[1]) {
-    at::Tensor dW = at::empty({p.N, p.K}, options);  // [N, K] = dY[M, N]ᵀ · X[M, K]
-    gemm(/*trans_a=*/true, /*trans_b=*/false, p.N, p.K, p.M, p.dY, p.X, dW, false);
+    // [N, K] = dY[M, N]ᵀ · X[M, K], in the wider of input's and weight's dtypes (an fp16 input with an
+    // fp32 weight accumulates and stores in fp32), rounded once to weight's dtype
+    const auto dt = at::promote_types(p.dY.scalar_type(), weight.scalar_type());
+    at::Tensor dW = at::empty({p.N, p.K}, options.dtype(dt));
+    gemm(/*trans_a=*/true, /*trans_b=*/false, p.N, p.K, p.M, p.dY.to(dt), p.X.to(dt), dW, false);
     grad_weight = dW.to(weight.scalar_type());
   }
   if (output_mask[2]) {

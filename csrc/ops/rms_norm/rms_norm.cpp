@@ -31,6 +31,12 @@ double default_eps(at::ScalarType input_dtype) {
 
 at::ScalarType rstd_dtype(at::ScalarType input_dtype) { return at::toOpMathType(input_dtype); }
 
+double resolve_eps(const char* op, std::optional<double> eps, at::ScalarType input_dtype) {
+  const double e = eps.has_value() ? *eps : default_eps(input_dtype);
+  TORCH_CHECK_VALUE(e >= 0, "opforge::", op, ": expected eps >= 0, but got ", num_str(e));
+  return e;
+}
+
 ForwardOutputs empty_forward_outputs(const Problem& p, const at::Tensor& input, int64_t normalized_ndim, bool fused) {
   ForwardOutputs o;
   o.Y = at::empty(input.sizes(), p.X.options());
@@ -86,8 +92,7 @@ Problem check_forward(const char* op, const at::Tensor& input, c10::SymIntArrayR
   p.X = input.contiguous();
   if (residual.has_value() && residual->defined()) p.R = to_input_dtype(*residual, input.scalar_type()).contiguous();
   if (weight.has_value() && weight->defined()) p.W = to_input_dtype(*weight, input.scalar_type()).contiguous();
-  p.eps = eps.has_value() ? *eps : default_eps(input.scalar_type());
-  TORCH_CHECK_VALUE(p.eps >= 0, "opforge::", op, ": expected eps >= 0, but got ", num_str(p.eps));
+  p.eps = resolve_eps(op, eps, input.scalar_type());
   return p;
 }
 
@@ -193,6 +198,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward_meta(const at::Tensor& input
                                                          const std::optional<at::Tensor>& weight,
                                                          std::optional<double> eps) {
   rmsnorm::check_args("rms_norm", input, normalized_shape, weight);
+  rmsnorm::resolve_eps("rms_norm", eps, input.scalar_type());
   const auto lead = rmsnorm::leading_sizes(input, normalized_shape.size());
   return {at::empty_symint(input.sym_sizes(), input.options()),
           at::empty_symint(lead, input.options().dtype(rmsnorm::rstd_dtype(input.scalar_type())))};
@@ -201,6 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_meta(
     const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, std::optional<double> eps) {
   rmsnorm::check_args("fused_add_rms_norm", input, normalized_shape, weight, residual);
+  rmsnorm::resolve_eps("fused_add_rms_norm", eps, input.scalar_type());
   const auto lead = rmsnorm::leading_sizes(input, normalized_shape.size());
   return {at::empty_symint(input.sym_sizes(), input.options()), at::empty_symint(input.sym_sizes(), input.options()),
           at::empty_symint(lead, input.options().dtype(rmsnorm::rstd_dtype(input.scalar_type())))};

@@ -21,6 +21,10 @@ namespace rmsnorm {
 /// float32/float16/bfloat16, float64 for float64), which is what torch.nn.functional.rms_norm uses.
 double default_eps(at::ScalarType input_dtype);
 
+/// eps if given, else default_eps; raises ValueError "opforge::<op>: expected eps >= 0, but got ..." for
+/// a negative or NaN eps. Used by the real kernels' checker and by Meta alike.
+double resolve_eps(const char* op, std::optional<double> eps, at::ScalarType input_dtype);
+
 /// Shape, dtype and device checks that also hold for symbolic shapes (shared with Meta).
 /// `residual` is checked only when given (fused_add_rms_norm).
 /// Raises: ValueError when normalized_shape is empty or is not input's trailing dims, when weight's
