@@ -22,8 +22,10 @@ void not_differentiable_kernel(const c10::OperatorHandle& op, c10::DispatchKeySe
   if (at::GradMode::is_enabled()) {
     for (const auto& arg : torch::jit::last(*stack, num_args)) {
       TORCH_CHECK(!requires_grad(arg), "opforge::", op.schema().name().substr(9),
-                  ": double backward is not supported: expected no input to require grad when "
-                  "differentiating a gradient (create_graph=True), but got one that does");
+                  ": double backward is not supported (this backward op is not differentiable): expected no "
+                  "input to require grad while grad mode is on (differentiating a gradient with create_graph=True, "
+                  "or calling the op directly on such inputs), but got one that does; detach its inputs or call it "
+                  "under torch.no_grad()");
     }
   }
   op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
