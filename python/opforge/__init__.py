@@ -63,7 +63,14 @@ def _load() -> Path:
             "`pip install --no-build-isolation .` from the opforge source tree, or point "
             "OPFORGE_LIBRARY at a CMake build's libopforge.so."
         )
-    built_for = _read_build_info(lib).get("torch")
+    info = _read_build_info(lib)
+    built_for = info.get("torch")
+    if info.get("avx2") == "ON" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        raise ImportError(
+            f"opforge: {lib} was built with AVX2/FMA CPU kernels, but this CPU does not report AVX2; rebuild "
+            "with `cmake -DOPFORGE_CPU_AVX2=OFF` (pip: `pip install --no-build-isolation -C "
+            "cmake.define.OPFORGE_CPU_AVX2=OFF .`)."
+        )
     if built_for and _base_version(built_for) != _base_version(torch.__version__):
         raise ImportError(
             f"opforge: {lib} was built for torch {built_for}, but torch {torch.__version__} is "

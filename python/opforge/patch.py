@@ -212,7 +212,8 @@ def apply(model: torch.nn.Module, *, linear: bool = True, rms_norm: bool = True,
             eps = getattr(m, "variance_epsilon", None)
             if isinstance(m, torch.nn.RMSNorm):
                 eps = m.eps
-            if not isinstance(w, torch.nn.Parameter) or not isinstance(eps, (float, int)) or list(m.children()) \
+            eps_ok = isinstance(eps, (float, int)) or (isinstance(m, torch.nn.RMSNorm) and eps is None)
+            if not isinstance(w, torch.nn.Parameter) or not eps_ok or list(m.children()) \
                     or len(list(m.parameters(recurse=False))) != 1:
                 report.skipped.append((name, cls, "not a Llama-style RMSNorm (expected exactly a `weight` parameter and a "
                                                   "float `variance_epsilon`)"))
