@@ -3,6 +3,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ExpandUtils.h>
+#include <ATen/OpMathType.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
