@@ -7,14 +7,7 @@ using opforge_test::devices;
 using opforge_test::expect_close;
 using opforge_test::expect_error;
 using opforge_test::float_dtypes;
-
-namespace {
-
-torch::TensorOptions opts(at::ScalarType dtype, torch::Device device) {
-  return torch::TensorOptions().dtype(dtype).device(device);
-}
-
-}  // namespace
+using opforge_test::opts;
 
 TEST(Elementwise, ForwardMatchesFloat64Reference) {
   for (auto device : devices()) {

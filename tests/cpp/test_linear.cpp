@@ -7,12 +7,10 @@ using opforge_test::devices;
 using opforge_test::expect_close;
 using opforge_test::expect_error;
 using opforge_test::float_dtypes;
+using opforge_test::opts;
 
 namespace {
 
-torch::TensorOptions opts(at::ScalarType dtype, torch::Device device) {
-  return torch::TensorOptions().dtype(dtype).device(device);
-}
 
 at::Tensor linear64(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   auto y = torch::matmul(x.to(at::kDouble), w.to(at::kDouble).t());

@@ -8,12 +8,10 @@ using opforge_test::devices;
 using opforge_test::expect_close;
 using opforge_test::expect_error;
 using opforge_test::float_dtypes;
+using opforge_test::opts;
 
 namespace {
 
-torch::TensorOptions opts(at::ScalarType dtype, torch::Device device) {
-  return torch::TensorOptions().dtype(dtype).device(device);
-}
 
 // x / sqrt(mean(x², last dim) + eps) · w in float64
 at::Tensor reference(const at::Tensor& x, const at::Tensor& w, double eps) {

@@ -14,6 +14,11 @@ inline std::vector<at::ScalarType> float_dtypes() {
   return {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16};
 }
 
+/// Tensor options of one dtype on one device.
+inline torch::TensorOptions opts(at::ScalarType dtype, torch::Device device) {
+  return torch::TensorOptions().dtype(dtype).device(device);
+}
+
 inline std::vector<torch::Device> devices() {
   std::vector<torch::Device> out{torch::kCPU};
   if (torch::cuda::is_available()) out.emplace_back(torch::kCUDA, 0);
