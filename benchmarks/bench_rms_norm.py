@@ -12,8 +12,7 @@ Peers: F.rms_norm (eager), torch.compile of the composed formula, Liger-Kernel's
 LigerFusedAddRMSNormFunction when importable (else "missing"). Results append to
 benchmarks/results/rms_norm_<device>.csv with the device name, torch version and git commit.
 
-The timing helpers are local; when benchmarks/common.py (the shared harness) lands, replace
-`time_fn` and `device_name` by its equivalents (same contract: fn() -> median milliseconds).
+Timing, device name and commit come from the shared harness, benchmarks/common.py.
 """
 from __future__ import annotations
 
@@ -21,74 +20,21 @@ import argparse
 import csv
 import datetime
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import common  # noqa: E402
 import opforge  # noqa: E402
 
 CUDA_SHAPES = [(32768, 4096), (16384, 8192), (4096, 8192), (65536, 1024), (4096, 16384), (8, 4096)]
 CPU_SHAPES = [(4096, 4096)]
 EPS = 1e-6
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-# ---- timing (local stand-in for benchmarks/common.py) -----------------------------------------------------
-
-_L2_FLUSH = None
-
-
-def time_fn(fn, device: str, reps: int, warmup: int = 5) -> float:
-    """Median milliseconds of fn() over `reps` runs after `warmup` runs; CUDA: events, L2 flushed before each."""
-    global _L2_FLUSH
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device == "cuda":
-        if _L2_FLUSH is None:
-            _L2_FLUSH = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()
-        for _ in range(reps):
-            _L2_FLUSH.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                                       text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
-
 
 # ---- implementations -----------------------------------------------------------------------------------
 
@@ -162,7 +108,7 @@ def bench_shape(device, dtype, M, N, reps, use_compile):
             rows.append((op, mode, impl, float("nan"), float("nan")))
             return
         try:
-            ms = time_fn(fn, device, reps)
+            ms = common.time_fn(fn, device, warmup=5, reps=reps) / 1e3  # µs -> ms; NaN if fn raised
             rows.append((op, mode, impl, ms, nbytes / (ms * 1e-3) / 1e9))
         except Exception as err:  # a peer that fails on this shape/dtype is reported, not fatal
             print(f"  {impl} {op} {mode} failed: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
@@ -198,7 +144,7 @@ def main(argv=None):
               else (CUDA_SHAPES if device == "cuda" else CPU_SHAPES))
     reps = args.reps or (50 if device == "cuda" else 20)
     csv_path = Path(args.csv or Path(__file__).parent / "results" / f"rms_norm_{device}.csv")
-    meta = {"device": device_name(device), "torch": torch.__version__, "commit": git_commit(),
+    meta = {"device": common.device_name(device), "torch": torch.__version__, "commit": common.git_commit(),
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
     print(f"# {meta['device']} | torch {meta['torch']} | opforge {meta['commit']} | {meta['date']}")
     print(f"# command: python {' '.join([os.path.relpath(__file__)] + (argv or sys.argv[1:]))}")

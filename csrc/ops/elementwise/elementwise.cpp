@@ -115,11 +115,14 @@ std::tuple<at::Tensor, at::Tensor> square_add_backward_composite(const at::Tenso
   at::Tensor grad_input, grad_other;
   if (output_mask[0]) grad_input = opforge::square_backward(grad_output, input);
   if (output_mask[1]) {
-    // summed over the broadcast dims in fp32 (fp64 for fp64) and rounded once to other's dtype; a new
-    // tensor, never a view of grad_output (the schema returns new tensors)
-    const auto acc = at::promote_types(at::toOpMathType(grad_output.scalar_type()), other.scalar_type());
-    grad_other = at::sum_to(grad_output.to(acc), other.sym_sizes(), /*always_return_non_view=*/true)
-                     .to(other.scalar_type());
+    // a new tensor, never a view of grad_output (the schema returns new tensors)
+    if (other.sym_sizes().equals(grad_output.sym_sizes())) {  // no broadcast: nothing to sum
+      grad_other = grad_output.to(other.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    } else {  // summed over the broadcast dims in fp32 (fp64 for fp64), rounded once to other's dtype
+      const auto acc = at::promote_types(at::toOpMathType(grad_output.scalar_type()), other.scalar_type());
+      grad_other = at::sum_to(grad_output.to(acc), other.sym_sizes(), /*always_return_non_view=*/true)
+                       .to(other.scalar_type());
+    }
   }
   return {grad_input, grad_other};
 }
