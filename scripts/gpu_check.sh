@@ -39,7 +39,7 @@
 #   GPU_CHECK_DEADLINE        570     seconds from the start after which nothing new starts (the device
 #                                     tool stops a command at 600 s)
 #   GPU_CHECK_ALLOWED_SKIPS   regex of skip reasons that do not count as skipped CUDA tests
-#                                     (default: "needs [0-9]+ CUDA GPUs")
+#                                     (default: "needs (at least )?[0-9]+ CUDA GPUs")
 #   OPFORGE_GIT_COMMIT        the commit recorded in benchmark CSVs when the tree has no .git
 set -u
 set -o pipefail
@@ -57,7 +57,7 @@ if [ "$NO_CUDA" = 1 ]; then BUILD=${GPU_CHECK_BUILD_DIR:-$ROOT/build/gpu-cpu}; e
 DEADLINE=${GPU_CHECK_DEADLINE:-570}
 BENCH_TIMEOUT=${GPU_CHECK_BENCH_TIMEOUT:-150}
 PYTEST_TIMEOUT=${GPU_CHECK_PYTEST_TIMEOUT:-360}
-ALLOWED_SKIPS=${GPU_CHECK_ALLOWED_SKIPS:-needs [0-9]+ CUDA GPUs}
+ALLOWED_SKIPS=${GPU_CHECK_ALLOWED_SKIPS:-needs (at least )?[0-9]+ CUDA GPUs}
 LOGS=$(mktemp -d /tmp/gpu_check_logs.XXXXXX)
 STAMP=$LOGS/.start_stamp
 touch "$STAMP"

@@ -164,10 +164,14 @@ def wrap_parallel(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
         dev = next(model.parameters()).device
         return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     if d.parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        # The mesh's device type comes from the model: FSDP's default mesh takes CUDA whenever CUDA is
+        # present, which breaks a CPU (gloo) run on a GPU machine.
+        mesh = init_device_mesh(next(model.parameters()).device.type, (d.world,))
         for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     return model
 
