@@ -7,7 +7,7 @@
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh -k sigmoid      # extra arguments go to pytest (the C++ tests still run)
 #
-# Needs torch and a C++ compiler; installs what else is missing: pytest, hypothesis, expecttest,
+# Needs a C++ compiler; installs what is missing: torch 2.13.0 (when no torch is installed), pytest, hypothesis, expecttest,
 # transformers (the Hugging Face patching tests), tqdm, matplotlib (pip),
 # CMake >= 3.26 and ninja (pip), GoogleTest (apt-get install libgtest-dev, as root).
 # Environment: PYTHON (default python3), OPFORGE_JOBS (ninja -j, default: number of cores).
@@ -19,6 +19,8 @@ BUILD=build/test
 JOBS=${OPFORGE_JOBS:-$(nproc)}
 
 # --- what the tests need, installed only when missing ----------------------------------------------
+# torch 2.13.0 (CPU) when no torch is installed, as scripts/demo.sh does: this command also works first.
+"$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install torch==2.13.0
 need=$("$PY" -c "import importlib.util as u; print(' '.join(m for m in ('pytest', 'hypothesis', 'expecttest', 'transformers', 'tqdm', 'matplotlib') if u.find_spec(m) is None))")
 [ -z "$need" ] || "$PY" -m pip install $need
 export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
