@@ -2,10 +2,12 @@
 //
 // Mapping: a row of N elements is handled by a group of TPR threads (TPR = blockDim.x, a multiple of
 // 32): one warp per row for short rows (blockDim = (32, 4): 4 rows per block, warp-shuffle sums), one
-// block per row for long rows (blockDim = (TPR, 1), TPR up to 512, warp shuffles + shared memory).
-// TPR is chosen from N so that each thread owns at most MAXV = 2 vectors of the row, which it keeps in
-// registers between the sum-of-squares pass and the scaling pass: x is read from memory once.
-// Rows longer than 2 · 512 vectors take the streaming variant (MAXV = 0), which re-reads the row
+// block per row for long rows (blockDim = (TPR, 1), TPR up to 512 (forward of 4-byte types: 1024),
+// warp shuffles + shared memory, one barrier per row). TPR is chosen from N so that each thread owns
+// at most MAXV = 2 vectors of the row, which it keeps in registers between the sum-of-squares pass and
+// the scaling pass: x is read from memory once. Where measured faster, the next row's vectors are
+// loaded before the current row's reduction (PIPE), keeping loads in flight across the barrier.
+// Rows longer than 2 · TPR vectors take the streaming variant (MAXV = 0), which re-reads the row
 // (from L2). Blocks loop over rows (grid-stride), so neither M nor N meets a grid or shared-memory
 // ceiling; row offsets are 64-bit.
 //
@@ -35,7 +37,8 @@ using cuda::Vec;
 #endif
 constexpr int kMaxVecsPerThread = OPFORGE_RMS_MAXV;  // MAXV of the register-cached kernels
 constexpr int kWarpRows = 4;          // rows per block in the warp-per-row mapping
-constexpr int kMaxThreads = 512;      // threads per row at most (launch bound: up to 128 registers, no spills)
+constexpr int kMaxThreads = 512;      // backward: threads per row at most (launch bound: up to 128 registers)
+constexpr int kMaxThreadsFwd = 1024;  // forward: threads per row at most (launch bound: up to 64 registers)
 
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
@@ -45,25 +48,35 @@ __device__ __forceinline__ T warp_sum(T v) {
 }
 
 // Sum of v over the threadIdx.x group of one row (the warp when blockDim.x == 32, else the block,
-// whose blockDim.y is then 1). Every thread of the group gets the sum. smem: 32 values.
+// whose blockDim.y is then 1). Every thread of the group gets the sum. One barrier per call: the
+// 2 x 32 shared values are double-buffered by call parity, so a warp that runs ahead to the next row
+// writes the other half, and it cannot come back to this half before every warp has passed the next
+// call's barrier (by then all have read this one).
 template <typename T>
-__device__ __forceinline__ T row_sum(T v, T* smem) {
-  v = warp_sum(v);
-  if (blockDim.x == 32) return v;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  T total = T(0);
-  for (int i = 0; i < nwarps; ++i) total += smem[i];
-  __syncthreads();  // smem is reused by the next row
-  return total;
-}
+struct RowSum {
+  T (*smem)[32];  // [2][32] in shared memory
+  int parity = 0;
+  __device__ __forceinline__ T operator()(T v) {
+    v = warp_sum(v);
+    if (blockDim.x == 32) return v;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    T* buf = smem[parity];
+    parity ^= 1;
+    if (lane == 0) buf[warp] = v;
+    __syncthreads();
+    T total = T(0);
+    for (int i = 0; i < nwarps; ++i) total += buf[i];
+    return total;
+  }
+};
 
 // Forward. Per row:  (FUSED: z = x + r, rounded to T and stored; x := z)
 //   rstd = 1 / sqrt(Σ x² / N + eps);  y = x · rstd · w
-// MAXV > 0: the thread's vectors v = tid + k·TPR (k < MAXV) stay in registers; MAXV == 0: streaming.
-template <typename T, int VEC, int MAXV, bool FUSED>
-__global__ void __launch_bounds__(kMaxThreads)
+// MAXV > 0: the thread's vectors v = tid + k·TPR (k < MAXV) stay in registers; with PIPE the next
+// row's vectors are loaded before this row's reduction and stores, so loads stay in flight across the
+// barrier. MAXV == 0: streaming.
+template <typename T, int VEC, int MAXV, bool FUSED, bool PIPE>
+__global__ void __launch_bounds__(kMaxThreadsFwd)
     rms_norm_forward_kernel(const T* __restrict__ X,      // [M, N]
                             const T* __restrict__ R,      // [M, N] (FUSED)
                             const T* __restrict__ W,      // [N] or null
@@ -73,89 +86,98 @@ __global__ void __launch_bounds__(kMaxThreads)
                             int64_t M, int64_t N, at::opmath_type<T> eps) {
   using opmath_t = at::opmath_type<T>;
   using V = Vec<T, VEC>;
-  __shared__ opmath_t smem[32];
+  __shared__ opmath_t smem[2][32];
+  RowSum<opmath_t> row_sum{smem};
   const int tid = threadIdx.x, tpr = blockDim.x;
   const int64_t nvec = N / VEC;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.y;
   const V* Wv = reinterpret_cast<const V*>(W);
-  // cached variant: the thread's weight vectors (the same columns in every row) stay in registers
-  V wcache[MAXV > 0 ? MAXV : 1];
+
+  // x (or z) of vector v of the row at `base`, with z = x + r stored on the way when FUSED
+  auto load = [&](int64_t base, int64_t v) -> V {
+    V a = reinterpret_cast<const V*>(X + base)[v];
+    if constexpr (FUSED) {
+      const V b = reinterpret_cast<const V*>(R + base)[v];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+        a.val[j] = static_cast<T>(static_cast<opmath_t>(a.val[j]) + static_cast<opmath_t>(b.val[j]));
+      reinterpret_cast<V*>(Z + base)[v] = a;
+    }
+    return a;
+  };
+  auto sumsq = [&](const V& a) {
+    opmath_t s = 0;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const opmath_t t = static_cast<opmath_t>(a.val[j]);
+      s += t * t;
+    }
+    return s;
+  };
+  // y = x · rstd · w
+  auto scale_store = [&](int64_t base, int64_t v, const V& a, const V& w, opmath_t rs) {
+    V y;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const opmath_t wj = W != nullptr ? static_cast<opmath_t>(w.val[j]) : opmath_t(1);
+      y.val[j] = static_cast<T>(static_cast<opmath_t>(a.val[j]) * rs * wj);
+    }
+    reinterpret_cast<V*>(Y + base)[v] = y;
+  };
+  auto rstd_of = [&](opmath_t ss) { return opmath_t(1) / sqrt(ss / static_cast<opmath_t>(N) + eps); };
+
+  int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if constexpr (MAXV > 0) {
+    // the thread's weight vectors (the same columns in every row) and row vectors stay in registers
+    V wcache[MAXV], cur[MAXV], nxt[MAXV];
+    auto load_row = [&](int64_t r, V* dst) {
+#pragma unroll
+      for (int k = 0; k < MAXV; ++k) {
+        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) dst[k] = load(r * N, v);
+      }
+    };
 #pragma unroll
     for (int k = 0; k < MAXV; ++k) {
       const int64_t v = tid + static_cast<int64_t>(k) * tpr;
       if (W != nullptr && v < nvec) wcache[k] = Wv[v];
     }
-  }
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; row < M;
-       row += static_cast<int64_t>(gridDim.x) * blockDim.y) {
-    const int64_t base = row * N;
-    const V* Xv = reinterpret_cast<const V*>(X + base);
-    V* Yv = reinterpret_cast<V*>(Y + base);
-    const V* Rv = FUSED ? reinterpret_cast<const V*>(R + base) : nullptr;
-    V* Zv = FUSED ? reinterpret_cast<V*>(Z + base) : nullptr;
-
-    // x (or z) of vector v, with z = x + r stored on the way when FUSED
-    auto load = [&](int64_t v) -> V {
-      V a = Xv[v];
-      if constexpr (FUSED) {
-        const V b = Rv[v];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j)
-          a.val[j] = static_cast<T>(static_cast<opmath_t>(a.val[j]) + static_cast<opmath_t>(b.val[j]));
-        Zv[v] = a;
+    if (PIPE && row < M) load_row(row, cur);
+    for (; row < M; row += stride) {
+      if constexpr (PIPE) {
+        if (row + stride < M) load_row(row + stride, nxt);
+      } else {
+        load_row(row, cur);
       }
-      return a;
-    };
-    auto sumsq = [&](const V& a) {
-      opmath_t s = 0;
+      opmath_t ss = 0;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const opmath_t t = static_cast<opmath_t>(a.val[j]);
-        s += t * t;
-      }
-      return s;
-    };
-    // y = x · rstd · w
-    auto scale_store = [&](int64_t v, const V& a, const V& w, opmath_t rs) {
-      V y;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const opmath_t wj = W != nullptr ? static_cast<opmath_t>(w.val[j]) : opmath_t(1);
-        y.val[j] = static_cast<T>(static_cast<opmath_t>(a.val[j]) * rs * wj);
-      }
-      Yv[v] = y;
-    };
-
-    opmath_t ss = 0;
-    if constexpr (MAXV > 0) {
-      V cache[MAXV];
-#pragma unroll
-      for (int k = 0; k < MAXV; ++k) {
-        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-        if (v < nvec) {
-          cache[k] = load(v);
-          ss += sumsq(cache[k]);
-        }
-      }
-      ss = row_sum(ss, smem);
-      const opmath_t rs = opmath_t(1) / sqrt(ss / static_cast<opmath_t>(N) + eps);
+      for (int k = 0; k < MAXV; ++k)
+        if (tid + static_cast<int64_t>(k) * tpr < nvec) ss += sumsq(cur[k]);
+      const opmath_t rs = rstd_of(row_sum(ss));
       if (tid == 0) rstd[row] = rs;
 #pragma unroll
       for (int k = 0; k < MAXV; ++k) {
         const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-        if (v < nvec) scale_store(v, cache[k], wcache[k], rs);
+        if (v < nvec) scale_store(row * N, v, cur[k], wcache[k], rs);
       }
-    } else {
-      for (int64_t v = tid; v < nvec; v += tpr) ss += sumsq(load(v));
-      ss = row_sum(ss, smem);
-      const opmath_t rs = opmath_t(1) / sqrt(ss / static_cast<opmath_t>(N) + eps);
+      if constexpr (PIPE) {
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) cur[k] = nxt[k];
+      }
+    }
+  } else {
+    for (; row < M; row += stride) {
+      const int64_t base = row * N;
+      opmath_t ss = 0;
+      for (int64_t v = tid; v < nvec; v += tpr) ss += sumsq(load(base, v));
+      const opmath_t rs = rstd_of(row_sum(ss));
       if (tid == 0) rstd[row] = rs;
       // re-read the row (FUSED: z, written above by this same thread)
-      const V* Sv = FUSED ? reinterpret_cast<const V*>(Zv) : Xv;
+      const V* Sv = reinterpret_cast<const V*>((FUSED ? Z : X) + base);
       for (int64_t v = tid; v < nvec; v += tpr) {
         V w;
         if (W != nullptr) w = Wv[v];
-        scale_store(v, Sv[v], w, rs);
+        scale_store(base, v, Sv[v], w, rs);
       }
     }
   }
@@ -163,8 +185,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 // Backward. Per row (rs = rstd[row]):
 //   s = Σ w·dy·x;  dx = rs·w·dy − x·(rs³·s/N);  dw_partial[group] += dy·x·rs
-// One row group per block (blockDim.y == 1); group g = blockIdx.x writes partial row g.
-template <typename T, int VEC, int MAXV>
+// One row group per block (blockDim.y == 1); group g = blockIdx.x writes partial row g. PIPE: as in
+// the forward, the next row's dy and x are loaded before this row's reduction and stores.
+template <typename T, int VEC, int MAXV, bool PIPE>
 __global__ void __launch_bounds__(kMaxThreads)
     rms_norm_backward_kernel(const T* __restrict__ dY,                     // [M, N]
                              const T* __restrict__ X,                      // [M, N]
@@ -175,7 +198,8 @@ __global__ void __launch_bounds__(kMaxThreads)
                              int64_t M, int64_t N) {
   using opmath_t = at::opmath_type<T>;
   using V = Vec<T, VEC>;
-  __shared__ opmath_t smem[32];
+  __shared__ opmath_t smem[2][32];
+  RowSum<opmath_t> row_sum{smem};
   const int tid = threadIdx.x, tpr = blockDim.x;
   const int64_t nvec = N / VEC;
   const V* Wv = reinterpret_cast<const V*>(W);
@@ -184,7 +208,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   if constexpr (MAXV > 0) {
     opmath_t dw[MAXV][VEC];
-    V w[MAXV];
+    V w[MAXV], g[MAXV], x[MAXV], gn[MAXV], xn[MAXV];
+    opmath_t rs = 0, rsn = 0;
 #pragma unroll
     for (int k = 0; k < MAXV; ++k) {
       const int64_t v = tid + static_cast<int64_t>(k) * tpr;
@@ -192,28 +217,40 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) dw[k][j] = 0;
     }
-    for (int64_t row = blockIdx.x; row < M; row += gridDim.x) {
-      const int64_t base = row * N;
-      const V* dYv = reinterpret_cast<const V*>(dY + base);
-      const V* Xv = reinterpret_cast<const V*>(X + base);
-      const opmath_t rs = rstd[row];
-      V g[MAXV], x[MAXV];
-      opmath_t s = 0;
+    auto load_row = [&](int64_t r, V* gd, V* xd, opmath_t& rsd) {
+      const V* dYv = reinterpret_cast<const V*>(dY + r * N);
+      const V* Xv = reinterpret_cast<const V*>(X + r * N);
+      rsd = rstd[r];
 #pragma unroll
       for (int k = 0; k < MAXV; ++k) {
         const int64_t v = tid + static_cast<int64_t>(k) * tpr;
         if (v < nvec) {
-          g[k] = dYv[v];
-          x[k] = Xv[v];
-#pragma unroll
-          for (int j = 0; j < VEC; ++j)
-            s += wval(w[k], j) * static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]);
+          gd[k] = dYv[v];
+          xd[k] = Xv[v];
         }
       }
+    };
+    int64_t row = blockIdx.x;
+    if (PIPE && row < M) load_row(row, g, x, rs);
+    for (; row < M; row += gridDim.x) {
+      if constexpr (PIPE) {
+        if (row + gridDim.x < M) load_row(row + gridDim.x, gn, xn, rsn);
+      } else {
+        load_row(row, g, x, rs);
+      }
       if (dX != nullptr) {
-        s = row_sum(s, smem);
+        opmath_t s = 0;
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {
+          if (tid + static_cast<int64_t>(k) * tpr < nvec) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+              s += wval(w[k], j) * static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]);
+          }
+        }
+        s = row_sum(s);
         const opmath_t c = rs * rs * rs * s * inv_n;
-        V* dXv = reinterpret_cast<V*>(dX + base);
+        V* dXv = reinterpret_cast<V*>(dX + row * N);
 #pragma unroll
         for (int k = 0; k < MAXV; ++k) {
           const int64_t v = tid + static_cast<int64_t>(k) * tpr;
@@ -230,12 +267,19 @@ __global__ void __launch_bounds__(kMaxThreads)
       if (dW_partial != nullptr) {
 #pragma unroll
         for (int k = 0; k < MAXV; ++k) {
-          const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-          if (v < nvec) {
+          if (tid + static_cast<int64_t>(k) * tpr < nvec) {
 #pragma unroll
             for (int j = 0; j < VEC; ++j)
               dw[k][j] += static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]) * rs;
           }
+        }
+      }
+      if constexpr (PIPE) {
+        rs = rsn;
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {
+          g[k] = gn[k];
+          x[k] = xn[k];
         }
       }
     }
@@ -270,7 +314,7 @@ __global__ void __launch_bounds__(kMaxThreads)
           for (int j = 0; j < VEC; ++j)
             s += wval(w, j) * static_cast<opmath_t>(g.val[j]) * static_cast<opmath_t>(x.val[j]);
         }
-        s = row_sum(s, smem);
+        s = row_sum(s);
         c = rs * rs * rs * s * inv_n;
       }
       for (int64_t v = tid; v < nvec; v += tpr) {
@@ -313,7 +357,7 @@ inline int64_t num_sms() { return at::cuda::getCurrentDeviceProperties()->multiP
 // kernel and block size: the grid-stride grids below are sized to exactly fill the GPU once.
 template <auto kernel>
 int64_t resident_blocks(int threads) {
-  static std::atomic<int> cache[kMaxThreads / 32 * kWarpRows + 1];
+  static std::atomic<int> cache[kMaxThreadsFwd / 32 + 1];
   const int slot = threads / 32;
   int n = cache[slot].load(std::memory_order_relaxed);
   if (n == 0) {
@@ -341,24 +385,28 @@ void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at:
                    (w == nullptr || cuda::is_aligned16(w)) &&
                    (!FUSED || (cuda::is_aligned16(r) && cuda::is_aligned16(z)));
   const int64_t nvec = vec ? N / VEC : N;
-  const RowMapping map = choose_mapping(nvec, kMaxThreads);
+  // Measured on the H200 (2026-11-30, benchmarks/results/rms_norm_variants_cuda.txt): for 4-byte and
+  // wider types, pipelining rows and up to 1024 threads per row won (fp32 32768x4096: 3895 vs 3495 GB/s;
+  // 16384x8192: 3886 vs 3427); for 2-byte types both lost a little (bf16 32768x4096: 3396 vs 3518).
+  constexpr bool kWide = sizeof(T) >= 4;
+  const RowMapping map = choose_mapping(nvec, kWide ? kMaxThreadsFwd : kMaxThreads);
   const int rows_per_block = map.tpr == 32 ? kWarpRows : 1;
   const dim3 block(map.tpr, rows_per_block);
   const int64_t row_groups = (M + rows_per_block - 1) / rows_per_block;
   auto stream = at::cuda::getCurrentCUDAStream();
-#define OPFORGE_RMS_FWD(V_, MAXV_)                                                                       \
+#define OPFORGE_RMS_FWD(V_, MAXV_, PIPE_)                                                                \
   do {                                                                                                   \
-    constexpr auto kernel = rms_norm_forward_kernel<T, V_, MAXV_, FUSED>;                                \
+    constexpr auto kernel = rms_norm_forward_kernel<T, V_, MAXV_, FUSED, PIPE_>;                         \
     const int64_t grid =                                                                                 \
         std::min<int64_t>(row_groups, num_sms() * resident_blocks<kernel>(map.tpr * rows_per_block));    \
     kernel<<<grid, block, 0, stream>>>(x, r, w, y, z, rs, M, N, eps);                                    \
   } while (0)
   if (vec) {
-    if (map.cached) OPFORGE_RMS_FWD(VEC, kMaxVecsPerThread);
-    else OPFORGE_RMS_FWD(VEC, 0);
+    if (map.cached) OPFORGE_RMS_FWD(VEC, kMaxVecsPerThread, kWide);
+    else OPFORGE_RMS_FWD(VEC, 0, false);
   } else {
-    if (map.cached) OPFORGE_RMS_FWD(1, kMaxVecsPerThread);
-    else OPFORGE_RMS_FWD(1, 0);
+    if (map.cached) OPFORGE_RMS_FWD(1, kMaxVecsPerThread, kWide);
+    else OPFORGE_RMS_FWD(1, 0, false);
   }
 #undef OPFORGE_RMS_FWD
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -395,26 +443,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cuda(
   return {o.Y, o.Z, o.rstd};
 }
 
+// The backward's launch plan: the kernel variant and the blocks resident per SM. Pipelining (PIPE) is
+// chosen when only one block of the plain kernel fits on an SM: then nothing else hides the load
+// latency across the row's barrier (H200, 2026-11-30, bf16 4096x8192 forward+backward: 2303 vs 1048
+// GB/s); with more resident blocks the extra registers cost more than they gain (bf16 65536x1024:
+// 3207 vs 3467 GB/s).
+struct BackwardPlan {
+  bool pipe;
+  int64_t resident;
+};
+
 template <typename T>
-int64_t backward_resident_blocks_t(const RowMapping& map, bool vec) {
+BackwardPlan backward_plan_t(const RowMapping& map, bool vec) {
   constexpr int VEC = cuda::vec_size<T>();
-  if (vec) {
-    return map.cached ? resident_blocks<rms_norm_backward_kernel<T, VEC, kMaxVecsPerThread>>(map.tpr)
-                      : resident_blocks<rms_norm_backward_kernel<T, VEC, 0>>(map.tpr);
+  constexpr int MV = kMaxVecsPerThread;
+  if (!map.cached) {
+    return {false, vec ? resident_blocks<rms_norm_backward_kernel<T, VEC, 0, false>>(map.tpr)
+                       : resident_blocks<rms_norm_backward_kernel<T, 1, 0, false>>(map.tpr)};
   }
-  return map.cached ? resident_blocks<rms_norm_backward_kernel<T, 1, kMaxVecsPerThread>>(map.tpr)
-                    : resident_blocks<rms_norm_backward_kernel<T, 1, 0>>(map.tpr);
+  const int64_t plain = vec ? resident_blocks<rms_norm_backward_kernel<T, VEC, MV, false>>(map.tpr)
+                            : resident_blocks<rms_norm_backward_kernel<T, 1, MV, false>>(map.tpr);
+  if (plain > 1) return {false, plain};
+  return {true, vec ? resident_blocks<rms_norm_backward_kernel<T, VEC, MV, true>>(map.tpr)
+                    : resident_blocks<rms_norm_backward_kernel<T, 1, MV, true>>(map.tpr)};
 }
 
-int64_t backward_resident_blocks(at::ScalarType dtype, const RowMapping& map, bool vec) {
-  int64_t n = 1;
-  OPFORGE_DISPATCH_FLOATING(dtype, "opforge::rms_norm_backward", [&] { n = backward_resident_blocks_t<scalar_t>(map, vec); });
-  return n;
+BackwardPlan backward_plan(at::ScalarType dtype, const RowMapping& map, bool vec) {
+  BackwardPlan plan{false, 1};
+  OPFORGE_DISPATCH_FLOATING(dtype, "opforge::rms_norm_backward", [&] { plan = backward_plan_t<scalar_t>(map, vec); });
+  return plan;
 }
 
 template <typename T>
 void launch_backward(const rmsnorm::BackwardProblem& p, at::Tensor& dX, at::Tensor& partials, int64_t grid,
-                     const RowMapping& map, bool vec) {
+                     const RowMapping& map, bool vec, bool pipe) {
   using opmath_t = at::opmath_type<T>;
   const T* dy = p.dY.const_data_ptr<T>();
   const T* x = p.X.const_data_ptr<T>();
@@ -424,14 +486,16 @@ void launch_backward(const rmsnorm::BackwardProblem& p, at::Tensor& dX, at::Tens
   opmath_t* part = partials.defined() ? partials.mutable_data_ptr<opmath_t>() : nullptr;
   constexpr int VEC = cuda::vec_size<T>();
   auto stream = at::cuda::getCurrentCUDAStream();
-#define OPFORGE_RMS_BWD(V_, MAXV_) \
-  rms_norm_backward_kernel<T, V_, MAXV_><<<grid, map.tpr, 0, stream>>>(dy, x, rs, w, dx, part, p.M, p.N)
+#define OPFORGE_RMS_BWD(V_, MAXV_, PIPE_)                                                        \
+  rms_norm_backward_kernel<T, V_, MAXV_, PIPE_><<<grid, map.tpr, 0, stream>>>(dy, x, rs, w, dx, part, p.M, p.N)
   if (vec) {
-    if (map.cached) OPFORGE_RMS_BWD(VEC, kMaxVecsPerThread);
-    else OPFORGE_RMS_BWD(VEC, 0);
+    if (map.cached && pipe) OPFORGE_RMS_BWD(VEC, kMaxVecsPerThread, true);
+    else if (map.cached) OPFORGE_RMS_BWD(VEC, kMaxVecsPerThread, false);
+    else OPFORGE_RMS_BWD(VEC, 0, false);
   } else {
-    if (map.cached) OPFORGE_RMS_BWD(1, kMaxVecsPerThread);
-    else OPFORGE_RMS_BWD(1, 0);
+    if (map.cached && pipe) OPFORGE_RMS_BWD(1, kMaxVecsPerThread, true);
+    else if (map.cached) OPFORGE_RMS_BWD(1, kMaxVecsPerThread, false);
+    else OPFORGE_RMS_BWD(1, 0, false);
   }
 #undef OPFORGE_RMS_BWD
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -462,14 +526,15 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   const RowMapping map = choose_mapping(vec ? N / VEC : N, kMaxThreads);
   // one row group per block, as many blocks as are resident at once: the partials are then
   // (resident blocks) rows of N floats, a few percent of the traffic of dY, X and dX
-  const int64_t grid = std::min<int64_t>(M, num_sms() * backward_resident_blocks(p.X.scalar_type(), map, vec));
+  const BackwardPlan plan = backward_plan(p.X.scalar_type(), map, vec);
+  const int64_t grid = std::min<int64_t>(M, num_sms() * plan.resident);
   at::Tensor partials;  // [grid, N]
   if (want_dw) {
     auto opts = p.X.options().dtype(acc_dtype);
     partials = map.cached ? at::empty({grid, N}, opts) : at::zeros({grid, N}, opts);
   }
   OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::rms_norm_backward",
-                            [&] { launch_backward<scalar_t>(p, dX, partials, grid, map, vec); });
+                            [&] { launch_backward<scalar_t>(p, dX, partials, grid, map, vec, plan.pipe); });
   if (want_dw) dW = partials.sum(0).view(weight->sizes()).to(weight->scalar_type());
   return {dX, dW};
 }
