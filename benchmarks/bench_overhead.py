@@ -4,7 +4,10 @@ On small CPU tensors (input 4×8, weight 8×8, bias 8) the GEMM costs next to no
 is the call overhead: Python, argument parsing, the dispatcher, the autograd node when a gradient is
 needed, the checks and the output allocation. Each variant runs `--calls` calls in a timed loop; the
 loop is repeated `--repeats` times, round-robin over the variants (so drift hits all alike), and the
-median per-call time is kept. Goal: opforge.linear ≤ 1.1× F.linear.
+median per-call time is kept. Goal: opforge.linear ≤ 1.1× F.linear. For context, ATen's own linear called
+through the same Python-to-dispatcher path as any C++ custom op (torch.ops.aten.linear.default) is
+measured too: F.linear's generated binding skips that path, which no op library without the Python C API
+can.
 
     python benchmarks/bench_overhead.py            # appends benchmarks/results/overhead_cpu.csv
 """
@@ -49,6 +52,7 @@ def main(argv=None) -> int:
 
     rows: list[Row] = []
     op = torch.ops.opforge.linear.default
+    aten_op = torch.ops.aten.linear.default  # ATen's own op through the same boxed Python path: the floor
     for requires_grad in (False, True):
         x = torch.randn(4, 8, requires_grad=requires_grad)
         w = torch.randn(8, 8, requires_grad=requires_grad)
@@ -61,6 +65,7 @@ def main(argv=None) -> int:
             "F.linear": lambda: F.linear(x, w, b),
             "opforge.linear": lambda: opforge.linear(x, w, b),
             "torch.ops.opforge.linear.default": lambda: op(x, w, b),
+            "torch.ops.aten.linear.default": lambda: aten_op(x, w, b),
             "opforge.linear gelu": lambda: opforge.linear(x, w, b, "gelu"),
             "F.gelu(F.linear)": lambda: F.gelu(F.linear(x, w, b)),
             "torch.nn.Linear": lambda: ref_mod(x),

@@ -23,8 +23,12 @@ __all__ = ["LINEAR_ACTIVATIONS", "fused_add_rms_norm", "linear", "rms_norm", "si
 #: The activations of :func:`linear`, by name.
 LINEAR_ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
-# Bound once: the Python side of linear is one call of the operator overload (the C++ op checks).
+# Bound once: the Python side of linear is one call into the dispatcher (the C++ op does every check).
+# Eagerly, the C++ callable behind the OpOverload (skipping OpOverload.__call__'s Python frame); while
+# torch.compile traces, the OpOverload itself, which dynamo understands.
 _linear_op = torch.ops.opforge.linear.default
+_linear_call = _linear_op._op
+_is_compiling = torch.compiler.is_compiling
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
@@ -65,7 +69,11 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     Source: torch.nn.functional.linear and torch.nn.functional.relu / gelu / silu; gradients
     dX = dZ·W, dW = dZᵀ·X, db = Σ_rows dZ (``torch.ops.opforge.linear_backward``).
     """
-    return _linear_op(input, weight, bias, activation)
+    if _is_compiling():
+        return _linear_op(input, weight, bias, activation)
+    if activation == "none":  # the schema's default: one argument fewer to convert
+        return _linear_call(input, weight, bias)
+    return _linear_call(input, weight, bias, activation)
 
 
 def sigmoid(input: Tensor) -> Tensor:

@@ -50,7 +50,7 @@ class Linear(torch.nn.Linear):
         self.activation = activation
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F._linear_op(input, self.weight, self.bias, self.activation)
+        return F.linear(input, self.weight, self.bias, self.activation)
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()

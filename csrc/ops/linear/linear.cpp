@@ -4,6 +4,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <type_traits>
 #include <torch/library.h>
 
 #include "core/autograd.h"
@@ -76,6 +79,8 @@ int64_t rows_of(const at::Tensor& input) {
   return M;
 }
 at::Tensor maybe_contiguous(const at::Tensor& t, bool contiguous) { return contiguous ? t.contiguous() : t; }
+// t as [rows, cols]: t itself when it is 2-D already (no new view on the common path), else a reshape.
+at::Tensor as_2d(const at::Tensor& t, int64_t rows, int64_t cols) { return t.dim() == 2 ? t : t.reshape({rows, cols}); }
 }  // namespace
 
 LinearProblem check_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -84,7 +89,7 @@ LinearProblem check_linear(const at::Tensor& input, const at::Tensor& weight, co
   const Activation act = parse_activation("linear", activation);
   const auto dtype = input.scalar_type();
   const int64_t M = rows_of(input), K = weight.size(1), N = weight.size(0);
-  LinearProblem p{M, K, N, act, maybe_contiguous(input.reshape({M, K}), contiguous),
+  LinearProblem p{M, K, N, act, maybe_contiguous(as_2d(input, M, K), contiguous),
                   maybe_contiguous(to_input_dtype(weight, dtype), contiguous), {}};
   if (bias.has_value() && bias->defined()) p.b = to_input_dtype(*bias, dtype).contiguous();
   return p;
@@ -128,13 +133,13 @@ LinearBackwardProblem check_linear_backward(const at::Tensor& grad_output, const
   const auto dtype = input.scalar_type();
   const int64_t M = rows_of(input), K = weight.size(1), N = weight.size(0);
   at::Tensor Z;  // only an activation's derivative reads it
-  if (act != Activation::kNone) Z = to_input_dtype(*pre_activation, dtype).reshape({M, N}).contiguous();
+  if (act != Activation::kNone) Z = as_2d(to_input_dtype(*pre_activation, dtype), M, N).contiguous();
   return {M,
           K,
           N,
           act,
-          maybe_contiguous(to_input_dtype(grad_output, dtype).reshape({M, N}), contiguous),
-          maybe_contiguous(input.reshape({M, K}), contiguous),
+          maybe_contiguous(as_2d(to_input_dtype(grad_output, dtype), M, N), contiguous),
+          maybe_contiguous(as_2d(input, M, K), contiguous),
           maybe_contiguous(to_input_dtype(weight, dtype), contiguous),
           Z};
 }
@@ -236,30 +241,53 @@ variable_list linear_grads(AutogradContext* ctx, const at::Tensor& grad_output) 
   return {grad_input, grad_weight, grad_bias};
 }
 
-class LinearFunction : public torch::autograd::Function<LinearFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, c10::string_view activation) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    const auto act = linear_op::parse_activation("linear", activation);
-    at::Tensor Y, Z;
-    if (act == linear_op::Activation::kNone) {
-      Y = opforge::linear(input, weight, bias, activation);  // dZ = dY: nothing more to keep
-    } else if (act == linear_op::Activation::kReLU) {
-      Y = opforge::linear(input, weight, bias, activation);
-      Z = Y;  // relu'(z) = [z > 0] = [y > 0]: the output serves as the pre-activation
-    } else {
-      std::tie(Y, Z) = opforge::_linear_forward(input, weight, bias, activation);
-    }
-    save_linear(ctx, input, weight, bias, Z, act);
-    return Y;
+// linear's backward node, built the way ATen's generated autograd nodes are (a Node subclass holding
+// SavedVariables) rather than through torch::autograd::Function, whose bookkeeping (context dictionary,
+// output wrapping, forward-AD hooks) costs several times the op's own call overhead on small inputs.
+// Edges: 0 input, 1 weight, 2 bias (an empty edge without bias).
+struct LinearBackwardNode : public torch::autograd::Node {
+  torch::autograd::SavedVariable input_, weight_, z_;  // z_: pre-activation, relu's output, or undefined
+  bool has_bias_ = false;
+  at::ScalarType bias_dtype_ = at::kFloat;
+  linear_op::Activation act_ = linear_op::Activation::kNone;
+
+  std::string name() const override { return "opforge::LinearBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    input_.reset_data();
+    weight_.reset_data();
+    z_.reset_data();
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto g = linear_grads(ctx, grads[0]);
-    g.emplace_back();  // activation
-    return g;
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const std::array<bool, 3> mask{should_compute_output(0), should_compute_output(1),
+                                   has_bias_ && should_compute_output(2)};
+    variable_list out(num_outputs());
+    if (!grads[0].defined() || !(mask[0] || mask[1] || mask[2])) return out;
+    std::optional<at::Tensor> z;
+    if (act_ != linear_op::Activation::kNone) z = z_.unpack();
+    std::optional<at::ScalarType> bias_dtype;
+    if (has_bias_) bias_dtype = bias_dtype_;
+    auto [grad_input, grad_weight, grad_bias] = opforge::linear_backward(
+        grads[0], input_.unpack(), weight_.unpack(), mask, bias_dtype, linear_op::activation_name(act_), z);
+    out[0] = std::move(grad_input);
+    out[1] = std::move(grad_weight);
+    if (out.size() > 2) out[2] = std::move(grad_bias);
+    return out;
   }
 };
+
+/// A new node: intrusive_ptr where torch's Node is an intrusive_ptr_target (torch >= 2.13), shared_ptr before.
+template <typename NodeT>
+auto make_node() {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, NodeT>) {
+    return c10::make_intrusive<NodeT>();
+  } else {
+    return std::shared_ptr<NodeT>(new NodeT());
+  }
+}
 
 // _linear_forward called directly: (output, pre_activation), pre_activation not differentiable.
 class LinearForwardFunction : public torch::autograd::Function<LinearForwardFunction> {
@@ -287,12 +315,38 @@ bool any_requires_grad(const at::Tensor& input, const at::Tensor& weight, const 
 
 at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            c10::string_view activation) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(input) && !torch::autograd::isFwGradDefined(weight) &&
+                                  !torch::autograd::isFwGradDefined(bias),
+                              "opforge::linear: forward-mode AD is not supported; use reverse mode (backward)");
   // Nothing to differentiate: straight to the kernel, no graph node and no pre-activation kept.
   if (!at::GradMode::is_enabled() || !any_requires_grad(input, weight, bias)) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return opforge::linear(input, weight, bias, activation);
   }
-  return LinearFunction::apply(input, weight, bias, activation);
+  const auto act = linear_op::parse_activation("linear", activation);
+  auto node = make_node<LinearBackwardNode>();
+  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
+  at::Tensor Y, Z;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    if (act == linear_op::Activation::kNone || act == linear_op::Activation::kReLU) {
+      Y = opforge::linear(input, weight, bias, activation);
+    } else {
+      std::tie(Y, Z) = opforge::_linear_forward(input, weight, bias, activation);
+    }
+  }
+  torch::autograd::set_history(Y, node);
+  node->input_ = torch::autograd::SavedVariable(input, /*is_output=*/false);
+  node->weight_ = torch::autograd::SavedVariable(weight, /*is_output=*/false);
+  // relu'(z) = [z > 0] = [y > 0]: the output serves as the pre-activation. Saved detached (no grad_fn, so
+  // no reference cycle through the node; the version counter is shared, so an in-place change of the
+  // output before backward still raises).
+  if (act == linear_op::Activation::kReLU) Z = Y.detach();
+  if (Z.defined()) node->z_ = torch::autograd::SavedVariable(Z, /*is_output=*/false);
+  node->has_bias_ = bias.has_value() && bias->defined();
+  if (node->has_bias_) node->bias_dtype_ = bias->scalar_type();
+  node->act_ = act;
+  return Y;
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_forward_autograd(const at::Tensor& input, const at::Tensor& weight,

@@ -63,10 +63,12 @@ at::Tensor activation_backward(const at::Tensor& dY, const at::Tensor& Z, Activa
   TORCH_INTERNAL_ASSERT(false, "opforge::linear_backward: unhandled activation");
 }
 
-std::vector<int64_t> output_sizes(const at::Tensor& input, int64_t N) {
-  std::vector<int64_t> out = input.sizes().vec();  // (*, N)
-  out.back() = N;
-  return out;
+/// Y [M, N] viewed as input's leading dims followed by N (Y itself for a 2-D input).
+at::Tensor as_output(const at::Tensor& Y, const at::Tensor& input, int64_t N) {
+  if (input.dim() == 2) return Y;
+  std::vector<int64_t> sizes = input.sizes().vec();  // (*, N)
+  sizes.back() = N;
+  return Y.view(sizes);
 }
 
 at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -74,7 +76,7 @@ at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight, const s
   const auto p = linear_op::check_linear(input, weight, bias, activation, /*contiguous=*/false);
   at::Tensor Y = pre_activation(p);  // [M, N]
   activate_(Y, p.act);
-  return Y.view(output_sizes(input, p.N));
+  return as_output(Y, input, p.N);
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_forward_cpu(const at::Tensor& input, const at::Tensor& weight,
@@ -82,8 +84,7 @@ std::tuple<at::Tensor, at::Tensor> linear_forward_cpu(const at::Tensor& input, c
                                                       c10::string_view activation) {
   const auto p = linear_op::check_linear(input, weight, bias, activation, /*contiguous=*/false);
   const at::Tensor Z = pre_activation(p);  // [M, N]
-  const auto sizes = output_sizes(input, p.N);
-  return {activate(Z, p.act).view(sizes), Z.view(sizes)};
+  return {as_output(activate(Z, p.act), input, p.N), as_output(Z, input, p.N)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(
