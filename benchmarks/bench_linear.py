@@ -17,6 +17,7 @@ Both figures and the µs are printed for every row.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -61,6 +62,15 @@ def ours_linear_gelu_tanh(x, w, b):
     return opforge.linear(x, w, b, "gelu_tanh")
 
 
+def ours_linear_gemv(x, w, b):
+    """opforge.linear through the opt-in small-M GEMV kernel (OPFORGE_LINEAR_GEMV=1 for this call)."""
+    os.environ["OPFORGE_LINEAR_GEMV"] = "1"
+    try:
+        return opforge.linear(x, w, b)
+    finally:
+        del os.environ["OPFORGE_LINEAR_GEMV"]
+
+
 def weight_copies(wbytes: int, cuda: bool) -> int:
     """Copies of the weight to rotate over: together more than twice the L2 (1 on CPU)."""
     return max(1, math.ceil(2.2 * L2_BYTES / wbytes)) if cuda else 1
@@ -83,6 +93,8 @@ def main(argv=None) -> int:
     impls = {"opforge": ours_linear, "F.linear": eager_linear, "opforge gelu": ours_linear_gelu,
              "opforge gelu_tanh": ours_linear_gelu_tanh, "gelu(F.linear)": eager_linear_gelu,
              "compile gelu(F.linear)": comp}
+    if cuda:
+        impls["opforge gemv"] = ours_linear_gemv  # M <= 16 only (larger M: cuBLASLt, as "opforge")
 
     rows: list[Row] = []
     for dtype in dtypes:
@@ -100,7 +112,7 @@ def main(argv=None) -> int:
                 group = []
                 for impl, fn in impls.items():
                     method = ""
-                    if fn is None:
+                    if fn is None or (impl == "opforge gemv" and M > 16):
                         t = math.nan
                     else:
                         if pass_ == "fwd":

@@ -671,3 +671,18 @@ def test_nn_linear_activation(device):
         assert ("activation" in repr(ours)) == (activation != "none")
     with pytest.raises(ValueError, match=r"opforge.nn.Linear: expected activation to be one of .* but got 'tanh'"):
         opforge.nn.Linear(4, 4, activation="tanh")
+
+
+# ---- the opt-in small-M GEMV kernel (CUDA, OPFORGE_LINEAR_GEMV=1) --------------------------------------
+
+@requires_cuda
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", [(1, 64, 83), (3, 4096, 769), (8, 136, 33), (16, 72, 136), (17, 64, 40),
+                                   (2, 83, 9)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gemv_path_matches_reference(monkeypatch, activation, dtype, shape, bias):
+    # M <= 16 with K % (16 bytes / element) == 0 takes the GEMV kernel (forward, and _linear_forward's
+    # pre-activation for the backward); (17, ...) and K = 83 check that the rest still goes to cuBLAS(Lt)
+    monkeypatch.setenv("OPFORGE_LINEAR_GEMV", "1")
+    check_activation_case("cuda", dtype, shape, activation, bias)

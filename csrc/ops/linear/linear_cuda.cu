@@ -9,6 +9,8 @@
 //                          (its leading dimension N must be a multiple of 8); relu needs no z (its output
 //                          decides relu').
 //   gelu, silu             cuBLASLt BIAS (or DEFAULT), then one elementwise pass y = act(z) (fp32 math).
+//   small M (opt-in)       OPFORGE_LINEAR_GEMV=1: for 1 ≤ M ≤ 16 a bandwidth-bound GEMV kernel of our own
+//                          (linear_gemv.cuh) with bias and activation fused; default off until measured.
 //   fallback               float64, a problem cuBLASLt finds no algorithm for (alignment, shapes), or
 //                          OPFORGE_LINEAR_LT=0: cublasGemmEx with the bias copied in first and beta = 1,
 //                          then the elementwise pass for any activation. Every path gives the same values
@@ -31,11 +33,13 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "core/check.h"
 #include "core/dispatch.h"
 #include "core/map_cuda.cuh"
 #include "ops/linear/linear.h"
+#include "ops/linear/linear_gemv.cuh"
 
 namespace opforge {
 namespace {
@@ -49,6 +53,11 @@ constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1/√(2π)
 constexpr double kSqrt2OverPi = 0.79788456080286535588;  // √(2/π)
 constexpr double kGeluTanhKappa = 0.044715;
 
+// y = z
+struct IdentityOp {
+  template <typename T>
+  __device__ T operator()(T z) const { return z; }
+};
 // y = max(z, 0) (NaN stays NaN)
 struct ReLUOp {
   template <typename T>
@@ -371,6 +380,41 @@ void gemm_bias(const linear_op::LinearProblem& p, at::Tensor& Z) {
   gemm(/*trans_a=*/false, /*trans_b=*/true, p.M, p.N, p.K, p.X, p.W, Z, /*accumulate=*/has_bias);
 }
 
+/// True when the opt-in small-M GEMV kernel takes this problem: OPFORGE_LINEAR_GEMV=1 (read on every
+/// call), float32/float16/bfloat16, 1 ≤ M ≤ 16, K > 0 a multiple of the 16-byte vector, X and W 16-byte
+/// aligned (contiguous from the checker).
+bool gemv_eligible(const linear_op::LinearProblem& p) {
+  const char* env = std::getenv("OPFORGE_LINEAR_GEMV");
+  if (env == nullptr || std::strcmp(env, "1") != 0) return false;
+  const auto t = p.X.scalar_type();
+  if (t == at::kDouble || p.M < 1 || p.M > 16 || p.K < 1 || p.N < 1) return false;
+  const int64_t vec = 16 / static_cast<int64_t>(p.X.element_size());
+  return p.K % vec == 0 && cuda::is_aligned16(p.X.const_data_ptr()) && cuda::is_aligned16(p.W.const_data_ptr());
+}
+
+/// Y[M, N] = act(X · Wᵀ + b) (and Z[M, N] = X · Wᵀ + b when Z is given) through the GEMV kernel.
+void gemv_linear(const linear_op::LinearProblem& p, at::Tensor& Y, at::Tensor* Z) {
+  OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::linear", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_INTERNAL_ASSERT(false, "opforge::linear: the GEMV kernel has no float64 path");
+    } else {
+      const scalar_t* b = p.b.defined() ? p.b.const_data_ptr<scalar_t>() : nullptr;
+      scalar_t* z = Z != nullptr ? Z->mutable_data_ptr<scalar_t>() : nullptr;
+      auto run = [&](auto act) {
+        cuda::launch_gemv<scalar_t>(p.X.const_data_ptr<scalar_t>(), p.W.const_data_ptr<scalar_t>(), b,
+                                    Y.mutable_data_ptr<scalar_t>(), z, static_cast<int>(p.M), p.K, p.N, act);
+      };
+      switch (p.act) {
+        case Activation::kNone: run(IdentityOp{}); break;
+        case Activation::kReLU: run(ReLUOp{}); break;
+        case Activation::kGELU: run(GELUOp{}); break;
+        case Activation::kGELUTanh: run(GELUTanhOp{}); break;
+        case Activation::kSiLU: run(SiLUOp{}); break;
+      }
+    }
+  });
+}
+
 /// (Y, Z) of the forward, each [M, N]: Y = act(X · Wᵀ + b); Z = X · Wᵀ + b when keep_z (else undefined).
 std::pair<at::Tensor, at::Tensor> forward(const linear_op::LinearProblem& p, bool keep_z) {
   const auto options = p.X.options();
@@ -378,6 +422,11 @@ std::pair<at::Tensor, at::Tensor> forward(const linear_op::LinearProblem& p, boo
   at::Tensor Z;                                   // [M, N] when keep_z
   if (keep_z) Z = at::empty({p.M, p.N}, options);
   if (Y.numel() == 0) return {Y, Z};
+  // 0. opt-in: small M through the GEMV kernel, everything fused
+  if (gemv_eligible(p)) {
+    gemv_linear(p, Y, keep_z ? &Z : nullptr);
+    return {Y, Z};
+  }
   // 1. the activation in the GEMM's epilogue, where cuBLASLt has it
   if (p.K > 0 && lt_enabled(p.X.scalar_type())) {
     if (!keep_z && p.act == Activation::kReLU && lt_linear(p, Y, CUBLASLT_EPILOGUE_RELU)) return {Y, Z};
