@@ -16,12 +16,21 @@
 
 #include "core/cuda_utils.cuh"
 
+#include <climits>
+
 namespace opforge {
 namespace cuda {
 
 constexpr int kGemvWarps = 8;  // warps per block
-constexpr int kGemvRows = 2;   // R: rows of W per warp
-constexpr int kGemvUnroll = 4; // U: 16-byte loads per row in flight per lane
+
+// R rows of W per warp and U 16-byte loads per row in flight per lane, by MR (rows of X): R · U = 8 loads
+// in flight per lane either way. Each X chunk (one read-only-cache load per row of X) serves R rows of W,
+// so a larger M takes a larger R to keep X's cache traffic (M/R times W's) within L1 bandwidth.
+template <int MR>
+struct GemvTile {
+  static constexpr int R = MR >= 8 ? 4 : 2;
+  static constexpr int U = 8 / R;
+};
 
 // One 16-byte chunk as fp32 values (VEC of them).
 template <typename scalar_t, int VEC>
@@ -42,7 +51,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
                 scalar_t* __restrict__ Z,        // [M, N] or nullptr
                 int M, int64_t K, int64_t N, Act act) {
   constexpr int VEC = 16 / sizeof(scalar_t);
-  constexpr int R = kGemvRows, U = kGemvUnroll;
+  constexpr int R = GemvTile<MR>::R, U = GemvTile<MR>::U;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int64_t n0 = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + warp) * R;
@@ -114,26 +123,33 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   }
 }
 
-/// Launches gemv_kernel for 1 ≤ M ≤ 16 (the caller checked dtype, M, K % VEC, alignment; K, N > 0).
+template <typename scalar_t, int MR, typename Act>
+void launch_gemv_tile(const scalar_t* X, const scalar_t* W, const scalar_t* b, scalar_t* Y, scalar_t* Z, int M,
+                      int64_t K, int64_t N, Act act) {
+  const int64_t rows_per_block = static_cast<int64_t>(kGemvWarps) * GemvTile<MR>::R;
+  const int64_t blocks = (N + rows_per_block - 1) / rows_per_block;
+  TORCH_INTERNAL_ASSERT(blocks <= INT_MAX, "opforge::linear: N too large for the GEMV grid");
+  gemv_kernel<scalar_t, MR><<<static_cast<unsigned>(blocks), kGemvWarps * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
+      X, W, b, Y, Z, M, K, N, act);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+/// Launches gemv_kernel for 1 ≤ M ≤ 16 (the caller checked dtype, M, K % VEC, alignment; K, N > 0), with
+/// MR = M rounded up to a power of two.
 template <typename scalar_t, typename Act>
 void launch_gemv(const scalar_t* X, const scalar_t* W, const scalar_t* b, scalar_t* Y, scalar_t* Z, int M, int64_t K,
                  int64_t N, Act act) {
-  const int64_t rows_per_block = static_cast<int64_t>(kGemvWarps) * kGemvRows;
-  const int64_t blocks = (N + rows_per_block - 1) / rows_per_block;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const dim3 grid(static_cast<unsigned>(blocks)), block(kGemvWarps * 32);
   if (M <= 1) {
-    gemv_kernel<scalar_t, 1><<<grid, block, 0, stream>>>(X, W, b, Y, Z, M, K, N, act);
+    launch_gemv_tile<scalar_t, 1>(X, W, b, Y, Z, M, K, N, act);
   } else if (M <= 2) {
-    gemv_kernel<scalar_t, 2><<<grid, block, 0, stream>>>(X, W, b, Y, Z, M, K, N, act);
+    launch_gemv_tile<scalar_t, 2>(X, W, b, Y, Z, M, K, N, act);
   } else if (M <= 4) {
-    gemv_kernel<scalar_t, 4><<<grid, block, 0, stream>>>(X, W, b, Y, Z, M, K, N, act);
+    launch_gemv_tile<scalar_t, 4>(X, W, b, Y, Z, M, K, N, act);
   } else if (M <= 8) {
-    gemv_kernel<scalar_t, 8><<<grid, block, 0, stream>>>(X, W, b, Y, Z, M, K, N, act);
+    launch_gemv_tile<scalar_t, 8>(X, W, b, Y, Z, M, K, N, act);
   } else {
-    gemv_kernel<scalar_t, 16><<<grid, block, 0, stream>>>(X, W, b, Y, Z, M, K, N, act);
+    launch_gemv_tile<scalar_t, 16>(X, W, b, Y, Z, M, K, N, act);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace cuda
