@@ -686,3 +686,34 @@ def test_gemv_path_matches_reference(monkeypatch, activation, dtype, shape, bias
     # pre-activation for the backward); (17, ...) and K = 83 check that the rest still goes to cuBLAS(Lt)
     monkeypatch.setenv("OPFORGE_LINEAR_GEMV", "1")
     check_activation_case("cuda", dtype, shape, activation, bias)
+
+
+@requires_cuda
+@pytest.mark.parametrize("gemv", [False, True], ids=["cublaslt", "gemv"])
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu_tanh", "silu"])
+def test_cuda_graph_capture_matches_eager(monkeypatch, activation, gemv):
+    # stream-ordered, no host synchronization: forward + backward capture in a CUDA graph and replay
+    if gemv:
+        monkeypatch.setenv("OPFORGE_LINEAR_GEMV", "1")
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(136, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(136, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(4, 136, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        y = opforge.linear(x, w, b, activation)
+        return (y.detach(),) + torch.autograd.grad(y, (x, w, b), dy)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            eager = step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = step()
+    g.replay()
+    torch.cuda.synchronize()
+    for c, e in zip(captured, eager):
+        torch.testing.assert_close(c, e)
