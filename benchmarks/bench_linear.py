@@ -1,15 +1,23 @@
 """Benchmark linear (forward, forward+backward) against torch.nn.functional.linear, gelu(F.linear) eager
-and torch.compile, for bf16 / fp16 / fp32.
+and torch.compile of gelu(linear), for bf16 / fp16 / fp32 (issue 4).
 
-Metric: TFLOP/s (2·M·N·K per forward, 3x that for forward+backward) for large M; for M ≤ 16 (decode,
-weight streaming) GB/s of the weight read once (N·K·elem bytes per forward) — the roofline unit of a
-memory-bound GEMV.
+Timing (CUDA): device time per call (common.time_cuda_graph): many back-to-back calls captured in one CUDA
+graph and replayed, so host launch cost stays out of it (single-call timing at small M measures the
+host). The weight rotates over enough copies that they exceed the L2 twice over, so a small-M call
+streams its weight from HBM as it would in a model. On CPU, wall time of single calls (common.time_cpu).
 
-    python benchmarks/bench_linear.py                      # CUDA when available
+Metric: GB/s of the weight read once (N·K·elem bytes per call) for a forward with M ≤ 16 (decode: weight
+streaming, a memory-bound GEMV); TFLOP/s otherwise (2·M·N·K per forward, 3x that for forward+backward).
+Both figures and the µs are printed for every row.
+
+    python benchmarks/bench_linear.py                      # CUDA when available; ≤ 150 s on an H200
+    python benchmarks/bench_linear.py --quick              # bf16, three shapes: a smoke run
     python benchmarks/bench_linear.py --device cpu --quick
 """
 from __future__ import annotations
 
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -29,7 +37,9 @@ except ImportError:  # running from a source tree: python/ is the package root
 NAME = "linear"
 CUDA_SHAPES = [(1, 4096, 4096), (8, 4096, 4096), (16, 4096, 14336), (64, 4096, 4096), (1024, 4096, 4096),
                (8192, 4096, 14336)]
+CUDA_QUICK_SHAPES = [(1, 4096, 4096), (16, 4096, 14336), (1024, 4096, 4096)]
 CPU_SHAPES = [(1, 1024, 1024), (64, 1024, 1024), (1024, 1024, 1024)]
+L2_BYTES = 60e6  # at least the L2 of current GPUs (H100/H200: 50 MB)
 
 
 def eager_linear(x, w, b):
@@ -44,49 +54,93 @@ def ours_linear(x, w, b):
     return opforge.linear(x, w, b)
 
 
+def ours_linear_gelu(x, w, b):
+    return opforge.linear(x, w, b, "gelu")
+
+
+def ours_linear_gelu_tanh(x, w, b):
+    return opforge.linear(x, w, b, "gelu_tanh")
+
+
+def ours_linear_gemv(x, w, b):
+    """opforge.linear through the opt-in small-M GEMV kernel (OPFORGE_LINEAR_GEMV=1 for this call)."""
+    os.environ["OPFORGE_LINEAR_GEMV"] = "1"
+    try:
+        return opforge.linear(x, w, b)
+    finally:
+        del os.environ["OPFORGE_LINEAR_GEMV"]
+
+
+def weight_copies(wbytes: int, cuda: bool) -> int:
+    """Copies of the weight to rotate over: together more than twice the L2 (1 on CPU)."""
+    return max(1, math.ceil(2.2 * L2_BYTES / wbytes)) if cuda else 1
+
+
 def main(argv=None) -> int:
     p = common.parser(__doc__.splitlines()[0])
     args = p.parse_args(argv)
     device = args.device
     cuda = device.startswith("cuda")
-    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16, torch.float16, torch.float32] if cuda else [torch.float32])
-    shapes = CUDA_SHAPES if cuda else CPU_SHAPES
-    if args.quick:
-        shapes = shapes[:1] + shapes[-2:-1]
-    warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
-    reps = args.reps if args.reps is not None else ((20 if args.quick else 50) if cuda else 10)
-    comp = None if args.no_compile else common.compiled(eager_linear_gelu, fullgraph=True, dynamic=False)
-    impls = {"opforge": ours_linear, "F.linear": eager_linear, "gelu(F.linear)": eager_linear_gelu,
+    default_dtypes = ([torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16, torch.float32]) if cuda \
+        else [torch.float32]
+    dtypes = common.parse_dtypes(args.dtypes, default_dtypes)
+    shapes = (CUDA_QUICK_SHAPES if args.quick else CUDA_SHAPES) if cuda else (
+        CPU_SHAPES[:1] + CPU_SHAPES[-1:] if args.quick else CPU_SHAPES)
+    warmup = args.warmup if args.warmup is not None else (3 if cuda else 2)
+    reps = args.reps if args.reps is not None else ((5 if args.quick else 10) if cuda else 10)
+    # dynamic=None: static for the first shape, one dynamic-shape recompile after (not one per shape)
+    comp = None if args.no_compile else common.compiled(eager_linear_gelu, fullgraph=True)
+    impls = {"opforge": ours_linear, "F.linear": eager_linear, "opforge gelu": ours_linear_gelu,
+             "opforge gelu_tanh": ours_linear_gelu_tanh, "gelu(F.linear)": eager_linear_gelu,
              "compile gelu(F.linear)": comp}
-    if hasattr(opforge.functional, "linear_act") or "activation" in str(torch.ops.opforge.linear.default._schema):
-        impls["opforge linear+gelu"] = lambda x, w, b: opforge.linear(x, w, b, activation="gelu")
+    if cuda:
+        impls["opforge gemv"] = ours_linear_gemv  # M <= 16 only (larger M: cuBLASLt, as "opforge")
 
     rows: list[Row] = []
     for dtype in dtypes:
         for M, K, N in shapes:
+            elem = torch.empty((), dtype=dtype).element_size()
+            wbytes = N * K * elem
+            copies = weight_copies(wbytes, cuda)
+            calls = copies * max(1, math.ceil((4 if M >= 1024 else 20) / copies))
             x = torch.randn(M, K, device=device, dtype=dtype)
-            w = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
+            ws = [(torch.randn(N, K, device=device) / K ** 0.5).to(dtype) for _ in range(copies)]
             b = torch.randn(N, device=device, dtype=dtype)
-            gx, gw, gb = (t.detach().clone().requires_grad_() for t in (x, w, b))
             dy = torch.randn(M, N, device=device, dtype=dtype)
+            leaves = [[t.detach().clone().requires_grad_() for t in (x, w, b)] for w in ws]
             for pass_ in ("fwd", "fwd+bwd"):
+                group = []
                 for impl, fn in impls.items():
-                    if fn is None:
-                        t = float("nan")
-                    elif pass_ == "fwd":
-                        t = common.time_fn(lambda fn=fn: fn(x, w, b), device, warmup=warmup, reps=reps)
+                    method = ""
+                    if fn is None or (impl == "opforge gemv" and M > 16):
+                        t = math.nan
                     else:
-                        t = common.time_fn(common.fwd_bwd(fn, [gx, gw, gb], dy), device, warmup=warmup, reps=reps)
+                        if pass_ == "fwd":
+                            steps = [lambda fn=fn, w=w: fn(x, w, b) for w in ws]
+                        else:
+                            steps = [common.fwd_bwd(fn, lv, dy) for lv in leaves]
+                        try:
+                            if cuda:
+                                t, method = common.time_cuda_graph(lambda i: steps[i % copies](), calls, reps=reps,
+                                                                   warmup=warmup)
+                            else:
+                                t = common.time_cpu(steps[0], warmup=warmup, reps=reps)
+                        except Exception as e:  # one impl failing on one shape must not end the run
+                            print(f"  [n/a] {impl}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                                  file=sys.stderr)
+                            t = math.nan
+                    flops = 2 * M * N * K * (1 if pass_ == "fwd" else 3)
+                    gbps, tflops = common.gbps(wbytes, t), common.tflops(flops, t)
                     if M <= 16 and pass_ == "fwd":
-                        metric, unit = common.gbps(N * K * x.element_size(), t), "GB/s"
+                        metric, unit = gbps, "GB/s"
                     else:
-                        flops = 2 * M * N * K * (1 if pass_ == "fwd" else 3)
-                        metric, unit = common.tflops(flops, t), "TFLOP/s"
+                        metric, unit = tflops, "TFLOP/s"
                     rows.append(Row("linear", common.shape_str((M, K, N)), common.dtype_str(dtype), impl, pass_, t,
                                     metric, unit))
-                print(f"  linear {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}: " + ", ".join(
-                    f"{r.impl} {common._fmt(r.time_us)}us" for r in rows[-len(impls):]), flush=True)
-            del x, w, b, gx, gw, gb, dy
+                    group.append(f"{impl} {common._fmt(t)}us {common._fmt(gbps, 0)}GB/s {common._fmt(tflops)}TF"
+                                 + (f" [{method}]" if method == "loop" else ""))
+                print(f"  linear {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}: " + "; ".join(group), flush=True)
+            del x, ws, b, dy, leaves
             if cuda:
                 torch.cuda.empty_cache()
     common.finish(rows, NAME, device, save=not args.no_save)

@@ -148,6 +148,56 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 10, reps: int = 50, flu
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
 
 
+def time_cuda_graph(fn: Callable[[int], object], calls: int, *, reps: int = 10, warmup: int = 3) -> tuple[float, str]:
+    """Device time per call in microseconds, and the method used.
+
+    ``fn(i)`` for i in 0..calls-1 runs back to back inside one CUDA graph (captured once, after a warm-up
+    on the capture stream); the graph is replayed ``reps`` times with CUDA events around each replay, and
+    the median replay time divided by ``calls`` is returned with method "graph". Host launch cost is out
+    of the measurement, which a single-call timing at small sizes would mostly measure. Where capture
+    fails (an op that synchronizes, for example), events around a loop of ``calls`` back-to-back eager
+    calls instead, method "loop". Vary the operands with i (e.g. rotate weight copies whose total size
+    exceeds the L2) to measure streaming from HBM rather than from the L2."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(calls, warmup)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = None
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                fn(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        run, method = graph.replay, "graph"
+    except Exception as e:  # capture refused: time eager calls instead
+        print(f"  [graph capture failed, timing an eager loop] {type(e).__name__}: {str(e).splitlines()[0][:160]}",
+              file=sys.stderr)
+        graph = None
+        torch.cuda.synchronize()
+
+        def run():
+            for i in range(calls):
+                fn(i)
+
+        run()
+        method = "loop"
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times), method
+
+
 def time_cpu(fn: Callable[[], object], *, warmup: int = 3, reps: int = 20) -> float:
     """Median wall time of fn() in microseconds (time.perf_counter)."""
     for _ in range(warmup):

@@ -6,15 +6,18 @@
 TORCH_LIBRARY(opforge, m) {
   // fused_add_rms_norm plus rstd = 1/sqrt(mean(z²) + eps) over the normalized dims, [*] in float32 (float64 for float64)
   m.def("_fused_add_rms_norm_forward(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor residual_out, Tensor rstd)");
+  // linear plus its pre-activation z = input · weightᵀ + bias (a new tensor), for autograd
+  m.def("_linear_forward(Tensor input, Tensor weight, Tensor? bias=None, str activation=\"none\") -> (Tensor output, Tensor pre_activation)");
   // rms_norm plus rstd = 1/sqrt(mean(x²) + eps) over the normalized dims, [*] in float32 (float64 for float64)
   m.def("_rms_norm_forward(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor rstd)");
   // residual_out = input + residual; output = rms_norm(residual_out, normalized_shape, weight, eps)
   m.def("fused_add_rms_norm(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor residual_out)");
-  // y = input · weightᵀ + bias; input (*, K), weight (N, K), bias (N,)
-  m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
-  // (grad_input, grad_weight, grad_bias) of linear, each only if its output_mask entry is set;
-  // grad_bias in bias_dtype (the forward's bias dtype; input's dtype when None)
-  m.def("linear_backward(Tensor grad_output, Tensor input, Tensor weight, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor, Tensor, Tensor)");
+  // y = act(input · weightᵀ + bias); input (*, K), weight (N, K), bias (N,); activation in none, relu, gelu, gelu_tanh, silu
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias=None, str activation=\"none\") -> Tensor");
+  // (grad_input, grad_weight, grad_bias) of linear, each only if its output_mask entry is set; grad_bias in
+  // bias_dtype (the forward's bias dtype; input's dtype when None); pre_activation (the forward's z, or for relu its
+  // output) required unless activation is none
+  m.def("linear_backward(Tensor grad_output, Tensor input, Tensor weight, bool[3] output_mask, ScalarType? bias_dtype=None, str activation=\"none\", Tensor? pre_activation=None) -> (Tensor, Tensor, Tensor)");
   // y = input / sqrt(mean(input², over normalized dims) + eps) · weight; eps=None: float32's machine eps (float64's for float64)
   m.def("rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
   // (grad_input, grad_weight) of rms_norm from the saved rstd (normalized dims = input's dims after rstd's), each only if its output_mask entry is set

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/string_view.h>
 
 #include <array>
 #include <optional>
@@ -18,21 +19,31 @@
 
 namespace opforge {
 
-/// y = input · weightᵀ + bias  (torch.nn.functional.linear).
+/// y = act(input · weightᵀ + bias); with activation "none" (the default) torch.nn.functional.linear.
 /// input (*, K), weight (N, K), bias (N,) or none -> (*, N) in input's dtype.
-/// Raises: weight not 2-D, K mismatch, bias not of shape (N,), non-floating dtypes, different devices.
+/// activation: "none", "relu", "gelu" (erf form), "gelu_tanh" (tanh approximation) or "silu".
+/// Raises: weight not 2-D, K mismatch, bias not of shape (N,), non-floating dtypes, different devices,
+/// an unknown activation (ValueError naming the allowed values and the given one).
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias = std::nullopt);
+                  const std::optional<at::Tensor>& bias = std::nullopt, c10::string_view activation = "none");
+
+/// linear's forward for autograd: (output, pre_activation), both (*, N) in input's dtype and contiguous;
+/// pre_activation = input · weightᵀ + bias (a separate tensor even for activation "none").
+std::tuple<at::Tensor, at::Tensor> _linear_forward(const at::Tensor& input, const at::Tensor& weight,
+                                                   const std::optional<at::Tensor>& bias,
+                                                   c10::string_view activation);
 
 /// Gradients of linear: (grad_input (*, K), grad_weight (N, K), grad_bias (N,)) for grad_output (*, N);
 /// entry i is computed only when output_mask[i] (else undefined). grad_input takes input's dtype,
 /// grad_weight weight's dtype, grad_bias bias_dtype (pass the forward bias's dtype; input's dtype when
-/// nullopt). The linear has no bias argument here: grad_bias = Σ_rows grad_output, accumulated in fp32.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad_output,
-                                                               const at::Tensor& input,
-                                                               const at::Tensor& weight,
-                                                               std::array<bool, 3> output_mask,
-                                                               std::optional<at::ScalarType> bias_dtype = std::nullopt);
+/// nullopt). The linear has no bias argument here: grad_bias = Σ_rows grad_z, accumulated in fp32.
+/// activation (as in linear) with pre_activation (*, N) = the forward's input · weightᵀ + bias (for
+/// "relu" the forward's output may be passed instead: relu'(z) = [z > 0] = [relu(z) > 0]); required
+/// unless activation is "none". grad_z = grad_output · act'(pre_activation), in fp32 math.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, std::array<bool, 3> output_mask,
+    std::optional<at::ScalarType> bias_dtype = std::nullopt, c10::string_view activation = "none",
+    const std::optional<at::Tensor>& pre_activation = std::nullopt);
 
 /// y = input / sqrt(mean(input², over the normalized dims) + eps) · weight  (torch.nn.functional.rms_norm).
 /// input (*, normalized_shape...), weight normalized_shape or none -> input's shape, in input's dtype.

@@ -17,11 +17,22 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["fused_add_rms_norm", "linear", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
+__all__ = ["LINEAR_ACTIVATIONS", "fused_add_rms_norm", "linear", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
 
 
-def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """y = input · weightᵀ + bias, as :func:`torch.nn.functional.linear`.
+#: The activations of :func:`linear`, by name.
+LINEAR_ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+
+# Bound once: the Python side of linear is one call into the dispatcher (the C++ op does every check).
+# Eagerly, the C++ callable behind the OpOverload (skipping OpOverload.__call__'s Python frame); while
+# torch.compile traces, the OpOverload itself, which dynamo understands.
+_linear_op = torch.ops.opforge.linear.default
+_linear_call = _linear_op._op
+_is_compiling = torch.compiler.is_compiling
+
+
+def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+    """y = act(input · weightᵀ + bias); with ``activation="none"`` exactly :func:`torch.nn.functional.linear`.
 
     Args:
         input: (*, K) float64, float32, float16 or bfloat16. Any batch dims (M = prod(*) rows, may be 0),
@@ -30,27 +41,39 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
             comes back in weight's own dtype.
         bias: (N,) floating, or None (no bias). Converted like weight; its gradient comes back in bias's
             dtype. Default: None.
+        activation: str. Applied to z = input · weightᵀ + bias: ``"none"`` (y = z), ``"relu"``
+            (max(z, 0)), ``"gelu"`` (z · Φ(z), the erf form, ``F.gelu(z)``), ``"gelu_tanh"`` (the tanh
+            approximation, ``F.gelu(z, approximate="tanh")``) or ``"silu"`` (z · σ(z)). Default: "none".
 
     Returns:
-        (*, N) contiguous tensor in input's dtype. With K = 0 the output is the bias broadcast (zeros
-        without bias); with M = 0 the weight and bias gradients are zeros.
+        (*, N) contiguous tensor in input's dtype. With K = 0, z is the bias broadcast (zeros without
+        bias); with M = 0 the weight and bias gradients are zeros.
 
     Raises:
         ValueError: input of rank 0; weight not 2-D; input's last dim != weight's in_features K;
-            bias not of shape (N,).
+            bias not of shape (N,); an activation not in ``LINEAR_ACTIVATIONS`` (the message lists them
+            and names the given one).
         TypeError: any tensor with an integer, bool or complex dtype.
         RuntimeError: tensors on different devices (the message names both); on CUDA, M, K or N above
             2**31 - 1 (cuBLAS takes int dimensions); double backward (``create_graph=True``).
 
-    Numerics: CPU through ATen's GEMM (at::addmm / at::mm); CUDA through cuBLAS (cublasGemmEx) with
-    float32 accumulation for float16/bfloat16 (float32 inputs use TF32 only when
-    ``torch.backends.cuda.matmul.allow_tf32`` is set). grad_bias is the sum of grad_output over all rows,
-    accumulated in float32 (float64 for float64) and rounded once to bias's dtype.
+    Numerics: CPU through ATen's GEMM (at::addmm / at::mm) and ATen's activation functions. CUDA through
+    cuBLASLt with the bias, relu and gelu_tanh fused into the GEMM's epilogue (gelu and silu: one
+    elementwise pass after it, in float32 math), falling back to cublasGemmEx where cuBLASLt declines
+    (float64, unusual alignments); float16/bfloat16 accumulate in float32, float32 uses TF32 only when
+    ``torch.backends.cuda.matmul.allow_tf32`` is set. Backward: dz = dy · act'(z) in float32 math, from
+    the pre-activation z kept by the forward only when a gradient is needed (relu keeps nothing extra: its
+    output decides); grad_bias is the sum of dz over all rows, accumulated in float32 (float64 for
+    float64) and rounded once to bias's dtype (on CUDA fused into the grad_weight GEMM, cuBLASLt BGRADB).
 
-    Source: torch.nn.functional.linear; gradients dX = dY·W, dW = dYᵀ·X, db = Σ_rows dY
-    (``torch.ops.opforge.linear_backward``).
+    Source: torch.nn.functional.linear and torch.nn.functional.relu / gelu / silu; gradients
+    dX = dZ·W, dW = dZᵀ·X, db = Σ_rows dZ (``torch.ops.opforge.linear_backward``).
     """
-    return torch.ops.opforge.linear(input, weight, bias)
+    if _is_compiling():
+        return _linear_op(input, weight, bias, activation)
+    if activation == "none":  # the schema's default: one argument fewer to convert
+        return _linear_call(input, weight, bias)
+    return _linear_call(input, weight, bias, activation)
 
 
 def sigmoid(input: Tensor) -> Tensor:

@@ -16,27 +16,45 @@ __all__ = ["FusedAddRMSNorm", "GatedMLP", "Linear", "RMSNorm", "Sigmoid"]
 
 
 class Linear(torch.nn.Linear):
-    """y = x · weightᵀ + bias through :func:`opforge.functional.linear`.
+    """y = act(x · weightᵀ + bias) through :func:`opforge.functional.linear`.
 
     Drop-in for :class:`torch.nn.Linear` (it subclasses it, so constructor, ``weight`` (out_features,
     in_features), ``bias`` (out_features,), initialisation, ``state_dict`` keys and ``isinstance``
-    checks are torch's).
+    checks are torch's). The optional keyword-only ``activation`` fuses an activation into the layer;
+    it is not part of the state_dict.
 
     Args:
         in_features: K, size of each input sample.
         out_features: N, size of each output sample.
         bias: learn an additive bias. Default: True.
         device, dtype: factory keyword arguments for the parameters.
+        activation: keyword-only, one of ``opforge.functional.LINEAR_ACTIVATIONS`` ("none", "relu",
+            "gelu", "gelu_tanh", "silu"). Default: "none" (torch.nn.Linear's math).
 
     Shape: input (*, K) -> output (*, N).
 
-    Raises: as :func:`opforge.functional.linear`.
+    Raises: ValueError at construction for an unknown activation; otherwise as
+    :func:`opforge.functional.linear`.
 
     Source: torch.nn.Linear.
     """
 
+    activation: str = "none"  # (a class default too: modules pickled before the attribute existed load)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 activation: str = "none") -> None:
+        if activation not in F.LINEAR_ACTIVATIONS:
+            raise ValueError(f"opforge.nn.Linear: expected activation to be one of "
+                             f"{', '.join(repr(a) for a in F.LINEAR_ACTIVATIONS)}, but got {activation!r}")
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.activation = activation
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.linear(input, self.weight, self.bias)
+        return F.linear(input, self.weight, self.bias, self.activation)
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()
+        return extra if self.activation == "none" else f"{extra}, activation={self.activation!r}"
 
 
 class Sigmoid(torch.nn.Module):

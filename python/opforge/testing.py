@@ -23,6 +23,7 @@ from torch import Tensor
 __all__ = [
     "fused_add_rms_norm_reference",
     "linear_reference",
+    "activation_reference",
     "rms_norm_reference",
     "sigmoid_reference",
     "square_reference",
@@ -38,10 +39,31 @@ __all__ = [
 FLOAT64_TOLERANCE = 1e-12
 
 
-def linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """input · weightᵀ + bias in float64. input (*, K), weight (N, K), bias (N,) -> (*, N) float64."""
+def linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+    """act(input · weightᵀ + bias) in float64. input (*, K), weight (N, K), bias (N,) -> (*, N) float64.
+
+    activation: "none", "relu", "gelu" (erf form), "gelu_tanh" (tanh approximation) or "silu", as
+    torch.nn.functional computes them.
+    """
     y = input.double() @ weight.double().t()
-    return y + bias.double() if bias is not None else y
+    if bias is not None:
+        y = y + bias.double()
+    return activation_reference(y, activation)
+
+
+def activation_reference(z: Tensor, activation: str) -> Tensor:
+    """The activation of opforge.linear applied to z, through torch.nn.functional (z's dtype and shape)."""
+    if activation == "none":
+        return z
+    if activation == "relu":
+        return torch.nn.functional.relu(z)
+    if activation == "gelu":
+        return torch.nn.functional.gelu(z)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(z, approximate="tanh")
+    if activation == "silu":
+        return torch.nn.functional.silu(z)
+    raise ValueError(f"activation_reference: unknown activation {activation!r}")
 
 
 def rms_norm_reference(input: Tensor, normalized_shape, weight: Optional[Tensor] = None,

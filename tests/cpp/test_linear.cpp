@@ -126,3 +126,44 @@ TEST(Linear, BadInputsRaiseOpforgeErrors) {
   expect_error([&] { opforge::linear(x, torch::randn({3, 8}, at::kComplexFloat)); }, {"opforge::linear", "floating dtype"});
   expect_error([&] { opforge::linear(torch::randn({}), torch::randn({3, 8})); }, {"opforge::linear"});
 }
+
+TEST(Linear, ActivationForwardAndBackward) {
+  for (auto device : devices()) {
+    for (auto dtype : float_dtypes()) {
+      for (const char* act : {"relu", "gelu", "gelu_tanh", "silu"}) {
+        const auto x = torch::randn({5, 4, 37}, opts(dtype, device)).requires_grad_(true);
+        const auto w = (torch::randn({11, 37}, opts(dtype, device)) / 6).requires_grad_(true);
+        const auto b = torch::randn({11}, opts(dtype, device)).requires_grad_(true);
+        const auto g = torch::randn({5, 4, 11}, opts(dtype, device));
+        const auto y = opforge::linear(x, w, b, act);
+        EXPECT_EQ(y.scalar_type(), dtype);
+        // float64 reference: z, y = act(z), dz = dy · act'(z) through ATen's own activation functions
+        const auto z64 = linear64(x.detach(), w.detach(), b.detach()).reshape({-1, 11});
+        const auto g64 = g.to(at::kDouble).reshape({-1, 11});
+        const std::string a = act;
+        at::Tensor y64, dz64;
+        if (a == "relu") {
+          y64 = torch::relu(z64);
+          dz64 = at::threshold_backward(g64, z64, 0);
+        } else if (a == "silu") {
+          y64 = torch::silu(z64);
+          dz64 = at::silu_backward(g64, z64);
+        } else {
+          const char* approximate = a == "gelu" ? "none" : "tanh";
+          y64 = at::gelu(z64, approximate);
+          dz64 = at::gelu_backward(g64, z64, approximate);
+        }
+        const auto tol = dtype == at::kFloat && device.is_cuda() ? at::kHalf : dtype;
+        expect_close(y, y64.reshape({5, 4, 11}), tol, a + " output");
+        y.backward(g);
+        const auto x64 = x.detach().to(at::kDouble).reshape({-1, 37});
+        expect_close(x.grad(), torch::matmul(dz64, w.detach().to(at::kDouble)).reshape({5, 4, 37}), tol, a + " dX");
+        expect_close(w.grad(), torch::matmul(dz64.t(), x64), tol, a + " dW");
+        expect_close(b.grad(), dz64.sum(0), tol, a + " db");
+      }
+    }
+  }
+  const auto x = torch::randn({4, 8}), w = torch::randn({3, 8});
+  expect_error([&] { opforge::linear(x, w, std::nullopt, "tanh"); },
+               {"opforge::linear: expected activation to be one of", "\"gelu_tanh\"", "but got \"tanh\""});
+}

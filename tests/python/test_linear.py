@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import opforge
-from opforge.testing import assert_matches_reference, gemm_error_bound, linear_reference
+from opforge.testing import activation_reference, assert_matches_reference, gemm_error_bound, linear_reference
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 # (M, K, N): odd sizes from DESIGN §5, products kept small for the CPU run.
@@ -398,3 +398,322 @@ def test_mixed_dtype_weight_grad_accumulates_in_weight_dtype(device):
     opforge.linear(x, w, b).float().sum().backward()
     assert w.grad.dtype == torch.float32 and w.grad.item() == 70000.0
     assert b.grad.item() == 70000.0
+
+
+# ---- activations (issue 4): y = act(x · Wᵀ + b) -------------------------------------------------------
+
+ACTIVATIONS = ["none", "relu", "gelu", "gelu_tanh", "silu"]
+# M = 1, 3, 16, 17 with K and N not multiples of 8, plus one N % 8 == 0 shape (CUDA: gelu_tanh's AUX epilogue).
+ACT_SHAPES = [(1, 83, 7), (3, 83, 769), (16, 129, 33), (17, 769, 83), (16, 72, 136)]
+
+
+def act_fn(activation):
+    """PyTorch's own act(F.linear(...)): the baseline of the tolerance rule."""
+    return lambda x, w, b: activation_reference(F.linear(x, w, b), activation)
+
+
+def act_reference(x, w, b, dy, activation):
+    d = lambda t: t.detach().double() if t is not None else None  # noqa: E731
+    return forward_backward(lambda x_, w_, b_: linear_reference(x_, w_, b_, activation), d(x), d(w), d(b), d(dy))
+
+
+def act_bounds(x, w, b, dy, activation, dtype):
+    """A-priori elementwise rounding bounds (float64) of output, grad_input, grad_weight, grad_bias of
+    act(x · Wᵀ + b) in ``dtype`` with any summation order, from first-order error propagation (Higham
+    §3.5): z's error δz ≤ K·u·|x||W|ᵀ + u·|b| + u·|z|; y's ≤ 1.2·δz + u·|y| (|act'| ≤ 1.2); dz's ≤
+    |dy|·δz + u·|dz| (|act''| ≤ 1; relu: all of |dy| where |z| ≤ δz, the kink); then each GEMM's bound
+    of |dz| plus δdz carried through it. Doubled, for the products of first-order terms."""
+    u = torch.finfo(dtype).eps / 2
+    xd, wd, dyd = x.detach().double(), w.detach().double(), dy.detach().double()
+    x2, dy2 = xd.reshape(-1, xd.shape[-1]), dyd.reshape(-1, dyd.shape[-1])
+    K, M = xd.shape[-1], x2.shape[0]
+    z = F.linear(x2, wd, b.detach().double() if b is not None else None)
+    zb = K * u * (x2.abs() @ wd.abs().t()) + u * z.abs()
+    if b is not None:
+        zb = zb + u * b.detach().double().abs()
+    zr = z.detach().requires_grad_()
+    y = activation_reference(zr, activation)
+    (dz,) = torch.autograd.grad(y, zr, dy2) if activation != "none" else (dy2,)
+    y, dz = y.detach(), dz.detach()
+    yb = 1.2 * zb + u * y.abs()
+    dzb = dy2.abs() * zb + u * dz.abs() if activation != "none" else torch.zeros_like(dz)
+    if activation == "relu":
+        dzb = torch.where(z.abs() <= zb, dy2.abs(), dzb)
+    N = wd.shape[0]
+    gi = N * u * (dz.abs() @ wd.abs()) + dzb @ wd.abs() + u * (dz @ wd).abs()
+    gw = M * u * (dz.abs().t() @ x2.abs()) + dzb.t() @ x2.abs() + u * (dz.t() @ x2).abs()
+    gb = M * u * dz.abs().sum(0) + dzb.sum(0) + u * dz.sum(0).abs()
+    return {"output": 2 * yb.reshape(dy.shape), "grad_input": 2 * gi.reshape(x.shape), "grad_weight": 2 * gw,
+            "grad_bias": 2 * gb}
+
+
+def check_activation_case(device, dtype, shape, activation, bias, layout="contiguous"):
+    M, K, N = shape
+    x, w, b = make_operands(M, K, N, dtype, device, layout, bias)
+    w = (w.float() / K ** 0.5).to(dtype)  # z of unit scale: every activation's curved part is exercised
+    out_shape = x.shape[:-1] + (N,)
+    dy = torch.randn(out_shape, device=device).to(dtype)
+    ours = forward_backward(lambda x_, w_, b_: opforge.linear(x_, w_, b_, activation), x, w, b, dy)
+    base = forward_backward(act_fn(activation), x, w, b, dy)
+    ref = act_reference(x, w, b, dy, activation)
+    assert ours[0].shape == out_shape and ours[0].is_contiguous() and ours[0].dtype == dtype
+    bounds = act_bounds(x, w, b, dy, activation, dtype)
+    for what, o, r, t in zip(["output", "grad_input", "grad_weight", "grad_bias"], ours, ref, base):
+        if r is None:
+            assert o is None, what
+            continue
+        assert o.dtype == dtype, what
+        check_accuracy(o, r, t, what, bounds[what].reshape(r.shape))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", ACT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activation_matches_reference(device, activation, dtype, shape, bias):
+    check_activation_case(device, dtype, shape, activation, bias)
+
+
+@requires_cuda
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", [(3, 83, 769), (16, 72, 136)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activation_gemmex_fallback_matches_reference(monkeypatch, activation, dtype, shape, bias):
+    # OPFORGE_LINEAR_LT=0: the cublasGemmEx + elementwise path that serves whatever cuBLASLt declines
+    monkeypatch.setenv("OPFORGE_LINEAR_LT", "0")
+    check_activation_case("cuda", dtype, shape, activation, bias)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_activation_layouts(device, activation, layout):
+    for dtype in (torch.float32, torch.bfloat16):
+        check_activation_case(device, dtype, (17, 83, 40), activation, True, layout)
+
+
+@requires_cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activation_unaligned_pointers(activation):
+    # base pointers off 16-byte alignment (input, weight, bias): cuBLASLt with a lower alignment, or the fallback
+    M, K, N = 5, 64, 48
+    for dtype in (torch.float16, torch.float32):
+        buf = torch.randn(M * K + K * N + N + 3, device="cuda").to(dtype)
+        x = buf[1:1 + M * K].view(M, K)
+        w = (buf[1 + M * K:1 + M * K + N * K].view(N, K) / 8).requires_grad_()
+        b = buf[2 + M * K + N * K:2 + M * K + N * K + N]
+        y = opforge.linear(x, w, b, activation)
+        assert_matches_reference(y, linear_reference(x, w, b, activation), act_fn(activation)(x, w, b),
+                                 bound=act_bounds(x, w, b, torch.ones_like(y), activation, dtype)["output"])
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", [(0, 5, 3), (4, 0, 3), (4, 5, 0), (0, 0, 0)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_activation_zero_sizes(device, activation, shape, bias):
+    M, K, N = shape
+    x, w, b = make_operands(M, K, N, torch.float32, device, "contiguous", bias)
+    dy = torch.randn(M, N, device=device)
+    ours = forward_backward(lambda x_, w_, b_: opforge.linear(x_, w_, b_, activation), x, w, b, dy)
+    expected = forward_backward(act_fn(activation), x, w, b, dy)
+    for o, e in zip(ours, expected):
+        if e is None:
+            assert o is None
+        else:
+            assert o.shape == e.shape
+            torch.testing.assert_close(o, e)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activation_gradcheck(device, activation, bias):
+    x = torch.randn(2, 3, 4, device=device, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(4, 5, device=device, dtype=torch.float64).t().requires_grad_()  # (5, 4), transposed view
+    b = torch.randn(5, device=device, dtype=torch.float64, requires_grad=True) if bias else None
+    assert torch.autograd.gradcheck(lambda x_, w_, b_: opforge.linear(x_, w_, b_, activation), (x, W, b))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activation_requires_grad_combinations(device, activation):
+    for flags in itertools.product([False, True], repeat=3):
+        if not any(flags):
+            continue
+        x = torch.randn(4, 3, 6, device=device, dtype=torch.float64, requires_grad=flags[0])
+        W = torch.randn(5, 6, device=device, dtype=torch.float64, requires_grad=flags[1])
+        b = torch.randn(5, device=device, dtype=torch.float64, requires_grad=flags[2])
+        wanted = [t for t in (x, W, b) if t.requires_grad]
+        y = opforge.linear(x, W, b, activation)
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, wanted, dy)
+        expected = torch.autograd.grad(act_fn(activation)(x, W, b), wanted, dy)
+        for g, e in zip(grads, expected):
+            torch.testing.assert_close(g, e)
+
+
+def test_activation_no_graph_without_grad(device):
+    x, W, b = (torch.randn(3, 8, device=device), torch.randn(5, 8, device=device), torch.randn(5, device=device))
+    y = opforge.linear(x, W, b, "gelu")
+    assert y.grad_fn is None and not y.requires_grad
+    with torch.no_grad():
+        assert opforge.linear(x, W.requires_grad_(), b, "silu").grad_fn is None
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_linear_forward_op_returns_pre_activation(device, activation):
+    x, W, b = make_operands(7, 16, 9, torch.float64, device, "batch3d")
+    y, z = torch.ops.opforge._linear_forward(x, W, b, activation)
+    torch.testing.assert_close(z, F.linear(x, W, b))
+    torch.testing.assert_close(y, act_fn(activation)(x, W, b))
+    assert z.data_ptr() != y.data_ptr()
+    # differentiable in its output, z is not
+    xs = x.detach().requires_grad_()
+    y, z = torch.ops.opforge._linear_forward(xs, W, b, activation)
+    assert not z.requires_grad
+    (gx,) = torch.autograd.grad(y, xs, torch.ones_like(y))
+    (ex,) = torch.autograd.grad(act_fn(activation)(xs, W, b), xs, torch.ones_like(y))
+    torch.testing.assert_close(gx, ex)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_opcheck_linear_activation(device, activation, bias):
+    x = torch.randn(2, 3, 8, device=device, requires_grad=True)
+    W = torch.randn(5, 8, device=device, requires_grad=True)
+    b = torch.randn(5, device=device, requires_grad=True) if bias else None
+    torch.library.opcheck(torch.ops.opforge.linear.default, (x, W, b, activation))
+    torch.library.opcheck(torch.ops.opforge.linear.default, (x.detach(), W.detach(), b, activation))
+    torch.library.opcheck(torch.ops.opforge._linear_forward.default, (x, W, b, activation))
+
+
+@pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, True), (False, False, True)],
+                         ids=str)
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_opcheck_linear_backward_activation(device, activation, mask):
+    dy = torch.randn(2, 3, 5, device=device)
+    x = torch.randn(2, 3, 8, device=device)
+    W = torch.randn(5, 8, device=device)
+    z = torch.randn(2, 3, 5, device=device)
+    torch.library.opcheck(torch.ops.opforge.linear_backward.default,
+                          (dy, x, W, list(mask), torch.float32, activation, z))
+
+
+@pytest.mark.parametrize("activation,dynamic", [(a, False) for a in ACTIVATIONS] + [("gelu", True), ("relu", True)])
+def test_activation_compile_matches_eager(device, activation, dynamic):
+    def f(x, w, b):
+        return opforge.linear(x, w, b, activation)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    x, W, b = make_operands(6, 8, 5, torch.float32, device, "batch3d")
+    dy = torch.randn(6, 3, 5, device=device)
+    results = []
+    for fn in (f, compiled):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, W, b)]
+        y = fn(*leaves)
+        y.backward(dy)
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for ours, eager in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, eager)
+
+
+def test_meta_activation_matches_real_kernels():
+    x, W, b = make_operands(7, 8, 5, torch.bfloat16, "cpu", "batch3d")
+    for activation in ACTIVATIONS:
+        real = torch.ops.opforge._linear_forward(x, W.float(), b, activation)
+        meta = torch.ops.opforge._linear_forward(x.to("meta"), W.float().to("meta"), b.to("meta"), activation)
+        for r, m in zip(real, meta):
+            assert (m.shape, m.dtype, m.stride()) == (r.shape, r.dtype, r.stride())
+        dy = torch.randn_like(real[0])
+        args = (dy, x, W.float(), [True, True, True], torch.float32, activation, real[1])
+        real_g = torch.ops.opforge.linear_backward(*args)
+        meta_g = torch.ops.opforge.linear_backward(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+        for r, m in zip(real_g, meta_g):
+            assert (m.shape, m.dtype, m.stride()) == (r.shape, r.dtype, r.stride())
+
+
+BAD_ACTIVATION = r'opforge::linear: expected activation to be one of "none", "relu", "gelu", "gelu_tanh", "silu", ' \
+                 r'but got "tanh"'
+
+
+@pytest.mark.parametrize("where", ["cpu", "meta", pytest.param("cuda", marks=requires_cuda)])
+def test_bad_activation(where):
+    x, W, b = torch.randn(4, 8, device=where), torch.randn(3, 8, device=where), torch.randn(3, device=where)
+    with pytest.raises(ValueError, match=BAD_ACTIVATION):
+        opforge.linear(x, W, b, "tanh")
+    with pytest.raises(ValueError, match=BAD_ACTIVATION):
+        opforge.linear(x.requires_grad_(), W, b, "tanh")
+    with pytest.raises(ValueError, match=r'expected activation to be one of .* but got "GELU"'):
+        torch.ops.opforge._linear_forward(x, W, b, "GELU")
+    dy = torch.randn(4, 3, device=where)
+    with pytest.raises(ValueError, match=r'opforge::linear_backward: expected activation to be one of .*but got "x"'):
+        torch.ops.opforge.linear_backward(dy, x.detach(), W, [True, True, True], None, "x", dy)
+
+
+def test_bad_pre_activation():
+    dy, x, W = torch.randn(4, 3), torch.randn(4, 8), torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r'opforge::linear_backward: expected pre_activation .* for activation "gelu", '
+                                         r'but got None'):
+        torch.ops.opforge.linear_backward(dy, x, W, [True, True, True], None, "gelu")
+    with pytest.raises(ValueError, match=r"opforge::linear_backward: expected pre_activation of shape \[4, 3\] "
+                                         r"\(grad_output's shape\), but got \[4, 2\]"):
+        torch.ops.opforge.linear_backward(dy, x, W, [True, True, True], None, "silu", dy[:, :2])
+    with pytest.raises(TypeError, match=r"expected pre_activation to have a floating dtype"):
+        torch.ops.opforge.linear_backward(dy, x, W, [True, True, True], None, "relu", dy.int())
+
+
+def test_nn_linear_activation(device):
+    for activation in ACTIVATIONS:
+        ref = torch.nn.Linear(83, 7, device=device)
+        ours = opforge.nn.Linear(83, 7, device=device, activation=activation)
+        ours.load_state_dict(ref.state_dict())
+        assert ours.state_dict().keys() == ref.state_dict().keys()
+        x = torch.randn(3, 5, 83, device=device)
+        torch.testing.assert_close(ours(x), activation_reference(ref(x), activation))
+        assert ("activation" in repr(ours)) == (activation != "none")
+    with pytest.raises(ValueError, match=r"opforge.nn.Linear: expected activation to be one of .* but got 'tanh'"):
+        opforge.nn.Linear(4, 4, activation="tanh")
+
+
+# ---- the opt-in small-M GEMV kernel (CUDA, OPFORGE_LINEAR_GEMV=1) --------------------------------------
+
+@requires_cuda
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", [(1, 64, 83), (3, 4096, 769), (8, 136, 33), (16, 72, 136), (17, 64, 40),
+                                   (2, 83, 9)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gemv_path_matches_reference(monkeypatch, activation, dtype, shape, bias):
+    # M <= 16 with K % (16 bytes / element) == 0 takes the GEMV kernel (forward, and _linear_forward's
+    # pre-activation for the backward); (17, ...) and K = 83 check that the rest still goes to cuBLAS(Lt)
+    monkeypatch.setenv("OPFORGE_LINEAR_GEMV", "1")
+    check_activation_case("cuda", dtype, shape, activation, bias)
+
+
+@requires_cuda
+@pytest.mark.parametrize("gemv", [False, True], ids=["cublaslt", "gemv"])
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu_tanh", "silu"])
+def test_cuda_graph_capture_matches_eager(monkeypatch, activation, gemv):
+    # stream-ordered, no host synchronization: forward + backward capture in a CUDA graph and replay
+    if gemv:
+        monkeypatch.setenv("OPFORGE_LINEAR_GEMV", "1")
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(136, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(136, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(4, 136, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        y = opforge.linear(x, w, b, activation)
+        return (y.detach(),) + torch.autograd.grad(y, (x, w, b), dy)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            eager = step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = step()
+    g.replay()
+    torch.cuda.synchronize()
+    for c, e in zip(captured, eager):
+        torch.testing.assert_close(c, e)

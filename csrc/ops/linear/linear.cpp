@@ -2,7 +2,11 @@
 #include "ops/linear/linear.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <type_traits>
 #include <torch/library.h>
 
 #include "core/autograd.h"
@@ -11,6 +15,30 @@
 
 namespace opforge {
 namespace linear_op {
+
+Activation parse_activation(const char* op, c10::string_view name) {
+  if (name == "none") return Activation::kNone;
+  if (name == "relu") return Activation::kReLU;
+  if (name == "gelu") return Activation::kGELU;
+  if (name == "gelu_tanh") return Activation::kGELUTanh;
+  if (name == "silu") return Activation::kSiLU;
+  TORCH_CHECK_VALUE(false, "opforge::", op,
+                    ": expected activation to be one of \"none\", \"relu\", \"gelu\", \"gelu_tanh\", \"silu\", "
+                    "but got \"",
+                    std::string(name), "\"");
+  return Activation::kNone;
+}
+
+const char* activation_name(Activation act) {
+  switch (act) {
+    case Activation::kNone: return "none";
+    case Activation::kReLU: return "relu";
+    case Activation::kGELU: return "gelu";
+    case Activation::kGELUTanh: return "gelu_tanh";
+    case Activation::kSiLU: return "silu";
+  }
+  return "none";
+}
 
 void check_linear_args(const char* op, const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
@@ -51,21 +79,25 @@ int64_t rows_of(const at::Tensor& input) {
   return M;
 }
 at::Tensor maybe_contiguous(const at::Tensor& t, bool contiguous) { return contiguous ? t.contiguous() : t; }
+// t as [rows, cols]: t itself when it is 2-D already (no new view on the common path), else a reshape.
+at::Tensor as_2d(const at::Tensor& t, int64_t rows, int64_t cols) { return t.dim() == 2 ? t : t.reshape({rows, cols}); }
 }  // namespace
 
 LinearProblem check_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                           bool contiguous) {
+                           c10::string_view activation, bool contiguous) {
   check_linear_args("linear", input, weight, bias);
+  const Activation act = parse_activation("linear", activation);
   const auto dtype = input.scalar_type();
   const int64_t M = rows_of(input), K = weight.size(1), N = weight.size(0);
-  LinearProblem p{M, K, N, maybe_contiguous(input.reshape({M, K}), contiguous),
+  LinearProblem p{M, K, N, act, maybe_contiguous(as_2d(input, M, K), contiguous),
                   maybe_contiguous(to_input_dtype(weight, dtype), contiguous), {}};
   if (bias.has_value() && bias->defined()) p.b = to_input_dtype(*bias, dtype).contiguous();
   return p;
 }
 
-void check_linear_backward_args(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
-                                std::optional<at::ScalarType> bias_dtype) {
+Activation check_linear_backward_args(const at::Tensor& grad_output, const at::Tensor& input,
+                                      const at::Tensor& weight, std::optional<at::ScalarType> bias_dtype,
+                                      c10::string_view activation, const std::optional<at::Tensor>& pre_activation) {
   check_linear_args("linear_backward", input, weight, std::nullopt);
   TORCH_CHECK_TYPE(!bias_dtype.has_value() || is_supported_floating(*bias_dtype),
                    "opforge::linear_backward: expected bias_dtype to be a floating dtype (float64, float32, float16 "
@@ -77,54 +109,93 @@ void check_linear_backward_args(const at::Tensor& grad_output, const at::Tensor&
   TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(expected), "opforge::linear_backward: expected grad_output of shape ",
                     shape_str(expected), " (input's leading dims, out_features), but got ",
                     shape_str(grad_output.sym_sizes()));
+  const Activation act = parse_activation("linear_backward", activation);
+  const bool has_z = pre_activation.has_value() && pre_activation->defined();
+  TORCH_CHECK_VALUE(act == Activation::kNone || has_z, "opforge::linear_backward: expected pre_activation (the "
+                    "forward's input · weightᵀ + bias) for activation \"", activation_name(act),
+                    "\", but got None");
+  if (has_z) {
+    check_floating("linear_backward", "pre_activation", *pre_activation);
+    check_same_device("linear_backward", "pre_activation", *pre_activation, "input", input);
+    TORCH_CHECK_VALUE(pre_activation->sym_sizes().equals(expected),
+                      "opforge::linear_backward: expected pre_activation of shape ", shape_str(expected),
+                      " (grad_output's shape), but got ", shape_str(pre_activation->sym_sizes()));
+  }
+  return act;
 }
 
 LinearBackwardProblem check_linear_backward(const at::Tensor& grad_output, const at::Tensor& input,
                                             const at::Tensor& weight, std::optional<at::ScalarType> bias_dtype,
-                                            bool contiguous) {
-  check_linear_backward_args(grad_output, input, weight, bias_dtype);
+                                            c10::string_view activation,
+                                            const std::optional<at::Tensor>& pre_activation, bool contiguous) {
+  const Activation act =
+      check_linear_backward_args(grad_output, input, weight, bias_dtype, activation, pre_activation);
   const auto dtype = input.scalar_type();
   const int64_t M = rows_of(input), K = weight.size(1), N = weight.size(0);
+  at::Tensor Z;  // only an activation's derivative reads it
+  if (act != Activation::kNone) Z = as_2d(to_input_dtype(*pre_activation, dtype), M, N).contiguous();
   return {M,
           K,
           N,
-          maybe_contiguous(to_input_dtype(grad_output, dtype).reshape({M, N}), contiguous),
-          maybe_contiguous(input.reshape({M, K}), contiguous),
-          maybe_contiguous(to_input_dtype(weight, dtype), contiguous)};
+          act,
+          maybe_contiguous(as_2d(to_input_dtype(grad_output, dtype), M, N), contiguous),
+          maybe_contiguous(as_2d(input, M, K), contiguous),
+          maybe_contiguous(to_input_dtype(weight, dtype), contiguous),
+          Z};
 }
 
 }  // namespace linear_op
 
 // ---- public C++ API: typed dispatcher calls --------------------------------------------------------
 
-at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  c10::string_view activation) {
   static auto op = typed_op<decltype(linear)>("opforge::linear");
-  return op.call(input, weight, bias);
+  return op.call(input, weight, bias, activation);
+}
+std::tuple<at::Tensor, at::Tensor> _linear_forward(const at::Tensor& input, const at::Tensor& weight,
+                                                   const std::optional<at::Tensor>& bias,
+                                                   c10::string_view activation) {
+  static auto op = typed_op<decltype(_linear_forward)>("opforge::_linear_forward");
+  return op.call(input, weight, bias, activation);
 }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad_output, const at::Tensor& input,
                                                                const at::Tensor& weight,
                                                                std::array<bool, 3> output_mask,
-                                                               std::optional<at::ScalarType> bias_dtype) {
+                                                               std::optional<at::ScalarType> bias_dtype,
+                                                               c10::string_view activation,
+                                                               const std::optional<at::Tensor>& pre_activation) {
   static auto op = typed_op<decltype(linear_backward)>("opforge::linear_backward");
-  return op.call(grad_output, input, weight, output_mask, bias_dtype);
+  return op.call(grad_output, input, weight, output_mask, bias_dtype, activation, pre_activation);
 }
 
 namespace {
 
 // ---- Meta: the same checkers, then outputs with the real kernels' shapes, dtypes and strides -------
-// Real kernels return contiguous tensors: output (*, N) in input's dtype; grad_input in input's shape
-// and dtype, grad_weight in weight's shape and dtype, grad_bias (N,) in bias_dtype.
+// Real kernels return contiguous tensors: output and pre_activation (*, N) in input's dtype; grad_input
+// in input's shape and dtype, grad_weight in weight's shape and dtype, grad_bias (N,) in bias_dtype.
 
-at::Tensor linear_meta(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor linear_meta(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       c10::string_view activation) {
   linear_op::check_linear_args("linear", input, weight, bias);
+  linear_op::parse_activation("linear", activation);
   return at::empty_symint(linear_op::output_sym_sizes(input, weight), input.options());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_meta(const at::Tensor& grad_output,
-                                                                    const at::Tensor& input, const at::Tensor& weight,
-                                                                    std::array<bool, 3> output_mask,
-                                                                    std::optional<at::ScalarType> bias_dtype) {
-  linear_op::check_linear_backward_args(grad_output, input, weight, bias_dtype);
+std::tuple<at::Tensor, at::Tensor> linear_forward_meta(const at::Tensor& input, const at::Tensor& weight,
+                                                       const std::optional<at::Tensor>& bias,
+                                                       c10::string_view activation) {
+  linear_op::check_linear_args("linear", input, weight, bias);
+  linear_op::parse_activation("linear", activation);
+  const auto sizes = linear_op::output_sym_sizes(input, weight);
+  return {at::empty_symint(sizes, input.options()), at::empty_symint(sizes, input.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_meta(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, std::array<bool, 3> output_mask,
+    std::optional<at::ScalarType> bias_dtype, c10::string_view activation,
+    const std::optional<at::Tensor>& pre_activation) {
+  linear_op::check_linear_backward_args(grad_output, input, weight, bias_dtype, activation, pre_activation);
   at::Tensor grad_input, grad_weight, grad_bias;
   if (output_mask[0]) grad_input = at::empty_symint(input.sym_sizes(), input.options());
   if (output_mask[1]) grad_weight = at::empty_symint(weight.sym_sizes(), weight.options());
@@ -137,44 +208,164 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_meta(const at::Te
 
 // ---- Autograd: save what backward needs, redispatch below autograd, route backward to the op -------
 
-class LinearFunction : public torch::autograd::Function<LinearFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    const bool has_bias = bias.has_value() && bias->defined();
-    ctx->save_for_backward({input, weight});
-    ctx->saved_data["has_bias"] = has_bias;
-    if (has_bias) ctx->saved_data["bias_dtype"] = bias->scalar_type();
-    return opforge::linear(input, weight, bias);
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+/// Saves what linear_backward needs: input, weight and Z (the pre-activation, relu's output, or
+/// undefined for "none"), whether there is a bias and its dtype, and the activation's name.
+void save_linear(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                 const std::optional<at::Tensor>& bias, const at::Tensor& Z, linear_op::Activation act) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  ctx->save_for_backward({input, weight, Z});
+  ctx->saved_data["has_bias"] = has_bias;
+  if (has_bias) ctx->saved_data["bias_dtype"] = bias->scalar_type();
+  ctx->saved_data["activation"] = std::string(linear_op::activation_name(act));
+}
+
+/// (grad_input, grad_weight, grad_bias) through linear_backward, with the mask from needs_input_grad
+/// (inputs 0, 1, 2 = input, weight, bias: bias is a defined tensor input whenever has_bias).
+variable_list linear_grads(AutogradContext* ctx, const at::Tensor& grad_output) {
+  const auto saved = ctx->get_saved_variables();
+  const bool has_bias = ctx->saved_data["has_bias"].toBool();
+  // grad_bias only when there is a bias and it requires grad (never for bias=None).
+  const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                 has_bias && ctx->needs_input_grad(2)};
+  if (!grad_output.defined() || !(mask[0] || mask[1] || mask[2])) return {at::Tensor(), at::Tensor(), at::Tensor()};
+  std::optional<at::ScalarType> bias_dtype;
+  if (has_bias) bias_dtype = ctx->saved_data["bias_dtype"].toScalarType();
+  const std::string activation = ctx->saved_data["activation"].toStringRef();
+  std::optional<at::Tensor> Z;
+  if (saved[2].defined()) Z = saved[2];
+  auto [grad_input, grad_weight, grad_bias] =
+      opforge::linear_backward(grad_output, saved[0], saved[1], mask, bias_dtype, activation, Z);
+  return {grad_input, grad_weight, grad_bias};
+}
+
+// linear's backward node, built the way ATen's generated autograd nodes are (a Node subclass holding
+// SavedVariables) rather than through torch::autograd::Function, whose bookkeeping (context dictionary,
+// output wrapping, forward-AD hooks) costs several times the op's own call overhead on small inputs.
+// Edges: 0 input, 1 weight, 2 bias (an empty edge without bias).
+struct LinearBackwardNode : public torch::autograd::Node {
+  torch::autograd::SavedVariable input_, weight_, z_;  // z_: pre-activation, relu's output, or undefined
+  bool has_bias_ = false;
+  at::ScalarType bias_dtype_ = at::kFloat;
+  linear_op::Activation act_ = linear_op::Activation::kNone;
+
+  std::string name() const override { return "opforge::LinearBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    input_.reset_data();
+    weight_.reset_data();
+    z_.reset_data();
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    // grad_bias only when there is a bias and it requires grad (never for bias=None).
-    const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                   has_bias && ctx->needs_input_grad(2)};
-    if (!grads[0].defined() || !(mask[0] || mask[1] || mask[2])) return {at::Tensor(), at::Tensor(), at::Tensor()};
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const std::array<bool, 3> mask{should_compute_output(0), should_compute_output(1),
+                                   has_bias_ && should_compute_output(2)};
+    variable_list out(num_outputs());
+    if (!grads[0].defined() || !(mask[0] || mask[1] || mask[2])) return out;
+    std::optional<at::Tensor> z;
+    if (act_ != linear_op::Activation::kNone) z = z_.unpack();
     std::optional<at::ScalarType> bias_dtype;
-    if (has_bias) bias_dtype = ctx->saved_data["bias_dtype"].toScalarType();
-    auto [grad_input, grad_weight, grad_bias] = opforge::linear_backward(grads[0], saved[0], saved[1], mask, bias_dtype);
-    return {grad_input, grad_weight, grad_bias};
+    if (has_bias_) bias_dtype = bias_dtype_;
+    auto [grad_input, grad_weight, grad_bias] = opforge::linear_backward(
+        grads[0], input_.unpack(), weight_.unpack(), mask, bias_dtype, linear_op::activation_name(act_), z);
+    out[0] = std::move(grad_input);
+    out[1] = std::move(grad_weight);
+    if (out.size() > 2) out[2] = std::move(grad_bias);
+    return out;
   }
 };
 
-at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  return LinearFunction::apply(input, weight, bias);
+/// A new node: intrusive_ptr where torch's Node is an intrusive_ptr_target (torch >= 2.13), shared_ptr before.
+template <typename NodeT>
+auto make_node() {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, NodeT>) {
+    return c10::make_intrusive<NodeT>();
+  } else {
+    return std::shared_ptr<NodeT>(new NodeT());
+  }
+}
+
+// _linear_forward called directly: (output, pre_activation), pre_activation not differentiable.
+class LinearForwardFunction : public torch::autograd::Function<LinearForwardFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, c10::string_view activation) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const auto act = linear_op::parse_activation("linear", activation);
+    auto [Y, Z] = opforge::_linear_forward(input, weight, bias, activation);
+    save_linear(ctx, input, weight, bias, act == linear_op::Activation::kNone ? at::Tensor() : Z, act);
+    ctx->mark_non_differentiable({Z});
+    ctx->set_materialize_grads(false);
+    return {Y, Z};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto g = linear_grads(ctx, grads[0]);
+    g.emplace_back();  // activation
+    return g;
+  }
+};
+
+bool any_requires_grad(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return input.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->defined() && bias->requires_grad());
+}
+
+at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           c10::string_view activation) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(input) && !torch::autograd::isFwGradDefined(weight) &&
+                                  !torch::autograd::isFwGradDefined(bias),
+                              "opforge::linear: forward-mode AD is not supported; use reverse mode (backward)");
+  // Nothing to differentiate: straight to the kernel, no graph node and no pre-activation kept.
+  if (!at::GradMode::is_enabled() || !any_requires_grad(input, weight, bias)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return opforge::linear(input, weight, bias, activation);
+  }
+  const auto act = linear_op::parse_activation("linear", activation);
+  auto node = make_node<LinearBackwardNode>();
+  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
+  at::Tensor Y, Z;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    if (act == linear_op::Activation::kNone || act == linear_op::Activation::kReLU) {
+      Y = opforge::linear(input, weight, bias, activation);
+    } else {
+      std::tie(Y, Z) = opforge::_linear_forward(input, weight, bias, activation);
+    }
+  }
+  torch::autograd::set_history(Y, node);
+  node->input_ = torch::autograd::SavedVariable(input, /*is_output=*/false);
+  node->weight_ = torch::autograd::SavedVariable(weight, /*is_output=*/false);
+  // relu'(z) = [z > 0] = [y > 0]: the output serves as the pre-activation. Saved detached (no grad_fn, so
+  // no reference cycle through the node; the version counter is shared, so an in-place change of the
+  // output before backward still raises).
+  if (act == linear_op::Activation::kReLU) Z = Y.detach();
+  if (Z.defined()) node->z_ = torch::autograd::SavedVariable(Z, /*is_output=*/false);
+  node->has_bias_ = bias.has_value() && bias->defined();
+  if (node->has_bias_) node->bias_dtype_ = bias->scalar_type();
+  node->act_ = act;
+  return Y;
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_forward_autograd(const at::Tensor& input, const at::Tensor& weight,
+                                                           const std::optional<at::Tensor>& bias,
+                                                           c10::string_view activation) {
+  auto out = LinearForwardFunction::apply(input, weight, bias, activation);
+  return {out[0], out[1]};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opforge, Meta, m) {
+  m.impl("_linear_forward", &linear_forward_meta);
   m.impl("linear", &linear_meta);
   m.impl("linear_backward", &linear_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
+  m.impl("_linear_forward", &linear_forward_autograd);
   m.impl("linear", &linear_autograd);
   register_backward_op_autograd(m, "linear_backward");
 }

@@ -1,9 +1,12 @@
-// linear and linear_backward.
+// linear, _linear_forward and linear_backward.
 //
-//   linear(X, W, b)  Y[M, N]  = X[M, K] · W[N, K]ᵀ + b[N]
-//   linear_backward  dX[M, K] = dY[M, N] · W[N, K]
-//                    dW[N, K] = dY[M, N]ᵀ · X[M, K]
-//                    db[N]    = Σ_rows dY[M, N]          (fp32 accumulation)
+//   linear(X, W, b, act)  Z[M, N]  = X[M, K] · W[N, K]ᵀ + b[N]      (the pre-activation)
+//                         Y[M, N]  = act(Z)                          act in none, relu, gelu, gelu_tanh, silu
+//   _linear_forward       (Y, Z): the forward that also returns Z, for autograd
+//   linear_backward       dZ[M, N] = dY[M, N] · act'(Z)              (fp32 math; dZ = dY for none)
+//                         dX[M, K] = dZ[M, N] · W[N, K]
+//                         dW[N, K] = dZ[M, N]ᵀ · X[M, K]
+//                         db[N]    = Σ_rows dZ[M, N]                 (fp32 accumulation)
 //
 // input (*, K) is flattened to M = prod(*) rows. Kernels see only the 2-D contiguous problem the
 // checkers below produce; every backend (CPU, CUDA) and Meta runs the same checks.
@@ -19,6 +22,23 @@ namespace opforge {
 // (linear_op, not linear: opforge::linear is the public function.)
 namespace linear_op {
 
+/// The activation applied after the GEMM (and bias), by its schema name.
+enum class Activation {
+  kNone,      // "none":      y = z
+  kReLU,      // "relu":      y = max(z, 0)
+  kGELU,      // "gelu":      y = z · Φ(z) = z/2 · (1 + erf(z/√2))
+  kGELUTanh,  // "gelu_tanh": y = z/2 · (1 + tanh(√(2/π) · (z + 0.044715 z³)))
+  kSiLU,      // "silu":      y = z · σ(z)
+};
+
+/// Parses an activation name (exact, lower case).
+/// Raises: ValueError "opforge::<op>: expected activation to be one of "none", "relu", "gelu",
+///         "gelu_tanh", "silu", but got "<name>"".
+Activation parse_activation(const char* op, c10::string_view name);
+
+/// The schema name of an activation ("none", "relu", ...).
+const char* activation_name(Activation act);
+
 /// Shape, dtype and device checks of linear that hold for symbolic shapes too (used by Meta).
 /// Raises:
 ///   ValueError: input of rank 0; weight not 2-D; input's last dim != weight's in_features K;
@@ -28,38 +48,45 @@ namespace linear_op {
 void check_linear_args(const char* op, const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias);
 
-/// linear's canonical problem: Y[M, N] = X[M, K] · W[N, K]ᵀ + b[N].
+/// linear's canonical problem: Y[M, N] = act(X[M, K] · W[N, K]ᵀ + b[N]).
 struct LinearProblem {
   int64_t M, K, N;
+  Activation act;
   at::Tensor X;  // [M, K] contiguous (see check_linear), input's dtype
   at::Tensor W;  // [N, K] contiguous (see check_linear), converted to input's dtype
   at::Tensor b;  // [N] contiguous in input's dtype, or undefined (no bias)
 };
 
-/// Validates linear's arguments (check_linear_args) and returns the problem: one dtype conversion for
-/// a parameter of another floating dtype, and (when `contiguous`) one copy for a strided view. With
-/// contiguous = false, X and W are 2-D but may be strided (X is input.reshape, a view when possible):
-/// for backends whose GEMM takes any strides (ATen's on CPU), which then skip the copies and make
-/// the same GEMM calls as torch.nn.functional.linear.
+/// Validates linear's arguments (check_linear_args, then the activation's name) and returns the
+/// problem: one dtype conversion for a parameter of another floating dtype, and (when `contiguous`) one
+/// copy for a strided view. With contiguous = false, X and W are 2-D but may be strided (X is
+/// input.reshape, a view when possible): for backends whose GEMM takes any strides (ATen's on CPU),
+/// which then skip the copies and make the same GEMM calls as torch.nn.functional.linear.
 LinearProblem check_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                           bool contiguous = true);
+                           c10::string_view activation, bool contiguous = true);
 
 /// Checks of linear_backward that hold for symbolic shapes (Meta): the linear checks on
 /// (input, weight), grad_output floating, on input's device and of shape (*, N) with input's (*),
-/// bias_dtype (if given) floating (TypeError otherwise).
-void check_linear_backward_args(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
-                                std::optional<at::ScalarType> bias_dtype);
+/// bias_dtype (if given) floating (TypeError otherwise), the activation's name; for an activation other
+/// than none, pre_activation given (ValueError otherwise), floating, on input's device and of
+/// grad_output's shape. Returns the parsed activation.
+Activation check_linear_backward_args(const at::Tensor& grad_output, const at::Tensor& input,
+                                      const at::Tensor& weight, std::optional<at::ScalarType> bias_dtype,
+                                      c10::string_view activation, const std::optional<at::Tensor>& pre_activation);
 
 /// linear_backward's canonical problem, all operands in input's dtype.
 struct LinearBackwardProblem {
   int64_t M, K, N;
+  Activation act;
   at::Tensor dY;  // [M, N] (strided only when check_linear_backward's contiguous = false, as X and W)
   at::Tensor X;   // [M, K]
   at::Tensor W;   // [N, K]
+  at::Tensor Z;   // [M, N] pre-activation (or, for relu, the output), contiguous; undefined for none
 };
 LinearBackwardProblem check_linear_backward(const at::Tensor& grad_output, const at::Tensor& input,
                                             const at::Tensor& weight, std::optional<at::ScalarType> bias_dtype,
-                                            bool contiguous = true);
+                                            c10::string_view activation,
+                                            const std::optional<at::Tensor>& pre_activation, bool contiguous = true);
 
 /// Output shape of linear: input's leading dims followed by N.
 c10::SymDimVector output_sym_sizes(const at::Tensor& input, const at::Tensor& weight);

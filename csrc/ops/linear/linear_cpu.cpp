@@ -1,5 +1,6 @@
 // CPU kernels of linear: ATen's GEMM (at::addmm / at::mm, i.e. MKL/oneDNN/OpenBLAS as torch was built)
-// on the 2-D problem from the checker; grad_bias through ATen's reduction with fp32 accumulation.
+// on the 2-D problem from the checker, then ATen's activation functions (at::relu, at::gelu, at::silu)
+// and their backward functions; grad_bias through ATen's reduction with fp32 accumulation.
 // ATen's GEMM takes any strides, so the operands stay strided views (no copies): the forward and
 // grad_input make the same GEMM calls as torch.nn.functional.linear.
 #include <torch/library.h>
@@ -10,43 +11,102 @@
 namespace opforge {
 namespace {
 
+using linear_op::Activation;
+
 /// The accumulation dtype of a reduction over dtype `t`: float64 stays float64, the rest go to float32.
 at::ScalarType opmath_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  const auto p = linear_op::check_linear(input, weight, bias, /*contiguous=*/false);
-  std::vector<int64_t> out_sizes = input.sizes().vec();  // (*, N)
-  out_sizes.back() = p.N;
-  at::Tensor Y;  // [M, N]
+/// Z[M, N] = X · Wᵀ + b, a new contiguous tensor (never a view of bias).
+at::Tensor pre_activation(const linear_op::LinearProblem& p) {
   if (p.K == 0) {
-    // An empty sum: y = b (broadcast over rows) or 0. A fresh tensor, never a view of bias.
-    Y = at::empty({p.M, p.N}, p.X.options());
-    if (p.b.defined()) Y.copy_(p.b.expand({p.M, p.N})); else Y.zero_();
-  } else if (p.b.defined()) {
-    Y = at::addmm(p.b, p.X, p.W.t());  // Y = b + X · Wᵀ
-  } else {
-    Y = at::mm(p.X, p.W.t());  // Y = X · Wᵀ
+    // An empty sum: z = b (broadcast over rows) or 0.
+    at::Tensor Z = at::empty({p.M, p.N}, p.X.options());
+    if (p.b.defined()) Z.copy_(p.b.expand({p.M, p.N})); else Z.zero_();
+    return Z;
   }
-  return Y.view(out_sizes);
+  if (p.b.defined()) return at::addmm(p.b, p.X, p.W.t());  // Z = b + X · Wᵀ
+  return at::mm(p.X, p.W.t());                              // Z = X · Wᵀ
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(const at::Tensor& grad_output,
-                                                                   const at::Tensor& input, const at::Tensor& weight,
-                                                                   std::array<bool, 3> output_mask,
-                                                                   std::optional<at::ScalarType> bias_dtype) {
-  const auto p = linear_op::check_linear_backward(grad_output, input, weight, bias_dtype, /*contiguous=*/false);
+/// y = act(z), a new tensor (z is left as it is).
+at::Tensor activate(const at::Tensor& Z, Activation act) {
+  switch (act) {
+    case Activation::kNone: return Z.clone();
+    case Activation::kReLU: return at::relu(Z);
+    case Activation::kGELU: return at::gelu(Z, "none");
+    case Activation::kGELUTanh: return at::gelu(Z, "tanh");
+    case Activation::kSiLU: return at::silu(Z);
+  }
+  TORCH_INTERNAL_ASSERT(false, "opforge::linear: unhandled activation");
+}
+
+/// y = act(z) in place of z.
+void activate_(at::Tensor& Z, Activation act) {
+  switch (act) {
+    case Activation::kNone: return;
+    case Activation::kReLU: at::relu_(Z); return;
+    case Activation::kGELU: at::gelu_(Z, "none"); return;
+    case Activation::kGELUTanh: at::gelu_(Z, "tanh"); return;
+    case Activation::kSiLU: at::silu_(Z); return;
+  }
+}
+
+/// dZ = dY · act'(Z) (ATen's activation backward functions); dY itself for none.
+at::Tensor activation_backward(const at::Tensor& dY, const at::Tensor& Z, Activation act) {
+  switch (act) {
+    case Activation::kNone: return dY;
+    case Activation::kReLU: return at::threshold_backward(dY, Z, 0);  // Z may be relu's output: same sign test
+    case Activation::kGELU: return at::gelu_backward(dY, Z, "none");
+    case Activation::kGELUTanh: return at::gelu_backward(dY, Z, "tanh");
+    case Activation::kSiLU: return at::silu_backward(dY, Z);
+  }
+  TORCH_INTERNAL_ASSERT(false, "opforge::linear_backward: unhandled activation");
+}
+
+/// Y [M, N] viewed as input's leading dims followed by N (Y itself for a 2-D input).
+at::Tensor as_output(const at::Tensor& Y, const at::Tensor& input, int64_t N) {
+  if (input.dim() == 2) return Y;
+  std::vector<int64_t> sizes = input.sizes().vec();  // (*, N)
+  sizes.back() = N;
+  return Y.view(sizes);
+}
+
+at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      c10::string_view activation) {
+  const auto p = linear_op::check_linear(input, weight, bias, activation, /*contiguous=*/false);
+  at::Tensor Y = pre_activation(p);  // [M, N]
+  activate_(Y, p.act);
+  return as_output(Y, input, p.N);
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_forward_cpu(const at::Tensor& input, const at::Tensor& weight,
+                                                      const std::optional<at::Tensor>& bias,
+                                                      c10::string_view activation) {
+  const auto p = linear_op::check_linear(input, weight, bias, activation, /*contiguous=*/false);
+  const at::Tensor Z = pre_activation(p);  // [M, N]
+  return {as_output(activate(Z, p.act), input, p.N), as_output(Z, input, p.N)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, std::array<bool, 3> output_mask,
+    std::optional<at::ScalarType> bias_dtype, c10::string_view activation,
+    const std::optional<at::Tensor>& pre_activation) {
+  const auto p = linear_op::check_linear_backward(grad_output, input, weight, bias_dtype, activation, pre_activation,
+                                                  /*contiguous=*/false);
   at::Tensor grad_input, grad_weight, grad_bias;
+  if (!(output_mask[0] || output_mask[1] || output_mask[2])) return {grad_input, grad_weight, grad_bias};
+  const at::Tensor dZ = activation_backward(p.dY, p.Z, p.act);  // [M, N]
   // An empty reduction (N == 0 for dX, M == 0 for dW and db) gives zeros: at::mm and at::sum do that.
-  if (output_mask[0]) grad_input = at::mm(p.dY, p.W).view(input.sizes());              // dX = dY · W
+  if (output_mask[0]) grad_input = at::mm(dZ, p.W).view(input.sizes());  // dX = dZ · W
   if (output_mask[1]) {
-    // dW = dYᵀ · X, accumulated in the wider of input's and weight's dtypes (an fp16 input with an fp32
+    // dW = dZᵀ · X, accumulated in the wider of input's and weight's dtypes (an fp16 input with an fp32
     // weight sums in fp32), rounded once to weight's dtype
-    const auto dt = at::promote_types(p.dY.scalar_type(), weight.scalar_type());
-    grad_weight = at::mm(p.dY.t().to(dt), p.X.to(dt)).to(weight.scalar_type());
+    const auto dt = at::promote_types(dZ.scalar_type(), weight.scalar_type());
+    grad_weight = at::mm(dZ.t().to(dt), p.X.to(dt)).to(weight.scalar_type());
   }
   if (output_mask[2]) {
-    // db = Σ_rows dY, accumulated in fp32 (fp64 for fp64), rounded once to bias's dtype
-    grad_bias = at::sum(p.dY, {0}, /*keepdim=*/false, opmath_dtype(p.dY.scalar_type()))
+    // db = Σ_rows dZ, accumulated in fp32 (fp64 for fp64), rounded once to bias's dtype
+    grad_bias = at::sum(dZ, {0}, /*keepdim=*/false, opmath_dtype(dZ.scalar_type()))
                     .to(linear_op::grad_bias_dtype(input, bias_dtype));
   }
   return {grad_input, grad_weight, grad_bias};
@@ -55,6 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(const at::Ten
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opforge, CPU, m) {
+  m.impl("_linear_forward", &linear_forward_cpu);
   m.impl("linear", &linear_cpu);
   m.impl("linear_backward", &linear_backward_cpu);
 }
