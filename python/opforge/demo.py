@@ -293,7 +293,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                      **({"fused": True} if fused else {}))
         self.res = Result(backend, compiled)
-        self.warmup_steps = min(3, steps // 4)  # untimed: compilation, allocator and GEMM-algorithm warm-up
+        self.warmup_steps = min(3, steps // 4)  # (trainers_warmup) untimed: compilation, allocator and GEMM-algorithm warm-up
         self.lr_warmup = max(1, min(20, steps // 10))
         self.timed = 0.0
         self.step_peak = 0
@@ -550,6 +550,11 @@ def run(args) -> dict:
             dist.destroy_process_group()
 
 
+def trainers_warmup(args) -> int:
+    """Untimed warm-up steps of a run of ``args.steps`` steps (see :class:`Trainer`)."""
+    return min(3, args.steps // 4)
+
+
 def _report_training(out: dict, results: Dict[str, Result], args, device, d: Dist, sample: Optional[str]) -> None:
     mem_label = ("cuda: max_memory_allocated growth in a step + params + AdamW state" if device.type == "cuda"
                  else "cpu estimate: params+grads+AdamW state+saved activations")
@@ -561,7 +566,8 @@ def _report_training(out: dict, results: Dict[str, Result], args, device, d: Dis
                      f"{r.val_loss[-1]:.4f}" if r.val_loss else "-", f"{r.tokens_per_s:,.0f}", ratio, _fmt_mem(r.peak_mem)])
     if not args.quiet:
         print()
-        print_table(rows, ["model", "train loss", "val loss", "tokens/s", "vs torch.nn", f"peak memory ({mem_label})"])
+        print_table(rows, ["model", "train loss", "val loss", "tokens/s", "vs torch.nn", "peak memory"])
+        print(f"(peak memory: {mem_label}; tokens/s: every step after the first {trainers_warmup(args)}, each model's steps timed on their own)")
         if "agreement" in out:
             a = out["agreement"]
             print(f"\nloss agreement ({args.dtype}: {a['rule']}): max relative difference {a['max_rel']:.2e} -> "
@@ -608,9 +614,9 @@ def report(args) -> dict:
     state = _initial_state(cfg, args.seed)
     batches = make_batches(args.steps, args.batch, args.seq, args.seed + 1, eval_batches=1)
     d = Dist()
-    warm = min(3, args.steps // 4)
+    warm = trainers_warmup(args)
     print(f"opforge demo --report: Llama d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads} d_ff={cfg.d_ff} "
-          f"({cfg.num_parameters() / 1e6:.0f} M params), seq {args.seq}, batch {args.batch} "
+          f"({cfg.num_parameters() / 1e6:,.1f} M params), seq {args.seq}, batch {args.batch} "
           f"({args.seq * args.batch:,} tokens a step), {args.dtype}, AdamW, {args.steps} steps (first {warm} untimed), "
           f"compile scope {args.compile_scope}, {_device_name(device)}, torch {torch.__version__}, commit {_commit()}",
           flush=True)
