@@ -22,6 +22,8 @@ command -v ninja >/dev/null || "$PY" -m pip install ninja
 
 # --no-build-isolation: build against the torch installed above (an isolated build would fetch another
 # torch, and the library would not match the ABI of the torch you run).
+# CMake finds torch through the interpreter's own prefix too (a venv that sees a system torch, for one).
+export CMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
 "$PY" -m pip install --no-build-isolation .
 # Run where the script was started (the PNG lands there), unless an opforge/ folder there would shadow the
 # installed package.
