@@ -25,6 +25,8 @@ command -v ninja >/dev/null || "$PY" -m pip install ninja
 # CMake finds torch through the interpreter's own prefix too (a venv that sees a system torch, for one).
 export CMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
 "$PY" -m pip install --no-build-isolation .
+# The commit recorded in --csv rows (the installed package has no .git to ask).
+export OPFORGE_GIT_COMMIT=${OPFORGE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || true)}
 # Run where the script was started (the PNG lands there), unless an opforge/ folder there would shadow the
 # installed package.
 cd "$OLDPWD" 2>/dev/null && [ ! -e opforge ] || cd /tmp
