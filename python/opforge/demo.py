@@ -362,6 +362,8 @@ def train_lockstep(trainers: List[Trainer], steps: int, eval_every: int = 0, pro
             from tqdm.auto import tqdm
         except ImportError:  # no tqdm: a plain progress line every 10%
             tqdm = _PlainBar
+        if not sys.stderr.isatty():  # a log file (CI, the GPU scripts): lines, not carriage-return redraws
+            tqdm = _PlainBar
         bar = tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)
     for i in range(steps):
         post = {}
