@@ -65,7 +65,7 @@ def test_kernels_of_an_op_on_cuda1_run_on_cuda1(name):
     inputs = [torch.randn(s, device="cuda:1") for s in shapes]
     torch.cuda.set_device(0)
     _run(fn, inputs, "cuda:1")  # warm-up: cuBLAS handles, allocator
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _run(fn, inputs, "cuda:1")
     assert torch.cuda.current_device() == 0
     devices = [(e.name, e.device_index) for e in prof.events() if e.device_type == DeviceType.CUDA]
