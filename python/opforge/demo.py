@@ -457,7 +457,7 @@ def plot(path: Path, results: List[Result], title: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"(no loss-curve PNG: matplotlib is not installed; pip install matplotlib)", file=sys.stderr)
+        print("(no loss-curve PNG: matplotlib is not installed; pip install matplotlib)", file=sys.stderr)
         return False
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     colors = {"opforge": "tab:red", "torch": "tab:blue"}
@@ -627,21 +627,28 @@ def report(args) -> dict:
           f"compile scope {args.compile_scope}, {_device_name(device)}, torch {torch.__version__}, commit {_commit()}",
           flush=True)
     results: List[Result] = []
+    failures: List[str] = []
     for compiled in [m == "compiled" for m in args.modes]:
         for backend in args.backends:
+            name = f"{backend} {'compiled' if compiled else 'eager'}"
             torch.manual_seed(args.seed)
             if compiled:
                 torch._dynamo.reset()
             t0 = time.perf_counter()
-            t = Trainer(backend, cfg, state, batches, args, device, dtype, d, args.steps, compiled)
-            res = train_lockstep([t], args.steps, progress=not args.quiet, record=False,
-                                 desc=f"{backend} {'compiled' if compiled else 'eager'}")[0]
-            wall = time.perf_counter() - t0
-            if not args.quiet:
-                print(f"  {backend} {'compiled' if compiled else 'eager'}: {wall:.1f}s wall, of which "
-                      f"{wall - res.seconds:.1f}s untimed (setup, warm-up steps{', compilation' if compiled else ''})",
-                      flush=True)
-            results.append(res)
+            t = None
+            try:
+                t = Trainer(backend, cfg, state, batches, args, device, dtype, d, args.steps, compiled)
+                res = train_lockstep([t], args.steps, progress=not args.quiet, record=False, desc=name)[0]
+            except Exception as e:  # noqa: BLE001  (one failing run must not lose the others' numbers)
+                import traceback
+                traceback.print_exc()
+                failures.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+                print(f"  {name}: FAILED ({failures[-1]})", flush=True)
+            else:
+                wall = time.perf_counter() - t0
+                print(f"  {name}: {res.tokens_per_s:,.0f} tokens/s; {wall:.1f}s wall, of which {wall - res.seconds:.1f}s "
+                      f"untimed (setup, warm-up steps{', compilation' if compiled else ''})", flush=True)
+                results.append(res)
             del t
             gc.collect()
             if device.type == "cuda":
@@ -657,12 +664,14 @@ def report(args) -> dict:
                      f"{1e3 * r.seconds / max(1, args.steps - warm):.1f}", _fmt_mem(r.peak_mem), f"{r.train_loss[-1]:.4f}"])
     print()
     print_table(rows, ["model", "tokens/s", "vs torch eager", "vs torch compiled", "ms/step", "peak memory", "last loss"])
+    for f in failures:
+        print(f"FAILED: {f}")
     for c, a in agreement.items():
         print(f"loss agreement, {'compiled' if c else 'eager'} opforge vs torch.nn ({args.dtype}: {a['rule']}): "
               f"max relative difference {a['max_rel']:.2e} -> {'OK' if a['ok'] else 'MISMATCH'}")
     mem_kind = ("cuda max_memory_allocated step growth + params + AdamW state" if device.type == "cuda"
                 else "cpu estimate: params+grads+AdamW state+saved activations")
-    if args.csv:
+    if args.csv and results:
         now = datetime.datetime.now().isoformat(timespec="seconds")
         path = Path(args.csv.replace("<device>", device.type))
         write_csv(path, [
@@ -684,7 +693,7 @@ def report(args) -> dict:
             if plot(png, results, title):
                 print(f"loss curves: {png}")
     print(f"report: {time.perf_counter() - t_start:.0f}s in all", flush=True)
-    return {"results": [vars(r) for r in results],
+    return {"results": [vars(r) for r in results], "failures": failures,
             "agreement": {("compiled" if c else "eager"): a for c, a in agreement.items()}}
 
 
@@ -787,7 +796,7 @@ def main(argv=None, prog: str = "python -m opforge demo") -> int:
     with _threads(args.threads):
         if args.report:
             out = report(args)
-            return 0 if all(a["ok"] for a in out["agreement"].values()) else 1
+            return 0 if not out["failures"] and all(a["ok"] for a in out["agreement"].values()) else 1
         out = run(args)
     agreement = out.get("agreement")
     return 0 if agreement is None or agreement["ok"] else 1

@@ -129,3 +129,20 @@ def test_digits_command(tmp_path):
     p = _python_m_opforge("digits", "--device", "cpu", cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "test accuracy" in p.stdout
+
+
+def test_report_keeps_the_other_runs_when_one_fails(tmp_path, monkeypatch):
+    step = demo.Trainer.step
+
+    def failing_step(self, i, record=True):
+        if self.backend == "torch":
+            raise RuntimeError("injected failure")
+        return step(self, i, record)
+
+    monkeypatch.setattr(demo.Trainer, "step", failing_step)
+    argv = ["--report", "--allow-cpu-report", "--device", "cpu", "--d-model", "32", "--layers", "1", "--heads", "2",
+            "--seq", "16", "--batch", "2", "--steps", "4", "--quiet", "--modes", "eager", "--csv", str(tmp_path / "r.csv")]
+    out = demo.report(demo.parse_args(argv))
+    assert [r["backend"] for r in out["results"]] == ["opforge"]
+    assert len(out["failures"]) == 1 and "torch eager: RuntimeError: injected failure" in out["failures"][0]
+    assert demo.main(argv) == 1
