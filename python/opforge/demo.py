@@ -705,8 +705,8 @@ def build_parser(prog: str = "python -m opforge demo") -> argparse.ArgumentParse
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=f"sizes (--d-model etc. override them):\n{sizes}\n\nexamples:\n"
-                                       f"  {prog}                      # CPU: about 2 minutes\n"
-                                       f"  {prog} --size tiny          # CPU: about 15 seconds\n"
+                                       f"  {prog}                      # CPU: about 1.5 to 2 minutes\n"
+                                       f"  {prog} --size tiny          # CPU: about 10 seconds\n"
                                        f"  {prog} --device cuda --compile\n"
                                        f"  {prog} --report --device cuda   # GPU tokens/s table, bf16, size h200\n"
                                        "  torchrun --nproc_per_node=2 -m opforge.demo --parallel fsdp")
