@@ -5,6 +5,7 @@
 #   bash scripts/gpu_check.sh                          # results under $OUT (default /tmp/gpu_check_out)
 #   GPU_CHECK_BENCH="elementwise rms_norm" bash scripts/gpu_check.sh
 #   GPU_CHECK_NO_CUDA=1 GPU_CHECK_JOBS=1 bash scripts/gpu_check.sh      # CPU-only dry run of the flow
+#   scripts/multi_gpu_check.sh and scripts/llama_report.sh are this script with other settings.
 #
 # Steps (a failing step is recorded and the later steps still run):
 #   wheels     .whl/*.whl, if present, installed with pip --no-index --no-deps into /tmp/site (PYTHONPATH)
@@ -17,6 +18,7 @@
 #   pytest     tests/python with OPFORGE_LIBRARY=<build>/libopforge.so -> $OUT/pytest.log, $OUT/junit.xml;
 #              counts passed / failed / skipped, and the CUDA tests skipped (the goal is none)
 #   ctest      when the C++ tests were built
+#   run        each command of $GPU_CHECK_RUN, one step each, with the built library selected
 #   sanitizer  GPU_CHECK_SANITIZER=1: compute-sanitizer memcheck on a short CUDA subset of test_elementwise
 #   bench      each benchmarks/bench_<name>.py of $GPU_CHECK_BENCH (default: all), capped by `timeout`
 #   collect    $OUT gets at most 8 files: summary.txt, pytest.log, junit.xml, logs.tar.gz (every log and
@@ -29,7 +31,12 @@
 #   GPU_CHECK_JOBS            16      ninja parallelism
 #   GPU_CHECK_BUILD_DIR       build/gpu (build/gpu-cpu with GPU_CHECK_NO_CUDA=1)
 #   GPU_CHECK_NO_CUDA         0       1: CPU-only build and runs (to exercise this script without a GPU)
-#   GPU_CHECK_PYTEST_ARGS     tests/python   what pytest runs (e.g. "tests/python/test_rms_norm.py -x")
+#   GPU_CHECK_PYTEST_ARGS     tests/python   what pytest runs (e.g. "tests/python/test_rms_norm.py -x");
+#                                            "none": no pytest step
+#   GPU_CHECK_CPP_TESTS       1       0: do not build or run the C++ tests (a quicker build)
+#   GPU_CHECK_RUN                     extra steps, one a line: "NAME: COMMAND" (bash), run after ctest with
+#                                     OPFORGE_LIBRARY and PYTHONPATH set to this build, each capped by the
+#                                     deadline; output in logs.tar.gz run_NAME.log, its last lines printed
 #   GPU_CHECK_SANITIZER       0       1: run the compute-sanitizer step
 #   GPU_CHECK_SANITIZER_K     pytest -k expression of that subset
 #   GPU_CHECK_BENCH           all     benchmark names ("elementwise rms_norm") or "none"
@@ -190,7 +197,9 @@ CMAKE_ARGS+=("${CMAKE_EXTRA[@]}")
 # GoogleTest: probe with a throw-away project, so a missing GTest never breaks the main configure.
 WANT_CPP_TESTS=0
 CPP_TESTS_NOTE=""
-if [ ! -f "$ROOT/tests/cpp/CMakeLists.txt" ]; then
+if [ "${GPU_CHECK_CPP_TESTS:-1}" = 0 ]; then
+  CPP_TESTS_NOTE="GPU_CHECK_CPP_TESTS=0"
+elif [ ! -f "$ROOT/tests/cpp/CMakeLists.txt" ]; then
   CPP_TESTS_NOTE="no tests/cpp/CMakeLists.txt"
 else
   PROBE=$LOGS/gtest_probe
@@ -273,7 +282,9 @@ with open(path + ".cuda_skips.txt", "w") as f:
 print(total, failed, errors, skipped, len(cuda_skips))
 EOF
 }
-if [ "$BUILT" = 1 ]; then
+if [ "${GPU_CHECK_PYTEST_ARGS:-}" = none ]; then
+  echo "GPU_CHECK_PYTEST_ARGS=none: no pytest step"
+elif [ "$BUILT" = 1 ]; then
   cap=$(( $(remaining) - 60 )); [ "$cap" -gt "$PYTEST_TIMEOUT" ] && cap=$PYTEST_TIMEOUT
   [ "$cap" -lt 30 ] && cap=30
   echo "pytest (cap ${cap}s) -> $OUT/pytest.log"
@@ -317,6 +328,26 @@ if [ "$BUILT" = 1 ] && [ "$WANT_CPP_TESTS" = 1 ]; then
   else record ctest FAIL "${summary:-rc $rc} (logs.tar.gz: ctest.log)"; fi
 else
   record ctest SKIP "${CPP_TESTS_NOTE:-C++ tests not built}"
+fi
+
+# ---- extra steps: GPU_CHECK_RUN ("NAME: COMMAND" lines) ---------------------------------------------------
+if [ -n "${GPU_CHECK_RUN:-}" ]; then
+  section run
+  while IFS= read -r line; do
+    [ -z "${line//[[:space:]]/}" ] && continue
+    name=${line%%:*}; name=${name//[[:space:]]/}; cmd=${line#*:}
+    if [ "$BUILT" != 1 ]; then record "$name" SKIP "no library"; continue; fi
+    cap=$(( $(remaining) - 15 ))
+    if [ "$cap" -lt 20 ]; then record "$name" SKIP "no time left (GPU_CHECK_DEADLINE=${DEADLINE}s)"; continue; fi
+    echo "$name (cap ${cap}s):$cmd"
+    t0=$(date +%s)
+    OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} \
+      timeout --kill-after=10 "$cap" bash -c "$cmd" > "$LOGS/run_$name.log" 2>&1 < /dev/null
+    rc=$?
+    tail -n "${GPU_CHECK_RUN_TAIL:-30}" "$LOGS/run_$name.log"
+    if [ "$rc" = 0 ]; then record "$name" PASS "$(( $(date +%s) - t0 ))s"
+    else record "$name" FAIL "rc $rc$([ "$rc" = 124 ] && echo " (timed out after ${cap}s)") (logs.tar.gz: run_$name.log)"; fi
+  done <<< "$GPU_CHECK_RUN"
 fi
 
 # ---- compute-sanitizer (optional) -----------------------------------------------------------------------

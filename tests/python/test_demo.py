@@ -1,6 +1,12 @@
 """The demo's promise on a short run: the opforge and torch.nn models' loss curves agree by the demo's
-rule (fp32: every logged loss within 1e-3 relative) and the loss falls; the outputs are written."""
+rule (fp32: every logged loss within 1e-3 relative) and the loss falls; the outputs are written;
+``python -m opforge demo`` (the README's main job) is this Llama demo."""
 import csv
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,7 +69,80 @@ def test_agreement_rule():
 def test_report_mode_runs_on_cpu_when_forced(tmp_path, capsys):
     args = demo.parse_args(["--report", "--allow-cpu-report", "--device", "cpu", "--d-model", "32", "--layers", "1",
                             "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "5", "--quiet", "--modes", "eager",
-                            "--csv", str(tmp_path / "r.csv")])
+                            "--csv", str(tmp_path / "llama_report_<device>.csv")])
     out = demo.report(args)
     assert len(out["results"]) == 2 and all(r["tokens_per_s"] > 0 for r in out["results"])
+    assert all(len(r["train_loss"]) == 5 for r in out["results"])  # every step's loss, read at the end
+    assert out["agreement"]["eager"]["ok"], out["agreement"]
     assert "vs torch compiled" in capsys.readouterr().out
+    rows = list(csv.DictReader((tmp_path / "llama_report_cpu.csv").open()))
+    assert [(r["backend"], r["compiled"]) for r in rows] == [("opforge", "False"), ("torch", "False")]
+    for key in ("device", "torch", "commit", "tokens_per_s", "tokens_per_s_vs_torch_same_mode", "peak_mem_bytes"):
+        assert rows[0][key], key
+    assert (tmp_path / "llama_report_cpu.png").stat().st_size > 1000
+
+
+def test_report_defaults():
+    """--report: bf16, the h200 size (d_model 2048, 8 layers, sequence 2048), eager and compiled, both models,
+    results in this checkout's benchmarks/results/llama_report_cuda.csv."""
+    args = demo.parse_args(["--report", "--device", "cuda"])
+    assert (args.dtype, args.size, args.d_model, args.layers, args.seq) == ("bf16", "h200", 2048, 8, 2048)
+    assert args.modes == ["eager", "compiled"] and args.backends == ["opforge", "torch"]
+    repo = Path(__file__).resolve().parents[2]
+    assert Path(args.csv) == repo / "benchmarks" / "results" / "llama_report_<device>.csv"
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        demo.report(demo.parse_args(["--report", "--device", "cpu"]))
+
+
+def _python_m_opforge(*argv, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "opforge", *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("command", ["demo", "llama"])
+def test_python_m_opforge_demo_is_the_llama_job(command, tmp_path):
+    p = _python_m_opforge(command, "--size", "tiny", "--steps", "8", "--eval-every", "4", "--device", "cpu",
+                          "--sample-bytes", "20", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = p.stdout
+    assert "opforge demo: Llama d_model=64" in out
+    for column in ("train loss", "val loss", "tokens/s", "vs torch.nn", "peak memory"):
+        assert column in out, column
+    assert "loss agreement (fp32: every logged loss within 0.001 relative)" in out and "-> OK" in out
+    assert "sample from the opforge model" in out and "\nAlice " in out
+    assert (tmp_path / "opforge_demo_cpu.png").stat().st_size > 1000  # default PNG, in the current directory
+    assert "8/8" in p.stderr  # the progress bar
+
+
+def test_python_m_opforge_help_lists_the_commands(tmp_path):
+    p = _python_m_opforge("--help", cwd=tmp_path)
+    assert p.returncode == 0
+    for command in ("demo", "llama", "digits", "doctor"):
+        assert command in p.stdout
+    p = _python_m_opforge("demo", "--help", cwd=tmp_path)
+    assert p.returncode == 0 and "python -m opforge demo" in p.stdout and "h200" in p.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn (pip install scikit-learn)")
+def test_digits_command(tmp_path):
+    p = _python_m_opforge("digits", "--device", "cpu", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "test accuracy" in p.stdout
+
+
+def test_report_keeps_the_other_runs_when_one_fails(tmp_path, monkeypatch):
+    step = demo.Trainer.step
+
+    def failing_step(self, i, record=True):
+        if self.backend == "torch":
+            raise RuntimeError("injected failure")
+        return step(self, i, record)
+
+    monkeypatch.setattr(demo.Trainer, "step", failing_step)
+    argv = ["--report", "--allow-cpu-report", "--device", "cpu", "--d-model", "32", "--layers", "1", "--heads", "2",
+            "--seq", "16", "--batch", "2", "--steps", "4", "--quiet", "--modes", "eager", "--csv", str(tmp_path / "r.csv")]
+    out = demo.report(demo.parse_args(argv))
+    assert [r["backend"] for r in out["results"]] == ["opforge"]
+    assert len(out["failures"]) == 1 and "torch eager: RuntimeError: injected failure" in out["failures"][0]
+    assert demo.main(argv) == 1

@@ -1,6 +1,7 @@
-"""opforge ops on a second GPU: run on the tensors' device, not the current one (device guard), and give
-the same outputs and gradients as on cuda:0; the current device is unchanged afterwards; inputs on two
-different GPUs raise an error naming both. Skipped unless this machine has at least 2 CUDA GPUs."""
+"""opforge ops on a second GPU: run on the tensors' device, not the current one (device guard: the profiler
+sees their kernels on cuda:1 only), and give the same outputs and gradients as on cuda:0; the current device
+is unchanged afterwards; inputs on two different GPUs raise an error naming both. Skipped unless this machine
+has at least 2 CUDA GPUs (scripts/multi_gpu_check.sh runs it on the 2-GPU machine)."""
 import pytest
 import torch
 
@@ -50,6 +51,27 @@ def test_op_on_cuda1_runs_on_cuda1_while_current_device_is_0(name, dtype):
     torch.testing.assert_close(y1.cpu(), y0.cpu())
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_kernels_of_an_op_on_cuda1_run_on_cuda1(name):
+    """Outputs on cuda:1 alone do not prove where the kernels ran (with peer access a kernel on cuda:0 can
+    read cuda:1's memory): the profiler records the device of every kernel, copy and memset."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn, shapes = _cases()[name]
+    torch.manual_seed(0)
+    inputs = [torch.randn(s, device="cuda:1") for s in shapes]
+    torch.cuda.set_device(0)
+    _run(fn, inputs, "cuda:1")  # warm-up: cuBLAS handles, allocator
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _run(fn, inputs, "cuda:1")
+    assert torch.cuda.current_device() == 0
+    devices = [(e.name, e.device_index) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    assert devices, f"{name}: the profiler saw no CUDA kernel"
+    elsewhere = [(n, d) for n, d in devices if d != 1]
+    assert not elsewhere, f"{name}: kernels ran on another device than cuda:1: {elsewhere[:5]}"
 
 
 def test_whole_model_on_cuda1():
