@@ -1,8 +1,16 @@
 """Shared fixtures: devices (CUDA cases skip cleanly without a GPU), dtypes and seeded RNG."""
-import pytest
-import torch
+import os
+from pathlib import Path
 
-import opforge  # noqa: F401  (loads the library once for the whole session)
+# Inductor's on-disk cache is keyed on the graph, not on a custom op's schema: a cache shared with
+# another checkout (a worktree whose op takes other arguments) can replay stale code. Each checkout
+# gets its own cache unless one is set.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[2] / "build" / "inductor-cache"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import opforge  # noqa: F401,E402  (loads the library once for the whole session)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 ALL_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
