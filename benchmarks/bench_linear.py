@@ -63,7 +63,8 @@ def ours_linear_gelu_tanh(x, w, b):
 
 
 def ours_linear_gemv(x, w, b):
-    """opforge.linear through the opt-in small-M GEMV kernel (OPFORGE_LINEAR_GEMV=1 for this call)."""
+    """opforge.linear through the small-M GEMV kernel at any M <= 16 (OPFORGE_LINEAR_GEMV=1 for this call;
+    by default it serves M == 1 only)."""
     os.environ["OPFORGE_LINEAR_GEMV"] = "1"
     try:
         return opforge.linear(x, w, b)

@@ -47,7 +47,13 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=25, help="timed loops per variant (median kept)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: no pool wake-ups)")
     p.add_argument("--no-save", action="store_true", help="print only: no CSV")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="accepted for the shared benchmark command line; the tensors are CPU tensors either way "
+                        "(the goal is host time per call)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.calls, args.repeats = min(args.calls, 500), min(args.repeats, 5)
     torch.set_num_threads(args.threads)
 
     rows: list[Row] = []

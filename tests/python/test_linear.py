@@ -378,16 +378,23 @@ def test_bad_inputs_backward():
 @pytest.mark.parametrize("M", [1, 3, 8, 16, 17])
 @pytest.mark.parametrize("K, N", [(64, 83), (4096, 769), (5120, 7), (136, 4097)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_batch_paths_match_reference(device, dtype, M, K, N, bias):
+@pytest.mark.parametrize("gemv", ["default", "0"])
+def test_small_batch_paths_match_reference(monkeypatch, device, dtype, M, K, N, bias, gemv):
+    # default: M == 1 takes the GEMV kernel on CUDA; OPFORGE_LINEAR_GEMV=0 sends it to cuBLAS(Lt)
+    if gemv == "0":
+        monkeypatch.setenv("OPFORGE_LINEAR_GEMV", "0")
+    else:
+        monkeypatch.delenv("OPFORGE_LINEAR_GEMV", raising=False)
     x = torch.randn(M, K, device=device, dtype=dtype)
     w = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
     b = torch.randn(N, device=device, dtype=dtype) if bias else None
     y = opforge.linear(x, w, b)
-    assert_matches_reference(y, linear_reference(x, w, b), F.linear(x, w, b))
+    assert_matches_reference(y, linear_reference(x, w, b), F.linear(x, w, b), bound=gemm_error_bound(x, w, dtype))
     # an unaligned base pointer takes the fallback path and gives the same values within tolerance
     buf = torch.randn(M * K + 1, device=device, dtype=dtype)
     xu = buf[1:].view(M, K)
-    assert_matches_reference(opforge.linear(xu, w, b), linear_reference(xu, w, b), F.linear(xu, w, b))
+    assert_matches_reference(opforge.linear(xu, w, b), linear_reference(xu, w, b), F.linear(xu, w, b),
+                             bound=gemm_error_bound(xu, w, dtype))
 
 
 def test_mixed_dtype_weight_grad_accumulates_in_weight_dtype(device):
@@ -599,6 +606,8 @@ def test_opcheck_linear_backward_activation(device, activation, mask):
 
 @pytest.mark.parametrize("activation,dynamic", [(a, False) for a in ACTIVATIONS] + [("gelu", True), ("relu", True)])
 def test_activation_compile_matches_eager(device, activation, dynamic):
+    torch._dynamo.reset()  # f's code object is shared by every case: without a reset they pile up to the recompile limit
+
     def f(x, w, b):
         return opforge.linear(x, w, b, activation)
 
@@ -673,7 +682,7 @@ def test_nn_linear_activation(device):
         opforge.nn.Linear(4, 4, activation="tanh")
 
 
-# ---- the opt-in small-M GEMV kernel (CUDA, OPFORGE_LINEAR_GEMV=1) --------------------------------------
+# ---- the small-M GEMV kernel at every M <= 16 (CUDA, OPFORGE_LINEAR_GEMV=1) --------------------------------------
 
 @requires_cuda
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])

@@ -9,8 +9,9 @@
 //                          (its leading dimension N must be a multiple of 8); relu needs no z (its output
 //                          decides relu').
 //   gelu, silu             cuBLASLt BIAS (or DEFAULT), then one elementwise pass y = act(z) (fp32 math).
-//   small M (opt-in)       OPFORGE_LINEAR_GEMV=1: for 1 ≤ M ≤ 16 a bandwidth-bound GEMV kernel of our own
-//                          (linear_gemv.cuh) with bias and activation fused; default off until measured.
+//   small M                M == 1 (OPFORGE_LINEAR_GEMV=1: 1 ≤ M ≤ 16; =0: never): a bandwidth-bound GEMV
+//                          kernel of our own (linear_gemv.cuh) with bias and activation fused; measured
+//                          faster than cuBLAS at M = 1 only (see gemv_eligible).
 //   fallback               float64, a problem cuBLASLt finds no algorithm for (alignment, shapes), or
 //                          OPFORGE_LINEAR_LT=0: cublasGemmEx with the bias copied in first and beta = 1,
 //                          then the elementwise pass for any activation. Every path gives the same values
@@ -21,8 +22,7 @@
 //
 // Numerics: float16/bfloat16 multiply in tensor cores and accumulate in fp32 (CUBLAS_COMPUTE_32F);
 // float32 uses TF32 only when torch allows it (torch.backends.cuda.matmul.allow_tf32); float64 in fp64.
-// Reduced-precision split-K reductions only where torch allows them (allow_fp16/bf16_reduced_precision_
-// reduction). No host synchronization and only caching-allocator memory: capturable in CUDA graphs.
+// Split-K partial sums of 16-bit outputs are added in fp32, never in the 16-bit type (see lt_linear). No host synchronization and only caching-allocator memory: capturable in CUDA graphs.
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
@@ -310,14 +310,10 @@ bool lt_gemm(const LtGemm& g, at::ScalarType dtype) {
   set_pref(pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_of(g.B));
   set_pref(pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_of(g.D));
   set_pref(pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_of(g.D));
-  // split-K reductions in the output's 16-bit type only where torch allows them for its own GEMMs
-  const bool reduced_ok =
-      (dtype == at::kHalf && at::globalContext().allowFP16ReductionCuBLAS() ==
-                                 at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) ||
-      (dtype == at::kBFloat16 && at::globalContext().allowBF16ReductionCuBLAS() ==
-                                     at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) ||
-      dtype == at::kFloat;
-  if (!reduced_ok) {
+  // Split-K partial sums are added in fp32 (or not split), never in the output's 16-bit type: on the
+  // H200 an algorithm reducing in bf16 gave 8x F.linear's error (M=8, K=5120, N=7), although torch's
+  // allow_bf16_reduced_precision_reduction permits it. fp32 and fp64 outputs reduce in their own type.
+  if (dtype == at::kHalf || dtype == at::kBFloat16) {
     set_pref(pref.d, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
              static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_NONE));
   }
@@ -380,14 +376,16 @@ void gemm_bias(const linear_op::LinearProblem& p, at::Tensor& Z) {
   gemm(/*trans_a=*/false, /*trans_b=*/true, p.M, p.N, p.K, p.X, p.W, Z, /*accumulate=*/has_bias);
 }
 
-/// True when the opt-in small-M GEMV kernel takes this problem: OPFORGE_LINEAR_GEMV=1 (read on every
-/// call), float32/float16/bfloat16, 1 ≤ M ≤ 16, K > 0 a multiple of the 16-byte vector, X and W 16-byte
-/// aligned (contiguous from the checker).
+/// True when the small-M GEMV kernel takes this problem. OPFORGE_LINEAR_GEMV (read on every call):
+/// unset: M == 1 only, where the H200 measured it faster than cuBLAS(Lt) (2026-11-30, 1x4096x4096: bf16
+/// 2852 vs 2438 GB/s, fp16 2842 vs 2424, fp32 3551 vs 2892); at M = 8 it was 2.7x slower, so larger M
+/// stays on cuBLAS(Lt). "1": every 1 ≤ M ≤ 16 (tests, benchmarks); "0": never. Always float32/float16/
+/// bfloat16, K > 0 a multiple of the 16-byte vector, X and W 16-byte aligned (contiguous from the checker).
 bool gemv_eligible(const linear_op::LinearProblem& p) {
   const char* env = std::getenv("OPFORGE_LINEAR_GEMV");
-  if (env == nullptr || std::strcmp(env, "1") != 0) return false;
+  const int64_t max_m = env == nullptr ? 1 : std::strcmp(env, "1") == 0 ? 16 : 0;
   const auto t = p.X.scalar_type();
-  if (t == at::kDouble || p.M < 1 || p.M > 16 || p.K < 1 || p.N < 1) return false;
+  if (t == at::kDouble || p.M < 1 || p.M > max_m || p.K < 1 || p.N < 1) return false;
   const int64_t vec = 16 / static_cast<int64_t>(p.X.element_size());
   return p.K % vec == 0 && cuda::is_aligned16(p.X.const_data_ptr()) && cuda::is_aligned16(p.W.const_data_ptr());
 }

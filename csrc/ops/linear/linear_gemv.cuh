@@ -7,9 +7,9 @@
 // accumulation, one warp-shuffle reduction per output, bias and activation fused into the store (the
 // pre-activation stored too when autograd needs it).
 //
-// Selected only with OPFORGE_LINEAR_GEMV=1 (default off: cuBLAS(Lt) serves small M until a measurement
-// shows this kernel ahead), for float32/float16/bfloat16 with K a multiple of the 16-byte vector and X, W
-// 16-byte aligned (linear_cuda.cu checks).
+// Selected for M == 1 by default (the H200 measured it ahead of cuBLAS there, behind at M = 8; see
+// gemv_eligible in linear_cuda.cu), for 1 ≤ M ≤ 16 with OPFORGE_LINEAR_GEMV=1, for float32/float16/
+// bfloat16 with K a multiple of the 16-byte vector and X, W 16-byte aligned (linear_cuda.cu checks).
 #pragma once
 
 #include <ATen/OpMathType.h>
