@@ -2,7 +2,11 @@
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
+
+#include <initializer_list>
+#include <optional>
 
 namespace opforge {
 
@@ -13,6 +17,16 @@ namespace opforge {
 /// instead of returning a gradient that silently lacks second-order terms. Otherwise it redispatches
 /// to the CPU/CUDA/Meta kernel below autograd.
 void not_differentiable_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+/// Raises NotImplementedError "opforge::<op>: forward-mode AD is not supported; use reverse mode (backward)"
+/// when any of `tensors` carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp), instead of
+/// torch's anonymous "jvp is not implemented for the c++ API of custom Function" (which names no op).
+inline void check_no_forward_ad(const char* op, std::initializer_list<std::optional<at::Tensor>> tensors) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(t), "opforge::", op,
+                                ": forward-mode AD is not supported; use reverse mode (backward)");
+  }
+}
 
 /// Registers `not_differentiable_kernel` as the Autograd kernel of `name` (e.g. "sigmoid_backward").
 inline void register_backward_op_autograd(torch::Library& m, const char* name) {

@@ -167,8 +167,16 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 _Shape = Union[int, Sequence[int], torch.Size]
 
 
-def _as_shape(normalized_shape: _Shape) -> list:
-    return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+def _as_shape(normalized_shape: _Shape, op: str = "rms_norm") -> list:
+    if isinstance(normalized_shape, (int, torch.SymInt)):
+        return [normalized_shape]
+    if isinstance(normalized_shape, (list, tuple)):
+        return list(normalized_shape)
+    try:
+        return list(normalized_shape)
+    except TypeError:
+        raise TypeError(f"opforge.{op}: expected normalized_shape to be an int or a sequence of ints (e.g. (N,)), "
+                        f"but got {type(normalized_shape).__name__}") from None
 
 
 def rms_norm(input: Tensor, normalized_shape: _Shape, weight: Optional[Tensor] = None,
@@ -240,4 +248,4 @@ def fused_add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: _Shape
     Source: B. Zhang and R. Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019; the fused
     residual form as in vLLM's ``fused_add_rms_norm``.
     """
-    return torch.ops.opforge.fused_add_rms_norm(input, residual, _as_shape(normalized_shape), weight, eps)
+    return torch.ops.opforge.fused_add_rms_norm(input, residual, _as_shape(normalized_shape, "fused_add_rms_norm"), weight, eps)

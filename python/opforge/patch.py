@@ -80,14 +80,17 @@ def _probe_device_dtype(module: torch.nn.Module) -> Optional[Tuple[torch.device,
     return p.device, p.dtype
 
 
-def _agree(old: torch.nn.Module, new: torch.nn.Module, in_features: int) -> Optional[str]:
-    """None if old and new compute the same on a small random input, else the reason they do not."""
+def _agree(old: torch.nn.Module, new: torch.nn.Module, feature_shape) -> Optional[str]:
+    """None if old and new compute the same on a small random input of shape (3, *feature_shape), else the
+    reason they do not."""
     dd = _probe_device_dtype(old)
     if dd is None:
         return None  # meta / parameterless: trust the structural match
     device, dtype = dd
+    if isinstance(feature_shape, int):
+        feature_shape = (feature_shape,)
     g = torch.Generator(device="cpu").manual_seed(1234)
-    x = torch.randn(3, in_features, generator=g).to(device=device, dtype=dtype)
+    x = torch.randn(3, *feature_shape, generator=g).to(device=device, dtype=dtype)
     with torch.no_grad():
         try:
             a = old(x)
@@ -193,6 +196,18 @@ def apply(model: torch.nn.Module, *, linear: bool = True, rms_norm: bool = True,
                 report.skipped.append((name, cls, f"activation {type(act).__name__} is not SiLU: opforge's gated MLP is swiglu; "
                                                   "its Linear layers are patched one by one"))
                 continue
+            projs = [getattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")]
+            odd = [n for n, p in zip(("gate_proj", "up_proj", "down_proj"), projs) if type(p) is not torch.nn.Linear]
+            if odd:  # e.g. LoRA or quantized Linear subclasses: GatedMLP would drop their extra parameters and math
+                report.skipped.append((name, cls, f"{', '.join(odd)} not a plain torch.nn.Linear (a subclass's forward and "
+                                                  "parameters would be lost); its Linear layers are patched one by one"))
+                continue
+            proj_params = {id(p) for q in projs for p in q.parameters()}
+            extra = [n for n, p in m.named_parameters() if id(p) not in proj_params]
+            if extra:  # parameters outside the three projections would be dropped by GatedMLP
+                report.skipped.append((name, cls, f"has parameters outside gate_proj/up_proj/down_proj ({', '.join(extra)}); "
+                                                  "its Linear layers are patched one by one"))
+                continue
             if not name:
                 report.skipped.append((name, cls, "the root module cannot be replaced in place"))
                 continue
@@ -227,7 +242,9 @@ def apply(model: torch.nn.Module, *, linear: bool = True, rms_norm: bool = True,
                 _copy_hooks(m, new)
             else:
                 new = _rms_norm(m)
-            reason = _agree(m, new, w.shape[-1]) if w.dim() == 1 else None
+            # Probed for every weight shape: a norm with a multi-dim weight that normalizes over its last dim only
+            # (or computes x·(1 + weight)) must not be swapped unchecked.
+            reason = _agree(m, new, tuple(w.shape))
             if reason:
                 report.skipped.append((name, cls, reason))
                 continue

@@ -1,0 +1,143 @@
+"""Regression tests from an adversarial pass over opforge's user-facing API (CPU and Meta): each test is a
+minimal reproduction of a defect that was found and fixed."""
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import opforge
+from opforge import patch
+
+
+# ---- opforge.patch: modules swapped without a check, silently changing the model ------------------------
+
+
+class _LoRALinear(torch.nn.Linear):
+    """A Linear subclass with extra (adapter) parameters, as LoRA/PEFT layers are. B starts at zero, so at
+    initialisation it computes exactly what the plain Linear computes."""
+
+    def __init__(self, i, o):
+        super().__init__(i, o, bias=False)
+        self.lora_A = torch.nn.Parameter(torch.randn(2, i))
+        self.lora_B = torch.nn.Parameter(torch.zeros(o, 2))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.lora_A.t() @ self.lora_B.t()
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, lin=torch.nn.Linear, extra=False):
+        super().__init__()
+        self.gate_proj, self.up_proj = lin(8, 16), lin(8, 16)
+        self.down_proj = lin(16, 8)
+        self.act_fn = torch.nn.SiLU()
+        if extra:  # a learned output scale, initialised to one (the probe cannot see it)
+            self.scale = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        y = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return y * self.scale if hasattr(self, "scale") else y
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _lora_linear(i, o):
+    return _LoRALinear(i, o)
+
+
+def test_patch_keeps_gated_mlp_of_linear_subclasses():
+    # Was: the MLP became a GatedMLP of plain opforge Linears, dropping the LoRA parameters (and their math)
+    # without a word, since the probe agreed at initialisation.
+    model = _Wrap(_MLP(lin=_lora_linear))
+    names_before = {n for n, _ in model.named_parameters()}
+    with pytest.warns(UserWarning, match="not a plain torch.nn.Linear"):
+        report = patch.apply(model)
+    assert not isinstance(model.inner, opforge.nn.GatedMLP), str(report)
+    assert {n for n, _ in model.named_parameters()} == names_before
+    with torch.no_grad():
+        model.inner.down_proj.lora_B.fill_(1.0)  # the adapter still takes part
+    x = torch.randn(3, 8)
+    ref = _MLP(lin=_lora_linear)
+    ref.load_state_dict(model.inner.state_dict())
+    torch.testing.assert_close(model(x), ref(x))
+
+
+def test_patch_keeps_gated_mlp_with_extra_parameters():
+    model = _Wrap(_MLP(extra=True))
+    with pytest.warns(UserWarning, match="parameters outside"):
+        report = patch.apply(model)
+    assert not isinstance(model.inner, opforge.nn.GatedMLP), str(report)
+    assert "inner.scale" in dict(model.named_parameters())
+
+
+class _LastDimRMSNorm(torch.nn.Module):
+    """Llama-style (weight + variance_epsilon) but with a 2-D weight, normalizing over the last dim only."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(4, 8) + 0.5)
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight
+
+
+def test_patch_probes_rms_norm_with_multi_dim_weight():
+    # Was: the agreement probe ran only for a 1-D weight, so this norm was swapped for an RMSNorm over
+    # (4, 8) and the model's output changed silently.
+    model = _Wrap(_LastDimRMSNorm())
+    x = torch.randn(2, 4, 8)
+    ref = model(x).detach()
+    with pytest.warns(UserWarning, match="differs"):
+        patch.apply(model)
+    assert not isinstance(model.inner, opforge.nn.RMSNorm)
+    torch.testing.assert_close(model(x), ref)
+
+
+def test_patch_still_swaps_torch_rms_norm_with_multi_dim_weight():
+    model = _Wrap(torch.nn.RMSNorm((4, 8)))
+    with torch.no_grad():
+        model.inner.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 4, 8)
+    ref = model(x).detach()
+    report = patch.apply(model)
+    assert report.ok and isinstance(model.inner, opforge.nn.RMSNorm), str(report)
+    torch.testing.assert_close(model(x), ref)
+
+
+# ---- clear errors naming the op -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [opforge.rms_norm, lambda x, ns: opforge.fused_add_rms_norm(x, x, ns)])
+@pytest.mark.parametrize("ns", [8.0, object()])
+def test_rms_norm_bad_normalized_shape_type_names_op(fn, ns):
+    # Was: TypeError "'float' object is not iterable", naming neither the op nor the argument.
+    with pytest.raises(TypeError, match=r"opforge\.(fused_add_)?rms_norm: expected normalized_shape"):
+        fn(torch.randn(3, 8), ns)
+
+
+FORWARD_AD_CASES = {
+    "sigmoid": lambda x: opforge.sigmoid(x),
+    "square": lambda x: opforge.square(x),
+    "square_add": lambda x: opforge.square_add(x, torch.randn(4)),
+    "swiglu": lambda x: opforge.swiglu(x, torch.randn(3, 4)),
+    "rms_norm": lambda x: opforge.rms_norm(x, 4),
+    "fused_add_rms_norm": lambda x: opforge.fused_add_rms_norm(x, torch.randn(3, 4), 4),
+    "linear": lambda x: opforge.linear(x, torch.randn(2, 4)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(FORWARD_AD_CASES))
+def test_forward_ad_error_names_op(op):
+    # Was (all but linear): RuntimeError "jvp is not implemented for the c++ API of custom Function yet",
+    # naming no op.
+    with fwAD.dual_level():
+        x = fwAD.make_dual(torch.randn(3, 4), torch.randn(3, 4))
+        with pytest.raises(NotImplementedError, match=f"opforge::{op}: forward-mode AD is not supported"):
+            FORWARD_AD_CASES[op](x)
