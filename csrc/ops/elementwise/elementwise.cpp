@@ -195,15 +195,15 @@ class SquareAddFunction : public torch::autograd::Function<SquareAddFunction> {
 };
 
 at::Tensor sigmoid_autograd(const at::Tensor& input) {
-  check_no_forward_ad("sigmoid", {input});
+  check_no_forward_ad("sigmoid", input);
   return SigmoidFunction::apply(input);
 }
 at::Tensor square_autograd(const at::Tensor& input) {
-  check_no_forward_ad("square", {input});
+  check_no_forward_ad("square", input);
   return SquareFunction::apply(input);
 }
 at::Tensor square_add_autograd(const at::Tensor& input, const at::Tensor& other) {
-  check_no_forward_ad("square_add", {input, other});
+  check_no_forward_ad("square_add", input, other);
   return SquareAddFunction::apply(input, other);
 }
 

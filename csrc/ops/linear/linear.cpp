@@ -5,9 +5,9 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/library.h>
 
 #include <type_traits>
-#include <torch/library.h>
 
 #include "core/autograd.h"
 #include "core/check.h"
@@ -208,43 +208,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_meta(
 
 // ---- Autograd: save what backward needs, redispatch below autograd, route backward to the op -------
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-/// Saves what linear_backward needs: input, weight and Z (the pre-activation, relu's output, or
-/// undefined for "none"), whether there is a bias and its dtype, and the activation's name.
-void save_linear(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                 const std::optional<at::Tensor>& bias, const at::Tensor& Z, linear_op::Activation act) {
-  const bool has_bias = bias.has_value() && bias->defined();
-  ctx->save_for_backward({input, weight, Z});
-  ctx->saved_data["has_bias"] = has_bias;
-  if (has_bias) ctx->saved_data["bias_dtype"] = bias->scalar_type();
-  ctx->saved_data["activation"] = std::string(linear_op::activation_name(act));
-}
-
-/// (grad_input, grad_weight, grad_bias) through linear_backward, with the mask from needs_input_grad
-/// (inputs 0, 1, 2 = input, weight, bias: bias is a defined tensor input whenever has_bias).
-variable_list linear_grads(AutogradContext* ctx, const at::Tensor& grad_output) {
-  const auto saved = ctx->get_saved_variables();
-  const bool has_bias = ctx->saved_data["has_bias"].toBool();
-  // grad_bias only when there is a bias and it requires grad (never for bias=None).
-  const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                 has_bias && ctx->needs_input_grad(2)};
-  if (!grad_output.defined() || !(mask[0] || mask[1] || mask[2])) return {at::Tensor(), at::Tensor(), at::Tensor()};
-  std::optional<at::ScalarType> bias_dtype;
-  if (has_bias) bias_dtype = ctx->saved_data["bias_dtype"].toScalarType();
-  const std::string activation = ctx->saved_data["activation"].toStringRef();
-  std::optional<at::Tensor> Z;
-  if (saved[2].defined()) Z = saved[2];
-  auto [grad_input, grad_weight, grad_bias] =
-      opforge::linear_backward(grad_output, saved[0], saved[1], mask, bias_dtype, activation, Z);
-  return {grad_input, grad_weight, grad_bias};
-}
 
 // linear's backward node, built the way ATen's generated autograd nodes are (a Node subclass holding
 // SavedVariables) rather than through torch::autograd::Function, whose bookkeeping (context dictionary,
 // output wrapping, forward-AD hooks) costs several times the op's own call overhead on small inputs.
-// Edges: 0 input, 1 weight, 2 bias (an empty edge without bias).
+// Serves linear and _linear_forward. Edges: 0 input, 1 weight, 2 bias (an empty edge without bias).
 struct LinearBackwardNode : public torch::autograd::Node {
   torch::autograd::SavedVariable input_, weight_, z_;  // z_: pre-activation, relu's output, or undefined
   bool has_bias_ = false;
@@ -262,6 +231,7 @@ struct LinearBackwardNode : public torch::autograd::Node {
 
   variable_list apply(variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
+    // grad_bias only when there is a bias and it requires grad (never for bias=None)
     const std::array<bool, 3> mask{should_compute_output(0), should_compute_output(1),
                                    has_bias_ && should_compute_output(2)};
     variable_list out(num_outputs());
@@ -289,43 +259,35 @@ auto make_node() {
   }
 }
 
-// _linear_forward called directly: (output, pre_activation), pre_activation not differentiable.
-class LinearForwardFunction : public torch::autograd::Function<LinearForwardFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
-                               const std::optional<at::Tensor>& bias, c10::string_view activation) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    const auto act = linear_op::parse_activation("linear", activation);
-    auto [Y, Z] = opforge::_linear_forward(input, weight, bias, activation);
-    save_linear(ctx, input, weight, bias, act == linear_op::Activation::kNone ? at::Tensor() : Z, act);
-    ctx->mark_non_differentiable({Z});
-    ctx->set_materialize_grads(false);
-    return {Y, Z};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto g = linear_grads(ctx, grads[0]);
-    g.emplace_back();  // activation
-    return g;
-  }
-};
+bool needs_grad(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return at::GradMode::is_enabled() &&
+         (input.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->defined() && bias->requires_grad()));
+}
 
-bool any_requires_grad(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  return input.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->defined() && bias->requires_grad());
+/// Makes Y's grad_fn a LinearBackwardNode holding input, weight and Z (the pre-activation, relu's output,
+/// or undefined for "none"), with edges to input, weight and bias.
+void record_linear_node(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        linear_op::Activation act, at::Tensor& Y, const at::Tensor& Z) {
+  auto node = make_node<LinearBackwardNode>();
+  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
+  torch::autograd::set_history(Y, node);
+  node->input_ = torch::autograd::SavedVariable(input, /*is_output=*/false);
+  node->weight_ = torch::autograd::SavedVariable(weight, /*is_output=*/false);
+  if (Z.defined()) node->z_ = torch::autograd::SavedVariable(Z, /*is_output=*/false);
+  node->has_bias_ = bias.has_value() && bias->defined();
+  if (node->has_bias_) node->bias_dtype_ = bias->scalar_type();
+  node->act_ = act;
 }
 
 at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            c10::string_view activation) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(input) && !torch::autograd::isFwGradDefined(weight) &&
-                                  !torch::autograd::isFwGradDefined(bias),
-                              "opforge::linear: forward-mode AD is not supported; use reverse mode (backward)");
+  check_no_forward_ad("linear", input, weight, bias);
   // Nothing to differentiate: straight to the kernel, no graph node and no pre-activation kept.
-  if (!at::GradMode::is_enabled() || !any_requires_grad(input, weight, bias)) {
+  if (!needs_grad(input, weight, bias)) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return opforge::linear(input, weight, bias, activation);
   }
   const auto act = linear_op::parse_activation("linear", activation);
-  auto node = make_node<LinearBackwardNode>();
-  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
   at::Tensor Y, Z;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -335,25 +297,30 @@ at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, co
       std::tie(Y, Z) = opforge::_linear_forward(input, weight, bias, activation);
     }
   }
-  torch::autograd::set_history(Y, node);
-  node->input_ = torch::autograd::SavedVariable(input, /*is_output=*/false);
-  node->weight_ = torch::autograd::SavedVariable(weight, /*is_output=*/false);
   // relu'(z) = [z > 0] = [y > 0]: the output serves as the pre-activation. Saved detached (no grad_fn, so
   // no reference cycle through the node; the version counter is shared, so an in-place change of the
   // output before backward still raises).
   if (act == linear_op::Activation::kReLU) Z = Y.detach();
-  if (Z.defined()) node->z_ = torch::autograd::SavedVariable(Z, /*is_output=*/false);
-  node->has_bias_ = bias.has_value() && bias->defined();
-  if (node->has_bias_) node->bias_dtype_ = bias->scalar_type();
-  node->act_ = act;
+  record_linear_node(input, weight, bias, act, Y, Z);
   return Y;
 }
 
+// _linear_forward called directly: (output, pre_activation); the output differentiable as linear's, the
+// pre_activation not (it gets no history).
 std::tuple<at::Tensor, at::Tensor> linear_forward_autograd(const at::Tensor& input, const at::Tensor& weight,
                                                            const std::optional<at::Tensor>& bias,
                                                            c10::string_view activation) {
-  auto out = LinearForwardFunction::apply(input, weight, bias, activation);
-  return {out[0], out[1]};
+  check_no_forward_ad("_linear_forward", input, weight, bias);
+  at::Tensor Y, Z;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(Y, Z) = opforge::_linear_forward(input, weight, bias, activation);
+  }
+  if (needs_grad(input, weight, bias)) {
+    const auto act = linear_op::parse_activation("_linear_forward", activation);
+    record_linear_node(input, weight, bias, act, Y, act == linear_op::Activation::kNone ? at::Tensor() : Z);
+  }
+  return {Y, Z};
 }
 
 }  // namespace

@@ -302,14 +302,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward_autograd(const at::Tensor& i
                                                              c10::SymIntArrayRef normalized_shape,
                                                              const std::optional<at::Tensor>& weight,
                                                              std::optional<double> eps) {
-  check_no_forward_ad("rms_norm", {input, weight});
+  check_no_forward_ad("rms_norm", input, weight);
   auto out = RMSNormFunction::apply(input, normalized_shape, weight, eps);
   return {out[0], out[1]};
 }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_autograd(
     const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  check_no_forward_ad("fused_add_rms_norm", {input, residual, weight});
+  check_no_forward_ad("fused_add_rms_norm", input, residual, weight);
   auto out = FusedAddRMSNormFunction::apply(input, residual, normalized_shape, weight, eps);
   return {out[0], out[1], out[2]};
 }

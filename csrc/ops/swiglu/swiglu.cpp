@@ -73,7 +73,7 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
 };
 
 at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
-  check_no_forward_ad("swiglu", {gate, up});
+  check_no_forward_ad("swiglu", gate, up);
   return SwigluFunction::apply(gate, up);
 }
 
