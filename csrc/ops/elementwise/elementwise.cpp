@@ -7,6 +7,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/check.h"
 #include "core/dispatch.h"
@@ -149,62 +150,76 @@ at::Tensor square_add_meta(const at::Tensor& input, const at::Tensor& other) {
 }
 // ---- Autograd: save what backward needs, redispatch below autograd, route backward to the op -------
 
-class SigmoidFunction : public torch::autograd::Function<SigmoidFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    at::Tensor output = opforge::sigmoid(input);
-    ctx->save_for_backward({output});
-    return output;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto output = ctx->get_saved_variables()[0];
-    return {opforge::sigmoid_backward(grads[0], output)};
-  }
-};
+// sigmoid: y = σ(x), dx = g·y·(1−y); saves the output.
+variable_list sigmoid_backward_fn(const BackwardArgs& a) { return {opforge::sigmoid_backward(a.grads[0], a.saved[0])}; }
+// The same in differentiable ATen ops (double backward, torch.func): g·y·(1−y).
+variable_list sigmoid_double_backward_fn(const BackwardArgs& a) {
+  const auto& y = a.saved[0];
+  return {a.grads[0] * y * (1 - y)};
+}
 
-class SquareFunction : public torch::autograd::Function<SquareFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({input});
-    return opforge::square(input);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto input = ctx->get_saved_variables()[0];
-    return {opforge::square_backward(grads[0], input)};
-  }
-};
+// square: y = x², dx = 2·x·g; saves the input.
+variable_list square_backward_fn(const BackwardArgs& a) { return {opforge::square_backward(a.grads[0], a.saved[0])}; }
+variable_list square_double_backward_fn(const BackwardArgs& a) { return {2 * a.saved[0] * a.grads[0]}; }
 
-class SquareAddFunction : public torch::autograd::Function<SquareAddFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& other) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({input, other});
-    return opforge::square_add(input, other);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    auto [grad_input, grad_other] = opforge::square_add_backward(
-        grads[0], saved[0], saved[1], {ctx->needs_input_grad(0), ctx->needs_input_grad(1)});
-    return {grad_input, grad_other};
-  }
-};
+// square_add: y = x² + other; saves the input and, for other, only its shape and dtype (a one-element
+// tensor expanded to other's shape: other's data is not kept, so changing it in place before backward is fine,
+// as with torch's own add).
+variable_list square_add_backward_fn(const BackwardArgs& a) {
+  auto [grad_input, grad_other] =
+      opforge::square_add_backward(a.grads[0], a.saved[0], a.saved[1], {a.needs[0], a.needs[1]});
+  return {grad_input, grad_other};
+}
+variable_list square_add_double_backward_fn(const BackwardArgs& a) {
+  const auto& g = a.grads[0];
+  const auto& other = a.saved[1];
+  at::Tensor grad_other;
+  if (a.needs[1]) grad_other = at::sum_to(g, other.sym_sizes()).to(other.scalar_type());
+  return {2 * a.saved[0] * g, grad_other};
+}
 
 at::Tensor sigmoid_autograd(const at::Tensor& input) {
   check_no_forward_ad("sigmoid", input);
-  return SigmoidFunction::apply(input);
+  at::Tensor output;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    output = opforge::sigmoid(input);
+  }
+  if (any_requires_grad(input)) {
+    auto node = record_node("opforge::SigmoidBackward", sigmoid_backward_fn, sigmoid_double_backward_fn, {&output},
+                            input);
+    node->save(output, /*is_output=*/true);
+  }
+  return output;
 }
 at::Tensor square_autograd(const at::Tensor& input) {
   check_no_forward_ad("square", input);
-  return SquareFunction::apply(input);
+  at::Tensor output;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    output = opforge::square(input);
+  }
+  if (any_requires_grad(input)) {
+    auto node = record_node("opforge::SquareBackward", square_backward_fn, square_double_backward_fn, {&output},
+                            input);
+    node->save(input);
+  }
+  return output;
 }
 at::Tensor square_add_autograd(const at::Tensor& input, const at::Tensor& other) {
   check_no_forward_ad("square_add", input, other);
-  return SquareAddFunction::apply(input, other);
+  at::Tensor output;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    output = opforge::square_add(input, other);
+  }
+  if (any_requires_grad(input, other)) {
+    auto node = record_node("opforge::SquareAddBackward", square_add_backward_fn, square_add_double_backward_fn,
+                            {&output}, input, other);
+    node->save(input);
+    node->save(at::empty({}, other.options()).expand_symint(other.sym_sizes()));
+  }
+  return output;
 }
 
 }  // namespace
@@ -229,5 +244,8 @@ TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   register_backward_op_autograd(m, "square_backward");
   register_backward_op_autograd(m, "square_add_backward");
 }
+
+// torch.autocast: as the native ops these mirror (core/autocast.h)
+OPFORGE_AUTOCAST(elementwise, {{"sigmoid", AutocastPolicy::kInputDtype}, {"sigmoid_backward", AutocastPolicy::kInputDtype}, {"square", AutocastPolicy::kInputDtype}, {"square_backward", AutocastPolicy::kInputDtype}, {"square_add", AutocastPolicy::kInputDtype}, {"square_add_backward", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

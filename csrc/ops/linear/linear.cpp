@@ -9,6 +9,7 @@
 
 #include <type_traits>
 
+#include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/check.h"
 #include "core/dispatch.h"
@@ -208,75 +209,63 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_meta(
 
 // ---- Autograd: save what backward needs, redispatch below autograd, route backward to the op -------
 
-using torch::autograd::variable_list;
+// linear: saved input, weight, bias (or undefined), z (pre-activation: the forward's z for gelu, gelu_tanh and
+// silu, relu's output for relu, undefined for none); attributes: activation (int), bias dtype (int, -1 without
+// bias). Edges: 0 input, 1 weight, 2 bias (an empty edge without bias).
+variable_list linear_backward_fn(const BackwardArgs& a) {
+  const auto act = static_cast<linear_op::Activation>(a.attrs[0].toInt());
+  const int64_t bias_dtype = a.attrs[1].toInt();
+  std::optional<at::Tensor> z;
+  if (act != linear_op::Activation::kNone) z = a.saved[3];
+  std::optional<at::ScalarType> bdt;
+  if (bias_dtype >= 0) bdt = static_cast<at::ScalarType>(bias_dtype);
+  auto [grad_input, grad_weight, grad_bias] =
+      opforge::linear_backward(a.grads[0], a.saved[0], a.saved[1], {a.needs[0], a.needs[1], bdt && a.needs[2]}, bdt,
+                               linear_op::activation_name(act), z);
+  return {grad_input, grad_weight, grad_bias};
+}
 
-// linear's backward node, built the way ATen's generated autograd nodes are (a Node subclass holding
-// SavedVariables) rather than through torch::autograd::Function, whose bookkeeping (context dictionary,
-// output wrapping, forward-AD hooks) costs several times the op's own call overhead on small inputs.
-// Serves linear and _linear_forward. Edges: 0 input, 1 weight, 2 bias (an empty edge without bias).
-struct LinearBackwardNode : public torch::autograd::Node {
-  torch::autograd::SavedVariable input_, weight_, z_;  // z_: pre-activation, relu's output, or undefined
-  bool has_bias_ = false;
-  at::ScalarType bias_dtype_ = at::kFloat;
-  linear_op::Activation act_ = linear_op::Activation::kNone;
-
-  std::string name() const override { return "opforge::LinearBackward"; }
-
-  void release_variables() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    input_.reset_data();
-    weight_.reset_data();
-    z_.reset_data();
+// The same in differentiable ATen ops, for double backward and torch.func: z is recomputed from input, weight and
+// bias so that its own dependence on them is differentiated too.
+variable_list linear_double_backward_fn(const BackwardArgs& a) {
+  const auto act = static_cast<linear_op::Activation>(a.attrs[0].toInt());
+  const at::Tensor &X = a.saved[0], &W = a.saved[1], &b = a.saved[2];
+  const auto dtype = X.scalar_type();
+  const at::Tensor Wc = W.to(dtype);
+  at::Tensor dZ = a.grads[0];
+  if (act != linear_op::Activation::kNone) {
+    const at::Tensor Z = at::linear(X, Wc, b.defined() ? std::optional<at::Tensor>(b.to(dtype)) : std::nullopt);
+    switch (act) {
+      case linear_op::Activation::kReLU: dZ = at::threshold_backward(dZ, Z, 0); break;
+      case linear_op::Activation::kGELU: dZ = at::gelu_backward(dZ, Z, "none"); break;
+      case linear_op::Activation::kGELUTanh: dZ = at::gelu_backward(dZ, Z, "tanh"); break;
+      case linear_op::Activation::kSiLU: dZ = at::silu_backward(dZ, Z); break;
+      case linear_op::Activation::kNone: break;
+    }
   }
-
-  variable_list apply(variable_list&& grads) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    // grad_bias only when there is a bias and it requires grad (never for bias=None)
-    const std::array<bool, 3> mask{should_compute_output(0), should_compute_output(1),
-                                   has_bias_ && should_compute_output(2)};
-    variable_list out(num_outputs());
-    if (!grads[0].defined() || !(mask[0] || mask[1] || mask[2])) return out;
-    std::optional<at::Tensor> z;
-    if (act_ != linear_op::Activation::kNone) z = z_.unpack();
-    std::optional<at::ScalarType> bias_dtype;
-    if (has_bias_) bias_dtype = bias_dtype_;
-    auto [grad_input, grad_weight, grad_bias] = opforge::linear_backward(
-        grads[0], input_.unpack(), weight_.unpack(), mask, bias_dtype, linear_op::activation_name(act_), z);
-    out[0] = std::move(grad_input);
-    out[1] = std::move(grad_weight);
-    if (out.size() > 2) out[2] = std::move(grad_bias);
-    return out;
-  }
-};
-
-/// A new node: intrusive_ptr where torch's Node is an intrusive_ptr_target (torch >= 2.13), shared_ptr before.
-template <typename NodeT>
-auto make_node() {
-  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, NodeT>) {
-    return c10::make_intrusive<NodeT>();
-  } else {
-    return std::shared_ptr<NodeT>(new NodeT());
-  }
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (a.needs[0]) grad_input = at::matmul(dZ, Wc);
+  const at::Tensor dZ2 = dZ.reshape({-1, dZ.size(-1)});
+  if (a.needs[1]) grad_weight = dZ2.t().mm(X.reshape({-1, X.size(-1)})).to(W.scalar_type());
+  if (a.needs[2] && b.defined()) grad_bias = dZ2.sum(0).to(b.scalar_type());
+  return {grad_input, grad_weight, grad_bias};
 }
 
 bool needs_grad(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  return at::GradMode::is_enabled() &&
-         (input.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->defined() && bias->requires_grad()));
+  return any_requires_grad(input, weight, bias);
 }
 
-/// Makes Y's grad_fn a LinearBackwardNode holding input, weight and Z (the pre-activation, relu's output,
-/// or undefined for "none"), with edges to input, weight and bias.
+/// Makes Y's grad_fn linear's node holding input, weight, bias and Z.
 void record_linear_node(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         linear_op::Activation act, at::Tensor& Y, const at::Tensor& Z) {
-  auto node = make_node<LinearBackwardNode>();
-  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
-  torch::autograd::set_history(Y, node);
-  node->input_ = torch::autograd::SavedVariable(input, /*is_output=*/false);
-  node->weight_ = torch::autograd::SavedVariable(weight, /*is_output=*/false);
-  if (Z.defined()) node->z_ = torch::autograd::SavedVariable(Z, /*is_output=*/false);
-  node->has_bias_ = bias.has_value() && bias->defined();
-  if (node->has_bias_) node->bias_dtype_ = bias->scalar_type();
-  node->act_ = act;
+  auto node = record_node("opforge::LinearBackward", linear_backward_fn, linear_double_backward_fn, {&Y}, input,
+                          weight, bias);
+  node->save(input);
+  node->save(weight);
+  node->save(bias);
+  node->save(Z);
+  node->attr(static_cast<int64_t>(act));
+  node->attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
 }
 
 at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -336,5 +325,8 @@ TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   m.impl("linear", &linear_autograd);
   register_backward_op_autograd(m, "linear_backward");
 }
+
+// torch.autocast: as the native ops these mirror (core/autocast.h)
+OPFORGE_AUTOCAST(linear, {{"linear", AutocastPolicy::kLowerPrecision}, {"_linear_forward", AutocastPolicy::kLowerPrecision}, {"linear_backward", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

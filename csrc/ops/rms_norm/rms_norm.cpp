@@ -15,6 +15,7 @@
 
 #include <limits>
 
+#include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/check.h"
 #include "core/dispatch.h"
@@ -177,7 +178,24 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_outp
 
 namespace {
 
-// ---- CompositeImplicitAutograd: the public ops are the forward ops without rstd ---------------------
+// The public ops' typed handles with symbolic sizes (the Autograd kernels call them below autograd).
+at::Tensor rms_norm_op(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                           const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  static auto op = typed_op<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, const std::optional<at::Tensor>&,
+                                       std::optional<double>)>("opforge::rms_norm");
+  return op.call(input, normalized_shape, weight, eps);
+}
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_op(const at::Tensor& input, const at::Tensor& residual,
+                                                             c10::SymIntArrayRef normalized_shape,
+                                                             const std::optional<at::Tensor>& weight,
+                                                             std::optional<double> eps) {
+  static auto op = typed_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                               c10::SymIntArrayRef, const std::optional<at::Tensor>&,
+                                                               std::optional<double>)>("opforge::fused_add_rms_norm");
+  return op.call(input, residual, normalized_shape, weight, eps);
+}
+
+// ---- CompositeExplicitAutograd (CPU, CUDA, Meta): the public ops are the forward ops without rstd ----
 
 at::Tensor rms_norm_composite(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                               const std::optional<at::Tensor>& weight, std::optional<double> eps) {
@@ -226,97 +244,111 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad
 
 // ---- Autograd: save what backward needs, redispatch below autograd, route backward to the op -------
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// The mask of rms_norm_backward from the Function's inputs. needs_input_grad counts defined tensor
-// inputs only (an absent weight has no edge), so weight's index is `weight_edge` when it exists.
-std::array<bool, 2> backward_mask(AutogradContext* ctx, bool x_needs, int64_t weight_edge, bool has_weight) {
-  return {x_needs, has_weight && ctx->needs_input_grad(weight_edge)};
+// rms_norm: saved input, weight (undefined without one), rstd; edges input, weight.
+variable_list rms_norm_backward_fn(const BackwardArgs& a) {
+  const at::Tensor& weight = a.saved[1];
+  const bool has_weight = weight.defined();
+  auto [grad_input, grad_weight] = opforge::rms_norm_backward(
+      a.grads[0], a.saved[0], a.saved[2], has_weight ? std::optional<at::Tensor>(weight) : std::nullopt,
+      {a.needs[0], has_weight && a.needs[1]});
+  return {grad_input, grad_weight};
 }
 
-class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
-                               const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [output, rstd] = opforge::_rms_norm_forward(input, normalized_shape, weight, eps);
-    ctx->save_for_backward({input, weight.value_or(at::Tensor()), rstd});
-    ctx->mark_non_differentiable({rstd});
-    ctx->set_materialize_grads(false);
-    return {output, rstd};
+// fused_add_rms_norm: residual_out z = input + residual, output = rms_norm(z). Saved z (an output), weight, rstd;
+// attributes input's and residual's dtypes; edges input, residual, weight. Both input and residual receive
+// dz_total = rms_norm_backward(grad_output) + grad_residual_out, each in its own dtype (as torch's add).
+variable_list fused_add_rms_norm_backward_fn(const BackwardArgs& a) {
+  const at::Tensor &z = a.saved[0], &weight = a.saved[1], &rstd = a.saved[2];
+  const bool has_weight = weight.defined();
+  const bool z_needs = a.needs[0] || a.needs[1];
+  at::Tensor dz, grad_weight;
+  if (a.grads[0].defined()) {
+    std::tie(dz, grad_weight) =
+        opforge::rms_norm_backward(a.grads[0], z, rstd, has_weight ? std::optional<at::Tensor>(weight) : std::nullopt,
+                                   {z_needs, has_weight && a.needs[2]});
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &input = saved[0], &weight = saved[1], &rstd = saved[2];
-    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    const bool has_weight = weight.defined();
-    auto [grad_input, grad_weight] = opforge::rms_norm_backward(
-        grads[0], input, rstd, has_weight ? std::optional<at::Tensor>(weight) : std::nullopt,
-        backward_mask(ctx, ctx->needs_input_grad(0), 1, has_weight));
-    return {grad_input, at::Tensor(), grad_weight, at::Tensor()};
+  if (a.grads[1].defined() && z_needs) dz = dz.defined() ? dz + a.grads[1] : a.grads[1];
+  at::Tensor grad_input, grad_residual;
+  if (dz.defined()) {
+    if (a.needs[0]) grad_input = dz.to(static_cast<at::ScalarType>(a.attrs[0].toInt()));
+    if (a.needs[1]) grad_residual = dz.to(static_cast<at::ScalarType>(a.attrs[1].toInt()));
   }
-};
+  return {grad_input, grad_residual, grad_weight};
+}
 
-// residual_out = input + residual, output = rms_norm(residual_out). Both input and residual receive
-// d(residual_out)_total = rms_norm_backward(grad_output) + grad_residual_out.
-class FusedAddRMSNormFunction : public torch::autograd::Function<FusedAddRMSNormFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& residual,
-                               c10::SymIntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
-                               std::optional<double> eps) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [output, residual_out, rstd] =
-        opforge::_fused_add_rms_norm_forward(input, residual, normalized_shape, weight, eps);
-    ctx->save_for_backward({residual_out, weight.value_or(at::Tensor()), rstd});
-    ctx->saved_data["input_dtype"] = static_cast<int64_t>(input.scalar_type());
-    ctx->saved_data["residual_dtype"] = static_cast<int64_t>(residual.scalar_type());
-    ctx->mark_non_differentiable({rstd});
-    ctx->set_materialize_grads(false);
-    return {output, residual_out, rstd};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &z = saved[0], &weight = saved[1], &rstd = saved[2];
-    const bool has_weight = weight.defined();
-    const bool z_needs = ctx->needs_input_grad(0) || ctx->needs_input_grad(1);
-    at::Tensor dz, grad_weight;
-    if (grads[0].defined()) {
-      std::tie(dz, grad_weight) = opforge::rms_norm_backward(
-          grads[0], z, rstd, has_weight ? std::optional<at::Tensor>(weight) : std::nullopt,
-          backward_mask(ctx, z_needs, 2, has_weight));
-    }
-    if (grads[1].defined() && z_needs) dz = dz.defined() ? dz.add_(grads[1]) : grads[1];
-    at::Tensor grad_input, grad_residual;
-    if (dz.defined()) {
-      // the same gradient for both (as torch's add does); each in its own dtype
-      if (ctx->needs_input_grad(0)) grad_input = dz.to(static_cast<at::ScalarType>(ctx->saved_data["input_dtype"].toInt()));
-      if (ctx->needs_input_grad(1))
-        grad_residual = dz.to(static_cast<at::ScalarType>(ctx->saved_data["residual_dtype"].toInt()));
-    }
-    return {grad_input, grad_residual, at::Tensor(), grad_weight, at::Tensor()};
-  }
-};
+// Records rms_norm's node on `output`.
+void record_rms_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight, at::Tensor& output,
+                     const at::Tensor& rstd) {
+  auto node = record_node("opforge::RMSNormBackward", rms_norm_backward_fn, nullptr, {&output}, input, weight);
+  node->save(input);
+  node->save(weight);
+  node->save(rstd);
+}
+
+// Records fused_add_rms_norm's node on (output, residual_out).
+void record_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual,
+                               const std::optional<at::Tensor>& weight, at::Tensor& output, at::Tensor& residual_out,
+                               const at::Tensor& rstd) {
+  auto node = record_node("opforge::FusedAddRMSNormBackward", fused_add_rms_norm_backward_fn, nullptr,
+                          {&output, &residual_out}, input, residual, weight);
+  node->save(residual_out, /*is_output=*/true);
+  node->save(weight);
+  node->save(rstd);
+  node->attr(static_cast<int64_t>(input.scalar_type()));
+  node->attr(static_cast<int64_t>(residual.scalar_type()));
+}
+
+at::Tensor rms_norm_autograd(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                             const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  check_no_forward_ad("rms_norm", input, weight);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  if (!any_requires_grad(input, weight)) return rms_norm_op(input, normalized_shape, weight, eps);
+  auto [output, rstd] = opforge::_rms_norm_forward(input, normalized_shape, weight, eps);
+  record_rms_norm(input, weight, output, rstd);
+  return output;
+}
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward_autograd(const at::Tensor& input,
                                                              c10::SymIntArrayRef normalized_shape,
                                                              const std::optional<at::Tensor>& weight,
                                                              std::optional<double> eps) {
-  check_no_forward_ad("rms_norm", input, weight);
-  auto out = RMSNormFunction::apply(input, normalized_shape, weight, eps);
-  return {out[0], out[1]};
+  check_no_forward_ad("_rms_norm_forward", input, weight);
+  const bool grad = any_requires_grad(input, weight);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  auto [output, rstd] = opforge::_rms_norm_forward(input, normalized_shape, weight, eps);
+  if (grad) record_rms_norm(input, weight, output, rstd);
+  return {output, rstd};
 }
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_autograd(const at::Tensor& input, const at::Tensor& residual,
+                                                               c10::SymIntArrayRef normalized_shape,
+                                                               const std::optional<at::Tensor>& weight,
+                                                               std::optional<double> eps) {
+  check_no_forward_ad("fused_add_rms_norm", input, residual, weight);
+  const bool grad = any_requires_grad(input, residual, weight);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  if (!grad) return fused_add_rms_norm_op(input, residual, normalized_shape, weight, eps);
+  auto [output, residual_out, rstd] =
+      opforge::_fused_add_rms_norm_forward(input, residual, normalized_shape, weight, eps);
+  record_fused_add_rms_norm(input, residual, weight, output, residual_out, rstd);
+  return {output, residual_out};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_autograd(
     const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  check_no_forward_ad("fused_add_rms_norm", input, residual, weight);
-  auto out = FusedAddRMSNormFunction::apply(input, residual, normalized_shape, weight, eps);
-  return {out[0], out[1], out[2]};
+  check_no_forward_ad("_fused_add_rms_norm_forward", input, residual, weight);
+  const bool grad = any_requires_grad(input, residual, weight);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  auto [output, residual_out, rstd] =
+      opforge::_fused_add_rms_norm_forward(input, residual, normalized_shape, weight, eps);
+  if (grad) record_fused_add_rms_norm(input, residual, weight, output, residual_out, rstd);
+  return {output, residual_out, rstd};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(opforge, CompositeImplicitAutograd, m) {
+TORCH_LIBRARY_IMPL(opforge, CompositeExplicitAutograd, m) {
   m.impl("rms_norm", &rms_norm_composite);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_composite);
 }
@@ -328,9 +360,14 @@ TORCH_LIBRARY_IMPL(opforge, Meta, m) {
 }
 
 TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
+  m.impl("rms_norm", &rms_norm_autograd);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm_autograd);
   m.impl("_rms_norm_forward", &rms_norm_forward_autograd);
   m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_autograd);
   register_backward_op_autograd(m, "rms_norm_backward");
 }
+
+// torch.autocast: as the native ops these mirror (core/autocast.h)
+OPFORGE_AUTOCAST(rms_norm, {{"rms_norm", AutocastPolicy::kInputDtype}, {"_rms_norm_forward", AutocastPolicy::kInputDtype}, {"fused_add_rms_norm", AutocastPolicy::kInputDtype}, {"_fused_add_rms_norm_forward", AutocastPolicy::kInputDtype}, {"rms_norm_backward", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

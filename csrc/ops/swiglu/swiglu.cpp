@@ -4,6 +4,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/check.h"
 #include "core/dispatch.h"
@@ -56,25 +57,39 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_meta(const at::Tensor& grad_o
           at::empty_symint(up.sym_sizes(), up.options())};
 }
 
-class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({gate, up});
-    return opforge::swiglu(gate, up);
+// swiglu: y = silu(gate)·up; saves gate and up. One fused pass yields both gradients.
+variable_list swiglu_backward_fn(const BackwardArgs& a) {
+  auto [grad_gate, grad_up] = opforge::swiglu_backward(a.grads[0], a.saved[0], a.saved[1]);
+  return {grad_gate, grad_up};
+}
+
+// The same in differentiable ATen ops (double backward, torch.func).
+variable_list swiglu_double_backward_fn(const BackwardArgs& a) {
+  const at::Tensor &gate = a.saved[0], &up = a.saved[1];
+  const at::Tensor upc = up.to(gate.scalar_type());
+  at::Tensor grad_gate, grad_up;
+  // silu'(g) = s · (1 + g · (1 − s)), s = sigmoid(g): ATen's silu_backward has no derivative of its own
+  if (a.needs[0]) {
+    const at::Tensor s = at::sigmoid(gate);
+    grad_gate = a.grads[0] * upc * s * (1 + gate * (1 - s));
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    // One fused pass yields both gradients; the pass costs the same with one or two outputs.
-    auto [grad_gate, grad_up] = opforge::swiglu_backward(grads[0], saved[0], saved[1]);
-    return {ctx->needs_input_grad(0) ? grad_gate : at::Tensor(), ctx->needs_input_grad(1) ? grad_up : at::Tensor()};
-  }
-};
+  if (a.needs[1]) grad_up = (a.grads[0] * at::silu(gate)).to(up.scalar_type());
+  return {grad_gate, grad_up};
+}
 
 at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
   check_no_forward_ad("swiglu", gate, up);
-  return SwigluFunction::apply(gate, up);
+  at::Tensor output;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    output = opforge::swiglu(gate, up);
+  }
+  if (any_requires_grad(gate, up)) {
+    auto node = record_node("opforge::SwigluBackward", swiglu_backward_fn, swiglu_double_backward_fn, {&output}, gate, up);
+    node->save(gate);
+    node->save(up);
+  }
+  return output;
 }
 
 }  // namespace
@@ -88,5 +103,8 @@ TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   m.impl("swiglu", &swiglu_autograd);
   register_backward_op_autograd(m, "swiglu_backward");
 }
+
+// torch.autocast: as the native ops these mirror (core/autocast.h)
+OPFORGE_AUTOCAST(swiglu, {{"swiglu", AutocastPolicy::kInputDtype}, {"swiglu_backward", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge
