@@ -391,6 +391,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m opforge doctor", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print {facts, diagnoses, ok} as JSON")
+    p.add_argument("--ops", action="store_true", help="also list the registered opforge ops and their dispatch keys")
     args = p.parse_args(argv)
     facts = gather_facts()
     found = diagnose(facts)
@@ -399,4 +400,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps({"facts": facts, "diagnoses": [asdict(d) for d in found], "ok": ok}, indent=1, default=str))
     else:
         print(render(facts, found))
+    if args.ops and facts["library"].get("loaded"):
+        import torch
+
+        keys = ("CPU", "CUDA", "Meta", "Autograd", "CompositeExplicitAutograd", "CompositeImplicitAutograd")
+        print("\nops:")
+        for name in sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("opforge::")):
+            print(f"  {name:<40} " + " ".join(k for k in keys if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)))
     return 0 if ok else 1
