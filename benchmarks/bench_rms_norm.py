@@ -2,24 +2,19 @@
 
     python benchmarks/bench_rms_norm.py                  # CUDA: issue 3's shapes, bf16 and fp32
     python benchmarks/bench_rms_norm.py --device cpu     # CPU goal: (4096, 4096) fp32 and bf16
+    python -m opforge bench --ops rms_norm --quick       # the same through the CLI
 
-Each row: median time over repetitions (CUDA: CUDA events, warm-up, L2 flushed before each repetition;
-CPU: perf_counter) and GB/s by the minimal-bytes rule:
+Each row (the harness's one schema): median time over repetitions (CUDA: CUDA events, warm-up, L2 flushed
+before each repetition; CPU: perf_counter) and GB/s by the minimal-bytes rule:
   forward:           read x, weight; write y                              = 2·M·N·e + N·e_w
   forward+backward:  forward + read x, dy; write dx, dweight               = 5·M·N·e + 2·N·e_w
   fused forward:     read x, residual, weight; write y, residual_out       = 4·M·N·e + N·e_w
-Peers: F.rms_norm (eager), torch.compile of the composed formula, Liger-Kernel's LigerRMSNormFunction /
-LigerFusedAddRMSNormFunction when importable (else "missing"). Results append to
-benchmarks/results/rms_norm_<device>.csv with the device name, torch version and git commit.
-
-Timing, device name and commit come from the shared harness, benchmarks/common.py.
+Peers: F.rms_norm (eager), torch.compile of the composed formula (one compiled copy per shape and grad mode),
+Liger-Kernel's LigerRMSNormFunction / LigerFusedAddRMSNormFunction when importable (else n/a). Before
+timing, opforge's output is checked against opforge.testing's float64 reference.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import datetime
-import os
 import sys
 from pathlib import Path
 
@@ -27,160 +22,111 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import common  # noqa: E402
-import opforge  # noqa: E402
+from common import Row  # noqa: E402
 
+import opforge  # noqa: E402
+from opforge.testing import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
+
+NAME = "rms_norm"
 CUDA_SHAPES = [(32768, 4096), (16384, 8192), (4096, 8192), (65536, 1024), (4096, 16384), (8, 4096)]
 CPU_SHAPES = [(4096, 4096)]
+QUICK_SHAPES = {"cuda": [(32768, 4096), (8, 4096)], "cpu": [(512, 1024)]}
 EPS = 1e-6
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-# ---- implementations -----------------------------------------------------------------------------------
 
 
-def composed_rms_norm(x, w, eps: float = EPS):
+def composed_rms_norm(x, w):
     """The formula as a model writes it (Llama's RMSNorm): fp32 math, cast back, scale."""
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * w
 
 
-def composed_add_rms_norm(x, r, w, eps: float = EPS):
+def composed_add_rms_norm(x, r, w):
     z = x + r
-    return composed_rms_norm(z, w, eps), z
+    return composed_rms_norm(z, w), z
 
 
 def liger_functions():
+    """Liger-Kernel's rms_norm and fused add + rms_norm as functions of (x, w) and (x, r, w), or None each."""
     rms = fused = None
-    try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-        rms = lambda x, w: LigerRMSNormFunction.apply(x, w, EPS)  # noqa: E731
-    except Exception:
-        pass
-    try:
-        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
-
-        fused = lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS)  # noqa: E731
-    except Exception:
-        pass
+    f = common.liger("LigerRMSNormFunction", "liger_kernel.ops.rms_norm")
+    if f is not None:
+        rms = lambda x, w: f.apply(x, w, EPS)  # noqa: E731
+    g = common.liger("LigerFusedAddRMSNormFunction", "liger_kernel.ops.fused_add_rms_norm")
+    if g is not None:
+        fused = lambda x, r, w: g.apply(x, r, w, EPS)  # noqa: E731
     return rms, fused
 
 
-def rms_impls(device: str, use_compile: bool):
-    impls = {
-        "opforge": lambda x, w: opforge.rms_norm(x, (x.shape[-1],), w, EPS),
-        "eager": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS),
-    }
-    impls["compile"] = torch.compile(composed_rms_norm) if use_compile else None
-    impls["liger"] = liger_functions()[0] if device == "cuda" else None
-    return impls
+def check_against_reference(x, r, w) -> None:
+    """opforge's outputs vs opforge.testing's float64 references: a benchmark of a wrong kernel is void."""
+    shape = (x.shape[-1],)
+    ref = rms_norm_reference(x.double(), shape, w.double(), EPS)
+    err = (opforge.rms_norm(x, shape, w, EPS).double() - ref).abs().max().item()
+    fused_ref = fused_add_rms_norm_reference(x.double(), r.double(), shape, w.double(), EPS)[0]
+    ferr = (opforge.fused_add_rms_norm(x, r, shape, w, EPS)[0].double() - fused_ref).abs().max().item()
+    tol = 0.1 if x.dtype in (torch.bfloat16, torch.float16) else 1e-3
+    if not (err <= tol and ferr <= tol):
+        raise RuntimeError(f"bench_rms_norm: opforge differs from the reference by {max(err, ferr):.3g} "
+                           f"({x.dtype}, {tuple(x.shape)}): fix the kernel before timing it")
 
 
-def fused_impls(device: str, use_compile: bool):
-    impls = {
-        "opforge": lambda x, r, w: opforge.fused_add_rms_norm(x, r, (x.shape[-1],), w, EPS),
-        "eager": lambda x, r, w: (lambda z: (F.rms_norm(z, (z.shape[-1],), w, EPS), z))(x + r),
-    }
-    impls["compile"] = torch.compile(composed_add_rms_norm) if use_compile else None
-    impls["liger"] = liger_functions()[1] if device == "cuda" else None
-    return impls
-
-
-# ---- runs ---------------------------------------------------------------------------------------------------
-
-
-def bench_shape(device, dtype, M, N, reps, use_compile):
-    """Rows (op, mode, impl, ms, GB/s) for one (dtype, M, N)."""
-    e = torch.tensor([], dtype=dtype).element_size()
-    x = torch.randn(M, N, device=device, dtype=dtype)
-    r = torch.randn(M, N, device=device, dtype=dtype)
-    dy = torch.randn(M, N, device=device, dtype=dtype)
-    w = (1 + 0.1 * torch.randn(N, device=device)).to(dtype)
-    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    fwd_bytes = 2 * M * N * e + N * e
-    fb_bytes = fwd_bytes + 3 * M * N * e + 2 * N * e
-    fused_bytes = 4 * M * N * e + N * e
-    rows = []
-
-    def add(op, mode, impl, fn, nbytes):
-        if fn is None:
-            rows.append((op, mode, impl, float("nan"), float("nan")))
-            return
-        try:
-            ms = common.time_fn(fn, device, warmup=5, reps=reps) / 1e3  # µs -> ms; NaN if fn raised
-            rows.append((op, mode, impl, ms, nbytes / (ms * 1e-3) / 1e9))
-        except Exception as err:  # a peer that fails on this shape/dtype is reported, not fatal
-            print(f"  {impl} {op} {mode} failed: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
-            rows.append((op, mode, impl, float("nan"), float("nan")))
-
-    with torch.no_grad():
-        for name, f in rms_impls(device, use_compile).items():
-            add("rms_norm", "fwd", name, (lambda f=f: f(x, w)) if f else None, fwd_bytes)
-    for name, f in rms_impls(device, use_compile).items():
-        fn = None
-        if f is not None:
-            def fn(f=f):
-                torch.autograd.grad(f(xg, wg), (xg, wg), dy)
-        add("rms_norm", "fwd+bwd", name, fn, fb_bytes)
-    with torch.no_grad():
-        for name, f in fused_impls(device, use_compile).items():
-            add("fused_add_rms_norm", "fwd", name, (lambda f=f: f(x, r, w)) if f else None, fused_bytes)
-    return rows
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    p.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32, fp16")
+def main(argv=None) -> int:
+    p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--shapes", default=None, help="e.g. 32768x4096,8x4096 (default: issue 3's list for the device)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 50 CUDA, 20 CPU)")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer (slow to compile on CPU)")
-    p.add_argument("--csv", default=None, help="output CSV (default benchmarks/results/rms_norm_<device>.csv)")
     args = p.parse_args(argv)
-
     device = args.device
-    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes
-              else (CUDA_SHAPES if device == "cuda" else CPU_SHAPES))
-    reps = args.reps or (50 if device == "cuda" else 20)
-    csv_path = Path(args.csv or Path(__file__).parent / "results" / f"rms_norm_{device}.csv")
-    meta = {"device": common.device_name(device), "torch": torch.__version__, "commit": common.git_commit(),
-            "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    print(f"# {meta['device']} | torch {meta['torch']} | opforge {meta['commit']} | {meta['date']}")
-    print(f"# command: python {' '.join([os.path.relpath(__file__)] + (argv or sys.argv[1:]))}")
+    cuda = device.startswith("cuda")
+    kind = "cuda" if cuda else "cpu"
+    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16, torch.float32])
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    else:
+        shapes = QUICK_SHAPES[kind] if args.quick else (CUDA_SHAPES if cuda else CPU_SHAPES)
+    warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
+    reps = args.reps if args.reps is not None else ((20 if args.quick else 50) if cuda else (5 if args.quick else 20))
+    liger_rms, liger_fused = liger_functions() if cuda else (None, None)
+    comp_rms = None if args.no_compile else common.compiled(composed_rms_norm, fullgraph=True)
+    comp_fused = None if args.no_compile else common.compiled(composed_add_rms_norm, fullgraph=True)
+    rms = {"opforge": lambda x, w: opforge.rms_norm(x, (x.shape[-1],), w, EPS),
+           "eager": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS),
+           "torch.compile": comp_rms, "liger": liger_rms}
+    fused = {"opforge": lambda x, r, w: opforge.fused_add_rms_norm(x, r, (x.shape[-1],), w, EPS),
+             "eager": lambda x, r, w: (lambda z: (F.rms_norm(z, (z.shape[-1],), w, EPS), z))(x + r),
+             "torch.compile": comp_fused, "liger": liger_fused}
 
-    results = []
-    for dname in args.dtypes.split(","):
-        dtype = DTYPES[dname]
+    rows: list[Row] = []
+    for dtype in dtypes:
         for M, N in shapes:
-            for row in bench_shape(device, dtype, M, N, reps, not args.no_compile):
-                results.append((dname, M, N) + row)
-
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    new = not csv_path.exists()
-    with open(csv_path, "a", newline="") as fh:
-        wr = csv.writer(fh)
-        if new:
-            wr.writerow(["date", "device", "torch", "commit", "op", "mode", "dtype", "M", "N", "impl", "time_ms", "gbps"])
-        for dname, M, N, op, mode, impl, ms, gbps in results:
-            wr.writerow([meta["date"], meta["device"], meta["torch"], meta["commit"], op, mode, dname, M, N, impl,
-                         f"{ms:.5f}", f"{gbps:.1f}"])
-
-    # table: one line per (op, mode, dtype, shape), GB/s per implementation, opforge / best peer
-    impls = ["opforge", "eager", "compile", "liger"]
-    head = f"{'op':<19}{'mode':<8}{'dtype':<6}{'M x N':>13} " + "".join(f"{i + ' GB/s':>14}" for i in impls)
-    print(head + f"{'vs best peer':>14}")
-    keyed = {}
-    for dname, M, N, op, mode, impl, ms, gbps in results:
-        keyed.setdefault((op, mode, dname, M, N), {})[impl] = gbps
-    for (op, mode, dname, M, N), g in keyed.items():
-        cells = "".join((f"{g[i]:>14.0f}" if g[i] >= 100 else f"{g[i]:>14.2f}") if g.get(i) == g.get(i)
-                        else f"{'missing':>14}" for i in impls)
-        peers = [g[i] for i in impls[1:] if i in g and g[i] == g[i]]
-        ratio = g["opforge"] / max(peers) if peers and g["opforge"] == g["opforge"] else float("nan")
-        print(f"{op:<19}{mode:<8}{dname:<6}{f'{M}x{N}':>13} {cells}{ratio:>13.2f}x")
-    print(f"# wrote {csv_path}")
+            e = torch.empty((), dtype=dtype).element_size()
+            x = torch.randn(M, N, device=device, dtype=dtype)
+            r = torch.randn(M, N, device=device, dtype=dtype)
+            dy = torch.randn(M, N, device=device, dtype=dtype)
+            w = (1 + 0.1 * torch.randn(N, device=device)).to(dtype)
+            check_against_reference(x, r, w)
+            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+            cases = [("rms_norm", "fwd", rms, (x, w), 2 * M * N * e + N * e, False),
+                     ("rms_norm", "fwd+bwd", rms, (xg, wg), 5 * M * N * e + 2 * N * e, True),
+                     ("fused_add_rms_norm", "fwd", fused, (x, r, w), 4 * M * N * e + N * e, False)]
+            for op, pass_, impls, inputs, nb, backward in cases:
+                for impl, fn in impls.items():
+                    if fn is None:
+                        t = float("nan")
+                    elif backward:
+                        t = common.time_fn(common.fwd_bwd(fn, inputs, dy), device, warmup=warmup, reps=reps)
+                    else:
+                        with torch.no_grad():
+                            t = common.time_fn(lambda fn=fn: fn(*inputs), device, warmup=warmup, reps=reps)
+                    rows.append(Row(op, common.shape_str((M, N)), common.dtype_str(dtype), impl, pass_, t,
+                                    common.gbps(nb, t), "GB/s"))
+                print(f"  {op} {pass_} {common.dtype_str(dtype)} {M}x{N}: " + ", ".join(
+                    f"{r_.impl} {common._fmt(r_.metric)}" for r_ in rows[-len(impls):]), flush=True)
+            del x, r, dy, w, xg, wg
+            if cuda:
+                torch.cuda.empty_cache()
+    common.finish(rows, NAME, device, save=not args.no_save)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

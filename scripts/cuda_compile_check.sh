@@ -32,24 +32,13 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda 
   "$VENV/bin/pip" install --quiet "$CUDA_TORCH" numpy
 fi
 TORCH_PREFIX=$("$VENV/bin/python" -c "import torch; print(torch.utils.cmake_prefix_path)")
-SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
 # 2. The toolkit here has nvcc and cudart but not every library torch's CMake config asks for: link the
-#    headers and shared libraries of the CUDA wheels (nvidia/cu13) into it where they are missing.
-NV=$(ls -d "$SITE"/nvidia/cu1* 2>/dev/null | head -1 || true)
-if [ -n "$NV" ]; then
-  LIBDIR=$CUDA_HOME/lib64
-  [ -d "$LIBDIR" ] || LIBDIR=$CUDA_HOME/lib
-  for f in "$NV"/include/*; do
-    [ -e "$CUDA_HOME/include/$(basename "$f")" ] || ln -s "$f" "$CUDA_HOME/include/"
-  done
-  for f in "$NV"/lib/lib*.so*; do
-    name=$(basename "$f")
-    [ -e "$LIBDIR/$name" ] || ln -s "$f" "$LIBDIR/$name"
-    unversioned=${name%%.so*}.so
-    [ -e "$LIBDIR/$unversioned" ] || ln -s "$f" "$LIBDIR/$unversioned"
-  done
-fi
+#    headers and shared libraries of the CUDA wheels (nvidia/cu13) into it where they are missing
+#    (scripts/cublas_link.sh, shared with gpu_check.sh).
+. scripts/cublas_link.sh
+opforge_link_cublas "$VENV/bin/python" "$CUDA_HOME" all || { echo "cuda_compile_check: $OPFORGE_CUBLAS_DETAIL" >&2; exit 1; }
+echo "cuda_compile_check: cuBLAS $OPFORGE_CUBLAS_STATUS ($OPFORGE_CUBLAS_DETAIL)"
 
 # 3. Configure and build with nvcc (OPFORGE_CUDA=ON: a missing compiler is an error, never a silent CPU build).
 mkdir -p "$BUILD"

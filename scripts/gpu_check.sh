@@ -143,39 +143,17 @@ fi
 CMAKE_EXTRA=()
 if [ "$NO_CUDA" != 1 ]; then
   section cublas
-  if [ -f "$CUDA_HOME/include/cublas_v2.h" ]; then
-    record cublas PASS "$CUDA_HOME/include/cublas_v2.h"
-  else
-    NV=$("$PY" - <<'EOF'
-import glob, site, sys
-paths = site.getsitepackages() + [site.getusersitepackages()] + sys.path
-for p in paths:
-    for h in sorted(glob.glob(f"{p}/nvidia/*/include/cublas_v2.h")):
-        print(h.rsplit("/include/", 1)[0]); sys.exit(0)
-EOF
-)
-    if [ -z "$NV" ]; then
-      record cublas FAIL "no cublas_v2.h in $CUDA_HOME nor in torch's nvidia wheels"
-    elif [ -w "$CUDA_HOME/include" ] && [ -w "$CUDA_HOME/lib64" ]; then
-      # as .ci does: link the wheel's headers and libraries into the toolkit
-      for h in "$NV"/include/cublas*.h; do ln -sf "$h" "$CUDA_HOME/include/"; done
-      for l in "$NV"/lib/libcublas*.so.*; do
-        ln -sf "$l" "$CUDA_HOME/lib64/"
-        base=$(basename "$l"); ln -sf "$l" "$CUDA_HOME/lib64/${base%%.so.*}.so"
-      done
-      record cublas PASS "linked from $NV into $CUDA_HOME"
-    else
-      SHIM=/tmp/opforge-cublas-shim
-      mkdir -p "$SHIM/include" "$SHIM/lib"
-      for h in "$NV"/include/cublas*.h; do ln -sf "$h" "$SHIM/include/"; done
-      for l in "$NV"/lib/libcublas*.so.*; do
-        ln -sf "$l" "$SHIM/lib/"; base=$(basename "$l"); ln -sf "$l" "$SHIM/lib/${base%%.so.*}.so"
-      done
-      CMAKE_EXTRA+=("-DCMAKE_LIBRARY_PATH=$SHIM/lib" "-DCMAKE_CXX_FLAGS=-isystem $SHIM/include"
-                    "-DCMAKE_CUDA_FLAGS=-isystem $SHIM/include")
-      export LD_LIBRARY_PATH=$SHIM/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-      record cublas PASS "$CUDA_HOME not writable: shim $SHIM -> $NV"
+  # shared with cuda_compile_check.sh: link torch's nvidia wheels' cuBLAS into the toolkit, or a shim
+  . "$ROOT/scripts/cublas_link.sh"
+  if opforge_link_cublas "$PY" "$CUDA_HOME"; then
+    if [ -n "$OPFORGE_CUBLAS_SHIM" ]; then
+      CMAKE_EXTRA+=("-DCMAKE_LIBRARY_PATH=$OPFORGE_CUBLAS_SHIM/lib" "-DCMAKE_CXX_FLAGS=-isystem $OPFORGE_CUBLAS_SHIM/include"
+                    "-DCMAKE_CUDA_FLAGS=-isystem $OPFORGE_CUBLAS_SHIM/include")
+      export LD_LIBRARY_PATH=$OPFORGE_CUBLAS_SHIM/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     fi
+    record cublas PASS "$OPFORGE_CUBLAS_DETAIL"
+  else
+    record cublas FAIL "$OPFORGE_CUBLAS_DETAIL"
   fi
 fi
 

@@ -7,9 +7,10 @@
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh -k sigmoid      # extra arguments go to pytest (the C++ tests still run)
 #
-# Needs a C++ compiler; installs what is missing: torch 2.13.0 (when no torch is installed), pytest, hypothesis, expecttest,
-# transformers (the Hugging Face patching tests), tqdm, matplotlib (pip),
-# CMake >= 3.26 and ninja (pip), GoogleTest (apt-get install libgtest-dev, as root).
+# Needs a C++ compiler; installs what is missing (scripts/bootstrap.sh) into the current Python -- a virtual
+# environment if one is active, else the system's: torch 2.13.0 (when no torch is installed), pytest,
+# hypothesis, expecttest, transformers (the Hugging Face patching tests), tqdm, matplotlib (pip),
+# CMake >= 3.26 and ninja (pip; pip's scripts folder goes first on PATH), GoogleTest (apt-get, as root).
 # Environment: PYTHON (default python3), OPFORGE_JOBS (ninja -j, default: number of cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,22 +19,12 @@ PY=${PYTHON:-python3}
 BUILD=build/test
 JOBS=${OPFORGE_JOBS:-$(nproc)}
 
-# --- what the tests need, installed only when missing ----------------------------------------------
-# torch 2.13.0 (CPU) when no torch is installed, as scripts/demo.sh does: this command also works first.
-"$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install torch==2.13.0
-need=$("$PY" -c "import importlib.util as u; print(' '.join(m for m in ('pytest', 'hypothesis', 'expecttest', 'transformers', 'tqdm', 'matplotlib') if u.find_spec(m) is None))")
-[ -z "$need" ] || "$PY" -m pip install $need
-export PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
-printf '3.26\n%s\n' "$(cmake --version 2>/dev/null | awk 'NR==1{print $3}')" | sort -V -C || "$PY" -m pip install "cmake>=3.26"
-command -v ninja >/dev/null || "$PY" -m pip install ninja
-if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libgtest-dev
-  else
-    echo "test.sh: GoogleTest not found: install it (Debian/Ubuntu: sudo apt-get install libgtest-dev)" >&2
-    exit 1
-  fi
-fi
+# --- what the tests need, installed only when missing (scripts/bootstrap.sh) -----------------------
+. scripts/bootstrap.sh
+ob_torch
+ob_pip pytest hypothesis expecttest transformers tqdm matplotlib
+ob_build_tools
+ob_gtest || exit 1
 
 # The same C++ compiler as pip's build (scikit-build-core takes Python's sysconfig CXX), so ccache
 # serves this build from the `pip install` one.

@@ -12,7 +12,12 @@ Raises:
 Environment:
     OPFORGE_LIBRARY: path of a ``libopforge.so`` to load instead of the installed one (e.g. a CMake
         build tree's ``build/libopforge.so``), or ``jit`` to compile this source checkout with
-        torch.utils.cpp_extension at import (see :mod:`opforge.jit`; OPFORGE_JIT_SOURCES adds files).
+        torch.utils.cpp_extension at import (see :mod:`opforge.jit`; OPFORGE_JIT_SOURCES adds files,
+        OPFORGE_JIT_VERBOSE=1 shows the compiler's output).
+    OPFORGE_NVTX=1: emit NVTX ranges for every op (read once, at import; see :mod:`opforge.profiling`).
+
+Warns (``UserWarning``) when this copy of the package, imported from a source tree, shadows an installed
+opforge (both paths are named): the code you run is then not the code pip installed.
 """
 from __future__ import annotations
 
@@ -86,7 +91,49 @@ def _load() -> Path:
     return lib
 
 
-library_path = _load()
+def _warn_if_shadowing() -> None:
+    """Warn when an installed opforge exists at another path than this (source-tree) copy."""
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        try:
+            dist = distribution("opforge")
+        except PackageNotFoundError:
+            return
+        installed = Path(dist.locate_file("opforge/__init__.py")).resolve()
+    except Exception:  # noqa: BLE001  (a broken metadata folder must not break the import)
+        return
+    here = (_PACKAGE_DIR / "__init__.py").resolve()
+    if installed.exists() and installed != here:
+        import warnings
+
+        warnings.warn(
+            f"opforge: importing {here.parent} (from the source tree / PYTHONPATH), which shadows the installed "
+            f"opforge {dist.version} at {installed.parent}; unset PYTHONPATH (or leave the source folder) to use "
+            "the installed one.", UserWarning, stacklevel=3)
+
+
+_warn_if_shadowing()
+
+#: The error that kept the library from loading, when the import went on anyway (``python -m opforge doctor``).
+load_error: str | None = None
+#: Where the library was looked for (also when loading failed).
+_expected_library_path = _library_path() if os.environ.get("OPFORGE_LIBRARY") != "jit" else None
+
+try:
+    library_path = _load()
+except ImportError as _e:
+    # `python -m opforge doctor` imports this package first: run the doctor here, to explain the failure.
+    import sys as _sys
+
+    if _sys.argv[:1] == ["-m"] and "doctor" in _sys.argv[1:2]:
+        library_path, load_error = None, str(_e)
+        from . import doctor as _doctor
+
+        _sys.exit(_doctor.main(_sys.argv[2:]))
+    raise
+
+from . import profiling  # noqa: E402,F401  (reads OPFORGE_NVTX once)
 
 from . import functional, nn  # noqa: E402
 from .functional import fused_add_rms_norm, linear, rms_norm, sigmoid, square, square_add, swiglu  # noqa: E402

@@ -11,7 +11,11 @@ Commands:
     digits   the first demo: a small MLP of opforge.nn.Linear + opforge.nn.Sigmoid trained on
              scikit-learn's handwritten digits next to the same torch.nn MLP; prints both test
              accuracies. Needs scikit-learn (``pip install scikit-learn``); downloads nothing.
-    doctor   what is installed: torch, the opforge library and its build, devices, registered ops.
+    doctor   a diagnosis of the installation: torch, CUDA driver/runtime, nvcc, C++ ABI, CUDA archs vs the
+             devices, the library's build; each problem with its meaning and its fix; exit status 1 on
+             problems; ``--json`` (opforge.doctor).
+    bench    every op family's benchmark on this machine (opforge.bench): table, CSV and PNG in ``--out``
+             (default ./opforge_bench); ``--ops``, ``--quick``.
 """
 from __future__ import annotations
 
@@ -23,44 +27,6 @@ import time
 import torch
 
 import opforge
-
-_KEYS = ("CPU", "CUDA", "Meta", "Autograd", "CompositeExplicitAutograd", "CompositeImplicitAutograd")
-_RUNS_ON_CPU = ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd")
-
-
-def _registered_ops() -> dict[str, list[str]]:
-    """opforge op name -> dispatch keys that have a kernel for it."""
-    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("opforge::"))
-    return {n: [k for k in _KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(n, k)] for n in names}
-
-
-def doctor(args: argparse.Namespace) -> int:
-    info = {}
-    build_txt = opforge.library_path.parent / "opforge_build.txt"
-    if build_txt.exists():
-        info = dict(line.split("=", 1) for line in build_txt.read_text().split() if "=" in line)
-    ops = _registered_ops()
-    cuda_kernels = any("CUDA" in keys for keys in ops.values())
-    print(f"opforge        {opforge.__version__}")
-    print(f"library        {opforge.library_path}")
-    print(f"built for      torch {info.get('torch', 'unknown')}, CUDA kernels: "
-          f"{'yes' if cuda_kernels else 'no'}{'' if build_txt.exists() else ' (no opforge_build.txt: JIT build?)'}")
-    print(f"torch          {torch.__version__} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU-only build'})")
-    print(f"python         {sys.version.split()[0]}")
-    print(f"cmake prefix   {opforge.cmake_prefix_path}")
-    devices = ["cpu"] + [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
-    print(f"devices        {', '.join(devices)}")
-    print(f"ops ({len(ops)})")
-    width = max((len(n) for n in ops), default=0)
-    for name, keys in ops.items():
-        print(f"  {name:<{width}}  {' '.join(keys) if keys else '(schema only, no kernel)'}")
-    problems = [n for n, keys in ops.items() if not set(keys) & set(_RUNS_ON_CPU)]
-    if torch.cuda.is_available() and not cuda_kernels:
-        problems.append("a GPU is present but the library has no CUDA kernels (rebuild with a CUDA torch and nvcc)")
-    if problems:
-        print("problems:\n  " + "\n  ".join(f"{p}: no CPU kernel" if "::" in p else p for p in problems))
-    return 0
-
 
 def _mlp(nn_module, in_features: int, hidden: int, classes: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(nn_module.Linear(in_features, hidden), nn_module.Sigmoid(),
@@ -137,12 +103,21 @@ def main(argv: list[str] | None = None) -> int:
         from . import demo as llama_demo
 
         return llama_demo.main(argv[1:], prog=f"python -m opforge {argv[0]}")
+    if argv[:1] == ["doctor"]:
+        from . import doctor as _doctor
+
+        return _doctor.main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from .bench import cli as _bench_cli
+
+        return _bench_cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m opforge", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="the main job: train a Llama-style model of opforge layers next to torch.nn's on "
                                 "bundled text; --report: GPU tokens/s table (options: python -m opforge demo --help)")
     sub.add_parser("llama", help="the same as demo")
-    sub.add_parser("doctor", help="torch and opforge versions, library, devices, registered ops")
+    sub.add_parser("doctor", help="diagnose the installation (torch, CUDA, nvcc, ABI, archs, library); --json")
+    sub.add_parser("bench", help="benchmark every op family here; table, CSV, PNG (--ops, --quick, --out)")
     d = sub.add_parser("digits", help="train an opforge MLP and a torch.nn MLP on handwritten digits (needs scikit-learn)")
     d.add_argument("--epochs", type=int, default=30)
     d.add_argument("--hidden", type=int, default=128)
@@ -151,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    return {"doctor": doctor, "digits": digits}[args.command](args)
+    return {"digits": digits}[args.command](args)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,7 +15,8 @@ and may include ``opforge/opforge.h`` and the ``core/*.h`` helpers.
 Environment (read by ``import opforge``):
     OPFORGE_LIBRARY=jit: build and load with :func:`load` instead of the installed library.
     OPFORGE_JIT_SOURCES: extra ``.cpp``/``.cu`` files, separated by ``os.pathsep`` (``:``).
-    OPFORGE_JIT_VERBOSE=1: show the compiler's commands and output.
+    OPFORGE_JIT_VERBOSE=1: show the compiler's commands and output (by default one line before the build
+        and one after it, with the seconds it took, go to stderr; OPFORGE_JIT_VERBOSE=0 silences them).
 
 The build is cached by torch (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): an
 unchanged source tree loads in about a second; the first build compiles every ``csrc`` file (minutes
@@ -24,6 +25,8 @@ on a small machine).
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -103,6 +106,12 @@ def load(extra_sources: Iterable[str | os.PathLike] = (), verbose: bool = False)
         cflags.append("-DOPFORGE_WITH_CUDA=1")
         cuda_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DOPFORGE_WITH_CUDA=1"]
         ldflags = ["-lcublas", "-lcublasLt"]
+    quiet = os.environ.get("OPFORGE_JIT_VERBOSE", "").strip() == "0"
+    if not quiet:
+        print(f"opforge.jit: building {len(sources) + len(extra)} source files ({'CPU + CUDA' if with_cuda else 'CPU'}) "
+              "with torch.utils.cpp_extension; the first build takes minutes, an unchanged tree loads from "
+              "torch's cache in seconds (OPFORGE_JIT_VERBOSE=1 shows the compiler)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     path = cpp_extension.load(
         name=NAME,
         sources=[str(s) for s in sources + extra],
@@ -114,4 +123,6 @@ def load(extra_sources: Iterable[str | os.PathLike] = (), verbose: bool = False)
         is_python_module=False,
         verbose=verbose,
     )
+    if not quiet:
+        print(f"opforge.jit: built and loaded {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return Path(path)

@@ -108,7 +108,7 @@ def test_doctor_lists_ops(tmp_path):
     env = _env(PYTHONPATH=PACKAGE_PARENT)
     if os.environ.get("OPFORGE_LIBRARY"):
         env["OPFORGE_LIBRARY"] = os.environ["OPFORGE_LIBRARY"]
-    r = _python("import sys, opforge.__main__ as m; sys.exit(m.main(['doctor']))", env=env, cwd=tmp_path)
+    r = _python("import sys, opforge.__main__ as m; sys.exit(m.main(['doctor', '--ops']))", env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert str(opforge.library_path) in r.stdout
     assert "opforge::sigmoid" in r.stdout and "CPU" in r.stdout

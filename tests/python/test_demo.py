@@ -84,12 +84,13 @@ def test_report_mode_runs_on_cpu_when_forced(tmp_path, capsys):
 
 def test_report_defaults():
     """--report: bf16, the h200 size (d_model 2048, 8 layers, sequence 2048), eager and compiled, both models,
-    results in this checkout's benchmarks/results/llama_report_cuda.csv."""
+    results in ./llama_report_cuda.csv (never the source tree's benchmarks/results unless --out says so)."""
     args = demo.parse_args(["--report", "--device", "cuda"])
     assert (args.dtype, args.size, args.d_model, args.layers, args.seq) == ("bf16", "h200", 2048, 8, 2048)
     assert args.modes == ["eager", "compiled"] and args.backends == ["opforge", "torch"]
-    repo = Path(__file__).resolve().parents[2]
-    assert Path(args.csv) == repo / "benchmarks" / "results" / "llama_report_<device>.csv"
+    assert Path(args.csv) == Path(".") / "llama_report_<device>.csv"
+    args = demo.parse_args(["--report", "--device", "cuda", "--out", "benchmarks/results"])
+    assert Path(args.csv) == Path("benchmarks/results/llama_report_<device>.csv")
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         demo.report(demo.parse_args(["--report", "--device", "cpu"]))
 
@@ -113,6 +114,36 @@ def test_python_m_opforge_demo_is_the_llama_job(command, tmp_path):
     assert "sample from the opforge model" in out and "\nAlice " in out
     assert (tmp_path / "opforge_demo_cpu.png").stat().st_size > 1000  # default PNG, in the current directory
     assert "8/8" in p.stderr  # the progress bar
+    # a second run keeps the first run's plot and says where its own went
+    p = _python_m_opforge(command, "--size", "tiny", "--steps", "2", "--eval-every", "1", "--device", "cpu",
+                          "--sample-bytes", "0", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (tmp_path / "opforge_demo_cpu-2.png").stat().st_size > 1000 and "opforge_demo_cpu-2.png" in p.stdout
+    assert not (tmp_path / "benchmarks").exists()
+
+
+def test_unique_path(tmp_path):
+    assert demo.unique_path(tmp_path / "a.png") == tmp_path / "a.png"
+    (tmp_path / "a.png").write_bytes(b"x")
+    assert demo.unique_path(tmp_path / "a.png") == tmp_path / "a-2.png"
+    (tmp_path / "a-2.png").write_bytes(b"x")
+    assert demo.unique_path(tmp_path / "a.png") == tmp_path / "a-3.png"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_line_and_exit_2(tmp_path):
+    p = _python_m_opforge("demo", "--device", "cuda", "--size", "tiny", cwd=tmp_path)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--device cuda" in lines[0] and "--device cpu" in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_python_m_opforge_demo_module(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "opforge.demo", "--help"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and "python -m opforge.demo" in p.stdout and "--out" in p.stdout
 
 
 def test_python_m_opforge_help_lists_the_commands(tmp_path):

@@ -1,0 +1,163 @@
+"""``python -m opforge bench``: every op family's benchmark on this machine, one table, CSV + PNG.
+
+The op families are the scripts ``benchmarks/bench_<family>.py`` of the source tree (``OPFORGE_BENCHMARKS``
+names another folder); each runs in this process on the shared harness (:mod:`opforge.bench.harness`), with
+``--device``, ``--quick`` and ``--out`` passed on. The summary table has one line per (op, shape, dtype, pass):
+opforge's time and its GB/s or TFLOP/s, then the speed-up of opforge over eager PyTorch, torch.compile and
+each installed peer (a ratio > 1 means opforge is faster; "fallback" marks a compile peer that ran eagerly).
+
+    python -m opforge bench                       # every family, this machine's default device
+    python -m opforge bench --quick --ops rms_norm --out /tmp/b
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from . import harness
+
+#: Benchmarks that are not an op family (they measure something else) and are not run by the CLI.
+NOT_OP_FAMILIES = ("overhead",)
+
+
+def benchmarks_dir() -> Optional[Path]:
+    """The folder of the bench_<family>.py scripts: $OPFORGE_BENCHMARKS, else the source tree's benchmarks/,
+    else ./benchmarks; None when none exists (an installed package without its source tree)."""
+    candidates = [os.environ.get("OPFORGE_BENCHMARKS"), harness.REPO_ROOT / "benchmarks", Path.cwd() / "benchmarks"]
+    for c in candidates:
+        if c and (Path(c) / "common.py").exists():
+            return Path(c)
+    return None
+
+
+def discover(folder: Path) -> Dict[str, Path]:
+    """``{family: path}`` for every ``bench_<family>.py`` in ``folder`` that is an op family, sorted by name."""
+    found = {p.stem[len("bench_"):]: p for p in sorted(folder.glob("bench_*.py"))}
+    return {k: v for k, v in found.items() if k not in NOT_OP_FAMILIES}
+
+
+def _load(path: Path):
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"opforge_bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def summarize(rows: List[harness.Row]) -> List[List[str]]:
+    """One line per (op, shape, dtype, pass): opforge's time and metric, and its speed-up over every other impl.
+
+    Args:
+        rows: the harness rows of one or more benchmarks.
+    Returns:
+        The table's lines as strings; the first is the header: op, shape, dtype, pass, opforge µs, metric,
+        then ``vs <impl>`` per other impl (``t_impl / t_opforge``; "n/a" where that impl did not run,
+        "+fallback" where a compile peer ran eagerly).
+    """
+    groups: Dict[tuple, Dict[str, harness.Row]] = {}
+    for r in rows:
+        groups.setdefault((r.op, r.shape, r.dtype, r.pass_), {})[r.impl] = r
+    others = list(dict.fromkeys(r.impl for r in rows if r.impl != "opforge"))
+    table = [["op", "shape", "dtype", "pass", "opforge us", "opforge metric"] + [f"vs {o}" for o in others]]
+    for (op, shape, dtype, pass_), impls in groups.items():
+        ours = impls.get("opforge")
+        if ours is None:
+            continue
+        line = [op, shape, dtype, pass_, harness._fmt(ours.time_us), f"{harness._fmt(ours.metric)} {ours.unit}"]
+        for o in others:
+            peer = impls.get(o)
+            if peer is None or math.isnan(peer.time_us) or math.isnan(ours.time_us) or ours.time_us <= 0:
+                line.append("n/a")
+            else:
+                line.append(f"{peer.time_us / ours.time_us:.2f}x" + (" +fallback" if peer.fallback else ""))
+        table.append(line)
+    return table
+
+
+def print_summary(table: List[List[str]], file=sys.stdout) -> None:
+    """Print :func:`summarize`'s lines as aligned columns."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for k, row in enumerate(table):
+        print("  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))), file=file)
+        if k == 0:
+            print("-" * (sum(widths) + 2 * (len(widths) - 1)), file=file)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m opforge bench [--ops a,b] [--quick] [--device d] [--out DIR]``.
+
+    Returns:
+        0 when every selected family ran, 1 when one failed (the others still run), 2 for a bad argument
+        (unknown family, no benchmarks folder, a CUDA device on a machine without one).
+    """
+    p = argparse.ArgumentParser(prog="python -m opforge bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default=None, help="comma-separated op families (default: all; --list shows them)")
+    p.add_argument("--list", action="store_true", help="list the op families and exit")
+    p.add_argument("--quick", action="store_true", help="few shapes and repetitions (CPU: well under two minutes)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--out", type=Path, default=Path("opforge_bench"),
+                   help="folder of the CSV and PNG files (default: ./opforge_bench in the current directory)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"opforge bench: --device {args.device}, but torch {torch.__version__} sees no CUDA device: "
+              "use --device cpu (`python -m opforge doctor` explains)", file=sys.stderr)
+        return 2
+    folder = benchmarks_dir()
+    if folder is None:
+        print("opforge bench: no benchmarks/ folder (the bench_<family>.py scripts live in the source tree): run "
+              "from an opforge checkout or set OPFORGE_BENCHMARKS=<checkout>/benchmarks", file=sys.stderr)
+        return 2
+    families = discover(folder)
+    if args.list:
+        print("\n".join(families))
+        return 0
+    selected = [s.strip() for s in args.ops.split(",") if s.strip()] if args.ops else list(families)
+    unknown = [s for s in selected if s not in families]
+    if unknown:
+        print(f"opforge bench: expected --ops from {', '.join(families)}, but got {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = None
+    bar = tqdm(total=len(selected), desc="opforge bench", unit="family", file=sys.stderr) if tqdm else None
+    harness._State.collected = []
+    failures, t0 = [], time.perf_counter()
+    for family in selected:
+        if bar is not None:
+            bar.set_postfix_str(family)
+        sub = ["--device", args.device, "--out", str(out)] + (["--quick"] if args.quick else []) + \
+              (["--no-compile"] if args.no_compile else [])
+        try:
+            status = _load(families[family]).main(sub)
+            if status:
+                failures.append(f"{family}: exit status {status}")
+        except Exception as e:  # noqa: BLE001  (one family failing must not lose the others)
+            failures.append(f"{family}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            print(f"opforge bench: {failures[-1]}", file=sys.stderr)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    rows = harness._State.collected
+    print(f"\nopforge bench: {harness.device_name(args.device)}, torch {torch.__version__}, commit {harness.git_commit()}, "
+          f"{time.perf_counter() - t0:.0f}s; ratios are peer time / opforge time (> 1: opforge faster)")
+    if rows:
+        print_summary(summarize(rows))
+    print(f"\nCSV and PNG files: {out}")
+    for f in failures:
+        print(f"FAILED: {f}")
+    return 1 if failures or not rows else 0

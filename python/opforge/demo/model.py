@@ -1,0 +1,65 @@
+"""The demo's model: named sizes, the Llama configuration built from the command line, identical initial
+weights for every backend, and a CPU memory estimate (:class:`opforge.models.llama.Llama` is the model)."""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from ..models.llama import Llama, LlamaConfig
+
+
+#: Named sizes: model shape and run length. "small" is the CPU default (about two minutes on 2 cores),
+#: "medium" the CUDA default, "h200" the GPU throughput shape of ``--report`` (keeps an H200 busy: GEMMs of
+#: 16,384 x 2048 x 5504).
+SIZES: Dict[str, dict] = {
+    "tiny": dict(d_model=64, layers=2, heads=4, seq=64, batch=8, steps=20, lr=3e-3),
+    "small": dict(d_model=128, layers=4, heads=4, seq=128, batch=8, steps=450, lr=1.5e-3),
+    "medium": dict(d_model=512, layers=8, heads=8, seq=256, batch=32, steps=500, lr=6e-4),
+    "h200": dict(d_model=2048, layers=8, heads=16, seq=2048, batch=8, steps=20, lr=1e-4),
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP wrapper (``model.module``), or ``model`` itself."""
+    return getattr(model, "module", model)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def estimate_cpu_memory(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer_states: int = 2) -> int:
+    """Bytes of the training step's peak, estimated without an allocator hook: parameters + gradients +
+    ``optimizer_states`` optimizer tensors per parameter (AdamW: 2) + the distinct storages saved for
+    backward by one forward (counted with ``torch.autograd.graph.saved_tensors_hooks``)."""
+    params = sum(_nbytes(p) for p in model.parameters())
+    seen: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        try:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        except Exception:  # noqa: BLE001  (e.g. a tensor subclass without storage)
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = unwrap(model).loss(x, y) if hasattr(unwrap(model), "loss") else model(x)
+    del out
+    return params * (2 + optimizer_states) + sum(seen.values())
+
+
+def _config(args) -> LlamaConfig:
+    return LlamaConfig(vocab_size=256, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                       max_seq_len=args.seq)
+
+
+def _initial_state(cfg: LlamaConfig, seed: int) -> dict:
+    torch.manual_seed(seed)
+    ref = Llama(cfg, backend="torch", device="cpu")
+    return {k: v.clone() for k, v in ref.state_dict().items()}
+
+

@@ -1,0 +1,84 @@
+"""`python -m opforge bench`: the quick run of one op family on the CPU prints the summary table and writes the
+harness's one CSV schema and a PNG into --out (never into the package or the source tree); the torch.compile
+peer is compiled once per shape and grad mode (no recompile-limit fallback) and says when it fell back."""
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from opforge.bench import harness
+from opforge.bench import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_rms_norm_on_cpu(tmp_path):
+    out = tmp_path / "results"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "opforge", "bench", "--quick", "--ops", "rms_norm", "--device", "cpu",
+                        "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for column in ("opforge us", "opforge metric", "vs eager", "vs torch.compile"):
+        assert column in p.stdout, column
+    assert "1/1" in p.stderr  # the progress bar
+    rows = list(csv.DictReader((out / "rms_norm.csv").open()))
+    assert list(rows[0]) == harness.CONTEXT_COLUMNS + harness.ROW_COLUMNS
+    assert {r["op"] for r in rows} == {"rms_norm", "fused_add_rms_norm"}
+    compiled = [r for r in rows if r["impl"] == "torch.compile"]
+    assert compiled and all(r["fallback"] == "" and float(r["time_us"]) > 0 for r in compiled), compiled
+    assert (out / "rms_norm_cpu.png").stat().st_size > 1000
+    assert not (tmp_path / "opforge_bench").exists()  # --out was honoured
+
+
+def test_unknown_family_and_list(capsys):
+    assert cli.main(["--ops", "no_such_op"]) == 2
+    assert "expected --ops from" in capsys.readouterr().err
+    assert cli.main(["--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert "rms_norm" in listed and "overhead" not in listed
+
+
+def test_every_family_uses_the_harness():
+    for family, path in cli.discover(REPO / "benchmarks").items():
+        text = path.read_text()
+        assert "common.finish(" in text, f"{path.name} does not report through the harness (one CSV schema, PNG)"
+
+
+def test_compiled_peer_is_keyed_per_shape_and_grad_mode():
+    def f(x):
+        return torch.sin(x) * 2
+
+    peer = harness.compiled(f, fullgraph=True)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in (3, 5):
+            x = torch.randn(n, requires_grad=True)
+            with torch.no_grad():
+                torch.testing.assert_close(peer(x), f(x))
+            torch.testing.assert_close(peer(x), f(x))
+    assert len(peer.compiled) == 4 and peer.failed == {}
+
+
+def test_compiled_peer_fallback_is_recorded():
+    def g(x):
+        y = x * 2
+        torch._dynamo.graph_break()  # fullgraph=True refuses a graph break
+        return y + 1
+
+    peer = harness.compiled(g, fullgraph=True)
+    x = torch.tensor([0.0, 1.0, 2.0])
+    t = harness.time_fn(lambda: peer(x), "cpu", warmup=1, reps=2)
+    assert t > 0
+    row = harness.Row("g", "3", "float32", "torch.compile", "fwd", t, 0.0, "GB/s")
+    assert row.fallback, "a compile peer that ran eagerly must say so"
+    assert harness.Row("g", "3", "float32", "eager", "fwd", t, 0.0, "GB/s").fallback == ""
+
+
+def test_csv_of_an_older_schema_is_not_mixed(tmp_path):
+    (tmp_path / "x.csv").write_text("date,device,op,mode\n1,2,3,4\n")
+    row = harness.Row("x", "1x1", "float32", "opforge", "fwd", 1.0, 1.0, "GB/s")
+    path = harness.write_csv([row], "x", "cpu", tmp_path)
+    assert path.name == "x-2.csv" and harness.read_header(path) == harness.CONTEXT_COLUMNS + harness.ROW_COLUMNS

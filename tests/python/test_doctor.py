@@ -1,0 +1,192 @@
+"""`python -m opforge doctor`: each failure story, simulated through the facts dict, gets its diagnosis (meaning
+and fix); a healthy install passes; the command's exit status and --json follow the diagnosis."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from opforge import doctor
+
+HEALTHY_GPU = {
+    "python": "3.12.0",
+    "torch": dict(version="2.11.0+cu128", cuda="12.8", cudnn=91002, cxx11_abi=True, arch_list=["sm_90"],
+                  cuda_available=True, device_count=1),
+    "driver": dict(nvidia_smi="/usr/bin/nvidia-smi", version="570.86", cuda="12.8", gpus=1),
+    "devices": [dict(name="NVIDIA H200", capability="9.0")],
+    "nvcc": dict(path_on_path="/usr/local/cuda/bin/nvcc", version="12.8", cuda_home="/usr/local/cuda",
+                 cuda_home_nvcc="/usr/local/cuda/bin/nvcc", cuda_home_version="12.8"),
+    "library": dict(path="/site/opforge/lib/libopforge.so", exists=True, loaded=True, error=None, ops=16,
+                    cpu_kernels_missing=[], has_cuda_kernels=True,
+                    stamp=dict(torch="2.11.0", cuda="ON", avx2="ON", torch_cxx_flags="-D_GLIBCXX_USE_CXX11_ABI=1",
+                               cuda_archs="8.0;9.0+PTX")),
+    "cpu_capability": "AVX2",
+}
+HEALTHY_CPU = {
+    "python": "3.11.7",
+    "torch": dict(version="2.13.0+cpu", cuda=None, cudnn=None, cxx11_abi=True, arch_list=[], cuda_available=False,
+                  device_count=0),
+    "driver": dict(nvidia_smi=None, version=None, cuda=None, gpus=0),
+    "devices": [],
+    "nvcc": dict(path_on_path=None, version=None, cuda_home=None, cuda_home_nvcc=None, cuda_home_version=None),
+    "library": dict(path="/x/libopforge.so", exists=True, loaded=True, error=None, ops=16, cpu_kernels_missing=[],
+                    has_cuda_kernels=False, stamp=dict(torch="2.13.0", cuda="OFF", avx2="ON")),
+    "cpu_capability": "AVX2",
+}
+
+
+def facts(base, **changes):
+    f = copy.deepcopy(base)
+    for path, value in changes.items():
+        *keys, last = path.split("__")
+        d = f
+        for k in keys:
+            d = d[k]
+        d[last] = value
+    return f
+
+
+def ids(f):
+    return [d.id for d in doctor.diagnose(f)]
+
+
+def only(f, id_, severity="error"):
+    found = doctor.diagnose(f)
+    assert [d.id for d in found] == [id_], [(d.id, d.title) for d in found]
+    d = found[0]
+    assert d.severity == severity and d.meaning and d.fix
+    return d
+
+
+@pytest.mark.parametrize("base", [HEALTHY_GPU, HEALTHY_CPU], ids=["gpu", "cpu"])
+def test_healthy_install_has_no_problem(base):
+    assert doctor.diagnose(base) == []
+    assert "no problems found" in doctor.render(base, [])
+
+
+def test_library_stamped_for_another_torch():
+    d = only(facts(HEALTHY_GPU, library__stamp__torch="2.10.0"), "torch-mismatch")
+    assert "2.10.0" in d.title and "2.11.0+cu128" in d.title and "pip install --no-build-isolation" in d.fix
+
+
+def test_abi_mismatch():
+    d = only(facts(HEALTHY_GPU, library__stamp__torch_cxx_flags="-D_GLIBCXX_USE_CXX11_ABI=0"), "abi-mismatch")
+    assert "_GLIBCXX_USE_CXX11_ABI=0" in d.title and "std::__cxx11" in d.meaning
+
+
+def test_no_kernel_image_for_the_device():
+    d = only(facts(HEALTHY_GPU, library__stamp__cuda_archs="7.0;8.0"), "no-kernel-image")
+    assert "sm_90" in d.title and "no kernel image" in d.meaning and "TORCH_CUDA_ARCH_LIST=9.0" in d.fix
+
+
+def test_ptx_only_is_a_warning():
+    d = only(facts(HEALTHY_GPU, library__stamp__cuda_archs="8.0+PTX"), "ptx-jit", "warning")
+    assert "JIT" in d.title
+
+
+@pytest.mark.parametrize("archs,cap,expected", [
+    ("8.0;9.0+PTX", "9.0", "native"), ("8.0", "8.6", "native"), ("8.0+PTX", "9.0", "ptx"), ("9.0", "8.0", "none"),
+    ("sm_90", "9.0", "native"), ("9.0a", "9.0", "native"), ("10.0", "9.0", "none"), ("", "9.0", "none")])
+def test_arch_support(archs, cap, expected):
+    assert doctor.arch_support(doctor.parse_archs(archs), cap) == expected
+
+
+def test_missing_nvcc():
+    f = facts(HEALTHY_GPU, nvcc__path_on_path=None, nvcc__version=None, nvcc__cuda_home=None, nvcc__cuda_home_nvcc=None,
+              nvcc__cuda_home_version=None)
+    d = only(f, "nvcc-missing", "warning")  # the installed library has CUDA kernels: only rebuilding needs nvcc
+    assert "CUDA_HOME" in d.fix
+    f["library"]["has_cuda_kernels"] = False
+    assert "nvcc-missing" in ids(f) and "library-without-cuda" in ids(f)
+
+
+def test_missing_nvcc_on_cpu_torch_is_fine():
+    assert ids(HEALTHY_CPU) == []
+
+
+def test_nvcc_major_differs_from_torch_cuda():
+    d = only(facts(HEALTHY_GPU, nvcc__version="13.0", nvcc__cuda_home_version="13.0"), "nvcc-major-mismatch")
+    assert "13.0" in d.title and "12.8" in d.title
+
+
+def test_nvcc_on_path_differs_from_cuda_home():
+    f = facts(HEALTHY_GPU, nvcc__cuda_home="/opt/cuda-12.4", nvcc__cuda_home_nvcc="/opt/cuda-12.4/bin/nvcc",
+              nvcc__cuda_home_version="12.4")
+    assert ids(f) == ["nvcc-path-vs-cuda-home"]
+
+
+def test_cuda_torch_without_driver():
+    f = facts(HEALTHY_GPU, torch__cuda_available=False, torch__device_count=0, devices=[],
+              driver=dict(nvidia_smi=None, version=None, cuda=None, gpus=0))
+    d = only(f, "cuda-torch-no-driver", "warning")
+    assert "nvidia-smi" in d.fix
+
+
+def test_driver_present_but_cuda_unusable():
+    f = facts(HEALTHY_GPU, torch__cuda_available=False, devices=[])
+    assert ids(f) == ["cuda-unavailable"]
+
+
+def test_driver_older_than_torch_cuda():
+    f = facts(HEALTHY_GPU, driver__cuda="11.8")
+    assert ids(f) == ["driver-too-old"]
+
+
+def test_cpu_torch_on_a_gpu_machine():
+    f = facts(HEALTHY_CPU, driver=dict(nvidia_smi="/usr/bin/nvidia-smi", version="570.86", cuda="12.8", gpus=1))
+    assert ids(f) == ["cpu-torch-with-gpu"]
+
+
+def test_library_without_cuda_kernels_on_a_gpu():
+    assert ids(facts(HEALTHY_GPU, library__has_cuda_kernels=False)) == ["library-without-cuda"]
+
+
+@pytest.mark.parametrize("error,id_", [
+    ("opforge: could not load x.so: undefined symbol: _ZN3c1010Error", "undefined-symbol"),
+    ("opforge: x.so was built with AVX2/FMA CPU kernels, but this CPU does not report AVX2", "cpu-avx2"),
+    ("opforge: something else", "library-not-loadable")])
+def test_library_not_loadable_says_why(error, id_):
+    f = facts(HEALTHY_CPU, library__loaded=False, library__error=error)
+    assert ids(f) == [id_]
+
+
+def test_library_missing():
+    f = facts(HEALTHY_CPU, library__loaded=False, library__exists=False, library__error="not found", library__stamp={})
+    assert ids(f) == ["library-missing"]
+
+
+def test_render_prints_meaning_and_fix():
+    f = facts(HEALTHY_GPU, library__stamp__torch="2.10.0")
+    text = doctor.render(f, doctor.diagnose(f))
+    assert "ERROR [torch-mismatch]" in text and "means:" in text and "fix:" in text and "NVIDIA H200 sm_90" in text
+
+
+def _doctor_cmd(*argv, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "opforge", "doctor", *argv], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_command_on_this_machine_is_healthy_and_json():
+    p = _doctor_cmd("--json")
+    out = json.loads(p.stdout)
+    assert p.returncode == (0 if out["ok"] else 1)
+    assert out["facts"]["library"]["loaded"] and out["facts"]["torch"]["version"]
+    assert [d for d in out["diagnoses"] if d["severity"] == "error"] == [], out["diagnoses"]
+
+
+def test_command_explains_a_library_that_is_missing(tmp_path):
+    p = _doctor_cmd(env_extra={"OPFORGE_LIBRARY": str(tmp_path / "libopforge.so")})
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "[library-missing]" in p.stdout and "fix:" in p.stdout and "Traceback" not in p.stderr
+
+
+def test_command_explains_a_library_built_for_another_torch(tmp_path):
+    lib = tmp_path / "libopforge.so"
+    lib.write_bytes(b"not a library")
+    (tmp_path / "opforge_build.txt").write_text("torch=1.0.0\ncuda=OFF\navx2=OFF\n")
+    p = _doctor_cmd("--json", env_extra={"OPFORGE_LIBRARY": str(lib)})
+    assert p.returncode == 1
+    assert [d["id"] for d in json.loads(p.stdout)["diagnoses"]] == ["torch-mismatch"]
