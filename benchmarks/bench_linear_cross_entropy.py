@@ -48,7 +48,7 @@ def ours(x, w, t):
 
 
 def torch_chunked(x, w, t):
-    opts = torch.nn.LinearCrossEntropyOptions(chunking_strategy="batch") \
+    opts = torch.nn.LinearCrossEntropyOptions() \
         if hasattr(torch.nn, "LinearCrossEntropyOptions") else None
     return F.linear_cross_entropy(x, w, t, ignore_index=-100, options=opts)
 

@@ -38,7 +38,9 @@ def _ours(x, w, t):
 
 
 def _ref(x, w, t, dtype=torch.float64):
-    return lambda xx, ww, **kw: linear_cross_entropy_reference(xx, ww, t, compute_dtype=dtype, **kw)
+    def f(xx, ww, chunk_size=None, **kw):
+        return linear_cross_entropy_reference(xx, ww, t, compute_dtype=dtype, **kw)
+    return f
 
 
 def _check_all(x, w, b, t, **kw):
@@ -308,9 +310,10 @@ def test_module(device):
     m = opforge.nn.LinearCrossEntropyLoss(8, 20, bias=True, device=device, label_smoothing=0.1)
     tm = torch.nn.LinearCrossEntropyLoss(8, 20, bias=True, device=device, label_smoothing=0.1)
     tm.load_state_dict(m.state_dict())
-    x = torch.randn(4, 3, 8, device=device)
-    t = torch.randint(0, 20, (4, 3), device=device)
+    x = torch.randn(12, 8, device=device)  # torch's module takes (N, H) only; ours also (*, H)
+    t = torch.randint(0, 20, (12,), device=device)
     torch.testing.assert_close(m(x, t), tm(x, t))
+    assert m(x.view(4, 3, 8), t.view(4, 3)).shape == ()
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -325,7 +328,7 @@ def test_agrees_with_torch_linear_cross_entropy(device, chunked, kw):
         kw["weight"] = torch.rand(50, device=device) + 0.5
     tkw = dict(kw)
     if chunked:
-        tkw["options"] = torch.nn.LinearCrossEntropyOptions(chunking_strategy="batch", batch_chunk_size=16) \
+        tkw["options"] = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=16) \
             if hasattr(torch.nn, "LinearCrossEntropyOptions") else None
     ours = _grads(lambda xx, ww, **k: opforge.linear_cross_entropy(xx, ww, t, **k), x, w, b, **kw)
     theirs = _grads(lambda xx, ww, **k: TF.linear_cross_entropy(xx, ww, t, ignore_index=-100, **k), x, w, b, **tkw)
