@@ -322,6 +322,9 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& input, const at::Tens
                                          int64_t ignore_index, double label_smoothing, double z_loss,
                                          std::optional<double> softcap, std::optional<int64_t> chunk_size) {
   check_no_forward_ad("linear_cross_entropy", input, linear_weight, linear_bias);
+  // as F.cross_entropy: the class weights are not differentiable (never a silently missing gradient)
+  TORCH_CHECK(!any_requires_grad(weight), "opforge::linear_cross_entropy: expected weight (the class weights) not to require "
+              "grad (the loss is not differentiable with respect to them), but it does; pass weight.detach()");
   const bool grad = any_requires_grad(input, linear_weight, linear_bias);
   at::AutoDispatchBelowADInplaceOrView guard;
   if (!grad) {
@@ -342,6 +345,9 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_autograd(
     int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
     std::optional<int64_t> chunk_size) {
   check_no_forward_ad("_linear_cross_entropy_forward", input, linear_weight, linear_bias);
+  // as F.cross_entropy: the class weights are not differentiable (never a silently missing gradient)
+  TORCH_CHECK(!any_requires_grad(weight), "opforge::_linear_cross_entropy_forward: expected weight (the class weights) not to require "
+              "grad (the loss is not differentiable with respect to them), but it does; pass weight.detach()");
   const bool grad = any_requires_grad(input, linear_weight, linear_bias);
   at::AutoDispatchBelowADInplaceOrView guard;
   auto [loss, stats] = opforge::_linear_cross_entropy_forward(input, linear_weight, target, linear_bias, weight,
