@@ -92,3 +92,8 @@ from . import functional, nn  # noqa: E402
 from .functional import fused_add_rms_norm, linear, rms_norm, sigmoid, square, square_add, swiglu  # noqa: E402
 
 __all__ = ["cmake_prefix_path", "functional", "fused_add_rms_norm", "library_path", "linear", "nn", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
+
+# fake_quant_linear (csrc/ops/fake_quant_linear)
+from .functional import fake_quant_linear, fake_quantize_weight  # noqa: E402
+
+__all__ += ["fake_quant_linear", "fake_quantize_weight"]
