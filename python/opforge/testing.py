@@ -226,7 +226,13 @@ def fake_quantize_weight_reference(weight: Tensor, bits: int = 4, group_size: in
         else:
             mn, mx = torch.zeros(1, 1), torch.zeros(1, 1)
         scale, zp = fake_quant_qparams_reference(mn, mx, qmin, qmax, symmetric)
-        fq = lambda t: torch.fake_quantize_per_tensor_affine(t, scale.item(), int(zp.item()), qmin, qmax)  # noqa: E731
+        if w.dtype == torch.float64:
+            # torch's per-tensor kernel rounds a float64 result to float32 precision, its per-channel kernel does
+            # not: float64 follows the per-channel kernel (one channel), as opforge does for every grouping
+            fq = lambda t: torch.fake_quantize_per_channel_affine(  # noqa: E731
+                t.reshape(1, -1), scale.reshape(1), zp.reshape(1), 0, qmin, qmax).reshape(t.shape)
+        else:
+            fq = lambda t: torch.fake_quantize_per_tensor_affine(t, scale.item(), int(zp.item()), qmin, qmax)  # noqa: E731
         out = fq(w)
         mask = _fq_mask(w, fq) if w.numel() else torch.zeros_like(w, dtype=torch.bool)
         return out.to(weight.dtype), mask, scale, zp
