@@ -52,10 +52,11 @@ def torch_composition(x, w, b):
     as torchao's QAT, without torchao); scales from min/max in float32 (tensors: no host synchronization)."""
     N, K = w.shape
     wg = w.float().reshape(-1, GROUP)
-    ws = torch.clamp(torch.maximum(-wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)) / 7.5, min=EPS)
+    wd, xd = wg.detach(), x.detach().reshape(-1, K).float()  # qparams are constants (STE), as in torchao
+    ws = torch.clamp(torch.maximum(-wd.amin(1).clamp(max=0), wd.amax(1).clamp(min=0)) / 7.5, min=EPS)
     wq = torch.fake_quantize_per_channel_affine(wg, ws, torch.zeros_like(ws, dtype=torch.int32), 0, -8, 7)
     x2 = x.reshape(-1, K).float()
-    lo, hi = x2.amin(1).clamp(max=0), x2.amax(1).clamp(min=0)
+    lo, hi = xd.amin(1).clamp(max=0), xd.amax(1).clamp(min=0)
     xs = torch.clamp((hi - lo) / 255, min=EPS)
     xz = torch.clamp(-128 - torch.round(lo / xs), -128, 127).to(torch.int32)
     xq = torch.fake_quantize_per_channel_affine(x2, xs, xz, 0, -128, 127)
