@@ -18,6 +18,16 @@ TORCH_LIBRARY(opforge, m) {
   // bias_dtype (the forward's bias dtype; input's dtype when None); pre_activation (the forward's z, or for relu its
   // output) required unless activation is none
   m.def("linear_backward(Tensor grad_output, Tensor input, Tensor weight, bool[3] output_mask, ScalarType? bias_dtype=None, str activation=\"none\", Tensor? pre_activation=None) -> (Tensor, Tensor, Tensor)");
+  // ---- fake_quant_linear (csrc/ops/fake_quant_linear) ----
+  // fake_quant_linear plus what its backward needs: fq_w(weight) (N, K) in input's dtype, weight's in-range mask (N, K) bool, fq_a(input) (*, K) and its in-range mask (*, K) bool with act_quant (else empty [0] tensors)
+  m.def("_fake_quant_linear_forward(Tensor input, Tensor weight, Tensor? bias=None, *, int weight_bits=4, int group_size=-1, bool symmetric=True, bool act_quant=False) -> (Tensor output, Tensor weight_fq, Tensor weight_mask, Tensor input_fq, Tensor input_mask)");
+  // y = fq_a(input) · fq_w(weight)ᵀ + bias; fq_w: weight_bits-bit per channel (group_size -1), per tensor (0) or per group of group_size columns, symmetric or not; fq_a: per-token asymmetric int8 when act_quant
+  m.def("fake_quant_linear(Tensor input, Tensor weight, Tensor? bias=None, *, int weight_bits=4, int group_size=-1, bool symmetric=True, bool act_quant=False) -> Tensor");
+  // (grad_input, grad_weight, grad_bias) of fake_quant_linear from the GEMM's input and weight (fq_a(input), fq_w(weight)) and the in-range masks (straight-through estimator): grad_input masked by input_mask (if given), grad_weight by weight_mask, in weight_dtype; each only if its output_mask entry is set
+  m.def("fake_quant_linear_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor weight_mask, Tensor? input_mask, bool[3] output_mask, ScalarType? weight_dtype=None, ScalarType? bias_dtype=None) -> (Tensor, Tensor, Tensor)");
+  // (fq_w(weight) in weight's dtype, in-range mask bool, scale float32, zero_point int32) of a 2-D weight; scale shape (1, 1) per tensor, (N, 1) per channel, (N, K / group_size) per group; not differentiable
+  m.def("fake_quantize_weight(Tensor weight, int bits=4, int group_size=-1, bool symmetric=True) -> (Tensor output, Tensor mask, Tensor scale, Tensor zero_point)");
+  // ---- end fake_quant_linear ----
   // y = input / sqrt(mean(input², over normalized dims) + eps) · weight; eps=None: float32's machine eps (float64's for float64)
   m.def("rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
   // (grad_input, grad_weight) of rms_norm from the saved rstd (normalized dims = input's dims after rstd's), each only if its output_mask entry is set

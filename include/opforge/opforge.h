@@ -107,4 +107,42 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_output, const at::Tensor& gate,
                                                    const at::Tensor& up);
 
+// ---- fake_quant_linear (csrc/ops/fake_quant_linear) ----
+
+/// y = fq_a(input) · fq_w(weight)ᵀ + bias: a linear layer for quantization-aware training.
+/// input (*, K), weight (N, K), bias (N,) or none -> (*, N) in input's dtype.
+/// fq_w: weight fake-quantized to weight_bits-bit signed integers (2..8) per output channel (group_size -1), per
+/// tensor (0) or per group of group_size consecutive columns (a divisor of K), symmetric or asymmetric, with fp32
+/// scales from the group's min/max (as torch.fake_quantize_per_channel_affine with MinMaxObserver's qparams).
+/// fq_a (act_quant): each row of input fake-quantized to int8, asymmetric, per token; else the identity.
+/// Gradients: straight-through estimator with the in-range masks. Raises: linear's errors, weight_bits outside
+/// [2, 8], group_size < -1 or not dividing K (ValueError).
+at::Tensor fake_quant_linear(const at::Tensor& input, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias = std::nullopt, int64_t weight_bits = 4,
+                             int64_t group_size = -1, bool symmetric = true, bool act_quant = false);
+
+/// fake_quant_linear's forward for autograd: (output, weight_fq (N, K) in input's dtype, weight_mask (N, K) bool,
+/// input_fq (*, K), input_mask (*, K) bool); without act_quant input_fq and input_mask are empty [0] tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _fake_quant_linear_forward(
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t weight_bits,
+    int64_t group_size, bool symmetric, bool act_quant);
+
+/// Gradients of fake_quant_linear (straight-through estimator): input = the GEMM's input (fq_a(x), or x),
+/// weight = fq_w(W) in input's dtype; grad_input = (grad_output · weight) ⊙ input_mask (if given), grad_weight =
+/// (grad_outputᵀ · input) ⊙ weight_mask in weight_dtype (weight's dtype when nullopt), grad_bias = Σ_rows
+/// grad_output in bias_dtype (fp32 accumulation). Entry i computed only when output_mask[i].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fake_quant_linear_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_mask,
+    const std::optional<at::Tensor>& input_mask, std::array<bool, 3> output_mask,
+    std::optional<at::ScalarType> weight_dtype = std::nullopt, std::optional<at::ScalarType> bias_dtype = std::nullopt);
+
+/// Fake-quantizes a weight (N, K) as fake_quant_linear does: (output in weight's dtype, in-range mask bool,
+/// scale float32, zero_point int32), scale/zero_point of shape (1, 1) per tensor (group_size 0), (N, 1) per
+/// channel (-1), (N, K / group_size) per group. Not differentiable.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_weight(const at::Tensor& weight,
+                                                                                int64_t bits = 4,
+                                                                                int64_t group_size = -1,
+                                                                                bool symmetric = true);
+// ---- end fake_quant_linear ----
+
 }  // namespace opforge

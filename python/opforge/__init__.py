@@ -142,3 +142,7 @@ __all__ = ["cmake_prefix_path", "functional", "fused_add_rms_norm", "library_pat
 
 from .functional import linear_cross_entropy  # noqa: E402  (issue 10)
 __all__ += ["linear_cross_entropy"]
+# fake_quant_linear (csrc/ops/fake_quant_linear)
+from .functional import fake_quant_linear, fake_quantize_weight  # noqa: E402
+
+__all__ += ["fake_quant_linear", "fake_quantize_weight"]

@@ -315,3 +315,80 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     return _linear_cross_entropy_op(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
                                     float(label_smoothing), float(z_loss),
                                     None if softcap is None else float(softcap), chunk_size)
+# ---- fake_quant_linear -------------------------------------------------------------------------------
+__all__ += ["fake_quant_linear", "fake_quantize_weight"]
+
+
+def fake_quant_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, weight_bits: int = 4,
+                      group_size: int = -1, symmetric: bool = True, act_quant: bool = False) -> Tensor:
+    """y = fq_a(input) · fq_w(weight)ᵀ + bias: a linear layer for quantization-aware training (QAT).
+
+    ``fq_w`` fake-quantizes the weight (rounds it to ``weight_bits``-bit signed integers on a grid and back),
+    ``fq_a`` with ``act_quant`` each row (token) of the input to int8 (dynamic, asymmetric); the GEMM then runs
+    on the fake-quantized tensors, in input's dtype, as :func:`linear`.
+
+    Args:
+        input: (*, K) float64, float32, float16 or bfloat16. Any batch dims (M = prod(*) rows), any strides.
+        weight: (N, K) floating. Quantized in its own precision (bfloat16/float16 upcast to float32 first), then
+            converted to input's dtype for the GEMM; its gradient comes back in weight's dtype.
+        bias: (N,) floating or None; converted to input's dtype, never quantized. Default: None.
+        weight_bits: int in [2, 8]: the integer range [−2^(b−1), 2^(b−1) − 1] (4: [−8, 7]). Default: 4.
+        group_size: −1: one scale per output channel (row of weight); 0: one for the whole weight; g > 0: one
+            per group of g consecutive columns of each row (a divisor of K, e.g. 32, 64, 128, 256). Default: −1.
+        symmetric: True: zero point 0, scale = max|w| / ((qmax − qmin) / 2); False: scale =
+            (max(w, 0) − min(w, 0)) / (qmax − qmin), integer zero point = clamp(qmin − round(min(w, 0) / scale)).
+            Default: True.
+        act_quant: fake-quantize each input row to int8 [−128, 127] with its own asymmetric scale and zero
+            point (torchao's per-token dynamic activation quantization). Default: False.
+
+    Returns:
+        (*, N) contiguous tensor in input's dtype.
+
+    Raises:
+        ValueError: linear's shape errors (weight not 2-D, K mismatch, bias not (N,), input of rank 0);
+            weight_bits outside [2, 8]; group_size < −1 or not dividing K (the message names K and the group size).
+        TypeError: a tensor of an integer, bool or complex dtype.
+        RuntimeError: tensors on different devices; double backward (``create_graph=True`` then differentiating
+            the gradients); forward-mode AD.
+
+    Numerics: bit-identical to ``torch.fake_quantize_per_channel_affine`` / ``_per_tensor_affine`` given the same
+    scales and zero points (q = round_half_even(x · (1/scale)) + zp with 1/scale in float32, clamp to
+    [qmin, qmax], (q − zp) · scale), with scales and zero points chosen as ``torch.ao.quantization``'s
+    MinMaxObserver and torchao's ``choose_qparams_affine`` do, in float32 with eps = float32's machine epsilon
+    (an all-zero or tiny group gets scale eps: finite outputs and gradients). CPU and CUDA share the scalar
+    code and give the same bits. Gradients (straight-through estimator, scales as constants):
+    grad_input = (grad · fq_w(W)) ⊙ [input in range], grad_weight = (gradᵀ · fq_a(input)) ⊙ [weight in range],
+    grad_bias = Σ_rows grad (float32 accumulation). Under ``torch.autocast`` the input and bias are cast to the
+    autocast dtype and the weight is quantized in its own (e.g. float32 master) precision.
+
+    Source: Jacob et al. 2018, "Quantization and Training of Neural Networks for Efficient Integer-Arithmetic-Only
+    Inference" (fake quantization, STE); torchao's QAT ``Int8DynActInt4WeightQATQuantizer`` /
+    ``IntxFakeQuantizeConfig`` (the same math composed from PyTorch ops); ``opforge.nn.FakeQuantLinear.convert``
+    exports the integers in torchao's layout.
+    """
+    return torch.ops.opforge.fake_quant_linear(input, weight, bias, weight_bits=weight_bits, group_size=group_size,
+                                               symmetric=symmetric, act_quant=act_quant)
+
+
+def fake_quantize_weight(weight: Tensor, bits: int = 4, group_size: int = -1,
+                         symmetric: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(fq_w(weight), in-range mask, scale, zero_point): the weight fake-quantization of :func:`fake_quant_linear`.
+
+    Args:
+        weight: (N, K) floating, any strides.
+        bits: int in [2, 8]. Default: 4.
+        group_size: −1 per channel, 0 per tensor, g > 0 (dividing K) per group of g columns. Default: −1.
+        symmetric: as in :func:`fake_quant_linear`. Default: True.
+
+    Returns:
+        output (N, K) in weight's dtype; mask (N, K) bool (the integer was within [qmin, qmax] before clamping);
+        scale float32 and zero_point int32, both of shape (1, 1) per tensor, (N, 1) per channel, (N, K // g) per
+        group. The integers are clamp(round(weight.float() · (1 / scale)) + zero_point, qmin, qmax).
+
+    Raises:
+        ValueError: weight not 2-D; bits outside [2, 8]; group_size < −1 or not dividing K.
+        TypeError: a non-floating weight.
+
+    Not differentiable (its outputs carry no autograd history); :func:`fake_quant_linear` is.
+    """
+    return torch.ops.opforge.fake_quantize_weight(weight, bits, group_size, symmetric)

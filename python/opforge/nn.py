@@ -231,3 +231,86 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         if self.softcap is not None:
             s += f", softcap={self.softcap}"
         return s
+# ---- FakeQuantLinear -------------------------------------------------------------------------------------
+__all__ += ["FakeQuantLinear"]
+
+
+class FakeQuantLinear(torch.nn.Linear):
+    """y = fq_a(x) · fq_w(weight)ᵀ + bias through :func:`opforge.functional.fake_quant_linear` (QAT).
+
+    Drop-in for :class:`torch.nn.Linear` (a subclass: same parameters, initialisation and ``state_dict`` keys);
+    the quantization settings are keyword-only and not part of the state_dict.
+
+    Args:
+        in_features: K. out_features: N. bias: learn an additive bias. Default: True.
+        device, dtype: factory keyword arguments for the parameters.
+        weight_bits: 2..8. Default: 4. group_size: −1 per channel, 0 per tensor, g > 0 (dividing K) per group.
+            Default: 32 (torchao's Int8DynActInt4Weight default). symmetric: Default: True.
+        act_quant: per-token asymmetric int8 fake-quantization of the input. Default: True (8da4w).
+
+    Shapes: input (*, K) -> output (*, N) in input's dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 weight_bits: int = 4, group_size: int = 32, symmetric: bool = True, act_quant: bool = True):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.weight_bits = int(weight_bits)
+        self.group_size = int(group_size)
+        self.symmetric = bool(symmetric)
+        self.act_quant = bool(act_quant)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, *, weight_bits: int = 4, group_size: int = 32,
+                    symmetric: bool = True, act_quant: bool = True) -> "FakeQuantLinear":
+        """A FakeQuantLinear sharing ``linear``'s weight and bias Parameters (optimizer state stays valid)."""
+        module = cls(linear.in_features, linear.out_features, bias=False, device="meta", weight_bits=weight_bits,
+                     group_size=group_size, symmetric=symmetric, act_quant=act_quant)
+        module.weight = linear.weight
+        module.bias = linear.bias
+        return module
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.fake_quant_linear(input, self.weight, self.bias, weight_bits=self.weight_bits,
+                                   group_size=self.group_size, symmetric=self.symmetric, act_quant=self.act_quant)
+
+    @torch.no_grad()
+    def convert(self) -> dict:
+        """The trained weight as integers, scales and zero points, in torchao's ``Int8DynActInt4WeightLinear``
+        buffer layout (``torchao.quantization.linear_quant_modules``; also the per-group (1, g) layout of
+        ``IntxFakeQuantizeConfig`` / ``Int8DynamicActivationIntxWeightConfig``).
+
+        Returns:
+            dict with ``weight``: (N, K) int8, the integers q in [−2^(b−1), 2^(b−1) − 1] (unpacked, one per
+            byte); ``scales``: (N, K // g) float32 ((N, 1) per channel, (1, 1) per tensor); ``zeros``: scales'
+            shape, float32 holding the integer zero points (0 when symmetric); ``bias``: (N,) or None (a copy in
+            its dtype); and the settings ``group_size`` (K for per channel), ``weight_bits``, ``symmetric``,
+            ``act_quant``. Dequantized, (weight − zeros) · scales (each scale repeated over its g columns) equals
+            the forward's fq_w(weight) in float32 bit for bit.
+        """
+        fq, _, scale, zero_point = F.fake_quantize_weight(self.weight, self.weight_bits, self.group_size,
+                                                          self.symmetric)
+        qmin, qmax = -(2 ** (self.weight_bits - 1)), 2 ** (self.weight_bits - 1) - 1
+        N, K = self.weight.shape
+        cols = K // scale.shape[1] if scale.shape[1] > 0 else K
+        if self.group_size == 0:
+            s = scale.expand(N, K)
+            z = zero_point.expand(N, K)
+        else:
+            s = scale.repeat_interleave(cols, dim=1)
+            z = zero_point.repeat_interleave(cols, dim=1)
+        # the same float32 math as the kernel: round_half_even(w · (1 / scale)) + zp, clamped
+        q = torch.clamp(torch.round(self.weight.float() * (1.0 / s)) + z, qmin, qmax).to(torch.int8)
+        return {
+            "weight": q,
+            "scales": scale.clone(),
+            "zeros": zero_point.to(torch.float32),
+            "bias": None if self.bias is None else self.bias.detach().clone(),
+            "group_size": K if self.group_size < 0 else self.group_size,
+            "weight_bits": self.weight_bits,
+            "symmetric": self.symmetric,
+            "act_quant": self.act_quant,
+        }
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, weight_bits={self.weight_bits}, group_size={self.group_size}, "
+                f"symmetric={self.symmetric}, act_quant={self.act_quant}")

@@ -221,3 +221,90 @@ def linear_cross_entropy_reference(input: Tensor, linear_weight: Tensor, target:
         return per_token.sum()
     wt = torch.ones_like(per_token) if w is None else w[t.clamp(0, z.shape[-1] - 1)]
     return per_token.sum() / torch.where(valid, wt, torch.zeros_like(wt)).sum()
+
+# ---- fake_quant_linear ---------------------------------------------------------------------------------
+__all__ += ["fake_quant_qparams_reference", "fake_quantize_weight_reference", "fake_quantize_per_token_reference",
+            "fake_quant_linear_reference"]
+
+
+def fake_quant_qparams_reference(mn: Tensor, mx: Tensor, qmin: int, qmax: int, symmetric: bool):
+    """(scale float32, zero_point int32) from float32 min/max tensors, as torch.ao.quantization's MinMaxObserver
+    and torchao's choose_qparams_affine compute them (eps = float32's machine epsilon)."""
+    mn, mx = mn.float(), mx.float()
+    zero = torch.zeros_like(mn)
+    lo, hi = torch.minimum(mn, zero), torch.maximum(mx, zero)
+    eps = torch.tensor(torch.finfo(torch.float32).eps, dtype=torch.float32)
+    if symmetric:
+        scale = torch.maximum(torch.maximum(-lo, hi) / ((qmax - qmin) / 2), eps)
+        zp = torch.zeros_like(scale, dtype=torch.int32)
+    else:
+        scale = torch.maximum((hi - lo) / float(qmax - qmin), eps)
+        zp = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax).to(torch.int32)
+    return scale, zp
+
+
+def _fq_mask(x: Tensor, fq) -> Tensor:
+    """torch's own straight-through mask of the fake-quantize function ``fq`` at x: d(sum fq(x))/dx != 0."""
+    xr = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        (g,) = torch.autograd.grad(fq(xr).sum(), xr)
+    return g != 0
+
+
+def fake_quantize_weight_reference(weight: Tensor, bits: int = 4, group_size: int = -1, symmetric: bool = True):
+    """(fq_w in weight's dtype, mask bool, scale, zero_point) through torch.fake_quantize_per_tensor_affine /
+    torch.fake_quantize_per_channel_affine on the weight upcast to float32 (float64 stays float64).
+    weight (N, K); group_size −1 per channel, 0 per tensor, g per group of g columns."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    N, K = weight.shape
+    w = weight.detach().double() if weight.dtype == torch.float64 else weight.detach().float()
+    if group_size == 0:
+        if w.numel():
+            mn, mx = w.min().float().reshape(1, 1), w.max().float().reshape(1, 1)
+        else:
+            mn, mx = torch.zeros(1, 1), torch.zeros(1, 1)
+        scale, zp = fake_quant_qparams_reference(mn, mx, qmin, qmax, symmetric)
+        if w.dtype == torch.float64:
+            # torch's per-tensor kernel rounds a float64 result to float32 precision, its per-channel kernel does
+            # not: float64 follows the per-channel kernel (one channel), as opforge does for every grouping
+            fq = lambda t: torch.fake_quantize_per_channel_affine(  # noqa: E731
+                t.reshape(1, -1), scale.reshape(1), zp.reshape(1), 0, qmin, qmax).reshape(t.shape)
+        else:
+            fq = lambda t: torch.fake_quantize_per_tensor_affine(t, scale.item(), int(zp.item()), qmin, qmax)  # noqa: E731
+        out = fq(w)
+        mask = _fq_mask(w, fq) if w.numel() else torch.zeros_like(w, dtype=torch.bool)
+        return out.to(weight.dtype), mask, scale, zp
+    g = K if group_size < 0 else group_size
+    wg = w.reshape(-1, g) if w.numel() else w.reshape(0, max(g, 1))
+    if wg.numel():
+        scale, zp = fake_quant_qparams_reference(wg.amin(1), wg.amax(1), qmin, qmax, symmetric)
+    else:
+        scale, zp = torch.zeros(wg.shape[0]), torch.zeros(wg.shape[0], dtype=torch.int32)
+    fq = lambda t: torch.fake_quantize_per_channel_affine(t, scale, zp, 0, qmin, qmax)  # noqa: E731
+    out = fq(wg) if wg.numel() else wg
+    mask = _fq_mask(wg, fq) if wg.numel() else torch.zeros_like(wg, dtype=torch.bool)
+    cols = K // g if g else 0
+    return (out.reshape(N, K).to(weight.dtype), mask.reshape(N, K), scale.reshape(N, cols), zp.reshape(N, cols))
+
+
+def fake_quantize_per_token_reference(input: Tensor):
+    """(fq_a(input) in input's dtype, mask bool): each row over the last dim fake-quantized to int8 [−128, 127],
+    asymmetric, through torch.fake_quantize_per_channel_affine (axis 0 of the flattened rows)."""
+    K = input.shape[-1]
+    x = input.detach().reshape(-1, K)
+    x = x.double() if input.dtype == torch.float64 else x.float()
+    if x.numel() == 0:
+        return input.detach().clone(), torch.zeros(input.shape, dtype=torch.bool)
+    scale, zp = fake_quant_qparams_reference(x.amin(1), x.amax(1), -128, 127, False)
+    fq = lambda t: torch.fake_quantize_per_channel_affine(t, scale, zp, 0, -128, 127)  # noqa: E731
+    return fq(x).to(input.dtype).reshape(input.shape), _fq_mask(x, fq).reshape(input.shape)
+
+
+def fake_quant_linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, weight_bits: int = 4,
+                                group_size: int = -1, symmetric: bool = True, act_quant: bool = False) -> Tensor:
+    """fq_a(input) · fq_w(weight)ᵀ + bias in float64, the fake quantization done by torch's fake_quantize
+    functions (fake_quantize_weight_reference, fake_quantize_per_token_reference); fq_w converted to input's dtype
+    first, as the op's GEMM sees it. (*, N) float64."""
+    wq = fake_quantize_weight_reference(weight, weight_bits, group_size, symmetric)[0].to(input.dtype)
+    xq = fake_quantize_per_token_reference(input)[0] if act_quant else input.detach()
+    return linear_reference(xq, wq, bias)

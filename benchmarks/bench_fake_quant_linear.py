@@ -1,0 +1,152 @@
+"""Benchmark fake_quant_linear (QAT linear: int4 per-group-32 weights, int8 per-token activations) forward and
+forward+backward against plain opforge.linear, torch.fake_quantize_* + F.linear and torchao's QAT
+FakeQuantizedLinear when torchao imports (issue 11).
+
+Goal (H200, bf16, 8192×4096×4096 forward+backward): ≤ 1.10× plain opforge.linear and ≥ 1.5× torchao's
+fake-quantized linear (else the torch.fake_quantize_* composition; the table names which peer ran).
+
+Timing (CUDA): device time per call, back-to-back calls in one CUDA graph (common.time_cuda_graph; eager loop
+where capture fails, e.g. a peer that synchronizes). CPU: wall time of single calls. Metric: TFLOP/s of the
+GEMMs (2·M·N·K per forward, 3x for forward+backward).
+
+    python benchmarks/bench_fake_quant_linear.py               # CUDA when available
+    python benchmarks/bench_fake_quant_linear.py --device cpu --quick
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import Row  # noqa: E402
+
+try:
+    import opforge
+except ImportError:  # running from a source tree: python/ is the package root
+    sys.path.insert(0, str(common.REPO_ROOT / "python"))
+    import opforge
+
+NAME = "fake_quant_linear"
+CUDA_SHAPES = [(8192, 4096, 4096), (2048, 4096, 14336), (8192, 14336, 4096)]
+CUDA_QUICK_SHAPES = [(8192, 4096, 4096)]
+CPU_SHAPES = [(256, 1024, 1024), (1024, 1024, 1024)]
+GROUP = 32
+EPS = torch.finfo(torch.float32).eps
+
+
+def ours(x, w, b):
+    return opforge.fake_quant_linear(x, w, b, weight_bits=4, group_size=GROUP, symmetric=True, act_quant=True)
+
+
+def plain(x, w, b):
+    return opforge.linear(x, w, b)
+
+
+def torch_composition(x, w, b):
+    """torch.fake_quantize_per_channel_affine for the weight groups and the tokens, then F.linear (the same math
+    as torchao's QAT, without torchao); scales from min/max in float32 (tensors: no host synchronization)."""
+    N, K = w.shape
+    wg = w.float().reshape(-1, GROUP)
+    wd, xd = wg.detach(), x.detach().reshape(-1, K).float()  # qparams are constants (STE), as in torchao
+    ws = torch.clamp(torch.maximum(-wd.amin(1).clamp(max=0), wd.amax(1).clamp(min=0)) / 7.5, min=EPS)
+    wq = torch.fake_quantize_per_channel_affine(wg, ws, torch.zeros_like(ws, dtype=torch.int32), 0, -8, 7)
+    x2 = x.reshape(-1, K).float()
+    lo, hi = xd.amin(1).clamp(max=0), xd.amax(1).clamp(min=0)
+    xs = torch.clamp((hi - lo) / 255, min=EPS)
+    xz = torch.clamp(-128 - torch.round(lo / xs), -128, 127).to(torch.int32)
+    xq = torch.fake_quantize_per_channel_affine(x2, xs, xz, 0, -128, 127)
+    return F.linear(xq.to(x.dtype).reshape(x.shape), wq.reshape(N, K).to(x.dtype), b)
+
+
+def torchao_module(K, N, device, dtype):
+    """torchao's QAT FakeQuantizedLinear (8da4w, group 32), or None when torchao does not import here."""
+    try:
+        from torchao.quantization.qat import IntxFakeQuantizeConfig
+        from torchao.quantization.qat.linear import FakeQuantizedLinear
+
+        act = IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)
+        wcfg = IntxFakeQuantizeConfig(torch.int4, group_size=GROUP)
+        return FakeQuantizedLinear(K, N, bias=True, activation_config=act, weight_config=wcfg, device=device,
+                                   dtype=dtype)
+    except Exception as e:  # not installed, or built for another torch
+        print(f"  [n/a] torchao FakeQuantizedLinear: {type(e).__name__}: {str(e).splitlines()[0][:160]}",
+              file=sys.stderr)
+        return None
+
+
+def main(argv=None) -> int:
+    p = common.parser(__doc__.splitlines()[0])
+    args = p.parse_args(argv)
+    device = args.device
+    cuda = device.startswith("cuda")
+    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16] if cuda else [torch.float32])
+    shapes = (CUDA_QUICK_SHAPES if args.quick else CUDA_SHAPES) if cuda else (
+        CPU_SHAPES[:1] if args.quick else CPU_SHAPES)
+    warmup = args.warmup if args.warmup is not None else 3
+    reps = args.reps if args.reps is not None else (10 if cuda else 5)
+    comp = None if args.no_compile else common.compiled(torch_composition, fullgraph=True)
+    rows: list[Row] = []
+    for dtype in dtypes:
+        for M, K, N in shapes:
+            x = torch.randn(M, K, device=device, dtype=dtype)
+            w = (torch.randn(N, K, device=device) / K ** 0.5).to(dtype)
+            b = torch.randn(N, device=device, dtype=dtype)
+            dy = torch.randn(M, N, device=device, dtype=dtype)
+            ao = torchao_module(K, N, device, dtype)
+            if ao is not None:
+                with torch.no_grad():
+                    ao.weight.copy_(w)
+                    ao.bias.copy_(b)
+            impls = {"opforge fake_quant_linear": ours, "opforge.linear (no quant)": plain,
+                     "torch.fake_quantize + F.linear": torch_composition,
+                     "compile(torch.fake_quantize + F.linear)": comp,
+                     "torchao FakeQuantizedLinear": (lambda x, w, b, ao=ao: ao(x)) if ao is not None else None}
+            for pass_ in ("fwd", "fwd+bwd"):
+                group = []
+                for impl, fn in impls.items():
+                    t, method = math.nan, ""
+                    if fn is not None:
+                        leaves = [t_.detach().clone().requires_grad_() for t_ in (x, w, b)]
+                        if impl.startswith("torchao"):
+                            xl = x.detach().clone().requires_grad_()
+
+                            def ao_step(xl=xl, ao=ao, fwd_only=pass_ == "fwd"):
+                                if fwd_only:
+                                    return ao(x)
+                                return torch.autograd.grad(ao(xl), [xl, ao.weight, ao.bias], dy)
+
+                            step = ao_step
+                        else:
+                            step = (lambda fn=fn: fn(x, w, b)) if pass_ == "fwd" else common.fwd_bwd(fn, leaves, dy)
+                        try:
+                            if cuda:
+                                t, method = common.time_cuda_graph(lambda i: step(), 4, reps=reps, warmup=warmup)
+                            else:
+                                t = common.time_cpu(step, warmup=warmup, reps=reps)
+                        except Exception as e:  # one peer failing must not end the run
+                            print(f"  [n/a] {impl}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                                  file=sys.stderr)
+                    flops = 2 * M * N * K * (1 if pass_ == "fwd" else 3)
+                    tflops = common.tflops(flops, t)
+                    rows.append(Row(NAME, common.shape_str((M, K, N)), common.dtype_str(dtype), impl, pass_, t,
+                                    tflops, "TFLOP/s"))
+                    group.append(f"{impl} {common._fmt(t)}us {common._fmt(tflops)}TF" +
+                                 (f" [{method}]" if method == "loop" else ""))
+                print(f"  {NAME} {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}: " + "; ".join(group), flush=True)
+                by = {r.impl: r.time_us for r in rows[-len(impls):]}
+                print(f"    fake_quant_linear / opforge.linear: "
+                      f"{by['opforge fake_quant_linear'] / by['opforge.linear (no quant)']:.3f}", flush=True)
+            del x, w, b, dy, ao
+            if cuda:
+                torch.cuda.empty_cache()
+    common.finish(rows, NAME, device, save=not args.no_save)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

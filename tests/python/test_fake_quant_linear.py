@@ -1,0 +1,408 @@
+"""fake_quant_linear, its backward and fake_quantize_weight: bit-identity with torch.fake_quantize_*, values and
+straight-through gradients against float64, the issue's cases (group sizes, rounding, zero/tiny groups), opcheck,
+compile, torch.func, FakeQuantLinear and its torchao-layout convert(), errors."""
+import pytest
+import torch
+
+import opforge
+from opforge.testing import (
+    assert_matches_reference,
+    fake_quant_linear_reference,
+    fake_quantize_per_token_reference,
+    fake_quantize_weight_reference,
+    gemm_error_bound,
+)
+
+from conftest import FLOAT_DTYPES
+
+GROUPINGS = [-1, 0, 32, 8]  # per channel, per tensor, two group sizes
+fwd_op = torch.ops.opforge._fake_quant_linear_forward
+
+
+def _equal_bits(a, b, what):
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.is_floating_point():  # bit patterns (−0 vs 0 and NaN payloads count)
+        a = a.view(torch.int16 if a.element_size() == 2 else torch.int32 if a.element_size() == 4 else torch.int64)
+        b = b.view(a.dtype)
+    assert torch.equal(a, b), f"{what}: not bit-identical ({(a != b).sum().item()} elements differ)"
+
+
+# ---- the quantization itself: bit-identical to torch.fake_quantize_* ----------------------------------------
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("group_size", GROUPINGS)
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_weight_quantization_is_torchs_bit_for_bit(device, dtype, group_size, symmetric, bits):
+    w = (torch.randn(24, 64, device=device) * torch.logspace(-3, 1, 64, device=device)).to(dtype)
+    w[3] = 0  # an all-zero row
+    w[5] = w[5].abs()  # a row without negative values (asymmetric zero point at qmin)
+    out, mask, scale, zp = opforge.fake_quantize_weight(w, bits, group_size, symmetric)
+    r_out, r_mask, r_scale, r_zp = fake_quantize_weight_reference(w.cpu(), bits, group_size, symmetric)
+    _equal_bits(scale, r_scale, "scale")
+    _equal_bits(zp, r_zp, "zero_point")
+    _equal_bits(out, r_out, "fq weight")
+    _equal_bits(mask, r_mask, "mask")
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("K", [1, 7, 64, 769])
+def test_per_token_activation_quantization_is_torchs_bit_for_bit(device, dtype, K):
+    x = (torch.randn(2, 5, K, device=device) * 3 + 0.5).to(dtype)
+    x[0, 1] = 0
+    w = torch.randn(3, K, device=device, dtype=dtype)
+    _, _, _, xq, xm = fwd_op(x, w, None, weight_bits=4, group_size=-1, symmetric=True, act_quant=True)
+    r_xq, r_xm = fake_quantize_per_token_reference(x.cpu())
+    _equal_bits(xq, r_xq, "fq input")
+    _equal_bits(xm, r_xm, "input mask")
+
+
+# ---- the issue's cases ---------------------------------------------------------------------------------------
+
+def _blocked_weight(device):
+    torch.manual_seed(11)
+    w = torch.randn(16, 256, device=device)
+    for g in range(8):  # 32-column blocks scaled by 10^((g mod 4) − 2)
+        w[:, 32 * g:32 * (g + 1)] *= 10.0 ** ((g % 4) - 2)
+    return w
+
+
+def test_case1_group_size_is_honoured(device):
+    w = _blocked_weight(device)
+    x = torch.randn(5, 256, device=device)
+    results = {}
+    for gs in [32, 64, 128, 256, -1, 0]:
+        y = opforge.fake_quant_linear(x, w, weight_bits=4, group_size=gs, symmetric=True)
+        ref = fake_quant_linear_reference(x.cpu(), w.cpu(), weight_bits=4, group_size=gs, symmetric=True)
+        wq = fake_quantize_weight_reference(w.cpu(), 4, gs, True)[0]
+        assert_matches_reference(y.cpu(), ref, torch.nn.functional.linear(x.cpu(), wq),
+                                 bound=gemm_error_bound(x.cpu(), wq, torch.float32))
+        results[gs] = opforge.fake_quantize_weight(w, 4, gs, True)[0]
+    # 32, 64, 128, 256 (= per channel here: K is 256) and per tensor: five different quantizations
+    distinct = [32, 64, 128, 256, 0]
+    for i, a in enumerate(distinct):
+        for b in distinct[i + 1:]:
+            assert not torch.equal(results[a], results[b]), f"group sizes {a} and {b} gave the same weight"
+    assert torch.equal(results[256], results[-1])
+    small = results[32][:, 0:32]  # the ×0.01 block keeps its own scale at group 32 ...
+    assert (small != 0).any()
+    assert (results[-1][:, 0:32] == 0).all()  # ... and vanishes per channel
+    with pytest.raises(ValueError, match=r"opforge::fake_quant_linear: expected group_size to divide in_features 256"
+                                         r".*but got 48"):
+        opforge.fake_quant_linear(x, w, group_size=48)
+
+
+def _weight_with_scale(target, x, device):
+    """A weight row [x, a, 0...] whose int4/int8 symmetric per-tensor scale is exactly `target` (fp32)."""
+    s = torch.tensor(target, dtype=torch.float32)
+    for bits in (4, 8, 3, 5, 6, 7):
+        half = (2 ** bits - 1) / 2
+        a = (s * half).reshape(1)
+        for _ in range(64):
+            if (a / half).item() == s.item() and a.item() > abs(x):
+                w = torch.zeros(1, 8)
+                w[0, 0], w[0, 1] = x, a.item()
+                return w.to(device), bits
+            a = torch.nextafter(a, torch.tensor([float("inf")]))
+    raise AssertionError("no weight with that scale found")
+
+
+def test_case2_rounding_multiplies_by_the_float32_reciprocal(device):
+    x = torch.tensor(2.119995355606079, dtype=torch.float32).item()
+    s = 0.32615312933921814
+    torch_value = torch.fake_quantize_per_tensor_affine(torch.tensor([x]), s, 0, -8, 7)
+    assert torch_value.item() == pytest.approx(2.283072, abs=1e-6)  # x · (1/s) rounds to 7 (x / s to 6)
+    w, bits = _weight_with_scale(s, x, device)
+    for gs in (0, -1, 8):
+        out, _, scale, _ = opforge.fake_quantize_weight(w, bits, gs, True)
+        assert scale.flatten()[0].item() == torch.tensor(s, dtype=torch.float32).item()
+        _equal_bits(out[0, :1].cpu(), torch.fake_quantize_per_tensor_affine(torch.tensor([x]), s, 0, -(2 ** (bits - 1)),
+                                                                              2 ** (bits - 1) - 1), "x")
+        assert out[0, 0].item() == pytest.approx(2.283072, abs=1e-6)
+
+
+def test_case2_ties_round_half_to_even(device):
+    ties = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5]
+    w = torch.tensor([ties + [127.5, 0.0]], device=device)  # int8 symmetric: scale = 127.5 / 127.5 = 1
+    out, mask, scale, _ = opforge.fake_quantize_weight(w, 8, -1, True)
+    assert scale.item() == 1.0
+    assert out[0, :6].tolist() == [0.0, 2.0, 2.0, 0.0, -2.0, -2.0]
+    assert out[0, 6].item() == 127.0 and not mask[0, 6]  # 127.5 rounds to 128: clamped, no gradient
+    torch.testing.assert_close(out.cpu(), torch.fake_quantize_per_channel_affine(
+        w.cpu(), torch.ones(1), torch.zeros(1, dtype=torch.int32), 0, -128, 127), rtol=0, atol=0)
+
+
+def test_case2_bfloat16_weight_is_upcast_before_quantizing(device):
+    w = (torch.randn(8, 64, device=device) * 3).bfloat16()
+    out = opforge.fake_quantize_weight(w, 4, 32, True)[0]
+    w32 = w.float()
+    _, _, scale, zp = opforge.fake_quantize_weight(w32, 4, 32, True)
+    expected = torch.fake_quantize_per_channel_affine(w32.cpu().reshape(-1, 32), scale.cpu().flatten(),
+                                                      zp.cpu().flatten(), 0, -8, 7).reshape(8, 64).bfloat16()
+    _equal_bits(out, expected, "bf16 weight")
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-30, torch.finfo(torch.float32).tiny, -torch.finfo(torch.float32).tiny])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_case3_zero_and_tiny_groups_stay_finite(device, value, symmetric):
+    w = torch.randn(4, 64, device=device)
+    w[1] = value  # a whole row (every group of it) of zeros or tiny values
+    w[2, :32] = value
+    w.requires_grad_()
+    x = torch.randn(3, 64, device=device)
+    x[1] = value  # a token of zeros or tiny values
+    x.requires_grad_()
+    b = torch.randn(4, device=device, requires_grad=True)
+    for gs in (-1, 0, 32):
+        y = opforge.fake_quant_linear(x, w, b, group_size=gs, symmetric=symmetric, act_quant=True)
+        assert torch.isfinite(y).all()
+        gx, gw, gb = torch.autograd.grad(y.square().sum(), (x, w, b))
+        assert torch.isfinite(gx).all() and torch.isfinite(gw).all() and torch.isfinite(gb).all()
+        out, _, scale, _ = opforge.fake_quantize_weight(w.detach(), 4, gs, symmetric)
+        assert torch.isfinite(out).all() and (scale > 0).all()
+
+
+# ---- the linear: values and straight-through gradients --------------------------------------------------------
+
+def _ste_reference_grads(x, w, b, dy, kw):
+    """float64 gradients of the straight-through estimator, and PyTorch's same math in x's dtype (the baseline)."""
+    wq, wm = fake_quantize_weight_reference(w.detach().cpu(), kw["weight_bits"], kw["group_size"], kw["symmetric"])[:2]
+    wq = wq.to(x.dtype)
+    if kw["act_quant"]:
+        xq, xm = fake_quantize_per_token_reference(x.detach().cpu())
+    else:
+        xq, xm = x.detach().cpu(), torch.ones(x.shape, dtype=torch.bool)
+    dy = dy.cpu()
+    K, N = w.shape[1], w.shape[0]
+    d2, x2, m2 = dy.reshape(-1, N), xq.reshape(-1, K), xm.reshape(-1, K)
+    ref = {"grad_input": ((d2.double() @ wq.double()) * m2).reshape(x.shape),
+           "grad_weight": (d2.double().t() @ x2.double()) * wm,
+           "grad_bias": d2.double().sum(0)}
+    base = {"grad_input": ((d2 @ wq) * m2).reshape(x.shape).to(x.dtype),
+            "grad_weight": ((d2.t() @ x2) * wm).to(w.dtype),
+            "grad_bias": d2.sum(0).to(b.dtype)}
+    bounds = {"grad_input": gemm_error_bound(d2, wq.t(), x.dtype).reshape(x.shape),
+              "grad_weight": gemm_error_bound(d2.t(), x2.t(), x.dtype), "grad_bias": None}
+    return ref, base, bounds
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("kw", [
+    dict(weight_bits=4, group_size=32, symmetric=True, act_quant=True),   # 8da4w
+    dict(weight_bits=4, group_size=-1, symmetric=False, act_quant=False),
+    dict(weight_bits=8, group_size=0, symmetric=True, act_quant=True),
+    dict(weight_bits=3, group_size=16, symmetric=False, act_quant=False),
+])
+def test_forward_and_gradients_match_float64(device, dtype, kw):
+    x = torch.randn(3, 7, 64, device=device).to(dtype).requires_grad_()
+    w = (torch.randn(40, 64, device=device) * 0.2).to(dtype).requires_grad_()
+    b = torch.randn(40, device=device).to(dtype).requires_grad_()
+    y = opforge.fake_quant_linear(x, w, b, **kw)
+    ref = fake_quant_linear_reference(x.cpu(), w.cpu(), b.cpu(), **kw)
+    wq = fake_quantize_weight_reference(w.detach().cpu(), kw["weight_bits"], kw["group_size"], kw["symmetric"])[0]
+    xq = fake_quantize_per_token_reference(x.cpu())[0] if kw["act_quant"] else x.detach().cpu()
+    base = torch.nn.functional.linear(xq, wq.to(dtype), b.detach().cpu())
+    assert_matches_reference(y.cpu(), ref, base, bound=gemm_error_bound(xq, wq, dtype))
+    dy = torch.randn(y.shape, device=device).to(dtype)
+    gx, gw, gb = torch.autograd.grad(y, (x, w, b), dy)
+    ref_g, base_g, bounds = _ste_reference_grads(x, w, b, dy, kw)
+    for name, got in (("grad_input", gx), ("grad_weight", gw), ("grad_bias", gb)):
+        assert_matches_reference(got.cpu(), ref_g[name], base_g[name], what=name, bound=bounds[name])
+    # the mask matters: clamped weights get exactly zero gradient (a group whose largest magnitude is positive
+    # clamps it: (qmax − qmin) / 2 rounds up to qmax + 1)
+    wm = fake_quantize_weight_reference(w.detach().cpu(), kw["weight_bits"], kw["group_size"], kw["symmetric"])[1]
+    assert (gw.cpu()[~wm] == 0).all()
+    if kw["symmetric"] and kw["group_size"] != 0:
+        assert (~wm).any()
+
+
+def test_mixed_dtypes_and_meta(device):
+    x = torch.randn(4, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, 32, device=device, requires_grad=True)  # float32 master weight
+    b = torch.randn(16, device=device, dtype=torch.float64, requires_grad=True)
+    y = opforge.fake_quant_linear(x, w, b, group_size=8, act_quant=True)
+    assert y.dtype == torch.bfloat16
+    gx, gw, gb = torch.autograd.grad(y.sum(), (x, w, b))
+    assert (gx.dtype, gw.dtype, gb.dtype) == (torch.bfloat16, torch.float32, torch.float64)
+    # the weight is quantized in float32, then converted: not the same as quantizing its bf16 rounding
+    wq = fake_quantize_weight_reference(w.detach().cpu(), 4, 8, True)[0].bfloat16()
+    _, wq_op, _, _, _ = fwd_op(x, w, b, weight_bits=4, group_size=8, symmetric=True, act_quant=True)
+    _equal_bits(wq_op, wq, "fq weight (float32 weight, bf16 input)")
+    meta = opforge.fake_quant_linear(x.to("meta"), w.to("meta"), b.to("meta"), group_size=8, act_quant=True)
+    assert meta.shape == y.shape and meta.dtype == y.dtype
+
+
+def test_autocast_quantizes_the_float32_weight(device):
+    x = torch.randn(4, 64, device=device)
+    w = torch.randn(8, 64, device=device)
+    dt = torch.bfloat16
+    with torch.autocast(device_type=device, dtype=dt):
+        y = opforge.fake_quant_linear(x, w, group_size=32, act_quant=True)
+    assert y.dtype == dt
+    _equal_bits(y, opforge.fake_quant_linear(x.to(dt), w, group_size=32, act_quant=True), "autocast")
+
+
+def test_zero_size(device):
+    x = torch.randn(0, 16, device=device, requires_grad=True)
+    w = torch.randn(4, 16, device=device, requires_grad=True)
+    y = opforge.fake_quant_linear(x, w, act_quant=True, group_size=8)
+    assert y.shape == (0, 4)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w))
+    out, mask, scale, zp = opforge.fake_quantize_weight(torch.randn(0, 16, device=device), 4, 0)
+    assert out.shape == (0, 16) and scale.shape == (1, 1)
+    assert opforge.fake_quantize_weight(torch.randn(3, 0, device=device), 4, 8)[2].shape == (3, 0)
+
+
+def test_only_requested_gradients(device):
+    x = torch.randn(5, 16, device=device, requires_grad=True)
+    w = torch.randn(4, 16, device=device)
+    y = opforge.fake_quant_linear(x, w, act_quant=True)
+    (gx,) = torch.autograd.grad(y.sum(), (x,))
+    assert gx.shape == x.shape
+    _, wq, wm, xq, xm = fwd_op(x.detach(), w, None, weight_bits=4, group_size=-1, symmetric=True, act_quant=True)
+    dy = torch.ones(5, 4, device=device)
+    gi, gw, gb = torch.ops.opforge.fake_quant_linear_backward(dy, xq, wq, wm, xm, [False, True, False])
+    assert gi is None and gb is None and gw.shape == w.shape
+
+
+def test_double_backward_is_a_clear_error(device):
+    x = torch.randn(3, 8, device=device, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 8, device=device, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(opforge.fake_quant_linear(x, w).sum(), (x,), create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        gx.sum().backward()
+
+
+def test_opcheck(device):
+    x = torch.randn(6, 32, device=device, requires_grad=True)
+    w = torch.randn(5, 32, device=device, requires_grad=True)
+    b = torch.randn(5, device=device, requires_grad=True)
+    kw = dict(weight_bits=4, group_size=8, symmetric=False, act_quant=True)
+    torch.library.opcheck(torch.ops.opforge.fake_quant_linear, (x, w, b), kw)
+    torch.library.opcheck(fwd_op, (x, w, b), kw)
+    _, wq, wm, xq, xm = fwd_op(x.detach(), w.detach(), b.detach(), **kw)
+    dy = torch.randn(6, 5, device=device)
+    torch.library.opcheck(torch.ops.opforge.fake_quant_linear_backward,
+                          (dy, xq, wq, wm, xm, [True, True, True], torch.float32, torch.float32))
+    torch.library.opcheck(torch.ops.opforge.fake_quantize_weight, (w.detach(), 4, 8, True))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_matches_eager(device, dynamic):
+    x = torch.randn(8, 32, device=device, requires_grad=True)
+    w = torch.randn(6, 32, device=device, requires_grad=True)
+    b = torch.randn(6, device=device, requires_grad=True)
+
+    def f(x, w, b):
+        return opforge.fake_quant_linear(x, w, b, group_size=16, act_quant=True).square().sum()
+
+    out = torch.compile(f, fullgraph=True, dynamic=dynamic)(x, w, b)
+    grads = torch.autograd.grad(out, (x, w, b))
+    ref = f(x, w, b)
+    ref_grads = torch.autograd.grad(ref, (x, w, b))
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_torch_func_grad(device):
+    x = torch.randn(4, 16, device=device)
+    w = torch.randn(3, 16, device=device)
+    gw = torch.func.grad(lambda w: opforge.fake_quant_linear(x, w, group_size=8, act_quant=True).sum())(w)
+    w2 = w.clone().requires_grad_()
+    opforge.fake_quant_linear(x, w2, group_size=8, act_quant=True).sum().backward()
+    torch.testing.assert_close(gw, w2.grad, rtol=0, atol=0)
+
+
+def test_gradcheck_float64(device):
+    # the STE gradient is the derivative of y = fq_a(x) · fq_w(w)ᵀ + b with the quantizers held fixed: checked
+    # with respect to the bias exactly, and the input/weight gradients against the formula above
+    x = torch.randn(3, 8, device=device, dtype=torch.float64)
+    w = torch.randn(4, 8, device=device, dtype=torch.float64)
+    b = torch.randn(4, device=device, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda b: opforge.fake_quant_linear(x, w, b, group_size=4, act_quant=True), (b,))
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, kw, exc, match", [
+    ((torch.randn(2, 8), torch.randn(3, 8)), dict(weight_bits=1), ValueError,
+     r"opforge::fake_quant_linear: expected weight_bits in \[2, 8\], but got 1"),
+    ((torch.randn(2, 8), torch.randn(3, 8)), dict(weight_bits=9), ValueError, r"expected weight_bits in \[2, 8\], but got 9"),
+    ((torch.randn(2, 8), torch.randn(3, 8)), dict(group_size=3), ValueError,
+     r"expected group_size to divide in_features 8 .*but got 3"),
+    ((torch.randn(2, 8), torch.randn(3, 8)), dict(group_size=-2), ValueError, r"expected group_size to be -1 .*but got -2"),
+    ((torch.randn(2, 8), torch.randn(3, 7)), {}, ValueError, r"expected input's last dimension to equal weight's in_features 7"),
+    ((torch.randn(2, 8), torch.randn(3, 8, 1)), {}, ValueError, r"expected weight to be 2-D"),
+    ((torch.ones(2, 8, dtype=torch.int32), torch.randn(3, 8)), {}, TypeError, r"expected input to have a floating dtype"),
+    ((torch.randn(2, 8), torch.randn(3, 8), torch.randn(4)), {}, ValueError, r"expected bias of shape \[3\]"),
+])
+def test_bad_inputs_raise_clear_errors(args, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        opforge.fake_quant_linear(*args, **kw)
+
+
+def test_fake_quantize_weight_errors():
+    with pytest.raises(ValueError, match=r"opforge::fake_quantize_weight: expected weight to be 2-D"):
+        opforge.fake_quantize_weight(torch.randn(8))
+    with pytest.raises(ValueError, match=r"opforge::fake_quantize_weight: expected group_size to divide in_features 8"):
+        opforge.fake_quantize_weight(torch.randn(2, 8), 4, 5)
+    with pytest.raises(TypeError, match=r"expected weight to have a floating dtype"):
+        opforge.fake_quantize_weight(torch.ones(2, 8, dtype=torch.int64))
+
+
+# ---- CPU and CUDA give the same bits ----------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape, group_size", [((64, 4096), 32), ((33, 768), -1), ((7, 12), 4), ((5, 4100), -1),
+                                               ((40, 256), 0), ((3, 8200), 8200), ((16, 96), 48)])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_cpu_and_cuda_bit_identical(dtype, shape, group_size, symmetric):
+    w = (torch.randn(shape) * torch.logspace(-3, 1, shape[1])).to(dtype)
+    for a, b, name in zip(opforge.fake_quantize_weight(w, 4, group_size, symmetric),
+                          opforge.fake_quantize_weight(w.cuda(), 4, group_size, symmetric),
+                          ("output", "mask", "scale", "zero_point")):
+        _equal_bits(a, b.cpu(), name)
+    x = torch.randn(shape[0], shape[1]).to(dtype)
+    wc = torch.randn(3, shape[1]).to(dtype)
+    cpu = fwd_op(x, wc, None, weight_bits=4, group_size=-1, symmetric=True, act_quant=True)
+    gpu = fwd_op(x.cuda(), wc.cuda(), None, weight_bits=4, group_size=-1, symmetric=True, act_quant=True)
+    for i in (1, 2, 3, 4):
+        _equal_bits(cpu[i], gpu[i].cpu(), f"forward output {i}")
+    # an unaligned (sliced) weight takes the scalar path: same bits
+    buf = torch.randn(shape[0] * shape[1] + 1).to(dtype)
+    wu = buf[1:].view(shape)
+    _equal_bits(opforge.fake_quantize_weight(wu, 4, group_size, symmetric)[0],
+                opforge.fake_quantize_weight(buf.cuda()[1:].view(shape), 4, group_size, symmetric)[0].cpu(), "unaligned")
+
+
+# ---- the module ------------------------------------------------------------------------------------------------
+
+def test_fake_quant_linear_module_and_torchao_layout(device):
+    lin = torch.nn.Linear(64, 24).to(device)
+    m = opforge.nn.FakeQuantLinear.from_linear(lin, weight_bits=4, group_size=32, act_quant=True)
+    assert m.weight is lin.weight and m.bias is lin.bias
+    x = torch.randn(5, 64, device=device)
+    torch.testing.assert_close(m(x), opforge.fake_quant_linear(x, lin.weight, lin.bias, weight_bits=4, group_size=32,
+                                                               act_quant=True), rtol=0, atol=0)
+    m.weight.data[0, 0] = 10.0  # a clamped value
+    for gs, sym in ((32, True), (-1, False), (0, True)):
+        m.group_size, m.symmetric = gs, sym
+        c = m.convert()
+        ng = {32: 2, -1: 1, 0: 1}[gs]
+        assert c["weight"].dtype == torch.int8 and c["weight"].shape == (24, 64)
+        assert c["scales"].dtype == torch.float32 and c["scales"].shape == ((1, 1) if gs == 0 else (24, ng))
+        assert c["zeros"].shape == c["scales"].shape and c["zeros"].dtype == torch.float32
+        assert int(c["weight"].min()) >= -8 and int(c["weight"].max()) <= 7
+        cols = 64 if gs in (-1, 0) else gs
+        s = c["scales"].expand(24, 64) if gs == 0 else c["scales"].repeat_interleave(cols, 1)
+        z = c["zeros"].expand(24, 64) if gs == 0 else c["zeros"].repeat_interleave(cols, 1)
+        deq = (c["weight"].float() - z) * s
+        _equal_bits(deq, opforge.fake_quantize_weight(m.weight.detach(), 4, gs, sym)[0], "dequantized convert()")
+        if sym:
+            assert (c["zeros"] == 0).all()
+    assert "group_size=0" in repr(m)
