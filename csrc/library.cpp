@@ -38,4 +38,13 @@ TORCH_LIBRARY(opforge, m) {
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   // (grad_gate, grad_up) of swiglu in one fused pass
   m.def("swiglu_backward(Tensor grad_output, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  // ---- linear variants (issue 11): linear_cat, indexed_linear ----
+  // y = linear(cat(inputs, -1), weight, bias) without the concatenated buffer; inputs (*, K_i) of one leading shape, weight (N, ΣK_i), bias (N,)
+  m.def("linear_cat(Tensor[] inputs, Tensor weight, Tensor? bias=None) -> Tensor");
+  // (grad_inputs (one per input, an empty list unless output_mask[0]), grad_weight, grad_bias in bias_dtype) of linear_cat
+  m.def("linear_cat_backward(Tensor grad_output, Tensor[] inputs, Tensor weight, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor[] grad_inputs, Tensor grad_weight, Tensor grad_bias)");
+  // y[t] = input[t] · weight[index[t]]ᵀ + bias[index[t]]; input (T, K), weight (E, N, K), index (T,) int64 (−1: a zero row), bias (E, N)
+  m.def("indexed_linear(Tensor input, Tensor weight, Tensor index, Tensor? bias=None) -> Tensor");
+  // (grad_input, grad_weight, grad_bias in bias_dtype) of indexed_linear, each only if its output_mask entry is set; experts without tokens get zeros
+  m.def("indexed_linear_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor index, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
 }

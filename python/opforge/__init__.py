@@ -90,5 +90,7 @@ library_path = _load()
 
 from . import functional, nn  # noqa: E402
 from .functional import fused_add_rms_norm, linear, rms_norm, sigmoid, square, square_add, swiglu  # noqa: E402
+from .functional import indexed_linear, linear_cat  # noqa: E402  (linear variants, issue 11)
 
 __all__ = ["cmake_prefix_path", "functional", "fused_add_rms_norm", "library_path", "linear", "nn", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
+__all__ += ["indexed_linear", "linear_cat"]  # linear variants (issue 11)
