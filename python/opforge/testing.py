@@ -198,7 +198,8 @@ def indexed_linear_reference(input: Tensor, weight: Tensor, index: Tensor, bias:
     """y[t] = input[t] · weight[index[t]]ᵀ + bias[index[t]] in float64, a loop over experts; rows with index −1
     are zero. input (T, K), weight (E, N, K), index (T,), bias (E, N) -> (T, N) float64. Differentiable."""
     x, w = input.double(), weight.double()
-    y = x.new_zeros(x.shape[0], w.shape[1])
+    # zeros connected to every input (zero gradients even when no row selects a weight)
+    y = x.new_zeros(x.shape[0], w.shape[1]) + 0 * (x.sum() + w.sum() + (bias.double().sum() if bias is not None else 0))
     for e in range(w.shape[0]):
         rows = (index == e).nonzero().flatten()
         if rows.numel() == 0:

@@ -177,7 +177,9 @@ variable_list linear_cat_double_backward_fn(const BackwardArgs& a) {
   const auto dtype = a.saved[0].scalar_type();
   const at::Tensor Wc = W.to(dtype);
   const at::Tensor& dY = a.grads[0];
-  const at::Tensor dY2 = dY.reshape({-1, dY.size(-1)});
+  int64_t M = 1;
+  for (int64_t d = 0; d + 1 < dY.dim(); ++d) M *= dY.size(d);
+  const at::Tensor dY2 = dY.reshape({M, dY.size(-1)});
   variable_list out(P + 2);
   std::vector<at::Tensor> dW_parts;
   int64_t k0 = 0;
@@ -186,7 +188,7 @@ variable_list linear_cat_double_backward_fn(const BackwardArgs& a) {
     const int64_t Ki = X.size(-1);
     const at::Tensor Wi = Wc.narrow(1, k0, Ki);
     if (a.needs[i]) out[i] = at::matmul(dY, Wi);
-    if (a.needs[P]) dW_parts.push_back(dY2.t().mm(X.reshape({-1, Ki})));
+    if (a.needs[P]) dW_parts.push_back(dY2.t().mm(X.reshape({M, Ki})));
     k0 += Ki;
   }
   if (a.needs[P]) out[P] = at::cat(dW_parts, 1).to(W.scalar_type());

@@ -1,6 +1,7 @@
 // CUDA kernels of linear_cat: cublasGemmEx piece by piece on torch's cuBLAS handle and current stream.
 //
 // Forward, Y[M, N] = Σ_i X_i · W_iᵀ + b with W_i = W[:, k_i : k_i + K_i] read in place (leading dimension K):
+//   one piece        (or one of non-zero width, any dtype) as below: C = Y directly, cuBLAS rounds once.
 //   float32/float64  Y starts as the bias (or the first GEMM writes it with beta = 0); every further piece
 //                    accumulates into Y with beta = 1 (Y is already the opmath type).
 //   float16/bfloat16 the pieces accumulate into a float32 buffer C (cublasGemmEx with 16-bit A, B and a float32
@@ -16,6 +17,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <climits>
 
 #include "core/check.h"
@@ -111,7 +113,10 @@ at::Tensor linear_cat_cuda(at::TensorList inputs, const at::Tensor& weight, cons
   out_sizes.push_back(p.N);
   at::Tensor Y = at::empty({p.M, p.N}, inputs[0].options());
   if (p.M == 0 || p.N == 0) return Y.view(out_sizes);
-  if (dtype == at::kFloat || dtype == at::kDouble) {
+  int64_t nonempty = 0;
+  for (const int64_t k : p.Ki) nonempty += k > 0 ? 1 : 0;
+  if (dtype == at::kFloat || dtype == at::kDouble || nonempty <= 1) {
+    // opmath output, or a single product: cuBLAS's fp32 alpha·A·B + beta·C (C = the bias) rounds once
     accumulate_pieces(p, 0, p.M, Y);
   } else {
     const int64_t R = acc_rows(p.M, p.N);
