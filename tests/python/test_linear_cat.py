@@ -223,3 +223,18 @@ def test_bad_inputs_raise_clear_errors(make, exc, match):
 def test_inputs_on_different_devices_raise():
     with pytest.raises(RuntimeError, match="opforge::linear_cat: expected inputs\\[0\\] and weight to be on the same device"):
         opforge.linear_cat([torch.randn(2, 3, device="cuda")], torch.randn(4, 3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_peak_memory_has_no_concatenated_buffer():
+    """Forward keeps no (M, ΣK_i) buffer: memory held after the forward is the output only (nothing saved but
+    the caller's own pieces and weight)."""
+    M, N = 4096, 256
+    xs = [torch.randn(M, k, device="cuda", dtype=torch.bfloat16, requires_grad=True) for k in (1024, 1024)]
+    w = torch.randn(N, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = opforge.linear_cat(xs, w)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    assert held <= y.numel() * y.element_size() + (1 << 20), f"{held} bytes held after forward"
