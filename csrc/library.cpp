@@ -59,4 +59,13 @@ TORCH_LIBRARY(opforge, m) {
   // (grad_input, grad_linear_weight, grad_linear_bias) of linear_cross_entropy, each only if its output_mask entry is
   // set; grad_output () for mean/sum, (*) for none; logits recomputed per chunk from stats; dW, db accumulated in fp32
   m.def("linear_cross_entropy_backward(Tensor grad_output, Tensor input, Tensor linear_weight, Tensor target, Tensor stats, Tensor? linear_bias, Tensor? weight, str reduction, int ignore_index, float label_smoothing, float z_loss, float? softcap, bool[3] output_mask, int? chunk_size=None) -> (Tensor, Tensor, Tensor)");
+  // ---- linear variants (issue 11): linear_cat, indexed_linear ----
+  // y = linear(cat(inputs, -1), weight, bias) without the concatenated buffer; inputs (*, K_i) of one leading shape, weight (N, ΣK_i), bias (N,)
+  m.def("linear_cat(Tensor[] inputs, Tensor weight, Tensor? bias=None) -> Tensor");
+  // (grad_inputs (one per input, an empty list unless output_mask[0]), grad_weight, grad_bias in bias_dtype) of linear_cat
+  m.def("linear_cat_backward(Tensor grad_output, Tensor[] inputs, Tensor weight, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor[] grad_inputs, Tensor grad_weight, Tensor grad_bias)");
+  // y[t] = input[t] · weight[index[t]]ᵀ + bias[index[t]]; input (T, K), weight (E, N, K), index (T,) int64 (−1: a zero row), bias (E, N)
+  m.def("indexed_linear(Tensor input, Tensor weight, Tensor index, Tensor? bias=None) -> Tensor");
+  // (grad_input, grad_weight, grad_bias in bias_dtype) of indexed_linear, each only if its output_mask entry is set; experts without tokens get zeros
+  m.def("indexed_linear_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor index, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
 }

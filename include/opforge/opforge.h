@@ -16,6 +16,7 @@
 #include <array>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace opforge {
 
@@ -144,5 +145,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_weight(
                                                                                 int64_t group_size = -1,
                                                                                 bool symmetric = true);
 // ---- end fake_quant_linear ----
+// ---- linear variants (issue 11): linear_cat, indexed_linear ----
+
+/// y = linear(cat(inputs, -1), weight, bias) without the concatenated buffer (nor saving it for backward).
+/// inputs: P ≥ 1 tensors (*, K_i) of one dtype and one leading shape (*) (K_i may be 0); weight (N, ΣK_i),
+/// bias (N,) or none -> (*, N) in the inputs' dtype. The pieces' products are summed in fp32 (fp64 for fp64)
+/// with the bias and rounded once.
+at::Tensor linear_cat(at::TensorList inputs, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias = std::nullopt);
+
+/// Gradients of linear_cat for grad_output (*, N): (grad_inputs, one per input in its shape and dtype (an empty
+/// vector unless output_mask[0]), grad_weight (N, ΣK_i) in weight's dtype, written slice by slice, grad_bias (N,)
+/// in bias_dtype (the inputs' dtype when nullopt), Σ_rows in fp32).
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> linear_cat_backward(
+    const at::Tensor& grad_output, at::TensorList inputs, const at::Tensor& weight, std::array<bool, 3> output_mask,
+    std::optional<at::ScalarType> bias_dtype = std::nullopt);
+
+/// y[t] = input[t] · weight[index[t]]ᵀ + bias[index[t]]: each token picks its weight from a bank (mixture of
+/// experts, multi-LoRA). input (T, K), weight (E, N, K), index (T,) int64, bias (E, N) or none -> (T, N) in
+/// input's dtype. index[t] == −1: row t is exactly zero (and gets no gradient). index ≥ E or < −1: an error on
+/// CPU (IndexError); on CUDA such a row is treated as −1 (zero row, no gradient, no out-of-bounds read, no host
+/// synchronisation). fp32 accumulation.
+at::Tensor indexed_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
+                          const std::optional<at::Tensor>& bias = std::nullopt);
+
+/// Gradients of indexed_linear for grad_output (T, N): (grad_input (T, K), grad_weight (E, N, K) in weight's dtype,
+/// grad_bias (E, N) in bias_dtype); entry i only when output_mask[i]. Experts that received no token get exactly
+/// zero gradients; rows with index −1 get a zero grad_input.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
+    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype = std::nullopt);
 
 }  // namespace opforge

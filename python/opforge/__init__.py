@@ -137,6 +137,7 @@ from . import profiling  # noqa: E402,F401  (reads OPFORGE_NVTX once)
 
 from . import functional, nn  # noqa: E402
 from .functional import fused_add_rms_norm, linear, rms_norm, sigmoid, square, square_add, swiglu  # noqa: E402
+from .functional import indexed_linear, linear_cat  # noqa: E402  (linear variants, issue 11)
 
 __all__ = ["cmake_prefix_path", "functional", "fused_add_rms_norm", "library_path", "linear", "nn", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
 
@@ -146,3 +147,4 @@ __all__ += ["linear_cross_entropy"]
 from .functional import fake_quant_linear, fake_quantize_weight  # noqa: E402
 
 __all__ += ["fake_quant_linear", "fake_quantize_weight"]
+__all__ += ["indexed_linear", "linear_cat"]  # linear variants (issue 11)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["LINEAR_ACTIVATIONS", "fused_add_rms_norm", "linear", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
+__all__ += ["linear_cat", "indexed_linear"]  # linear variants (issue 11)
 
 
 #: The activations of :func:`linear`, by name.
@@ -392,3 +393,84 @@ def fake_quantize_weight(weight: Tensor, bits: int = 4, group_size: int = -1,
     Not differentiable (its outputs carry no autograd history); :func:`fake_quant_linear` is.
     """
     return torch.ops.opforge.fake_quantize_weight(weight, bits, group_size, symmetric)
+# ---- linear variants (issue 11): linear_cat, indexed_linear -----------------------------------------------
+
+def linear_cat(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """y = linear(cat(inputs, -1), weight, bias) = Σ_i inputs[i] · weight[:, k_i : k_i + K_i]ᵀ + bias, without
+    the concatenated buffer.
+
+    Neither the forward nor the backward materialises ``torch.cat(inputs, -1)``: each piece is multiplied by
+    its column slice of ``weight`` (read in place), and autograd saves the pieces themselves, not their
+    concatenation. Each piece gets its own gradient; the weight gradient is written slice by slice into one
+    tensor.
+
+    Args:
+        inputs: sequence of P ≥ 1 tensors (*, K_i), float64, float32, float16 or bfloat16, all of one dtype and
+            one leading shape (*) (M = prod(*) rows, may be 0); K_i may be 0; any strides.
+        weight: (N, ΣK_i) floating. Converted to the inputs' dtype if it differs; its gradient comes back in
+            weight's own dtype.
+        bias: (N,) floating, or None. Converted like weight; its gradient comes back in bias's dtype.
+            Default: None.
+
+    Returns:
+        (*, N) contiguous tensor in the inputs' dtype.
+
+    Raises:
+        ValueError: an empty sequence; a 0-dim piece; pieces with different leading dims; weight not 2-D;
+            ΣK_i != weight's in_features; bias not of shape (N,).
+        TypeError: a non-floating tensor; pieces of different dtypes.
+        RuntimeError: tensors on different devices; on CUDA, M, N or a K_i above 2**31 - 1.
+
+    Numerics: one rounding. The pieces' products are summed in float32 (float64 for float64) together with
+    the bias and rounded once to the output dtype, as one GEMM over the concatenation does (rounding each
+    piece's product to bfloat16 and adding would raise the error by about 1.5×). CPU: ATen's addmm into a
+    float32 buffer (16-bit pieces are converted to float32 for it). CUDA: cublasGemmEx per piece into a
+    float32 buffer with beta = 1 (16-bit A, B; float32 C; at most 2**24 floats, row block by row block), then
+    one rounding pass; float32/float64 accumulate in the output itself. grad_bias sums in float32.
+
+    Source: torch.nn.functional.linear over torch.cat; gradients dX_i = dY·W_i, dW[:, k_i:k_i+K_i] = dYᵀ·X_i,
+    db = Σ_rows dY (``torch.ops.opforge.linear_cat_backward``).
+    """
+    return torch.ops.opforge.linear_cat(list(inputs), weight, bias)
+
+
+def indexed_linear(input: Tensor, weight: Tensor, index: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """y[t] = input[t] · weight[index[t]]ᵀ + bias[index[t]]: each token picks its weight from a bank.
+
+    The per-token (mixture-of-experts, multi-LoRA) linear layer, differentiable in input, weight and bias.
+
+    Args:
+        input: (T, K) float64, float32, float16 or bfloat16, any strides.
+        weight: (E, N, K) floating: E weights (out_features N, in_features K). Any strides (a transposed
+            ``(E, K, N)`` bank's ``.transpose(1, 2)`` or a slice ``w13[:, :N]`` work; a non-contiguous bank is
+            copied once). Converted to input's dtype if it differs; its gradient comes back in its own dtype.
+        index: (T,) int64. index[t] in [0, E) picks weight[index[t]]; −1 means "no weight": row t of the
+            output is exactly zero and input[t] gets a zero gradient.
+        bias: (E, N) floating, or None. Default: None.
+
+    Returns:
+        (T, N) contiguous tensor in input's dtype.
+
+    Raises:
+        IndexError: (CPU) an index ≥ E or < −1. On CUDA, where checking would need a host synchronisation,
+            such a row is treated as −1 (zero output, no gradient); nothing out of bounds is ever read.
+        ValueError: input not 2-D, weight not 3-D, index not 1-D or not of length T, K mismatch, bias not
+            (E, N).
+        TypeError: a non-floating input/weight/bias; index not int64.
+        RuntimeError: tensors on different devices.
+
+    Gradients: grad_weight[e] = Σ_{t: index[t]=e} dy[t]ᵀ·input[t] and grad_bias[e] = Σ dy[t]; an expert that
+    received no token gets exactly zero gradients.
+
+    Numerics: float32 accumulation (float64 for float64). CPU: tokens grouped by expert (stable argsort),
+    one ATen GEMM per expert. CUDA, two regimes by shape, no host synchronisation (CUDA-graph capturable):
+    T ≤ 16 a gather-GEMV (one block per token, the selected rows of the bank streamed once); more tokens are
+    sorted by expert on the device and run through a grouped GEMM with device-side offsets:
+    ``torch._grouped_mm`` for bfloat16 on sm_90 with K, N multiples of 8 (the bias then added after the
+    bfloat16 rounding of the product: two roundings), our tiled fp32-accumulating kernel otherwise.
+    ``OPFORGE_INDEXED_LINEAR_PATH=gemv|grouped|grouped_mm`` forces a path.
+
+    Source: the batched GEMV of multi-LoRA serving (Punica's BGMV / S-LoRA) and mixture-of-experts grouped
+    GEMMs; reference: a loop over experts (``opforge.testing.indexed_linear_reference``).
+    """
+    return torch.ops.opforge.indexed_linear(input, weight, index, bias)

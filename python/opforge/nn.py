@@ -13,6 +13,7 @@ import torch
 from . import functional as F
 
 __all__ = ["FusedAddRMSNorm", "GatedMLP", "Linear", "RMSNorm", "Sigmoid"]
+__all__ += ["IndexedLinear"]  # linear variants (issue 11)
 
 
 class Linear(torch.nn.Linear):
@@ -314,3 +315,46 @@ class FakeQuantLinear(torch.nn.Linear):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, weight_bits={self.weight_bits}, group_size={self.group_size}, "
                 f"symmetric={self.symmetric}, act_quant={self.act_quant}")
+# ---- linear variants (issue 11) -------------------------------------------------------------------------
+
+class IndexedLinear(torch.nn.Module):
+    """y[t] = x[t] · weight[index[t]]ᵀ + bias[index[t]] through :func:`opforge.functional.indexed_linear`.
+
+    A bank of ``num_experts`` linear layers; each token picks one by ``index`` (−1: none, a zero row).
+
+    Args:
+        in_features: K.
+        out_features: N.
+        num_experts: E.
+        bias: learn a per-expert bias (E, N). Default: True.
+        device, dtype: factory keyword arguments for the parameters.
+
+    Parameters: ``weight`` (E, N, K) and ``bias`` (E, N), each expert initialised as torch.nn.Linear
+    initialises its weight and bias (uniform in ±1/√K).
+
+    Shape: input (T, K), index (T,) int64 -> output (T, N).
+
+    Raises: as :func:`opforge.functional.indexed_linear`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, num_experts: int, bias: bool = True, device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.in_features, self.out_features, self.num_experts = in_features, out_features, num_experts
+        self.weight = torch.nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
+        self.bias = torch.nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / (self.in_features ** 0.5) if self.in_features > 0 else 0.0
+        torch.nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, input: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return F.indexed_linear(input, self.weight, index, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"num_experts={self.num_experts}, bias={self.bias is not None}")

@@ -34,6 +34,7 @@ __all__ = [
     "gemm_error_bound",
     "FLOAT64_TOLERANCE",
 ]
+__all__ += ["linear_cat_reference", "indexed_linear_reference"]  # linear variants (issue 11)
 
 #: Elementwise bound for float64 results, relative to max(1, the reference's largest magnitude).
 FLOAT64_TOLERANCE = 1e-12
@@ -308,3 +309,27 @@ def fake_quant_linear_reference(input: Tensor, weight: Tensor, bias: Optional[Te
     wq = fake_quantize_weight_reference(weight, weight_bits, group_size, symmetric)[0].to(input.dtype)
     xq = fake_quantize_per_token_reference(input)[0] if act_quant else input.detach()
     return linear_reference(xq, wq, bias)
+# ---- linear variants (issue 11) -----------------------------------------------------------------------------
+
+def linear_cat_reference(inputs, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """linear(cat(inputs, -1), weight, bias) in float64. inputs: (*, K_i) each -> (*, N) float64."""
+    x = torch.cat([t.double() for t in inputs], -1)
+    y = x @ weight.double().t()
+    return y + bias.double() if bias is not None else y
+
+
+def indexed_linear_reference(input: Tensor, weight: Tensor, index: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """y[t] = input[t] · weight[index[t]]ᵀ + bias[index[t]] in float64, a loop over experts; rows with index −1
+    are zero. input (T, K), weight (E, N, K), index (T,), bias (E, N) -> (T, N) float64. Differentiable."""
+    x, w = input.double(), weight.double()
+    # zeros connected to every input (zero gradients even when no row selects a weight)
+    y = x.new_zeros(x.shape[0], w.shape[1]) + 0 * (x.sum() + w.sum() + (bias.double().sum() if bias is not None else 0))
+    for e in range(w.shape[0]):
+        rows = (index == e).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        ye = x[rows] @ w[e].t()
+        if bias is not None:
+            ye = ye + bias[e].double()
+        y = y.index_copy(0, rows, ye)
+    return y

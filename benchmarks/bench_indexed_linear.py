@@ -1,0 +1,133 @@
+"""Benchmark indexed_linear against a Python loop over experts and torch._grouped_mm (sort included) (issue 11).
+
+Goals (H200, bf16):
+  - training/prefill: T 4096, E 8, K = N = 4096, forward+backward ≥ 3× a Python loop over experts and ≥ 1.0×
+    torch._grouped_mm with the sort (argsort, gather, offsets, scatter back) included;
+  - decode: T 8, E 64, shrink (K 4096, N 16) and expand (K 16, N 4096) forward ≥ 0.8 of the copy ceiling in bytes
+    touched (the selected experts' weights + input + output), the "copy" row being a device copy of that many
+    bytes.
+
+Metric: TFLOP/s (2·T·N·K forward, 3× for forward+backward) for the prefill shapes, GB/s of bytes touched for
+decode. CUDA: common.time_fn (events, L2 flushed, median); decode rows by common.time_cuda_graph (device time).
+
+    python benchmarks/bench_indexed_linear.py
+    python benchmarks/bench_indexed_linear.py --device cpu --quick
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import Row  # noqa: E402
+
+try:
+    import opforge
+except ImportError:
+    sys.path.insert(0, str(common.REPO_ROOT / "python"))
+    import opforge
+
+NAME = "indexed_linear"
+CUDA_PREFILL = [(4096, 8, 4096, 4096), (16384, 8, 2048, 1024)]
+CUDA_DECODE = [(8, 64, 16, 4096), (8, 64, 4096, 16)]  # (T, E, N, K): shrink K 4096 -> N 16, expand K 16 -> N 4096
+CPU_PREFILL = [(512, 4, 256, 256)]
+CPU_DECODE = [(8, 16, 16, 1024)]
+
+
+def ours(x, w, index, b):
+    return opforge.indexed_linear(x, w, index, b)
+
+
+def expert_loop(x, w, index, b):
+    """A Python loop over experts (the common eager MoE implementation; one host sync per expert)."""
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    for e in range(w.shape[0]):
+        rows = (index == e).nonzero().flatten()
+        if rows.numel():
+            out = out.index_copy(0, rows, F.linear(x[rows], w[e], b[e]))
+    return out
+
+
+def grouped_mm(x, w, index, b):
+    """torch._grouped_mm with the sort included: argsort, gather, int32 offsets, GEMM, bias, scatter back."""
+    order = torch.argsort(index, stable=True)
+    counts = torch.bincount(index, minlength=w.shape[0])
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    ys = torch._grouped_mm(x[order], w.transpose(1, 2), offs) + b[index[order]]
+    return torch.empty_like(ys).index_copy(0, order, ys)
+
+
+def main(argv=None) -> int:
+    args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
+    device = args.device
+    cuda = device.startswith("cuda")
+    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16] if cuda else [torch.float32])
+    prefill = (CUDA_PREFILL[:1] if args.quick else CUDA_PREFILL) if cuda else CPU_PREFILL
+    decode = CUDA_DECODE if cuda else CPU_DECODE
+    warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
+    reps = args.reps if args.reps is not None else ((10 if args.quick else 30) if cuda else 3)
+    rows: list[Row] = []
+    for dtype in dtypes:
+        for T, E, N, K in prefill:
+            x = torch.randn(T, K, device=device, dtype=dtype)
+            w = (torch.randn(E, N, K, device=device) / K ** 0.5).to(dtype)
+            b = torch.randn(E, N, device=device, dtype=dtype)
+            index = torch.randint(0, E, (T,), device=device)
+            dy = torch.randn(T, N, device=device, dtype=dtype)
+            leaves = [t.detach().clone().requires_grad_() for t in (x, w)]
+            bl = b.detach().clone().requires_grad_()
+            impls = {"opforge": ours, "expert loop": expert_loop}
+            if cuda and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+                impls["torch._grouped_mm+sort"] = grouped_mm
+            shape = f"T{T} E{E} {K}->{N}"
+            for pass_ in ("fwd", "fwd+bwd"):
+                group = []
+                for impl, fn in impls.items():
+                    if pass_ == "fwd":
+                        step = lambda fn=fn: fn(x, w, index, b)  # noqa: E731
+                    else:
+                        step = common.fwd_bwd(lambda x_, w_, b_, fn=fn: fn(x_, w_, index, b_), [*leaves, bl], dy)
+                    t = common.time_fn(step, device, warmup=warmup, reps=reps)
+                    flops = 2 * T * N * K * (1 if pass_ == "fwd" else 3)
+                    rows.append(Row(NAME, shape, common.dtype_str(dtype), impl, pass_, t, common.tflops(flops, t),
+                                    "TFLOP/s"))
+                    group.append(f"{impl} {common._fmt(t)}us {common._fmt(common.tflops(flops, t))}TF")
+                print(f"  {NAME} {pass_} {common.dtype_str(dtype)} {shape}: " + "; ".join(group), flush=True)
+            del x, w, b, dy, leaves, bl
+        for T, E, N, K in decode:
+            elem = torch.empty((), dtype=dtype).element_size()
+            x = torch.randn(T, K, device=device, dtype=dtype)
+            w = (torch.randn(E, N, K, device=device) / K ** 0.5).to(dtype)
+            b = torch.randn(E, N, device=device, dtype=dtype)
+            index = torch.randperm(E, device=device)[:T]  # distinct experts: every token streams its own weight
+            touched = (T * N * K + T * K + T * N + T * N) * elem
+            src = torch.empty(touched // 2, dtype=torch.uint8, device=device)
+            dst = torch.empty_like(src)
+            impls = {"opforge": lambda: ours(x, w, index, b), "expert loop": lambda: expert_loop(x, w, index, b),
+                     "copy": lambda: dst.copy_(src)}
+            shape = f"T{T} E{E} {K}->{N}"
+            group = []
+            for impl, fn in impls.items():
+                if cuda and impl != "expert loop":
+                    try:
+                        t, _ = common.time_cuda_graph(lambda i, fn=fn: fn(), 50, reps=reps, warmup=warmup)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  [n/a] {impl}: {e}", file=sys.stderr)
+                        t = math.nan
+                else:
+                    t = common.time_fn(fn, device, warmup=warmup, reps=reps)
+                rows.append(Row(NAME, shape, common.dtype_str(dtype), impl, "fwd", t, common.gbps(touched, t), "GB/s"))
+                group.append(f"{impl} {common._fmt(t)}us {common._fmt(common.gbps(touched, t), 0)}GB/s")
+            print(f"  {NAME} decode fwd {common.dtype_str(dtype)} {shape} ({touched} bytes): " + "; ".join(group),
+                  flush=True)
+    common.finish(rows, NAME, device, save=not args.no_save)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

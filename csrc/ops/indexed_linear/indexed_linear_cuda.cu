@@ -1,0 +1,456 @@
+// CUDA kernels of indexed_linear. No host synchronisation anywhere (CUDA-graph capturable), 64-bit offsets.
+//
+// An index ≥ E or < −1 cannot be seen without a host synchronisation, so on CUDA such a row is treated as −1:
+// its output row is zero and it gets (and gives) no gradient; no out-of-bounds read ever happens.
+//
+// Two regimes, chosen by shape (OPFORGE_INDEXED_LINEAR_PATH=gemv|grouped|grouped_mm forces one, for tests):
+//   gather-GEMV (T ≤ kGemvMaxTokens: decode, multi-LoRA shrink/expand): one block per (token, tile of outputs);
+//     a team of G lanes (G from the reduction length) computes one output, streaming the selected expert's row
+//     of W, fp32 accumulation, shuffle reduction; bias and the −1 rule fused.
+//   grouped (more tokens): tokens are sorted by expert on the device (at::sort of the key, −1 and out-of-range
+//     keyed E so they sort last), group offsets by at::searchsorted of the sorted keys; then
+//       - bfloat16 on sm_90 with 16-byte aligned rows: torch's at::_grouped_mm (CUTLASS) on the gathered rows,
+//         int32 offsets (T < 2³¹), then one kernel that adds the bias, zeroes the −1 rows and scatters back;
+//         dW through _grouped_mm's 2-D × 2-D form, with experts that received no token zeroed afterwards
+//         (older _grouped_mm left their output unwritten);
+//       - otherwise our tiled grouped GEMM (64 × 64 tiles, shared memory, fp32 accumulation) that reads rows
+//         through the permutation and the offsets from device memory; one kernel for forward and grad_input, one
+//         for grad_weight (+ grad_bias) over each expert's rows.
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <tuple>
+
+#include "core/check.h"
+#include "core/dispatch.h"
+#include "ops/indexed_linear/indexed_linear.h"
+
+namespace opforge {
+namespace {
+
+constexpr int64_t kGemvMaxTokens = 16;
+
+enum class Path { kAuto, kGemv, kGrouped, kGroupedMM };
+
+Path forced_path() {
+  const char* env = std::getenv("OPFORGE_INDEXED_LINEAR_PATH");
+  if (env == nullptr) return Path::kAuto;
+  if (std::strcmp(env, "gemv") == 0) return Path::kGemv;
+  if (std::strcmp(env, "grouped") == 0) return Path::kGrouped;
+  if (std::strcmp(env, "grouped_mm") == 0) return Path::kGroupedMM;
+  return Path::kAuto;
+}
+
+// ---- gather-GEMV ---------------------------------------------------------------------------------------
+// out[t, o] = Σ_r A[t, r] · B[e_t, o, r]  (+ bias[e_t, o]),  0 where e_t ∉ [0, E)
+//   forward:    A = X [T, K],  B[e, o, r] = W[e, o, r]   (o < N, r < K): sBo = K, sBr = 1
+//   grad_input: A = dY [T, N], B[e, o, r] = W[e, r, o]   (o < K, r < N): sBo = 1, sBr = K
+template <typename scalar_t, int G>
+__global__ void gather_gemv_kernel(const scalar_t* __restrict__ A,  // [T, R]
+                                   const scalar_t* __restrict__ W,  // [E, N, K]
+                                   const scalar_t* __restrict__ bias,  // [E, O] or null
+                                   const int64_t* __restrict__ index,  // [T]
+                                   scalar_t* __restrict__ out,  // [T, O]
+                                   int64_t O, int64_t R, int64_t E, int64_t sBe, int64_t sBo, int64_t sBr) {
+  const int64_t t = blockIdx.x;
+  const int teams = blockDim.x / G, team = threadIdx.x / G, lane = threadIdx.x % G;
+  const int64_t e = index[t];
+  const bool valid = e >= 0 && e < E;
+  const scalar_t* a = A + t * R;
+  const scalar_t* w = W + (valid ? e : 0) * sBe;
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t o0 = static_cast<int64_t>(blockIdx.y) * teams; o0 < O; o0 += static_cast<int64_t>(gridDim.y) * teams) {
+    const int64_t o = o0 + team;
+    acc_t acc = 0;
+    if (valid && o < O) {
+      const scalar_t* wo = w + o * sBo;
+      for (int64_t r = lane; r < R; r += G) acc += static_cast<acc_t>(a[r]) * static_cast<acc_t>(wo[r * sBr]);
+    }
+#pragma unroll
+    for (int off = G / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off, G);
+    if (lane == 0 && o < O) {
+      if (valid && bias != nullptr) acc += static_cast<acc_t>(bias[e * O + o]);
+      out[t * O + o] = static_cast<scalar_t>(valid ? acc : acc_t(0));
+    }
+  }
+}
+
+template <typename scalar_t, int G>
+void launch_gemv_g(const scalar_t* A, const scalar_t* W, const scalar_t* bias, const int64_t* index, scalar_t* out,
+                   int64_t T, int64_t O, int64_t R, int64_t E, int64_t sBe, int64_t sBo, int64_t sBr) {
+  constexpr int kThreads = 256;
+  const int teams = kThreads / G;
+  const int64_t tiles = std::min<int64_t>((O + teams - 1) / teams, 65535);
+  dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(std::max<int64_t>(tiles, 1)));
+  gather_gemv_kernel<scalar_t, G><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(A, W, bias, index, out, O,
+                                                                                           R, E, sBe, sBo, sBr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+/// out [T, O] from A [T, R] (see gather_gemv_kernel). T ≤ 2³¹ − 1 (grid x).
+void gather_gemv(const at::Tensor& A, const at::Tensor& W, const at::Tensor& bias, const at::Tensor& index,
+                 at::Tensor& out, int64_t O, int64_t R, int64_t E, int64_t sBe, int64_t sBo, int64_t sBr) {
+  const int64_t T = A.size(0);
+  if (T == 0 || O == 0) return;
+  OPFORGE_DISPATCH_FLOATING(A.scalar_type(), "indexed_linear_gemv", [&] {
+    const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
+    auto args = std::make_tuple(A.const_data_ptr<scalar_t>(), W.const_data_ptr<scalar_t>(), b,
+                                index.const_data_ptr<int64_t>(), out.mutable_data_ptr<scalar_t>(), T, O, R, E, sBe,
+                                sBo, sBr);
+    // G lanes per output: about 8 reduction elements per lane, 1 ≤ G ≤ 32
+    if (R >= 256) std::apply(launch_gemv_g<scalar_t, 32>, args);
+    else if (R >= 128) std::apply(launch_gemv_g<scalar_t, 16>, args);
+    else if (R >= 64) std::apply(launch_gemv_g<scalar_t, 8>, args);
+    else if (R >= 32) std::apply(launch_gemv_g<scalar_t, 4>, args);
+    else if (R >= 16) std::apply(launch_gemv_g<scalar_t, 2>, args);
+    else std::apply(launch_gemv_g<scalar_t, 1>, args);
+  });
+}
+
+// ---- sorting tokens by expert --------------------------------------------------------------------------------
+
+/// Tokens sorted by expert, all on the device: perm [T] (token ids in expert order, invalid ones last), key [T]
+/// (the sorted expert of each position, E for invalid), offsets [E + 1] (group e = [offsets[e], offsets[e + 1]);
+/// offsets[E] = the number of valid tokens).
+struct Sorted {
+  at::Tensor perm, key, offsets;
+};
+
+Sorted sort_tokens(const at::Tensor& index, int64_t E) {
+  const at::Tensor valid = index.ge(0).logical_and_(index.lt(E));
+  const at::Tensor k = at::where(valid, index, at::scalar_tensor(E, index.options()));
+  auto [key, perm] = at::sort(k, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const at::Tensor experts = at::arange(E + 1, index.options());
+  const at::Tensor offsets = at::searchsorted(key, experts, /*out_int32=*/false, /*right=*/false);
+  return {perm, key, offsets};
+}
+
+// ---- tiled grouped GEMM --------------------------------------------------------------------------------------
+constexpr int kBM = 64, kBN = 64, kBK = 16, kThreads = 256;  // each thread: 4 × 4 outputs
+
+// out[perm[r], o] = Σ_q A[perm[r], q] · B[key[r], o, q] (+ bias[key[r], o]) for the sorted rows r of this block's
+// tile, expert by expert; rows r ≥ offsets[E] (invalid index) get zeros. B[e, o, q] at W + e·sBe + o·sBo + q·sBq.
+template <typename scalar_t>
+__global__ void grouped_rows_kernel(const scalar_t* __restrict__ A,  // [T, Q]
+                                    const scalar_t* __restrict__ W, const scalar_t* __restrict__ bias,  // [E, O]
+                                    const int64_t* __restrict__ perm, const int64_t* __restrict__ key,
+                                    const int64_t* __restrict__ offsets,  // [E + 1]
+                                    scalar_t* __restrict__ out,  // [T, O]
+                                    int64_t T, int64_t O, int64_t Q, int64_t E, int64_t sBe, int64_t sBo,
+                                    int64_t sBq) {
+  using acc_t = at::opmath_type<scalar_t>;
+  __shared__ acc_t As[kBK][kBM + 1];
+  __shared__ acc_t Bs[kBK][kBN + 1];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kBM, o0 = static_cast<int64_t>(blockIdx.y) * kBN;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int64_t nvalid = offsets[E];
+  const int64_t r_end = min(r0 + kBM, T);
+  // invalid rows of this tile: zeros
+  for (int i = threadIdx.x; i < kBM * kBN; i += kThreads) {
+    const int64_t r = r0 + i / kBN, o = o0 + i % kBN;
+    if (r < r_end && r >= nvalid && o < O) out[perm[r] * O + o] = scalar_t(0);
+  }
+  const int64_t v_end = min(r_end, nvalid);
+  if (r0 >= v_end) return;
+  const int64_t e_first = key[r0], e_last = key[v_end - 1];
+  for (int64_t e = e_first; e <= e_last; ++e) {
+    const int64_t g0 = max(r0, offsets[e]), g1 = min(v_end, offsets[e + 1]);
+    if (g0 >= g1) continue;  // block-uniform
+    const scalar_t* B = W + e * sBe;
+    acc_t acc[4][4] = {};
+    for (int64_t q0 = 0; q0 < Q; q0 += kBK) {
+      // A tile: As[q][m] = A[perm[g0 + m], q0 + q]  (q fastest: coalesced along a row of A)
+      for (int i = threadIdx.x; i < kBK * kBM; i += kThreads) {
+        const int q = i % kBK, m = i / kBK;
+        const int64_t r = g0 + m;
+        As[q][m] = (r < g1 && q0 + q < Q) ? static_cast<acc_t>(A[perm[r] * Q + q0 + q]) : acc_t(0);
+      }
+      // B tile: Bs[q][n] = B[o0 + n, q0 + q], the faster index along the unit stride
+      for (int i = threadIdx.x; i < kBK * kBN; i += kThreads) {
+        int q, n;
+        if (sBq == 1) { q = i % kBK; n = i / kBK; } else { n = i % kBN; q = i / kBN; }
+        const int64_t o = o0 + n, qq = q0 + q;
+        Bs[q][n] = (o < O && qq < Q) ? static_cast<acc_t>(B[o * sBo + qq * sBq]) : acc_t(0);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int q = 0; q < kBK; ++q) {
+        acc_t a[4], b[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = As[q][ty * 4 + i];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) b[j] = Bs[q][tx * 4 + j];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t r = g0 + ty * 4 + i;
+      if (r >= g1) continue;
+      const int64_t row = perm[r];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t o = o0 + tx * 4 + j;
+        if (o >= O) continue;
+        acc_t v = acc[i][j];
+        if (bias != nullptr) v += static_cast<acc_t>(bias[e * O + o]);
+        out[row * O + o] = static_cast<scalar_t>(v);
+      }
+    }
+  }
+}
+
+// dW[e, n, k] = Σ_{r in group e} dY[perm[r], n] · X[perm[r], k];  db[e, n] = Σ_{r in group e} dY[perm[r], n]
+// (blocks of the first k tile). An expert with no token gets zeros.
+template <typename scalar_t>
+__global__ void grouped_weight_grad_kernel(const scalar_t* __restrict__ dY,  // [T, N]
+                                           const scalar_t* __restrict__ X,   // [T, K]
+                                           const int64_t* __restrict__ perm, const int64_t* __restrict__ offsets,
+                                           scalar_t* __restrict__ dW,  // [E, N, K] or null
+                                           at::opmath_type<scalar_t>* __restrict__ db,     // [E, N] or null
+                                           int64_t N, int64_t K) {
+  using acc_t = at::opmath_type<scalar_t>;
+  __shared__ acc_t As[kBK][kBN + 1];  // dY rows: As[r][n]
+  __shared__ acc_t Bs[kBK][kBM + 1];  // X rows:  Bs[r][k]
+  const int64_t e = blockIdx.z;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBN, k0 = static_cast<int64_t>(blockIdx.y) * kBM;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int64_t g0 = offsets[e], g1 = offsets[e + 1];
+  const bool do_db = db != nullptr && blockIdx.y == 0;
+  acc_t acc[4][4] = {};
+  acc_t dbacc = 0;
+  for (int64_t r0 = g0; r0 < g1; r0 += kBK) {
+    for (int i = threadIdx.x; i < kBK * kBN; i += kThreads) {
+      const int n = i % kBN, r = i / kBN;
+      const int64_t rr = r0 + r;
+      As[r][n] = (rr < g1 && n0 + n < N) ? static_cast<acc_t>(dY[perm[rr] * N + n0 + n]) : acc_t(0);
+    }
+    if (dW != nullptr) {
+      for (int i = threadIdx.x; i < kBK * kBM; i += kThreads) {
+        const int k = i % kBM, r = i / kBM;
+        const int64_t rr = r0 + r;
+        Bs[r][k] = (rr < g1 && k0 + k < K) ? static_cast<acc_t>(X[perm[rr] * K + k0 + k]) : acc_t(0);
+      }
+    }
+    __syncthreads();
+    if (do_db && threadIdx.x < kBN) {
+#pragma unroll
+      for (int r = 0; r < kBK; ++r) dbacc += As[r][threadIdx.x];
+    }
+    if (dW != nullptr) {
+#pragma unroll
+      for (int r = 0; r < kBK; ++r) {
+        acc_t a[4], b[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = As[r][ty * 4 + i];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) b[j] = Bs[r][tx * 4 + j];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];
+      }
+    }
+    __syncthreads();
+  }
+  if (dW != nullptr) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t n = n0 + ty * 4 + i;
+      if (n >= N) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t k = k0 + tx * 4 + j;
+        if (k < K) dW[(e * N + n) * K + k] = static_cast<scalar_t>(acc[i][j]);
+      }
+    }
+  }
+  if (do_db && threadIdx.x < kBN && n0 + threadIdx.x < N) db[e * N + n0 + threadIdx.x] = dbacc;
+}
+
+// out[perm[r], o] = r < offsets[E] ? Ys[r, o] (+ bias[key[r], o]) : 0  (the _grouped_mm path's epilogue)
+template <typename scalar_t>
+__global__ void scatter_rows_kernel(const scalar_t* __restrict__ Ys, int64_t ld_ys,  // [T, O] (row stride ld_ys)
+                                    const scalar_t* __restrict__ bias,            // [E, O] or null
+                                    const int64_t* __restrict__ perm, const int64_t* __restrict__ key,
+                                    const int64_t* __restrict__ offsets, scalar_t* __restrict__ out,  // [T, O]
+                                    int64_t T, int64_t O, int64_t E) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t nvalid = offsets[E];
+  const int64_t total = T * O;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / O, o = i % O;
+    acc_t v = 0;
+    if (r < nvalid) {
+      v = static_cast<acc_t>(Ys[r * ld_ys + o]);
+      if (bias != nullptr) v += static_cast<acc_t>(bias[key[r] * O + o]);
+    }
+    out[perm[r] * O + o] = static_cast<scalar_t>(v);
+  }
+}
+
+unsigned blocks_for(int64_t n, int threads) {
+  const int64_t b = (n + threads - 1) / threads;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, int64_t{1} << 20)));
+}
+
+void check_grid(int64_t T, int64_t tiles_o) {
+  TORCH_CHECK((T + kBM - 1) / kBM <= INT_MAX && tiles_o <= 65535, "opforge::indexed_linear: expected at most ",
+              num_str(int64_t{INT_MAX} * kBM), " tokens and ", num_str(int64_t{65535} * kBN),
+              " output features on CUDA, but got T = ", num_str(T), " and ", num_str(tiles_o * kBN));
+}
+
+/// out [T, O] = rows GEMM over the sorted groups (see grouped_rows_kernel).
+void grouped_rows(const at::Tensor& A, const at::Tensor& W, const at::Tensor& bias, const Sorted& s, at::Tensor& out,
+                  int64_t O, int64_t Q, int64_t E, int64_t sBe, int64_t sBo, int64_t sBq) {
+  const int64_t T = A.size(0);
+  if (T == 0 || O == 0) return;
+  const int64_t tiles_o = (O + kBN - 1) / kBN;
+  check_grid(T, tiles_o);
+  dim3 grid(static_cast<unsigned>((T + kBM - 1) / kBM), static_cast<unsigned>(tiles_o));
+  OPFORGE_DISPATCH_FLOATING(A.scalar_type(), "indexed_linear_grouped", [&] {
+    grouped_rows_kernel<scalar_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        A.const_data_ptr<scalar_t>(), W.const_data_ptr<scalar_t>(),
+        bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr, s.perm.const_data_ptr<int64_t>(),
+        s.key.const_data_ptr<int64_t>(), s.offsets.const_data_ptr<int64_t>(), out.mutable_data_ptr<scalar_t>(), T, O,
+        Q, E, sBe, sBo, sBq);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+/// out [T, O] from the sorted product Ys (see scatter_rows_kernel).
+void scatter_rows(const at::Tensor& Ys, const at::Tensor& bias, const Sorted& s, at::Tensor& out, int64_t E) {
+  const int64_t T = out.size(0), O = out.size(1);
+  if (T == 0 || O == 0) return;
+  OPFORGE_DISPATCH_FLOATING(out.scalar_type(), "indexed_linear_scatter", [&] {
+    scatter_rows_kernel<scalar_t><<<blocks_for(T * O, 256), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+        Ys.const_data_ptr<scalar_t>(), Ys.stride(0), bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr,
+        s.perm.const_data_ptr<int64_t>(), s.key.const_data_ptr<int64_t>(), s.offsets.const_data_ptr<int64_t>(),
+        out.mutable_data_ptr<scalar_t>(), T, O, E);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+/// True when torch's _grouped_mm serves this problem: bfloat16, sm_90, rows 16-byte aligned, T < 2³¹ (its
+/// offsets are int32), not disabled (OPFORGE_INDEXED_LINEAR_PATH=grouped).
+bool grouped_mm_eligible(const indexed_linear_op::IndexedLinearProblem& p, Path path) {
+  if (path == Path::kGrouped || path == Path::kGemv) return false;
+  if (p.X.scalar_type() != at::kBFloat16) return false;
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  if (prop->major != 9) return false;
+  return p.K % 8 == 0 && p.N % 8 == 0 && p.K > 0 && p.N > 0 && p.T < INT_MAX && p.E > 0;
+}
+
+bool use_gemv(const indexed_linear_op::IndexedLinearProblem& p, Path path) {
+  if (path == Path::kGemv) return p.T <= INT_MAX;
+  if (path != Path::kAuto) return false;
+  return p.T <= kGemvMaxTokens;
+}
+
+at::Tensor indexed_linear_cuda(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
+                               const std::optional<at::Tensor>& bias) {
+  const auto p = indexed_linear_op::check_indexed_linear("indexed_linear", input, weight, index, bias);
+  c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor Y = at::empty({p.T, p.N}, input.options());
+  if (p.T == 0 || p.N == 0) return Y;
+  const Path path = forced_path();
+  if (use_gemv(p, path)) {
+    gather_gemv(p.X, p.W, p.b, p.index, Y, p.N, p.K, p.E, p.N * p.K, p.K, 1);
+    return Y;
+  }
+  const Sorted s = sort_tokens(p.index, p.E);
+  if (grouped_mm_eligible(p, path)) {
+    const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);  // group ends
+    const at::Tensor Xs = p.X.index_select(0, s.perm);
+    const at::Tensor Ys = at::_grouped_mm(Xs, p.W.transpose(1, 2), offs);  // [T, N]
+    scatter_rows(Ys, p.b, s, Y, p.E);
+    return Y;
+  }
+  grouped_rows(p.X, p.W, p.b, s, Y, p.N, p.K, p.E, p.N * p.K, p.K, 1);
+  return Y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_cuda(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
+    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype) {
+  indexed_linear_op::check_indexed_linear_backward_args(grad_output, input, weight, index, bias_dtype);
+  const auto p = indexed_linear_op::check_indexed_linear("indexed_linear_backward", input, weight, index, std::nullopt);
+  c10::cuda::CUDAGuard guard(input.device());
+  const auto dtype = input.scalar_type();
+  const at::Tensor dY = to_input_dtype(grad_output, dtype).contiguous();  // [T, N]
+  at::Tensor gi, gw, gb;
+  if (!(output_mask[0] || output_mask[1] || output_mask[2])) return {gi, gw, gb};
+  const Path path = forced_path();
+  if (output_mask[0]) {
+    gi = at::empty({p.T, p.K}, input.options());
+    if (p.N == 0) gi.zero_();
+  }
+  const bool gemv = use_gemv(p, path);
+  if (output_mask[0] && gemv) gather_gemv(dY, p.W, at::Tensor(), p.index, gi, p.K, p.N, p.E, p.N * p.K, 1, p.K);
+  const bool need_sorted = (output_mask[0] && !gemv && p.N > 0) || output_mask[1] || output_mask[2];
+  if (!need_sorted || p.E == 0) {
+    if (output_mask[1]) gw = at::zeros(weight.sizes(), weight.options().memory_format(at::MemoryFormat::Contiguous));
+    if (output_mask[2]) gb = at::zeros({p.E, p.N}, input.options().dtype(bias_dtype.value_or(dtype)));
+    return {gi, gw, gb};
+  }
+  const Sorted s = sort_tokens(p.index, p.E);
+  const bool gmm = grouped_mm_eligible(p, path) && !gemv;
+  if (output_mask[0] && !gemv && p.N > 0) {
+    if (gmm) {
+      const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);
+      const at::Tensor dXs = at::_grouped_mm(dY.index_select(0, s.perm), p.W, offs);  // [T, K]
+      scatter_rows(dXs, at::Tensor(), s, gi, p.E);
+    } else {
+      grouped_rows(dY, p.W, at::Tensor(), s, gi, p.K, p.N, p.E, p.N * p.K, 1, p.K);
+    }
+  }
+  at::Tensor dW, db;
+  if (output_mask[1] && gmm && p.T > 0) {
+    // dW[e] = dY_eᵀ · X_e through _grouped_mm's 2-D × 2-D form; experts without tokens zeroed here
+    const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);
+    const at::Tensor dYs = dY.index_select(0, s.perm), Xs = p.X.index_select(0, s.perm);
+    dW = at::_grouped_mm(dYs.t(), Xs, offs);  // [E, N, K]
+    const at::Tensor empty = s.offsets.narrow(0, 1, p.E).eq(s.offsets.narrow(0, 0, p.E)).view({p.E, 1, 1});
+    dW = dW.masked_fill(empty, 0).contiguous();
+  }
+  const bool dw_kernel = output_mask[1] && !dW.defined();
+  if (dw_kernel) dW = at::empty({p.E, p.N, p.K}, input.options());
+  if (output_mask[2]) db = at::empty({p.E, p.N}, input.options().dtype(dtype == at::kDouble ? at::kDouble : at::kFloat));
+  if ((dw_kernel || output_mask[2]) && p.N > 0) {
+    const int64_t tiles_n = (p.N + kBN - 1) / kBN, tiles_k = std::max<int64_t>(1, (p.K + kBM - 1) / kBM);
+    TORCH_CHECK(tiles_n <= INT_MAX && tiles_k <= 65535 && p.E <= 65535,
+                "opforge::indexed_linear_backward: expected at most 65535 experts and ", num_str(int64_t{65535} * kBM),
+                " in_features on CUDA, but got E = ", num_str(p.E), ", K = ", num_str(p.K));
+    dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(dw_kernel ? tiles_k : 1),
+              static_cast<unsigned>(p.E));
+    OPFORGE_DISPATCH_FLOATING(dtype, "indexed_linear_weight_grad", [&] {
+      grouped_weight_grad_kernel<scalar_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          dY.const_data_ptr<scalar_t>(), p.X.const_data_ptr<scalar_t>(), s.perm.const_data_ptr<int64_t>(),
+          s.offsets.const_data_ptr<int64_t>(), dw_kernel ? dW.mutable_data_ptr<scalar_t>() : nullptr,
+          output_mask[2] ? db.mutable_data_ptr<at::opmath_type<scalar_t>>() : nullptr, p.N, p.K);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  if (output_mask[1]) gw = dW.to(weight.scalar_type());
+  if (output_mask[2]) gb = db.to(bias_dtype.value_or(dtype));
+  return {gi, gw, gb};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
+  m.impl("indexed_linear", &indexed_linear_cuda);
+  m.impl("indexed_linear_backward", &indexed_linear_backward_cuda);
+}
+
+}  // namespace opforge

@@ -1,0 +1,330 @@
+"""indexed_linear and indexed_linear_backward: values and gradients against float64, index −1, out-of-range
+indices, empty experts, int32 offsets overflow (CUDA), strided banks, opcheck, compile, gradcheck, torch.func,
+errors (issue 11). CUDA cases run every kernel path (OPFORGE_INDEXED_LINEAR_PATH)."""
+import pytest
+import torch
+
+import opforge
+from opforge.testing import assert_matches_reference, indexed_linear_reference, relative_error
+
+from conftest import FLOAT_DTYPES
+
+CUDA_PATHS = ["auto", "gemv", "grouped", "grouped_mm"]
+
+
+@pytest.fixture(params=["cpu"] + [pytest.param(("cuda", p), marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU")) for p in CUDA_PATHS], ids=lambda p: p if isinstance(p, str) else f"cuda-{p[1]}")
+def dev(request, monkeypatch):
+    """The device, with the CUDA kernel path forced through the environment (read on every call)."""
+    if request.param == "cpu":
+        return "cpu"
+    _, path = request.param
+    if path != "auto":
+        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+    return "cuda"
+
+
+def _make(device, dtype, T, E, N, K, bias=True, index=None):
+    x = torch.randn(T, K, device=device).to(dtype).requires_grad_()
+    w = (torch.randn(E, N, K, device=device) / max(K, 1) ** 0.5).to(dtype).requires_grad_()
+    b = torch.randn(E, N, device=device).to(dtype).requires_grad_() if bias else None
+    if index is None:
+        index = torch.randint(-1, E, (T,), device=device)
+    return x, w, index.to(device), b
+
+
+def _torch_baseline(x, w, index, b):
+    """The same math in x's dtype with torch ops (the achievable error)."""
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    out = out + 0 * (x.sum() + w.sum() + (b.sum() if b is not None else 0))  # connected: zero grads, not None
+    for e in range(w.shape[0]):
+        rows = (index == e).nonzero().flatten()
+        if rows.numel():
+            out[rows] = torch.nn.functional.linear(x[rows], w[e], b[e] if b is not None else None)
+    return out
+
+
+def _grads64(x, w, index, b, dy):
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_() if b is not None else None
+    indexed_linear_reference(x64, w64, index, b64).backward(dy.double())
+    return x64.grad, w64.grad, (b64.grad if b is not None else None)
+
+
+def _baseline_grads(x, w, index, b, dy):
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    b2 = b.detach().requires_grad_() if b is not None else None
+    _torch_baseline(x2, w2, index, b2).backward(dy)
+    return x2.grad, w2.grad, (b2.grad if b is not None else None)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("T, E, N, K", [(1, 3, 5, 7), (8, 4, 16, 32), (83, 5, 24, 40), (300, 3, 70, 72)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_and_gradients_match_float64(dev, dtype, T, E, N, K, bias):
+    x, w, index, b = _make(dev, dtype, T, E, N, K, bias)
+    y = opforge.indexed_linear(x, w, index, b)
+    assert_matches_reference(y, indexed_linear_reference(x, w, index, b), _torch_baseline(x, w, index, b), factor=3.0)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    gx, gw, gb = _grads64(x, w, index, b, dy)
+    bx, bw, bb = _baseline_grads(x, w, index, b, dy)
+    assert_matches_reference(x.grad, gx, bx, what="grad_input", factor=3.0)
+    assert_matches_reference(w.grad, gw, bw, what="grad_weight", factor=3.0)
+    if b is not None:
+        assert_matches_reference(b.grad, gb, bb, what="grad_bias", factor=3.0)
+
+
+def test_case1_minus_one_rows(dev):
+    """Issue 11 case 1: index −1 gives zero rows, and nothing flows to or from them."""
+    index = torch.tensor([0, -1, 3, -1, 1, 2, -1, 0])
+    x, w, index, b = _make(dev, torch.float64, 8, 4, 6, 5, True, index)
+    y = opforge.indexed_linear(x, w, index, b)
+    assert torch.equal(y[[1, 3, 6]], torch.zeros(3, 6, dtype=y.dtype, device=y.device))
+    torch.testing.assert_close(y, indexed_linear_reference(x, w, index, b))
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert torch.equal(x.grad[[1, 3, 6]], torch.zeros(3, 5, dtype=x.dtype, device=x.device))
+    torch.testing.assert_close(w.grad[3], torch.outer(dy[2], x[2].detach()))  # bank 3: row 2 only
+    torch.testing.assert_close(b.grad[3], dy[2])
+    gx, gw, gb = _grads64(x, w, index, b, dy)
+    torch.testing.assert_close(x.grad, gx)
+    torch.testing.assert_close(w.grad, gw)
+    torch.testing.assert_close(b.grad, gb)
+
+
+@pytest.mark.parametrize("bad", [4, 10**6, -2])
+def test_case1_out_of_range_index_is_an_error_on_cpu(bad):
+    x, w, _, b = _make("cpu", torch.float32, 8, 4, 6, 5)
+    index = torch.tensor([0, -1, 3, -1, 1, 2, -1, bad])
+    with pytest.raises(IndexError, match=rf"opforge::indexed_linear: expected every index in \[-1, 4\).*but got {bad} at position 7"):
+        opforge.indexed_linear(x, w, index, b)
+    with pytest.raises(IndexError, match=r"opforge::indexed_linear_backward: expected every index in \[-1, 4\)"):
+        torch.ops.opforge.indexed_linear_backward(torch.randn(8, 6), x.detach(), w.detach(), index, [True, True, True])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("path", CUDA_PATHS)
+def test_case1_out_of_range_index_is_a_zero_row_on_cuda(path, monkeypatch):
+    if path != "auto":
+        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+    index = torch.tensor([0, -1, 3, -1, 1, 2, 10**6, -2], device="cuda")
+    x, w, _, b = _make("cuda", torch.bfloat16, 8, 4, 16, 32)
+    y = opforge.indexed_linear(x, w, index, b)
+    y.backward(torch.ones_like(y))
+    torch.cuda.synchronize()
+    assert torch.equal(y[[1, 3, 6, 7]].float(), torch.zeros(4, 16, device="cuda"))
+    assert torch.equal(x.grad[[1, 3, 6, 7]].float(), torch.zeros(4, 32, device="cuda"))
+    as_minus_one = torch.where((index >= 0) & (index < 4), index, -1)
+    torch.testing.assert_close(y.float(), indexed_linear_reference(x, w, as_minus_one, b).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_case1_length_mismatch_is_an_error(dev):
+    x, w, _, b = _make(dev, torch.float32, 8, 4, 6, 5)
+    with pytest.raises(ValueError, match=r"opforge::indexed_linear: expected index of length 8 \(input's rows\), but got 7"):
+        opforge.indexed_linear(x, w, torch.zeros(7, dtype=torch.int64, device=dev), b)
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_case2_empty_groups(dev, order):
+    """Issue 11 case 2: counts [162, 0, 2577, 446, 0, 83] in bfloat16: experts 1 and 4 get exactly zero gradients."""
+    counts = [162, 0, 2577, 446, 0, 83]
+    K, N = (2048, 768) if dev == "cuda" else (256, 96)
+    index = torch.cat([torch.full((c,), e, dtype=torch.int64) for e, c in enumerate(counts)])
+    if order == "shuffled":
+        index = index[torch.randperm(index.numel())]
+    T = index.numel()
+    x, w, index, b = _make(dev, torch.bfloat16, T, len(counts), N, K, True, index)
+    y = opforge.indexed_linear(x, w, index, b)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    gx, gw, gb = _grads64(x, w, index, b, dy)
+    for e in (1, 4):
+        assert torch.equal(w.grad[e].float(), torch.zeros(N, K, device=dev)), f"expert {e}: nonzero grad_weight"
+        assert torch.equal(b.grad[e].float(), torch.zeros(N, device=dev)), f"expert {e}: nonzero grad_bias"
+    for e in (0, 2, 3, 5):
+        assert relative_error(w.grad[e], gw[e]) <= 1e-2, f"expert {e}: grad_weight"
+        assert relative_error(b.grad[e], gb[e]) <= 1e-2, f"expert {e}: grad_bias"
+    assert relative_error(y, indexed_linear_reference(x, w, index, b)) <= 1e-2
+    # the input gradient on its own, with another random grad_output
+    dy2 = torch.randn_like(y)
+    gi, _, _ = torch.ops.opforge.indexed_linear_backward(dy2, x.detach(), w.detach(), index, [True, False, False])
+    gx2, _, _ = _grads64(x, w, index, None, dy2)
+    assert relative_error(gi, gx2) <= 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [87382, 87383, 100000])
+@pytest.mark.parametrize("path", ["auto", "grouped"])
+def test_case3_past_int32_offsets(T, path, monkeypatch):
+    """Issue 11 case 3: T × N × 2 bytes passes 2³¹; rows 0, 87381, 87382, T − 1 equal the reference, fwd and bwd."""
+    if path != "auto":
+        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+    E, K, N = 2, 16, 12288
+    x, w, index, b = _make("cuda", torch.bfloat16, T, E, N, K, True, torch.randint(0, E, (T,)))
+    y = opforge.indexed_linear(x, w, index, b)
+    rows = torch.tensor([0, 87381, 87382, T - 1], device="cuda")
+    ref = torch.einsum("tk,tnk->tn", x[rows].double(), w[index[rows]].double()) + b[index[rows]].double()
+    torch.testing.assert_close(y[rows].double(), ref, rtol=2e-2, atol=2e-2)
+    dy = torch.zeros_like(y)
+    dy[rows] = torch.randn(4, N, device="cuda").bfloat16()
+    y.backward(dy)
+    ref_gx = torch.einsum("tn,tnk->tk", dy[rows].double(), w[index[rows]].double())
+    torch.testing.assert_close(x.grad[rows].double(), ref_gx, rtol=2e-2, atol=5e-2)
+    for e in range(E):
+        sel = rows[index[rows] == e]
+        ref_gw = dy[sel].double().t() @ x[sel].double()
+        torch.testing.assert_close(w.grad[e].double(), ref_gw, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(b.grad[e].double(), dy[sel].double().sum(0), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("layout", ["transposed_bank", "sliced_bank", "sliced_input"])
+def test_case4_strided_banks_and_inputs(dev, layout):
+    """Issue 11 case 4: values and gradients right; the untouched halves' gradients exactly zero."""
+    T, E, N, K = 40, 3, 16, 24
+    index = torch.randint(-1, E, (T,)).to(dev)
+    if layout == "transposed_bank":
+        leaf = torch.randn(E, K, N, device=dev, requires_grad=True)
+        w, x_leaf = leaf.transpose(1, 2), torch.randn(T, K, device=dev, requires_grad=True)
+        x = x_leaf
+    elif layout == "sliced_bank":
+        leaf = torch.randn(E, 2 * N, K, device=dev, requires_grad=True)
+        w, x_leaf = leaf[:, :N], torch.randn(T, K, device=dev, requires_grad=True)
+        x = x_leaf
+    else:
+        leaf = torch.randn(E, N, K, device=dev, requires_grad=True)
+        w = leaf
+        x_leaf = torch.randn(T, 2 * K, device=dev, requires_grad=True)
+        x = x_leaf[:, K:]
+    y = opforge.indexed_linear(x, w, index)
+    torch.testing.assert_close(y, indexed_linear_reference(x, w, index).float(), rtol=1e-4, atol=1e-4)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    indexed_linear_reference(x64, w64, index).backward(dy.double())
+    if layout == "transposed_bank":
+        torch.testing.assert_close(leaf.grad, w64.grad.transpose(1, 2).float(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(x_leaf.grad, x64.grad.float(), rtol=1e-4, atol=1e-4)
+    elif layout == "sliced_bank":
+        torch.testing.assert_close(leaf.grad[:, :N], w64.grad.float(), rtol=1e-4, atol=1e-4)
+        assert torch.equal(leaf.grad[:, N:], torch.zeros(E, N, K, device=dev))
+    else:
+        torch.testing.assert_close(x_leaf.grad[:, K:], x64.grad.float(), rtol=1e-4, atol=1e-4)
+        assert torch.equal(x_leaf.grad[:, :K], torch.zeros(T, K, device=dev))
+        torch.testing.assert_close(leaf.grad, w64.grad.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_zero_sizes(dev):
+    for T, E, N, K in [(0, 3, 4, 5), (6, 3, 0, 5), (6, 3, 4, 0), (6, 0, 4, 5)]:
+        index = torch.full((T,), -1, dtype=torch.int64) if E == 0 else torch.randint(-1, E, (T,))
+        x, w, index, b = _make(dev, torch.float32, T, E, N, K, True, index)
+        y = opforge.indexed_linear(x, w, index, b)
+        assert y.shape == (T, N)
+        torch.testing.assert_close(y, indexed_linear_reference(x, w, index, b).float())
+        y.sum().backward()
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape and b.grad.shape == b.shape
+
+
+def test_module(dev):
+    m = opforge.nn.IndexedLinear(8, 6, num_experts=3).to(dev)
+    assert m.weight.shape == (3, 6, 8) and m.bias.shape == (3, 6)
+    x = torch.randn(10, 8, device=dev)
+    index = torch.randint(-1, 3, (10,), device=dev)
+    torch.testing.assert_close(m(x, index), indexed_linear_reference(x, m.weight, index, m.bias).float())
+
+
+def test_gradcheck_and_gradgradcheck_float64(dev):
+    x, w, index, b = _make(dev, torch.float64, 9, 3, 4, 5, True, torch.tensor([0, -1, 2, 2, 1, -1, 0, 2, 2]))
+    fn = lambda x, w, b: opforge.indexed_linear(x, w, index, b)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w, b))
+    assert torch.autograd.gradgradcheck(fn, (x, w, b))
+
+
+def test_torch_func_grad(dev):
+    x, w, index, b = _make(dev, torch.float64, 9, 3, 4, 5, True)
+    g = torch.func.grad(lambda w: opforge.indexed_linear(x.detach(), w, index, b.detach()).square().sum())(w.detach())
+    w2 = w.detach().requires_grad_()
+    indexed_linear_reference(x.detach(), w2, index, b.detach()).square().sum().backward()
+    torch.testing.assert_close(g, w2.grad)
+
+
+def test_opcheck(dev):
+    x, w, index, b = _make(dev, torch.float32, 12, 3, 8, 16, True)
+    torch.library.opcheck(torch.ops.opforge.indexed_linear, (x, w, index, b))
+    torch.library.opcheck(torch.ops.opforge.indexed_linear, (x, w, index, None))
+    dy = torch.randn(12, 8, device=dev)
+    torch.library.opcheck(torch.ops.opforge.indexed_linear_backward,
+                          (dy, x.detach(), w.detach(), index, [True, True, True], torch.float32))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_matches_eager(dev, dynamic):
+    x, w, index, b = _make(dev, torch.float32, 12, 3, 8, 16, True)
+    fn = torch.compile(lambda x, w, i, b: opforge.indexed_linear(x, w, i, b).square().sum(), fullgraph=True,
+                       dynamic=dynamic)
+    out = fn(x, w, index, b)
+    out.backward()
+    grads = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    ref = opforge.indexed_linear(x, w, index, b).square().sum()
+    ref.backward()
+    torch.testing.assert_close(out, ref)
+    for g, t in zip(grads, (x, w, b)):
+        torch.testing.assert_close(g, t.grad)
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda: (torch.randn(4, 3), torch.randn(2, 5, 3), torch.zeros(4, dtype=torch.int32), None), TypeError,
+         r"opforge::indexed_linear: expected index to have dtype int64, but got Int"),
+        (lambda: (torch.randn(4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.int64), None), ValueError,
+         r"opforge::indexed_linear: expected weight to be 3-D"),
+        (lambda: (torch.randn(4, 3), torch.randn(2, 5, 4), torch.zeros(4, dtype=torch.int64), None), ValueError,
+         r"opforge::indexed_linear: expected input's last dimension to equal weight's in_features 4, but got 3"),
+        (lambda: (torch.randn(4, 3), torch.randn(2, 5, 3), torch.zeros(4, dtype=torch.int64), torch.randn(5)), ValueError,
+         r"opforge::indexed_linear: expected bias of shape \[2, 5\]"),
+        (lambda: (torch.randn(2, 4, 3), torch.randn(2, 5, 3), torch.zeros(4, dtype=torch.int64), None), ValueError,
+         r"opforge::indexed_linear: expected input to be 2-D"),
+        (lambda: (torch.ones(4, 3, dtype=torch.int64), torch.randn(2, 5, 3), torch.zeros(4, dtype=torch.int64), None),
+         TypeError, r"opforge::indexed_linear: expected input to have a floating dtype"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(make, exc, match):
+    x, w, i, b = make()
+    with pytest.raises(exc, match=match):
+        opforge.indexed_linear(x, w, i, b)
+    with pytest.raises(exc, match=match):  # Meta runs the same checker
+        opforge.indexed_linear(x.to("meta"), w.to("meta"), i.to("meta"), None if b is None else b.to("meta"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("path", CUDA_PATHS)
+def test_cuda_graph_capture_no_host_sync(path, monkeypatch):
+    """Forward and backward ops never synchronise with the host: they capture in a CUDA graph and replay right."""
+    if path != "auto":
+        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+    T = 8 if path in ("auto", "gemv") else 256
+    x, w, index, b = _make("cuda", torch.bfloat16, T, 4, 64, 128)
+    x, w, b = x.detach(), w.detach(), b.detach()
+    dy = torch.randn(T, 64, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        opforge.indexed_linear(x, w, index, b)
+        torch.ops.opforge.indexed_linear_backward(dy, x, w, index, [True, True, True], torch.bfloat16)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = opforge.indexed_linear(x, w, index, b)
+        gi, gw, gb = torch.ops.opforge.indexed_linear_backward(dy, x, w, index, [True, True, True], torch.bfloat16)
+    index.copy_(torch.randint(-1, 4, (T,), device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, opforge.indexed_linear(x, w, index, b))
+    ref = torch.ops.opforge.indexed_linear_backward(dy, x, w, index, [True, True, True], torch.bfloat16)
+    for got, want in zip((gi, gw, gb), ref):
+        torch.testing.assert_close(got, want)
