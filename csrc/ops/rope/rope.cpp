@@ -8,6 +8,7 @@
 //                                                  so gradients of any order work.
 #include "ops/rope/rope.h"
 
+#include <ATen/OpMathType.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -19,7 +20,7 @@
 #include "core/dispatch.h"
 
 namespace opforge {
-namespace rope {
+namespace rotary {
 namespace {
 
 // q and k: rank 4, floating, same dtype and device, same batch, seq and (even) head_dim. Returns the defined one
@@ -138,7 +139,7 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const Checked& c,
   return p;
 }
 
-}  // namespace rope
+}  // namespace rotary
 
 // ---- public C++ API ----------------------------------------------------------------------------------------
 
@@ -175,11 +176,11 @@ std::optional<at::Tensor> opt(const at::Tensor& t) {
 }
 at::Tensor empty_like_or_undefined(const at::Tensor& t) { return t.defined() ? at::empty_like(t) : at::Tensor(); }
 
-// ---- Meta: the checkers, then outputs allocated as the real kernels do (rope::make_problem) -----------------
+// ---- Meta: the checkers, then outputs allocated as the real kernels do (rotary::make_problem) -----------------
 
 std::tuple<at::Tensor, at::Tensor> rope_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                              const at::Tensor& sin, bool, int64_t rotary_dim) {
-  rope::check_rope("rope", "q", q, "k", k, cos, sin, rotary_dim);
+  rotary::check_rope("rope", "q", q, "k", k, cos, sin, rotary_dim);
   return {at::empty_like(q), at::empty_like(k)};
 }
 
@@ -189,14 +190,14 @@ std::tuple<at::Tensor, at::Tensor> rope_backward_meta(const std::optional<at::Te
                                                       int64_t rotary_dim) {
   const at::Tensor gq = opt(grad_q_out), gk = opt(grad_k_out);
   if (!gq.defined() && !gk.defined()) return {};
-  rope::check_rope("rope_backward", "grad_q_out", gq, "grad_k_out", gk, cos, sin, rotary_dim);
+  rotary::check_rope("rope_backward", "grad_q_out", gq, "grad_k_out", gk, cos, sin, rotary_dim);
   return {empty_like_or_undefined(gq), empty_like_or_undefined(gk)};
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_from_positions_meta(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& position_ids, double base, bool,
                                                             int64_t rotary_dim) {
-  rope::check_rope_from_positions("rope_from_positions", "q", q, "k", k, position_ids, base, rotary_dim);
+  rotary::check_rope_from_positions("rope_from_positions", "q", q, "k", k, position_ids, base, rotary_dim);
   return {at::empty_like(q), at::empty_like(k)};
 }
 
@@ -206,7 +207,7 @@ std::tuple<at::Tensor, at::Tensor> rope_from_positions_backward_meta(const std::
                                                                      bool, int64_t rotary_dim) {
   const at::Tensor gq = opt(grad_q_out), gk = opt(grad_k_out);
   if (!gq.defined() && !gk.defined()) return {};
-  rope::check_rope_from_positions("rope_from_positions_backward", "grad_q_out", gq, "grad_k_out", gk, position_ids,
+  rotary::check_rope_from_positions("rope_from_positions_backward", "grad_q_out", gq, "grad_k_out", gk, position_ids,
                                   base, rotary_dim);
   return {empty_like_or_undefined(gq), empty_like_or_undefined(gk)};
 }

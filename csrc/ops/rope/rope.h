@@ -21,7 +21,7 @@
 #include "opforge/opforge.h"
 
 namespace opforge {
-namespace rope {
+namespace rotary {
 
 /// Validated, normalized table arguments, shared by every backend and Meta (symbolic-shape safe).
 struct Checked {
@@ -79,5 +79,5 @@ C10_HOST_DEVICE inline void table_pair(T ca, T sa, T cb, T sb, bool backward, T&
   Sb = backward ? -sa : sb;
 }
 
-}  // namespace rope
+}  // namespace rotary
 }  // namespace opforge

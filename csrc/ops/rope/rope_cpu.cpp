@@ -1,6 +1,7 @@
 // CPU kernels of rope: at::parallel_for over the (batch, seq) tokens; per token the table (C, S) is built once
 // in opmath and reused by every head of q and k; rows with a contiguous last dim convert and compute with
 // at::vec (Vectorized), others take the strided scalar loop.
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -19,7 +20,7 @@ using at::vec::Vectorized;
 
 // Fills C, S [R] (opmath) for token (b, s): from the cos/sin tables, or from θ_p = pos · base^(−2p/R) in float64.
 template <typename opmath_t, typename trig_t>
-void fill_table(const rope::Problem& p, int64_t b, int64_t s, opmath_t* C, opmath_t* S) {
+void fill_table(const rotary::Problem& p, int64_t b, int64_t s, opmath_t* C, opmath_t* S) {
   const int64_t R = p.R;
   if (p.positions.defined()) {
     const int64_t* pos = p.positions.const_data_ptr<int64_t>();
@@ -27,10 +28,10 @@ void fill_table(const rope::Problem& p, int64_t b, int64_t s, opmath_t* C, opmat
     const double position = static_cast<double>(pos[pb * p.positions.stride(0) + s * p.positions.stride(1)]);
     for (int64_t i = 0; i < R / 2; ++i) {
       int64_t a, bb;
-      rope::pair_dims(i, R, p.interleaved, a, bb);
+      rotary::pair_dims(i, R, p.interleaved, a, bb);
       const double theta = position * std::pow(p.base, -2.0 * static_cast<double>(i) / static_cast<double>(R));
       const opmath_t c = static_cast<opmath_t>(std::cos(theta)), sn = static_cast<opmath_t>(std::sin(theta));
-      rope::table_pair(c, sn, c, sn, p.backward, C[a], C[bb], S[a], S[bb]);
+      rotary::table_pair(c, sn, c, sn, p.backward, C[a], C[bb], S[a], S[bb]);
     }
     return;
   }
@@ -41,8 +42,8 @@ void fill_table(const rope::Problem& p, int64_t b, int64_t s, opmath_t* C, opmat
   const int64_t s0 = cb * p.sin.stride(0) + s * p.sin.stride(1), sr = p.sin.stride(2);
   for (int64_t i = 0; i < R / 2; ++i) {
     int64_t a, bb;
-    rope::pair_dims(i, R, p.interleaved, a, bb);
-    rope::table_pair(static_cast<opmath_t>(cs[c0 + a * cr]), static_cast<opmath_t>(sn[s0 + a * sr]),
+    rotary::pair_dims(i, R, p.interleaved, a, bb);
+    rotary::table_pair(static_cast<opmath_t>(cs[c0 + a * cr]), static_cast<opmath_t>(sn[s0 + a * sr]),
                      static_cast<opmath_t>(cs[c0 + bb * cr]), static_cast<opmath_t>(sn[s0 + bb * sr]), p.backward,
                      C[a], C[bb], S[a], S[bb]);
   }
@@ -91,7 +92,7 @@ void rope_row(const scalar_t* x, int64_t xs, scalar_t* y, int64_t ys, int64_t D,
 }
 
 template <typename scalar_t, typename trig_t>
-void rope_cpu_kernel(const rope::Problem& p) {
+void rope_cpu_kernel(const rotary::Problem& p) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t T = p.B * p.S, D = p.D, R = p.R;
   int64_t rows = 0;
@@ -117,7 +118,7 @@ void rope_cpu_kernel(const rope::Problem& p) {
   });
 }
 
-void run_cpu(const rope::Problem& p) {
+void run_cpu(const rotary::Problem& p) {
   const at::Tensor& ref = p.x[0].defined() ? p.x[0] : p.x[1];
   const bool table_in_opmath = p.cos.defined() && p.cos.scalar_type() != ref.scalar_type();
   OPFORGE_DISPATCH_FLOATING(ref.scalar_type(), "opforge::rope", [&] {
@@ -134,8 +135,8 @@ at::Tensor opt(const std::optional<at::Tensor>& t) { return t.has_value() ? *t :
 
 std::tuple<at::Tensor, at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                             const at::Tensor& sin, bool interleaved, int64_t rotary_dim) {
-  auto c = rope::check_rope("rope", "q", q, "k", k, cos, sin, rotary_dim);
-  auto p = rope::make_problem(q, k, c, interleaved, /*backward=*/false, 0.0);
+  auto c = rotary::check_rope("rope", "q", q, "k", k, cos, sin, rotary_dim);
+  auto p = rotary::make_problem(q, k, c, interleaved, /*backward=*/false, 0.0);
   run_cpu(p);
   return {p.y[0], p.y[1]};
 }
@@ -146,8 +147,8 @@ std::tuple<at::Tensor, at::Tensor> rope_backward_cpu(const std::optional<at::Ten
                                                      int64_t rotary_dim) {
   const at::Tensor gq = opt(grad_q_out), gk = opt(grad_k_out);
   if (!gq.defined() && !gk.defined()) return {};
-  auto c = rope::check_rope("rope_backward", "grad_q_out", gq, "grad_k_out", gk, cos, sin, rotary_dim);
-  auto p = rope::make_problem(gq, gk, c, interleaved, /*backward=*/true, 0.0);
+  auto c = rotary::check_rope("rope_backward", "grad_q_out", gq, "grad_k_out", gk, cos, sin, rotary_dim);
+  auto p = rotary::make_problem(gq, gk, c, interleaved, /*backward=*/true, 0.0);
   run_cpu(p);
   return {p.y[0], p.y[1]};
 }
@@ -155,8 +156,8 @@ std::tuple<at::Tensor, at::Tensor> rope_backward_cpu(const std::optional<at::Ten
 std::tuple<at::Tensor, at::Tensor> rope_from_positions_cpu(const at::Tensor& q, const at::Tensor& k,
                                                            const at::Tensor& position_ids, double base,
                                                            bool interleaved, int64_t rotary_dim) {
-  auto c = rope::check_rope_from_positions("rope_from_positions", "q", q, "k", k, position_ids, base, rotary_dim);
-  auto p = rope::make_problem(q, k, c, interleaved, /*backward=*/false, base);
+  auto c = rotary::check_rope_from_positions("rope_from_positions", "q", q, "k", k, position_ids, base, rotary_dim);
+  auto p = rotary::make_problem(q, k, c, interleaved, /*backward=*/false, base);
   run_cpu(p);
   return {p.y[0], p.y[1]};
 }
@@ -167,9 +168,9 @@ std::tuple<at::Tensor, at::Tensor> rope_from_positions_backward_cpu(const std::o
                                                                     bool interleaved, int64_t rotary_dim) {
   const at::Tensor gq = opt(grad_q_out), gk = opt(grad_k_out);
   if (!gq.defined() && !gk.defined()) return {};
-  auto c = rope::check_rope_from_positions("rope_from_positions_backward", "grad_q_out", gq, "grad_k_out", gk,
+  auto c = rotary::check_rope_from_positions("rope_from_positions_backward", "grad_q_out", gq, "grad_k_out", gk,
                                            position_ids, base, rotary_dim);
-  auto p = rope::make_problem(gq, gk, c, interleaved, /*backward=*/true, base);
+  auto p = rotary::make_problem(gq, gk, c, interleaved, /*backward=*/true, base);
   run_cpu(p);
   return {p.y[0], p.y[1]};
 }

@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params<scalar_t, t
     __syncthreads();  // the previous token's table is no longer read
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
       int64_t a, bb;
-      rope::pair_dims(i, p.R, p.interleaved, a, bb);
+      rotary::pair_dims(i, p.R, p.interleaved, a, bb);
       opmath_t ca, sa, cb, sb;
       if constexpr (kPositions) {
         const double position = static_cast<double>(p.pos[b * p.ps[0] + s * p.ps[1]]);
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params<scalar_t, t
         sa = static_cast<opmath_t>(p.sin[s0 + a * p.ss[2]]);
         sb = static_cast<opmath_t>(p.sin[s0 + bb * p.ss[2]]);
       }
-      rope::table_pair(ca, sa, cb, sb, p.backward, C[a], C[bb], Sn[a], Sn[bb]);
+      rotary::table_pair(ca, sa, cb, sb, p.backward, C[a], C[bb], Sn[a], Sn[bb]);
     }
     __syncthreads();
 
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params<scalar_t, t
         const int64_t xd = p.xs[w][3], yd = p.ys[w][3];
         if (u < rot_units) {
           int64_t a, bb;
-          rope::pair_dims(u, p.R, p.interleaved, a, bb);
+          rotary::pair_dims(u, p.R, p.interleaved, a, bb);
           const opmath_t xa = static_cast<opmath_t>(x[a * xd]), xb = static_cast<opmath_t>(x[bb * xd]);
           y[a * yd] = static_cast<scalar_t>(xa * C[a] + xb * Sn[a]);
           y[bb * yd] = static_cast<scalar_t>(xb * C[bb] + xa * Sn[bb]);
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params<scalar_t, t
 }
 
 // True when every defined row of x and y can move as aligned V-element vectors.
-bool vectorizable(const rope::Problem& p, int V) {
+bool vectorizable(const rotary::Problem& p, int V) {
   if (p.D % V != 0 || (p.interleaved ? p.R % V != 0 : (p.R / 2) % V != 0)) return false;
   for (int i = 0; i < 2; ++i) {
     if (!p.x[i].defined()) continue;
@@ -156,7 +156,7 @@ bool vectorizable(const rope::Problem& p, int V) {
 }
 
 template <typename scalar_t, typename trig_t>
-void launch(const rope::Problem& p, int rows, int64_t T) {
+void launch(const rotary::Problem& p, int rows, int64_t T) {
   using opmath_t = at::opmath_type<scalar_t>;
   Params<scalar_t, trig_t> P{};
   for (int i = 0; i < 2; ++i) {
@@ -216,7 +216,7 @@ void launch(const rope::Problem& p, int rows, int64_t T) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void run_cuda(const rope::Problem& p) {
+void run_cuda(const rotary::Problem& p) {
   const at::Tensor& ref = p.x[0].defined() ? p.x[0] : p.x[1];
   c10::cuda::CUDAGuard guard(ref.device());
   int64_t rows = 0;
@@ -246,8 +246,8 @@ at::Tensor opt(const std::optional<at::Tensor>& t) { return t.has_value() ? *t :
 
 std::tuple<at::Tensor, at::Tensor> rope_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                              const at::Tensor& sin, bool interleaved, int64_t rotary_dim) {
-  auto c = rope::check_rope("rope", "q", q, "k", k, cos, sin, rotary_dim);
-  auto p = rope::make_problem(q, k, c, interleaved, /*backward=*/false, 0.0);
+  auto c = rotary::check_rope("rope", "q", q, "k", k, cos, sin, rotary_dim);
+  auto p = rotary::make_problem(q, k, c, interleaved, /*backward=*/false, 0.0);
   run_cuda(p);
   return {p.y[0], p.y[1]};
 }
@@ -258,8 +258,8 @@ std::tuple<at::Tensor, at::Tensor> rope_backward_cuda(const std::optional<at::Te
                                                       int64_t rotary_dim) {
   const at::Tensor gq = opt(grad_q_out), gk = opt(grad_k_out);
   if (!gq.defined() && !gk.defined()) return {};
-  auto c = rope::check_rope("rope_backward", "grad_q_out", gq, "grad_k_out", gk, cos, sin, rotary_dim);
-  auto p = rope::make_problem(gq, gk, c, interleaved, /*backward=*/true, 0.0);
+  auto c = rotary::check_rope("rope_backward", "grad_q_out", gq, "grad_k_out", gk, cos, sin, rotary_dim);
+  auto p = rotary::make_problem(gq, gk, c, interleaved, /*backward=*/true, 0.0);
   run_cuda(p);
   return {p.y[0], p.y[1]};
 }
@@ -267,8 +267,8 @@ std::tuple<at::Tensor, at::Tensor> rope_backward_cuda(const std::optional<at::Te
 std::tuple<at::Tensor, at::Tensor> rope_from_positions_cuda(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& position_ids, double base,
                                                             bool interleaved, int64_t rotary_dim) {
-  auto c = rope::check_rope_from_positions("rope_from_positions", "q", q, "k", k, position_ids, base, rotary_dim);
-  auto p = rope::make_problem(q, k, c, interleaved, /*backward=*/false, base);
+  auto c = rotary::check_rope_from_positions("rope_from_positions", "q", q, "k", k, position_ids, base, rotary_dim);
+  auto p = rotary::make_problem(q, k, c, interleaved, /*backward=*/false, base);
   run_cuda(p);
   return {p.y[0], p.y[1]};
 }
@@ -279,9 +279,9 @@ std::tuple<at::Tensor, at::Tensor> rope_from_positions_backward_cuda(const std::
                                                                      bool interleaved, int64_t rotary_dim) {
   const at::Tensor gq = opt(grad_q_out), gk = opt(grad_k_out);
   if (!gq.defined() && !gk.defined()) return {};
-  auto c = rope::check_rope_from_positions("rope_from_positions_backward", "grad_q_out", gq, "grad_k_out", gk,
+  auto c = rotary::check_rope_from_positions("rope_from_positions_backward", "grad_q_out", gq, "grad_k_out", gk,
                                            position_ids, base, rotary_dim);
-  auto p = rope::make_problem(gq, gk, c, interleaved, /*backward=*/true, base);
+  auto p = rotary::make_problem(gq, gk, c, interleaved, /*backward=*/true, base);
   run_cuda(p);
   return {p.y[0], p.y[1]};
 }
