@@ -32,6 +32,16 @@ TORCH_LIBRARY(opforge, m) {
   m.def("rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
   // (grad_input, grad_weight) of rms_norm from the saved rstd (normalized dims = input's dims after rstd's), each only if its output_mask entry is set
   m.def("rms_norm_backward(Tensor grad_output, Tensor input, Tensor rstd, Tensor? weight, bool[2] output_mask) -> (Tensor, Tensor)");
+  // (q_out, k_out): rotary position embedding of q (batch, q_heads, seq, head_dim) and k (batch, kv_heads, seq, head_dim),
+  // any strides, with cos/sin (seq, R), (batch or 1, seq, R) or (batch or 1, 1, seq, R) as transformers passes them:
+  // out = x·cos + rotate(x)·sin on the first R = rotary_dim (-1: cos.size(-1)) dims, pairs (i, i+R/2) or, interleaved, (2i, 2i+1); dims past R copied
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, *, bool interleaved=False, int rotary_dim=-1) -> (Tensor q_out, Tensor k_out)");
+  // (grad_q, grad_k) of rope: the transpose (rotation by −θ); each computed only when its gradient is given
+  m.def("rope_backward(Tensor? grad_q_out, Tensor? grad_k_out, Tensor cos, Tensor sin, *, bool interleaved=False, int rotary_dim=-1) -> (Tensor grad_q, Tensor grad_k)");
+  // rope with θ_i = position_ids · base^(−2i/R) computed in float64 in the kernel; position_ids (seq,) or (batch or 1, seq); R = rotary_dim (-1: head_dim)
+  m.def("rope_from_positions(Tensor q, Tensor k, Tensor position_ids, float base=10000., *, bool interleaved=False, int rotary_dim=-1) -> (Tensor q_out, Tensor k_out)");
+  // (grad_q, grad_k) of rope_from_positions: the rotation by −θ; each computed only when its gradient is given
+  m.def("rope_from_positions_backward(Tensor? grad_q_out, Tensor? grad_k_out, Tensor position_ids, float base=10000., *, bool interleaved=False, int rotary_dim=-1) -> (Tensor grad_q, Tensor grad_k)");
   // y = 1 / (1 + exp(-input))
   m.def("sigmoid(Tensor input) -> Tensor");
   // grad_input = grad_output · output · (1 − output)

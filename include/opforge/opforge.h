@@ -175,5 +175,33 @@ at::Tensor indexed_linear(const at::Tensor& input, const at::Tensor& weight, con
 std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
     std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype = std::nullopt);
+/// (q_out, k_out): rotary position embedding (RoFormer; Hugging Face's apply_rotary_pos_emb) of q (B, Hq, S, D) and
+/// k (B, Hk, S, D), any strides, same dtype; outputs in q's / k's dtype and layout (contiguous where the input is
+/// not dense). cos, sin: (S, R), (B or 1, S, R) or (B or 1, 1, S, R), floating (a float32 table with bf16 q is
+/// used as float32). rotary_dim: -1 (= cos.size(-1)) or R, even, ≤ D. On the first R dims,
+/// y[j] = x[j]·cos[j] + rot(x)[j]·sin[j] with rot(x) = (−x[i+R/2], x[i]) (rotate-half) or, when interleaved,
+/// pairs (2i, 2i+1): rot(x)[2i] = −x[2i+1], rot(x)[2i+1] = x[2i]; dims past R are copied. fp32 math.
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                        const at::Tensor& sin, bool interleaved = false, int64_t rotary_dim = -1);
+
+/// (grad_q, grad_k) of rope: the transpose of its linear map (the rotation by −θ); grad_q computed only when
+/// grad_q_out is given (else undefined), likewise grad_k.
+std::tuple<at::Tensor, at::Tensor> rope_backward(const std::optional<at::Tensor>& grad_q_out,
+                                                 const std::optional<at::Tensor>& grad_k_out, const at::Tensor& cos,
+                                                 const at::Tensor& sin, bool interleaved = false,
+                                                 int64_t rotary_dim = -1);
+
+/// rope with the angles computed in the kernel: θ_i = position_ids[b, s] · base^(−2i/R), i < R/2, in float64;
+/// position_ids (S,) or (B or 1, S) of an integer dtype; rotary_dim -1 (= D) or R, even, ≤ D.
+std::tuple<at::Tensor, at::Tensor> rope_from_positions(const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& position_ids, double base = 10000.0,
+                                                       bool interleaved = false, int64_t rotary_dim = -1);
+
+/// (grad_q, grad_k) of rope_from_positions (the rotation by −θ); each only when its gradient is given.
+std::tuple<at::Tensor, at::Tensor> rope_from_positions_backward(const std::optional<at::Tensor>& grad_q_out,
+                                                                const std::optional<at::Tensor>& grad_k_out,
+                                                                const at::Tensor& position_ids,
+                                                                double base = 10000.0, bool interleaved = false,
+                                                                int64_t rotary_dim = -1);
 
 }  // namespace opforge

@@ -138,6 +138,7 @@ from . import profiling  # noqa: E402,F401  (reads OPFORGE_NVTX once)
 from . import functional, nn  # noqa: E402
 from .functional import fused_add_rms_norm, linear, rms_norm, sigmoid, square, square_add, swiglu  # noqa: E402
 from .functional import indexed_linear, linear_cat  # noqa: E402  (linear variants, issue 11)
+from .functional import rope, rope_from_positions  # noqa: E402
 
 __all__ = ["cmake_prefix_path", "functional", "fused_add_rms_norm", "library_path", "linear", "nn", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
 
@@ -148,3 +149,4 @@ from .functional import fake_quant_linear, fake_quantize_weight  # noqa: E402
 
 __all__ += ["fake_quant_linear", "fake_quantize_weight"]
 __all__ += ["indexed_linear", "linear_cat"]  # linear variants (issue 11)
+__all__ += ["rope", "rope_from_positions"]

@@ -474,3 +474,82 @@ def indexed_linear(input: Tensor, weight: Tensor, index: Tensor, bias: Optional[
     GEMMs; reference: a loop over experts (``opforge.testing.indexed_linear_reference``).
     """
     return torch.ops.opforge.indexed_linear(input, weight, index, bias)
+# ---- rope ------------------------------------------------------------------------------------------------------
+__all__ += ["rope", "rope_from_positions"]
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
+         rotary_dim: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """(q_out, k_out) = (x·cos + rotate(x)·sin for x in q, k) on the first rotary_dim dims: rotary position embedding.
+
+    The drop-in for Hugging Face's ``q, k = apply_rotary_pos_emb(q, k, cos, sin)`` (q, k after the
+    ``transpose(1, 2)``, cos/sin from the model's rotary embedding): one kernel for q and k, no ``cat``.
+
+    Args:
+        q: (B, Hq, S, D) float64, float32, float16 or bfloat16, any strides (e.g. a transposed view of a fused
+            QKV projection). D even.
+        k: (B, Hk, S, D) of q's dtype, device, B, S and D; Hk may differ from Hq (GQA, MQA).
+        cos: (S, R), (B or 1, S, R) or (B or 1, 1, S, R), floating, any strides; R = rotary_dim. As transformers
+            passes it: one value per rotary dim, i.e. the R/2 frequencies with the halves duplicated (rotate-half)
+            or each repeated twice (interleaved). A float32 table with float16/bfloat16 q is used as float32;
+            another dtype is converted to float32 (float64 for float64 q).
+        sin: as cos, of cos's shape.
+        interleaved: False (default): rotate-half (Llama, GPT-NeoX, HF ``rotate_half``): dim i pairs with
+            i + R/2, ``rotate(x) = cat(−x[R/2:R], x[:R/2])``. True: GPT-J's interleaved pairs (2i, 2i + 1),
+            ``rotate(x)[2i] = −x[2i+1], rotate(x)[2i+1] = x[2i]``.
+        rotary_dim: R, the leading dims that rotate; even, ≤ D. Dims R..D−1 are copied bit-identical (partial
+            rotary: Phi, GPT-NeoX, ChatGLM). Default: None, meaning cos.size(-1).
+
+    Returns:
+        (q_out, k_out) of q's and k's shape and dtype, each with its input's strides where the input is dense
+        (e.g. HF's transposed q keeps its (B, S, H, D) memory), contiguous otherwise. New tensors (never in place).
+
+    Raises:
+        ValueError: q or k not 4-D; q, k of different batch, seq or head_dim; odd head_dim; cos/sin of
+            different shapes or not matching q's (batch, seq); rotary_dim odd, ≤ 0, > head_dim or ≠ cos.size(-1).
+        TypeError: non-floating tensors; q and k of different dtypes.
+        RuntimeError: tensors on different devices; on CUDA a rotary_dim above 6144 (3072 for float64);
+            cos or sin requiring grad (NotImplementedError: no gradient for the tables).
+
+    Numerics: float32 math (float64 for float64), one rounding per output: y[j] = x[j]·cos[j] + x[partner]·(±sin[j]),
+    exactly HF's formula evaluated in float32. Backward (``rope_backward``) is its transpose, the rotation by −θ;
+    it is again differentiable (double backward is rope itself). cos and sin get no gradient.
+
+    Source: Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding";
+    ``transformers.models.llama.modeling_llama.apply_rotary_pos_emb`` (reference: ``opforge.testing.rope_reference``).
+    """
+    return torch.ops.opforge.rope(q, k, cos, sin, interleaved=interleaved,
+                                  rotary_dim=-1 if rotary_dim is None else rotary_dim)
+
+
+def rope_from_positions(q: Tensor, k: Tensor, position_ids: Tensor, base: float = 10000.0, *,
+                        interleaved: bool = False, rotary_dim: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`rope` with θ_i = position_ids · base^(−2i/R), i < R/2, computed inside the kernel (no cos/sin tensors).
+
+    Args:
+        q: (B, Hq, S, D) floating, any strides; D even.
+        k: (B, Hk, S, D) of q's dtype, device, B, S and D.
+        position_ids: (S,) or (B or 1, S), any integer dtype: the position of each token.
+        base: the RoPE base (θ in Llama's config: 10000, 500000 for Llama 3). Default: 10000.
+        interleaved: as in :func:`rope`. Default: False.
+        rotary_dim: R, even, ≤ D; dims past R are copied. Default: None, meaning D.
+
+    Returns:
+        (q_out, k_out) as :func:`rope`.
+
+    Raises:
+        ValueError: as :func:`rope`; position_ids not of shape (S,) or (B or 1, S); base ≤ 0 or not finite.
+        TypeError: non-floating q/k; position_ids not of an integer dtype.
+        RuntimeError: tensors on different devices.
+
+    Numerics: inv_freq, the angle and its cos/sin in float64, rounded once to float32 (exact to float32's
+    rounding at any position: at position 2**20 a float32 angle would be off by up to 0.06 rad, a bfloat16
+    cos/sin table by whole radians); the rotation in float32. This is the default ("rope_type": "default") RoPE;
+    scaled variants (llama3, yarn, dynamic) change the frequencies: pass their cos/sin to :func:`rope`.
+    Transformers computes inv_freq and the angle in float32 and rounds cos/sin to the model dtype, so its
+    result differs from this (more accurate) one by that rounding.
+
+    Source: Su et al. 2021 (RoFormer); transformers' ``LlamaRotaryEmbedding`` (default rope type).
+    """
+    return torch.ops.opforge.rope_from_positions(q, k, position_ids, base, interleaved=interleaved,
+                                                 rotary_dim=-1 if rotary_dim is None else rotary_dim)

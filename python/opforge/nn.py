@@ -358,3 +358,36 @@ class IndexedLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"num_experts={self.num_experts}, bias={self.bias is not None}")
+# ---- rope ------------------------------------------------------------------------------------------------------
+__all__ += ["RotaryEmbedding"]
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """(q_out, k_out) = rotary position embedding of q and k at ``position_ids``, through
+    :func:`opforge.functional.rope_from_positions` (θ_i = position · base^(−2i/R), computed in the kernel).
+
+    Args:
+        head_dim: D, the last dim of q and k (even).
+        base: the RoPE base (``rope_theta``). Default: 10000.
+        rotary_dim: R, the leading dims that rotate (even, ≤ D). Default: None, meaning head_dim.
+        interleaved: GPT-J's pairs (2i, 2i + 1) instead of rotate-half's (i, i + R/2). Default: False.
+
+    Shape: q (B, Hq, S, D), k (B, Hk, S, D), position_ids (S,) or (B or 1, S) -> (q_out, k_out) of q's and k's shapes.
+    No parameters or buffers (nothing in the state_dict).
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0, rotary_dim: Optional[int] = None,
+                 interleaved: bool = False) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.base = float(base)
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        self.interleaved = interleaved
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return F.rope_from_positions(q, k, position_ids, self.base, interleaved=self.interleaved,
+                                     rotary_dim=self.rotary_dim)
+
+    def extra_repr(self) -> str:
+        return "head_dim={head_dim}, base={base}, rotary_dim={rotary_dim}, interleaved={interleaved}".format(
+            **self.__dict__)

@@ -333,3 +333,60 @@ def indexed_linear_reference(input: Tensor, weight: Tensor, index: Tensor, bias:
             ye = ye + bias[e].double()
         y = y.index_copy(0, rows, ye)
     return y
+# ---- rope --------------------------------------------------------------------------------------------------
+__all__ += ["rope_cos_sin_reference", "rope_reference", "rope_from_positions_reference"]
+
+
+def rope_cos_sin_reference(position_ids: Tensor, rotary_dim: int, base: float = 10000.0, *,
+                           interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """cos, sin tables in float64 as transformers builds them: θ_i = position · base^(−2i/R), i < R/2.
+
+    position_ids (S,) or (B, S) -> cos, sin of shape (*position_ids.shape, R): rotate-half layout
+    [θ_0 … θ_{R/2−1}, θ_0 … θ_{R/2−1}] (transformers' ``cat((freqs, freqs), -1)``), or, interleaved,
+    [θ_0, θ_0, θ_1, θ_1, …] (GPT-J's ``repeat_interleave(…, 2)``).
+    """
+    R = rotary_dim
+    inv_freq = torch.tensor(float(base), dtype=torch.float64) ** (
+        -torch.arange(0, R, 2, dtype=torch.float64, device=position_ids.device) / R)
+    theta = position_ids.to(torch.float64)[..., None] * inv_freq  # (*, R/2)
+    full = theta.repeat_interleave(2, dim=-1) if interleaved else torch.cat((theta, theta), dim=-1)
+    return torch.cos(full), torch.sin(full)
+
+
+def _rotate(x: Tensor, interleaved: bool) -> Tensor:
+    """rotate-half (−x[h:], x[:h]) or interleaved (−x[2i+1], x[2i]) of the last dim."""
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
+                   rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """(q_out, k_out) of opforge.rope in float64: x[..., :R]·cos + rotate(x[..., :R])·sin, x[..., R:] unchanged.
+
+    q (B, Hq, S, D), k (B, Hk, S, D); cos, sin (S, R), (B or 1, S, R) or (B or 1, 1, S, R), broadcast over heads.
+    Differentiable in q and k (float64 autograd).
+    """
+    c, s = cos.double(), sin.double()
+    if c.dim() == 2:
+        c, s = c[None], s[None]
+    if c.dim() == 3:
+        c, s = c[:, None], s[:, None]
+    R = c.shape[-1] if rotary_dim is None else rotary_dim
+
+    def one(x: Tensor) -> Tensor:
+        x = x.double()
+        xr, xp = x[..., :R], x[..., R:]
+        return torch.cat((xr * c + _rotate(xr, interleaved) * s, xp), dim=-1)
+
+    return one(q), one(k)
+
+
+def rope_from_positions_reference(q: Tensor, k: Tensor, position_ids: Tensor, base: float = 10000.0, *,
+                                  interleaved: bool = False, rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """(q_out, k_out) of opforge.rope_from_positions in float64 (rope_reference on rope_cos_sin_reference's tables)."""
+    R = q.shape[-1] if rotary_dim is None else rotary_dim
+    cos, sin = rope_cos_sin_reference(position_ids, R, base, interleaved=interleaved)
+    return rope_reference(q, k, cos, sin, interleaved=interleaved, rotary_dim=R)

@@ -1,0 +1,140 @@
+"""Benchmark rope (forward, forward+backward) against transformers' apply_rotary_pos_emb eager, torch.compile of it
+and Liger-Kernel's liger_rotary_pos_emb (issue 15).
+
+q and k are laid out as a Hugging Face attention layer hands them over: (B, S, H, D) projections viewed as
+(B, H, S, D) by ``transpose(1, 2)``; cos/sin (B, S, D) in the model dtype, as LlamaRotaryEmbedding returns them.
+
+Metric: GB/s by the minimal-bytes rule: q and k read and written once each way
+  forward:          read q, k; write q_out, k_out              = 2·(|q| + |k|)·e
+  forward+backward: forward + read dq_out, dk_out; write dq, dk = 4·(|q| + |k|)·e
+(cos/sin, read once per token, are not counted). Goal (H200, (4, 4096, 32 q heads, 8 kv heads, 128) bf16):
+forward+backward ≥ 0.9 × the copy ceiling (4269 GB/s measured on 2026-12-01).
+
+Timing: CUDA events with warm-up and an L2 flush before each repetition (common.time_fn), median; on CPU wall
+time (perf_counter). A "copy" row (q and k cloned: 2·(|q| + |k|)·e bytes) gives the device's ceiling in the same run.
+
+    python benchmarks/bench_rope.py                       # CUDA when available
+    python benchmarks/bench_rope.py --quick               # the goal shape only, bf16
+    python benchmarks/bench_rope.py --device cpu --quick  # CPU smoke run
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import Row  # noqa: E402
+
+try:
+    import opforge
+except ImportError:  # running from a source tree: python/ is the package root
+    sys.path.insert(0, str(common.REPO_ROOT / "python"))
+    import opforge
+
+NAME = "rope"
+# (batch, seq, q heads, kv heads, head dim)
+CUDA_SHAPES = [(4, 4096, 32, 8, 128), (4, 2048, 16, 8, 128), (1, 32768, 32, 8, 128), (64, 1, 32, 8, 128)]
+CUDA_QUICK_SHAPES = [(4, 4096, 32, 8, 128)]
+CPU_SHAPES = [(1, 512, 8, 2, 64), (2, 1024, 16, 4, 128)]
+CPU_QUICK_SHAPES = [(1, 512, 8, 2, 64)]
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def hf_apply_rotary_pos_emb():
+    """transformers' apply_rotary_pos_emb (Llama), or the same formula when transformers is not installed."""
+    try:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        return apply_rotary_pos_emb
+    except Exception:
+        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+            cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+        return apply_rotary_pos_emb
+
+
+def impls(device: str, use_compile: bool) -> dict:
+    hf = hf_apply_rotary_pos_emb()
+
+    def eager(q, k, cos, sin):
+        return hf(q, k, cos, sin)
+
+    out = {
+        "opforge": lambda q, k, cos, sin: opforge.rope(q, k, cos, sin),
+        "HF eager": eager,
+        "compile HF": common.compiled(lambda q, k, cos, sin: hf(q, k, cos, sin), fullgraph=True) if use_compile
+        else None,
+    }
+    if device.startswith("cuda"):
+        out["liger"] = common.liger("liger_rotary_pos_emb", "liger_kernel.transformers.rope")
+    return out
+
+
+def main(argv=None) -> int:
+    p = common.parser(__doc__.splitlines()[0])
+    args = p.parse_args(argv)
+    device = args.device
+    cuda = device.startswith("cuda")
+    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16] if (args.quick or not cuda) else
+                                 [torch.bfloat16, torch.float32])
+    shapes = (CUDA_QUICK_SHAPES if args.quick else CUDA_SHAPES) if cuda else (
+        CPU_QUICK_SHAPES if args.quick else CPU_SHAPES)
+    warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
+    reps = args.reps if args.reps is not None else ((20 if args.quick else 50) if cuda else 10)
+    fns = impls(device, not args.no_compile)
+
+    rows: list[Row] = []
+    for dtype in dtypes:
+        e = torch.empty((), dtype=dtype).element_size()
+        for B, S, Hq, Hk, D in shapes:
+            q = torch.randn(B, S, Hq, D, device=device, dtype=dtype).transpose(1, 2)
+            k = torch.randn(B, S, Hk, D, device=device, dtype=dtype).transpose(1, 2)
+            inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))
+            ang = torch.arange(S, device=device, dtype=torch.float32)[:, None] * inv
+            emb = torch.cat((ang, ang), -1)
+            cos = emb.cos().to(dtype)[None].expand(B, S, D).contiguous()
+            sin = emb.sin().to(dtype)[None].expand(B, S, D).contiguous()
+            dq, dk = torch.randn_like(q), torch.randn_like(k)
+            qg, kg = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+            n = q.numel() + k.numel()
+            shape = common.shape_str((B, S, Hq, Hk, D))
+            for pass_, nbytes in (("fwd", 2 * n * e), ("fwd+bwd", 4 * n * e)):
+                group = []
+                ceiling = common.time_fn(lambda: (q.clone(), k.clone()), device, warmup=warmup, reps=reps)
+                rows.append(Row(NAME, shape, common.dtype_str(dtype), "copy", pass_, ceiling,
+                                common.gbps(2 * n * e, ceiling), "GB/s"))
+                for impl, fn in fns.items():
+                    if fn is None:
+                        t = math.nan
+                    elif pass_ == "fwd":
+                        with torch.no_grad():
+                            t = common.time_fn(lambda fn=fn: fn(q, k, cos, sin), device, warmup=warmup, reps=reps)
+                    else:
+                        def step(fn=fn):
+                            oq, ok = fn(qg, kg, cos, sin)
+                            return torch.autograd.grad((oq, ok), (qg, kg), (dq, dk))
+
+                        t = common.time_fn(step, device, warmup=warmup, reps=reps)
+                    gb = common.gbps(nbytes, t)
+                    rows.append(Row(NAME, shape, common.dtype_str(dtype), impl, pass_, t, gb, "GB/s"))
+                    group.append(f"{impl} {common._fmt(t)}us {common._fmt(gb, 0)}GB/s")
+                print(f"  rope {pass_} {common.dtype_str(dtype)} {shape} (copy {common._fmt(common.gbps(2 * n * e, ceiling), 0)}"
+                      f"GB/s): " + "; ".join(group), flush=True)
+            del q, k, cos, sin, dq, dk, qg, kg
+            if cuda:
+                torch.cuda.empty_cache()
+    common.finish(rows, NAME, device, save=not args.no_save)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
