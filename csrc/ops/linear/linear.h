@@ -13,6 +13,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 
 #include <optional>
 
@@ -90,6 +91,12 @@ inline at::Tensor as_output(const at::Tensor& Y, const at::Tensor& input, const 
 /// The dtype grad_bias is returned in: bias_dtype, or input's dtype when none is given.
 inline at::ScalarType grad_bias_dtype(const at::Tensor& input, std::optional<at::ScalarType> bias_dtype) {
   return bias_dtype.value_or(input.scalar_type());
+}
+
+/// grad_bias[N] = Σ_rows dZ[M, N], accumulated in fp32 (fp64 for float64), rounded once to `dtype`;
+/// zeros when M == 0. (CUDA computes it in the dW GEMM's epilogue where it can.)
+inline at::Tensor sum_rows(const at::Tensor& dZ, at::ScalarType dtype) {
+  return at::sum(dZ, {0}, /*keepdim=*/false, at::toOpMathType(dZ.scalar_type())).to(dtype);
 }
 
 }  // namespace linear_op

@@ -3,7 +3,6 @@
 // and their backward functions; grad_bias through ATen's reduction with fp32 accumulation.
 // ATen's GEMM takes any strides, so the operands stay strided views (no copies): the forward and
 // grad_input make the same GEMM calls as torch.nn.functional.linear.
-#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include "core/check.h"
@@ -84,9 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(
     grad_weight = at::mm(dZ.t().to(dt), p.X.to(dt)).to(weight.scalar_type());
   }
   if (output_mask[2]) {
-    // db = Σ_rows dZ, accumulated in fp32 (fp64 for fp64), rounded once to bias's dtype
-    grad_bias = at::sum(dZ, {0}, /*keepdim=*/false, at::toOpMathType(dZ.scalar_type()))
-                    .to(linear_op::grad_bias_dtype(input, bias_dtype));
+    grad_bias = linear_op::sum_rows(dZ, linear_op::grad_bias_dtype(input, bias_dtype));  // db = Σ_rows dZ
   }
   return {grad_input, grad_weight, grad_bias};
 }

@@ -26,7 +26,6 @@
 // float32 uses TF32 only when torch allows it (torch.backends.cuda.matmul.allow_tf32); float64 in fp64.
 // Split-K partial sums of 16-bit outputs are added in fp32, never in the 16-bit type (core/gemm.h).
 // No host synchronization and only caching-allocator memory: capturable in CUDA graphs.
-#include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -190,8 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cuda(
     grad_weight = dW.to(weight.scalar_type());
   }
   if (output_mask[2] && !grad_bias.defined()) {
-    // db[N] = Σ_rows dZ, accumulated in fp32 (fp64 for fp64), rounded once; zeros when M == 0
-    grad_bias = at::sum(dZ, {0}, /*keepdim=*/false, at::toOpMathType(dZ.scalar_type())).to(db_dtype);
+    grad_bias = linear_op::sum_rows(dZ, db_dtype);  // db = Σ_rows dZ where no epilogue computed it
   }
   return {grad_input, grad_weight, grad_bias};
 }
