@@ -59,12 +59,6 @@ inline void check_same_device(const char* op, const char* name_a, const at::Tens
               b.device());
 }
 
-/// Raises unless `t` has exactly `dim` dimensions.
-inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
-  TORCH_CHECK_VALUE(t.dim() == dim, "opforge::", op, ": expected ", name, " to have ", num_str(dim),
-                    " dimension(s), but got ", num_str(t.dim()), " with shape ", shape_str(t.sym_sizes()));
-}
-
 /// The mixed-dtype policy of every opforge op, identical on CPU, CUDA and Meta:
 /// the output (and all computation) takes the dtype of `input`; a parameter of another floating
 /// dtype (weight, bias, other) is converted to input's dtype once on entry, and its gradient is

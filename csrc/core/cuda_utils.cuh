@@ -1,5 +1,5 @@
 // CUDA helpers shared by every opforge kernel: 16-byte vector types, alignment tests, launch
-// configuration and the launch check. Block reductions come from CUB (cub::BlockReduce).
+// configuration. Row reductions (warp and block sums) are core/row_cuda.cuh's.
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>

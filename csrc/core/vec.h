@@ -10,6 +10,18 @@
 namespace opforge {
 namespace cpu {
 
+/// σ(x) = 1 / (1 + exp(−x)) on Vectorized (core/activation.h's act::sigmoid, vectorized).
+template <typename V>
+inline V vec_sigmoid(const V& x) {
+  return (V(1) + x.neg().exp()).reciprocal();
+}
+
+/// silu(x) = x / (1 + exp(−x)) on Vectorized (core/activation.h's act::value<kSiLU>, vectorized).
+template <typename V>
+inline V vec_silu(const V& x) {
+  return x / (V(1) + x.neg().exp());
+}
+
 /// Grain size for at::parallel_for over elementwise work: below this many elements, one thread.
 constexpr int64_t kElementwiseGrain = 32768;
 

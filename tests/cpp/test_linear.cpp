@@ -9,15 +9,7 @@ using opforge_test::expect_error;
 using opforge_test::float_dtypes;
 using opforge_test::opts;
 
-namespace {
-
-
-at::Tensor linear64(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
-  auto y = torch::matmul(x.to(at::kDouble), w.to(at::kDouble).t());
-  return b ? y + b->to(at::kDouble) : y;
-}
-
-}  // namespace
+namespace ref = opforge_test::ref;
 
 TEST(Linear, ForwardMatchesFloat64Reference) {
   for (auto device : devices()) {
@@ -29,8 +21,8 @@ TEST(Linear, ForwardMatchesFloat64Reference) {
       EXPECT_EQ(y.sizes(), (std::vector<int64_t>{7, 3, 769}));
       EXPECT_EQ(y.scalar_type(), dtype);
       // fp32 on CUDA may use TF32 when the caller allowed it; the default tolerance covers full fp32.
-      expect_close(y, linear64(x, w, b), dtype == at::kFloat && device.is_cuda() ? at::kHalf : dtype, "linear");
-      expect_close(opforge::linear(x, w), linear64(x, w, std::nullopt),
+      expect_close(y, ref::linear(x, w, b), dtype == at::kFloat && device.is_cuda() ? at::kHalf : dtype, "linear");
+      expect_close(opforge::linear(x, w), ref::linear(x, w, std::nullopt),
                    dtype == at::kFloat && device.is_cuda() ? at::kHalf : dtype, "linear without bias");
     }
   }
@@ -138,21 +130,9 @@ TEST(Linear, ActivationForwardAndBackward) {
         const auto y = opforge::linear(x, w, b, act);
         EXPECT_EQ(y.scalar_type(), dtype);
         // float64 reference: z, y = act(z), dz = dy · act'(z) through ATen's own activation functions
-        const auto z64 = linear64(x.detach(), w.detach(), b.detach()).reshape({-1, 11});
-        const auto g64 = g.to(at::kDouble).reshape({-1, 11});
+        const auto z64 = ref::linear(x.detach(), w.detach(), b.detach()).reshape({-1, 11});
         const std::string a = act;
-        at::Tensor y64, dz64;
-        if (a == "relu") {
-          y64 = torch::relu(z64);
-          dz64 = at::threshold_backward(g64, z64, 0);
-        } else if (a == "silu") {
-          y64 = torch::silu(z64);
-          dz64 = at::silu_backward(g64, z64);
-        } else {
-          const char* approximate = a == "gelu" ? "none" : "tanh";
-          y64 = at::gelu(z64, approximate);
-          dz64 = at::gelu_backward(g64, z64, approximate);
-        }
+        const auto [y64, dz64] = ref::activation(a, z64, g.reshape({-1, 11}));
         const auto tol = dtype == at::kFloat && device.is_cuda() ? at::kHalf : dtype;
         expect_close(y, y64.reshape({5, 4, 11}), tol, a + " output");
         y.backward(g);

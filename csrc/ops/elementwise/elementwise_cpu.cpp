@@ -1,6 +1,7 @@
 // CPU kernels of the elementwise ops: at::vec::Vectorized bodies, scalar tails, at::parallel_for.
 #include <torch/library.h>
 
+#include "core/activation.h"
 #include "core/dispatch.h"
 #include "core/vec.h"
 #include "ops/elementwise/elementwise.h"
@@ -15,11 +16,10 @@ at::Tensor sigmoid_cpu(const at::Tensor& input) {
   at::Tensor Y = at::empty_like(X);                                  // [n]
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::sigmoid", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
-    // y = 1 / (1 + exp(-x)): exp(-x) = inf for x → -inf gives exactly 0, exp(-x) = 0 gives exactly 1.
+    // y = σ(x) (core/activation.h; its vectorized form in core/vec.h)
     cpu::map_unary(
         X.const_data_ptr<scalar_t>(), Y.mutable_data_ptr<scalar_t>(), X.numel(),
-        [](opmath_t x) { return opmath_t(1) / (opmath_t(1) + std::exp(-x)); },
-        [](Vectorized<opmath_t> x) { return (Vectorized<opmath_t>(1) + x.neg().exp()).reciprocal(); });
+        [](opmath_t x) { return act::sigmoid(x); }, [](Vectorized<opmath_t> x) { return cpu::vec_sigmoid(x); });
   });
   return Y;
 }
@@ -32,7 +32,7 @@ at::Tensor sigmoid_backward_cpu(const at::Tensor& grad_output, const at::Tensor&
     // dx = dy · y · (1 − y)
     cpu::map_binary(
         dY.const_data_ptr<scalar_t>(), Y.const_data_ptr<scalar_t>(), dX.mutable_data_ptr<scalar_t>(), dY.numel(),
-        [](opmath_t dy, opmath_t y) { return dy * y * (opmath_t(1) - y); },
+        [](opmath_t dy, opmath_t y) { return act::backward<Activation::kSigmoid>(dy, y); },
         [](Vectorized<opmath_t> dy, Vectorized<opmath_t> y) { return dy * y * (Vectorized<opmath_t>(1) - y); });
   });
   return dX;

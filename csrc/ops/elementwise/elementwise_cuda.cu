@@ -3,8 +3,9 @@
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
-#include "core/map_cuda.cuh"
+#include "core/activation.h"
 #include "core/dispatch.h"
+#include "core/map_cuda.cuh"
 #include "ops/elementwise/elementwise.h"
 
 namespace opforge {
@@ -13,16 +14,9 @@ namespace {
 using cuda::launch_binary;
 using cuda::launch_unary;
 
-// y = 1 / (1 + exp(-x)); exp(-x) = inf gives exactly 0 and exp(-x) = 0 exactly 1, never NaN.
-struct SigmoidOp {
-  template <typename T>
-  __device__ T operator()(T x) const { return T(1) / (T(1) + exp(-x)); }
-};
-// dx = dy · y · (1 − y)
-struct SigmoidBackwardOp {
-  template <typename T>
-  __device__ T operator()(T dy, T y) const { return dy * y * (T(1) - y); }
-};
+// sigmoid: y = σ(x) and dx = dy · y · (1 − y), core/activation.h's act::Value / act::Backward<kSigmoid>.
+using SigmoidOp = act::Value<Activation::kSigmoid>;
+using SigmoidBackwardOp = act::Backward<Activation::kSigmoid>;
 // y = x²
 struct SquareOp {
   template <typename T>

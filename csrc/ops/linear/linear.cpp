@@ -17,30 +17,6 @@
 namespace opforge {
 namespace linear_op {
 
-Activation parse_activation(const char* op, c10::string_view name) {
-  if (name == "none") return Activation::kNone;
-  if (name == "relu") return Activation::kReLU;
-  if (name == "gelu") return Activation::kGELU;
-  if (name == "gelu_tanh") return Activation::kGELUTanh;
-  if (name == "silu") return Activation::kSiLU;
-  TORCH_CHECK_VALUE(false, "opforge::", op,
-                    ": expected activation to be one of \"none\", \"relu\", \"gelu\", \"gelu_tanh\", \"silu\", "
-                    "but got \"",
-                    std::string(name), "\"");
-  return Activation::kNone;
-}
-
-const char* activation_name(Activation act) {
-  switch (act) {
-    case Activation::kNone: return "none";
-    case Activation::kReLU: return "relu";
-    case Activation::kGELU: return "gelu";
-    case Activation::kGELUTanh: return "gelu_tanh";
-    case Activation::kSiLU: return "silu";
-  }
-  return "none";
-}
-
 void check_linear_args(const char* op, const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
   const bool has_bias = bias.has_value() && bias->defined();
@@ -125,6 +101,18 @@ Activation check_linear_backward_args(const at::Tensor& grad_output, const at::T
   return act;
 }
 
+at::Tensor aten_activation_backward(const at::Tensor& dY, const at::Tensor& Z, Activation act) {
+  switch (act) {
+    case Activation::kNone: return dY;
+    case Activation::kReLU: return at::threshold_backward(dY, Z, 0);  // Z may be relu's output: same sign test
+    case Activation::kGELU: return at::gelu_backward(dY, Z, "none");
+    case Activation::kGELUTanh: return at::gelu_backward(dY, Z, "tanh");
+    case Activation::kSiLU: return at::silu_backward(dY, Z);
+    case Activation::kSigmoid: break;  // not a linear activation (the parser rejects it)
+  }
+  TORCH_INTERNAL_ASSERT(false, "opforge::linear_backward: unhandled activation");
+}
+
 LinearBackwardProblem check_linear_backward(const at::Tensor& grad_output, const at::Tensor& input,
                                             const at::Tensor& weight, std::optional<at::ScalarType> bias_dtype,
                                             c10::string_view activation,
@@ -179,7 +167,7 @@ namespace {
 at::Tensor linear_meta(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        c10::string_view activation) {
   linear_op::check_linear_args("linear", input, weight, bias);
-  linear_op::parse_activation("linear", activation);
+  parse_activation("linear", activation);
   return at::empty_symint(linear_op::output_sym_sizes(input, weight), input.options());
 }
 
@@ -187,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor> linear_forward_meta(const at::Tensor& input, 
                                                        const std::optional<at::Tensor>& bias,
                                                        c10::string_view activation) {
   linear_op::check_linear_args("linear", input, weight, bias);
-  linear_op::parse_activation("linear", activation);
+  parse_activation("linear", activation);
   const auto sizes = linear_op::output_sym_sizes(input, weight);
   return {at::empty_symint(sizes, input.options()), at::empty_symint(sizes, input.options())};
 }
@@ -213,35 +201,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_meta(
 // silu, relu's output for relu, undefined for none); attributes: activation (int), bias dtype (int, -1 without
 // bias). Edges: 0 input, 1 weight, 2 bias (an empty edge without bias).
 variable_list linear_backward_fn(const BackwardArgs& a) {
-  const auto act = static_cast<linear_op::Activation>(a.attrs[0].toInt());
+  const auto act = static_cast<Activation>(a.attrs[0].toInt());
   const int64_t bias_dtype = a.attrs[1].toInt();
   std::optional<at::Tensor> z;
-  if (act != linear_op::Activation::kNone) z = a.saved[3];
+  if (act != Activation::kNone) z = a.saved[3];
   std::optional<at::ScalarType> bdt;
   if (bias_dtype >= 0) bdt = static_cast<at::ScalarType>(bias_dtype);
   auto [grad_input, grad_weight, grad_bias] =
       opforge::linear_backward(a.grads[0], a.saved[0], a.saved[1], {a.needs[0], a.needs[1], bdt && a.needs[2]}, bdt,
-                               linear_op::activation_name(act), z);
+                               activation_name(act), z);
   return {grad_input, grad_weight, grad_bias};
 }
 
 // The same in differentiable ATen ops, for double backward and torch.func: z is recomputed from input, weight and
 // bias so that its own dependence on them is differentiated too.
 variable_list linear_double_backward_fn(const BackwardArgs& a) {
-  const auto act = static_cast<linear_op::Activation>(a.attrs[0].toInt());
+  const auto act = static_cast<Activation>(a.attrs[0].toInt());
   const at::Tensor &X = a.saved[0], &W = a.saved[1], &b = a.saved[2];
   const auto dtype = X.scalar_type();
   const at::Tensor Wc = W.to(dtype);
   at::Tensor dZ = a.grads[0];
-  if (act != linear_op::Activation::kNone) {
+  if (act != Activation::kNone) {
     const at::Tensor Z = at::linear(X, Wc, b.defined() ? std::optional<at::Tensor>(b.to(dtype)) : std::nullopt);
-    switch (act) {
-      case linear_op::Activation::kReLU: dZ = at::threshold_backward(dZ, Z, 0); break;
-      case linear_op::Activation::kGELU: dZ = at::gelu_backward(dZ, Z, "none"); break;
-      case linear_op::Activation::kGELUTanh: dZ = at::gelu_backward(dZ, Z, "tanh"); break;
-      case linear_op::Activation::kSiLU: dZ = at::silu_backward(dZ, Z); break;
-      case linear_op::Activation::kNone: break;
-    }
+    dZ = linear_op::aten_activation_backward(dZ, Z, act);
   }
   at::Tensor grad_input, grad_weight, grad_bias;
   if (a.needs[0]) grad_input = at::matmul(dZ, Wc);
@@ -257,7 +239,7 @@ bool needs_grad(const at::Tensor& input, const at::Tensor& weight, const std::op
 
 /// Makes Y's grad_fn linear's node holding input, weight, bias and Z.
 void record_linear_node(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                        linear_op::Activation act, at::Tensor& Y, const at::Tensor& Z) {
+                        Activation act, at::Tensor& Y, const at::Tensor& Z) {
   auto node = record_node("opforge::LinearBackward", linear_backward_fn, linear_double_backward_fn, {&Y}, input,
                           weight, bias);
   node->save(input);
@@ -276,11 +258,11 @@ at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, co
     at::AutoDispatchBelowADInplaceOrView guard;
     return opforge::linear(input, weight, bias, activation);
   }
-  const auto act = linear_op::parse_activation("linear", activation);
+  const auto act = parse_activation("linear", activation);
   at::Tensor Y, Z;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    if (act == linear_op::Activation::kNone || act == linear_op::Activation::kReLU) {
+    if (act == Activation::kNone || act == Activation::kReLU) {
       Y = opforge::linear(input, weight, bias, activation);
     } else {
       std::tie(Y, Z) = opforge::_linear_forward(input, weight, bias, activation);
@@ -289,7 +271,7 @@ at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, co
   // relu'(z) = [z > 0] = [y > 0]: the output serves as the pre-activation. Saved detached (no grad_fn, so
   // no reference cycle through the node; the version counter is shared, so an in-place change of the
   // output before backward still raises).
-  if (act == linear_op::Activation::kReLU) Z = Y.detach();
+  if (act == Activation::kReLU) Z = Y.detach();
   record_linear_node(input, weight, bias, act, Y, Z);
   return Y;
 }
@@ -306,8 +288,8 @@ std::tuple<at::Tensor, at::Tensor> linear_forward_autograd(const at::Tensor& inp
     std::tie(Y, Z) = opforge::_linear_forward(input, weight, bias, activation);
   }
   if (needs_grad(input, weight, bias)) {
-    const auto act = linear_op::parse_activation("_linear_forward", activation);
-    record_linear_node(input, weight, bias, act, Y, act == linear_op::Activation::kNone ? at::Tensor() : Z);
+    const auto act = parse_activation("_linear_forward", activation);
+    record_linear_node(input, weight, bias, act, Y, act == Activation::kNone ? at::Tensor() : Z);
   }
   return {Y, Z};
 }

@@ -16,28 +16,15 @@
 
 #include <optional>
 
+#include "core/activation.h"
 #include "opforge/opforge.h"
 
 namespace opforge {
 // (linear_op, not linear: opforge::linear is the public function.)
 namespace linear_op {
 
-/// The activation applied after the GEMM (and bias), by its schema name.
-enum class Activation {
-  kNone,      // "none":      y = z
-  kReLU,      // "relu":      y = max(z, 0)
-  kGELU,      // "gelu":      y = z · Φ(z) = z/2 · (1 + erf(z/√2))
-  kGELUTanh,  // "gelu_tanh": y = z/2 · (1 + tanh(√(2/π) · (z + 0.044715 z³)))
-  kSiLU,      // "silu":      y = z · σ(z)
-};
-
-/// Parses an activation name (exact, lower case).
-/// Raises: ValueError "opforge::<op>: expected activation to be one of "none", "relu", "gelu",
-///         "gelu_tanh", "silu", but got "<name>"".
-Activation parse_activation(const char* op, c10::string_view name);
-
-/// The schema name of an activation ("none", "relu", ...).
-const char* activation_name(Activation act);
+// The activation after the GEMM (and bias) is core/activation.h's Activation (none, relu, gelu,
+// gelu_tanh, silu), parsed once from the schema's string by the checkers below.
 
 /// Shape, dtype and device checks of linear that hold for symbolic shapes too (used by Meta).
 /// Raises:
@@ -88,8 +75,17 @@ LinearBackwardProblem check_linear_backward(const at::Tensor& grad_output, const
                                             c10::string_view activation,
                                             const std::optional<at::Tensor>& pre_activation, bool contiguous = true);
 
-/// Output shape of linear: input's leading dims followed by N.
+/// dZ = dY · act'(Z) through ATen's activation backward functions (CPU kernel, double backward);
+/// dY itself for none. Z may be relu's output for relu (the same sign test).
+at::Tensor aten_activation_backward(const at::Tensor& dY, const at::Tensor& Z, Activation act);
+
+/// Output shape of linear: input's leading dims followed by N (weight's out_features).
 c10::SymDimVector output_sym_sizes(const at::Tensor& input, const at::Tensor& weight);
+
+/// A kernel's [M, N] result viewed as linear's output shape (*, N) (Y itself for a 2-D input).
+inline at::Tensor as_output(const at::Tensor& Y, const at::Tensor& input, const at::Tensor& weight) {
+  return input.dim() == 2 ? Y : Y.view_symint(output_sym_sizes(input, weight));
+}
 
 /// The dtype grad_bias is returned in: bias_dtype, or input's dtype when none is given.
 inline at::ScalarType grad_bias_dtype(const at::Tensor& input, std::optional<at::ScalarType> bias_dtype) {

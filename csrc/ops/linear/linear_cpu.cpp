@@ -3,6 +3,7 @@
 // and their backward functions; grad_bias through ATen's reduction with fp32 accumulation.
 // ATen's GEMM takes any strides, so the operands stay strided views (no copies): the forward and
 // grad_input make the same GEMM calls as torch.nn.functional.linear.
+#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include "core/check.h"
@@ -10,11 +11,6 @@
 
 namespace opforge {
 namespace {
-
-using linear_op::Activation;
-
-/// The accumulation dtype of a reduction over dtype `t`: float64 stays float64, the rest go to float32.
-at::ScalarType opmath_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 /// Z[M, N] = X · Wᵀ + b, a new contiguous tensor (never a view of bias).
 at::Tensor pre_activation(const linear_op::LinearProblem& p) {
@@ -36,6 +32,7 @@ at::Tensor activate(const at::Tensor& Z, Activation act) {
     case Activation::kGELU: return at::gelu(Z, "none");
     case Activation::kGELUTanh: return at::gelu(Z, "tanh");
     case Activation::kSiLU: return at::silu(Z);
+    case Activation::kSigmoid: break;  // not a linear activation (the parser rejects it)
   }
   TORCH_INTERNAL_ASSERT(false, "opforge::linear: unhandled activation");
 }
@@ -48,27 +45,9 @@ void activate_(at::Tensor& Z, Activation act) {
     case Activation::kGELU: at::gelu_(Z, "none"); return;
     case Activation::kGELUTanh: at::gelu_(Z, "tanh"); return;
     case Activation::kSiLU: at::silu_(Z); return;
+    case Activation::kSigmoid: break;
   }
-}
-
-/// dZ = dY · act'(Z) (ATen's activation backward functions); dY itself for none.
-at::Tensor activation_backward(const at::Tensor& dY, const at::Tensor& Z, Activation act) {
-  switch (act) {
-    case Activation::kNone: return dY;
-    case Activation::kReLU: return at::threshold_backward(dY, Z, 0);  // Z may be relu's output: same sign test
-    case Activation::kGELU: return at::gelu_backward(dY, Z, "none");
-    case Activation::kGELUTanh: return at::gelu_backward(dY, Z, "tanh");
-    case Activation::kSiLU: return at::silu_backward(dY, Z);
-  }
-  TORCH_INTERNAL_ASSERT(false, "opforge::linear_backward: unhandled activation");
-}
-
-/// Y [M, N] viewed as input's leading dims followed by N (Y itself for a 2-D input).
-at::Tensor as_output(const at::Tensor& Y, const at::Tensor& input, int64_t N) {
-  if (input.dim() == 2) return Y;
-  std::vector<int64_t> sizes = input.sizes().vec();  // (*, N)
-  sizes.back() = N;
-  return Y.view(sizes);
+  TORCH_INTERNAL_ASSERT(false, "opforge::linear: unhandled activation");
 }
 
 at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -76,7 +55,7 @@ at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight, const s
   const auto p = linear_op::check_linear(input, weight, bias, activation, /*contiguous=*/false);
   at::Tensor Y = pre_activation(p);  // [M, N]
   activate_(Y, p.act);
-  return as_output(Y, input, p.N);
+  return linear_op::as_output(Y, input, weight);
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_forward_cpu(const at::Tensor& input, const at::Tensor& weight,
@@ -84,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor> linear_forward_cpu(const at::Tensor& input, c
                                                       c10::string_view activation) {
   const auto p = linear_op::check_linear(input, weight, bias, activation, /*contiguous=*/false);
   const at::Tensor Z = pre_activation(p);  // [M, N]
-  return {as_output(activate(Z, p.act), input, p.N), as_output(Z, input, p.N)};
+  return {linear_op::as_output(activate(Z, p.act), input, weight), linear_op::as_output(Z, input, weight)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(
@@ -95,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(
                                                   /*contiguous=*/false);
   at::Tensor grad_input, grad_weight, grad_bias;
   if (!(output_mask[0] || output_mask[1] || output_mask[2])) return {grad_input, grad_weight, grad_bias};
-  const at::Tensor dZ = activation_backward(p.dY, p.Z, p.act);  // [M, N]
+  const at::Tensor dZ = linear_op::aten_activation_backward(p.dY, p.Z, p.act);  // [M, N]
   // An empty reduction (N == 0 for dX, M == 0 for dW and db) gives zeros: at::mm and at::sum do that.
   if (output_mask[0]) grad_input = at::mm(dZ, p.W).view(input.sizes());  // dX = dZ · W
   if (output_mask[1]) {
@@ -106,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(
   }
   if (output_mask[2]) {
     // db = Σ_rows dZ, accumulated in fp32 (fp64 for fp64), rounded once to bias's dtype
-    grad_bias = at::sum(dZ, {0}, /*keepdim=*/false, opmath_dtype(dZ.scalar_type()))
+    grad_bias = at::sum(dZ, {0}, /*keepdim=*/false, at::toOpMathType(dZ.scalar_type()))
                     .to(linear_op::grad_bias_dtype(input, bias_dtype));
   }
   return {grad_input, grad_weight, grad_bias};

@@ -15,6 +15,7 @@
 #include <ATen/OpMathType.h>
 
 #include "core/cuda_utils.cuh"
+#include "core/row_cuda.cuh"
 
 #include <climits>
 
@@ -99,12 +100,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int m = 0; m < MR; ++m) {
-      float v = acc[r][m];
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-      acc[r][m] = v;
-    }
+    for (int m = 0; m < MR; ++m) acc[r][m] = warp_sum(acc[r][m]);
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {

@@ -21,54 +21,25 @@
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
-#include <atomic>
-
 #include "core/cuda_utils.cuh"
 #include "core/dispatch.h"
+#include "core/row_cuda.cuh"
 #include "ops/rms_norm/rms_norm.h"
 
 namespace opforge {
 namespace {
 
+using cuda::RowMapping;
+using cuda::RowSum;
 using cuda::Vec;
+using cuda::num_sms;
 
-#ifndef OPFORGE_RMS_MAXV
-#define OPFORGE_RMS_MAXV 2  // vectors a thread keeps in registers (H200, 2026-11-29: 2 beat 4 on 13 of 15 bf16 cases)
-#endif
-constexpr int kMaxVecsPerThread = OPFORGE_RMS_MAXV;  // MAXV of the register-cached kernels
+// MAXV of the register-cached kernels: vectors a thread keeps in registers (H200, 2026-11-29: 2 beat 4
+// on 13 of 15 bf16 cases)
+constexpr int kMaxVecsPerThread = 2;
 constexpr int kWarpRows = 4;          // rows per block in the warp-per-row mapping
 constexpr int kMaxThreads = 512;      // backward: threads per row at most (launch bound: up to 128 registers)
 constexpr int kMaxThreadsFwd = 1024;  // forward: threads per row at most (launch bound: up to 64 registers)
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// Sum of v over the threadIdx.x group of one row (the warp when blockDim.x == 32, else the block,
-// whose blockDim.y is then 1). Every thread of the group gets the sum. One barrier per call: the
-// 2 x 32 shared values are double-buffered by call parity, so a warp that runs ahead to the next row
-// writes the other half, and it cannot come back to this half before every warp has passed the next
-// call's barrier (by then all have read this one).
-template <typename T>
-struct RowSum {
-  T (*smem)[32];  // [2][32] in shared memory
-  int parity = 0;
-  __device__ __forceinline__ T operator()(T v) {
-    v = warp_sum(v);
-    if (blockDim.x == 32) return v;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    T* buf = smem[parity];
-    parity ^= 1;
-    if (lane == 0) buf[warp] = v;
-    __syncthreads();
-    T total = T(0);
-    for (int i = 0; i < nwarps; ++i) total += buf[i];
-    return total;
-  }
-};
 
 // Forward. Per row:  (FUSED: z = x + r, rounded to T and stored; x := z)
 //   rstd = 1 / sqrt(Σ x² / N + eps);  y = x · rstd · w
@@ -339,33 +310,16 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// Threads per row for nvec vectors per row: enough that each thread owns at most kMaxVecsPerThread
-// vectors, a multiple of 32, at most max_tpr; cached == false when even max_tpr threads cannot.
-struct RowMapping {
-  int tpr;
-  bool cached;
-};
+// Threads per row for nvec vectors per row (core/row_cuda.cuh), each thread owning at most
+// kMaxVecsPerThread vectors.
 inline RowMapping choose_mapping(int64_t nvec, int max_tpr) {
-  const int64_t want = (nvec + kMaxVecsPerThread - 1) / kMaxVecsPerThread;
-  if (want > max_tpr) return {max_tpr, false};
-  return {static_cast<int>(std::max<int64_t>(32, (want + 31) / 32 * 32)), true};
+  return cuda::choose_row_mapping(nvec, kMaxVecsPerThread, max_tpr);
 }
 
-inline int64_t num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
-
-// Blocks of `threads` threads of `kernel` resident per SM (CUDA occupancy calculator), cached per
-// kernel and block size: the grid-stride grids below are sized to exactly fill the GPU once.
+// Blocks of `kernel` resident per SM of the current device (core/row_cuda.cuh, cached per device).
 template <auto kernel>
 int64_t resident_blocks(int threads) {
-  static std::atomic<int> cache[kMaxThreadsFwd / 32 + 1];
-  const int slot = threads / 32;
-  int n = cache[slot].load(std::memory_order_relaxed);
-  if (n == 0) {
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
-    n = std::max(n, 1);
-    cache[slot].store(n, std::memory_order_relaxed);
-  }
-  return n;
+  return cuda::resident_blocks<kernel, kMaxThreadsFwd>(threads);
 }
 
 // Launcher: device guard, current stream, launch, launch check. M == 0 or N == 0 launch nothing.

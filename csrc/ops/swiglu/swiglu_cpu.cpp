@@ -1,6 +1,7 @@
 // CPU kernels of swiglu: at::vec::Vectorized bodies, scalar tails, at::parallel_for.
 #include <torch/library.h>
 
+#include "core/activation.h"
 #include "core/dispatch.h"
 #include "core/vec.h"
 #include "ops/swiglu/swiglu.h"
@@ -16,11 +17,11 @@ at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
   OPFORGE_DISPATCH_FLOATING(G.scalar_type(), "opforge::swiglu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     using V = Vectorized<opmath_t>;
-    // y = g / (1 + exp(-g)) · u
+    // y = silu(g) · u
     cpu::map_binary(
         G.const_data_ptr<scalar_t>(), U.const_data_ptr<scalar_t>(), Y.mutable_data_ptr<scalar_t>(), G.numel(),
-        [](opmath_t g, opmath_t u) { return g / (opmath_t(1) + std::exp(-g)) * u; },
-        [](V g, V u) { return g / (V(1) + g.neg().exp()) * u; });
+        [](opmath_t g, opmath_t u) { return act::value<Activation::kSiLU>(g) * u; },
+        [](V g, V u) { return cpu::vec_silu(g) * u; });
   });
   return Y;
 }
@@ -33,17 +34,16 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_ou
   OPFORGE_DISPATCH_FLOATING(G.scalar_type(), "opforge::swiglu_backward", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     using V = Vectorized<opmath_t>;
-    // s = σ(g); dg = dy · u · s · (1 + g · (1 − s)); du = dy · g · s
+    // dg = (dy · u) · silu'(g) = dy · u · s · (1 + g · (1 − s)); du = dy · g · s, s = σ(g)
     cpu::map3_to2(
         dY.const_data_ptr<scalar_t>(), G.const_data_ptr<scalar_t>(), U.const_data_ptr<scalar_t>(),
         dG.mutable_data_ptr<scalar_t>(), dU.mutable_data_ptr<scalar_t>(), G.numel(),
         [](opmath_t dy, opmath_t g, opmath_t u, opmath_t& dg, opmath_t& du) {
-          const opmath_t s = opmath_t(1) / (opmath_t(1) + std::exp(-g));
-          dg = dy * u * s * (opmath_t(1) + g * (opmath_t(1) - s));
-          du = dy * g * s;
+          dg = act::backward<Activation::kSiLU>(dy * u, g);
+          du = dy * g * act::sigmoid(g);
         },
         [](V dy, V g, V u, V& dg, V& du) {
-          const V s = (V(1) + g.neg().exp()).reciprocal();
+          const V s = cpu::vec_sigmoid(g);
           dg = dy * u * s * (V(1) + g * (V(1) - s));
           du = dy * g * s;
         });

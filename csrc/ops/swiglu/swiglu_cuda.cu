@@ -2,6 +2,7 @@
 // core/map_cuda.cuh (16-byte loads/stores, scalar tail, fp32 opmath). Backward is one fused pass.
 #include <torch/library.h>
 
+#include "core/activation.h"
 #include "core/dispatch.h"
 #include "core/map_cuda.cuh"
 #include "ops/swiglu/swiglu.h"
@@ -9,19 +10,18 @@
 namespace opforge {
 namespace {
 
-// y = g / (1 + exp(-g)) · u
+// y = silu(g) · u
 struct SwigluOp {
   template <typename T>
-  __device__ T operator()(T g, T u) const { return g / (T(1) + exp(-g)) * u; }
+  __device__ T operator()(T g, T u) const { return act::value<Activation::kSiLU>(g) * u; }
 };
 
-// s = σ(g); dg = dy · u · s · (1 + g · (1 − s)); du = dy · g · s
+// dg = (dy · u) · silu'(g) = dy · u · s · (1 + g · (1 − s)); du = dy · g · s, s = σ(g)
 struct SwigluBackwardOp {
   template <typename T>
   __device__ void operator()(T dy, T g, T u, T& dg, T& du) const {
-    const T s = T(1) / (T(1) + exp(-g));
-    dg = dy * u * s * (T(1) + g * (T(1) - s));
-    du = dy * g * s;
+    dg = act::backward<Activation::kSiLU>(dy * u, g);
+    du = dy * g * act::sigmoid(g);
   }
 };
 

@@ -1,0 +1,117 @@
+// opforge's GEMM layer (CUDA): cuBLASLt with fused epilogues, cublasGemmEx where cuBLASLt declines, on
+// torch's cuBLAS(Lt) handles, torch's cuBLASLt workspace and the current stream. Every op that multiplies
+// matrices on CUDA (linear, and the ops built on it) calls this; none talks to cuBLAS itself.
+//
+// ---- The problem, in row-major (torch) terms -------------------------------------------------------
+//
+//   D[m, n] = epilogue(alpha · op(A)[m, k] · op(B)[k, n] + beta · D[m, n] + bias[n])
+//
+//   op(A) = A, or Aᵀ when trans_a (A stored [k, m]); op(B) likewise with trans_b (B stored [n, k]).
+//   Operands are 2-D tensors with a unit last stride and any row stride ≥ their width (the leading
+//   dimension): a column slice of a larger matrix (dW[:, k0:k1]) is a valid D; transposed views are not
+//   (pass the stored tensor and a trans flag). 3-D tensors [batch, rows, cols] make a strided-batched GEMM
+//   (A or B may have batch stride 0, an expand); batched calls take no epilogue and no bias.
+//
+//   Dtypes: A and B share one dtype; D is that dtype, or float32 when A and B are float16/bfloat16 (a
+//   16-bit product accumulated into an fp32 D: linear_cross_entropy's dW over chunks with beta = 1,
+//   linear_cat's fp32 sum of pieces). bias, aux and bias_grad take D's dtype. Products accumulate in fp32
+//   (CUBLAS_COMPUTE_32F) for 16-bit and float32 inputs (TF32 only where torch allows it:
+//   torch.backends.cuda.matmul.allow_tf32 / fp32_precision), in fp64 for float64. Split-K partial sums
+//   of a 16-bit D are added in fp32, never in the 16-bit type.
+//
+//   beta ≠ 0 reads D before writing it (D is C too): accumulate with beta = 1.
+//
+// ---- Epilogues (GemmArgs::epilogue) --------------------------------------------------------------
+//
+//   kNone          D = alpha·op(A)·op(B) + beta·D (+ bias[n] broadcast over the rows, when given)
+//   kReLU          D = relu(... + bias)
+//   kGELUTanh      D = gelu_tanh(... + bias)         (cuBLASLt's GELU is the tanh approximation)
+//   kGELUTanhAux   D = gelu_tanh(Z), aux[m, n] = Z = ... + bias   (cuBLASLt wants aux's row stride % 8 == 0)
+//   kBiasGradA     D as kNone; bias_grad[m] = Σ_k op(A)[m, k]     (cuBLASLt BGRADB; e.g. db of linear's
+//                                                                  dW = dZᵀ · X: op(A) = dZᵀ)
+//   kBiasGradB     D as kNone; bias_grad[n] = Σ_k op(B)[k, n]     (cuBLASLt BGRADA)
+//   (bias_grad sums the operand itself, without alpha.)
+//
+// ---- Entry points ---------------------------------------------------------------------------------
+//
+//   gemm(D, A, B, args)     Always computes the result: cuBLASLt with the epilogue fused when it takes
+//                           the problem, else cublasGemmEx and the epilogue as separate passes (the bias
+//                           copied into D first, the activation by activation.h's functions in fp32, the
+//                           bias gradient by an fp32-accumulated sum). Empty problems: k == 0 gives
+//                           beta·D (+ bias, activation), bias_grad zeros; m == 0 or n == 0 writes nothing
+//                           but bias_grad. Every path gives the same values within the dtype's rounding.
+//   gemm_lt(D, A, B, args)  cuBLASLt only: returns false, having written nothing, when cuBLASLt declines
+//                           (no algorithm for the alignment/shape, float64, an empty problem, or cuBLASLt
+//                           switched off); the caller then picks its own fallback (linear does, to keep
+//                           its one-pass activation kernels).
+//   gemm_ex(D, A, B, args)  cublasGemmEx / cublasGemmStridedBatchedEx only (any dtype incl. float64);
+//                           args.epilogue must be kNone and args.bias undefined.
+//   lt_enabled(dtype)       Whether gemm_lt may take this dtype (not float64; not switched off).
+//   check_int_dims(op, ...) The user-facing error when a dimension exceeds cuBLAS's int arguments.
+//
+// Callers hold the CUDA device guard of D's device (gemm_* take the current stream of the current device).
+// Shape, dtype and layout preconditions are checked (TORCH_CHECK, "opforge::gemm: ..." messages): they
+// are programming errors of the calling op, not user errors; validate user input in the op's checker.
+//
+// ---- Caching ----------------------------------------------------------------------------------------
+//
+// cuBLASLt's matmul descriptor, matrix layouts and heuristic result are built once per problem
+// signature (device, dtypes, compute type, trans flags, m, n, k, leading dimensions, batch, epilogue,
+// bias presence, operand alignments, workspace size) and reused: a hot loop runs only cublasLtMatmul.
+// The cache is per thread (no lock on the hot path; thread-safe by construction; a thread rebuilds an
+// entry at most once) and bounded (cleared when it reaches kLtCacheCapacity entries). A signature that
+// cuBLASLt declines is cached too, so a declined problem costs one lookup.
+//
+// ---- Switches -----------------------------------------------------------------------------------
+//
+// OPFORGE_LINEAR_LT=0 in the environment (read once: core/knobs.h) sends every GEMM to cublasGemmEx;
+// torch.ops.opforge._set_knob("OPFORGE_LINEAR_LT", 0) does so at run time (tests).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace opforge {
+namespace gemm {
+
+/// What the GEMM fuses after the product (see the table at the top of this file).
+enum class Epilogue : uint8_t { kNone, kReLU, kGELUTanh, kGELUTanhAux, kBiasGradA, kBiasGradB };
+
+/// Everything of a GEMM call but its three operands.
+struct GemmArgs {
+  bool trans_a = false;               // op(A) = Aᵀ (A stored [k, m])
+  bool trans_b = false;               // op(B) = Bᵀ (B stored [n, k])
+  double alpha = 1.0;                 // scales the product
+  double beta = 0.0;                  // scales D's old value (D is C): 0 overwrites, 1 accumulates
+  Epilogue epilogue = Epilogue::kNone;
+  at::Tensor bias;                    // [n], D's dtype, or undefined
+  at::Tensor aux;                     // [m, n] (row stride may exceed n), D's dtype: kGELUTanhAux's Z
+  at::Tensor bias_grad;               // [m] (kBiasGradA) or [n] (kBiasGradB), contiguous, D's dtype: written
+};
+
+/// D = epilogue(alpha · op(A) · op(B) + beta · D + bias): cuBLASLt if it takes the problem, else
+/// cublasGemmEx with the epilogue as separate passes. Never fails for a valid problem.
+void gemm(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args = {});
+
+/// The same through cuBLASLt only. Returns false, having written nothing, when cuBLASLt declines.
+bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args = {});
+
+/// D = alpha · op(A) · op(B) + beta · D through cublasGemmEx (batched: cublasGemmStridedBatchedEx); no
+/// epilogue, no bias. Any supported dtype, float64 included. k == 0 gives beta · D.
+void gemm_ex(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args = {});
+
+/// True when gemm_lt may run GEMMs whose A and B have dtype `t`: not float64 (cuBLASLt's fp64 epilogue
+/// support is narrow; gemm_ex serves it) and cuBLASLt not switched off (knob OPFORGE_LINEAR_LT).
+bool lt_enabled(at::ScalarType t);
+
+/// Raises unless every dimension fits cuBLAS's int arguments:
+/// RuntimeError "opforge::<op>: expected M (rows of input: ...), K (in_features) and N (out_features) each
+/// at most 2147483647 (cuBLAS takes int dimensions), but got ...".
+void check_int_dims(const char* op, int64_t M, int64_t K, int64_t N);
+
+/// Entries of the per-thread cuBLASLt plan cache before it is cleared.
+constexpr size_t kLtCacheCapacity = 512;
+
+}  // namespace gemm
+}  // namespace opforge

@@ -1,0 +1,57 @@
+// The knobs of core/knobs.h and the private op that sets them.
+#include "core/knobs.h"
+
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace opforge {
+namespace knobs {
+namespace {
+
+struct Entry {
+  const char* name;  // the environment variable
+  int64_t unset;     // the value when it is not set
+};
+constexpr Entry kEntries[] = {{"OPFORGE_LINEAR_LT", 1}, {"OPFORGE_LINEAR_GEMV", -1}};
+constexpr int kCount = sizeof(kEntries) / sizeof(kEntries[0]);
+
+int64_t from_env(const Entry& e) {
+  const char* env = std::getenv(e.name);
+  if (env == nullptr) return e.unset;
+  if (e.unset == 1) return std::strcmp(env, "0") == 0 ? 0 : 1;  // OPFORGE_LINEAR_LT: "0" or not
+  return std::strcmp(env, "1") == 0 ? 1 : 0;                     // OPFORGE_LINEAR_GEMV: "1" or not
+}
+
+std::atomic<int64_t>& slot(Knob k) {
+  static std::atomic<int64_t> slots[kCount] = {from_env(kEntries[0]), from_env(kEntries[1])};
+  return slots[static_cast<int>(k)];
+}
+
+int64_t set_knob_op(c10::string_view name, int64_t value) {
+  for (int i = 0; i < kCount; ++i) {
+    if (name == kEntries[i].name) return set(static_cast<Knob>(i), value);
+  }
+  TORCH_CHECK_VALUE(false, "opforge::_set_knob: expected OPFORGE_LINEAR_LT or OPFORGE_LINEAR_GEMV, but got ",
+                    std::string(name));
+  return 0;
+}
+
+}  // namespace
+
+int64_t get(Knob k) { return slot(k).load(std::memory_order_relaxed); }
+
+int64_t set(Knob k, int64_t value) { return slot(k).exchange(value); }
+
+}  // namespace knobs
+
+// Private: a test's or benchmark's switch (no tensors, so a catch-all kernel).
+TORCH_LIBRARY_FRAGMENT(opforge, m) {
+  m.def("_set_knob(str name, int value) -> int", &knobs::set_knob_op);
+}
+
+}  // namespace opforge

@@ -1,0 +1,25 @@
+// Run-time switches of opforge's kernels, each read from its environment variable ONCE (at first use) and
+// kept in an atomic, so no hot path reads the environment. Tests and benchmarks change them through the
+// private op `torch.ops.opforge._set_knob(name, value) -> previous value`.
+//
+//   OPFORGE_LINEAR_LT    1 (default, or any value but "0"): cuBLASLt GEMMs with fused epilogues;
+//                        0: every GEMM through cublasGemmEx plus separate passes (core/gemm.h).
+//   OPFORGE_LINEAR_GEMV  -1 (unset, default): linear's GEMV kernel for M == 1 only; 1: for 1 ≤ M ≤ 16;
+//                        0: never (ops/linear/linear_cuda.cu).
+#pragma once
+
+#include <cstdint>
+
+namespace opforge {
+namespace knobs {
+
+enum class Knob : int { kLinearLt, kLinearGemv };
+
+/// The knob's current value.
+int64_t get(Knob k);
+
+/// Sets the knob; returns its previous value.
+int64_t set(Knob k, int64_t value);
+
+}  // namespace knobs
+}  // namespace opforge
