@@ -11,6 +11,7 @@
 // dW += dZ_cᵀ · X_c into a float32 accumulator with beta = 1), and stays in fp32 in place only where it is read again
 // (float32/float64 inputs, whose gradient GEMMs read it; the bias gradient's fp32 column sum).
 // A target outside [0, V) that is not ignore_index is never read: its token gets a NaN loss and NaN gradients.
+#include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
