@@ -47,6 +47,15 @@ def ours(x, w, t):
     return opforge.linear_cross_entropy(x, w, t)
 
 
+def ours_recompute(x, w, t):
+    """The recompute path (4 GEMMs) for reduction "mean", through the knob, to measure both designs."""
+    prev = torch.ops.opforge._set_knob("OPFORGE_LCE_GRAD_IN_FORWARD", 0)
+    try:
+        return opforge.linear_cross_entropy(x, w, t)
+    finally:
+        torch.ops.opforge._set_knob("OPFORGE_LCE_GRAD_IN_FORWARD", prev)
+
+
 def torch_chunked(x, w, t):
     opts = torch.nn.LinearCrossEntropyOptions() \
         if hasattr(torch.nn, "LinearCrossEntropyOptions") else None
@@ -120,7 +129,7 @@ def main(argv=None) -> int:
     shapes = (CUDA_QUICK_SHAPES if args.quick else CUDA_SHAPES) if cuda else CPU_SHAPES
     reps = args.reps or (10 if cuda else 3)
     warmup = args.warmup or (3 if cuda else 1)
-    impls = {"opforge": ours, "eager": eager}
+    impls = {"opforge": ours, "opforge(recompute)": ours_recompute, "eager": eager}
     if not args.no_compile:
         comp = common.compiled(eager, fullgraph=True)
         if comp is not None:

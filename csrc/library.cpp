@@ -64,8 +64,10 @@ TORCH_LIBRARY(opforge, m) {
   // target (*) int64; computed in token chunks of chunk_size rows (None: from a memory budget), never all [*, V] logits
   m.def("linear_cross_entropy(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, Tensor? weight=None, str reduction=\"mean\", int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, int? chunk_size=None) -> Tensor");
   // linear_cross_entropy plus stats (*, 2) float32 (float64 for float64): per token the row max m of the capped
-  // logits and r = log Σ exp(z − m) (logsumexp = m + r), for the backward
-  m.def("_linear_cross_entropy_forward(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, Tensor? weight=None, str reduction=\"mean\", int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, int? chunk_size=None) -> (Tensor loss, Tensor stats)");
+  // logits and r = log Σ exp(z − m) (logsumexp = m + r), for the backward; and, where grad_mask asks, the gradients
+  // (grad_input, grad_linear_weight, grad_linear_bias) of loss.sum() computed in the same chunk loop (undefined
+  // where not asked; the autograd of linear_cross_entropy uses them for reduction "mean" and "sum")
+  m.def("_linear_cross_entropy_forward(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, Tensor? weight=None, str reduction=\"mean\", int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, int? chunk_size=None, bool[3] grad_mask=[False, False, False]) -> (Tensor loss, Tensor stats, Tensor grad_input, Tensor grad_linear_weight, Tensor grad_linear_bias)");
   // (grad_input, grad_linear_weight, grad_linear_bias) of linear_cross_entropy, each only if its output_mask entry is
   // set; grad_output () for mean/sum, (*) for none; logits recomputed per chunk from stats; dW, db accumulated in fp32
   m.def("linear_cross_entropy_backward(Tensor grad_output, Tensor input, Tensor linear_weight, Tensor target, Tensor stats, Tensor? linear_bias, Tensor? weight, str reduction, int ignore_index, float label_smoothing, float z_loss, float? softcap, bool[3] output_mask, int? chunk_size=None) -> (Tensor, Tensor, Tensor)");
@@ -78,4 +80,7 @@ TORCH_LIBRARY(opforge, m) {
   m.def("indexed_linear(Tensor input, Tensor weight, Tensor index, Tensor? bias=None) -> Tensor");
   // (grad_input, grad_weight, grad_bias in bias_dtype) of indexed_linear, each only if its output_mask entry is set; experts without tokens get zeros
   m.def("indexed_linear_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor index, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  // the backward of the gradient-in-forward path: each defined gradient the forward computed, times the scalar
+  // grad_output (in the gradient's dtype); not differentiable (double backward raises lazily)
+  m.def("_linear_cross_entropy_scale_grads(Tensor grad_output, Tensor? grad_input, Tensor? grad_linear_weight, Tensor? grad_linear_bias) -> (Tensor, Tensor, Tensor)");
 }

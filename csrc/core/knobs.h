@@ -6,6 +6,10 @@
 //                        0: every GEMM through cublasGemmEx plus separate passes (core/gemm.h).
 //   OPFORGE_LINEAR_GEMV  -1 (unset, default): linear's GEMV kernel for M == 1 only; 1: for 1 ≤ M ≤ 16;
 //                        0: never (ops/linear/linear_cuda.cu).
+//   OPFORGE_LCE_GRAD_IN_FORWARD  1 (default, or any value but "0"): linear_cross_entropy with reduction "mean" /
+//                        "sum" computes its gradients in the forward (3 GEMMs); 0: the recompute path (4 GEMMs)
+//                        (ops/linear_cross_entropy/linear_cross_entropy.cpp; read when the forward runs, so a
+//                        compiled graph keeps the path it was traced with).
 #pragma once
 
 #include <cstdint>
@@ -13,7 +17,7 @@
 namespace opforge {
 namespace knobs {
 
-enum class Knob : int { kLinearLt, kLinearGemv };
+enum class Knob : int { kLinearLt, kLinearGemv, kLceGradInForward };
 
 /// The knob's current value.
 int64_t get(Knob k);

@@ -305,9 +305,11 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     Numerics: logits per chunk from a GEMM with float32 output (float64 for float64 input); the row max is
     subtracted before any exponent and kept apart from log Σ exp (so a common logit offset of 1e8 in float32
     still gives log V); every sum (logsumexp, the loss, the weight and bias gradients across chunks) accumulates
-    in float32. ``"mean"`` with every target ignored gives NaN and zero gradients, as ``F.cross_entropy``. The
-    gradients are recomputed in backward (one more logits GEMM per chunk) with the given grad_output, so
-    ``reduction="none"`` with per-token weights is exact.
+    in float32. ``"mean"`` with every target ignored gives NaN and zero gradients, as ``F.cross_entropy``.
+    Gradients: for ``"mean"`` and ``"sum"`` they are computed in the forward's chunk loop (3 GEMMs in all; only
+    for inputs that require grad) and backward scales them by the scalar grad_output; for ``"none"`` they are
+    recomputed in backward (one more logits GEMM per chunk) with the given per-token grad_output, so per-token
+    weights are exact. The knob ``OPFORGE_LCE_GRAD_IN_FORWARD=0`` forces the recompute path for every reduction.
 
     Source: torch.nn.functional.linear_cross_entropy / cross_entropy; z-loss: Chowdhery et al. 2022 (PaLM);
     softcap: Gemma 2 (Team Gemma 2024); chunking: Liger-Kernel's fused linear cross-entropy, Wijmans et al. 2024

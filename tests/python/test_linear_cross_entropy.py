@@ -241,7 +241,7 @@ def test_opcheck(device, reduction):
     torch.library.opcheck(torch.ops.opforge.linear_cross_entropy.default,
                           (x, w, t, b, cw, reduction, -100, 0.1, 1e-3, 4.0, 5))
     torch.library.opcheck(torch.ops.opforge._linear_cross_entropy_forward.default, (x, w, t, b, None, reduction))
-    _, stats = torch.ops.opforge._linear_cross_entropy_forward(x.detach(), w.detach(), t, b.detach(), None, reduction)
+    stats = torch.ops.opforge._linear_cross_entropy_forward(x.detach(), w.detach(), t, b.detach(), None, reduction)[1]
     go = torch.randn(12, device=device) if reduction == "none" else torch.tensor(1.5, device=device)
     torch.library.opcheck(torch.ops.opforge.linear_cross_entropy_backward.default,
                           (go, x.detach(), w.detach(), t, stats, b.detach(), None, reduction, -100, 0.0, 0.0, None,
@@ -419,3 +419,169 @@ def test_zero_tokens(device):
     loss.backward()
     assert loss.item() == 0 and x.grad.shape == (0, 4) and torch.equal(w.grad, torch.zeros_like(w))
     assert torch.isnan(opforge.linear_cross_entropy(x, w, t))
+
+
+# ---- the two autograd paths: gradient in forward (mean/sum) and recompute (none, or the knob) ----------------
+
+_KNOB = "OPFORGE_LCE_GRAD_IN_FORWARD"
+
+
+class _recompute_path:
+    """Within: the knob sends reduction mean/sum to the recompute path (4 GEMMs) instead of the gradient in forward."""
+
+    def __enter__(self):
+        self.prev = torch.ops.opforge._set_knob(_KNOB, 0)
+
+    def __exit__(self, *exc):
+        torch.ops.opforge._set_knob(_KNOB, self.prev)
+
+
+def _saved_tensors(fn):
+    """(result of fn(), [tensors autograd saved while it ran]) through the saved-tensor hooks, which see every
+    SavedVariable, the C++ nodes' included."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@pytest.mark.parametrize("dtype", LOSS_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1, "classw": True}, {"z_loss": 1e-3, "softcap": 4.0},
+                                  {"label_smoothing": 0.2, "z_loss": 1e-4, "softcap": 3.0, "ignore_index": 5}])
+def test_grad_in_forward_equals_recompute(device, dtype, reduction, opts):
+    opts = dict(opts)
+    x, w, b, t = _data(45, 24, 83, dtype, device, bias=True, ignore_frac=0.2, scale=2.0)
+    if opts.pop("classw", False):
+        opts["weight"] = torch.rand(83, device=device) + 0.5
+    if opts.get("ignore_index") == 5:
+        t[t == -100] = 5
+    # grad_weights: a non-unit grad_output (the saved gradients are scaled by it in backward)
+    gout = torch.tensor(2.5, device=device, dtype=dtype)
+    fwd = _grads(_ours(x, w, t), x, w, b, reduction=reduction, chunk_size=16, grad_weights=gout, **opts)
+    with _recompute_path():
+        rec = _grads(_ours(x, w, t), x, w, b, reduction=reduction, chunk_size=16, grad_weights=gout, **opts)
+    for name, a, r in zip(["loss", "grad_input", "grad_linear_weight", "grad_linear_bias"], fwd, rec):
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        tol = {} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+        torch.testing.assert_close(a, r, **tol, msg=name)
+    # and both against float64 (the tolerance rule)
+    _check_all(x, w, b, t, reduction=reduction, chunk_size=16, **opts)
+
+
+def test_grad_in_forward_op_equals_backward_op(device):
+    x, w, b, t = _data(30, 16, 50, torch.float32, device, bias=True, ignore_frac=0.2)
+    kw = dict(weight=None, reduction="sum", ignore_index=-100, label_smoothing=0.1, z_loss=1e-3, softcap=5.0,
+              chunk_size=7)
+    loss, stats, gi, gw, gb = torch.ops.opforge._linear_cross_entropy_forward(x, w, t, b, **kw,
+                                                                             grad_mask=[True, True, True])
+    go = torch.tensor(1.0, device=device)
+    ri, rw, rb = torch.ops.opforge.linear_cross_entropy_backward(
+        go, x, w, t, stats, b, None, "sum", -100, 0.1, 1e-3, 5.0, [True, True, True], 7)
+    for a, r in ((gi, ri), (gw, rw), (gb, rb)):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+    # "none": the gradients of loss.sum()
+    _, _, ni, nw, nb = torch.ops.opforge._linear_cross_entropy_forward(x, w, t, b, **{**kw, "reduction": "none"},
+                                                                      grad_mask=[True, True, True])
+    for a, r in ((ni, ri), (nw, rw), (nb, rb)):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+    # only what the mask asks for
+    out = torch.ops.opforge._linear_cross_entropy_forward(x, w, t, b, **kw, grad_mask=[False, True, False])
+    assert out[2] is None and out[3] is not None and out[4] is None
+    out = torch.ops.opforge._linear_cross_entropy_forward(x, w, t, None, **kw, grad_mask=[True, True, True])
+    assert out[4] is None
+    out = torch.ops.opforge._linear_cross_entropy_forward(x, w, t, b, **kw)
+    assert out[2] is None and out[3] is None and out[4] is None
+
+
+def test_grad_in_forward_saves_gradients_not_inputs(device):
+    N, H, V = 64, 16, 300
+    x, w, b, t = _data(N, H, V, torch.float32, device, bias=True, ignore_frac=0.1)
+    x.requires_grad_()
+    w.requires_grad_()
+    loss, saved = _saved_tensors(lambda: opforge.linear_cross_entropy(x, w, t, linear_bias=b, chunk_size=16))
+    shapes = sorted(tuple(s.shape) for s in saved)
+    assert shapes == [(N, H), (V, H)], shapes  # grad_input, grad_linear_weight; no bias gradient (b is frozen)
+    assert all(s.data_ptr() not in (x.data_ptr(), w.data_ptr()) for s in saved)
+    loss.backward()
+    assert x.grad is not None and w.grad is not None
+    # the recompute path (reduction "none") saves the inputs and the (m, r) stats instead
+    _, saved = _saved_tensors(lambda: opforge.linear_cross_entropy(x, w, t, linear_bias=b, reduction="none"))
+    assert any(s.data_ptr() == x.data_ptr() for s in saved) and any(tuple(s.shape) == (N, 2) for s in saved)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grad_in_forward_frozen_lm_head_computes_no_weight_gradient(device, reduction):
+    N, H, V = 128, 32, 1000
+    x, w, b, t = _data(N, H, V, torch.bfloat16, device, bias=True, ignore_frac=0.1)
+    x.requires_grad_()  # linear_weight and linear_bias frozen
+    loss, saved = _saved_tensors(lambda: opforge.linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction,
+                                                                      chunk_size=32))
+    assert [tuple(s.shape) for s in saved] == [(N, H)]  # grad_input only: no V x H (nor V) buffer kept
+    loss.backward()
+    assert w.grad is None and b.grad is None
+    with _recompute_path():
+        xr = x.detach().clone().requires_grad_()
+        opforge.linear_cross_entropy(xr, w, t, linear_bias=b, reduction=reduction, chunk_size=32).backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    if device == "cuda":  # the peak: no V x H fp32 accumulator, no V x H gradient
+        torch.cuda.synchronize()
+        x.grad = None
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        opforge.linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction, chunk_size=32).backward()
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak < 32 * V * 6 + 3 * N * H * 2 + 64 * V + (1 << 16), peak
+
+
+def test_grad_in_forward_grad_of_grad_raises_lazily(device):
+    x, w, b, t = _sample(device, torch.float64)
+    # first order under create_graph=True (what torch.func does) works
+    loss = opforge.linear_cross_entropy(x, w, t, linear_bias=b, reduction="sum")
+    gx, gw = torch.autograd.grad(loss, (x, w), create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        gx.sum().backward()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.func.grad(lambda xx: torch.func.grad(
+            lambda x2: opforge.linear_cross_entropy(x2, w.detach(), t))(xx).sum())(x.detach())
+
+
+def test_grad_in_forward_retain_graph_and_repeat(device):
+    x, w, b, t = _sample(device)
+    loss = opforge.linear_cross_entropy(x, w, t, linear_bias=b)
+    loss.backward(retain_graph=True)
+    g1 = [v.grad.clone() for v in (x, w, b)]
+    (loss * 3).backward()  # the saved gradients are not scaled in place
+    for v, g in zip((x, w, b), g1):
+        torch.testing.assert_close(v.grad, 4 * g)
+
+
+def test_grad_in_forward_compiled_autograd(device):
+    torch._dynamo.reset()
+    x, w, b, t = _sample(device)
+    ref = _grads(_ours(x, w, t), x, w, b, label_smoothing=0.1)
+    xs, ws, bs = (v.detach().clone().requires_grad_() for v in (x, w, b))
+
+    def step():
+        return opforge.linear_cross_entropy(xs, ws, t, linear_bias=bs, label_smoothing=0.1)
+
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager", fullgraph=True)):
+        loss = step()
+        loss.backward()
+    for a, r in zip((loss.detach(), xs.grad, ws.grad, bs.grad), ref):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask", [[True, True, True], [True, False, False], [False, True, True]])
+def test_opcheck_grad_in_forward(device, mask):
+    x, w, b, t = _sample(device, requires_grad=False)
+    torch.library.opcheck(torch.ops.opforge._linear_cross_entropy_forward.default,
+                          (x, w, t, b, None, "mean", -100, 0.1, 1e-3, 4.0, 5, mask))
+    _, _, gi, gw, gb = torch.ops.opforge._linear_cross_entropy_forward(x, w, t, b, grad_mask=mask)
+    torch.library.opcheck(torch.ops.opforge._linear_cross_entropy_scale_grads.default,
+                          (torch.tensor(1.5, device=device), gi, gw, gb))

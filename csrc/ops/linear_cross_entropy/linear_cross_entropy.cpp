@@ -1,10 +1,16 @@
 // linear_cross_entropy: checkers, the public C++ API, Meta kernels, autograd and autocast.
 //
 // Op structure (schemas in csrc/library.cpp):
-//   _linear_cross_entropy_forward   CPU/CUDA/Meta kernels: (loss, stats (m, r) per token); Autograd records the node.
-//   linear_cross_entropy            CompositeExplicitAutograd: the forward op without its stats; Autograd kernel
-//                                   below (no stats kept when nothing needs a gradient).
+//   _linear_cross_entropy_forward   CPU/CUDA/Meta kernels: (loss, stats (m, r) per token, the gradients grad_mask
+//                                   asks for); Autograd records the recompute node.
+//   linear_cross_entropy            CompositeExplicitAutograd: the forward op's loss; Autograd kernel below: nothing
+//                                   kept when nothing needs a gradient, else one of the two paths:
+//     gradient in forward (mean/sum)  the forward op with grad_mask = which inputs require grad; the node saves
+//                                   the gradients and its backward is _linear_cross_entropy_scale_grads.
+//     recompute (none, or knob OPFORGE_LCE_GRAD_IN_FORWARD=0)  the node saves the inputs and stats; its backward is
+//                                   linear_cross_entropy_backward.
 //   linear_cross_entropy_backward   CPU/CUDA/Meta kernels; double backward refused lazily.
+//   _linear_cross_entropy_scale_grads  CompositeExplicitAutograd (a multiply); double backward refused lazily.
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 #include <ATen/autocast_mode.h>
@@ -12,15 +18,19 @@
 #include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdlib>
+#include <tuple>
+#include <vector>
 
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/check.h"
 #include "core/dispatch.h"
+#include "core/knobs.h"
 
 namespace opforge {
 namespace lce {
@@ -198,6 +208,12 @@ at::Tensor grad_scale(const Problem& p, const at::Tensor& grad_output, int64_t& 
   return g.contiguous();
 }
 
+at::Tensor unit_grad_scale(const Problem& p) {
+  const auto acc = acc_dtype(p.X.scalar_type());
+  at::Tensor one = at::ones({1}, p.X.options().dtype(acc));
+  return p.reduction == Reduction::kMean ? one.div(mean_denominator(p)) : one;
+}
+
 }  // namespace lce
 
 // ---- public C++ API: typed dispatcher calls --------------------------------------------------------
@@ -210,14 +226,14 @@ at::Tensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& linea
   return op.call(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
                  softcap, chunk_size);
 }
-std::tuple<at::Tensor, at::Tensor> _linear_cross_entropy_forward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy_forward(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
     int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
-    std::optional<int64_t> chunk_size) {
+    std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask) {
   static auto op = typed_op<decltype(_linear_cross_entropy_forward)>("opforge::_linear_cross_entropy_forward");
   return op.call(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
-                 softcap, chunk_size);
+                 softcap, chunk_size, grad_mask);
 }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
@@ -228,10 +244,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
   return op.call(grad_output, input, linear_weight, target, stats, linear_bias, weight, reduction, ignore_index,
                  label_smoothing, z_loss, softcap, output_mask, chunk_size);
 }
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy_scale_grads(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_input,
+    const std::optional<at::Tensor>& grad_linear_weight, const std::optional<at::Tensor>& grad_linear_bias) {
+  static auto op =
+      typed_op<decltype(_linear_cross_entropy_scale_grads)>("opforge::_linear_cross_entropy_scale_grads");
+  return op.call(grad_output, grad_input, grad_linear_weight, grad_linear_bias);
+}
 
 namespace {
 
-// ---- CompositeExplicitAutograd (CPU, CUDA, Meta): the public op is the forward op without its stats ---
+// ---- CompositeExplicitAutograd (CPU, CUDA, Meta): the public op is the forward op's loss; the scale op --
 
 at::Tensor linear_cross_entropy_composite(const at::Tensor& input, const at::Tensor& linear_weight,
                                           const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
@@ -243,20 +266,40 @@ at::Tensor linear_cross_entropy_composite(const at::Tensor& input, const at::Ten
                                                             chunk_size));
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> scale_grads_composite(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_input,
+    const std::optional<at::Tensor>& grad_linear_weight, const std::optional<at::Tensor>& grad_linear_bias) {
+  const char* op = "_linear_cross_entropy_scale_grads";
+  check_floating(op, "grad_output", grad_output);
+  TORCH_CHECK_VALUE(grad_output.dim() == 0, "opforge::", op, ": expected a 0-dimensional grad_output (the loss of "
+                    "reduction \"mean\" or \"sum\"), but got shape ", shape_str(grad_output.sym_sizes()));
+  // one multiply per gradient, in the gradient's dtype (fp32 opmath inside ATen's kernel for 16-bit types)
+  auto scale = [&](const std::optional<at::Tensor>& g) -> at::Tensor {
+    if (!g.has_value() || !g->defined()) return at::Tensor();
+    return g->mul(grad_output.to(g->scalar_type()));
+  };
+  return {scale(grad_input), scale(grad_linear_weight), scale(grad_linear_bias)};
+}
+
 // ---- Meta: the same checker, then outputs with the real kernels' shapes, dtypes and strides ----------
 
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
     int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
-    std::optional<int64_t> chunk_size) {
+    std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask) {
   const auto r = lce::check_args("linear_cross_entropy", input, linear_weight, target, linear_bias, weight, reduction,
                                  label_smoothing, z_loss, softcap, chunk_size);
   c10::SymDimVector ss(target.sym_sizes().begin(), target.sym_sizes().end());
   ss.push_back(2);
   at::Tensor loss = r == lce::Reduction::kNone ? at::empty_symint(target.sym_sizes(), input.options())
                                                : at::empty({}, input.options());
-  return {loss, at::empty_symint(ss, input.options().dtype(lce::acc_dtype(input.scalar_type())))};
+  at::Tensor gi, gw, gb;
+  if (grad_mask[0]) gi = at::empty_symint(input.sym_sizes(), input.options());
+  if (grad_mask[1]) gw = at::empty_symint(linear_weight.sym_sizes(), linear_weight.options());
+  if (grad_mask[2] && linear_bias.has_value() && linear_bias->defined())
+    gb = at::empty_symint(linear_bias->sym_sizes(), linear_bias->options());
+  return {loss, at::empty_symint(ss, input.options().dtype(lce::acc_dtype(input.scalar_type()))), gi, gw, gb};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_meta(
@@ -276,7 +319,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_met
 
 // ---- Autograd: save what backward needs, redispatch below autograd, route backward to the op ---------
 
-// Saved: input, linear_weight, target, stats, linear_bias (or undefined), weight (or undefined).
+// The recompute path's node. Saved: input, linear_weight, target, stats, linear_bias (or undefined), weight (or undefined).
 // Attributes: reduction (int), ignore_index, label_smoothing, z_loss, softcap (double, 0 = none),
 // chunk_size (int, 0 = default). Edges: 0 input, 1 linear_weight, 2 linear_bias (the class weights get none).
 variable_list lce_backward_fn(const BackwardArgs& a) {
@@ -316,6 +359,43 @@ void record_lce(const at::Tensor& input, const at::Tensor& linear_weight, const 
   node->attr(chunk_size.value_or(0));
 }
 
+// The gradient-in-forward path's node. Saved: grad_input, grad_linear_weight, grad_linear_bias (each undefined
+// where its input needs no gradient). Edges as the recompute node. The backward scales them by grad_output.
+variable_list lce_saved_grads_backward_fn(const BackwardArgs& a) {
+  if (!a.grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+  auto pick = [&](int k) -> std::optional<at::Tensor> {
+    return a.needs[k] && a.saved[k].defined() ? std::optional<at::Tensor>(a.saved[k]) : std::nullopt;
+  };
+  auto [gi, gw, gb] = opforge::_linear_cross_entropy_scale_grads(a.grads[0], pick(0), pick(1), pick(2));
+  return {gi, gw, gb};
+}
+
+// The gradients computed in the forward depend on the inputs in a way this op does not differentiate: give them a
+// history that raises if someone differentiates through them (a double backward; torch.func.grad of grad, where
+// the outer level sees the private forward's gradient outputs), so the scale op's outputs carry the usual lazy
+// "double backward is not supported" refusal instead of a silently zero second derivative. Only when grad mode is
+// on and an input requires grad (otherwise no graph can reach them).
+void mark_not_differentiable(at::Tensor& gi, at::Tensor& gw, at::Tensor& gb, const at::Tensor& input,
+                             const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias) {
+  if (!any_requires_grad(input, linear_weight, linear_bias)) return;
+  std::vector<at::Tensor> diff;
+  for (at::Tensor* t : {&gi, &gw, &gb})
+    if (t->defined() && torch::autograd::isDifferentiableType(t->scalar_type())) diff.push_back(*t);
+  if (diff.empty()) return;
+  auto err = make_node<torch::autograd::Error>(
+      "opforge::linear_cross_entropy: double backward is not supported (the gradients computed in the forward are "
+      "not differentiable); a first-order gradient works under create_graph=True and torch.func, but "
+      "differentiating that gradient again does not",
+      torch::autograd::collect_next_edges(input, linear_weight, linear_bias));
+  for (at::Tensor& t : diff) torch::autograd::set_history(t, err);
+}
+
+// Whether the gradient-in-forward path serves a call that needs gradients: reduction "mean" or "sum" (a scalar
+// grad_output, known to scale the whole gradient) unless the knob OPFORGE_LCE_GRAD_IN_FORWARD is 0.
+bool grad_in_forward(lce::Reduction r) {
+  return r != lce::Reduction::kNone && knobs::get(knobs::Knob::kLceGradInForward) != 0;
+}
+
 at::Tensor linear_cross_entropy_autograd(const at::Tensor& input, const at::Tensor& linear_weight,
                                          const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
                                          const std::optional<at::Tensor>& weight, c10::string_view reduction,
@@ -326,38 +406,70 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& input, const at::Tens
   TORCH_CHECK(!any_requires_grad(weight), "opforge::linear_cross_entropy: expected weight (the class weights) not to require "
               "grad (the loss is not differentiable with respect to them), but it does; pass weight.detach()");
   const bool grad = any_requires_grad(input, linear_weight, linear_bias);
-  at::AutoDispatchBelowADInplaceOrView guard;
   if (!grad) {
+    at::AutoDispatchBelowADInplaceOrView guard;
     return opforge::linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
                                          label_smoothing, z_loss, softcap, chunk_size);
   }
-  auto [loss, stats] = opforge::_linear_cross_entropy_forward(input, linear_weight, target, linear_bias, weight,
-                                                              reduction, ignore_index, label_smoothing, z_loss,
-                                                              softcap, chunk_size);
-  record_lce(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
-             softcap, chunk_size, loss, stats);
+  const auto red = lce::parse_reduction("linear_cross_entropy", reduction);
+  if (!grad_in_forward(red)) {
+    at::Tensor loss, stats;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      std::tie(loss, stats, std::ignore, std::ignore, std::ignore) = opforge::_linear_cross_entropy_forward(
+          input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
+          softcap, chunk_size);
+    }
+    record_lce(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
+               softcap, chunk_size, loss, stats);
+    return loss;
+  }
+  // gradient in forward: only the gradients of inputs that require grad are computed (a frozen lm_head gets no
+  // V x H buffer at all)
+  auto rg = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
+  const bool has_bias = linear_bias.has_value() && linear_bias->defined();
+  const std::array<bool, 3> mask = {rg(input), rg(linear_weight), has_bias && rg(*linear_bias)};
+  at::Tensor loss, gi, gw, gb;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(loss, std::ignore, gi, gw, gb) = opforge::_linear_cross_entropy_forward(
+        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
+        chunk_size, mask);
+  }
+  mark_not_differentiable(gi, gw, gb, input, linear_weight, linear_bias);
+  auto node = record_node("opforge::LinearCrossEntropyBackward", lce_saved_grads_backward_fn, nullptr, {&loss}, input,
+                          linear_weight, linear_bias);
+  node->save(gi);
+  node->save(gw);
+  node->save(gb);
   return loss;
 }
 
-std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_autograd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_forward_autograd(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
     int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
-    std::optional<int64_t> chunk_size) {
+    std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask) {
   check_no_forward_ad("_linear_cross_entropy_forward", input, linear_weight, linear_bias);
   // as F.cross_entropy: the class weights are not differentiable (never a silently missing gradient)
   TORCH_CHECK(!any_requires_grad(weight), "opforge::_linear_cross_entropy_forward: expected weight (the class weights) not to require "
               "grad (the loss is not differentiable with respect to them), but it does; pass weight.detach()");
   const bool grad = any_requires_grad(input, linear_weight, linear_bias);
-  at::AutoDispatchBelowADInplaceOrView guard;
-  auto [loss, stats] = opforge::_linear_cross_entropy_forward(input, linear_weight, target, linear_bias, weight,
-                                                              reduction, ignore_index, label_smoothing, z_loss,
-                                                              softcap, chunk_size);
+  at::Tensor loss, stats, gi, gw, gb;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(loss, stats, gi, gw, gb) = opforge::_linear_cross_entropy_forward(
+        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
+        chunk_size, grad_mask);
+  }
+  // the loss differentiates through the recompute node; stats is not differentiable; differentiating the
+  // gradients raises
   if (grad) {
     record_lce(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
                softcap, chunk_size, loss, stats);
+    mark_not_differentiable(gi, gw, gb, input, linear_weight, linear_bias);
   }
-  return {loss, stats};
+  return {loss, stats, gi, gw, gb};
 }
 
 // ---- autocast: the GEMM inputs (input, linear_weight, linear_bias) in the autocast dtype, as torch's linear;
@@ -389,6 +501,7 @@ void lce_autocast_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, 
 
 TORCH_LIBRARY_IMPL(opforge, CompositeExplicitAutograd, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_composite);
+  m.impl("_linear_cross_entropy_scale_grads", &scale_grads_composite);
 }
 
 TORCH_LIBRARY_IMPL(opforge, Meta, m) {
@@ -400,6 +513,7 @@ TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   m.impl("linear_cross_entropy", &linear_cross_entropy_autograd);
   m.impl("_linear_cross_entropy_forward", &linear_cross_entropy_forward_autograd);
   register_backward_op_autograd(m, "linear_cross_entropy_backward");
+  register_backward_op_autograd(m, "_linear_cross_entropy_scale_grads");
 }
 
 TORCH_LIBRARY_IMPL(opforge, AutocastCPU, m) {
@@ -411,6 +525,7 @@ TORCH_LIBRARY_IMPL(opforge, AutocastCUDA, m) {
   m.impl("_linear_cross_entropy_forward", torch::CppFunction::makeFromBoxedFunction<&lce_autocast_kernel>());
 }
 // the backward runs in the dtypes autograd hands it (core/autocast.h)
-OPFORGE_AUTOCAST(linear_cross_entropy, {{"linear_cross_entropy_backward", AutocastPolicy::kInputDtype}})
+OPFORGE_AUTOCAST(linear_cross_entropy, {{"linear_cross_entropy_backward", AutocastPolicy::kInputDtype},
+                                        {"_linear_cross_entropy_scale_grads", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

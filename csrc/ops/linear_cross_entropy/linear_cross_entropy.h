@@ -11,8 +11,16 @@
 // logits [chunk, V] (fp32) exists at a time. Per chunk: logits = X_c · Wᵀ (a GEMM, fp32 out), then one row kernel
 // computes (m, r) and the loss of every row (forward), or the logit gradient in place (backward, with the
 // saved (m, r)), which then feeds dX_c = dZ_c · W and dW += dZ_cᵀ · X_c (fp32 accumulator across chunks) and
-// db += Σ_rows dZ_c (fp32). Gradients are recomputed in backward with the given grad_output (so a per-token
-// grad_output of reduction="none" is exact); the forward keeps only (m, r) per token.
+// db += Σ_rows dZ_c (fp32).
+//
+// Two autograd paths (linear_cross_entropy.cpp, docs/ops/linear_cross_entropy.md):
+//   gradient in forward (reduction "mean" / "sum", the default): the forward's chunk loop also computes the logit
+//     gradient of the loss (grad_output = 1) and from it dX_c (written once per chunk), dW (fp32 across chunks, cast
+//     to linear_weight's dtype at the end) and db, only those whose input requires grad; the node saves these
+//     gradients (not the inputs) and its backward multiplies them by the scalar grad_output. 3 GEMMs in all.
+//   recompute (reduction "none", where a per-token grad_output is only known in backward; or the knob
+//     OPFORGE_LCE_GRAD_IN_FORWARD=0): the forward keeps only (m, r) per token; linear_cross_entropy_backward
+//     recomputes each chunk's logits with the given grad_output. 4 GEMMs in all.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -37,14 +45,18 @@ at::Tensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& linea
                                 std::optional<double> softcap = std::nullopt,
                                 std::optional<int64_t> chunk_size = std::nullopt);
 
-/// linear_cross_entropy's forward for autograd: (loss, stats); stats (*, 2) in float32 (float64 for float64
-/// input) holds per token (m, r): the row max of the (capped) logits and log Σ exp(z − m), so lse = m + r
-/// (kept apart: with large logit offsets m + r would round away r). Ignored tokens get (0, 0).
-std::tuple<at::Tensor, at::Tensor> _linear_cross_entropy_forward(
+/// linear_cross_entropy's forward for autograd: (loss, stats, grad_input, grad_linear_weight, grad_linear_bias).
+/// stats (*, 2) in float32 (float64 for float64 input) holds per token (m, r): the row max of the (capped) logits
+/// and log Σ exp(z − m), so lse = m + r (kept apart: with large logit offsets m + r would round away r); ignored
+/// tokens get (0, 0). The gradients are those of loss.sum() (the loss itself for "mean" and "sum"), computed in the
+/// forward's chunk loop, entry k only when grad_mask[k] (undefined otherwise; grad_linear_bias also undefined
+/// without a bias): grad_input (*, H) in input's dtype, grad_linear_weight (V, H) in linear_weight's dtype (fp32
+/// accumulation across chunks), grad_linear_bias (V,) in linear_bias's dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy_forward(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
     int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
-    std::optional<int64_t> chunk_size);
+    std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask = {false, false, false});
 
 /// Gradients of linear_cross_entropy: (grad_input (*, H) input's dtype, grad_linear_weight (V, H) in
 /// linear_weight's dtype, grad_linear_bias (V,) in linear_bias's dtype), entry k only when output_mask[k] (no
@@ -55,6 +67,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     const at::Tensor& stats, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
     c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
     std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size = std::nullopt);
+
+/// The backward of the gradient-in-forward path: (grad_output · grad_input, grad_output · grad_linear_weight,
+/// grad_output · grad_linear_bias) for the defined ones (undefined where the argument is), each in its own dtype.
+/// grad_output: the loss's 0-dim gradient. Not differentiable: differentiating its outputs raises lazily.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _linear_cross_entropy_scale_grads(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& grad_input,
+    const std::optional<at::Tensor>& grad_linear_weight, const std::optional<at::Tensor>& grad_linear_bias);
 
 namespace lce {
 
@@ -117,6 +136,11 @@ at::Tensor reduce_loss(const Problem& p, const at::Tensor& token_loss, const at:
 /// The per-token gradient scale [N] or [1] (acc dtype) from grad_output: grad_output itself for none,
 /// grad_output / mean_denominator for mean, grad_output for sum. `stride` is set to 1 ([N]) or 0 ([1]).
 at::Tensor grad_scale(const Problem& p, const at::Tensor& grad_output, int64_t& stride);
+
+/// The per-token gradient scale [1] (acc dtype) of the gradient-in-forward path (grad_output = 1 on loss.sum()):
+/// 1 / mean_denominator for mean (inf when every target is ignored: those rows' gradients are zeros regardless),
+/// 1 for sum and none.
+at::Tensor unit_grad_scale(const Problem& p);
 
 }  // namespace lce
 }  // namespace opforge

@@ -89,7 +89,9 @@ acc_t forward_row(acc_t* z, int64_t t, const RowParams<acc_t>& q, acc_t& m_out, 
 // The logit gradient of one row, in place over its logits l, scaled by g:
 //   p_j = exp((z_j − m) − r); dz_j = g ((1 − ε) w_t (p_j − [j = t]) + ε/V (W p_j − w_j) + 2 z_loss (m + r) p_j);
 //   dl_j = dz_j · (1 − (z_j / cap)²) with a softcap, else dz_j.
-template <typename acc_t>
+// RAW: l holds the raw logits x·w (z = cap(l + b) is recomputed: the backward op); else l already holds z (the
+// forward's row after forward_row capped it in place: the gradient-in-forward path).
+template <typename acc_t, bool RAW = true>
 void backward_row(acc_t* l, int64_t t, const RowParams<acc_t>& q, acc_t m, acc_t r, acc_t g) {
   using V = Vectorized<acc_t>;
   const int64_t n = q.V;
@@ -104,16 +106,16 @@ void backward_row(acc_t* l, int64_t t, const RowParams<acc_t>& q, acc_t m, acc_t
   // the target's own correction, from its logit before it is overwritten
   acc_t gz_t = acc_t(1);
   if (cap > 0) {
-    const acc_t zt = cap * std::tanh((l[t] + (q.bias ? q.bias[t] : acc_t(0))) / cap);
+    const acc_t zt = RAW ? cap * std::tanh((l[t] + (q.bias ? q.bias[t] : acc_t(0))) / cap) : l[t];
     gz_t = acc_t(1) - (zt / cap) * (zt / cap);
   }
   int64_t j = 0;
   for (; j + V::size() <= n; j += V::size()) {
     V x = V::loadu(l + j);
-    if (q.bias) x = x + V::loadu(q.bias + j);
+    if (RAW && q.bias) x = x + V::loadu(q.bias + j);
     V gz(acc_t(1));
     if (cap > 0) {
-      x = V(cap) * (x / V(cap)).tanh();
+      if (RAW) x = V(cap) * (x / V(cap)).tanh();
       const V u = x / V(cap);
       gz = V(acc_t(1)) - u * u;
     }
@@ -122,10 +124,10 @@ void backward_row(acc_t* l, int64_t t, const RowParams<acc_t>& q, acc_t m, acc_t
     (d * gz).store(l + j);
   }
   for (; j < n; ++j) {
-    acc_t x = l[j] + (q.bias ? q.bias[j] : acc_t(0));
+    acc_t x = l[j] + (RAW && q.bias ? q.bias[j] : acc_t(0));
     acc_t gz = acc_t(1);
     if (cap > 0) {
-      x = cap * std::tanh(x / cap);
+      if (RAW) x = cap * std::tanh(x / cap);
       gz = acc_t(1) - (x / cap) * (x / cap);
     }
     const acc_t p = std::exp((x - m) - r);
@@ -161,25 +163,35 @@ RowParams<acc_t> row_params(const Problem& p) {
 
 int64_t row_grain(int64_t V) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(V, 1)); }
 
-std::tuple<at::Tensor, at::Tensor> lce_forward_cpu(const at::Tensor& input, const at::Tensor& linear_weight,
-                                                   const at::Tensor& target,
-                                                   const std::optional<at::Tensor>& linear_bias,
-                                                   const std::optional<at::Tensor>& weight, c10::string_view reduction,
-                                                   int64_t ignore_index, double label_smoothing, double z_loss,
-                                                   std::optional<double> softcap, std::optional<int64_t> chunk_size) {
+// The forward; with a grad_mask entry set, also the gradients of loss.sum() in the same chunk loop: each chunk's
+// logit gradient (from the row's capped logits, in place, right after its loss) feeds dX_c = dZ_c · W, dW += dZ_cᵀ X_c
+// and db += Σ_rows dZ_c (fp32 accumulators).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forward_cpu(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
+    int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
+    std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask) {
   const char* op = "linear_cross_entropy";
   const auto red = lce::check_args(op, input, linear_weight, target, linear_bias, weight, reduction, label_smoothing,
                                    z_loss, softcap, chunk_size);
   const Problem p = lce::make_problem(input, linear_weight, target, linear_bias, weight, red, ignore_index,
                                       label_smoothing, z_loss, softcap);
   check_targets(p, op);
-  const auto acc = lce::acc_dtype(input.scalar_type());
+  const auto dtype = input.scalar_type();
+  const auto acc = lce::acc_dtype(dtype);
+  const bool need_dx = grad_mask[0], need_dw = grad_mask[1], need_db = grad_mask[2] && p.b.defined();
+  const bool need_grad = need_dx || need_dw || need_db;
   at::Tensor token_loss = at::empty({p.N}, p.X.options().dtype(acc));  // [N]
   at::Tensor stats = at::empty({p.N, 2}, p.X.options().dtype(acc));    // [N, 2]
+  at::Tensor dX = need_dx ? at::empty({p.N, p.H}, p.X.options()) : at::Tensor();             // [N, H]
+  at::Tensor dW = need_dw ? at::zeros({p.V, p.H}, p.X.options().dtype(acc)) : at::Tensor();  // [V, H] fp32
+  at::Tensor db = need_db ? at::zeros({p.V}, p.X.options().dtype(acc)) : at::Tensor();       // [V] fp32
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCpuChunkBudget, at::elementSize(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "opforge::linear_cross_entropy", [&] {
     using acc_t = scalar_t;
     const auto q = row_params<acc_t>(p);
+    const at::Tensor G = need_grad ? lce::unit_grad_scale(p) : at::Tensor();  // [1]
+    const acc_t g = need_grad ? G.item<acc_t>() : acc_t(0);
     const at::Tensor Wf = p.W.to(acc);                                        // [V, H]
     at::Tensor logits = at::empty({std::min(chunk, p.N), p.V}, Wf.options());  // [chunk, V]
     const int64_t* T = p.T.const_data_ptr<int64_t>();
@@ -188,19 +200,35 @@ std::tuple<at::Tensor, at::Tensor> lce_forward_cpu(const at::Tensor& input, cons
     for (int64_t s0 = 0; s0 < p.N; s0 += chunk) {
       const int64_t c = std::min(chunk, p.N - s0);
       at::Tensor L = logits.narrow(0, 0, c);
-      at::mm_out(L, p.X.narrow(0, s0, c).to(acc), Wf.t());  // [c, V] = X_c · Wᵀ
+      const at::Tensor Xc = p.X.narrow(0, s0, c).to(acc);  // [c, H]
+      at::mm_out(L, Xc, Wf.t());                           // [c, V] = X_c · Wᵀ
       acc_t* Lp = L.mutable_data_ptr<acc_t>();
       at::parallel_for(0, c, row_grain(p.V), [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const int64_t row = s0 + i;
           loss_ptr[row] = forward_row(Lp + i * p.V, T[row], q, st[2 * row], st[2 * row + 1]);
+          if (need_grad) backward_row<acc_t, false>(Lp + i * p.V, T[row], q, st[2 * row], st[2 * row + 1], g);
         }
       });
+      if (!need_grad) continue;
+      if (need_dx) {  // dX_c = dZ_c · W
+        at::Tensor dXc = dX.narrow(0, s0, c);
+        if (dtype == acc) {
+          at::mm_out(dXc, L, Wf);
+        } else {
+          dXc.copy_(at::mm(L, Wf));
+        }
+      }
+      if (need_dw) dW.addmm_(L.t(), Xc);  // dW += dZ_cᵀ · X_c
+      if (need_db) db.add_(L.sum(0));     // db += Σ_rows dZ_c
     }
   });
   auto ss = target.sizes().vec();
   ss.push_back(2);
-  return {lce::reduce_loss(p, token_loss, target), stats.view(ss)};
+  at::Tensor gi = need_dx ? dX.view(input.sizes()) : at::Tensor();
+  at::Tensor gw = need_dw ? dW.to(linear_weight.scalar_type()) : at::Tensor();
+  at::Tensor gb = need_db ? db.to(linear_bias->scalar_type()) : at::Tensor();
+  return {lce::reduce_loss(p, token_loss, target), stats.view(ss), gi, gw, gb};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cpu(
