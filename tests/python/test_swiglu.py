@@ -83,15 +83,6 @@ def test_mixed_dtypes_follow_gate_and_match_meta(device):
     assert ym.dtype == y.dtype and ym.shape == y.shape and ym.stride() == y.stride()
     gm, um = torch.ops.opforge.swiglu_backward(y.detach().to("meta"), gate.detach().to("meta"), up.detach().to("meta"))
     assert gm.dtype == torch.float16 and um.dtype == torch.float32
-
-@pytest.mark.parametrize(
-    "gate, up, exc, match",
-    [
-        (torch.randn(3, 4), torch.randn(3, 5), ValueError, r"opforge::swiglu: expected gate and up of the same shape, but got \[3, 4\] and \[3, 5\]"),
-        (torch.ones(3, dtype=torch.int64), torch.randn(3), TypeError, r"opforge::swiglu: expected gate to have a floating dtype .* but got Long"),
-        (torch.randn(3), torch.randn(3, dtype=torch.complex64), TypeError, r"opforge::swiglu: expected up to have a floating dtype .* but got ComplexFloat"),
-    ],
-)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_inputs_on_different_devices_raise():
     with pytest.raises(RuntimeError, match="opforge::swiglu: expected gate and up to be on the same device"):
