@@ -7,8 +7,8 @@ op, tested through its forward's conformance entry). For each public op this tes
 2. a C++ declaration ``<op>(`` in include/opforge/opforge.h;
 3. a float64 reference ``opforge.testing.<op>_reference``, listed in its ``__all__``;
 4. a conformance entry ``OpEntry(name="<op>", ...)`` in tests/python/conformance.py;
-5. a docs entry: a Markdown heading that names the op in backticks (``## `<op>` ``) in a page under docs/ops/
-   (docs/ops/<op>.md, or the family's page: docs/ops/rms_norm.md holds rms_norm and fused_add_rms_norm);
+5. a docs entry: docs/ops/<op>.md, or a Markdown heading naming the op (as a word, backticks optional) in a page
+   under docs/ops/ (the family's page: "# rms_norm and fused_add_rms_norm" in docs/ops/rms_norm.md covers both);
 6. a benchmark: a benchmarks/bench_*.py that names the op (benchmarks/bench_<op>.py, or the family's script).
 
 Each missing piece is its own failing case whose message says which file to edit and what to add.
@@ -81,12 +81,12 @@ def _missing(op: str, line: int, check: str):
         if f is None or op not in opforge.functional.__all__:
             return (f"{where} has no functional wrapper: add `def {op}(...)` with its full docstring to "
                     f"{_rel(FUNCTIONAL)} (calling torch.ops.opforge.{op}) and list \"{op}\" in its __all__ "
-                    f"({_rel(FUNCTIONAL)}:{_line_of(FUNCTIONAL, r'^__all__')}). See {GUIDE}, step 5.")
+                    f"({_rel(FUNCTIONAL)}:{_line_of(FUNCTIONAL, r'^__all__')}). See {GUIDE}, checklist item 5.")
         if getattr(opforge, op, None) is not f:
             return (f"{where}: opforge.{op} is not the functional wrapper: export it in python/opforge/__init__.py "
-                    f"(`from .functional import {op}`). See {GUIDE}, step 5.")
+                    f"(`from .functional import {op}`). See {GUIDE}, checklist item 5.")
         if not (f.__doc__ or "").strip():
-            return f"{where}: opforge.functional.{op} has no docstring (DESIGN.md §4). See {GUIDE}, step 5."
+            return f"{where}: opforge.functional.{op} has no docstring (DESIGN.md §4). See {GUIDE}, checklist item 5."
         return None
     if check == "cpp_declaration":
         if re.search(rf"\b{op}\s*\(", HEADER.read_text()):
@@ -94,35 +94,36 @@ def _missing(op: str, line: int, check: str):
         return (f"{where} has no C++ declaration: add `/// <what it computes, shapes, dtypes>` and "
                 f"`at::Tensor {op}(...);` inside namespace opforge in {_rel(HEADER)} (before "
                 f"{_rel(HEADER)}:{_line_of(HEADER, r'}  // namespace opforge')}), defined in csrc/ops/<family>/"
-                f"<family>.cpp through typed_op. See {GUIDE}, step 2.")
+                f"<family>.cpp through typed_op. See {GUIDE}, checklist item 2.")
     if check == "reference":
         name = f"{op}_reference"
         if hasattr(opforge.testing, name) and name in opforge.testing.__all__:
             return None
         return (f"{where} has no float64 reference: add `def {name}(...)` (the readable eager math in float64, "
                 f"op's signature) to {_rel(TESTING)} and list \"{name}\" in its __all__ "
-                f"({_rel(TESTING)}:{_line_of(TESTING, r'^__all__')}). See {GUIDE}, step 6.")
+                f"({_rel(TESTING)}:{_line_of(TESTING, r'^__all__')}). See {GUIDE}, checklist item 6.")
     if check == "conformance_entry":
         if any(e.name == op for e in ENTRIES):
             return None
         marker = _line_of(CONFORMANCE, r"entries of the ops added in parallel")
         return (f"{where} has no conformance entry: append `ENTRIES.append(OpEntry(name=\"{op}\", op=F.{op}, "
                 f"reference=T.{op}_reference, ...))` with its sample generator and >= 10 bad inputs at the end of "
-                f"{_rel(CONFORMANCE)} (after line {marker}; its docstring shows the block). See {GUIDE}, step 7.")
+                f"{_rel(CONFORMANCE)} (after line {marker}; its docstring shows the block). See {GUIDE}, checklist item 7.")
     if check == "docs":
-        heading = re.compile(rf"^#+ .*`(opforge\.)?{op}(\(.*?\))?`", re.M)
-        if DOCS.is_dir() and any(heading.search(p.read_text()) for p in sorted(DOCS.glob("*.md"))):
+        heading = re.compile(rf"^#+ .*(?<![A-Za-z0-9_]){op}(?![A-Za-z0-9_])", re.M)
+        if (DOCS / f"{op}.md").is_file() or (
+                DOCS.is_dir() and any(heading.search(p.read_text()) for p in sorted(DOCS.glob("*.md")))):
             return None
-        return (f"{where} has no docs entry: add a page docs/ops/{op}.md (or a section in its family's page "
-                f"under docs/ops/) with a heading naming the op in backticks, e.g. \"## `{op}`\", then its "
-                f"formula, shapes, dtypes, gradients, autocast policy and limits. See {GUIDE}, step 8.")
+        return (f"{where} has no docs entry: add a page docs/ops/{op}.md (or a heading naming {op} in its family's "
+                f"page under docs/ops/, e.g. \"## {op}\") with its formula, shapes, dtypes, gradients, autocast "
+                f"policy and limits. See {GUIDE}, checklist item 8.")
     if check == "benchmark":
         word = re.compile(rf"\b{op}\b")
         if any(word.search(p.read_text()) for p in sorted(BENCHMARKS.glob("bench_*.py"))):
             return None
         return (f"{where} has no benchmark: add benchmarks/bench_{op}.py on benchmarks/common.py (or a case in "
                 f"its family's benchmarks/bench_<family>.py) that times opforge.{op} against torch's "
-                f"composition. See {GUIDE}, step 9.")
+                f"composition. See {GUIDE}, checklist item 9.")
     raise ValueError(check)
 
 
