@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-from torch.library import opcheck
 
 import opforge
 from opforge.testing import (assert_matches_reference, sigmoid_reference, square_add_reference,
@@ -247,150 +246,9 @@ def test_zero_dim_tensors(device):
     torch.testing.assert_close(b.grad, torch.tensor(1.0, device=device))
 
 
-# ---- gradcheck, opcheck, torch.compile, double backward ----------------------------------------------
-
-def test_gradcheck(device):
-    x = torch.randn(5, 7, dtype=torch.float64, device=device, requires_grad=True)
-    xt = torch.randn(7, 5, dtype=torch.float64, device=device).t().requires_grad_()
-    b = torch.randn(7, dtype=torch.float64, device=device, requires_grad=True)
-    b2 = torch.randn(5, 1, dtype=torch.float64, device=device, requires_grad=True)
-    assert torch.autograd.gradcheck(opforge.sigmoid, (x,))
-    assert torch.autograd.gradcheck(opforge.sigmoid, (xt,))
-    assert torch.autograd.gradcheck(opforge.square, (x,))
-    assert torch.autograd.gradcheck(opforge.square, (xt,))
-    assert torch.autograd.gradcheck(opforge.square_add, (x, b))
-    assert torch.autograd.gradcheck(opforge.square_add, (xt, b2))
-
-
-def _opcheck_cases(device):
-    x = torch.randn(7, 83, device=device, requires_grad=True)
-    b = torch.randn(83, device=device, requires_grad=True)
-    xs = torch.randn(7, 83, device=device)
-    go = torch.randn(7, 83, device=device)
-    return {
-        "sigmoid": (ops.sigmoid.default, (x,)),
-        "square": (ops.square.default, (x,)),
-        "square_add": (ops.square_add.default, (x, b)),
-        "square_add_col": (ops.square_add.default, (x, torch.randn(7, 1, device=device, requires_grad=True))),
-        "sigmoid_backward": (ops.sigmoid_backward.default, (go, torch.sigmoid(xs))),
-        "square_backward": (ops.square_backward.default, (go, xs)),
-        "square_add_backward": (ops.square_add_backward.default, (go, xs, b.detach(), [True, True])),
-        "square_add_backward_mask": (ops.square_add_backward.default, (go, xs, b.detach(), [False, True])),
-    }
-
-
-@pytest.mark.parametrize("case", list(_opcheck_cases("cpu")))
-def test_opcheck(device, case):
-    op, args = _opcheck_cases(device)[case]
-    opcheck(op, args)
-
-
-def _all_three(x1, x2, x3, b):
-    # separate inputs: the backward graph holds only our backward ops (no fused add for inductor to
-    # compile to C++, which costs tens of seconds on a small CPU machine)
-    return opforge.sigmoid(x1), opforge.square(x2), opforge.square_add(x3, b)
-
-
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_compile_matches_eager(device, dynamic):
-    torch._dynamo.reset()
-    compiled = torch.compile(_all_three, fullgraph=True, dynamic=dynamic)
-    for M in (7, 13):  # the second shape exercises the dynamic graph (or a recompile when static)
-        args = [torch.randn(M, 83, device=device, requires_grad=True) for _ in range(3)]
-        args.append(torch.randn(83, device=device, requires_grad=True))
-        cargs = [a.detach().clone().requires_grad_() for a in args]
-        gos = [torch.randn(M, 83, device=device) for _ in range(3)]
-        eager, comp = _all_three(*args), compiled(*cargs)
-        for e, c in zip(eager, comp):
-            torch.testing.assert_close(c, e, rtol=0, atol=0)
-        torch.autograd.backward(eager, gos)
-        torch.autograd.backward(comp, gos)
-        for a, c in zip(args, cargs):
-            torch.testing.assert_close(c.grad, a.grad)
-
-
-@pytest.mark.parametrize("name", ["sigmoid", "square", "square_add"])
-def test_double_backward_raises(device, name):
-    x = torch.randn(4, 5, dtype=torch.float64, device=device, requires_grad=True)
-    y = opforge.square_add(x, torch.randn(5, dtype=torch.float64, device=device)) if name == "square_add" \
-        else getattr(opforge, name)(x)
-    with pytest.raises(RuntimeError, match=rf"opforge::{name}_backward: double backward is not supported"):
-        torch.autograd.grad(y.sum(), x, create_graph=True)
-    # without create_graph the same backward works
-    (g,) = torch.autograd.grad(getattr(opforge, name)(x, *([x[0]] if name == "square_add" else [])).sum(), x)
-    assert torch.isfinite(g).all()
-
-
-# ---- bad inputs: each raises its own message ----------------------------------------------------------
-
-def _bad_inputs(device):
-    f = torch.randn(3, 4, device=device)
-    i = torch.ones(3, 4, dtype=torch.int32, device=device)
-    c = torch.randn(3, 4, dtype=torch.complex64, device=device)
-    bo = torch.ones(3, 4, dtype=torch.bool, device=device)
-    dtype_msg = r"expected {} to have a floating dtype \(float64, float32, float16 or bfloat16\), but got {}"
-    return {
-        "sigmoid_int": (lambda: opforge.sigmoid(i), TypeError, r"opforge::sigmoid: " + dtype_msg.format("input", "Int")),
-        "sigmoid_complex": (lambda: opforge.sigmoid(c), TypeError,
-                            r"opforge::sigmoid: " + dtype_msg.format("input", "ComplexFloat")),
-        "sigmoid_bool": (lambda: opforge.sigmoid(bo), TypeError, r"opforge::sigmoid: " + dtype_msg.format("input", "Bool")),
-        "square_int64": (lambda: opforge.square(i.long()), TypeError,
-                         r"opforge::square: " + dtype_msg.format("input", "Long")),
-        "square_complex": (lambda: opforge.square(c.to(torch.complex128)), TypeError,
-                           r"opforge::square: " + dtype_msg.format("input", "ComplexDouble")),
-        "square_add_int_input": (lambda: opforge.square_add(i, f), TypeError,
-                                 r"opforge::square_add: " + dtype_msg.format("input", "Int")),
-        "square_add_int_other": (lambda: opforge.square_add(f, i), TypeError,
-                                 r"opforge::square_add: " + dtype_msg.format("other", "Int")),
-        "square_add_bool_other": (lambda: opforge.square_add(f, bo[0]), TypeError,
-                                  r"opforge::square_add: " + dtype_msg.format("other", "Bool")),
-        "square_add_complex_other": (lambda: opforge.square_add(f, c), TypeError,
-                                     r"opforge::square_add: " + dtype_msg.format("other", "ComplexFloat")),
-        "square_add_not_broadcastable": (
-            lambda: opforge.square_add(f, torch.randn(5, device=device)), ValueError,
-            r"opforge::square_add: expected other broadcastable to input's shape \[3, 4\], but got other of shape \[5\]"),
-        "square_add_other_larger": (  # other must broadcast to input, never enlarge it
-            lambda: opforge.square_add(f[:, :1], f), ValueError,
-            r"opforge::square_add: expected other broadcastable to input's shape \[3, 1\], but got other of shape \[3, 4\]"),
-        "square_add_other_more_dims": (
-            lambda: opforge.square_add(f, torch.randn(2, 3, 4, device=device)), ValueError,
-            r"opforge::square_add: expected other broadcastable to input's shape \[3, 4\], but got other of shape \[2, 3, 4\]"),
-        "sigmoid_backward_shape": (
-            lambda: ops.sigmoid_backward(f, torch.randn(4, 3, device=device)), ValueError,
-            r"opforge::sigmoid_backward: expected grad_output and output of the same shape, but got \[3, 4\] and \[4, 3\]"),
-        "sigmoid_backward_int_grad": (lambda: ops.sigmoid_backward(i, f), TypeError,
-                                      r"opforge::sigmoid_backward: " + dtype_msg.format("grad_output", "Int")),
-        "square_backward_shape": (
-            lambda: ops.square_backward(f, torch.randn(12, device=device)), ValueError,
-            r"opforge::square_backward: expected grad_output and input of the same shape, but got \[3, 4\] and \[12\]"),
-        "square_backward_complex_input": (lambda: ops.square_backward(f, c), TypeError,
-                                          r"opforge::square_backward: " + dtype_msg.format("input", "ComplexFloat")),
-        "square_add_backward_shape": (
-            lambda: ops.square_add_backward(torch.randn(5, 4, device=device), f, f[0], [True, True]), ValueError,
-            r"opforge::square_add_backward: expected grad_output of input's shape \[3, 4\], but got \[5, 4\]"),
-        "square_add_backward_shape_other_only": (  # the mask must not skip the check
-            lambda: ops.square_add_backward(torch.randn(5, 4, device=device), f, f[0], [False, True]), ValueError,
-            r"opforge::square_add_backward: expected grad_output of input's shape \[3, 4\], but got \[5, 4\]"),
-        "square_add_backward_int_grad": (lambda: ops.square_add_backward(i, f, f[0], [False, True]), TypeError,
-                                         r"opforge::square_add_backward: " + dtype_msg.format("grad_output", "Int")),
-        "square_add_backward_not_broadcastable": (
-            lambda: ops.square_add_backward(f, f, torch.randn(5, device=device), [True, True]), ValueError,
-            r"opforge::square_add: expected other broadcastable to input's shape \[3, 4\], but got other of shape \[5\]"),
-    }
-
-
-@pytest.mark.parametrize("case", list(_bad_inputs("cpu")))
-def test_bad_input(device, case):
-    fn, exc, msg = _bad_inputs(device)[case]
-    with pytest.raises(exc, match=msg):
-        fn()
-
-
-def test_bad_inputs_have_distinct_messages():
-    msgs = [m for _, _, m in _bad_inputs("cpu").values()]
-    # every case but the one that reuses square_add's own broadcast check has its own message
-    assert len(set(msgs)) >= len(msgs) - 2
-
+# ---- devices (the other bad inputs: conformance.py) ------------------------------------------------
+# Also: gradcheck, gradgradcheck, opcheck, torch.compile, Meta, bad inputs, compiled autograd, torch.func and autocast of
+# every op: test_conformance.py (the table: conformance.py).
 
 def test_different_devices_meta():
     """A tensor on another device (meta here, so it runs without a GPU) raises the device message."""
@@ -454,21 +312,10 @@ def test_backward_ops_mixed_dtypes(device, name):
     assert out.dtype == meta.dtype == torch.float16 and out.shape == meta.shape and out.stride() == meta.stride()
     torch.testing.assert_close(out, getattr(ops, name)(go, s.half()), rtol=0, atol=0)
 
+# ---- cases from real bug reports ------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["sigmoid", "square", "square_add"])
-def test_meta_matches_real(device, name):
-    """Meta outputs have the real kernels' shapes, dtypes and strides, also for non-contiguous inputs."""
-    x = torch.randn(769, 83, device=device).t()[:, ::2]
-    args = (x, torch.randn(x.shape[-1], device=device)) if name == "square_add" else (x,)
-    real = getattr(opforge, name)(*args)
-    meta = getattr(opforge, name)(*[a.to("meta") for a in args])
-    assert (real.shape, real.dtype, real.stride()) == (meta.shape, meta.dtype, meta.stride())
-
-
-# ---- cases from real bug reports (issue 2) ------------------------------------------------------------
-
-def test_bug1_views_of_chunk_slice_transpose(device):
-    """Case 1: sigmoid and square_add on one half of h.chunk(2, -1) of an (8, 2304) fp16 tensor, on
+def test_views_of_chunk_slice_transpose(device):
+    """sigmoid and square_add on one half of h.chunk(2, -1) of an (8, 2304) fp16 tensor, on
     h[:, ::2] and on h.t(): equal to the result on the contiguous copy; h unchanged."""
     h = torch.randn(8, 2304, dtype=torch.float16, device=device)
     h_before = h.clone()
@@ -485,8 +332,8 @@ def test_bug1_views_of_chunk_slice_transpose(device):
         assert torch.equal(h, h_before), f"{label}: h was modified"
 
 
-def test_bug4_sigmoid_saturation(device):
-    """Case 4: no NaN, exact 0 and 1 at saturation, fp16 equal to torch.sigmoid(x.float()).half()
+def test_sigmoid_saturation(device):
+    """No NaN, exact 0 and 1 at saturation, fp16 equal to torch.sigmoid(x.float()).half()
     (about 3.9e-4 near -7.85, not 0), finite gradient."""
     x32 = torch.tensor([-1662.7, 3212.5, -89, 89, -7.85, 7.33, 0, -0.5, -math.inf, math.inf], device=device,
                        requires_grad=True)

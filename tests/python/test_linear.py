@@ -1,4 +1,6 @@
-"""linear and linear_backward: accuracy against float64, layouts, zero sizes, opcheck, compile, errors.
+"""linear and linear_backward: accuracy against float64, layouts, zero sizes, activations, GEMV, mixed dtypes.
+
+The common checks of every op (opcheck, compile, gradcheck, Meta, bad inputs, ...): test_conformance.py.
 
 Tolerance rule (opforge.testing): our error against the float64 reference is at most 2 x the error of
 torch.nn.functional.linear in the same dtype (plus one eps).
@@ -9,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import conformance
 import opforge
 from opforge.testing import activation_reference, assert_matches_reference, gemm_error_bound, linear_reference
 
@@ -121,10 +124,10 @@ def test_zero_sizes(device, shape, bias):
             torch.testing.assert_close(o, e)
 
 
-# ---- bug-report cases (issue 2) -------------------------------------------------------------------
+# ---- cases from bug reports -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_case2_transposed_weight_and_input(device, dtype):
+def test_transposed_weight_and_batched_input(device, dtype):
     W = torch.randn(512, 256, device=device).to(dtype).t()
     x = torch.randn(7, 3, 512, device=device).to(dtype).transpose(0, 1)
     y = opforge.linear(x, W)
@@ -134,7 +137,7 @@ def test_case2_transposed_weight_and_input(device, dtype):
     assert_matches_reference(y, linear_reference(x, W), expected, bound=gemm_error_bound(x, W, dtype))
 
 
-def test_case3_zero_rows_requiring_grad(device):
+def test_zero_rows_give_zero_parameter_gradients(device):
     x = torch.randn(0, 2100, device=device, requires_grad=True)
     W = torch.randn(2100, 2100, device=device, requires_grad=True)
     b = torch.randn(2100, device=device, requires_grad=True)
@@ -146,7 +149,7 @@ def test_case3_zero_rows_requiring_grad(device):
     assert torch.equal(b.grad, torch.zeros_like(b))
 
 
-def test_case3_zero_in_features(device):
+def test_zero_in_features_gives_the_bias(device):
     x = torch.randn(5, 0, device=device, requires_grad=True)
     W = torch.randn(3, 0, device=device, requires_grad=True)
     b = torch.randn(3, device=device, requires_grad=True)
@@ -160,7 +163,7 @@ def test_case3_zero_in_features(device):
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_case5_every_requires_grad_combination(device, with_bias):
+def test_every_requires_grad_combination(device, with_bias):
     for flags in itertools.product([False, True], repeat=3 if with_bias else 2):
         x = torch.randn(4, 3, 6, device=device, dtype=torch.float64, requires_grad=flags[0])
         W = torch.randn(5, 6, device=device, dtype=torch.float64, requires_grad=flags[1])
@@ -183,64 +186,22 @@ def test_case5_every_requires_grad_combination(device, with_bias):
             assert (t.grad is not None) == t.requires_grad
 
 
-# ---- gradcheck, double backward ------------------------------------------------------------------------
-
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_gradcheck(device, bias):
-    x = torch.randn(2, 3, 4, device=device, dtype=torch.float64, requires_grad=True)
-    W = torch.randn(4, 5, device=device, dtype=torch.float64).t().requires_grad_()  # (5, 4), transposed view
-    b = torch.randn(5, device=device, dtype=torch.float64, requires_grad=True) if bias else None
-    assert torch.autograd.gradcheck(opforge.linear, (x, W, b))
+# ---- double backward per activation (gradcheck, opcheck, compile, the rest: test_conformance.py) -------------
 
 
-def test_double_backward_raises(device):
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh",
+                                        pytest.param("silu", marks=pytest.mark.xfail(
+                                            strict=True, raises=RuntimeError,
+                                            reason="linear.cpp's double backward uses at::silu_backward, which ATen "
+                                                   "cannot differentiate"))])
+def test_double_backward(device, activation):
     x = torch.randn(3, 4, device=device, dtype=torch.float64, requires_grad=True)
     W = torch.randn(5, 4, device=device, dtype=torch.float64, requires_grad=True)
-    y = opforge.linear(x, W)
-    with pytest.raises(RuntimeError, match="opforge::linear_backward: double backward is not supported"):
-        torch.autograd.grad(y.sum(), x, create_graph=True)
+    b = torch.randn(5, device=device, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda *a: opforge.linear(*a, activation), (x, W, b))
 
 
-# ---- opcheck -----------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_opcheck_linear(device, bias):
-    x = torch.randn(2, 3, 8, device=device, requires_grad=True)
-    W = torch.randn(5, 8, device=device, requires_grad=True)
-    b = torch.randn(5, device=device, requires_grad=True) if bias else None
-    torch.library.opcheck(torch.ops.opforge.linear.default, (x, W, b))
-    torch.library.opcheck(torch.ops.opforge.linear.default, (x.detach(), W, b))
-
-
-@pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, True)], ids=str)
-def test_opcheck_linear_backward(device, mask):
-    dy = torch.randn(2, 3, 5, device=device)
-    x = torch.randn(2, 3, 8, device=device)
-    W = torch.randn(5, 8, device=device)
-    torch.library.opcheck(torch.ops.opforge.linear_backward.default, (dy, x, W, list(mask), torch.float32))
-    torch.library.opcheck(torch.ops.opforge.linear_backward.default, (dy, x, W, list(mask)))
-
-
-# ---- torch.compile -------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_compile_matches_eager(device, dynamic):
-    # only our ops in the graphs (forward: linear, backward: linear_backward): no generated kernels to
-    # build, so the test stays fast on CPU
-    compiled = torch.compile(opforge.linear, fullgraph=True, dynamic=dynamic)
-    x, W, b = make_operands(6, 8, 5, torch.float32, device, "batch3d")
-    dy = torch.randn(6, 3, 5, device=device)
-    results = []
-    for f in (opforge.linear, compiled):
-        leaves = [t.detach().clone().requires_grad_() for t in (x, W, b)]
-        y = f(*leaves)
-        y.backward(dy)
-        results.append([y.detach()] + [t.grad for t in leaves])
-    for ours, eager in zip(results[1], results[0]):
-        torch.testing.assert_close(ours, eager)
-
-
-# ---- Meta ------------------------------------------------------------------------------------------
+# ---- Meta, mixed dtypes ---------------------------------------------------------------------------------
 
 def test_meta_matches_real_kernels():
     x, W, b = make_operands(7, 8, 5, torch.float16, "cpu", "batch3d")
@@ -303,53 +264,13 @@ def test_nn_linear_mixed_dtype(device):
     assert layer.weight.grad.dtype == torch.float32 and layer.bias.grad.dtype == torch.float32
 
 
-# ---- bad inputs: each raises its own message ----------------------------------------------------------
-
-def _bad_cases():
-    f32 = dict(dtype=torch.float32)
-    return [
-        ("rank0", lambda: (torch.tensor(1.0), torch.randn(3, 1), None), ValueError,
-         r"opforge::linear: expected input to have at least 1 dimension"),
-        ("weight_1d", lambda: (torch.randn(4, 8), torch.randn(8), None), ValueError,
-         r"opforge::linear: expected weight to be 2-D \(out_features, in_features\), but got shape \[8\]"),
-        ("weight_3d", lambda: (torch.randn(4, 8), torch.randn(2, 3, 8), None), ValueError,
-         r"expected weight to be 2-D"),
-        ("k_mismatch", lambda: (torch.randn(4, 511), torch.randn(256, 512), None), ValueError,
-         r"opforge::linear: expected input's last dimension to equal weight's in_features 512, but got 511"),
-        ("bias_size", lambda: (torch.randn(4, 512), torch.randn(256, 512), torch.randn(255)), ValueError,
-         r"opforge::linear: expected bias of shape \[256\] \(weight's out_features\), but got \[255\]"),
-        ("bias_2d", lambda: (torch.randn(4, 512), torch.randn(256, 512), torch.randn(1, 256)), ValueError,
-         r"expected bias of shape \[256\].*but got \[1, 256\]"),
-        ("int_input", lambda: (torch.ones(4, 8, dtype=torch.int32), torch.randn(3, 8), None), TypeError,
-         r"opforge::linear: expected input to have a floating dtype .* but got Int"),
-        ("int_weight", lambda: (torch.randn(4, 8), torch.ones(3, 8, dtype=torch.int64), None), TypeError,
-         r"expected weight to have a floating dtype .* but got Long"),
-        ("complex_input", lambda: (torch.randn(4, 8, dtype=torch.complex64), torch.randn(3, 8), None), TypeError,
-         r"expected input to have a floating dtype .* but got ComplexFloat"),
-        ("complex_bias", lambda: (torch.randn(4, 8), torch.randn(3, 8), torch.randn(3, dtype=torch.complex64)),
-         TypeError, r"expected bias to have a floating dtype .* but got ComplexFloat"),
-        ("device_weight", lambda: (torch.randn(4, 8), torch.randn(3, 8, device="meta", **f32), None), RuntimeError,
-         r"expected input and weight to be on the same device, but got input on cpu and weight on meta"),
-        ("device_bias", lambda: (torch.randn(4, 8), torch.randn(3, 8), torch.randn(3, device="meta")), RuntimeError,
-         r"expected input and bias to be on the same device, but got input on cpu and bias on meta"),
-    ]
-
-
-@pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
-def test_bad_inputs(case):
-    _, make, exc, message = case
-    x, W, b = make()
-    with pytest.raises(exc, match=message):
-        opforge.linear(x, W, b)
-
-
-@pytest.mark.parametrize("case", [c for c in _bad_cases() if c[0] in ("k_mismatch", "int_input", "rank0")],
-                         ids=lambda c: c[0])
+@pytest.mark.parametrize("case", ["in_features", "int_input", "rank0", "bias_shape"])
 def test_bad_inputs_meta(case):
-    _, make, exc, message = case
-    x, W, b = make()
-    with pytest.raises(exc, match=message):
-        opforge.linear(x.to("meta"), W.to("meta"), b)
+    """Meta (FakeTensor, torch.compile) raises what the real kernels raise (conformance.py's linear table)."""
+    (bad,) = [b for b in conformance.entry("linear").bad_inputs("cpu") if b.name == case]
+    fn, args = bad.make("cpu")
+    with pytest.raises(bad.exc, match=bad.match):
+        fn(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
 
 
 @requires_cuda

@@ -1,4 +1,6 @@
-"""swiglu and swiglu_backward: values and gradients against float64, layouts, opcheck, compile, errors."""
+"""swiglu and swiglu_backward: values and gradients against float64 over sizes and layouts, mixed dtypes, GatedMLP.
+
+The common checks of every op (opcheck, compile, gradcheck, gradgradcheck, Meta, bad inputs, ...): test_conformance.py."""
 import pytest
 import torch
 import torch.nn.functional as TF
@@ -81,59 +83,6 @@ def test_mixed_dtypes_follow_gate_and_match_meta(device):
     assert ym.dtype == y.dtype and ym.shape == y.shape and ym.stride() == y.stride()
     gm, um = torch.ops.opforge.swiglu_backward(y.detach().to("meta"), gate.detach().to("meta"), up.detach().to("meta"))
     assert gm.dtype == torch.float16 and um.dtype == torch.float32
-
-
-def test_gradcheck_float64(device):
-    gate = torch.randn(3, 5, device=device, dtype=torch.float64, requires_grad=True)
-    up = torch.randn(3, 5, device=device, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(opforge.swiglu, (gate, up))
-
-
-def test_double_backward_is_a_clear_error(device):
-    gate = torch.randn(3, 5, device=device, dtype=torch.float64, requires_grad=True)
-    up = torch.randn(3, 5, device=device, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(RuntimeError, match="opforge::swiglu_backward: double backward is not supported"):
-        g, = torch.autograd.grad(opforge.swiglu(gate, up).sum(), gate, create_graph=True)
-        g.sum().backward()
-
-
-def test_opcheck(device):
-    gate = torch.randn(6, 10, device=device, requires_grad=True)
-    up = torch.randn(6, 10, device=device, requires_grad=True)
-    torch.library.opcheck(torch.ops.opforge.swiglu, (gate, up))
-    dy = torch.randn(6, 10, device=device)
-    torch.library.opcheck(torch.ops.opforge.swiglu_backward, (dy, gate.detach(), up.detach()))
-
-
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_compile_fullgraph_matches_eager(device, dynamic):
-    gate = torch.randn(8, 16, device=device, requires_grad=True)
-    up = torch.randn(8, 16, device=device, requires_grad=True)
-    fn = torch.compile(lambda g, u: opforge.swiglu(g, u).square().sum(), fullgraph=True, dynamic=dynamic)
-    out = fn(gate, up)
-    out.backward()
-    g1, u1 = gate.grad.clone(), up.grad.clone()
-    gate.grad = up.grad = None
-    ref = opforge.swiglu(gate, up).square().sum()
-    ref.backward()
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(g1, gate.grad)
-    torch.testing.assert_close(u1, up.grad)
-
-
-@pytest.mark.parametrize(
-    "gate, up, exc, match",
-    [
-        (torch.randn(3, 4), torch.randn(3, 5), ValueError, r"opforge::swiglu: expected gate and up of the same shape, but got \[3, 4\] and \[3, 5\]"),
-        (torch.ones(3, dtype=torch.int64), torch.randn(3), TypeError, r"opforge::swiglu: expected gate to have a floating dtype .* but got Long"),
-        (torch.randn(3), torch.randn(3, dtype=torch.complex64), TypeError, r"opforge::swiglu: expected up to have a floating dtype .* but got ComplexFloat"),
-    ],
-)
-def test_bad_inputs_raise_clear_errors(gate, up, exc, match):
-    with pytest.raises(exc, match=match):
-        opforge.swiglu(gate, up)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_inputs_on_different_devices_raise():
     with pytest.raises(RuntimeError, match="opforge::swiglu: expected gate and up to be on the same device"):

@@ -70,7 +70,7 @@ void check_args(const char* op, const at::Tensor& input, c10::SymIntArrayRef nor
                       ": expected weight of shape ", shape_str(normalized_shape), ", but got ",
                       shape_str(weight->sym_sizes()));
   }
-  if (residual.has_value() && residual->defined()) {
+  if (residual.has_value()) {  // fused: a residual is required (an undefined one is a None from Python)
     check_floating(op, "residual", *residual);
     check_same_device(op, "input", input, "residual", *residual);
     TORCH_CHECK_VALUE(residual->sym_sizes().equals(xs), "opforge::", op, ": expected residual of input's shape ",
@@ -199,6 +199,8 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_op(const at::Tensor& input
 
 at::Tensor rms_norm_composite(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                               const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  // reached without any tensor (input None, no weight): name this op, not the private one below
+  check_floating("rms_norm", "input", input);
   return std::get<0>(opforge::_rms_norm_forward(input, normalized_shape, weight, eps));
 }
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_composite(const at::Tensor& input, const at::Tensor& residual,

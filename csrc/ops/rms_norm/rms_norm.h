@@ -26,7 +26,7 @@ double default_eps(at::ScalarType input_dtype);
 double resolve_eps(const char* op, std::optional<double> eps, at::ScalarType input_dtype);
 
 /// Shape, dtype and device checks that also hold for symbolic shapes (shared with Meta).
-/// `residual` is checked only when given (fused_add_rms_norm).
+/// `residual`: std::nullopt for rms_norm; for fused_add_rms_norm a tensor, which must be defined (not None).
 /// Raises: ValueError when normalized_shape is empty or is not input's trailing dims, when weight's
 /// shape is not normalized_shape, when residual's shape is not input's; TypeError for non-floating
 /// dtypes; RuntimeError for tensors on different devices.

@@ -1,6 +1,7 @@
 // CPU kernels of the RMSNorm ops: one row per task step, at::vec::Vectorized bodies with fp32
-// (opmath) accumulation and scalar tails, at::parallel_for over rows. dweight: per-block fp32 partial
-// rows, summed once at the end.
+// (opmath) accumulation and scalar tails, at::parallel_for over rows. dweight: fp32 partial rows over fixed
+// blocks of rows, summed once at the end in block order; the blocks depend on the problem's shape only, never
+// on the thread count, so dweight is bitwise the same for any torch.set_num_threads (deterministic).
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -229,8 +230,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
   at::Tensor dX = want_dx ? at::empty(input.sizes(), p.X.options()) : at::Tensor();
   if (!want_dx && !want_dw) return {dX, at::Tensor()};
   const auto acc_dtype = rmsnorm::rstd_dtype(input.scalar_type());
-  // Rows split into one block per thread; block b accumulates its dweight partial row partials[b].
-  const int64_t nblocks = want_dw ? std::min<int64_t>(M, at::get_num_threads()) : 0;
+  // Rows split into nblocks fixed blocks; block b accumulates rows [b·M/B, (b+1)·M/B) in order into its dweight
+  // partial row partials[b]. B depends on M and N only (at most kMaxDwBlocks, each at least row_grain(N) rows),
+  // so the sums are independent of how many threads run the blocks.
+  constexpr int64_t kMaxDwBlocks = 64;
+  const int64_t nblocks =
+      want_dw ? std::max<int64_t>(1, std::min<int64_t>(kMaxDwBlocks, M / row_grain(N))) : 0;
   at::Tensor partials = want_dw ? at::zeros({nblocks, N}, p.X.options().dtype(acc_dtype)) : at::Tensor();  // [B, N]
   if (M > 0 && N > 0) {
     const at::Tensor W = p.W.defined() ? p.W : at::ones({N}, p.X.options());  // [N]
@@ -258,7 +263,20 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
     });
   }
   at::Tensor dW;
-  if (want_dw) dW = partials.sum(0).view(weight->sizes()).to(weight->scalar_type());
+  if (want_dw) {
+    // dW[j] = Σ_b partials[b, j], b in order (ATen's sum may split the reduction by thread count)
+    at::Tensor sum = at::empty({N}, partials.options());  // [N]
+    AT_DISPATCH_FLOATING_TYPES(acc_dtype, "opforge::rms_norm_backward_dw", [&] {
+      const scalar_t* part = partials.const_data_ptr<scalar_t>();  // [B, N]
+      scalar_t* out = sum.mutable_data_ptr<scalar_t>();            // [N]
+      at::parallel_for(0, N, 4096, [&](int64_t j0, int64_t j1) {
+        for (int64_t j = j0; j < j1; ++j) out[j] = part[j];
+        for (int64_t b = 1; b < nblocks; ++b)
+          for (int64_t j = j0; j < j1; ++j) out[j] += part[b * N + j];
+      });
+    });
+    dW = sum.view(weight->sizes()).to(weight->scalar_type());
+  }
   return {dX, dW};
 }
 

@@ -1,0 +1,97 @@
+"""Hypothesis property tests (issue 12): every op against its float64 reference under the tolerance rule, over
+drawn shapes (0, 1 and odd sizes), layouts (contiguous, transposed, sliced, expanded), dtypes and value scales
+1e-4..1e4 (and eps for the norms), forward and gradients. Bounded for CI: OPFORGE_HYPOTHESIS_EXAMPLES examples per op
+(default 12), no deadline, derandomized (the same examples every run; set OPFORGE_HYPOTHESIS_RANDOM=1 to explore)."""
+import os
+
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import conformance  # noqa: E402
+from conformance import differentiable, run_forward_backward  # noqa: E402
+from opforge.testing import assert_matches_reference  # noqa: E402
+
+EXAMPLES = int(os.environ.get("OPFORGE_HYPOTHESIS_EXAMPLES", "12"))
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
+                    derandomize=os.environ.get("OPFORGE_HYPOTHESIS_RANDOM", "") in ("", "0"),
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                           HealthCheck.data_too_large])
+SIZES = st.sampled_from([0, 1, 2, 3, 7, 17, 33, 83])
+DTYPES = st.sampled_from([torch.float64, torch.float32, torch.float16, torch.bfloat16])
+LAYOUTS = st.sampled_from(["contiguous", "transposed", "sliced", "expanded"])
+SCALES = st.sampled_from([1e-4, 1e-2, 1.0, 1e2, 1e4])
+
+
+def _tensor(shape, dtype, layout, scale, device, gen):
+    """A (*, M, N) tensor of the layout, values N(0, scale²) clamped to a finite range of dtype."""
+    big = torch.finfo(dtype).max / 16
+
+    def make(s):
+        return (torch.randn(s, generator=gen, dtype=torch.float64) * scale).clamp(-big, big).to(dtype=dtype,
+                                                                                              device=device)
+    if len(shape) < 2 or layout == "contiguous":
+        return make(shape)
+    *lead, M, N = shape
+    if layout == "transposed":
+        return make((*lead, N, M)).transpose(-1, -2)
+    if layout == "sliced":
+        return make((*lead, M, 2 * N))[..., ::2]
+    return make((*lead, 1, N)).expand(*lead, M, N)
+
+
+@st.composite
+def _args(draw, name, device):
+    dtype, layout, scale = draw(DTYPES), draw(LAYOUTS), draw(SCALES)
+    M, N = draw(SIZES), draw(SIZES)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    t = lambda shape, lay=layout, sc=scale: _tensor(shape, dtype, lay, sc, device, gen)  # noqa: E731
+    if name in ("sigmoid", "square"):
+        return (t((M, N)),)
+    if name == "square_add":
+        other = draw(st.sampled_from(["row", "col", "same", "scalar"]))
+        shape = {"row": (N,), "col": (M, 1), "same": (M, N), "scalar": ()}[other]
+        return (t((M, N)), t(shape, "contiguous"))
+    if name == "swiglu":
+        return (t((M, N)), t((M, N), draw(LAYOUTS)))
+    if name in ("rms_norm", "fused_add_rms_norm"):
+        N = max(N, 1)
+        eps = draw(st.sampled_from([None, 1e-6, 1e-3, 1.0]))
+        w = t((N,), "contiguous", 1.0) if draw(st.booleans()) else None
+        res = (t((M, N), draw(LAYOUTS)),) if name == "fused_add_rms_norm" else ()
+        return (t((M, N)), *res, (N,), w, eps)
+    if name == "linear":
+        K = draw(SIZES)
+        bias = t((N,), "contiguous") if draw(st.booleans()) else None
+        # the product's scale: input at `scale`, weight at 1/sqrt(K)
+        return (t((M, K)), t((N, K), draw(LAYOUTS), 1.0 / max(K, 1) ** 0.5), bias)
+    raise KeyError(name)
+
+
+def _check(entry, args):
+    check = entry.check or (lambda what, o, r, b, a, g: assert_matches_reference(o, r, b, what=what))
+    ours, ours_g, gouts = run_forward_backward(entry.op, args)
+    ref, ref_g, _ = run_forward_backward(entry.reference, args, gouts, cast=lambda t: t.double())
+    base, base_g, _ = run_forward_backward(entry.baseline, args, gouts)
+    for i, (o, r, b) in enumerate(zip(ours, ref, base)):
+        assert o.shape == b.shape and o.dtype == b.dtype
+        check(f"output {i}", o, r, b, args, gouts)
+    diff = [a for a in args if differentiable(a)]
+    for j, (a, g, r, b) in enumerate(zip(diff, ours_g, ref_g, base_g)):
+        z = torch.zeros_like(a)
+        g, r, b = (g if g is not None else z), (r if r is not None else z.double()), (b if b is not None else z)
+        assert g.shape == a.shape and g.dtype == a.dtype
+        check(f"grad {j}", g, r, b, args, gouts)
+
+
+@pytest.mark.parametrize("entry", conformance.ENTRIES, ids=repr)
+def test_matches_float64_reference(device, entry):
+    @SETTINGS
+    @given(data=st.data())
+    def run(data):
+        args = data.draw(_args(entry.name, device))
+        _check(entry, args)
+    run()
