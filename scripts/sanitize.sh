@@ -15,7 +15,8 @@ tools=("$@")
 [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck initcheck synccheck)
 quick=()
 [ "${SANITIZE_QUICK:-0}" = 1 ] && quick=(--quick)
-if "$CS" --help 2>/dev/null | grep -q -- "--kernel-name "; then
+help=$("$CS" --help 2>&1 || true)
+if grep -q -- "--kernel-name " <<<"$help"; then
   filter=(--kernel-name kns=opforge)
 else
   filter=(--filter kns=opforge)

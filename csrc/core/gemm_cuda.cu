@@ -67,6 +67,8 @@ Mat mat_of(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 || t.dim() == 3, "opforge::gemm: expected ", name, " to be 2-D or 3-D, but got ",
               num_str(t.dim()), "-D");
   const int64_t rows = t.size(-2), cols = t.size(-1);
+  // an empty operand (zero rows or columns, e.g. an expanded zero-size view with strides [0, 0]) is never read
+  if (t.numel() == 0) return {rows, cols, std::max<int64_t>(cols, 1), 0, t.const_data_ptr()};
   TORCH_CHECK(cols <= 1 || t.stride(-1) == 1, "opforge::gemm: expected ", name,
               " to have a unit last stride (pass a transposed operand as its stored tensor with a trans flag), "
               "but got strides ",

@@ -223,7 +223,12 @@ variable_list linear_double_backward_fn(const BackwardArgs& a) {
   at::Tensor dZ = a.grads[0];
   if (act != Activation::kNone) {
     const at::Tensor Z = at::linear(X, Wc, b.defined() ? std::optional<at::Tensor>(b.to(dtype)) : std::nullopt);
-    dZ = linear_op::aten_activation_backward(dZ, Z, act);
+    if (act == Activation::kSiLU) {  // silu'(z) = s · (1 + z · (1 − s)): ATen's silu_backward has no derivative
+      const at::Tensor s = at::sigmoid(Z);
+      dZ = dZ * s * (1 + Z * (1 - s));
+    } else {
+      dZ = linear_op::aten_activation_backward(dZ, Z, act);
+    }
   }
   at::Tensor grad_input, grad_weight, grad_bias;
   if (a.needs[0]) grad_input = at::matmul(dZ, Wc);
