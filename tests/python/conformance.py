@@ -77,6 +77,7 @@ class OpEntry:
     torch.func (first: contiguous, batched along dim 0 of the ``vmap_in_dims`` args); bad_inputs(device);
     double_backward: True = gradgradcheck, False = the lazy "double backward is not supported" error, raised by
     the backward op ``double_backward_error`` names (default ``<name>_backward``);
+    reference_for: optional dtype -> reference, where the reference's defaults depend on the input dtype;
     check: optional tolerance hook (what, ours, ref, base, args, grad_outputs) replacing assert_matches_reference
     (what: "output <i>" or "grad <j>", j counting the floating args);
     vmap_in_dims: per arg of small_samples()[0], 0 (per-sample) or None (shared).
@@ -95,6 +96,12 @@ class OpEntry:
     autocast: str = "input_dtype"  # "lower_precision" (linear-like) or "input_dtype" (core/autocast.h)
     check: Optional[Callable] = None
     double_backward_error: Optional[str] = None
+    reference_for: Optional[Callable] = None
+
+    def ref(self, dtype: torch.dtype) -> Callable:
+        """The reference for inputs of ``dtype`` (called with float64 args): ``reference_for(dtype)`` where a default
+        depends on the input's dtype (rms_norm's eps=None is float32's machine eps for float32/16-bit input)."""
+        return self.reference_for(dtype) if self.reference_for is not None else self.reference
 
     def __repr__(self) -> str:
         return self.name
@@ -392,6 +399,23 @@ def _swiglu_bad(device):
 # ---- rms_norm, fused_add_rms_norm -------------------------------------------------------------------------------
 
 
+def _eps_of(dtype):
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
+def _rms_norm_reference_for(dtype):
+    def ref(input, normalized_shape, weight=None, eps=None):
+        return T.rms_norm_reference(input, normalized_shape, weight, _eps_of(dtype) if eps is None else eps)
+    return ref
+
+
+def _fused_add_rms_norm_reference_for(dtype):
+    def ref(input, residual, normalized_shape, weight=None, eps=None):
+        return T.fused_add_rms_norm_reference(input, residual, normalized_shape, weight,
+                                              _eps_of(dtype) if eps is None else eps)
+    return ref
+
+
 def _rms_norm_baseline(input, normalized_shape, weight=None, eps=None):
     return TF.rms_norm(input, normalized_shape, weight, eps)
 
@@ -635,12 +659,14 @@ ENTRIES: list = [
             double_backward=True, vmap_in_dims=(0, 0)),
     OpEntry(name="rms_norm", op=F.rms_norm, reference=T.rms_norm_reference, baseline=_rms_norm_baseline,
             native=_rms_norm_baseline, samples=_rms_norm_samples, small_samples=_rms_norm_small,
-            bad_inputs=_rms_norm_bad, double_backward=False, vmap_in_dims=(0, None, None, None)),
+            bad_inputs=_rms_norm_bad, double_backward=False, vmap_in_dims=(0, None, None, None),
+            reference_for=_rms_norm_reference_for),
     OpEntry(name="fused_add_rms_norm", op=F.fused_add_rms_norm, reference=T.fused_add_rms_norm_reference,
             baseline=_fused_add_rms_norm_baseline, native=_fused_add_rms_norm_baseline,
             samples=lambda dev, dt: _rms_norm_samples(dev, dt, fused=True),
             small_samples=lambda dev: _rms_norm_small(dev, fused=True), bad_inputs=_fused_add_rms_norm_bad,
-            double_backward=False, double_backward_error="rms_norm_backward", vmap_in_dims=(0, 0, None, None, None)),
+            double_backward=False, double_backward_error="rms_norm_backward", vmap_in_dims=(0, 0, None, None, None),
+            reference_for=_fused_add_rms_norm_reference_for),
     OpEntry(name="linear", op=F.linear, reference=T.linear_reference, baseline=_linear_baseline, native=_linear_native,
             samples=_linear_samples, small_samples=_linear_small, bad_inputs=_linear_bad, double_backward=True,
             vmap_in_dims=(0, None, None), autocast="lower_precision", check=_linear_check),

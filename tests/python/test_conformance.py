@@ -42,7 +42,7 @@ def test_forward_and_gradients_match_float64(device, entry, dtype):
     check = entry.check or (lambda what, o, r, b, args, gouts: assert_matches_reference(o, r, b, what=what))
     for s in entry.samples(device, dtype):
         ours, ours_g, gouts = run_forward_backward(entry.op, s.args, strided=s.grad_strided)
-        ref, ref_g, _ = run_forward_backward(entry.reference, s.args, gouts, cast=lambda t: t.double())
+        ref, ref_g, _ = run_forward_backward(entry.ref(dtype), s.args, gouts, cast=lambda t: t.double())
         base, base_g, _ = run_forward_backward(entry.baseline, s.args, gouts)
         assert len(ours) == len(ref) == len(base), s.name
         for i, (o, r, b) in enumerate(zip(ours, ref, base)):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import conformance  # noqa: E402
@@ -73,8 +73,13 @@ def _args(draw, name, device):
 
 def _check(entry, args):
     check = entry.check or (lambda what, o, r, b, a, g: assert_matches_reference(o, r, b, what=what))
+    dtype = next(a.dtype for a in args if differentiable(a))
     ours, ours_g, gouts = run_forward_backward(entry.op, args)
-    ref, ref_g, _ = run_forward_backward(entry.reference, args, gouts, cast=lambda t: t.double())
+    ref, ref_g, _ = run_forward_backward(entry.ref(dtype), args, gouts, cast=lambda t: t.double())
+    # a true result past dtype's range cannot be represented (torch's overflows too): not a case of the rule
+    big = torch.finfo(dtype).max
+    for r in list(ref) + [g for g in ref_g if g is not None]:
+        assume(r.numel() == 0 or r.abs().max().item() < big / 2)
     base, base_g, _ = run_forward_backward(entry.baseline, args, gouts)
     for i, (o, r, b) in enumerate(zip(ours, ref, base)):
         assert o.shape == b.shape and o.dtype == b.dtype
