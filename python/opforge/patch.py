@@ -25,6 +25,10 @@ transformers'):
 **``outputs.logits`` is None**. Without ``labels`` (inference, ``generate()``) the forward is transformers'
 own and ``outputs.logits`` are the usual logits.
 
+**The final norm** (with the decoder layers patched and ``inductor_math=True``): a Llama-style RMSNorm outside
+the layers keeps its module and gets a forward that is :func:`opforge.rms_norm` in eager and torch math
+under compile (so Inductor fuses the last residual add into it).
+
 **Everything else** (any model): Llama-style RMSNorms, SiLU-gated MLPs and plain ``torch.nn.Linear``
 modules outside the patched layers are swapped for :class:`opforge.nn.RMSNorm`,
 :class:`opforge.nn.GatedMLP` and :class:`opforge.nn.Linear` holding the same ``Parameter`` objects; a
@@ -499,9 +503,14 @@ def _causal_lm_forward(self, *args, **kwargs):
     return out if return_dict else out.to_tuple()
 
 
+def _rms_norm_forward(self, hidden_states):
+    """transformers' Llama-style RMSNorm by opforge.rms_norm (torch math while Dynamo traces, inductor_math)."""
+    return _norm(self, self, hidden_states)
+
+
 _SUBCLASSES: Dict[Tuple[type, str], type] = {}
 _FORWARDS = {"decoder": _decoder_layer_forward, "attention": _attention_forward, "mlp": _mlp_forward,
-             "causal_lm": _causal_lm_forward}
+             "causal_lm": _causal_lm_forward, "norm": _rms_norm_forward}
 
 
 def _subclass(cls: type, kind: str) -> type:
@@ -710,7 +719,7 @@ def _apply_modules(model: torch.nn.Module, report: PatchReport, done: set, *, li
                    mlp: bool) -> None:
     """Module-by-module swaps (RMSNorm, gated MLP, Linear) for everything outside the patched decoder layers."""
     for name, m in list(model.named_modules()):
-        if any(name.startswith(d + ".") for d in done):
+        if name in done or any(name.startswith(d + ".") for d in done) or _is_patched_class(m):
             continue
         cls = type(m).__name__
         if isinstance(m, (onn.Linear, onn.RMSNorm, onn.GatedMLP, onn.FusedAddRMSNorm)):
@@ -876,6 +885,18 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
                 _patch_causal_lm(m, inductor_math)
                 report.patched.append((name, type(m).__mro__[1].__name__,
                                        "opforge loss (linear_cross_entropy; logits None when labels are given)"))
+    if decoder and inductor_math and rms_norm and done:
+        # Norms outside the layers (the final norm): under compile Inductor must fuse the last residual add into
+        # it, so the HF module keeps its place and gets a forward that is opforge.rms_norm in eager, torch under compile.
+        for name, m in list(model.named_modules()):
+            if any(name == d or name.startswith(d + ".") for d in done) or _is_patched_class(m) or not name:
+                continue
+            if _looks_rms_norm(m) and not isinstance(m, torch.nn.RMSNorm) and hasattr(m, "variance_epsilon") \
+                    and not list(m.children()) and isinstance(getattr(m, "weight", None), torch.nn.Parameter) \
+                    and m.weight.dim() == 1 and not _norm_reason(m, m.weight.shape[0]):
+                _swap_class(m, "norm", inductor_math)
+                report.patched.append((name, type(m).__mro__[1].__name__, "opforge RMSNorm (rms_norm; torch math under compile)"))
+                done.add(name)
     if any(k == "opforge decoder layer (rms_norm, fused_add_rms_norm)" for _, _, k in report.patched) and _ROPE is None:
         report.notes.append("opforge.rope is not in this build: RoPE runs transformers' rotate-half math")
     if any(k.startswith("opforge loss") for _, _, k in report.patched) and _LCE is None:

@@ -4,7 +4,8 @@ byte-level, vocab 256), AdamW, on the CPU.
 
 float32: the two compute the same function with other kernels (one fused q/k/v GEMM, fused add+norm, opforge's
 RMSNorm, SwiGLU, RoPE and fused loss), so they differ by float32 rounding, which training amplifies only slowly:
-the loss at every logged step must agree within 1e-3 relative (measured: a few 1e-6).
+the loss at every logged step must agree within 1e-3 relative (measured: 2e-6 over 300 steps at lr 1e-3;
+at lr 3e-3 Adam amplifies rounding faster, 2e-3 by step 300).
 
 bfloat16 (pure bf16 weights and activations, as the H200 benchmark): rounding differences of one bf16 ulp
 (2^-8 relative) per op make the two trajectories drift apart, so they are not compared with each other directly.
@@ -26,7 +27,17 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 TEXT = Path(patch.__file__).resolve().parent / "data" / "alice.txt"
 CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
-SEQ, BATCH, LR, LOG_EVERY = 48, 8, 3e-3, 10
+SEQ, BATCH, LR, LOG_EVERY = 48, 8, 1e-3, 10
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is faster than two (and far faster on a shared CI machine, where a second thread
+    spins waiting for a busy core)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _data():

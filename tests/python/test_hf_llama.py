@@ -29,6 +29,16 @@ FAMILIES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is faster than two (and far faster on a shared CI machine, where a second thread
+    spins waiting for a busy core)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _model(family="llama", seed=0):
     torch.manual_seed(seed)
     return FAMILIES[family]().float()
@@ -327,3 +337,20 @@ def test_distributed_two_ranks_gloo(mode, tmp_path):
 
 if __name__ == "__main__":  # torchrun worker: python test_hf_llama.py {ddp|fsdp2} OUT
     _worker(sys.argv[1], sys.argv[2])
+
+
+def test_bench_hf_llama_smoke(tmp_path):
+    """benchmarks/bench_hf_llama.py --smoke: HF eager and HF + opforge on the CPU, one process each, same losses."""
+    import csv
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hf_llama.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / "hf_llama.csv").open()))
+    assert [r["variant"] for r in rows] == ["hf", "opforge"] and all(r["status"] == "ok" for r in rows), rows
+    assert float(rows[1]["max_rel_loss_diff_vs_hf"]) <= 1e-4, rows  # fp32: the same losses to rounding
+    assert float(rows[0]["tokens_per_s"]) > 0 and float(rows[1]["peak_mem_gib"]) > 0
+    assert "HF + opforge.patch.apply" in p.stdout
