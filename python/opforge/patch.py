@@ -1,37 +1,76 @@
-"""Swap the modules of an existing model (e.g. a Hugging Face transformers Llama) for opforge modules.
+"""Patch an existing model (a Hugging Face transformers Llama, Mistral, Qwen2 or Qwen3) to run on opforge ops.
 
-``opforge.patch.apply(model)`` walks ``model`` and replaces, in place:
+``opforge.patch.apply(model)`` changes ``model`` in place and returns a :class:`PatchReport`;
+``opforge.patch.revert(model)`` undoes it. Two levels:
 
-* every gated MLP (a module with ``gate_proj``, ``up_proj``, ``down_proj`` linears and a SiLU ``act_fn``,
-  as transformers' ``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``) by :class:`opforge.nn.GatedMLP`
-  (fused :func:`opforge.functional.swiglu`);
-* every Llama-style RMSNorm (a module with a 1-D ``weight`` and a float ``variance_epsilon``, computing
-  x / sqrt(mean(x²) + eps) · weight, as ``LlamaRMSNorm``) by :class:`opforge.nn.RMSNorm`;
-* every plain :class:`torch.nn.Linear` (exact type, so quantized or LoRA subclasses are left alone) by
-  :class:`opforge.nn.Linear`.
+**Decoder layers of the Llama family** (a layer with ``self_attn`` (q/k/v/o_proj, optional per-head
+q_norm/k_norm), a SiLU-gated ``mlp`` and Llama-style ``input_layernorm``/``post_attention_layernorm``):
+the layer, its attention and its MLP get an opforge ``forward`` (their class is swapped for a subclass,
+so ``isinstance`` checks still hold; signature, keyword arguments, return type and KV-cache handling are
+transformers'):
 
-The new modules hold the *same* ``Parameter`` objects (no copy: tied weights stay tied, an optimizer
-built before patching keeps working, ``state_dict`` keys are unchanged) and the old modules' hooks.
-Before a norm or an MLP is swapped, both versions run on a small random input and must agree; a module
-whose math differs (e.g. Gemma's x·(1 + weight) RMSNorm, a GELU MLP) is left as it is and reported.
+* input norm: :func:`opforge.rms_norm`; the residual add after attention and the post-attention norm:
+  one :func:`opforge.fused_add_rms_norm`;
+* q/k/v projections as **one GEMM** and gate/up as **one GEMM**: the three (two) weights are concatenated
+  once, at patch time, into one ``Parameter`` (``self_attn.qkv_proj.weight``, ``mlp.gate_up_proj.weight``);
+  q/k/v (gate/up) are then column views of the GEMM's output, never copied;
+* RoPE: :func:`opforge.rope` on the q/k views of the fused projection (transformers' rotate-half math
+  as a fallback while the op is not built);
+* SwiGLU: :func:`opforge.swiglu` on the gate/up views.
 
-Returns a :class:`PatchReport` naming what was patched and what was not (and why).
+**The loss** of a ``*ForCausalLM`` whose ``loss_function`` is transformers' ``ForCausalLMLoss``: with
+``labels``, the loss is :func:`opforge.linear_cross_entropy` of the final hidden states and
+``lm_head.weight`` (labels shifted by one, ``ignore_index`` −100, ``shift_labels`` and
+``num_items_in_batch`` as transformers), so the (tokens × vocab) logits are never materialised, and
+**``outputs.logits`` is None**. Without ``labels`` (inference, ``generate()``) the forward is transformers'
+own and ``outputs.logits`` are the usual logits.
 
-Numerics: in float32 the patched model matches the original to rounding. In bfloat16/float16,
-opforge's RMSNorm multiplies by the weight before rounding to the input dtype (transformers rounds
-first), so outputs differ by about one ulp of that dtype.
+**The final norm** (with the decoder layers patched and ``inductor_math=True``): a Llama-style RMSNorm outside
+the layers keeps its module and gets a forward that is :func:`opforge.rms_norm` in eager and torch math
+under compile (so Inductor fuses the last residual add into it).
+
+**Everything else** (any model): Llama-style RMSNorms, SiLU-gated MLPs and plain ``torch.nn.Linear``
+modules outside the patched layers are swapped for :class:`opforge.nn.RMSNorm`,
+:class:`opforge.nn.GatedMLP` and :class:`opforge.nn.Linear` holding the same ``Parameter`` objects; a
+module whose math differs (Gemma's x·(1 + weight) norm, a GELU MLP, GPT-2's Conv1D) is left alone and
+reported.
+
+Parameters, state_dict, optimizer (the trade-off of the fused projections): ``model.state_dict()`` has
+exactly transformers' keys (``...self_attn.q_proj.weight`` etc.; a state-dict hook splits the fused
+weights, as contiguous copies so that safetensors/``save_pretrained`` see no shared storage) and
+``load_state_dict``/``from``-checkpoint loading accept transformers' keys (a load pre-hook concatenates
+them). ``model.parameters()``/``named_parameters()`` show the fused ``qkv_proj.weight`` and
+``gate_up_proj.weight`` instead of the separate ones, so **build the optimizer after patching**; its
+state is per fused parameter (Adam's moments of q, k and v are rows of one tensor). ``q_proj`` etc. stay
+reachable as parameter-less modules whose ``weight`` is a view of the fused one (reads and in-place
+writes go to it). Tied weights (``lm_head`` and ``embed_tokens``) are untouched. ``revert`` puts back the
+original ``torch.nn.Linear`` modules, with their original ``Parameter`` objects holding the current values.
+
+torch.compile: with ``inductor_math=True`` (default) the norms, SwiGLU and the projections run as torch
+math while Dynamo traces, so Inductor fuses them with their neighbours (an opaque custom op would split
+those fusions); the fused projections, RoPE and the fused loss stay. Nothing in the patched forwards
+breaks a graph (``torch.compile(layer, fullgraph=True)`` works per decoder layer).
+
+Numerics: in float32 the patched model matches the original to rounding. In bfloat16/float16, opforge's
+RMSNorm multiplies by the weight before rounding to the input dtype (transformers rounds first), the
+fused residual add+norm normalises the fp32 sum before rounding it, and the loss accumulates in fp32
+without rounding the logits to bf16 first: outputs differ by about one ulp of that dtype per layer.
 """
 from __future__ import annotations
 
+import inspect
+import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as TF
 
+from . import functional as OF
 from . import nn as onn
 
-__all__ = ["PatchReport", "apply"]
+__all__ = ["PatchReport", "apply", "revert", "is_patched"]
 
 
 @dataclass
@@ -39,13 +78,15 @@ class PatchReport:
     """What :func:`apply` did.
 
     Attributes:
-        patched: (qualified name, old class name, new class name) for each module swapped.
+        patched: (qualified name, old class name, new class name / what) for each module patched.
         skipped: (qualified name, class name, reason) for each module that looked patchable, or that opforge
             has no op for (LayerNorm, GPT-2's Conv1D, non-SiLU MLPs, unrecognised norms), left unchanged.
+        notes: free-text remarks (e.g. an op not built in this library, so a fallback is used).
     """
 
     patched: List[Tuple[str, str, str]] = field(default_factory=list)
     skipped: List[Tuple[str, str, str]] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -66,6 +107,8 @@ class PatchReport:
             lines.append(f"  patched {n:4d} x {key}")
         for name, cls, reason in self.skipped:
             lines.append(f"  not patched: {name or '<root>'} ({cls}): {reason}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
         return "\n".join(lines)
 
 
@@ -150,40 +193,533 @@ def _looks_rms_norm(m: torch.nn.Module) -> bool:
     return type(m).__name__.endswith("RMSNorm") or isinstance(m, torch.nn.RMSNorm)
 
 
-def _set(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
 
 
-def apply(model: torch.nn.Module, *, linear: bool = True, rms_norm: bool = True, mlp: bool = True,
-          strict: bool = False, verbose: bool = False) -> PatchReport:
-    """Replace ``model``'s RMSNorm, gated-MLP and Linear modules by opforge's, in place, keeping weights.
 
-    Args:
-        model: a torch.nn.Module, typically a transformers ``LlamaForCausalLM`` (or Mistral, Qwen2, ...).
-        linear: patch plain torch.nn.Linear modules. Default: True.
-        rms_norm: patch Llama-style RMSNorm modules. Default: True.
-        mlp: patch SiLU-gated MLPs (gate_proj/up_proj/down_proj + act_fn). Default: True.
-        strict: raise instead of warning when some module could not be patched. Default: False.
-        verbose: print the report. Default: False.
 
-    Returns:
-        :class:`PatchReport`: the patched modules and those left unchanged, with the reason.
+# ---------------------------------------------------------------------------------------------------------
+# Ops used by the patched forwards. Where an op is not in this build (rope, linear_cross_entropy arrive from
+# their own branches), the patched forward uses transformers' math instead, and the report says so.
 
-    Raises:
-        TypeError: model is not a torch.nn.Module.
-        ValueError: strict=True and some module could not be patched, or nothing at all was patchable.
+def _op(name: str):
+    return getattr(OF, name, None) if hasattr(torch.ops.opforge, name) else None
 
-    Warns:
-        UserWarning: (strict=False) naming the modules that could not be patched.
+
+_ROPE = _op("rope")
+_LCE = _op("linear_cross_entropy")
+
+
+def _torch_math(m: torch.nn.Module) -> bool:
+    """True while Dynamo traces a module patched with inductor_math=True: use torch math Inductor can fuse."""
+    return m.__dict__.get("_opforge_inductor_math", False) and torch.compiler.is_compiling()
+
+
+def _eps(norm: torch.nn.Module) -> float:
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(norm.eps if eps is None else eps)
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: weight · (x_fp32 · rsqrt(mean(x²) + eps)).to(x.dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _norm(owner: torch.nn.Module, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if _torch_math(owner):
+        return _hf_rms_norm(x, norm.weight, _eps(norm))
+    return OF.rms_norm(x, (x.shape[-1],), norm.weight, _eps(norm))
+
+
+def _add_norm(owner: torch.nn.Module, norm: torch.nn.Module, x: torch.Tensor,
+              residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x), residual + x)."""
+    if _torch_math(owner):
+        r = residual + x
+        return _hf_rms_norm(r, norm.weight, _eps(norm)), r
+    return OF.fused_add_rms_norm(x, residual, (x.shape[-1],), norm.weight, _eps(norm))
+
+
+def _proj(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+    if _torch_math(owner):
+        return TF.linear(x, lin.weight, lin.bias)
+    return OF.linear(x, lin.weight, lin.bias)
+
+
+def _swiglu(owner: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if _torch_math(owner):
+        return TF.silu(gate) * up
+    return OF.swiglu(gate, up)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (rotate-half) of q (B, Hq, S, D) and k (B, Hk, S, D) with transformers' cos/sin (B, S, R)."""
+    rotary_dim = cos.shape[-1]
+    if _ROPE is not None:
+        return _ROPE(q, k, cos, sin, rotary_dim=None if rotary_dim == q.shape[-1] else rotary_dim)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+                          reduction: str, ignore_index: int) -> torch.Tensor:
+    if _LCE is not None:
+        return _LCE(h, weight, target, linear_bias=bias, reduction=reduction, ignore_index=ignore_index).float()
+    logits = TF.linear(h, weight, bias).float()  # fallback (op not built): transformers' materialised fp32 logits
+    return TF.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fused projections.
+
+class FusedProjectionSlice(torch.nn.Module):
+    """Rows [start, stop) of a fused projection, standing where ``q_proj`` (``k_proj``, ...) was.
+
+    Holds no parameter: ``weight``/``bias`` are views of the fused :class:`torch.nn.Linear`'s (reads and
+    in-place writes reach it); calling it computes y = x · weightᵀ + bias for this slice alone. The patched
+    forwards never call it: they run the fused GEMM once and take column views of its output.
+
+    Shape: (*, in_features) -> (*, out_features).
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"opforge.patch.apply: expected a torch.nn.Module, but got {type(model).__name__}")
-    report = PatchReport()
-    done: set = set()  # names whose subtree is already handled
+
+    def __init__(self, fused: torch.nn.Linear, start: int, stop: int):
+        super().__init__()
+        object.__setattr__(self, "_fused", fused)  # not a submodule: its parameters belong to the fused module
+        self.start, self.stop = int(start), int(stop)
+        self.in_features, self.out_features = fused.in_features, self.stop - self.start
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._fused.weight[self.start:self.stop]
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        b = self._fused.bias
+        return None if b is None else b[self.start:self.stop]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return TF.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows=[{self.start}, {self.stop}) of the fused projection"
+
+
+def _split_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook: the fused weights come out under transformers' keys, in transformers' order."""
+    mine = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+    for fused_name, parts in module._opforge_fused.items():
+        for p in ("weight", "bias"):
+            t = mine.pop(f"{prefix}{fused_name}.{p}", None)
+            if t is None:
+                continue
+            for name, a, b in parts:  # contiguous copies: save_pretrained/safetensors refuse shared storage
+                mine[f"{prefix}{name}.{p}"] = t[a:b].clone()
+    for k in module._opforge_key_order:
+        if prefix + k in mine:
+            state_dict[prefix + k] = mine.pop(prefix + k)
+    state_dict.update(mine)
+
+
+def _join_load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                        error_msgs) -> None:
+    """load_state_dict pre-hook: transformers' q/k/v (gate/up) keys are concatenated into the fused key."""
+    for fused_name, parts in module._opforge_fused.items():
+        fused = module._modules[fused_name]
+        for p in ("weight", "bias"):
+            names = [f"{prefix}{n}.{p}" for n, _, _ in parts]
+            cur = getattr(fused, p)
+            if cur is None or not any(n in state_dict for n in names):
+                continue
+            pieces = []
+            for n, (_, a, b) in zip(names, parts):
+                if n in state_dict:
+                    pieces.append(state_dict.pop(n).to(cur.device))
+                else:
+                    missing_keys.append(n)
+                    pieces.append(cur.detach()[a:b])
+            state_dict[f"{prefix}{fused_name}.{p}"] = torch.cat(pieces, 0)
+
+
+def _register_sd_hooks(module: torch.nn.Module) -> list:
+    post = getattr(module, "register_state_dict_post_hook", None)
+    h1 = post(_split_state_dict_hook) if post is not None else module._register_state_dict_hook(_split_state_dict_hook)
+    pre = getattr(module, "register_load_state_dict_pre_hook", None)
+    h2 = pre(_join_load_pre_hook) if pre is not None else \
+        module._register_load_state_dict_pre_hook(_join_load_pre_hook, with_module=True)
+    return [h1, h2]
+
+
+def _fuse(module: torch.nn.Module, names: List[str], fused_name: str) -> List[int]:
+    """Concatenate module.<names> (plain torch.nn.Linear, same input) into one Linear module.<fused_name>;
+    the originals are kept aside (storage freed) for revert, FusedProjectionSlice views stand in their place."""
+    lins = [module._modules[n] for n in names]
+    w0 = lins[0].weight
+    with torch.no_grad():
+        w = torch.cat([l.weight.detach() for l in lins], 0)
+        b = torch.cat([l.bias.detach() for l in lins], 0) if lins[0].bias is not None else None
+    fused = torch.nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    fused.weight = torch.nn.Parameter(w, requires_grad=w0.requires_grad)
+    if b is not None:
+        fused.bias = torch.nn.Parameter(b, requires_grad=lins[0].bias.requires_grad)
+    if "_opforge_key_order" not in module.__dict__:
+        module._opforge_key_order = [k for k in module.state_dict(keep_vars=True)]
+        module._opforge_fused = {}
+        module._opforge_stash = {}
+    parts, sizes, off = [], [], 0
+    for n, l in zip(names, lins):
+        parts.append((n, off, off + l.out_features))
+        module._modules[n] = FusedProjectionSlice(fused, off, off + l.out_features)  # same position
+        module._opforge_stash[n] = l
+        for p in l.parameters(recurse=False):  # free the original storage; revert refills it
+            p.data = p.data.new_empty(0)
+        sizes.append(l.out_features)
+        off += l.out_features
+    module.add_module(fused_name, fused)
+    module._opforge_fused[fused_name] = parts
+    return sizes
+
+
+def _unfuse(module: torch.nn.Module) -> None:
+    for fused_name, parts in module.__dict__.get("_opforge_fused", {}).items():
+        fused = module._modules.pop(fused_name)
+        for n, a, b in parts:
+            lin = module._opforge_stash[n]
+            with torch.no_grad():
+                lin.weight.data = fused.weight.detach()[a:b].clone()
+                if lin.bias is not None:
+                    lin.bias.data = fused.bias.detach()[a:b].clone()
+            lin.weight.requires_grad_(fused.weight.requires_grad)
+            module._modules[n] = lin
+    for h in module.__dict__.get("_opforge_hooks", []):
+        h.remove()
+    for attr in ("_opforge_fused", "_opforge_stash", "_opforge_key_order", "_opforge_hooks"):
+        module.__dict__.pop(attr, None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Patched forwards. Each is the forward of a subclass of the transformers class (built once per class), so
+# isinstance checks, class attributes and decorators of __init__ stay transformers'.
+
+def _bind(m: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """Positional arguments after the first mapped to the original forward's parameter names."""
+    if args:
+        kwargs.update(zip(m._opforge_arg_names, args))
+    return kwargs
+
+
+def _decoder_layer_forward(self, hidden_states, *args, **kwargs):
+    """transformers' pre-norm decoder layer with the post-attention residual add and norm fused:
+    h = rms_norm(x); a = attn(h); (h, r) = fused_add_rms_norm(a, x); return r + mlp(h)."""
+    kwargs = _bind(self, args, kwargs)
+    h = _norm(self, self.input_layernorm, hidden_states)
+    attn_out = self.self_attn(hidden_states=h, **kwargs)[0]
+    h, residual = _add_norm(self, self.post_attention_layernorm, attn_out, hidden_states)
+    return residual + self.mlp(h)
+
+
+def _attention_forward(self, hidden_states, *args, **kwargs):
+    """transformers' Llama-family attention with q/k/v as column views of one fused GEMM, RoPE by opforge."""
+    kwargs = _bind(self, args, kwargs)
+    position_embeddings = kwargs.pop("position_embeddings", None)
+    attention_mask = kwargs.pop("attention_mask", None)
+    cache = kwargs.pop("cache", None)
+    past = kwargs.pop("past_key_values", None)
+    if cache is None:
+        cache = past
+    input_shape = hidden_states.shape[:-1]
+    hd = self.head_dim
+    qkv = _proj(self, hidden_states, self.qkv_proj)
+    q, k, v = qkv.split(self._opforge_sizes, dim=-1)
+    q = q.view(*input_shape, -1, hd)
+    k = k.view(*input_shape, -1, hd)
+    v = v.view(*input_shape, -1, hd)
+    if self._opforge_qk_norm:
+        q = _norm(self, self.q_norm, q)
+        k = _norm(self, self.k_norm, k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = _rope(q, k, cos, sin)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    attention_interface = self._opforge_attention_functions.get_interface(
+        self.config._attn_implementation, self._opforge_eager_attention)
+    if self._opforge_sliding == "attr":
+        kwargs["sliding_window"] = self.sliding_window
+    elif self._opforge_sliding == "config":
+        kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
+    attn_output, attn_weights = attention_interface(
+        self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling, **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
+
+
+def _mlp_forward(self, x):
+    """down_proj(swiglu(gate, up)) with gate/up as column views of one fused GEMM."""
+    gu = _proj(self, x, self.gate_up_proj)
+    gate, up = gu.split(self._opforge_sizes, dim=-1)
+    return self.down_proj(_swiglu(self, gate, up))
+
+
+def _causal_lm_forward(self, *args, **kwargs):
+    """transformers' *ForCausalLM forward; with labels, the loss by opforge.linear_cross_entropy and logits None."""
+    kwargs = _bind(self, args, kwargs)
+    labels = kwargs.get("labels")
+    keep = kwargs.get("logits_to_keep", 0)
+    if labels is None or not (isinstance(keep, int) and keep == 0):
+        return self._opforge_base.forward(self, **kwargs)
+    kwargs.pop("labels")
+    kwargs.pop("logits_to_keep", None)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    outputs = getattr(self, self.base_model_prefix)(**kwargs)
+    hidden = outputs[0]
+    ignore_index = kwargs.get("ignore_index", -100)
+    shift_labels = kwargs.get("shift_labels")
+    if shift_labels is None:
+        shift_labels = TF.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    n_items = kwargs.get("num_items_in_batch")
+    head = self.get_output_embeddings()
+    loss = _linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
+                                 shift_labels.reshape(-1).to(hidden.device), head.bias,
+                                 "mean" if n_items is None else "sum", ignore_index)
+    if n_items is not None:
+        loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
+    fields = {"loss": loss, "logits": None}
+    for f in self._opforge_output_fields:
+        if f not in fields and f in outputs:
+            fields[f] = outputs[f]
+    out = self._opforge_output_cls(**fields)
+    return out if return_dict else out.to_tuple()
+
+
+def _rms_norm_forward(self, hidden_states):
+    """transformers' Llama-style RMSNorm by opforge.rms_norm (torch math while Dynamo traces, inductor_math)."""
+    return _norm(self, self, hidden_states)
+
+
+_SUBCLASSES: Dict[Tuple[type, str], type] = {}
+_FORWARDS = {"decoder": _decoder_layer_forward, "attention": _attention_forward, "mlp": _mlp_forward,
+             "causal_lm": _causal_lm_forward, "norm": _rms_norm_forward}
+
+
+def _subclass(cls: type, kind: str) -> type:
+    key = (cls, kind)
+    if key not in _SUBCLASSES:
+        base_forward = inspect.unwrap(cls.forward)
+        names = [p.name for p in list(inspect.signature(base_forward).parameters.values())[1 + (kind != "causal_lm"):]
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        ns = {"forward": _FORWARDS[kind], "_opforge_base": cls, "_opforge_kind": kind,
+              "_opforge_arg_names": tuple(names), "__module__": __name__, "__doc__": cls.__doc__}
+        _SUBCLASSES[key] = type(f"Opforge{cls.__name__}", (cls,), ns)
+    return _SUBCLASSES[key]
+
+
+def _swap_class(m: torch.nn.Module, kind: str, inductor_math: bool) -> None:
+    m.__class__ = _subclass(type(m), kind)
+    m._opforge_inductor_math = bool(inductor_math)
+
+
+def _restore_class(m: torch.nn.Module) -> None:
+    base = type(m).__dict__.get("_opforge_base")
+    if base is not None:
+        m.__class__ = base
+    for attr in [a for a in m.__dict__ if a.startswith("_opforge_")]:
+        del m.__dict__[attr]
+
+
+def _is_patched_class(m: torch.nn.Module) -> bool:
+    return "_opforge_base" in type(m).__dict__
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Recognising a Llama-family decoder layer.
+
+_ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+
+
+def _norm_reason(norm, size: int) -> Optional[str]:
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.nn.Parameter) or tuple(w.shape) != (size,) or list(norm.children()) \
+            or len(list(norm.parameters(recurse=False))) != 1:
+        return f"{type(norm).__name__} is not a Llama-style RMSNorm over ({size},)"
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(eps, (float, int)):
+        return f"{type(norm).__name__} has no float variance_epsilon"
+    return _agree(norm, _rms_norm_like(norm, w, eps), size)
+
+
+def _rms_norm_like(norm, w, eps) -> onn.RMSNorm:
+    new = onn.RMSNorm(tuple(w.shape), eps=float(eps), device="meta")
+    new.weight = w
+    return new
+
+
+def _plain_linears(m: torch.nn.Module, names) -> Optional[str]:
+    for n in names:
+        lin = m._modules.get(n)
+        if type(lin) is not torch.nn.Linear:
+            return f"{n} is {type(lin).__name__}, not a plain torch.nn.Linear (LoRA/quantized layers are left alone)"
+        if lin._forward_hooks or lin._forward_pre_hooks:
+            return f"{n} has forward hooks"
+    return None
+
+
+def _decoder_layer_reason(model_counts: Dict[int, int], layer: torch.nn.Module) -> Optional[str]:
+    """None if ``layer`` is a Llama-family decoder layer this patch reproduces exactly, else why not."""
+    if set(layer._modules) != _LAYER_CHILDREN:
+        return f"submodules {sorted(layer._modules)} are not the Llama family's {sorted(_LAYER_CHILDREN)}"
+    ann = inspect.signature(type(layer).forward).return_annotation
+    if ann not in (torch.Tensor, "torch.Tensor"):
+        return f"forward returns {ann!r}, not a tensor (a transformers version this patch does not know)"
+    attn, mlp = layer.self_attn, layer.mlp
+    if not set(attn._modules) <= _ATTN_CHILDREN or not {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(attn._modules):
+        return f"attention submodules {sorted(attn._modules)} are not q/k/v/o_proj (+ q_norm/k_norm)"
+    for a in ("head_dim", "layer_idx", "scaling", "config", "attention_dropout"):
+        if not hasattr(attn, a):
+            return f"attention has no {a}"
+    mod = sys.modules.get(type(attn).__module__)
+    if not hasattr(mod, "ALL_ATTENTION_FUNCTIONS") or not hasattr(mod, "eager_attention_forward") \
+            or not hasattr(mod, "apply_rotary_pos_emb"):
+        return "its module has no ALL_ATTENTION_FUNCTIONS/eager_attention_forward/apply_rotary_pos_emb"
+    reason = _plain_linears(attn, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    if reason:
+        return reason
+    if set(mlp._modules) != {"gate_proj", "up_proj", "down_proj", "act_fn"} or not _is_silu(mlp.act_fn):
+        return "MLP is not gate_proj/up_proj/down_proj with a SiLU act_fn"
+    reason = _plain_linears(mlp, ("gate_proj", "up_proj", "down_proj"))
+    if reason:
+        return reason
+    D = attn.q_proj.in_features
+    for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        ps = [p for lin in group for p in lin.parameters()]
+        if any(model_counts.get(id(p), 0) != 1 for p in ps):
+            return "a projection weight is shared with another module (tied): left unfused"
+        if len({(p.dtype, p.device, p.requires_grad) for p in ps}) != 1 or len({lin.bias is None for lin in group}) != 1:
+            return "projections to fuse differ in dtype, device, requires_grad or bias"
+        if any(p.device.type == "meta" for p in ps):
+            return "parameters on the meta device (patch after loading the weights)"
+        if any(lin.in_features != D for lin in group):
+            return "projections to fuse have different input sizes"
+    hd = attn.head_dim
+    if attn.q_proj.out_features % hd or attn.k_proj.out_features % hd or attn.k_proj.out_features != attn.v_proj.out_features:
+        return "q/k/v sizes are not multiples of head_dim"
+    for nm in ("input_layernorm", "post_attention_layernorm"):
+        reason = _norm_reason(getattr(layer, nm), D)
+        if reason:
+            return f"{nm}: {reason}"
+    if ("q_norm" in attn._modules) != ("k_norm" in attn._modules):
+        return "q_norm without k_norm"
+    if "q_norm" in attn._modules:
+        for nm in ("q_norm", "k_norm"):
+            reason = _norm_reason(getattr(attn, nm), hd)
+            if reason:
+                return f"self_attn.{nm}: {reason}"
+    return None
+
+
+def _patch_decoder_layer(layer: torch.nn.Module, inductor_math: bool) -> None:
+    attn, mlp = layer.self_attn, layer.mlp
+    mod = sys.modules[type(attn).__module__]
+    src = inspect.getsource(type(attn).forward) if hasattr(type(attn), "forward") else ""
+    sliding = "attr" if hasattr(attn, "sliding_window") else ("config" if "sliding_window" in src else None)
+    attn_sizes = _fuse(attn, ["q_proj", "k_proj", "v_proj"], "qkv_proj")
+    mlp_sizes = _fuse(mlp, ["gate_proj", "up_proj"], "gate_up_proj")
+    attn._opforge_hooks = _register_sd_hooks(attn)
+    mlp._opforge_hooks = _register_sd_hooks(mlp)
+    _swap_class(layer, "decoder", inductor_math)
+    _swap_class(attn, "attention", inductor_math)
+    _swap_class(mlp, "mlp", inductor_math)
+    attn._opforge_sizes = attn_sizes
+    attn._opforge_qk_norm = "q_norm" in attn._modules
+    attn._opforge_sliding = sliding
+    attn._opforge_attention_functions = mod.ALL_ATTENTION_FUNCTIONS
+    attn._opforge_eager_attention = mod.eager_attention_forward
+    mlp._opforge_sizes = mlp_sizes
+
+
+def _causal_lm_reason(m: torch.nn.Module) -> Optional[str]:
+    if not type(m).__name__.endswith("ForCausalLM"):
+        return "not a *ForCausalLM"
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return "transformers.loss.loss_utils.ForCausalLMLoss not found"
+    fn = getattr(m, "loss_function", None)
+    if fn is None or inspect.unwrap(fn) is not ForCausalLMLoss:
+        return "its loss_function is not transformers' ForCausalLMLoss"
+    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return "its output embedding is not a Linear"
+    cfg = getattr(m, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return "its logits are soft-capped or scaled"
+    src = inspect.getsource(inspect.unwrap(type(m).forward))
+    if "self.lm_head(hidden_states" not in src or "loss_function(" not in src:
+        return "its forward is not logits = lm_head(hidden_states); loss_function(logits, labels, ...)"
+    mod = sys.modules.get(type(m).__module__)
+    if not hasattr(mod, "CausalLMOutputWithPast"):
+        return "its module has no CausalLMOutputWithPast"
+    return None
+
+
+def _patch_causal_lm(m: torch.nn.Module, inductor_math: bool) -> None:
+    import dataclasses
+
+    out_cls = sys.modules[type(m).__module__].CausalLMOutputWithPast
+    _swap_class(m, "causal_lm", inductor_math)
+    m._opforge_output_cls = out_cls
+    m._opforge_output_fields = tuple(f.name for f in dataclasses.fields(out_cls))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The probe: the patched model must give the unpatched model's logits on a few random tokens.
+
+def _probe_logits(model: torch.nn.Module) -> Optional[torch.Tensor]:
+    cfg = getattr(model, "config", None)
+    vocab = getattr(cfg, "vocab_size", None)
+    p = next(model.parameters(), None)
+    if not isinstance(vocab, int) or p is None or p.device.type == "meta" or not type(model).__name__.endswith("ForCausalLM"):
+        return None
+    g = torch.Generator(device="cpu").manual_seed(4321)
+    ids = torch.randint(0, vocab, (2, 7), generator=g).to(p.device)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=False)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return logits.float()
+    finally:
+        for m, t in modes:
+            m.training = t
+
+
+def _set(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    """Replace submodule ``name`` by ``new``, remembering the old module on its parent for revert."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    swapped = parent.__dict__.setdefault("_opforge_swapped", {})
+    swapped.setdefault(child, parent._modules[child])
+    parent._modules[child] = new
+
+
+def _apply_modules(model: torch.nn.Module, report: PatchReport, done: set, *, linear: bool, rms_norm: bool,
+                   mlp: bool) -> None:
+    """Module-by-module swaps (RMSNorm, gated MLP, Linear) for everything outside the patched decoder layers."""
     for name, m in list(model.named_modules()):
-        if any(name.startswith(d + ".") for d in done):
+        if name in done or any(name.startswith(d + ".") for d in done) or _is_patched_class(m):
             continue
         cls = type(m).__name__
         if isinstance(m, (onn.Linear, onn.RMSNorm, onn.GatedMLP, onn.FusedAddRMSNorm)):
@@ -271,6 +807,115 @@ def apply(model: torch.nn.Module, *, linear: bool = True, rms_norm: bool = True,
         if cls.endswith("MLP") and any(isinstance(c, torch.nn.Module) for c in m.children()) and not _looks_gated_mlp(m):
             report.skipped.append((name, cls, "not a gated MLP (expected gate_proj, up_proj, down_proj and a SiLU act_fn)"))
             continue
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """True when :func:`apply` changed ``model`` (or one of its submodules) and :func:`revert` has not undone it."""
+    return any(_is_patched_class(m) or "_opforge_swapped" in m.__dict__ for m in model.modules())
+
+
+def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, inductor_math: bool = True,
+          linear: bool = True, rms_norm: bool = True, mlp: bool = True, check: bool = True, strict: bool = False,
+          verbose: bool = False) -> PatchReport:
+    """Patch ``model`` in place to run on opforge ops (see the module docstring); :func:`revert` undoes it.
+
+    Args:
+        model: a torch.nn.Module, typically a transformers ``LlamaForCausalLM`` (Mistral, Qwen2, Qwen3 ...),
+            with its weights loaded (patch after ``from_pretrained``, before building the optimizer and
+            before wrapping in DDP/FSDP or compiling).
+        decoder: patch Llama-family decoder layers (fused add+norm, fused q/k/v and gate/up GEMMs, RoPE,
+            SwiGLU). Default: True.
+        loss: with ``labels``, compute a ``*ForCausalLM``'s loss by opforge.linear_cross_entropy (logits not
+            materialised; ``outputs.logits`` is None). Default: True.
+        inductor_math: while torch.compile traces, run the norms, SwiGLU and projections of the patched
+            layers as torch math, so Inductor fuses them. Default: True.
+        linear: swap the remaining plain torch.nn.Linear modules for opforge.nn.Linear. Default: True.
+        rms_norm: swap the remaining Llama-style RMSNorm modules for opforge.nn.RMSNorm. Default: True.
+        mlp: swap the remaining SiLU-gated MLPs for opforge.nn.GatedMLP. Default: True.
+        check: for a ``*ForCausalLM`` with real weights, run a forward on 2×7 random tokens before and after
+            patching (eval mode, no grad); if the logits differ by more than 1e-4 (float32/64) or 5e-2
+            (16-bit) of their largest magnitude, undo everything and report why. Default: True.
+        strict: raise instead of warning when some module could not be patched. Default: False.
+        verbose: print the report. Default: False.
+
+    Returns:
+        :class:`PatchReport`: the patched modules and those left unchanged, with the reason.
+
+    Raises:
+        TypeError: model is not a torch.nn.Module.
+        ValueError: strict=True and some module could not be patched, or nothing at all was patchable.
+        RuntimeError: strict=True and the check found different logits (the model is reverted first).
+
+    Warns:
+        UserWarning: (strict=False) naming the modules that could not be patched.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"opforge.patch.apply: expected a torch.nn.Module, but got {type(model).__name__}")
+    report = PatchReport()
+    done: set = set()
+    before = _probe_logits(model) if check and not is_patched(model) else None
+    counts: Dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    for name, m in list(model.named_modules()):
+        if any(name.startswith(d + ".") for d in done):
+            continue
+        if _is_patched_class(m):
+            done.add(name)
+            continue
+        cls = type(m).__name__
+        if decoder and "self_attn" in m._modules and "mlp" in m._modules:
+            reason = _decoder_layer_reason(counts, m)
+            if reason:
+                report.skipped.append((name, cls, f"decoder layer left as transformers wrote it: {reason}"))
+                continue
+            _patch_decoder_layer(m, inductor_math)
+            report.patched.append((name, cls, "opforge decoder layer (rms_norm, fused_add_rms_norm)"))
+            report.patched.append((f"{name}.self_attn", type(m.self_attn).__mro__[1].__name__,
+                                   "opforge attention (fused q/k/v GEMM, rope)"))
+            report.patched.append((f"{name}.mlp", type(m.mlp).__mro__[1].__name__, "opforge MLP (fused gate/up GEMM, swiglu)"))
+            done.add(name)
+    if loss:
+        for name, m in list(model.named_modules()):
+            if type(m).__name__.endswith("ForCausalLM") and not _is_patched_class(m):
+                reason = _causal_lm_reason(m)
+                if reason:
+                    report.skipped.append((name, type(m).__name__, f"loss left as transformers computes it: {reason}"))
+                    continue
+                _patch_causal_lm(m, inductor_math)
+                report.patched.append((name, type(m).__mro__[1].__name__,
+                                       "opforge loss (linear_cross_entropy; logits None when labels are given)"))
+    if decoder and inductor_math and rms_norm and done:
+        # Norms outside the layers (the final norm): under compile Inductor must fuse the last residual add into
+        # it, so the HF module keeps its place and gets a forward that is opforge.rms_norm in eager, torch under compile.
+        for name, m in list(model.named_modules()):
+            if any(name == d or name.startswith(d + ".") for d in done) or _is_patched_class(m) or not name:
+                continue
+            if _looks_rms_norm(m) and not isinstance(m, torch.nn.RMSNorm) and hasattr(m, "variance_epsilon") \
+                    and not list(m.children()) and isinstance(getattr(m, "weight", None), torch.nn.Parameter) \
+                    and m.weight.dim() == 1 and not _norm_reason(m, m.weight.shape[0]):
+                _swap_class(m, "norm", inductor_math)
+                report.patched.append((name, type(m).__mro__[1].__name__, "opforge RMSNorm (rms_norm; torch math under compile)"))
+                done.add(name)
+    if any(k == "opforge decoder layer (rms_norm, fused_add_rms_norm)" for _, _, k in report.patched) and _ROPE is None:
+        report.notes.append("opforge.rope is not in this build: RoPE runs transformers' rotate-half math")
+    if any(k.startswith("opforge loss") for _, _, k in report.patched) and _LCE is None:
+        report.notes.append("opforge.linear_cross_entropy is not in this build: the loss materialises fp32 logits")
+    _apply_modules(model, report, done, linear=linear, rms_norm=rms_norm, mlp=mlp)
+    if before is not None and report.patched:
+        after = _probe_logits(model)
+        scale = max(before.abs().max().item(), 1e-6)
+        err = (after - before).abs().max().item() / scale
+        dtype = next(model.parameters()).dtype
+        tol = 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
+        if not err <= tol:
+            revert(model)
+            msg = (f"opforge.patch.apply: the patched {type(model).__name__} gives different logits (max difference "
+                   f"{err:.2e} of the largest logit > {tol:g}); the model was left unpatched")
+            if strict:
+                raise RuntimeError(msg)
+            warnings.warn(msg, stacklevel=2)
+            return PatchReport(skipped=[("", type(model).__name__, msg)])
     if verbose:
         print(report)
     if not report.patched:
@@ -284,3 +929,37 @@ def apply(model: torch.nn.Module, *, linear: bool = True, rms_norm: bool = True,
         warnings.warn(f"opforge.patch.apply: could not patch {len(report.skipped)} module(s) of {type(model).__name__}:\n"
                       + "\n".join(f"  {n or '<root>'} ({c}): {r}" for n, c, r in report.skipped), stacklevel=2)
     return report
+
+
+def revert(model: torch.nn.Module) -> int:
+    """Undo :func:`apply` on ``model``, in place: transformers' classes and forwards come back, the fused
+    projections are split back into the original ``torch.nn.Linear`` modules (their original ``Parameter``
+    objects, holding the current values), swapped modules are put back holding the current parameters.
+
+    Build a new optimizer afterwards (the fused parameters are gone).
+
+    Returns:
+        int: the number of modules restored (0 when ``model`` was not patched).
+
+    Raises:
+        TypeError: model is not a torch.nn.Module.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"opforge.patch.revert: expected a torch.nn.Module, but got {type(model).__name__}")
+    n = 0
+    for m in list(model.modules()):
+        swapped = m.__dict__.pop("_opforge_swapped", None)
+        for child, old in (swapped or {}).items():
+            new = m._modules[child]
+            for pname, p in new.named_parameters():  # the current Parameters (e.g. after .to()) go back
+                owner, _, leaf = pname.rpartition(".")
+                setattr(old.get_submodule(owner) if owner else old, leaf, p)
+            m._modules[child] = old
+            n += 1
+    for m in list(model.modules()):
+        if "_opforge_fused" in m.__dict__:
+            _unfuse(m)
+        if _is_patched_class(m) or any(a.startswith("_opforge_") for a in m.__dict__):
+            _restore_class(m)
+            n += 1
+    return n

@@ -1,6 +1,7 @@
-"""opforge.patch.apply on Hugging Face transformers models built from a config (nothing downloaded):
-a tiny Llama patched in place gives the unpatched model's logits and gradients (fp32), keeps its Parameter
-objects, and an unsupported model (GPT-2) reports what could not be patched."""
+"""opforge.patch.apply's module-by-module swaps on Hugging Face transformers models built from a config (nothing
+downloaded): with the decoder-layer and loss patches off, a tiny Llama patched in place gives the unpatched model's
+logits and gradients (fp32) and keeps its Parameter objects; revert puts transformers' modules back; an unsupported
+model (GPT-2) reports what could not be patched. The Llama-family decoder-layer patch is tested in test_hf_llama.py."""
 import copy
 
 import pytest
@@ -32,7 +33,7 @@ def test_llama_patched_matches_unpatched():
     ref = _llama()
     model = copy.deepcopy(ref)
     params_before = {n: p for n, p in model.named_parameters()}
-    report = patch.apply(model)
+    report = patch.apply(model, decoder=False, loss=False)
     assert report.ok, str(report)
     counts = report.counts()
     assert counts["LlamaMLP -> opforge.nn.GatedMLP"] == 2
@@ -56,6 +57,13 @@ def test_llama_patched_matches_unpatched():
     assert grads.keys() == grads_ref.keys() and len(grads) == len(params_before)
     for n in grads_ref:
         torch.testing.assert_close(grads[n], grads_ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+    # revert: transformers' modules again, holding the same Parameter objects
+    assert patch.revert(model) == len(report.patched)
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP" and type(model.lm_head) is torch.nn.Linear
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+    assert all(dict(model.named_parameters())[n] is p for n, p in params_before.items())
+    assert not patch.is_patched(model) and patch.revert(model) == 0
 
 
 def test_patching_twice_is_a_no_op():

@@ -6,13 +6,21 @@ either and the two train the same function from the same weights; only the kerne
 ====================  =======================================  =====================================
 piece                 backend="opforge"                        backend="torch"
 ====================  =======================================  =====================================
-q/k/v/o, lm_head      :class:`opforge.nn.Linear`               :class:`torch.nn.Linear`
+q/k/v projections     one GEMM (``qkv_proj``, opforge.linear)   one GEMM (``qkv_proj``, F.linear)
+o_proj, down_proj     :class:`opforge.nn.Linear`               :class:`torch.nn.Linear`
 norms                 :class:`opforge.nn.FusedAddRMSNorm`      ``x + residual``, :class:`torch.nn.RMSNorm`
                       (residual add and norm in one op)
-MLP                   :class:`opforge.nn.GatedMLP` (swiglu)    torch.nn.Linear ×3, ``F.silu(g) * u``
-attention, RoPE       ``F.scaled_dot_product_attention(is_causal=True)``, rotate-half RoPE (both)
+MLP                   one gate/up GEMM (``gate_up_proj``),     one gate/up GEMM, ``F.silu(g) * u``
+                      :func:`opforge.swiglu` on its views
+RoPE                  :func:`opforge.rope` on the q/k views    rotate-half RoPE (torch ops)
+                      (rotate-half torch ops if not built)
+loss                  :func:`opforge.linear_cross_entropy`     ``F.cross_entropy`` of fp32 logits
+                      (logits never materialised)
+attention             ``F.scaled_dot_product_attention(is_causal=True)`` (both)
 embedding             :class:`torch.nn.Embedding` (both)
 ====================  =======================================  =====================================
+
+q/k/v and gate/up are stored fused (one weight each) in both backends, so their state_dicts stay identical.
 
 Source: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"; Su et al. 2021,
 "RoFormer" (rotary position embedding); Hugging Face transformers' ``modeling_llama.py`` (module names).
@@ -27,7 +35,7 @@ import torch
 import torch.nn.functional as TF
 from torch import Tensor
 
-__all__ = ["LlamaConfig", "Llama", "BACKENDS"]
+__all__ = ["LlamaConfig", "Llama", "BACKENDS", "FusedGatedMLP"]
 
 BACKENDS = ("opforge", "torch")
 
@@ -136,16 +144,34 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def _rope_op():
+    """opforge.rope when this build has it, else None."""
+    if hasattr(torch.ops.opforge, "rope"):
+        from .. import functional as OF
+        return getattr(OF, "rope", None)
+    return None
+
+
+def _lce_op():
+    """opforge.linear_cross_entropy when this build has it, else None."""
+    if hasattr(torch.ops.opforge, "linear_cross_entropy"):
+        from .. import functional as OF
+        return getattr(OF, "linear_cross_entropy", None)
+    return None
+
+
 class Attention(torch.nn.Module):
     """Causal multi-head (or grouped-query) self-attention with RoPE.
 
-    y = o_proj(softmax(q·kᵀ/√H + causal mask)·v), q = RoPE(q_proj(x)), k = RoPE(k_proj(x)), v = v_proj(x);
-    the softmax product is ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` (flash or
+    y = o_proj(softmax(q·kᵀ/√H + causal mask)·v), [q, k, v] = qkv_proj(x) (one GEMM; q, k, v are column views
+    of its output), q and k rotated by RoPE (:func:`opforge.rope` with backend="opforge" when built); the softmax product is ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` (flash or
     memory-efficient kernels where the device has them).
 
     Args:
         config: the model's :class:`LlamaConfig`.
-        backend: "opforge" or "torch": which Linear the projections use.
+        backend: "opforge" or "torch": which Linear and RoPE the attention uses.
+
+    Parameters: ``qkv_proj.weight`` ((heads + 2·kv_heads)·H, D), ``o_proj.weight`` (D, heads·H).
 
     Shape: x (B, T, D), cos/sin (T, H) -> (B, T, D).
     """
@@ -155,17 +181,21 @@ class Attention(torch.nn.Module):
         kw = {"device": device, "dtype": dtype}
         D, hd = config.d_model, config.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
-        self.q_proj = _linear(backend, D, config.n_heads * hd, **kw)
-        self.k_proj = _linear(backend, D, config.n_kv_heads * hd, **kw)
-        self.v_proj = _linear(backend, D, config.n_kv_heads * hd, **kw)
+        self.backend = backend
+        self.sizes = (config.n_heads * hd, config.n_kv_heads * hd, config.n_kv_heads * hd)
+        self.qkv_proj = _linear(backend, D, sum(self.sizes), **kw)  # [q; k; v] rows: one GEMM
         self.o_proj = _linear(backend, config.n_heads * hd, D, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # column views of the fused GEMM's output
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.backend == "opforge" and _rope_op() is not None:
+            q, k = _rope_op()(q, k, cos.unsqueeze(0), sin.unsqueeze(0))
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(rep, dim=1)
@@ -174,28 +204,36 @@ class Attention(torch.nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
-class TorchGatedMLP(torch.nn.Module):
-    """y = down_proj(silu(gate_proj(x)) · up_proj(x)) from torch.nn.Linear and F.silu.
-
-    The torch.nn twin of :class:`opforge.nn.GatedMLP`: same parameter names and shapes.
+class FusedGatedMLP(torch.nn.Module):
+    """y = down_proj(silu(g) · u), [g, u] = gate_up_proj(x): the SwiGLU MLP with gate and up as one GEMM.
 
     Args:
         hidden_size: D.
         intermediate_size: F.
+        backend: "opforge" (opforge.nn.Linear, :func:`opforge.swiglu` on the two column views of the fused
+            output) or "torch" (torch.nn.Linear, ``F.silu(g) * u``).
         bias: biases on the projections. Default: False.
+
+    Parameters: ``gate_up_proj.weight`` (2F, D) (gate rows first, then up), ``down_proj.weight`` (D, F).
 
     Shape: (*, D) -> (*, D).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+    def __init__(self, hidden_size: int, intermediate_size: int, backend: str, bias: bool = False, device=None,
+                 dtype=None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
-        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
-        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
+        self.backend = backend
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = _linear(backend, hidden_size, 2 * intermediate_size, bias=bias, **kw)
+        self.down_proj = _linear(backend, intermediate_size, hidden_size, bias=bias, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(TF.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        if self.backend == "opforge":
+            from .. import functional as OF
+            return self.down_proj(OF.swiglu(g, u))
+        return self.down_proj(TF.silu(g) * u)
 
 
 class AddRMSNorm(torch.nn.RMSNorm):
@@ -250,11 +288,7 @@ class Block(torch.nn.Module):
         self.attn_norm = _add_norm(backend, config, **kw)
         self.attn = Attention(config, backend, **kw)
         self.mlp_norm = _add_norm(backend, config, **kw)
-        if backend == "opforge":
-            from .. import nn as onn
-            self.mlp = onn.GatedMLP(config.d_model, config.d_ff, **kw)
-        else:
-            self.mlp = TorchGatedMLP(config.d_model, config.d_ff, **kw)
+        self.mlp = FusedGatedMLP(config.d_model, config.d_ff, backend, **kw)
 
     def forward(self, x: Tensor, residual: Optional[Tensor], cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
         h, residual = _add_and_norm(self.attn_norm, x, residual)
@@ -268,15 +302,16 @@ class Llama(torch.nn.Module):
 
     Args:
         config: :class:`LlamaConfig`.
-        backend: "opforge" (opforge.nn.Linear, FusedAddRMSNorm, GatedMLP with swiglu) or "torch"
-            (torch.nn.Linear, torch.nn.RMSNorm, F.silu(g)·u). Default: "opforge".
+        backend: "opforge" (opforge.nn.Linear, FusedAddRMSNorm, swiglu, rope, linear_cross_entropy) or
+            "torch" (torch.nn.Linear, torch.nn.RMSNorm, F.silu(g)·u, rotate-half RoPE, F.cross_entropy).
+            Default: "opforge".
         device, dtype: factory keyword arguments for the parameters (all parameters share one dtype;
             activations run in it).
 
     Parameters (identical names and shapes for both backends): ``embed.weight`` (V, D);
-    ``layers.{i}.attn_norm.weight`` (D,); ``layers.{i}.attn.{q,o}_proj.weight`` (D, D);
-    ``layers.{i}.attn.{k,v}_proj.weight`` (kv_heads·H, D); ``layers.{i}.mlp_norm.weight`` (D,);
-    ``layers.{i}.mlp.{gate,up}_proj.weight`` (F, D); ``layers.{i}.mlp.down_proj.weight`` (D, F);
+    ``layers.{i}.attn_norm.weight`` (D,); ``layers.{i}.attn.qkv_proj.weight`` (D + 2·kv_heads·H, D) (q, k, v
+    rows); ``layers.{i}.attn.o_proj.weight`` (D, D); ``layers.{i}.mlp_norm.weight`` (D,);
+    ``layers.{i}.mlp.gate_up_proj.weight`` (2F, D) (gate, up rows); ``layers.{i}.mlp.down_proj.weight`` (D, F);
     ``norm.weight`` (D,); ``lm_head.weight`` (V, D). No biases.
 
     Shape: tokens (B, T) int64 with T ≤ config.max_seq_len -> logits (B, T, V) in the parameters' dtype.
@@ -319,7 +354,8 @@ class Llama(torch.nn.Module):
             else:
                 p.normal_(0.0, std)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def hidden(self, tokens: Tensor) -> Tensor:
+        """The final normed hidden states (B, T, D) that lm_head maps to logits."""
         T = tokens.shape[-1]
         if T > self.config.max_seq_len:
             raise ValueError(f"Llama: expected at most {self.config.max_seq_len} tokens, but got {T}")
@@ -329,10 +365,22 @@ class Llama(torch.nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin)
         h, _ = _add_and_norm(self.norm, x, residual)
-        return self.lm_head(h)
+        return h
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.lm_head(self.hidden(tokens))
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy in float32: tokens, targets (B, T) int64 -> scalar float32."""
+        """Mean next-token cross-entropy in float32: tokens, targets (B, T) int64 -> scalar float32.
+
+        backend="opforge": :func:`opforge.linear_cross_entropy` of the hidden states and lm_head's weight (the
+        (B·T, V) logits are never materialised) when the build has it; otherwise, and for backend="torch",
+        F.cross_entropy of the float32 logits.
+        """
+        lce = _lce_op() if self.backend == "opforge" else None
+        if lce is not None:
+            h = self.hidden(tokens)
+            return lce(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1)).float()
         logits = self(tokens)
         return TF.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

@@ -1,0 +1,332 @@
+"""Train-step benchmark of a Hugging Face LlamaForCausalLM: plain, with Liger-Kernel, with opforge.patch.apply,
+each eager and under torch.compile (issue 15's table).
+
+Each variant runs in its own process (same seed, same initial weights, same random tokens), trains
+``--warmup`` untimed steps and ``--steps`` timed ones (forward with ``labels``, backward, AdamW step; fused
+AdamW on CUDA) and reports tokens/s, ms/step (median of the timed steps), peak memory (CUDA: max allocated
+since the process started, weights and optimizer state included; CPU: peak RSS of the worker) and the loss
+at the first and last step. The table also gives each variant's largest per-step relative loss difference
+from HF eager, to be read against the bf16 bound (``--loss-bound``).
+
+    # the issue's configuration on one GPU (about 10 minutes on an H200, compile included):
+    python benchmarks/bench_hf_llama.py
+    # smaller / other shapes:
+    python benchmarks/bench_hf_llama.py --layers 4 --vocab 32000 --seq 1024 --batch 2 --steps 10
+    # a profile (torch.profiler table of one step) of some variants:
+    python benchmarks/bench_hf_llama.py --variants opforge,liger --profile
+    # CPU smoke run (tiny config, 3 steps, no compile variants; used by tests/python/test_hf_llama_bench.py):
+    python benchmarks/bench_hf_llama.py --smoke
+
+Results: <out>/hf_llama.csv (appended; context columns date, device, device_name, torch, commit,
+transformers, liger) and <out>/hf_llama_<cpu|cuda>.png; profiles in <out>/hf_llama_profile_<variant>.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+VARIANTS = {
+    "hf": "HF eager (SDPA)",
+    "liger": "HF + Liger (apply_liger_kernel_to_llama)",
+    "opforge": "HF + opforge.patch.apply",
+    "hf+compile": "HF + torch.compile",
+    "opforge+compile": "HF + opforge.patch.apply + torch.compile",
+    "liger+compile": "HF + Liger + torch.compile",
+}
+CSV_COLUMNS = ["date", "device", "device_name", "torch", "commit", "transformers", "liger", "variant", "layers",
+               "hidden", "intermediate", "heads", "kv_heads", "vocab", "seq", "batch", "dtype", "steps", "tokens_per_s",
+               "ms_per_step", "peak_mem_gib", "first_loss", "last_loss", "max_rel_loss_diff_vs_hf", "status"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens there)")
+    p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (bfloat16, float32)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--compile-scope", choices=["model", "layers"], default="model",
+                   help="torch.compile the whole model, or each decoder layer (fullgraph=True)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--loss-bound", type=float, default=None,
+                   help="largest allowed per-step relative loss difference from HF eager (default: 2e-2 for "
+                        "16-bit dtypes, 1e-3 for float32); a variant over it is marked in the table")
+    p.add_argument("--profile", action="store_true", help="also write a torch.profiler table of one step per variant")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny config, float32, 3 steps, eager variants only")
+    p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="results directory")
+    p.add_argument("--no-save", action="store_true", help="print only: no CSV and no PNG")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per variant process")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.layers, a.hidden, a.intermediate, a.heads, a.kv_heads, a.vocab, a.seq, a.batch = 2, 64, 128, 4, 2, 256, 32, 2
+        a.steps, a.warmup, a.dtype, a.device = 3, 1, "float32", a.device or "cpu"
+        a.lr = 1e-3
+        if a.variants is None:
+            a.variants = "hf,opforge"
+    if a.device is None:
+        import torch
+
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.variants is None:
+        a.variants = ",".join(VARIANTS)
+    a.variant_list = [v.strip() for v in a.variants.split(",") if v.strip()]
+    bad = [v for v in a.variant_list if v not in VARIANTS]
+    if bad:
+        p.error(f"unknown variant(s) {bad}; choose from {list(VARIANTS)}")
+    if a.loss_bound is None:
+        a.loss_bound = 1e-3 if a.dtype in ("float32", "float64") else 2e-2
+    return a
+
+
+# ---- one variant, in its own process -------------------------------------------------------------------
+
+def _peak_memory_gib(device: str) -> float:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+
+
+def run_variant(a: argparse.Namespace) -> dict:
+    import torch
+    import transformers
+
+    variant = a.worker
+    device, dtype = a.device, getattr(torch, a.dtype)
+    use_liger, use_opforge, use_compile = "liger" in variant, "opforge" in variant, variant.endswith("+compile")
+    if use_liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama  # ImportError: variant n/a
+
+        apply_liger_kernel_to_llama()  # before the model is built: patches transformers' Llama classes
+    if use_opforge:
+        try:
+            import opforge  # noqa: F401
+        except ImportError:
+            sys.path.insert(0, str(common.REPO_ROOT / "python"))
+        from opforge import patch
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
+                                   num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
+                                   max_position_embeddings=max(a.seq, 128), attn_implementation="sdpa")
+    with torch.device("cpu"):
+        model = transformers.LlamaForCausalLM(cfg)  # same initial weights for every variant (CPU RNG)
+    model = model.to(device=device, dtype=dtype).train()
+    report = None
+    if use_opforge:
+        report = str(patch.apply(model))
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=device.startswith("cuda"))
+    step_model = model
+    if use_compile:
+        if a.compile_scope == "model":
+            step_model = torch.compile(model)
+        else:
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True)
+    g = torch.Generator().manual_seed(1234)
+    n_steps = a.warmup + a.steps
+    tokens = torch.randint(0, a.vocab, (n_steps, a.batch, a.seq), generator=g)
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def step(i):
+        ids = tokens[i].to(device, non_blocking=True)
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses, times = [], []
+    t_compile = time.perf_counter()
+    for i in range(n_steps):
+        sync()
+        t0 = time.perf_counter()
+        losses.append(step(i))
+        sync()
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+        if i == a.warmup - 1:
+            t_compile = time.perf_counter() - t_compile
+    losses = [float(x) for x in torch.stack(losses).float().cpu()]
+    ms = statistics.median(times) * 1e3
+    out = {"variant": variant, "ms_per_step": ms, "tokens_per_s": a.batch * a.seq / (ms / 1e3),
+           "peak_mem_gib": _peak_memory_gib(device), "losses": losses, "warmup_s": t_compile, "report": report,
+           "status": "ok"}
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        with profile(activities=acts) as prof:
+            step(n_steps - 1)
+            sync()
+        key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+        out["profile"] = prof.key_averages().table(sort_by=key, row_limit=30)
+    return out
+
+
+# ---- the driver --------------------------------------------------------------------------------------------
+
+def _spawn(a: argparse.Namespace, variant: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "out.json"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--json", str(path),
+                "--layers", str(a.layers), "--hidden", str(a.hidden), "--intermediate", str(a.intermediate),
+                "--heads", str(a.heads), "--kv-heads", str(a.kv_heads), "--vocab", str(a.vocab), "--seq", str(a.seq),
+                "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--dtype", a.dtype,
+                "--device", a.device, "--compile-scope", a.compile_scope, "--lr", str(a.lr)]
+        if a.profile:
+            argv.append("--profile")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(common.REPO_ROOT / "python"), env.get("PYTHONPATH", "")])
+        try:
+            p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            return {"variant": variant, "status": f"timeout after {a.timeout:.0f} s"}
+        if p.returncode != 0 or not path.exists():
+            err = (p.stderr or p.stdout).strip().splitlines()
+            tail = err[-1] if err else f"exit {p.returncode}"
+            if "No module named 'liger_kernel'" in (p.stderr or ""):
+                tail = "n/a (liger_kernel not installed)"
+            sys.stderr.write(f"--- {variant} failed ---\n{p.stderr[-4000:]}\n")
+            return {"variant": variant, "status": tail[:200]}
+        return json.loads(path.read_text())
+
+
+def _versions() -> dict:
+    try:
+        import transformers
+
+        tv = transformers.__version__
+    except ImportError:
+        tv = "n/a"
+    return {"transformers": tv, "liger": common.liger_version()}
+
+
+def _plot(rows: list, path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [r["variant"] for r in ok]
+    axes[0].barh(names, [r["tokens_per_s"] for r in ok], color="tab:blue")
+    axes[0].set_xlabel("tokens/s (higher is better)")
+    axes[1].barh(names, [r["peak_mem_gib"] for r in ok], color="tab:orange")
+    axes[1].set_xlabel("peak memory, GiB (lower is better)")
+    for ax in axes:
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> list:
+    a = parse_args(argv)
+    if a.worker:
+        out = run_variant(a)
+        Path(a.json).write_text(json.dumps(out))
+        return [out]
+    import torch
+
+    shape = (f"layers={a.layers} hidden={a.hidden} intermediate={a.intermediate} heads={a.heads}/{a.kv_heads} "
+             f"vocab={a.vocab} seq={a.seq} batch={a.batch} {a.dtype}")
+    print(f"bench_hf_llama: {common.device_name(a.device)}, torch {torch.__version__}, {shape}, "
+          f"{a.warmup}+{a.steps} steps, compile scope {a.compile_scope}", flush=True)
+    results = []
+    for v in a.variant_list:
+        t0 = time.perf_counter()
+        r = _spawn(a, v)
+        print(f"  {v:16s} {r['status']:8s} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        results.append(r)
+    base = next((r for r in results if r["variant"] == "hf" and r["status"] == "ok"), None)
+    ctx = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "device": a.device,
+           "device_name": common.device_name(a.device), "torch": torch.__version__, "commit": common.git_commit(),
+           **_versions()}
+    rows = []
+    for r in results:
+        row = {**ctx, "variant": r["variant"], "layers": a.layers, "hidden": a.hidden, "intermediate": a.intermediate,
+               "heads": a.heads, "kv_heads": a.kv_heads, "vocab": a.vocab, "seq": a.seq, "batch": a.batch,
+               "dtype": a.dtype, "steps": a.steps, "status": r["status"]}
+        if r["status"] == "ok":
+            diff = math.nan
+            if base is not None:
+                diff = max(abs(x - y) / abs(y) for x, y in zip(r["losses"], base["losses"]))
+            row.update(tokens_per_s=r["tokens_per_s"], ms_per_step=r["ms_per_step"], peak_mem_gib=r["peak_mem_gib"],
+                       first_loss=r["losses"][0], last_loss=r["losses"][-1], max_rel_loss_diff_vs_hf=diff)
+        rows.append(row)
+    print()
+    print(f"| variant | tokens/s | vs HF eager | ms/step | peak memory | first loss | last loss | max loss diff vs HF |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        if row["status"] != "ok":
+            print(f"| {VARIANTS[row['variant']]} | {row['status']} | | | | | | |")
+            continue
+        ratio = row["tokens_per_s"] / base["tokens_per_s"] if base else math.nan
+        flag = "" if not (row["max_rel_loss_diff_vs_hf"] > a.loss_bound) else f" (> {a.loss_bound:g}!)"
+        print(f"| {VARIANTS[row['variant']]} | {row['tokens_per_s']:,.0f} | {ratio:.2f}x | {row['ms_per_step']:.1f} | "
+              f"{row['peak_mem_gib']:.2f} GiB | {row['first_loss']:.4f} | {row['last_loss']:.4f} | "
+              f"{row['max_rel_loss_diff_vs_hf']:.1e}{flag} |")
+    for r in results:
+        if r.get("report"):
+            print(f"\n{r['variant']}: {r['report']}")
+    if not a.no_save:
+        a.out.mkdir(parents=True, exist_ok=True)
+        path = a.out / "hf_llama.csv"
+        new = not path.exists()
+        with path.open("a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+            if new:
+                w.writeheader()
+            for row in rows:
+                w.writerow(row)
+        print(f"\nappended {len(rows)} rows to {path}")
+        png = a.out / f"hf_llama_{'cuda' if a.device.startswith('cuda') else 'cpu'}.png"
+        if _plot(rows, png, f"HF LlamaForCausalLM train step: {shape}, {common.device_name(a.device)}"):
+            print(f"plot: {png}")
+        for r in results:
+            if r.get("profile"):
+                prof = a.out / f"hf_llama_profile_{r['variant'].replace('+', '_')}.txt"
+                prof.write_text(f"{shape}\n{r['profile']}\n")
+                print(f"profile: {prof}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
