@@ -38,4 +38,15 @@ TORCH_LIBRARY(opforge, m) {
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   // (grad_gate, grad_up) of swiglu in one fused pass
   m.def("swiglu_backward(Tensor grad_output, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  // ---- linear_cross_entropy (issue 10) ----
+  // loss = cross_entropy(cap(input · linear_weightᵀ + linear_bias), target, weight, reduction, ignore_index, label_smoothing)
+  // + z_loss · logsumexp² per valid token, cap(x) = softcap · tanh(x / softcap); input (*, H), linear_weight (V, H),
+  // target (*) int64; computed in token chunks of chunk_size rows (None: from a memory budget), never all [*, V] logits
+  m.def("linear_cross_entropy(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, Tensor? weight=None, str reduction=\"mean\", int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, int? chunk_size=None) -> Tensor");
+  // linear_cross_entropy plus stats (*, 2) float32 (float64 for float64): per token the row max m of the capped
+  // logits and r = log Σ exp(z − m) (logsumexp = m + r), for the backward
+  m.def("_linear_cross_entropy_forward(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, Tensor? weight=None, str reduction=\"mean\", int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, int? chunk_size=None) -> (Tensor loss, Tensor stats)");
+  // (grad_input, grad_linear_weight, grad_linear_bias) of linear_cross_entropy, each only if its output_mask entry is
+  // set; grad_output () for mean/sum, (*) for none; logits recomputed per chunk from stats; dW, db accumulated in fp32
+  m.def("linear_cross_entropy_backward(Tensor grad_output, Tensor input, Tensor linear_weight, Tensor target, Tensor stats, Tensor? linear_bias, Tensor? weight, str reduction, int ignore_index, float label_smoothing, float z_loss, float? softcap, bool[3] output_mask, int? chunk_size=None) -> (Tensor, Tensor, Tensor)");
 }

@@ -19,7 +19,8 @@
 #              counts passed / failed / skipped, and the CUDA tests skipped (the goal is none)
 #   ctest      when the C++ tests were built
 #   run        each command of $GPU_CHECK_RUN, one step each, with the built library selected
-#   sanitizer  GPU_CHECK_SANITIZER=1: compute-sanitizer memcheck on a short CUDA subset of test_elementwise
+#   sanitizer  GPU_CHECK_SANITIZER=1: scripts/sanitize.sh, compute-sanitizer's memcheck, racecheck, initcheck and
+#              synccheck over every opforge kernel (GPU_CHECK_SANITIZER_TOOLS picks tools), each must finish with 0 errors
 #   bench      each benchmarks/bench_<name>.py of $GPU_CHECK_BENCH (default: all), capped by `timeout`
 #   collect    $OUT gets at most 8 files: summary.txt, pytest.log, junit.xml, logs.tar.gz (every log and
 #              every benchmark result of this run) and up to 4 CSV/PNG files from benchmarks/results
@@ -38,7 +39,7 @@
 #                                     OPFORGE_LIBRARY and PYTHONPATH set to this build, each capped by the
 #                                     deadline; output in logs.tar.gz run_NAME.log, its last lines printed
 #   GPU_CHECK_SANITIZER       0       1: run the compute-sanitizer step
-#   GPU_CHECK_SANITIZER_K     pytest -k expression of that subset
+#   GPU_CHECK_SANITIZER_TOOLS memcheck racecheck initcheck synccheck
 #   GPU_CHECK_BENCH           all     benchmark names ("elementwise rms_norm") or "none"
 #   GPU_CHECK_BENCH_ARGS              extra arguments for every benchmark (e.g. "--quick")
 #   GPU_CHECK_BENCH_TIMEOUT   150     seconds per benchmark
@@ -328,29 +329,23 @@ if [ -n "${GPU_CHECK_RUN:-}" ]; then
   done <<< "$GPU_CHECK_RUN"
 fi
 
-# ---- compute-sanitizer (optional) -----------------------------------------------------------------------
+# ---- compute-sanitizer (optional): the four tools over every opforge kernel (scripts/sanitize.sh) ---------
 if [ "${GPU_CHECK_SANITIZER:-0}" = 1 ]; then
   section sanitizer
-  SAN=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
-  K=${GPU_CHECK_SANITIZER_K:-cuda and (bug1 or bug4 or zero_size or backward_ops_direct or broadcast and float32)}
   if [ "$BUILT" != 1 ] || [ "$NO_CUDA" = 1 ]; then
     record sanitizer SKIP "no CUDA build"
-  elif [ ! -x "$SAN" ]; then
-    record sanitizer SKIP "compute-sanitizer not found"
   else
-    cap=$(( $(remaining) - 30 )); [ "$cap" -gt 300 ] && cap=300
-    if [ "$cap" -lt 30 ]; then
-      record sanitizer SKIP "no time left"
-    else
-      OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-        timeout --kill-after=10 "$cap" "$SAN" --tool memcheck --error-exitcode 99 \
-          "$PY" -m pytest -q -p no:cacheprovider tests/python/test_elementwise.py -k "$K" > "$LOGS/sanitizer.log" 2>&1
+    for tool in ${GPU_CHECK_SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
+      cap=$(( $(remaining) - 30 )); [ "$cap" -gt 240 ] && cap=240
+      if [ "$cap" -lt 30 ]; then record "sanitizer $tool" SKIP "no time left"; continue; fi
+      OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} OUT=$LOGS \
+        timeout --kill-after=10 "$cap" bash scripts/sanitize.sh "$tool" > "$LOGS/sanitizer_$tool.txt" 2>&1
       rc=$?
-      tail -n 4 "$LOGS/sanitizer.log"
-      errs=$(grep -E "ERROR SUMMARY" "$LOGS/sanitizer.log" | tail -n 1)
-      if [ "$rc" = 0 ]; then record sanitizer PASS "${errs:-memcheck clean}"
-      else record sanitizer FAIL "rc $rc ${errs} (logs.tar.gz: sanitizer.log)"; fi
-    fi
+      tail -n 3 "$LOGS/sanitizer_$tool.txt"
+      line=$(grep -E "^sanitize " "$LOGS/sanitizer_$tool.txt" | tail -n 1)
+      if [ "$rc" = 0 ]; then record "sanitizer $tool" PASS "${line:-clean}"
+      else record "sanitizer $tool" FAIL "rc $rc$([ "$rc" = 124 ] && echo " (timed out after ${cap}s)") ${line} (logs.tar.gz: sanitize_$tool.log)"; fi
+    done
   fi
 fi
 

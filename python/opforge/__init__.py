@@ -139,3 +139,6 @@ from . import functional, nn  # noqa: E402
 from .functional import fused_add_rms_norm, linear, rms_norm, sigmoid, square, square_add, swiglu  # noqa: E402
 
 __all__ = ["cmake_prefix_path", "functional", "fused_add_rms_norm", "library_path", "linear", "nn", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
+
+from .functional import linear_cross_entropy  # noqa: E402  (issue 10)
+__all__ += ["linear_cross_entropy"]

@@ -249,3 +249,69 @@ def fused_add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: _Shape
     residual form as in vLLM's ``fused_add_rms_norm``.
     """
     return torch.ops.opforge.fused_add_rms_norm(input, residual, _as_shape(normalized_shape, "fused_add_rms_norm"), weight, eps)
+
+
+# ---- linear_cross_entropy (issue 10) -----------------------------------------------------------------------
+
+__all__ += ["linear_cross_entropy"]
+
+_linear_cross_entropy_op = torch.ops.opforge.linear_cross_entropy.default
+
+
+def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *, linear_bias: Optional[Tensor] = None,
+                         weight: Optional[Tensor] = None, reduction: str = "mean", ignore_index: int = -100,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
+                         chunk_size: Optional[int] = None) -> Tensor:
+    """loss = cross_entropy(cap(input · linear_weightᵀ + linear_bias), target) + z_loss · logsumexp², never
+    materialising the (*, V) logits.
+
+    The argument names and meanings of :func:`torch.nn.functional.linear_cross_entropy` (class-index targets),
+    plus ``z_loss`` (PaLM) and ``softcap`` (Gemma 2). Per token i with target t (z = the capped logits,
+    lse = logsumexp_j z_j, w = class weights, ε = label_smoothing)::
+
+        loss_i = (1 − ε) · w_t · (lse − z_t) + ε / V · Σ_j w_j · (lse − z_j) + z_loss · lse²   (0 if t == ignore_index)
+
+    Args:
+        input: (*, H) float32, float16, bfloat16 or float64 hidden states; any strides.
+        linear_weight: (V, H) floating, the lm_head weight; converted to input's dtype, its gradient comes back
+            in its own dtype. With ``requires_grad=False`` no (V, H) gradient buffer is allocated.
+        target: (*) int64 class indices in [0, V), or ``ignore_index``.
+        linear_bias: (V,) floating or None. Default: None.
+        weight: (V,) floating class weights (as ``F.cross_entropy``'s ``weight``) or None; receives no gradient.
+            Default: None.
+        reduction: ``"mean"`` (Σ loss_i / Σ_{valid i} w_{t_i}), ``"sum"`` or ``"none"``. Default: "mean".
+        ignore_index: target value that contributes neither loss nor gradient. Default: -100.
+        label_smoothing: ε in [0, 1], as ``F.cross_entropy``. Default: 0.0.
+        z_loss: coefficient ≥ 0 of lse² per valid token. Default: 0.0.
+        softcap: c > 0 caps the logits to c · tanh(logits / c) before the loss, or None. Default: None.
+        chunk_size: tokens per chunk (at most ``chunk_size × V`` float32 logits exist at a time). None: the
+            environment variable ``OPFORGE_LCE_CHUNK_SIZE`` (read once per process) if set, else a memory budget
+            (256 MiB of logits on CUDA, 32 MiB on CPU), rounded down to a multiple of 64 tokens. Default: None.
+
+    Returns:
+        () for ``"mean"``/``"sum"``, (*) for ``"none"``; input's dtype (float32 under ``torch.autocast``, where
+        input, linear_weight and linear_bias go to the autocast dtype as for ``F.linear``).
+
+    Raises:
+        ValueError: input of rank 0; linear_weight not 2-D or without rows; input's H != linear_weight's H;
+            target not of input's leading shape; linear_bias/weight not (V,); label_smoothing outside [0, 1];
+            z_loss negative or not finite; softcap ≤ 0; chunk_size < 1; an unknown reduction.
+        TypeError: non-floating input/linear_weight/linear_bias/weight; target not int64.
+        IndexError: (CPU) a target outside [0, V) that is not ignore_index. On CUDA nothing is read out of bounds:
+            such a token gets a NaN loss and NaN gradients (no host synchronisation to raise).
+        RuntimeError: tensors on different devices; double backward.
+
+    Numerics: logits per chunk from a GEMM with float32 output (float64 for float64 input); the row max is
+    subtracted before any exponent and kept apart from log Σ exp (so a common logit offset of 1e8 in float32
+    still gives log V); every sum (logsumexp, the loss, the weight and bias gradients across chunks) accumulates
+    in float32. ``"mean"`` with every target ignored gives NaN and zero gradients, as ``F.cross_entropy``. The
+    gradients are recomputed in backward (one more logits GEMM per chunk) with the given grad_output, so
+    ``reduction="none"`` with per-token weights is exact.
+
+    Source: torch.nn.functional.linear_cross_entropy / cross_entropy; z-loss: Chowdhery et al. 2022 (PaLM);
+    softcap: Gemma 2 (Team Gemma 2024); chunking: Liger-Kernel's fused linear cross-entropy, Wijmans et al. 2024
+    ("Cut Your Losses in Large-Vocabulary Language Models").
+    """
+    return _linear_cross_entropy_op(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                                    float(label_smoothing), float(z_loss),
+                                    None if softcap is None else float(softcap), chunk_size)

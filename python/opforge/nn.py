@@ -166,3 +166,68 @@ class FusedAddRMSNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)
+
+
+# ---- LinearCrossEntropyLoss (issue 10) ---------------------------------------------------------------------
+
+__all__ += ["LinearCrossEntropyLoss"]
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """loss = cross_entropy(input · linear.weightᵀ + linear.bias, target) (+ z_loss · lse², softcap) through
+    :func:`opforge.functional.linear_cross_entropy`: the lm_head and the loss in one op, without the logits.
+
+    Mirrors :class:`torch.nn.LinearCrossEntropyLoss` (torch ≥ 2.13, class-index targets, ``out_features=()``):
+    an inner ``linear`` (:class:`torch.nn.Linear`, ``in_features`` → ``num_classes``) and the class ``weight``
+    buffer, so its ``state_dict`` keys (``weight``, ``linear.weight``, ``linear.bias``) load unchanged.
+
+    Args:
+        in_features: H, size of each input sample.
+        num_classes: V, the vocabulary size.
+        bias: the inner linear learns a bias. Default: False.
+        device, dtype: factory keyword arguments for the inner linear.
+        reduction: "mean", "sum" or "none". Default: "mean".
+        weight: (V,) class weights or None (a buffer). Default: None.
+        ignore_index: target value to ignore. Default: -100 (torch's module maps its None to -100 too).
+        label_smoothing: in [0, 1]. Default: 0.0.
+        z_loss: coefficient of lse² per valid token (PaLM). Default: 0.0.
+        softcap: logit soft cap c (logits → c · tanh(logits / c), Gemma 2), or None. Default: None.
+        chunk_size: tokens per chunk, or None (see the functional). Default: None.
+
+    Shape: input (*, H), target (*) int64 -> () for mean/sum, (*) for none.
+
+    Raises: as :func:`opforge.functional.linear_cross_entropy`.
+
+    Source: torch.nn.LinearCrossEntropyLoss.
+    """
+
+    def __init__(self, in_features: int, num_classes: int, *, bias: bool = False, device=None, dtype=None,
+                 reduction: str = "mean", weight: Optional[torch.Tensor] = None, ignore_index: Optional[int] = -100,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
+                 chunk_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.num_classes = num_classes
+        self.linear = torch.nn.Linear(in_features, num_classes, bias=bias, device=device, dtype=dtype)
+        self.register_buffer("weight", weight)
+        self.reduction = reduction
+        self.ignore_index = -100 if ignore_index is None else ignore_index
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.chunk_size = chunk_size
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.linear_cross_entropy(input, self.linear.weight, target, linear_bias=self.linear.bias,
+                                      weight=self.weight, reduction=self.reduction, ignore_index=self.ignore_index,
+                                      label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
+                                      chunk_size=self.chunk_size)
+
+    def extra_repr(self) -> str:
+        s = (f"in_features={self.in_features}, num_classes={self.num_classes}, reduction={self.reduction}, "
+             f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}")
+        if self.z_loss:
+            s += f", z_loss={self.z_loss}"
+        if self.softcap is not None:
+            s += f", softcap={self.softcap}"
+        return s

@@ -182,3 +182,42 @@ def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) · up in float64, gate's shape."""
     g = gate.double()
     return g * torch.sigmoid(g) * up.double()
+
+
+# ---- linear_cross_entropy (issue 10) -----------------------------------------------------------------------
+
+__all__ += ["linear_cross_entropy_reference"]
+
+
+def linear_cross_entropy_reference(input: Tensor, linear_weight: Tensor, target: Tensor, *,
+                                   linear_bias: Optional[Tensor] = None, weight: Optional[Tensor] = None,
+                                   reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
+                                   z_loss: float = 0.0, softcap: Optional[float] = None,
+                                   compute_dtype: torch.dtype = torch.float64) -> Tensor:
+    """opforge.linear_cross_entropy in float64 (or ``compute_dtype``: the same math in another dtype, the
+    baseline of the tolerance rule), from the full logits (differentiable: gradients by autograd).
+
+    logits = cap(input · linear_weightᵀ + linear_bias); loss = F.cross_entropy(logits, target, weight,
+    ignore_index, label_smoothing, reduction) + z_loss · Σ_valid lse² (divided like the cross-entropy sum:
+    by Σ_valid weight[t] for mean). Returns float64 of the loss's shape."""
+    cd = compute_dtype
+    z = input.to(cd) @ linear_weight.to(cd).t()
+    if linear_bias is not None:
+        z = z + linear_bias.to(cd)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z.reshape(-1, z.shape[-1])
+    t = target.reshape(-1)
+    w = None if weight is None else weight.to(cd)
+    per_token = torch.nn.functional.cross_entropy(z, t, weight=w, ignore_index=ignore_index, reduction="none",
+                                                  label_smoothing=label_smoothing)
+    valid = t != ignore_index
+    if z_loss:
+        lse = torch.logsumexp(z, dim=-1)
+        per_token = per_token + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
+    if reduction == "none":
+        return per_token.reshape(target.shape)
+    if reduction == "sum":
+        return per_token.sum()
+    wt = torch.ones_like(per_token) if w is None else w[t.clamp(0, z.shape[-1] - 1)]
+    return per_token.sum() / torch.where(valid, wt, torch.zeros_like(wt)).sum()

@@ -1,0 +1,175 @@
+"""Benchmark linear_cross_entropy (forward, forward+backward) against eager F.linear + F.cross_entropy (fp32 loss),
+torch.compile of it, Liger-Kernel's LigerFusedLinearCrossEntropyLoss and cut_cross_entropy's linear_cross_entropy
+(when importable), torch's F.linear_cross_entropy chunked path (torch >= 2.13), and the floor: the three GEMMs
+(logits, dX, dW; 2·BT·H·V FLOPs each) measured alone with torch.mm (cuBLAS on CUDA) (issue 10).
+
+Rows: for each (shape, pass, impl) the time in µs with metric = time / the GEMM floor of that pass (unit
+"xGEMM": forward's floor is one GEMM, forward+backward's three), and a second row (op linear_cross_entropy_mem)
+with metric = peak memory above the inputs in MiB (CUDA: torch.cuda.max_memory_allocated; CPU: the process's
+peak resident set (VmHWM, reset through /proc/self/clear_refs) above its resident set before the call).
+10% of the targets are ignored.
+
+    python benchmarks/bench_linear_cross_entropy.py                 # CUDA: the issue's shapes, bf16
+    python benchmarks/bench_linear_cross_entropy.py --quick         # CUDA: three shapes
+    python benchmarks/bench_linear_cross_entropy.py --device cpu --quick   # CPU: BT 2048, H 512, V 32000, fp32
+"""
+from __future__ import annotations
+
+import gc
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import Row  # noqa: E402
+
+try:
+    import opforge
+except ImportError:  # running from a source tree: python/ is the package root
+    sys.path.insert(0, str(common.REPO_ROOT / "python"))
+    import opforge
+
+NAME = "linear_cross_entropy"
+CUDA_SHAPES = [(bt, h, v) for bt in (4096, 8192, 16384) for h in (2048, 4096) for v in (32000, 128256, 151936)]
+CUDA_QUICK_SHAPES = [(8192, 4096, 128256), (8192, 2048, 128256), (16384, 4096, 32000)]
+CPU_SHAPES = [(2048, 512, 32000)]
+
+
+def eager(x, w, t):
+    return F.cross_entropy(F.linear(x, w).float(), t)
+
+
+def ours(x, w, t):
+    return opforge.linear_cross_entropy(x, w, t)
+
+
+def torch_chunked(x, w, t):
+    opts = torch.nn.LinearCrossEntropyOptions() \
+        if hasattr(torch.nn, "LinearCrossEntropyOptions") else None
+    return F.linear_cross_entropy(x, w, t, ignore_index=-100, options=opts)
+
+
+def make_liger():
+    cls = common.liger("LigerFusedLinearCrossEntropyLoss")
+    if cls is None:
+        return None
+    loss = cls()
+    return lambda x, w, t: loss(w, x, t)
+
+
+def make_cce():
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+    except Exception:
+        return None
+    return lambda x, w, t: cce(x, w, t)
+
+
+def gemm_floor(x, w, dev):
+    """The three GEMMs alone: logits = X·Wᵀ, dX = dZ·W, dW = dZᵀ·X (dZ in the input's dtype)."""
+    dz = torch.randn(x.shape[0], w.shape[0], device=dev, dtype=x.dtype)
+
+    def fwd():
+        return torch.mm(x, w.t())
+
+    def fwd_bwd():
+        torch.mm(x, w.t())
+        torch.mm(dz, w)
+        return torch.mm(dz.t(), x)
+
+    return fwd, fwd_bwd
+
+
+def peak_cpu(fn) -> float:
+    """Peak resident memory above the resident set before fn(), in MiB (Linux)."""
+    def rss(key):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024
+        return math.nan
+
+    gc.collect()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return math.nan
+    before = rss("VmRSS:")
+    fn()
+    return rss("VmHWM:") - before
+
+
+def peak_cuda(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def main(argv=None) -> int:
+    p = common.parser(__doc__.splitlines()[0])
+    args = p.parse_args(argv)
+    dev = args.device
+    cuda = dev.startswith("cuda")
+    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16] if cuda else [torch.float32])
+    shapes = (CUDA_QUICK_SHAPES if args.quick else CUDA_SHAPES) if cuda else CPU_SHAPES
+    reps = args.reps or (10 if cuda else 3)
+    warmup = args.warmup or (3 if cuda else 1)
+    impls = {"opforge": ours, "eager": eager}
+    if not args.no_compile:
+        comp = common.compiled(eager, fullgraph=True)
+        if comp is not None:
+            impls["torch.compile"] = comp
+    if hasattr(F, "linear_cross_entropy"):
+        impls["F.linear_cross_entropy(chunked)"] = torch_chunked
+    if cuda:
+        for name, make in (("liger", make_liger), ("cut_cross_entropy", make_cce)):
+            fn = make()
+            if fn is not None:
+                impls[name] = fn
+    peak = peak_cuda if cuda else peak_cpu
+    rows = []
+    for dtype in dtypes:
+        for (BT, H, V) in shapes:
+            torch.manual_seed(0)
+            x = torch.randn(BT, H, device=dev, dtype=dtype)
+            w = (torch.randn(V, H, device=dev, dtype=dtype) / math.sqrt(H))
+            t = torch.randint(0, V, (BT,), device=dev)
+            t[torch.rand(BT, device=dev) < 0.1] = -100
+            floor_f, floor_fb = gemm_floor(x, w, dev)
+            floor = {"fwd": common.time_fn(floor_f, dev, warmup=warmup, reps=reps),
+                     "fwd+bwd": common.time_fn(floor_fb, dev, warmup=warmup, reps=reps)}
+            shape = common.shape_str((BT, H, V))
+            for pass_ in ("fwd", "fwd+bwd"):
+                rows.append(Row(NAME, shape, common.dtype_str(dtype), "3 GEMMs (floor)" if pass_ == "fwd+bwd"
+                                else "1 GEMM (floor)", pass_, floor[pass_], 1.0, "xGEMM"))
+                group = [f"floor {common._fmt(floor[pass_])}us"]
+                for impl, fn in impls.items():
+                    xi = x.detach().requires_grad_(pass_ == "fwd+bwd")
+                    wi = w.detach().requires_grad_(pass_ == "fwd+bwd")
+                    step = common.fwd_bwd(fn, [xi, wi, t]) if pass_ == "fwd+bwd" else (lambda: fn(xi, wi, t))
+                    tm = common.time_fn(step, dev, warmup=warmup, reps=reps)
+                    try:
+                        mem = peak(step) if not math.isnan(tm) else math.nan
+                    except Exception:
+                        mem = math.nan
+                    ratio = tm / floor[pass_] if floor[pass_] > 0 else math.nan
+                    rows.append(Row(NAME, shape, common.dtype_str(dtype), impl, pass_, tm, ratio, "xGEMM"))
+                    rows.append(Row(NAME + "_mem", shape, common.dtype_str(dtype), impl, pass_, tm, mem, "MiB"))
+                    group.append(f"{impl} {common._fmt(tm)}us ({common._fmt(ratio, 2)}x, {common._fmt(mem, 0)} MiB)")
+                    del step
+                    gc.collect()
+                    if cuda:
+                        torch.cuda.empty_cache()
+                print(f"  {NAME} {pass_} {common.dtype_str(dtype)} {shape}: " + "; ".join(group), flush=True)
+    common.finish(rows, NAME, dev, save=not args.no_save)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,416 @@
+// linear_cross_entropy: checkers, the public C++ API, Meta kernels, autograd and autocast.
+//
+// Op structure (schemas in csrc/library.cpp):
+//   _linear_cross_entropy_forward   CPU/CUDA/Meta kernels: (loss, stats (m, r) per token); Autograd records the node.
+//   linear_cross_entropy            CompositeExplicitAutograd: the forward op without its stats; Autograd kernel
+//                                   below (no stats kept when nothing needs a gradient).
+//   linear_cross_entropy_backward   CPU/CUDA/Meta kernels; double backward refused lazily.
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdlib>
+
+#include "core/autocast.h"
+#include "core/autograd.h"
+#include "core/check.h"
+#include "core/dispatch.h"
+
+namespace opforge {
+namespace lce {
+
+Reduction parse_reduction(const char* op, c10::string_view reduction) {
+  if (reduction == "mean") return Reduction::kMean;
+  if (reduction == "sum") return Reduction::kSum;
+  if (reduction == "none") return Reduction::kNone;
+  TORCH_CHECK_VALUE(false, "opforge::", op, ": expected reduction to be one of \"none\", \"mean\", \"sum\", but got \"",
+                    std::string(reduction), "\"");
+  return Reduction::kMean;
+}
+
+const char* reduction_name(Reduction r) {
+  switch (r) {
+    case Reduction::kNone: return "none";
+    case Reduction::kMean: return "mean";
+    case Reduction::kSum: return "sum";
+  }
+  return "mean";
+}
+
+at::ScalarType acc_dtype(at::ScalarType input_dtype) { return input_dtype == at::kDouble ? at::kDouble : at::kFloat; }
+
+Reduction check_args(const char* op, const at::Tensor& input, const at::Tensor& linear_weight,
+                     const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
+                     const std::optional<at::Tensor>& weight, c10::string_view reduction, double label_smoothing,
+                     double z_loss, std::optional<double> softcap, std::optional<int64_t> chunk_size) {
+  check_floating(op, "input", input);
+  check_floating(op, "linear_weight", linear_weight);
+  TORCH_CHECK_VALUE(target.defined(), "opforge::", op, ": expected target to be a tensor, but got None");
+  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "opforge::", op,
+                   ": expected target of dtype int64 (class indices), but got ", target.scalar_type());
+  check_same_device(op, "input", input, "linear_weight", linear_weight);
+  check_same_device(op, "input", input, "target", target);
+  TORCH_CHECK_VALUE(input.dim() >= 1, "opforge::", op,
+                    ": expected input to have at least 1 dimension (*, H), but got a 0-dimensional tensor");
+  TORCH_CHECK_VALUE(linear_weight.dim() == 2, "opforge::", op, ": expected linear_weight to be 2-D (V, H), but got shape ",
+                    shape_str(linear_weight.sym_sizes()));
+  TORCH_CHECK_VALUE(input.sym_size(-1) == linear_weight.sym_size(1), "opforge::", op,
+                    ": expected input's last dimension to equal linear_weight's H ", num_str(linear_weight.sym_size(1)),
+                    ", but got ", num_str(input.sym_size(-1)), " (input of shape ", shape_str(input.sym_sizes()),
+                    ", linear_weight of shape ", shape_str(linear_weight.sym_sizes()), ")");
+  TORCH_CHECK_VALUE(linear_weight.sym_size(0) >= 1, "opforge::", op,
+                    ": expected linear_weight with at least one row (V >= 1 classes), but got shape ",
+                    shape_str(linear_weight.sym_sizes()));
+  const auto xs = input.sym_sizes();
+  TORCH_CHECK_VALUE(target.sym_sizes().equals(xs.slice(0, xs.size() - 1)), "opforge::", op,
+                    ": expected target of input's leading shape ", shape_str(xs.slice(0, xs.size() - 1)),
+                    ", but got ", shape_str(target.sym_sizes()));
+  for (const auto& [name, t] : {std::pair<const char*, const std::optional<at::Tensor>*>{"linear_bias", &linear_bias},
+                                {"weight", &weight}}) {
+    if (!t->has_value() || !(*t)->defined()) continue;
+    const at::Tensor& v = **t;
+    check_floating(op, name, v);
+    check_same_device(op, "input", input, name, v);
+    TORCH_CHECK_VALUE(v.dim() == 1 && v.sym_size(0) == linear_weight.sym_size(0), "opforge::", op, ": expected ", name,
+                      " of shape [", num_str(linear_weight.sym_size(0)), "] (linear_weight's V), but got ",
+                      shape_str(v.sym_sizes()));
+  }
+  TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0, "opforge::", op,
+                    ": expected label_smoothing in [0, 1], but got ", num_str(label_smoothing));
+  TORCH_CHECK_VALUE(std::isfinite(z_loss) && z_loss >= 0.0, "opforge::", op,
+                    ": expected z_loss >= 0 and finite, but got ", num_str(z_loss));
+  TORCH_CHECK_VALUE(!softcap.has_value() || (std::isfinite(*softcap) && *softcap > 0.0), "opforge::", op,
+                    ": expected softcap > 0 and finite (or None), but got ", num_str(softcap.value_or(0.0)));
+  TORCH_CHECK_VALUE(!chunk_size.has_value() || *chunk_size >= 1, "opforge::", op,
+                    ": expected chunk_size >= 1 (or None), but got ", num_str(chunk_size.value_or(0)));
+  return parse_reduction(op, reduction);
+}
+
+Reduction check_backward_args(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight,
+                              const at::Tensor& target, const at::Tensor& stats,
+                              const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                              c10::string_view reduction, double label_smoothing, double z_loss,
+                              std::optional<double> softcap, std::optional<int64_t> chunk_size) {
+  const char* op = "linear_cross_entropy_backward";
+  const Reduction r = check_args(op, input, linear_weight, target, linear_bias, weight, reduction, label_smoothing,
+                                 z_loss, softcap, chunk_size);
+  check_floating(op, "grad_output", grad_output);
+  check_same_device(op, "grad_output", grad_output, "input", input);
+  check_same_device(op, "stats", stats, "input", input);
+  if (r == Reduction::kNone) {
+    TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(target.sym_sizes()), "opforge::", op,
+                      ": expected grad_output of target's shape ", shape_str(target.sym_sizes()),
+                      " (reduction=\"none\"), but got ", shape_str(grad_output.sym_sizes()));
+  } else {
+    TORCH_CHECK_VALUE(grad_output.dim() == 0, "opforge::", op, ": expected a 0-dimensional grad_output (reduction=\"",
+                      reduction_name(r), "\"), but got shape ", shape_str(grad_output.sym_sizes()));
+  }
+  c10::SymDimVector ss(target.sym_sizes().begin(), target.sym_sizes().end());
+  ss.push_back(2);
+  TORCH_CHECK_VALUE(stats.sym_sizes().equals(ss), "opforge::", op, ": expected stats of shape ", shape_str(ss),
+                    " (target's shape, 2), but got ", shape_str(stats.sym_sizes()));
+  TORCH_CHECK_TYPE(stats.scalar_type() == acc_dtype(input.scalar_type()), "opforge::", op,
+                   ": expected stats of dtype ", acc_dtype(input.scalar_type()), ", but got ", stats.scalar_type());
+  return r;
+}
+
+int64_t resolve_chunk(std::optional<int64_t> chunk_size, int64_t N, int64_t V, int64_t budget_bytes,
+                      int64_t bytes_per_logit) {
+  static const int64_t env_chunk = [] {
+    const char* s = std::getenv("OPFORGE_LCE_CHUNK_SIZE");
+    if (s == nullptr || *s == '\0') return int64_t{0};
+    char* end = nullptr;
+    const long long v = std::strtoll(s, &end, 10);
+    TORCH_CHECK_VALUE(end != s && *end == '\0' && v >= 1,
+                      "opforge::linear_cross_entropy: expected OPFORGE_LCE_CHUNK_SIZE to be a positive integer, "
+                      "but got \"", s, "\"");
+    return static_cast<int64_t>(v);
+  }();
+  int64_t rows;
+  if (chunk_size.has_value()) {
+    rows = *chunk_size;
+  } else if (env_chunk > 0) {
+    rows = env_chunk;
+  } else {
+    rows = budget_bytes / std::max<int64_t>(1, V * bytes_per_logit);
+    if (rows >= 64) rows -= rows % 64;
+    rows = std::max<int64_t>(rows, 1);
+  }
+  return std::max<int64_t>(1, std::min(rows, std::max<int64_t>(N, 1)));
+}
+
+Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                     Reduction reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+                     std::optional<double> softcap) {
+  Problem p;
+  const auto dtype = input.scalar_type();
+  const auto acc = acc_dtype(dtype);
+  p.V = linear_weight.size(0);
+  p.H = linear_weight.size(1);
+  p.N = target.numel();
+  p.X = input.reshape({p.N, p.H}).contiguous();
+  p.W = to_input_dtype(linear_weight, dtype).contiguous();
+  if (linear_bias.has_value() && linear_bias->defined()) p.b = linear_bias->to(acc).contiguous();
+  if (weight.has_value() && weight->defined()) p.cw = weight->to(acc).contiguous();
+  p.T = target.reshape({p.N}).contiguous();
+  p.reduction = reduction;
+  p.ignore_index = ignore_index;
+  p.label_smoothing = label_smoothing;
+  p.z_loss = z_loss;
+  p.softcap = softcap.value_or(0.0);
+  return p;
+}
+
+at::Tensor mean_denominator(const Problem& p) {
+  const auto acc = acc_dtype(p.X.scalar_type());
+  const at::Tensor valid = p.T.ne(p.ignore_index);
+  if (!p.cw.defined()) return valid.sum().to(acc);
+  const at::Tensor wt = p.cw.index_select(0, p.T.clamp(0, p.V - 1));
+  return at::where(valid, wt, at::zeros({}, wt.options())).sum();
+}
+
+at::Tensor reduce_loss(const Problem& p, const at::Tensor& token_loss, const at::Tensor& target) {
+  const auto dtype = p.X.scalar_type();
+  switch (p.reduction) {
+    case Reduction::kNone: return token_loss.reshape(target.sizes()).to(dtype);
+    case Reduction::kSum: return token_loss.sum().to(dtype);
+    case Reduction::kMean: return token_loss.sum().div(mean_denominator(p)).to(dtype);
+  }
+  return token_loss;
+}
+
+at::Tensor grad_scale(const Problem& p, const at::Tensor& grad_output, int64_t& stride) {
+  const auto acc = acc_dtype(p.X.scalar_type());
+  if (p.reduction == Reduction::kNone) {
+    stride = 1;
+    return grad_output.to(acc).reshape({p.N}).contiguous();
+  }
+  stride = 0;
+  at::Tensor g = grad_output.to(acc).reshape({1});
+  if (p.reduction == Reduction::kMean) g = g.div(mean_denominator(p));
+  return g.contiguous();
+}
+
+}  // namespace lce
+
+// ---- public C++ API: typed dispatcher calls --------------------------------------------------------
+
+at::Tensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                                const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                                c10::string_view reduction, int64_t ignore_index, double label_smoothing,
+                                double z_loss, std::optional<double> softcap, std::optional<int64_t> chunk_size) {
+  static auto op = typed_op<decltype(linear_cross_entropy)>("opforge::linear_cross_entropy");
+  return op.call(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
+                 softcap, chunk_size);
+}
+std::tuple<at::Tensor, at::Tensor> _linear_cross_entropy_forward(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
+    int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
+    std::optional<int64_t> chunk_size) {
+  static auto op = typed_op<decltype(_linear_cross_entropy_forward)>("opforge::_linear_cross_entropy_forward");
+  return op.call(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
+                 softcap, chunk_size);
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const at::Tensor& stats, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+    c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+    std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size) {
+  static auto op = typed_op<decltype(linear_cross_entropy_backward)>("opforge::linear_cross_entropy_backward");
+  return op.call(grad_output, input, linear_weight, target, stats, linear_bias, weight, reduction, ignore_index,
+                 label_smoothing, z_loss, softcap, output_mask, chunk_size);
+}
+
+namespace {
+
+// ---- CompositeExplicitAutograd (CPU, CUDA, Meta): the public op is the forward op without its stats ---
+
+at::Tensor linear_cross_entropy_composite(const at::Tensor& input, const at::Tensor& linear_weight,
+                                          const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
+                                          const std::optional<at::Tensor>& weight, c10::string_view reduction,
+                                          int64_t ignore_index, double label_smoothing, double z_loss,
+                                          std::optional<double> softcap, std::optional<int64_t> chunk_size) {
+  return std::get<0>(opforge::_linear_cross_entropy_forward(input, linear_weight, target, linear_bias, weight,
+                                                            reduction, ignore_index, label_smoothing, z_loss, softcap,
+                                                            chunk_size));
+}
+
+// ---- Meta: the same checker, then outputs with the real kernels' shapes, dtypes and strides ----------
+
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_meta(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
+    int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
+    std::optional<int64_t> chunk_size) {
+  const auto r = lce::check_args("linear_cross_entropy", input, linear_weight, target, linear_bias, weight, reduction,
+                                 label_smoothing, z_loss, softcap, chunk_size);
+  c10::SymDimVector ss(target.sym_sizes().begin(), target.sym_sizes().end());
+  ss.push_back(2);
+  at::Tensor loss = r == lce::Reduction::kNone ? at::empty_symint(target.sym_sizes(), input.options())
+                                               : at::empty({}, input.options());
+  return {loss, at::empty_symint(ss, input.options().dtype(lce::acc_dtype(input.scalar_type())))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_meta(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const at::Tensor& stats, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+    c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+    std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size) {
+  lce::check_backward_args(grad_output, input, linear_weight, target, stats, linear_bias, weight, reduction,
+                           label_smoothing, z_loss, softcap, chunk_size);
+  at::Tensor gi, gw, gb;
+  if (output_mask[0]) gi = at::empty_symint(input.sym_sizes(), input.options());
+  if (output_mask[1]) gw = at::empty_symint(linear_weight.sym_sizes(), linear_weight.options());
+  if (output_mask[2] && linear_bias.has_value() && linear_bias->defined())
+    gb = at::empty_symint(linear_bias->sym_sizes(), linear_bias->options());
+  return {gi, gw, gb};
+}
+
+// ---- Autograd: save what backward needs, redispatch below autograd, route backward to the op ---------
+
+// Saved: input, linear_weight, target, stats, linear_bias (or undefined), weight (or undefined).
+// Attributes: reduction (int), ignore_index, label_smoothing, z_loss, softcap (double, 0 = none),
+// chunk_size (int, 0 = default). Edges: 0 input, 1 linear_weight, 2 linear_bias (the class weights get none).
+variable_list lce_backward_fn(const BackwardArgs& a) {
+  const at::Tensor &bias = a.saved[4], &cw = a.saved[5];
+  const auto reduction = static_cast<lce::Reduction>(a.attrs[0].toInt());
+  const double softcap = a.attrs[4].toDouble();
+  const int64_t chunk = a.attrs[5].toInt();
+  if (!a.grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+  auto [gi, gw, gb] = opforge::linear_cross_entropy_backward(
+      a.grads[0], a.saved[0], a.saved[1], a.saved[2], a.saved[3],
+      bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+      cw.defined() ? std::optional<at::Tensor>(cw) : std::nullopt, lce::reduction_name(reduction), a.attrs[1].toInt(),
+      a.attrs[2].toDouble(), a.attrs[3].toDouble(), softcap > 0 ? std::optional<double>(softcap) : std::nullopt,
+      {a.needs[0], a.needs[1], bias.defined() && a.needs[2]},
+      chunk > 0 ? std::optional<int64_t>(chunk) : std::nullopt);
+  return {gi, gw, gb};
+}
+
+void record_lce(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+                std::optional<double> softcap, std::optional<int64_t> chunk_size, at::Tensor& loss,
+                const at::Tensor& stats) {
+  auto node = record_node("opforge::LinearCrossEntropyBackward", lce_backward_fn, nullptr, {&loss}, input,
+                          linear_weight, linear_bias);
+  node->save(input);
+  node->save(linear_weight);
+  node->save(target);
+  node->save(stats);
+  node->save(linear_bias);
+  node->save(weight);
+  node->attr(static_cast<int64_t>(lce::parse_reduction("linear_cross_entropy", reduction)));
+  node->attr(ignore_index);
+  node->attr(label_smoothing);
+  node->attr(z_loss);
+  node->attr(softcap.value_or(0.0));
+  node->attr(chunk_size.value_or(0));
+}
+
+at::Tensor linear_cross_entropy_autograd(const at::Tensor& input, const at::Tensor& linear_weight,
+                                         const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
+                                         const std::optional<at::Tensor>& weight, c10::string_view reduction,
+                                         int64_t ignore_index, double label_smoothing, double z_loss,
+                                         std::optional<double> softcap, std::optional<int64_t> chunk_size) {
+  check_no_forward_ad("linear_cross_entropy", input, linear_weight, linear_bias);
+  // as F.cross_entropy: the class weights are not differentiable (never a silently missing gradient)
+  TORCH_CHECK(!any_requires_grad(weight), "opforge::linear_cross_entropy: expected weight (the class weights) not to require "
+              "grad (the loss is not differentiable with respect to them), but it does; pass weight.detach()");
+  const bool grad = any_requires_grad(input, linear_weight, linear_bias);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  if (!grad) {
+    return opforge::linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                                         label_smoothing, z_loss, softcap, chunk_size);
+  }
+  auto [loss, stats] = opforge::_linear_cross_entropy_forward(input, linear_weight, target, linear_bias, weight,
+                                                              reduction, ignore_index, label_smoothing, z_loss,
+                                                              softcap, chunk_size);
+  record_lce(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
+             softcap, chunk_size, loss, stats);
+  return loss;
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_forward_autograd(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
+    int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
+    std::optional<int64_t> chunk_size) {
+  check_no_forward_ad("_linear_cross_entropy_forward", input, linear_weight, linear_bias);
+  // as F.cross_entropy: the class weights are not differentiable (never a silently missing gradient)
+  TORCH_CHECK(!any_requires_grad(weight), "opforge::_linear_cross_entropy_forward: expected weight (the class weights) not to require "
+              "grad (the loss is not differentiable with respect to them), but it does; pass weight.detach()");
+  const bool grad = any_requires_grad(input, linear_weight, linear_bias);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  auto [loss, stats] = opforge::_linear_cross_entropy_forward(input, linear_weight, target, linear_bias, weight,
+                                                              reduction, ignore_index, label_smoothing, z_loss,
+                                                              softcap, chunk_size);
+  if (grad) {
+    record_lce(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
+               softcap, chunk_size, loss, stats);
+  }
+  return {loss, stats};
+}
+
+// ---- autocast: the GEMM inputs (input, linear_weight, linear_bias) in the autocast dtype, as torch's linear;
+// the class weights untouched; the loss returned in float32, as torch's cross_entropy under autocast ----------
+
+void lce_autocast_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const auto device = ks.has(c10::DispatchKey::AutocastCUDA) ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+  const auto to = at::autocast::get_autocast_dtype(device);
+  const auto n = op.schema().arguments().size();
+  const size_t base = stack->size() - n;
+  for (size_t k : {size_t{0}, size_t{1}, size_t{3}}) {  // input, linear_weight, linear_bias
+    c10::IValue& arg = (*stack)[base + k];
+    if (!arg.isTensor()) continue;
+    const at::Tensor& t = arg.toTensor();
+    if (t.defined() && at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kDouble)
+      arg = at::autocast::cached_cast(to, t, device);
+  }
+  {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    op.callBoxed(stack);
+  }
+  const auto outs = op.schema().returns().size();
+  c10::IValue& loss = (*stack)[stack->size() - outs];
+  const at::Tensor& l = loss.toTensor();
+  if (l.scalar_type() == at::kHalf || l.scalar_type() == at::kBFloat16) loss = l.to(at::kFloat);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, CompositeExplicitAutograd, m) {
+  m.impl("linear_cross_entropy", &linear_cross_entropy_composite);
+}
+
+TORCH_LIBRARY_IMPL(opforge, Meta, m) {
+  m.impl("_linear_cross_entropy_forward", &linear_cross_entropy_forward_meta);
+  m.impl("linear_cross_entropy_backward", &linear_cross_entropy_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
+  m.impl("linear_cross_entropy", &linear_cross_entropy_autograd);
+  m.impl("_linear_cross_entropy_forward", &linear_cross_entropy_forward_autograd);
+  register_backward_op_autograd(m, "linear_cross_entropy_backward");
+}
+
+TORCH_LIBRARY_IMPL(opforge, AutocastCPU, m) {
+  m.impl("linear_cross_entropy", torch::CppFunction::makeFromBoxedFunction<&lce_autocast_kernel>());
+  m.impl("_linear_cross_entropy_forward", torch::CppFunction::makeFromBoxedFunction<&lce_autocast_kernel>());
+}
+TORCH_LIBRARY_IMPL(opforge, AutocastCUDA, m) {
+  m.impl("linear_cross_entropy", torch::CppFunction::makeFromBoxedFunction<&lce_autocast_kernel>());
+  m.impl("_linear_cross_entropy_forward", torch::CppFunction::makeFromBoxedFunction<&lce_autocast_kernel>());
+}
+// the backward runs in the dtypes autograd hands it (core/autocast.h)
+OPFORGE_AUTOCAST(linear_cross_entropy, {{"linear_cross_entropy_backward", AutocastPolicy::kInputDtype}})
+
+}  // namespace opforge

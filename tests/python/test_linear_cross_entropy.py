@@ -1,0 +1,421 @@
+"""linear_cross_entropy: values and gradients against float64, the five cases from real bug reports of issue 10,
+opcheck, torch.compile, gradcheck, torch.func, bad inputs and agreement with torch's F.linear_cross_entropy."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import opforge
+from opforge.testing import assert_matches_reference, linear_cross_entropy_reference, relative_error
+
+LOSS_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _data(N, H, V, dtype, device, *, bias=False, ignore_frac=0.0, scale=1.0):
+    x = (torch.randn(N, H, device=device) * scale).to(dtype)
+    w = (torch.randn(V, H, device=device) / math.sqrt(H)).to(dtype)
+    b = torch.randn(V, device=device).to(dtype) if bias else None
+    t = torch.randint(0, V, (N,), device=device)
+    if ignore_frac:
+        t[torch.rand(N, device=device) < ignore_frac] = -100
+    return x, w, b, t
+
+
+def _grads(fn, x, w, b, **kw):
+    """(loss, grad_input, grad_linear_weight, grad_linear_bias) of fn(...).sum()-or-weighted backward."""
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    b = None if b is None else b.detach().clone().requires_grad_()
+    gw = kw.pop("grad_weights", None)
+    loss = fn(x, w, linear_bias=b, **kw)
+    (loss * gw).sum().backward() if gw is not None else loss.sum().backward()
+    return loss.detach(), x.grad, w.grad, None if b is None else b.grad
+
+
+def _ours(x, w, t):
+    return lambda xx, ww, **kw: opforge.linear_cross_entropy(xx, ww, t, **kw)
+
+
+def _ref(x, w, t, dtype=torch.float64):
+    def f(xx, ww, chunk_size=None, **kw):
+        return linear_cross_entropy_reference(xx, ww, t, compute_dtype=dtype, **kw)
+    return f
+
+
+def _check_all(x, w, b, t, **kw):
+    """ours vs float64 with the tolerance rule (baseline: the same eager math in the input's dtype)."""
+    ours = _grads(_ours(x, w, t), x, w, b, **kw)
+    ref = _grads(_ref(x, w, t), x, w, b, **kw)
+    base = _grads(_ref(x, w, t, x.dtype), x, w, b, **kw)
+    for name, o, r, bl in zip(["loss", "grad_input", "grad_linear_weight", "grad_linear_bias"], ours, ref, base):
+        if r is None:
+            assert o is None, name
+            continue
+        assert_matches_reference(o, r.to(o.dtype) if o.dtype == torch.float64 else r, bl.to(o.dtype), what=name)
+    return ours, ref
+
+
+# ---- values and gradients over the options ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}, {"classw": True},
+                                  {"label_smoothing": 0.2, "classw": True, "z_loss": 1e-4, "softcap": 3.0}])
+def test_matches_float64(device, dtype, reduction, opts):
+    opts = dict(opts)
+    x, w, b, t = _data(37, 24, 83, dtype, device, bias=True, ignore_frac=0.2, scale=2.0)
+    if opts.pop("classw", False):
+        opts["weight"] = torch.rand(83, device=device) + 0.5
+    grad_weights = torch.randn(37, device=device).to(dtype) if reduction == "none" else None
+    _check_all(x, w, b, t, reduction=reduction, chunk_size=8, grad_weights=grad_weights, **opts)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, None])
+def test_chunk_size_does_not_change_the_result(device, chunk):
+    x, w, b, t = _data(50, 16, 129, torch.float64, device, bias=True, ignore_frac=0.3)
+    ours = _grads(_ours(x, w, t), x, w, b, chunk_size=chunk, label_smoothing=0.1)
+    ref = _grads(_ref(x, w, t), x, w, b, label_smoothing=0.1)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r, rtol=1e-10, atol=1e-12)
+
+
+def test_batch_dims_and_non_contiguous(device):
+    x = torch.randn(3, 16, 5, device=device).transpose(1, 2)  # (3, 5, 16), non-contiguous
+    w = torch.randn(16, 40, device=device).t()                 # (40, 16), transposed
+    t = torch.randint(0, 40, (3, 5), device=device)
+    loss = opforge.linear_cross_entropy(x, w, t, reduction="none")
+    assert loss.shape == (3, 5)
+    torch.testing.assert_close(loss, linear_cross_entropy_reference(x, w, t, reduction="none").float(),
+                               rtol=1e-5, atol=1e-5)
+
+
+# ---- the cases from real bug reports (issue 10) -----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", LOSS_DTYPES)
+def test_case1_per_token_weighted_none_reduction(device, dtype):
+    N, H, V = 8, 10, 15
+    x, w, b, t = _data(N, H, V, dtype, device, bias=True)
+    t[1] = -100
+    t[6] = -100
+    pw = torch.tensor([0, 1, 2, .5, 3, 0, 1, 4], device=device, dtype=dtype)
+    (loss, gi, gw, gb), _ = _check_all(x, w, b, t, reduction="none", grad_weights=pw, chunk_size=3)
+    for row in (0, 1, 5, 6):
+        assert torch.equal(gi[row], torch.zeros_like(gi[row])), row
+    assert loss[1] == 0 and loss[6] == 0
+
+
+@pytest.mark.parametrize("dtype", LOSS_DTYPES)
+def test_case1_large(device, dtype):
+    # the issue's size on CUDA; on CPU a smaller one of the same shape of problem (CI's 2 cores)
+    N, H, V, chunk = (4096, 256, 32000, 1000) if device == "cuda" else (768, 64, 5000, 200)
+    x, w, b, t = _data(N, H, V, dtype, device, bias=True, ignore_frac=0.1)
+    pw = torch.rand(N, device=device).to(dtype) * 4
+    pw[::7] = 0
+    (loss, gi, _, _), _ = _check_all(x, w, b, t, reduction="none", grad_weights=pw, chunk_size=chunk)
+    zero_rows = (pw == 0) | (t == -100)
+    assert torch.equal(gi[zero_rows], torch.zeros_like(gi[zero_rows]))
+
+
+def test_case2_weight_gradient_across_chunks(device):
+    N, H, V = 8192, 512, 1024
+    x, w, _, t = _data(N, H, V, torch.bfloat16, device)
+    w64 = w.double().requires_grad_()
+    linear_cross_entropy_reference(x, w64, t).backward()
+    errs = []
+    for chunk in (8192, 1024, 128, 32):
+        wq = w.detach().clone().requires_grad_()
+        opforge.linear_cross_entropy(x, wq, t, chunk_size=chunk).backward()
+        errs.append(relative_error(wq.grad, w64.grad))
+    assert max(errs) <= 3e-3, errs
+    assert max(errs) <= 1.5 * min(errs), errs
+
+
+def test_case2_frozen_lm_head_allocates_no_weight_gradient(device):
+    N, H, V = 1024, 256, 4096
+    x, w, _, t = _data(N, H, V, torch.bfloat16, device)
+    x.requires_grad_()
+    out = torch.ops.opforge.linear_cross_entropy_backward(
+        torch.tensor(1.0, device=device), x, w, t, torch.zeros(N, 2, device=device), None, None, "mean", -100, 0.0,
+        0.0, None, [True, False, False])
+    assert out[0] is not None and out[1] is None and out[2] is None
+    if device != "cuda":
+        return
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opforge.linear_cross_entropy(x, w, t, chunk_size=256).backward()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert w.grad is None
+    # one fp32 chunk + its bf16 copy + grad_input + small vectors; a V x H fp32 buffer would add 4 MiB
+    assert peak < 256 * V * 6 + N * H * 2 + V * H * 4 // 2, peak
+
+
+@pytest.mark.parametrize("dtype", LOSS_DTYPES)
+def test_case3_dominating_bias(device, dtype):
+    N, H, V = 512, 64, 1000
+    x, w, _, t = _data(N, H, V, dtype, device)
+    b = 2 * torch.randn(V, device=device)
+    b[17] = 8.0
+    b = b.to(dtype)
+    t[: N // 4] = 17
+    t[torch.rand(N, device=device) < 0.1] = -100
+    (loss, *_), _ = _check_all(x, w, b, t, reduction="none", chunk_size=100)
+    assert (loss >= 0).all()
+    _check_all(x, w, b, t, reduction="mean", chunk_size=100)
+    no_bias = _grads(_ours(x, w, t), x, w, None, reduction="none")
+    zero_bias = _grads(_ours(x, w, t), x, w, torch.zeros(V, device=device, dtype=dtype), reduction="none")
+    for a, z in zip(no_bias[:3], zero_bias[:3]):
+        assert torch.equal(a, z)
+
+
+@pytest.mark.parametrize("dtype", LOSS_DTYPES)
+def test_case4_large_common_offsets(device, dtype):
+    V, N, H = 50, 6, 8
+    offsets = [0.0, 1e4, 1e6, 1e8] if dtype == torch.float32 else [0.0, 256.0, 4096.0, 65536.0]
+    for C in offsets:
+        x = torch.randn(N, H, device=device, dtype=dtype)
+        w = torch.zeros(V, H, device=device, dtype=dtype)
+        b = torch.full((V,), C, device=device, dtype=dtype)
+        t = torch.randint(0, V, (N,), device=device)
+        loss = opforge.linear_cross_entropy(x, w, t, linear_bias=b, reduction="none")
+        torch.testing.assert_close(loss.float(), torch.full((N,), math.log(V), device=device),
+                                   rtol=0, atol=1e-6 if dtype == torch.float32 else 2e-2, msg=f"C={C}")
+        b2 = torch.tensor([C + 8, C], device=device, dtype=dtype)
+        if b2[0] - b2[1] != 8:  # C + 8 not representable in dtype
+            continue
+        w2 = torch.zeros(2, H, device=device, dtype=dtype, requires_grad=True)
+        b2.requires_grad_()
+        x2 = torch.randn(2, H, device=device, dtype=dtype)
+        loss2 = opforge.linear_cross_entropy(x2, w2, torch.tensor([0, 1], device=device), linear_bias=b2,
+                                             reduction="none")
+        tol = 1e-6 if dtype == torch.float32 else 4e-2
+        torch.testing.assert_close(loss2.float(), torch.tensor([3.354064e-4, 8.000335], device=device),
+                                   rtol=tol, atol=tol * 1e-2, msg=f"C={C}")
+        loss2.sum().backward()
+        assert w2.grad.abs().sum() > 0 and b2.grad.abs().sum() > 0, f"C={C}"
+
+
+@pytest.mark.parametrize("dtype", LOSS_DTYPES)
+def test_case5_every_target_ignored(device, dtype):
+    x, w, b, t = _data(16, 8, 30, dtype, device, bias=True)
+    t[:] = -100
+    for reduction in ["mean", "sum", "none"]:
+        loss, gi, gw, gb = _grads(_ours(x, w, t), x, w, b, reduction=reduction, chunk_size=5)
+        ref = TF.cross_entropy((x.float() @ w.float().t() + b.float()), t, reduction=reduction)
+        if reduction == "mean":
+            assert torch.isnan(loss) and torch.isnan(ref)
+        else:
+            assert torch.equal(loss.float(), ref)
+        for g, like in ((gi, x), (gw, w), (gb, b)):
+            assert g is not None and g.shape == like.shape and torch.equal(g, torch.zeros_like(like)), reduction
+
+
+@pytest.mark.parametrize("dtype", LOSS_DTYPES)
+def test_case5_an_ignored_chunk_changes_nothing(device, dtype):
+    x, w, b, t = _data(40, 8, 30, dtype, device, bias=True)
+    t[10:20] = -100  # exactly the second chunk of 10
+    a = _grads(_ours(x, w, t), x, w, b, chunk_size=10)
+    keep = torch.ones(40, dtype=torch.bool, device=device)
+    keep[10:20] = False
+    c = _grads(lambda xx, ww, **kw: opforge.linear_cross_entropy(xx[keep], ww, t[keep], **kw), x, w, b, chunk_size=10)
+    torch.testing.assert_close(a[0], c[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(a[2], c[2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a[3], c[3], rtol=1e-5, atol=1e-6)
+    assert torch.equal(a[1][10:20], torch.zeros_like(a[1][10:20]))
+
+
+# ---- conformance ------------------------------------------------------------------------------------------
+
+def _sample(device, dtype=torch.float32, requires_grad=True):
+    x, w, b, t = _data(12, 8, 20, dtype, device, bias=True, ignore_frac=0.2)
+    for v in (x, w, b):
+        v.requires_grad_(requires_grad)
+    return x, w, b, t
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_opcheck(device, reduction):
+    x, w, b, t = _sample(device)
+    cw = torch.rand(20, device=device) + 0.5
+    torch.library.opcheck(torch.ops.opforge.linear_cross_entropy.default,
+                          (x, w, t, b, cw, reduction, -100, 0.1, 1e-3, 4.0, 5))
+    torch.library.opcheck(torch.ops.opforge._linear_cross_entropy_forward.default, (x, w, t, b, None, reduction))
+    _, stats = torch.ops.opforge._linear_cross_entropy_forward(x.detach(), w.detach(), t, b.detach(), None, reduction)
+    go = torch.randn(12, device=device) if reduction == "none" else torch.tensor(1.5, device=device)
+    torch.library.opcheck(torch.ops.opforge.linear_cross_entropy_backward.default,
+                          (go, x.detach(), w.detach(), t, stats, b.detach(), None, reduction, -100, 0.0, 0.0, None,
+                           [True, True, True]))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph(device, dynamic):
+    torch._dynamo.reset()
+
+    def f(x, w, b, t):
+        return opforge.linear_cross_entropy(x, w, t, linear_bias=b, label_smoothing=0.1, chunk_size=5)
+
+    cf = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    for n in (12, 17):
+        x, w, b, t = _data(n, 8, 20, torch.float32, device, bias=True, ignore_frac=0.2)
+        e = _grads(lambda xx, ww, linear_bias: f(xx, ww, linear_bias, t), x, w, b)
+        c = _grads(lambda xx, ww, linear_bias: cf(xx, ww, linear_bias, t), x, w, b)
+        for a, z in zip(e, c):
+            torch.testing.assert_close(a, z, rtol=1e-6, atol=1e-6)
+
+
+def test_gradcheck(device):
+    x, w, b, t = _data(6, 5, 7, torch.float64, device, bias=True)
+    t[2] = -100
+    cw = torch.rand(7, device=device, dtype=torch.float64) + 0.5
+    for v in (x, w, b):
+        v.requires_grad_()
+    for reduction in ["mean", "none"]:
+        assert torch.autograd.gradcheck(
+            lambda x, w, b: opforge.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, reduction=reduction,
+                                                         label_smoothing=0.2, z_loss=0.01, softcap=2.0, chunk_size=4),
+            (x, w, b))
+
+
+def test_torch_func_grad(device):
+    x, w, b, t = _data(10, 6, 9, torch.float64, device, bias=True)
+    g = torch.func.grad(lambda x, w: opforge.linear_cross_entropy(x, w, t, linear_bias=b), argnums=(0, 1))(x, w)
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    linear_cross_entropy_reference(x2, w2, t, linear_bias=b).backward()
+    torch.testing.assert_close(g[0], x2.grad)
+    torch.testing.assert_close(g[1], w2.grad)
+
+
+def test_double_backward_is_refused_lazily(device):
+    x, w, b, t = _sample(device, torch.float64)
+    loss = opforge.linear_cross_entropy(x, w, t, linear_bias=b)
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        gx.sum().backward()
+
+
+def test_autocast_lowers_gemm_inputs_loss_in_float32():
+    x, w, b, t = _sample("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = opforge.linear_cross_entropy(x, w, t, linear_bias=b)
+    assert loss.dtype == torch.float32
+    ref = opforge.linear_cross_entropy(x.bfloat16(), w.bfloat16(), t, linear_bias=b.bfloat16()).float()
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+def test_module(device):
+    torch.manual_seed(0)
+    m = opforge.nn.LinearCrossEntropyLoss(8, 20, bias=True, device=device, label_smoothing=0.1)
+    tm = torch.nn.LinearCrossEntropyLoss(8, 20, bias=True, device=device, label_smoothing=0.1)
+    tm.load_state_dict(m.state_dict())
+    x = torch.randn(12, 8, device=device)  # torch's module takes (N, H) only; ours also (*, H)
+    t = torch.randint(0, 20, (12,), device=device)
+    torch.testing.assert_close(m(x, t), tm(x, t))
+    assert m(x.view(4, 3, 8), t.view(4, 3)).shape == ()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("kw", [{}, {"reduction": "sum", "label_smoothing": 0.3}, {"reduction": "none"},
+                                {"weight": "w", "reduction": "mean"}])
+def test_agrees_with_torch_linear_cross_entropy(device, chunked, kw):
+    if not hasattr(TF, "linear_cross_entropy"):
+        pytest.skip("torch has no F.linear_cross_entropy")
+    kw = dict(kw)
+    x, w, b, t = _data(64, 16, 50, torch.float32, device, bias=True, ignore_frac=0.2)
+    if kw.get("weight") == "w":
+        kw["weight"] = torch.rand(50, device=device) + 0.5
+    tkw = dict(kw)
+    if chunked:
+        tkw["options"] = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=16) \
+            if hasattr(torch.nn, "LinearCrossEntropyOptions") else None
+    ours = _grads(lambda xx, ww, **k: opforge.linear_cross_entropy(xx, ww, t, **k), x, w, b, **kw)
+    theirs = _grads(lambda xx, ww, **k: TF.linear_cross_entropy(xx, ww, t, ignore_index=-100, **k), x, w, b, **tkw)
+    for a, z in zip(ours, theirs):
+        torch.testing.assert_close(a, z, rtol=2e-5, atol=2e-6)
+
+
+# ---- bad inputs -------------------------------------------------------------------------------------------
+
+def test_target_out_of_range_raises_on_cpu():
+    x, w, _, t = _data(5, 4, 6, torch.float32, "cpu")
+    t[3] = 6
+    with pytest.raises(IndexError, match=r"expected every target in \[0, 6\).*got target 6 at flat position 3"):
+        opforge.linear_cross_entropy(x, w, t)
+    t[3] = -1
+    with pytest.raises(IndexError, match="got target -1"):
+        opforge.linear_cross_entropy(x, w, t)
+
+
+def test_target_out_of_range_on_cuda_is_flagged_nan():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    x, w, _, t = _data(5, 4, 6, torch.float32, "cuda")
+    t[3] = 1 << 40
+    x.requires_grad_()
+    loss = opforge.linear_cross_entropy(x, w, t, reduction="none")
+    assert torch.isnan(loss[3]) and torch.isfinite(loss[[0, 1, 2, 4]]).all()
+    loss.sum().backward()
+    assert torch.isnan(x.grad[3]).all() and torch.isfinite(x.grad[[0, 1, 2, 4]]).all()
+
+
+@pytest.mark.parametrize("case,exc,msg", [
+    ("int_input", TypeError, "expected input to have a floating dtype"),
+    ("float_target", TypeError, "expected target of dtype int64"),
+    ("h_mismatch", ValueError, "expected input's last dimension to equal linear_weight's H 4, but got 5"),
+    ("weight_1d", ValueError, "expected linear_weight to be 2-D"),
+    ("target_shape", ValueError, "expected target of input's leading shape"),
+    ("bias_shape", ValueError, r"expected linear_bias of shape \[6\]"),
+    ("class_weight_shape", ValueError, r"expected weight of shape \[6\]"),
+    ("smoothing_high", ValueError, r"expected label_smoothing in \[0, 1\], but got 1.5"),
+    ("smoothing_low", ValueError, r"expected label_smoothing in \[0, 1\], but got -0.1"),
+    ("z_loss", ValueError, "expected z_loss >= 0"),
+    ("softcap", ValueError, "expected softcap > 0"),
+    ("chunk", ValueError, "expected chunk_size >= 1"),
+    ("reduction", ValueError, "expected reduction to be one of"),
+])
+def test_bad_inputs(case, exc, msg):
+    x, w, b, t = _data(5, 4, 6, torch.float32, "cpu", bias=True)
+    kw = {}
+    if case == "int_input":
+        x = x.long()
+    elif case == "float_target":
+        t = t.float()
+    elif case == "h_mismatch":
+        x = torch.randn(5, 5)
+    elif case == "weight_1d":
+        w = w.reshape(-1)
+    elif case == "target_shape":
+        t = t[:4]
+    elif case == "bias_shape":
+        kw["linear_bias"] = torch.randn(5)
+    elif case == "class_weight_shape":
+        kw["weight"] = torch.randn(7)
+    elif case == "smoothing_high":
+        kw["label_smoothing"] = 1.5
+    elif case == "smoothing_low":
+        kw["label_smoothing"] = -0.1
+    elif case == "z_loss":
+        kw["z_loss"] = -1.0
+    elif case == "softcap":
+        kw["softcap"] = 0.0
+    elif case == "chunk":
+        kw["chunk_size"] = 0
+    elif case == "reduction":
+        kw["reduction"] = "avg"
+    with pytest.raises(exc, match=msg):
+        opforge.linear_cross_entropy(x, w, t, **kw)
+    with pytest.raises(exc, match=msg):  # Meta runs the same checker
+        opforge.linear_cross_entropy(x.to("meta"), w.to("meta"), t.to("meta"),
+                                     **{k: v.to("meta") if torch.is_tensor(v) else v for k, v in kw.items()})
+
+
+def test_zero_tokens(device):
+    x = torch.randn(0, 4, device=device, requires_grad=True)
+    w = torch.randn(6, 4, device=device, requires_grad=True)
+    t = torch.zeros(0, dtype=torch.long, device=device)
+    loss = opforge.linear_cross_entropy(x, w, t, reduction="sum")
+    loss.backward()
+    assert loss.item() == 0 and x.grad.shape == (0, 4) and torch.equal(w.grad, torch.zeros_like(w))
+    assert torch.isnan(opforge.linear_cross_entropy(x, w, t))
