@@ -24,12 +24,31 @@ __all__ += ["linear_cat", "indexed_linear"]  # linear variants (issue 11)
 #: The activations of :func:`linear`, by name.
 LINEAR_ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
-# Bound once: the Python side of linear is one call into the dispatcher (the C++ op does every check).
-# Eagerly, the C++ callable behind the OpOverload (skipping OpOverload.__call__'s Python frame); while
-# torch.compile traces, the OpOverload itself, which dynamo understands.
+# The wrappers' bodies (docs/performance/overhead.md measures each layer, in instructions per call): the C++ op
+# does every check, so the Python side is the wrapper's frame and one call into the dispatcher. Eagerly that call is
+# the C++ callable behind the OpOverload (``OpOverload._op``): it skips OpOverload.__call__'s Python frame and the
+# overload resolution of the packet ``torch.ops.opforge.<op>``. Dynamo cannot trace that pybind builtin, so while
+# it traces (torch.compile, strict torch.export) the wrappers call the OpOverload itself, which becomes the graph's
+# node. The test is torch.compiler.is_dynamo_compiling(): one frame returning False eagerly, constant-folded to
+# True by Dynamo (torch.compiler.is_compiling() costs two frames). Non-strict export and make_fx trace the eager
+# line: _op dispatches to their modes as OpOverload.__call__ would (it is that method's whole body).
+_is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
+# Bound once, at import: the wrappers read module globals (no attribute lookups per call).
 _linear_op = torch.ops.opforge.linear.default
 _linear_call = _linear_op._op
-_is_compiling = torch.compiler.is_compiling
+_sigmoid_op = torch.ops.opforge.sigmoid.default
+_sigmoid_call = _sigmoid_op._op
+_square_op = torch.ops.opforge.square.default
+_square_call = _square_op._op
+_square_add_op = torch.ops.opforge.square_add.default
+_square_add_call = _square_add_op._op
+_swiglu_op = torch.ops.opforge.swiglu.default
+_swiglu_call = _swiglu_op._op
+_rms_norm_op = torch.ops.opforge.rms_norm.default
+_rms_norm_call = _rms_norm_op._op
+_fused_add_rms_norm_op = torch.ops.opforge.fused_add_rms_norm.default
+_fused_add_rms_norm_call = _fused_add_rms_norm_op._op
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
@@ -70,9 +89,9 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     Source: torch.nn.functional.linear and torch.nn.functional.relu / gelu / silu; gradients
     dX = dZ·W, dW = dZᵀ·X, db = Σ_rows dZ (``torch.ops.opforge.linear_backward``).
     """
-    if _is_compiling():
+    if _is_dynamo_compiling():
         return _linear_op(input, weight, bias, activation)
-    if activation == "none":  # the schema's default: one argument fewer to convert
+    if activation == "none":  # the schema's default: one argument fewer to convert (~4% of a tiny call)
         return _linear_call(input, weight, bias)
     return _linear_call(input, weight, bias, activation)
 
@@ -95,7 +114,9 @@ def sigmoid(input: Tensor) -> Tensor:
 
     Source: the logistic function; reference torch.sigmoid.
     """
-    return torch.ops.opforge.sigmoid(input)
+    if _is_dynamo_compiling():
+        return _sigmoid_op(input)
+    return _sigmoid_call(input)
 
 
 def square(input: Tensor) -> Tensor:
@@ -114,7 +135,9 @@ def square(input: Tensor) -> Tensor:
 
     Source: torch.square.
     """
-    return torch.ops.opforge.square(input)
+    if _is_dynamo_compiling():
+        return _square_op(input)
+    return _square_call(input)
 
 
 def square_add(input: Tensor, other: Tensor) -> Tensor:
@@ -139,7 +162,9 @@ def square_add(input: Tensor, other: Tensor) -> Tensor:
 
     Source: the seeds' elementwise example, y = x² + b.
     """
-    return torch.ops.opforge.square_add(input, other)
+    if _is_dynamo_compiling():
+        return _square_add_op(input, other)
+    return _square_add_call(input, other)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -162,7 +187,9 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
     Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference F.silu(gate) * up.
     """
-    return torch.ops.opforge.swiglu(gate, up)
+    if _is_dynamo_compiling():
+        return _swiglu_op(gate, up)
+    return _swiglu_call(gate, up)
 
 
 _Shape = Union[int, Sequence[int], torch.Size]
@@ -216,7 +243,9 @@ def rms_norm(input: Tensor, normalized_shape: _Shape, weight: Optional[Tensor] =
     Source: B. Zhang and R. Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019;
     reference torch.nn.functional.rms_norm.
     """
-    return torch.ops.opforge.rms_norm(input, _as_shape(normalized_shape), weight, eps)
+    if _is_dynamo_compiling():
+        return _rms_norm_op(input, _as_shape(normalized_shape), weight, eps)
+    return _rms_norm_call(input, _as_shape(normalized_shape), weight, eps)
 
 
 def fused_add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: _Shape, weight: Optional[Tensor] = None,
@@ -249,7 +278,10 @@ def fused_add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: _Shape
     Source: B. Zhang and R. Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019; the fused
     residual form as in vLLM's ``fused_add_rms_norm``.
     """
-    return torch.ops.opforge.fused_add_rms_norm(input, residual, _as_shape(normalized_shape, "fused_add_rms_norm"), weight, eps)
+    shape = _as_shape(normalized_shape, "fused_add_rms_norm")
+    if _is_dynamo_compiling():
+        return _fused_add_rms_norm_op(input, residual, shape, weight, eps)
+    return _fused_add_rms_norm_call(input, residual, shape, weight, eps)
 
 
 # ---- linear_cross_entropy (issue 10) -----------------------------------------------------------------------
