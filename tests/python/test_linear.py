@@ -189,11 +189,7 @@ def test_every_requires_grad_combination(device, with_bias):
 # ---- double backward per activation (gradcheck, opcheck, compile, the rest: test_conformance.py) -------------
 
 
-@pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh",
-                                        pytest.param("silu", marks=pytest.mark.xfail(
-                                            strict=True, raises=RuntimeError,
-                                            reason="linear.cpp's double backward uses at::silu_backward, which ATen "
-                                                   "cannot differentiate"))])
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh", "silu"])
 def test_double_backward(device, activation):
     x = torch.randn(3, 4, device=device, dtype=torch.float64, requires_grad=True)
     W = torch.randn(5, 4, device=device, dtype=torch.float64, requires_grad=True)
