@@ -97,7 +97,7 @@ inline at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
 /// σ(x) in float64 and its gradient dy · σ(x) · (1 − σ(x)).
 inline at::Tensor sigmoid(const at::Tensor& x) { return torch::sigmoid(x.to(at::kDouble)); }
 inline at::Tensor sigmoid_backward(const at::Tensor& dy, const at::Tensor& x) {
-  const auto s = sigmoid(x);
+  const auto s = ref::sigmoid(x);
   return dy.to(at::kDouble) * s * (1 - s);
 }
 
