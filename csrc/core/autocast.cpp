@@ -60,4 +60,12 @@ void autocast_float32_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet 
   call_without_autocast(op, stack);
 }
 
+void autocast_float32_on_cuda_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (autocast_device(ks) == c10::DeviceType::CUDA) {
+    autocast_float32_kernel(op, ks, stack);
+  } else {
+    call_without_autocast(op, stack);
+  }
+}
+
 }  // namespace opforge

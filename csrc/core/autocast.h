@@ -5,6 +5,8 @@
 //                    the autocast dtype (torch.get_autocast_dtype), as ATen's lower_precision_fp policy does.
 //   kFloat32         loss-like ops (torch's `cross_entropy`, `nll_loss` on CUDA): floating inputs of lower precision
 //                    are cast to float32.
+//   kFloat32OnCUDA   ops torch autocasts to float32 on CUDA only (torch's `pow`, hence square): float32 under CUDA
+//                    autocast, no cast under CPU autocast.
 //   kInputDtype      everything else (norms, elementwise, as torch's `rms_norm`, `sigmoid` in eager): no cast.
 // Every policy then runs the op with autocast turned off, so autocast never reaches the ATen calls that a
 // kernel makes internally (a CPU GEMM inside a kernel stays in the dtype the kernel chose).
@@ -15,12 +17,13 @@
 
 namespace opforge {
 
-enum class AutocastPolicy { kInputDtype, kLowerPrecision, kFloat32 };
+enum class AutocastPolicy { kInputDtype, kLowerPrecision, kFloat32, kFloat32OnCUDA };
 
 /// Boxed autocast kernels, one per policy.
 void autocast_input_dtype_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 void autocast_lower_precision_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 void autocast_float32_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+void autocast_float32_on_cuda_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 
 /// Registers the kernel of `policy` for op `name` in `m` (a TORCH_LIBRARY_IMPL block of AutocastCPU or
 /// AutocastCUDA). Use through OPFORGE_AUTOCAST below.
@@ -34,6 +37,9 @@ inline void register_autocast(torch::Library& m, const char* name, AutocastPolic
       break;
     case AutocastPolicy::kFloat32:
       m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autocast_float32_kernel>());
+      break;
+    case AutocastPolicy::kFloat32OnCUDA:
+      m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autocast_float32_on_cuda_kernel>());
       break;
   }
 }

@@ -102,7 +102,7 @@ def load(extra_sources: Iterable[str | os.PathLike] = (), verbose: bool = False)
     cuda_flags: list[str] = []
     with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     if with_cuda:
-        sources += sorted(csrc.glob("ops/*/*.cu"))
+        sources += sorted(csrc.glob("core/*.cu")) + sorted(csrc.glob("ops/*/*.cu"))
         cflags.append("-DOPFORGE_WITH_CUDA=1")
         cuda_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DOPFORGE_WITH_CUDA=1"]
         ldflags = ["-lcublas", "-lcublasLt"]

@@ -66,3 +66,17 @@ def pytest_runtest_logfinish(nodeid, location):
 
 def pytest_configure(config):
     pytest_runtest_logfinish._config = config
+
+
+@pytest.fixture
+def knob():
+    """knob(name, value): sets an opforge run-time switch (read once from the environment at load, e.g.
+    OPFORGE_LINEAR_GEMV, OPFORGE_LINEAR_LT) through torch.ops.opforge._set_knob for this test, restored after."""
+    saved = []
+
+    def set_knob(name, value):
+        saved.append((name, torch.ops.opforge._set_knob(name, int(value))))
+
+    yield set_knob
+    for name, old in reversed(saved):
+        torch.ops.opforge._set_knob(name, old)

@@ -296,12 +296,9 @@ def test_bad_inputs_backward():
 @pytest.mark.parametrize("K, N", [(64, 83), (4096, 769), (5120, 7), (136, 4097)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("gemv", ["default", "0"])
-def test_small_batch_paths_match_reference(monkeypatch, device, dtype, M, K, N, bias, gemv):
+def test_small_batch_paths_match_reference(knob, device, dtype, M, K, N, bias, gemv):
     # default: M == 1 takes the GEMV kernel on CUDA; OPFORGE_LINEAR_GEMV=0 sends it to cuBLAS(Lt)
-    if gemv == "0":
-        monkeypatch.setenv("OPFORGE_LINEAR_GEMV", "0")
-    else:
-        monkeypatch.delenv("OPFORGE_LINEAR_GEMV", raising=False)
+    knob("OPFORGE_LINEAR_GEMV", 0 if gemv == "0" else -1)
     x = torch.randn(M, K, device=device, dtype=dtype)
     w = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
     b = torch.randn(N, device=device, dtype=dtype) if bias else None
@@ -403,9 +400,9 @@ def test_activation_matches_reference(device, activation, dtype, shape, bias):
 @pytest.mark.parametrize("shape", [(3, 83, 769), (16, 72, 136)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_activation_gemmex_fallback_matches_reference(monkeypatch, activation, dtype, shape, bias):
+def test_activation_gemmex_fallback_matches_reference(knob, activation, dtype, shape, bias):
     # OPFORGE_LINEAR_LT=0: the cublasGemmEx + elementwise path that serves whatever cuBLASLt declines
-    monkeypatch.setenv("OPFORGE_LINEAR_LT", "0")
+    knob("OPFORGE_LINEAR_LT", 0)
     check_activation_case("cuda", dtype, shape, activation, bias)
 
 
@@ -607,20 +604,20 @@ def test_nn_linear_activation(device):
                                    (2, 83, 9)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_gemv_path_matches_reference(monkeypatch, activation, dtype, shape, bias):
+def test_gemv_path_matches_reference(knob, activation, dtype, shape, bias):
     # M <= 16 with K % (16 bytes / element) == 0 takes the GEMV kernel (forward, and _linear_forward's
     # pre-activation for the backward); (17, ...) and K = 83 check that the rest still goes to cuBLAS(Lt)
-    monkeypatch.setenv("OPFORGE_LINEAR_GEMV", "1")
+    knob("OPFORGE_LINEAR_GEMV", 1)
     check_activation_case("cuda", dtype, shape, activation, bias)
 
 
 @requires_cuda
 @pytest.mark.parametrize("gemv", [False, True], ids=["cublaslt", "gemv"])
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu_tanh", "silu"])
-def test_cuda_graph_capture_matches_eager(monkeypatch, activation, gemv):
+def test_cuda_graph_capture_matches_eager(knob, activation, gemv):
     # stream-ordered, no host synchronization: forward + backward capture in a CUDA graph and replay
     if gemv:
-        monkeypatch.setenv("OPFORGE_LINEAR_GEMV", "1")
+        knob("OPFORGE_LINEAR_GEMV", 1)
     x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(136, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(136, device="cuda", dtype=torch.bfloat16, requires_grad=True)

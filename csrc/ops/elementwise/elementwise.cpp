@@ -246,6 +246,6 @@ TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
 }
 
 // torch.autocast: as the native ops these mirror (core/autocast.h)
-OPFORGE_AUTOCAST(elementwise, {{"sigmoid", AutocastPolicy::kInputDtype}, {"sigmoid_backward", AutocastPolicy::kInputDtype}, {"square", AutocastPolicy::kInputDtype}, {"square_backward", AutocastPolicy::kInputDtype}, {"square_add", AutocastPolicy::kInputDtype}, {"square_add_backward", AutocastPolicy::kInputDtype}})
+OPFORGE_AUTOCAST(elementwise, {{"sigmoid", AutocastPolicy::kInputDtype}, {"sigmoid_backward", AutocastPolicy::kInputDtype}, {"square", AutocastPolicy::kFloat32OnCUDA}, {"square_backward", AutocastPolicy::kInputDtype}, {"square_add", AutocastPolicy::kInputDtype}, {"square_add_backward", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge
