@@ -204,4 +204,18 @@ std::tuple<at::Tensor, at::Tensor> rope_from_positions_backward(const std::optio
                                                                 double base = 10000.0, bool interleaved = false,
                                                                 int64_t rotary_dim = -1);
 
+// ---- linear_cross_entropy (csrc/ops/linear_cross_entropy) ----
+/// Loss of the tokens' logits input · linear_weightᵀ + linear_bias against target, in chunks of tokens (see
+/// csrc/ops/linear_cross_entropy/linear_cross_entropy.h for the two autograd paths). input (*, H), linear_weight (V, H), target (*) int64, linear_bias (V,) or none, weight
+/// (V,) class weights or none. reduction "mean" | "sum" | "none"; label_smoothing in [0, 1]; z_loss >= 0;
+/// softcap > 0 or none; chunk_size rows per chunk (none: from the memory budget / OPFORGE_LCE_CHUNK_SIZE).
+/// Returns the loss: () for mean/sum, (*) for none, in input's dtype.
+at::Tensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                                const std::optional<at::Tensor>& linear_bias = std::nullopt,
+                                const std::optional<at::Tensor>& weight = std::nullopt,
+                                c10::string_view reduction = "mean", int64_t ignore_index = -100,
+                                double label_smoothing = 0.0, double z_loss = 0.0,
+                                std::optional<double> softcap = std::nullopt,
+                                std::optional<int64_t> chunk_size = std::nullopt);
+
 }  // namespace opforge

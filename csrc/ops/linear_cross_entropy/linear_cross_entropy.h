@@ -24,6 +24,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <opforge/opforge.h>
 #include <c10/util/string_view.h>
 
 #include <array>
@@ -32,18 +33,8 @@
 
 namespace opforge {
 
-/// Loss of the tokens' logits input · linear_weightᵀ + linear_bias against target, in chunks of tokens (see
-/// the file comment). input (*, H), linear_weight (V, H), target (*) int64, linear_bias (V,) or none, weight
-/// (V,) class weights or none. reduction "mean" | "sum" | "none"; label_smoothing in [0, 1]; z_loss >= 0;
-/// softcap > 0 or none; chunk_size rows per chunk (none: from the memory budget / OPFORGE_LCE_CHUNK_SIZE).
-/// Returns the loss: () for mean/sum, (*) for none, in input's dtype.
-at::Tensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-                                const std::optional<at::Tensor>& linear_bias = std::nullopt,
-                                const std::optional<at::Tensor>& weight = std::nullopt,
-                                c10::string_view reduction = "mean", int64_t ignore_index = -100,
-                                double label_smoothing = 0.0, double z_loss = 0.0,
-                                std::optional<double> softcap = std::nullopt,
-                                std::optional<int64_t> chunk_size = std::nullopt);
+// linear_cross_entropy(...) itself is declared in include/opforge/opforge.h (the public C++ API).
+
 
 /// linear_cross_entropy's forward for autograd: (loss, stats, grad_input, grad_linear_weight, grad_linear_bias).
 /// stats (*, 2) in float32 (float64 for float64 input) holds per token (m, r): the row max of the (capped) logits
