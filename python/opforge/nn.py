@@ -254,6 +254,9 @@ class FakeQuantLinear(torch.nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  weight_bits: int = 4, group_size: int = 32, symmetric: bool = True, act_quant: bool = True):
+        if int(group_size) > 0 and in_features % int(group_size) != 0:
+            raise ValueError(f"opforge.nn.FakeQuantLinear: expected group_size to divide in_features {in_features} "
+                             f"(or -1 per channel, 0 per tensor), but got {group_size}")
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.weight_bits = int(weight_bits)
         self.group_size = int(group_size)

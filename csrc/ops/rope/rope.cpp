@@ -19,6 +19,8 @@
 #include "core/check.h"
 #include "core/dispatch.h"
 
+#include <string_view>
+
 namespace opforge {
 namespace rotary {
 namespace {
@@ -29,6 +31,10 @@ const at::Tensor& check_qk(const char* op, const char* q_name, const at::Tensor&
                            const at::Tensor& k) {
   TORCH_CHECK_VALUE(q.defined() || k.defined(), "opforge::", op, ": expected ", q_name, " or ", k_name,
                     " to be a tensor, but got None for both");
+  // The forward ops take both q and k (the schema's `Tensor`); only the backward ops' gradients are optional.
+  const bool forward = std::string_view(q_name) == "q";
+  TORCH_CHECK_VALUE(!forward || (q.defined() && k.defined()), "opforge::", op, ": expected ",
+                    q.defined() ? k_name : q_name, " to be a tensor, but got None");
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{q_name, &q}, {k_name, &k}}) {
     if (!t->defined()) continue;
     check_floating(op, name, *t);
