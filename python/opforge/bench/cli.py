@@ -25,7 +25,7 @@ import torch
 from . import harness
 
 #: Benchmarks that are not an op family (they measure something else) and are not run by the CLI.
-NOT_OP_FAMILIES = ("overhead",)
+NOT_OP_FAMILIES = ("overhead", "hf_llama")  # host overhead; the model-level train-step table (its own columns: tokens/s, memory, loss)
 
 
 def benchmarks_dir() -> Optional[Path]:
