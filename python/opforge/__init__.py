@@ -92,7 +92,10 @@ def _load() -> Path:
 
 
 def _warn_if_shadowing() -> None:
-    """Warn when an installed opforge exists at another path than this (source-tree) copy."""
+    """Warn when an installed opforge exists at another path than this (source-tree) copy. Silent when
+    OPFORGE_LIBRARY is set: whoever points it at a build tree (scripts/test.sh, a CMake user) chose the source copy."""
+    if os.environ.get("OPFORGE_LIBRARY"):
+        return
     try:
         from importlib.metadata import PackageNotFoundError, distribution
 
