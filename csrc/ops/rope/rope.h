@@ -13,6 +13,8 @@
 // S[a] = ∓ sin θ_i, S[b] = ± sin θ_i (forward / backward).
 #pragma once
 
+#include <tuple>
+
 #include <ATen/ATen.h>
 #include <c10/macros/Macros.h>
 
@@ -61,6 +63,51 @@ struct Problem {
 /// Builds the Problem (allocating outputs) from checked arguments.
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const Checked& c, bool interleaved, bool backward,
                      double base);
+
+/// The four backend kernels of the rope family around one backend runner (`run_cpu` / `run_cuda`: runs a built
+/// Problem): check, build the problem, run, return (q_out, k_out). A backward op with neither gradient given returns
+/// two undefined tensors. Each backend registers `Kernels<its runner>::...` for its dispatch key.
+template <void (*Run)(const Problem&)>
+struct Kernels {
+  static std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                 const at::Tensor& sin, bool interleaved, int64_t rotary_dim) {
+    return run(q, k, check_rope("rope", "q", q, "k", k, cos, sin, rotary_dim), interleaved, false, 0.0);
+  }
+  static std::tuple<at::Tensor, at::Tensor> rope_backward(const std::optional<at::Tensor>& grad_q_out,
+                                                          const std::optional<at::Tensor>& grad_k_out,
+                                                          const at::Tensor& cos, const at::Tensor& sin,
+                                                          bool interleaved, int64_t rotary_dim) {
+    const at::Tensor gq = grad_q_out.value_or(at::Tensor()), gk = grad_k_out.value_or(at::Tensor());
+    if (!gq.defined() && !gk.defined()) return {};
+    return run(gq, gk, check_rope("rope_backward", "grad_q_out", gq, "grad_k_out", gk, cos, sin, rotary_dim),
+               interleaved, true, 0.0);
+  }
+  static std::tuple<at::Tensor, at::Tensor> rope_from_positions(const at::Tensor& q, const at::Tensor& k,
+                                                                const at::Tensor& position_ids, double base,
+                                                                bool interleaved, int64_t rotary_dim) {
+    return run(q, k,
+               check_rope_from_positions("rope_from_positions", "q", q, "k", k, position_ids, base, rotary_dim),
+               interleaved, false, base);
+  }
+  static std::tuple<at::Tensor, at::Tensor> rope_from_positions_backward(
+      const std::optional<at::Tensor>& grad_q_out, const std::optional<at::Tensor>& grad_k_out,
+      const at::Tensor& position_ids, double base, bool interleaved, int64_t rotary_dim) {
+    const at::Tensor gq = grad_q_out.value_or(at::Tensor()), gk = grad_k_out.value_or(at::Tensor());
+    if (!gq.defined() && !gk.defined()) return {};
+    return run(gq, gk,
+               check_rope_from_positions("rope_from_positions_backward", "grad_q_out", gq, "grad_k_out", gk,
+                                         position_ids, base, rotary_dim),
+               interleaved, true, base);
+  }
+
+ private:
+  static std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x0, const at::Tensor& x1, const Checked& c,
+                                                bool interleaved, bool backward, double base) {
+    const Problem p = make_problem(x0, x1, c, interleaved, backward, base);
+    Run(p);
+    return {p.y[0], p.y[1]};
+  }
+};
 
 /// The two dims of pair p < R/2: (p, p + R/2) rotate-half, (2p, 2p + 1) interleaved.
 C10_HOST_DEVICE inline void pair_dims(int64_t p, int64_t R, bool interleaved, int64_t& a, int64_t& b) {

@@ -131,57 +131,13 @@ void run_cpu(const rotary::Problem& p) {
   });
 }
 
-at::Tensor opt(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
-
-std::tuple<at::Tensor, at::Tensor> rope_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                            const at::Tensor& sin, bool interleaved, int64_t rotary_dim) {
-  auto c = rotary::check_rope("rope", "q", q, "k", k, cos, sin, rotary_dim);
-  auto p = rotary::make_problem(q, k, c, interleaved, /*backward=*/false, 0.0);
-  run_cpu(p);
-  return {p.y[0], p.y[1]};
-}
-
-std::tuple<at::Tensor, at::Tensor> rope_backward_cpu(const std::optional<at::Tensor>& grad_q_out,
-                                                     const std::optional<at::Tensor>& grad_k_out,
-                                                     const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
-                                                     int64_t rotary_dim) {
-  const at::Tensor gq = opt(grad_q_out), gk = opt(grad_k_out);
-  if (!gq.defined() && !gk.defined()) return {};
-  auto c = rotary::check_rope("rope_backward", "grad_q_out", gq, "grad_k_out", gk, cos, sin, rotary_dim);
-  auto p = rotary::make_problem(gq, gk, c, interleaved, /*backward=*/true, 0.0);
-  run_cpu(p);
-  return {p.y[0], p.y[1]};
-}
-
-std::tuple<at::Tensor, at::Tensor> rope_from_positions_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                           const at::Tensor& position_ids, double base,
-                                                           bool interleaved, int64_t rotary_dim) {
-  auto c = rotary::check_rope_from_positions("rope_from_positions", "q", q, "k", k, position_ids, base, rotary_dim);
-  auto p = rotary::make_problem(q, k, c, interleaved, /*backward=*/false, base);
-  run_cpu(p);
-  return {p.y[0], p.y[1]};
-}
-
-std::tuple<at::Tensor, at::Tensor> rope_from_positions_backward_cpu(const std::optional<at::Tensor>& grad_q_out,
-                                                                    const std::optional<at::Tensor>& grad_k_out,
-                                                                    const at::Tensor& position_ids, double base,
-                                                                    bool interleaved, int64_t rotary_dim) {
-  const at::Tensor gq = opt(grad_q_out), gk = opt(grad_k_out);
-  if (!gq.defined() && !gk.defined()) return {};
-  auto c = rotary::check_rope_from_positions("rope_from_positions_backward", "grad_q_out", gq, "grad_k_out", gk,
-                                           position_ids, base, rotary_dim);
-  auto p = rotary::make_problem(gq, gk, c, interleaved, /*backward=*/true, base);
-  run_cpu(p);
-  return {p.y[0], p.y[1]};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opforge, CPU, m) {
-  m.impl("rope", &rope_cpu);
-  m.impl("rope_backward", &rope_backward_cpu);
-  m.impl("rope_from_positions", &rope_from_positions_cpu);
-  m.impl("rope_from_positions_backward", &rope_from_positions_backward_cpu);
+  m.impl("rope", &rotary::Kernels<&run_cpu>::rope);
+  m.impl("rope_backward", &rotary::Kernels<&run_cpu>::rope_backward);
+  m.impl("rope_from_positions", &rotary::Kernels<&run_cpu>::rope_from_positions);
+  m.impl("rope_from_positions_backward", &rotary::Kernels<&run_cpu>::rope_from_positions_backward);
 }
 
 }  // namespace opforge
