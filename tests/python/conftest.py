@@ -49,23 +49,21 @@ def pytest_collection_modifyitems(config, items):
 # ---- a CUDA device-side assert poisons the process's CUDA context: every later CUDA call in it fails. Under
 # pytest-xdist the worker that saw one exits after reporting the test, and xdist starts a fresh worker, so one
 # failing test is reported as itself instead of as hundreds of setup errors in the tests after it. ----------
+_device_assert_seen = False
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
+    global _device_assert_seen
+    report = (yield).get_result()
     if report.failed and os.environ.get("PYTEST_XDIST_WORKER") and "device-side assert" in str(report.longrepr):
-        item.config._opforge_device_assert = True
+        _device_assert_seen = True
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logfinish(nodeid, location):
-    cfg = getattr(pytest_runtest_logfinish, "_config", None)
-    if cfg is not None and getattr(cfg, "_opforge_device_assert", False):
+    if _device_assert_seen:
         os._exit(3)
-
-
-def pytest_configure(config):
-    pytest_runtest_logfinish._config = config
 
 
 @pytest.fixture
