@@ -28,7 +28,8 @@ class Linear(torch.nn.Linear):
         in_features: K, size of each input sample.
         out_features: N, size of each output sample.
         bias: learn an additive bias. Default: True.
-        device, dtype: factory keyword arguments for the parameters.
+        device: factory keyword argument for the parameters. (torch.device or None).
+        dtype: factory keyword argument for the parameters. (torch.dtype or None).
         activation: keyword-only, one of ``opforge.functional.LINEAR_ACTIVATIONS`` ("none", "relu",
             "gelu", "gelu_tanh", "silu"). Default: "none" (torch.nn.Linear's math).
 
@@ -81,7 +82,8 @@ class GatedMLP(torch.nn.Module):
         hidden_size: D, size of the model's hidden state.
         intermediate_size: F, size of the gated hidden layer.
         bias: add biases to the three projections. Default: False.
-        device, dtype: factory keyword arguments for the parameters.
+        device: factory keyword argument for the parameters. (torch.device or None).
+        dtype: factory keyword argument for the parameters. (torch.dtype or None).
 
     Shape: input (*, D) -> output (*, D).
 
@@ -106,12 +108,14 @@ class RMSNorm(torch.nn.RMSNorm):
     Drop-in for :class:`torch.nn.RMSNorm` (it subclasses it: constructor, ``weight`` (*normalized_shape)
     initialised to ones, ``eps``, ``state_dict`` keys and ``isinstance`` checks are torch's).
 
-    Args:
+    Constructor arguments (torch.nn.RMSNorm's own ``__init__``, inherited):
+
         normalized_shape: int or tuple, the trailing dims to normalize over, e.g. hidden size N.
         eps: added to the mean square. Default: None (float32's machine epsilon, float64's for
             float64 input; what torch.nn.RMSNorm computes).
         elementwise_affine: learn a per-element ``weight``. Default: True.
-        device, dtype: factory keyword arguments for the weight.
+        device: factory keyword argument for the weight. (torch.device or None).
+        dtype: factory keyword argument for the weight. (torch.dtype or None).
 
     Shape: input (*, *normalized_shape) -> output of the same shape, in input's dtype.
 
@@ -135,7 +139,8 @@ class FusedAddRMSNorm(torch.nn.Module):
         normalized_shape: int or tuple, the trailing dims to normalize over.
         eps: as :class:`RMSNorm`. Default: None.
         elementwise_affine: learn a per-element ``weight`` (initialised to ones). Default: True.
-        device, dtype: factory keyword arguments for the weight.
+        device: factory keyword argument for the weight. (torch.device or None).
+        dtype: factory keyword argument for the weight. (torch.dtype or None).
 
     Shape: x and residual (*, *normalized_shape) -> output and residual_out of the same shape, in x's dtype.
 
@@ -186,7 +191,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         in_features: H, size of each input sample.
         num_classes: V, the vocabulary size.
         bias: the inner linear learns a bias. Default: False.
-        device, dtype: factory keyword arguments for the inner linear.
+        device: factory keyword argument for the inner linear. (torch.device or None).
+        dtype: factory keyword argument for the inner linear. (torch.dtype or None).
         reduction: "mean", "sum" or "none". Default: "mean".
         weight: (V,) class weights or None (a buffer). Default: None.
         ignore_index: target value to ignore. Default: -100 (torch's module maps its None to -100 too).
@@ -244,7 +250,8 @@ class FakeQuantLinear(torch.nn.Linear):
 
     Args:
         in_features: K. out_features: N. bias: learn an additive bias. Default: True.
-        device, dtype: factory keyword arguments for the parameters.
+        device: factory keyword argument for the parameters. (torch.device or None).
+        dtype: factory keyword argument for the parameters. (torch.dtype or None).
         weight_bits: 2..8. Default: 4. group_size: −1 per channel, 0 per tensor, g > 0 (dividing K) per group.
             Default: 32 (torchao's Int8DynActInt4Weight default). symmetric: Default: True.
         act_quant: per-token asymmetric int8 fake-quantization of the input. Default: True (8da4w).
@@ -330,7 +337,8 @@ class IndexedLinear(torch.nn.Module):
         out_features: N.
         num_experts: E.
         bias: learn a per-expert bias (E, N). Default: True.
-        device, dtype: factory keyword arguments for the parameters.
+        device: factory keyword argument for the parameters. (torch.device or None).
+        dtype: factory keyword argument for the parameters. (torch.dtype or None).
 
     Parameters: ``weight`` (E, N, K) and ``bias`` (E, N), each expert initialised as torch.nn.Linear
     initialises its weight and bias (uniform in ±1/√K).
