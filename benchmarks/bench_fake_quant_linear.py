@@ -22,14 +22,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import Row  # noqa: E402
-
-try:
-    import opforge
-except ImportError:  # running from a source tree: python/ is the package root
-    sys.path.insert(0, str(common.REPO_ROOT / "python"))
-    import opforge
+import common  # noqa: E402  (it puts the source tree's python/ on sys.path without an installed opforge)
+import opforge  # noqa: E402
 
 NAME = "fake_quant_linear"
 CUDA_SHAPES = [(8192, 4096, 4096), (2048, 4096, 14336), (8192, 14336, 4096)]
@@ -80,19 +74,12 @@ def torchao_module(K, N, device, dtype):
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__.splitlines()[0])
-    args = p.parse_args(argv)
-    device = args.device
-    cuda = device.startswith("cuda")
-    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16] if cuda else [torch.float32])
-    shapes = (CUDA_QUICK_SHAPES if args.quick else CUDA_SHAPES) if cuda else (
-        CPU_SHAPES[:1] if args.quick else CPU_SHAPES)
-    warmup = args.warmup if args.warmup is not None else 3
-    reps = args.reps if args.reps is not None else (10 if cuda else 5)
-    comp = None if args.no_compile else common.compiled(torch_composition, fullgraph=True)
-    rows: list[Row] = []
-    for dtype in dtypes:
-        for M, K, N in shapes:
+    run = common.start(NAME, __doc__, argv, dtypes=common.cuda_or_cpu([torch.bfloat16], [torch.float32]),
+                       warmup=(3, 3), reps=((10, 10), (5, 5)))
+    device = run.device
+    comp = None if run.args.no_compile else common.compiled(torch_composition, fullgraph=True)
+    for dtype in run.dtypes:
+        for M, K, N in run.shapes(CUDA_SHAPES, CPU_SHAPES, CUDA_QUICK_SHAPES):
             x = torch.randn(M, K, device=device, dtype=dtype)
             w = (torch.randn(N, K, device=device) / K ** 0.5).to(dtype)
             b = torch.randn(N, device=device, dtype=dtype)
@@ -107,7 +94,7 @@ def main(argv=None) -> int:
                      "compile(torch.fake_quantize + F.linear)": comp,
                      "torchao FakeQuantizedLinear": (lambda x, w, b, ao=ao: ao(x)) if ao is not None else None}
             for pass_ in ("fwd", "fwd+bwd"):
-                group = []
+                group, by = [], {}
                 for impl, fn in impls.items():
                     t, method = math.nan, ""
                     if fn is not None:
@@ -123,29 +110,18 @@ def main(argv=None) -> int:
                             step = ao_step
                         else:
                             step = (lambda fn=fn: fn(x, w, b)) if pass_ == "fwd" else common.fwd_bwd(fn, leaves, dy)
-                        try:
-                            if cuda:
-                                t, method = common.time_cuda_graph(lambda i: step(), 4, reps=reps, warmup=warmup)
-                            else:
-                                t = common.time_cpu(step, warmup=warmup, reps=reps)
-                        except Exception as e:  # one peer failing must not end the run
-                            print(f"  [n/a] {impl}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                                  file=sys.stderr)
+                        t, method = run.time_graphed(impl, lambda i, step=step: step(), 4)
                     flops = 2 * M * N * K * (1 if pass_ == "fwd" else 3)
                     tflops = common.tflops(flops, t)
-                    rows.append(Row(NAME, common.shape_str((M, K, N)), common.dtype_str(dtype), impl, pass_, t,
-                                    tflops, "TFLOP/s"))
+                    by[impl] = run.add(NAME, (M, K, N), dtype, impl, pass_, t, tflops, "TFLOP/s").time_us
                     group.append(f"{impl} {common._fmt(t)}us {common._fmt(tflops)}TF" +
                                  (f" [{method}]" if method == "loop" else ""))
-                print(f"  {NAME} {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}: " + "; ".join(group), flush=True)
-                by = {r.impl: r.time_us for r in rows[-len(impls):]}
+                run.say(f"{NAME} {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}", group)
                 print(f"    fake_quant_linear / opforge.linear: "
                       f"{by['opforge fake_quant_linear'] / by['opforge.linear (no quant)']:.3f}", flush=True)
             del x, w, b, dy, ao
-            if cuda:
-                torch.cuda.empty_cache()
-    common.finish(rows, NAME, device, save=not args.no_save)
-    return 0
+            run.release()
+    return run.finish()
 
 
 if __name__ == "__main__":

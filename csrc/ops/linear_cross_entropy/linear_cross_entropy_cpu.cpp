@@ -279,8 +279,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cpu(
       }
     });
   }
-  auto [gi, gw, gb] = grads.finish(input, linear_weight, linear_bias);
-  return {gi, gw, gb};
+  return grads.finish(input, linear_weight, linear_bias);
 }
 
 }  // namespace
