@@ -7,7 +7,9 @@ fake-quantized linear (else the torch.fake_quantize_* composition; the table nam
 
 Timing (CUDA): device time per call, back-to-back calls in one CUDA graph (common.time_cuda_graph; eager loop
 where capture fails, e.g. a peer that synchronizes). CPU: wall time of single calls. Metric: TFLOP/s of the
-GEMMs (2·M·N·K per forward, 3x for forward+backward).
+GEMMs (2·M·N·K per forward, 3x for forward+backward). The weight quantizer alone, fake_quantize_weight (int4,
+group 32, no gradient), against its torch.fake_quantize_per_channel_affine composition: GB/s of its minimal bytes
+(read the weight, write fq_w and the mask).
 
     python benchmarks/bench_fake_quant_linear.py               # CUDA when available
     python benchmarks/bench_fake_quant_linear.py --device cpu --quick
@@ -55,6 +57,13 @@ def torch_composition(x, w, b):
     xz = torch.clamp(-128 - torch.round(lo / xs), -128, 127).to(torch.int32)
     xq = torch.fake_quantize_per_channel_affine(x2, xs, xz, 0, -128, 127)
     return F.linear(xq.to(x.dtype).reshape(x.shape), wq.reshape(N, K).to(x.dtype), b)
+
+
+def torch_weight_quantizer(w):
+    """fake_quantize_weight's math in torch ops: the weight half of torch_composition (int4 symmetric, group 32)."""
+    wg = w.float().reshape(-1, GROUP)
+    ws = torch.clamp(torch.maximum(-wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)) / 7.5, min=EPS)
+    return torch.fake_quantize_per_channel_affine(wg, ws, torch.zeros_like(ws, dtype=torch.int32), 0, -8, 7)
 
 
 def torchao_module(K, N, device, dtype):
@@ -119,6 +128,15 @@ def main(argv=None) -> int:
                 run.say(f"{NAME} {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}", group)
                 print(f"    fake_quant_linear / opforge.linear: "
                       f"{by['opforge fake_quant_linear'] / by['opforge.linear (no quant)']:.3f}", flush=True)
+            quantizers = {"opforge fake_quantize_weight": lambda: opforge.fake_quantize_weight(w, 4, GROUP),
+                          "torch.fake_quantize_per_channel_affine": lambda: torch_weight_quantizer(w)}
+            nb = N * K * (2 * w.element_size() + 1)
+            group = []
+            for impl, fn in quantizers.items():
+                t, _ = run.time_graphed(impl, lambda i, fn=fn: fn(), 4)
+                run.add("fake_quantize_weight", (N, K), dtype, impl, "fwd", t, common.gbps(nb, t), "GB/s")
+                group.append(f"{impl} {common._fmt(t)}us {common._fmt(common.gbps(nb, t), 0)}GB/s")
+            run.say(f"fake_quantize_weight fwd {common.dtype_str(dtype)} {N}x{K}", group)
             del x, w, b, dy, ao
             run.release()
     return run.finish()

@@ -7,7 +7,8 @@ q and k are laid out as a Hugging Face attention layer hands them over: (B, S, H
 Metric: GB/s by the minimal-bytes rule: q and k read and written once each way
   forward:          read q, k; write q_out, k_out              = 2·(|q| + |k|)·e
   forward+backward: forward + read dq_out, dk_out; write dq, dk = 4·(|q| + |k|)·e
-(cos/sin, read once per token, are not counted). Goal (H200, (4, 4096, 32 q heads, 8 kv heads, 128) bf16):
+(cos/sin, read once per token, are not counted). "opforge rope_from_positions" is the same rotation with the
+angles computed in the kernel from position_ids (arange(S), made once per shape), no cos/sin tensors. Goal (H200, (4, 4096, 32 q heads, 8 kv heads, 128) bf16):
 forward+backward ≥ 0.9 × the copy ceiling (4269 GB/s measured on 2026-12-01).
 
 Timing: CUDA events with warm-up and an L2 flush before each repetition (common.time_fn), median; on CPU wall
@@ -62,8 +63,17 @@ def impls(device: str, use_compile: bool) -> dict:
     def eager(q, k, cos, sin):
         return hf(q, k, cos, sin)
 
+    positions = {}  # (S, device) -> arange(S): made once per shape, outside the timed calls
+
+    def from_positions(q, k, cos, sin):
+        key = (q.shape[2], q.device)
+        if key not in positions:
+            positions[key] = torch.arange(q.shape[2], device=q.device)
+        return opforge.rope_from_positions(q, k, positions[key])
+
     out = {
         "opforge": lambda q, k, cos, sin: opforge.rope(q, k, cos, sin),
+        "opforge rope_from_positions": from_positions,
         "HF eager": eager,
         "compile HF": common.compiled(lambda q, k, cos, sin: hf(q, k, cos, sin), fullgraph=True) if use_compile
         else None,

@@ -57,10 +57,7 @@ CHECKS = ["functional", "cpp_declaration", "reference", "conformance_entry", "do
 
 # Pieces known to be missing on main, each with the one who adds it. strict: once the piece exists, the xfail
 # turns into a failure, so the entry here is removed with it.
-KNOWN_GAPS = {
-    ("rope_from_positions", "benchmark"): "bench_rope.py measures rope with a table only",
-    ("fake_quantize_weight", "benchmark"): "measured only inside fake_quant_linear's benchmark",
-}
+KNOWN_GAPS: dict = {}
 
 
 def _line_of(path: Path, pattern: str) -> int:
