@@ -468,6 +468,56 @@ def linear_cat(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor] 
     return torch.ops.opforge.linear_cat(list(inputs), weight, bias)
 
 
+# torch.func.vmap over linear_cat: a Tensor[] argument gets no batching fallback from functorch, so linear_cat and
+# linear_cat_backward (the backward op that vmap(grad(...)) reaches) carry their own rules, registered here for the
+# FuncTorchBatched key (torch.library.register_vmap; the ops themselves stay C++).
+
+def _vmap_sample(t: Optional[Tensor], dim: Optional[int], b: int) -> Optional[Tensor]:
+    """Sample b of a vmapped argument (t itself where it is not batched)."""
+    return t if t is None or dim is None else t.select(dim, b)
+
+
+def _stack_samples(outs: list) -> Tuple[Optional[Tensor], Optional[int]]:
+    """The per-sample results stacked along a new dim 0, and that out_dim (None, None where none was computed)."""
+    if outs[0] is None:
+        return None, None
+    return torch.stack(outs), 0
+
+
+def _linear_cat_vmap(info, in_dims, inputs, weight, bias):
+    """Batching rule of opforge::linear_cat. With an unbatched weight and bias (per-sample gradients, batched
+    activations) the batch dim becomes one more leading dim of every piece: one call, the same kernels and bits as
+    unbatched calls. A batched weight or bias: one call per sample."""
+    x_dims, w_dim, b_dim = in_dims
+    if w_dim is None and b_dim is None:
+        xs = [x.movedim(d, 0) if d is not None else x.expand(info.batch_size, *x.shape)
+              for x, d in zip(inputs, x_dims)]
+        return torch.ops.opforge.linear_cat(xs, weight, bias), 0
+    outs = [torch.ops.opforge.linear_cat([_vmap_sample(x, d, b) for x, d in zip(inputs, x_dims)],
+                                         _vmap_sample(weight, w_dim, b), _vmap_sample(bias, b_dim, b))
+            for b in range(info.batch_size)]
+    return torch.stack(outs), 0
+
+
+def _linear_cat_backward_vmap(info, in_dims, grad_output, inputs, weight, output_mask, bias_dtype=None):
+    """Batching rule of opforge::linear_cat_backward: one call per sample (each sample's weight and bias gradients
+    are its own, so the batch cannot be folded into the rows), the results stacked."""
+    g_dim, x_dims, w_dim = in_dims[0], in_dims[1], in_dims[2]
+    per = [torch.ops.opforge.linear_cat_backward(
+        _vmap_sample(grad_output, g_dim, b), [_vmap_sample(x, d, b) for x, d in zip(inputs, x_dims)],
+        _vmap_sample(weight, w_dim, b), output_mask, bias_dtype) for b in range(info.batch_size)]
+    n_inputs = len(per[0][0])
+    grad_inputs = [torch.stack([p[0][i] for p in per]) for i in range(n_inputs)]
+    grad_weight, w_out = _stack_samples([p[1] for p in per])
+    grad_bias, b_out = _stack_samples([p[2] for p in per])
+    return (grad_inputs, grad_weight, grad_bias), ([0] * n_inputs, w_out, b_out)
+
+
+if hasattr(torch.library, "register_vmap"):
+    torch.library.register_vmap("opforge::linear_cat", _linear_cat_vmap)
+    torch.library.register_vmap("opforge::linear_cat_backward", _linear_cat_backward_vmap)
+
+
 def indexed_linear(input: Tensor, weight: Tensor, index: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """y[t] = input[t] · weight[index[t]]ᵀ + bias[index[t]]: each token picks its weight from a bank.
 
