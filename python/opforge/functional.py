@@ -391,7 +391,17 @@ def fake_quant_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = No
     [qmin, qmax], (q − zp) · scale), with scales and zero points chosen as ``torch.ao.quantization``'s
     MinMaxObserver and torchao's ``choose_qparams_affine`` do, in float32 with eps = float32's machine epsilon
     (an all-zero or tiny group gets scale eps: finite outputs and gradients). CPU and CUDA share the scalar
-    code and give the same bits. Gradients (straight-through estimator, scales as constants):
+    code and give the same bits.
+
+    NaN and extreme ranges: a NaN is never hidden. A weight group (channel, group of columns, or the whole tensor
+    per tensor) or, with act_quant, a token containing NaN gets scale NaN and zero point 0: all of its
+    fake-quantized values are NaN and its in-range mask false, as torch's MinMaxObserver + fake_quantize give. So
+    the output columns (rows) it feeds are NaN, the input gradient those columns reach is NaN, and the weight
+    gradient of that group is 0 (masked, as torch's). Asymmetric groups spanning more than float32's range
+    (hi − lo overflowing, e.g. ±3e38) get scale hi/(qmax − qmin) − lo/(qmax − qmin) and stay finite where
+    torch's scale would be inf and its output NaN; elsewhere the scale is torch's bit for bit.
+
+    Gradients (straight-through estimator, scales as constants):
     grad_input = (grad · fq_w(W)) ⊙ [input in range], grad_weight = (gradᵀ · fq_a(input)) ⊙ [weight in range],
     grad_bias = Σ_rows grad (float32 accumulation). Under ``torch.autocast`` the input and bias are cast to the
     autocast dtype and the weight is quantized in its own (e.g. float32 master) precision.
@@ -423,6 +433,9 @@ def fake_quantize_weight(weight: Tensor, bits: int = 4, group_size: int = -1,
     Raises:
         ValueError: weight not 2-D; bits outside [2, 8]; group_size < −1 or not dividing K.
         TypeError: a non-floating weight.
+
+    NaN: a group containing NaN gets scale NaN and zero_point 0, all of its outputs NaN and its mask false; an
+    asymmetric group whose hi − lo overflows float32 gets a finite scale (see :func:`fake_quant_linear`).
 
     Not differentiable (its outputs carry no autograd history); :func:`fake_quant_linear` is.
     """

@@ -45,14 +45,10 @@ OPFORGE_HD inline bool is_nan(T x) {
 #endif
 }
 
-/// Whether x is ±infinity.
+/// Whether x is finite (x − x is 0 for a finite x, NaN for ±inf and NaN).
 template <typename T>
-OPFORGE_HD inline bool is_inf(T x) {
-#if defined(__CUDA_ARCH__)
-  return isinf(x);
-#else
-  return std::isinf(x);
-#endif
+OPFORGE_HD inline bool is_finite(T x) {
+  return !is_nan(x - x);
 }
 
 /// One group's quantization parameters.
@@ -157,7 +153,7 @@ OPFORGE_HD inline QParams choose_qparams(C mn, C mx, int qmin, int qmax, bool sy
     const float range = static_cast<float>(qmax - qmin);
     float span = hi - lo;  // exact or rounded once, as torch's
     float scale = div_rn(span, range);
-    if (is_inf(span) && !is_inf(hi) && !is_inf(lo)) scale = div_rn(hi, range) - div_rn(lo, range);
+    if (!is_finite(span) && is_finite(hi) && is_finite(lo)) scale = div_rn(hi, range) - div_rn(lo, range);
     p.scale = fmax_f(scale, kScaleEps);
     float z = static_cast<float>(qmin) - round_even(div_rn(lo, p.scale));
     z = fmin_f(fmax_f(z, static_cast<float>(qmin)), static_cast<float>(qmax));
