@@ -35,11 +35,12 @@ except ImportError:  # running from a source tree: python/ is the package root
     sys.path.insert(0, str(common.REPO_ROOT / "python"))
     import opforge
 
+from bench_rms_norm import EPS, liger_functions  # noqa: E402  (the same peers and eps as bench_rms_norm.py)
+
 NAME = "rms_norm_variants"
 SHAPES = [(32768, 4096), (16384, 8192), (4096, 8192), (65536, 1024), (4096, 16384), (8, 4096)]
 FWD_VARIANTS = [0, 1, 2, 3, 4]
 BWD_VARIANTS = [0, 1, 2]
-EPS = 1e-6
 COPY_CEILING = 4274.0  # GB/s, H200 (issue 13)
 
 
@@ -59,17 +60,6 @@ class knobs:
     def __exit__(self, *exc):
         for k, v in reversed(self.saved):
             set_knob(k, v)
-
-
-def liger_functions():
-    rms = fused = None
-    f = common.liger("LigerRMSNormFunction", "liger_kernel.ops.rms_norm")
-    if f is not None:
-        rms = lambda x, w: f.apply(x, w, EPS)  # noqa: E731
-    g = common.liger("LigerFusedAddRMSNormFunction", "liger_kernel.ops.fused_add_rms_norm")
-    if g is not None:
-        fused = lambda x, r, w: g.apply(x, r, w, EPS)  # noqa: E731
-    return rms, fused
 
 
 def ours(x, w):
