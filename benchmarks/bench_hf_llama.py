@@ -246,33 +246,40 @@ def run_variant(a: argparse.Namespace) -> dict:
 
 # ---- the driver --------------------------------------------------------------------------------------------
 
-def _spawn(a: argparse.Namespace, variant: str) -> dict:
+def spawn_worker(script: Path, worker: str, argv: list, timeout: float) -> dict:
+    """Runs ``python script --worker <worker> --json <tmp> *argv`` (python/ on PYTHONPATH, Inductor's cache per
+    checkout) and returns the JSON it wrote, or {"variant": worker, "status": why not} (timeout, a failure's last
+    line, "n/a (liger_kernel not installed)"). Shared with benchmarks/profile_step.py."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "out.json"
-        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--json", str(path),
-                "--layers", str(a.layers), "--hidden", str(a.hidden), "--intermediate", str(a.intermediate),
-                "--heads", str(a.heads), "--kv-heads", str(a.kv_heads), "--vocab", str(a.vocab), "--seq", str(a.seq),
-                "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--dtype", a.dtype,
-                "--device", a.device, "--compile-scope", a.compile_scope, "--lr", str(a.lr),
-                "--init-device", a.init_device]
-        if a.profile:
-            argv.append("--profile")
+        cmd = [sys.executable, str(script), "--worker", worker, "--json", str(path), *argv]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(common.REPO_ROOT / "python"), env.get("PYTHONPATH", "")])
         # Inductor's cache per checkout (as tests/python/conftest.py): a second run skips most compilation
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(common.REPO_ROOT / "build" / "inductor-cache"))
         try:
-            p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"variant": variant, "status": f"timeout after {a.timeout:.0f} s"}
+            return {"variant": worker, "status": f"timeout after {timeout:.0f} s"}
         if p.returncode != 0 or not path.exists():
             err = (p.stderr or p.stdout).strip().splitlines()
             tail = err[-1] if err else f"exit {p.returncode}"
             if "No module named 'liger_kernel'" in (p.stderr or ""):
                 tail = "n/a (liger_kernel not installed)"
-            sys.stderr.write(f"--- {variant} failed ---\n{p.stderr[-4000:]}\n")
-            return {"variant": variant, "status": tail[:200]}
+            else:
+                sys.stderr.write(f"--- {worker} failed ---\n{p.stderr[-4000:]}\n")
+            return {"variant": worker, "status": tail[:200]}
         return json.loads(path.read_text())
+
+
+def _spawn(a: argparse.Namespace, variant: str) -> dict:
+    argv = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--intermediate", str(a.intermediate),
+            "--heads", str(a.heads), "--kv-heads", str(a.kv_heads), "--vocab", str(a.vocab), "--seq", str(a.seq),
+            "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--dtype", a.dtype,
+            "--device", a.device, "--compile-scope", a.compile_scope, "--lr", str(a.lr), "--init-device", a.init_device]
+    if a.profile:
+        argv.append("--profile")
+    return spawn_worker(Path(__file__).resolve(), variant, argv, a.timeout)
 
 
 def _versions() -> dict:

@@ -31,11 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -215,28 +212,12 @@ def _demo_worker(a: argparse.Namespace) -> dict:
 # ---- the driver ----------------------------------------------------------------------------------------------
 
 def _spawn(a: argparse.Namespace, worker: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "out.json"
-        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--json", str(path),
-                "--layers", str(a.layers), "--seq", str(a.seq), "--batch", str(a.batch), "--vocab", str(a.vocab),
-                "--warmup", str(a.warmup), "--device", a.device, "--out", str(a.out)]
-        if a.smoke:
-            argv.append("--smoke")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(common.REPO_ROOT / "python"), env.get("PYTHONPATH", "")])
-        try:
-            p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
-        except subprocess.TimeoutExpired:
-            return {"variant": worker, "error": f"timeout after {a.timeout:.0f} s"}
-        if p.returncode != 0 or not path.exists():
-            err = (p.stderr or p.stdout).strip().splitlines()
-            tail = err[-1] if err else f"exit {p.returncode}"
-            if "No module named 'liger_kernel'" in (p.stderr or ""):
-                tail = "n/a (liger_kernel not installed)"
-            else:
-                sys.stderr.write(f"--- {worker} failed ---\n{p.stderr[-4000:]}\n")
-            return {"variant": worker, "error": tail[:300]}
-        return json.loads(path.read_text())
+    argv = ["--layers", str(a.layers), "--seq", str(a.seq), "--batch", str(a.batch), "--vocab", str(a.vocab),
+            "--warmup", str(a.warmup), "--device", a.device, "--out", str(a.out)] + (["--smoke"] if a.smoke else [])
+    r = bench_hf_llama.spawn_worker(Path(__file__).resolve(), worker, argv, a.timeout)
+    if "status" in r:
+        r["error"] = r.pop("status")
+    return r
 
 
 def format_variant(r: dict, top: int, cuda: bool) -> str:
