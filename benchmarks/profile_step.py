@@ -58,6 +58,9 @@ _RULES = [
 ]
 
 
+_RANGES = ("ProfilerStep", "Optimizer.", "aten::", "opforge::", "autograd::", "## ")
+
+
 def category(name: str) -> str:
     """The category (one of CATEGORIES) of a kernel or op name (first matching rule of _RULES)."""
     n = name.lower()
@@ -132,8 +135,9 @@ def _kernel_times(prof, cuda: bool) -> dict:
     out: dict = {}
     if cuda:
         for e in prof.events():
-            if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
-                continue
+            if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False) \
+                    or "annotation" in str(getattr(e, "activity_type", "")).lower() or e.name.startswith(_RANGES):
+                continue  # record_function ranges mirrored on the GPU timeline, not kernels
             us = e.time_range.elapsed_us()
             t, n = out.get(e.name, (0.0, 0))
             out[e.name] = (t + us, n + 1)
