@@ -18,6 +18,8 @@
 //                        "sum" computes its gradients in the forward (3 GEMMs); 0: the recompute path (4 GEMMs)
 //                        (ops/linear_cross_entropy/linear_cross_entropy.cpp; read when the forward runs, so a
 //                        compiled graph keeps the path it was traced with).
+//   OPFORGE_ROPE_KERNEL  1 (default, or any value but "0"): rope's rows kernel on CUDA; 0: the per-token table
+//                        kernel it replaced, kept for comparison (ops/rope/rope_cuda.cu).
 #pragma once
 
 #include <cstdint>
@@ -25,7 +27,7 @@
 namespace opforge {
 namespace knobs {
 
-enum class Knob : int { kLinearLt, kLinearGemv, kLceGradInForward, kGemvVariant, kRmsForward, kRmsBackward };
+enum class Knob : int { kLinearLt, kLinearGemv, kLceGradInForward, kGemvVariant, kRmsForward, kRmsBackward, kRopeKernel };
 
 /// The knob's current value.
 int64_t get(Knob k);
