@@ -6,7 +6,13 @@ Each variant runs in its own process (same seed, same initial weights, same rand
 AdamW on CUDA) and reports tokens/s, ms/step (median of the timed steps), peak memory (CUDA: max allocated
 since the process started, weights and optimizer state included; CPU: peak RSS of the worker) and the loss
 at the first and last step. The table also gives each variant's largest per-step relative loss difference
-from HF eager, to be read against the bf16 bound (``--loss-bound``).
+from HF eager, to be read against the bf16 bound (``--loss-bound``). The training forward passes
+``use_cache=False`` (no KV cache is needed to train; with transformers' default ``use_cache=True`` every decoder
+layer gets the cache object, whose per-layer state makes a per-layer compile recompile once per layer and
+fall back to eager past Dynamo's recompile limit of 8). The "+compile" variants compile each decoder layer
+(``--compile-scope layers``, fullgraph=True; identical layers share one compiled graph) and report Dynamo's
+graph breaks, recompiles and graphs; Inductor's cache is ``build/inductor-cache`` unless TORCHINDUCTOR_CACHE_DIR
+is set. Weights are initialised on the run's device (``--init-device``, same seed in every variant's process).
 
     # the issue's configuration on one GPU (about 10 minutes on an H200, compile included):
     python benchmarks/bench_hf_llama.py
@@ -14,8 +20,10 @@ from HF eager, to be read against the bf16 bound (``--loss-bound``).
     python benchmarks/bench_hf_llama.py --layers 4 --vocab 32000 --seq 1024 --batch 2 --steps 10
     # a profile (torch.profiler table of one step) of some variants:
     python benchmarks/bench_hf_llama.py --variants opforge,liger --profile
-    # CPU smoke run (tiny config, 3 steps, no compile variants; used by tests/python/test_hf_llama_bench.py):
+    # CPU smoke run (tiny config, 3 steps, no compile variants; used by tests/python/test_hf_llama.py):
     python benchmarks/bench_hf_llama.py --smoke
+    # graph breaks and recompiles of the compiled variants (CPU: a tiny config, about a minute):
+    python benchmarks/bench_hf_llama.py --smoke --variants hf+compile,opforge+compile
 
 Results: <out>/hf_llama.csv (appended; context columns date, device, device_name, torch, commit,
 transformers, liger) and <out>/hf_llama_<cpu|cuda>.png; profiles in <out>/hf_llama_profile_<variant>.txt.
@@ -66,8 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype (bfloat16, float32)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
-    p.add_argument("--compile-scope", choices=["model", "layers"], default="model",
-                   help="torch.compile the whole model, or each decoder layer (fullgraph=True)")
+    p.add_argument("--compile-scope", choices=["model", "layers"], default="layers",
+                   help="torch.compile each decoder layer with fullgraph=True (default: one compiled graph shared "
+                        "by all layers), or the whole model")
+    p.add_argument("--init-device", default=None,
+                   help="where the weights are initialised before the cast to --dtype (default: --device; cpu "
+                        "takes ~20 s per variant at the default size). Same seed, so every variant starts alike")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--loss-bound", type=float, default=None,
                    help="largest allowed per-step relative loss difference from HF eager (default: 2e-2 for "
@@ -90,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         import torch
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.init_device is None:
+        a.init_device = a.device
     if a.variants is None:
         a.variants = ",".join(VARIANTS)
     a.variant_list = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -113,11 +127,19 @@ def _peak_memory_gib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
 
 
-def run_variant(a: argparse.Namespace) -> dict:
+def build_variant(a: argparse.Namespace, variant: str):
+    """One variant's model, ready to train (also used by benchmarks/profile_step.py).
+
+    Returns (model, step_model, optimizer, patch report or None, step(i) -> detached loss, sync()): the Llama of
+    ``a``'s configuration (seed 0, initialised on ``a.init_device``, then moved to ``a.device`` and ``a.dtype``),
+    Liger's or opforge's patch applied as the variant says, AdamW (fused on CUDA), the compile of "+compile"
+    variants; ``step(i)`` trains on the i-th of the fixed random token batches (seed 1234; ``a.warmup + a.steps``
+    of them). CUDA's peak-memory counter is reset once the model is built (the fp32 initialisation is not
+    counted; weights are). Raises ImportError when the variant needs Liger-Kernel and it is not installed.
+    """
     import torch
     import transformers
 
-    variant = a.worker
     device, dtype = a.device, getattr(torch, a.dtype)
     use_liger, use_opforge, use_compile = "liger" in variant, "opforge" in variant, variant.endswith("+compile")
     if use_liger:
@@ -134,9 +156,12 @@ def run_variant(a: argparse.Namespace) -> dict:
     cfg = transformers.LlamaConfig(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
                                    num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
                                    max_position_embeddings=max(a.seq, 128), attn_implementation="sdpa")
-    with torch.device("cpu"):
-        model = transformers.LlamaForCausalLM(cfg)  # same initial weights for every variant (CPU RNG)
+    with torch.device(a.init_device):
+        model = transformers.LlamaForCausalLM(cfg)  # same initial weights for every variant (same seed and device)
     model = model.to(device=device, dtype=dtype).train()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     report = None
     if use_opforge:
         report = str(patch.apply(model))
@@ -149,8 +174,7 @@ def run_variant(a: argparse.Namespace) -> dict:
             for layer in model.model.layers:
                 layer.compile(fullgraph=True)
     g = torch.Generator().manual_seed(1234)
-    n_steps = a.warmup + a.steps
-    tokens = torch.randint(0, a.vocab, (n_steps, a.batch, a.seq), generator=g)
+    tokens = torch.randint(0, a.vocab, (a.warmup + a.steps, a.batch, a.seq), generator=g)
 
     def sync():
         if device.startswith("cuda"):
@@ -158,14 +182,40 @@ def run_variant(a: argparse.Namespace) -> dict:
 
     def step(i):
         ids = tokens[i].to(device, non_blocking=True)
-        loss = step_model(input_ids=ids, labels=ids).loss
+        loss = step_model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    return model, step_model, opt, report, step, sync
+
+
+def dynamo_stats() -> dict:
+    """Dynamo's counters of this process: frames compiled, graphs, graph breaks (reason -> count) and recompiles
+    (guard failures: (function, first reason) per recompile)."""
+    from torch._dynamo.utils import counters, guard_failures
+
+    recompiles = []
+    for code, reasons in guard_failures.items():
+        for r in reasons:
+            recompiles.append(f"{getattr(code, 'co_name', code)}: {str(r).splitlines()[0][:160]}")
+    breaks = dict(counters.get("graph_break", {}))
+    return {"frames_ok": counters["frames"].get("ok", 0), "frames_total": counters["frames"].get("total", 0),
+            "unique_graphs": counters["stats"].get("unique_graphs", 0), "graph_breaks": sum(breaks.values()),
+            "graph_break_reasons": {str(k)[:200]: v for k, v in breaks.items()}, "recompiles": len(recompiles),
+            "recompile_reasons": recompiles[:10]}
+
+
+def run_variant(a: argparse.Namespace) -> dict:
+    import torch
+
+    variant = a.worker
+    device = a.device
+    _, _, _, report, step, sync = build_variant(a, variant)
+    n_steps = a.warmup + a.steps
     losses, times = [], []
-    t_compile = time.perf_counter()
+    t_compile, t_start = math.nan, time.perf_counter()
     for i in range(n_steps):
         sync()
         t0 = time.perf_counter()
@@ -174,12 +224,14 @@ def run_variant(a: argparse.Namespace) -> dict:
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
         if i == a.warmup - 1:
-            t_compile = time.perf_counter() - t_compile
+            t_compile = time.perf_counter() - t_start
     losses = [float(x) for x in torch.stack(losses).float().cpu()]
     ms = statistics.median(times) * 1e3
     out = {"variant": variant, "ms_per_step": ms, "tokens_per_s": a.batch * a.seq / (ms / 1e3),
            "peak_mem_gib": _peak_memory_gib(device), "losses": losses, "warmup_s": t_compile, "report": report,
            "status": "ok"}
+    if variant.endswith("+compile"):
+        out["dynamo"] = dynamo_stats()
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -194,30 +246,40 @@ def run_variant(a: argparse.Namespace) -> dict:
 
 # ---- the driver --------------------------------------------------------------------------------------------
 
-def _spawn(a: argparse.Namespace, variant: str) -> dict:
+def spawn_worker(script: Path, worker: str, argv: list, timeout: float) -> dict:
+    """Runs ``python script --worker <worker> --json <tmp> *argv`` (python/ on PYTHONPATH, Inductor's cache per
+    checkout) and returns the JSON it wrote, or {"variant": worker, "status": why not} (timeout, a failure's last
+    line, "n/a (liger_kernel not installed)"). Shared with benchmarks/profile_step.py."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "out.json"
-        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--json", str(path),
-                "--layers", str(a.layers), "--hidden", str(a.hidden), "--intermediate", str(a.intermediate),
-                "--heads", str(a.heads), "--kv-heads", str(a.kv_heads), "--vocab", str(a.vocab), "--seq", str(a.seq),
-                "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--dtype", a.dtype,
-                "--device", a.device, "--compile-scope", a.compile_scope, "--lr", str(a.lr)]
-        if a.profile:
-            argv.append("--profile")
+        cmd = [sys.executable, str(script), "--worker", worker, "--json", str(path), *argv]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(common.REPO_ROOT / "python"), env.get("PYTHONPATH", "")])
+        # Inductor's cache per checkout (as tests/python/conftest.py): a second run skips most compilation
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(common.REPO_ROOT / "build" / "inductor-cache"))
         try:
-            p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"variant": variant, "status": f"timeout after {a.timeout:.0f} s"}
+            return {"variant": worker, "status": f"timeout after {timeout:.0f} s"}
         if p.returncode != 0 or not path.exists():
             err = (p.stderr or p.stdout).strip().splitlines()
             tail = err[-1] if err else f"exit {p.returncode}"
             if "No module named 'liger_kernel'" in (p.stderr or ""):
                 tail = "n/a (liger_kernel not installed)"
-            sys.stderr.write(f"--- {variant} failed ---\n{p.stderr[-4000:]}\n")
-            return {"variant": variant, "status": tail[:200]}
+            else:
+                sys.stderr.write(f"--- {worker} failed ---\n{p.stderr[-4000:]}\n")
+            return {"variant": worker, "status": tail[:200]}
         return json.loads(path.read_text())
+
+
+def _spawn(a: argparse.Namespace, variant: str) -> dict:
+    argv = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--intermediate", str(a.intermediate),
+            "--heads", str(a.heads), "--kv-heads", str(a.kv_heads), "--vocab", str(a.vocab), "--seq", str(a.seq),
+            "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--dtype", a.dtype,
+            "--device", a.device, "--compile-scope", a.compile_scope, "--lr", str(a.lr), "--init-device", a.init_device]
+    if a.profile:
+        argv.append("--profile")
+    return spawn_worker(Path(__file__).resolve(), variant, argv, a.timeout)
 
 
 def _versions() -> dict:
@@ -306,6 +368,15 @@ def main(argv=None) -> list:
     for r in results:
         if r.get("report"):
             print(f"\n{r['variant']}: {r['report']}")
+    for r in results:
+        d = r.get("dynamo")
+        if d:
+            print(f"\n{r['variant']}: torch.compile ({a.compile_scope}, warm-up {r.get('warmup_s', math.nan):.1f} s): "
+                  f"{d['graph_breaks']} graph break(s), {d['recompiles']} recompile(s), {d['unique_graphs']} graph(s)")
+            for reason, n in d["graph_break_reasons"].items():
+                print(f"  graph break x{n}: {reason}")
+            for reason in d["recompile_reasons"]:
+                print(f"  recompile: {reason}")
     if not a.no_save:
         a.out.mkdir(parents=True, exist_ok=True)
         path = a.out / "hf_llama.csv"

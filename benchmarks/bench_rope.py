@@ -7,9 +7,12 @@ q and k are laid out as a Hugging Face attention layer hands them over: (B, S, H
 Metric: GB/s by the minimal-bytes rule: q and k read and written once each way
   forward:          read q, k; write q_out, k_out              = 2·(|q| + |k|)·e
   forward+backward: forward + read dq_out, dk_out; write dq, dk = 4·(|q| + |k|)·e
-(cos/sin, read once per token, are not counted). "opforge rope_from_positions" is the same rotation with the
-angles computed in the kernel from position_ids (arange(S), made once per shape), no cos/sin tensors. Goal (H200, (4, 4096, 32 q heads, 8 kv heads, 128) bf16):
+(cos/sin, read once per token, are not counted). Goal (H200, (4, 4096, 32 q heads, 8 kv heads, 128) bf16):
 forward+backward ≥ 0.9 × the copy ceiling (4269 GB/s measured on 2026-12-01).
+
+On CUDA, "opforge" is the rows kernel (the default) and "opforge token kernel" the per-token kernel it replaced
+(OPFORGE_ROPE_KERNEL=0), timed in the same run. "opforge rope_from_positions" is the same rotation with the
+angles computed in the kernel from position_ids (arange(S), made once per shape), no cos/sin tensors.
 
 Timing: CUDA events with warm-up and an L2 flush before each repetition (common.time_fn), median; on CPU wall
 time (perf_counter). A "copy" row (q and k cloned: 2·(|q| + |k|)·e bytes) gives the device's ceiling in the same run.
@@ -79,8 +82,24 @@ def impls(device: str, use_compile: bool) -> dict:
         else None,
     }
     if device.startswith("cuda"):
+        out["opforge token kernel"] = out["opforge"]  # the same call under KNOBS' setting
         out["liger"] = common.liger("liger_rotary_pos_emb", "liger_kernel.transformers.rope")
     return out
+
+
+# impl -> (knob, value) set while that impl is timed (forward and backward), restored after
+KNOBS = {"opforge token kernel": ("OPFORGE_ROPE_KERNEL", 0)}
+
+
+def _timed(impl: str, time_it):
+    knob = KNOBS.get(impl)
+    if knob is None:
+        return time_it()
+    prev = torch.ops.opforge._set_knob(*knob)
+    try:
+        return time_it()
+    finally:
+        torch.ops.opforge._set_knob(knob[0], prev)
 
 
 def main(argv=None) -> int:
@@ -113,13 +132,13 @@ def main(argv=None) -> int:
                     if fn is None:
                         t = math.nan
                     elif pass_ == "fwd":
-                        t = run.time(lambda fn=fn: fn(q, k, cos, sin), no_grad=True)
+                        t = _timed(impl, lambda fn=fn: run.time(lambda: fn(q, k, cos, sin), no_grad=True))
                     else:
                         def step(fn=fn):
                             oq, ok = fn(qg, kg, cos, sin)
                             return torch.autograd.grad((oq, ok), (qg, kg), (dq, dk))
 
-                        t = run.time(step)
+                        t = _timed(impl, lambda: run.time(step))
                     gb = common.gbps(nbytes, t)
                     run.add(NAME, shape, dtype, impl, pass_, t, gb, "GB/s")
                     group.append(f"{impl} {common._fmt(t)}us {common._fmt(gb, 0)}GB/s")

@@ -16,21 +16,30 @@ namespace {
 struct Entry {
   const char* name;  // the environment variable
   int64_t unset;     // the value when it is not set
+  bool integer;      // true: the variable's value is read as an integer (a variant number)
 };
-constexpr Entry kEntries[] = {{"OPFORGE_LINEAR_LT", 1}, {"OPFORGE_LINEAR_GEMV", -1},
-                              {"OPFORGE_LCE_GRAD_IN_FORWARD", 1}};
+constexpr Entry kEntries[] = {{"OPFORGE_LINEAR_LT", 1, false},   {"OPFORGE_LINEAR_GEMV", -1, false},
+                              {"OPFORGE_LCE_GRAD_IN_FORWARD", 1, false}, {"OPFORGE_GEMV_VARIANT", -1, true},
+                              {"OPFORGE_RMS_FWD", -1, true},     {"OPFORGE_RMS_BWD", -1, true},
+                              {"OPFORGE_ROPE_KERNEL", 1, false}};
 constexpr int kCount = sizeof(kEntries) / sizeof(kEntries[0]);
 
 int64_t from_env(const Entry& e) {
   const char* env = std::getenv(e.name);
   if (env == nullptr) return e.unset;
-  if (e.unset == 1) return std::strcmp(env, "0") == 0 ? 0 : 1;  // OPFORGE_LINEAR_LT, _LCE_GRAD_IN_FORWARD: "0" or not
+  if (e.integer) {  // a variant number; anything that is not one is the default
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    return (end != env && *end == '\0') ? static_cast<int64_t>(v) : e.unset;
+  }
+  if (e.unset == 1) return std::strcmp(env, "0") == 0 ? 0 : 1;  // OPFORGE_LINEAR_LT, _LCE_GRAD_IN_FORWARD, _ROPE_KERNEL: "0" or not
   return std::strcmp(env, "1") == 0 ? 1 : 0;                     // OPFORGE_LINEAR_GEMV: "1" or not
 }
 
 std::atomic<int64_t>& slot(Knob k) {
-  static std::atomic<int64_t> slots[kCount] = {from_env(kEntries[0]), from_env(kEntries[1]),
-                                               from_env(kEntries[2])};
+  static std::atomic<int64_t> slots[kCount] = {from_env(kEntries[0]), from_env(kEntries[1]), from_env(kEntries[2]),
+                                               from_env(kEntries[3]), from_env(kEntries[4]), from_env(kEntries[5]),
+                                               from_env(kEntries[6])};
   return slots[static_cast<int>(k)];
 }
 
@@ -38,8 +47,9 @@ int64_t set_knob_op(c10::string_view name, int64_t value) {
   for (int i = 0; i < kCount; ++i) {
     if (name == kEntries[i].name) return set(static_cast<Knob>(i), value);
   }
-  TORCH_CHECK_VALUE(false, "opforge::_set_knob: expected OPFORGE_LINEAR_LT, OPFORGE_LINEAR_GEMV or "
-                    "OPFORGE_LCE_GRAD_IN_FORWARD, but got ",
+  TORCH_CHECK_VALUE(false, "opforge::_set_knob: expected OPFORGE_LINEAR_LT, OPFORGE_LINEAR_GEMV, "
+                    "OPFORGE_LCE_GRAD_IN_FORWARD, OPFORGE_GEMV_VARIANT, OPFORGE_RMS_FWD, OPFORGE_RMS_BWD or "
+                    "OPFORGE_ROPE_KERNEL, but got ",
                     std::string(name));
   return 0;
 }

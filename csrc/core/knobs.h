@@ -5,11 +5,21 @@
 //   OPFORGE_LINEAR_LT    1 (default, or any value but "0"): cuBLASLt GEMMs with fused epilogues;
 //                        0: every GEMM through cublasGemmEx plus separate passes (core/gemm.h).
 //   OPFORGE_LINEAR_GEMV  -1 (unset, default): linear's GEMV kernel for M == 1 only; 1: for 1 ≤ M ≤ 16;
-//                        0: never (ops/linear/linear_cuda.cu).
+//                        0: never (ops/linear/linear_cuda.cu). The default chooser is a table per (M, N, K)
+//                        bucket in linear_cuda.cu (gemv_choice).
+//   OPFORGE_GEMV_VARIANT -1 (unset, default): the chooser's GEMV kernel; 0: the warp-per-rows kernel; 1..3: the
+//                        tensor-core kernels of linear_gemv.cuh (1: 16 rows a warp; 2: 32 rows a warp; 3: 16 rows
+//                        a warp, split-K over blocks where the grid is small).
+//   OPFORGE_RMS_FWD      -1 (unset, default): rms_norm's forward chooser; 0: the register-cached grid-stride kernel;
+//                        1..4: the one-CTA-per-row kernels (ops/rms_norm/rms_norm_cuda.cu, forward_variant).
+//   OPFORGE_RMS_BWD      -1 (unset, default): rms_norm's backward chooser; 0: the current kernels; 1, 2: the
+//                        register-cached kernel with dweight partials in shared memory (2: next row pipelined).
 //   OPFORGE_LCE_GRAD_IN_FORWARD  1 (default, or any value but "0"): linear_cross_entropy with reduction "mean" /
 //                        "sum" computes its gradients in the forward (3 GEMMs); 0: the recompute path (4 GEMMs)
 //                        (ops/linear_cross_entropy/linear_cross_entropy.cpp; read when the forward runs, so a
 //                        compiled graph keeps the path it was traced with).
+//   OPFORGE_ROPE_KERNEL  1 (default, or any value but "0"): rope's rows kernel on CUDA; 0: the per-token table
+//                        kernel it replaced, kept for comparison (ops/rope/rope_cuda.cu).
 #pragma once
 
 #include <cstdint>
@@ -17,7 +27,7 @@
 namespace opforge {
 namespace knobs {
 
-enum class Knob : int { kLinearLt, kLinearGemv, kLceGradInForward };
+enum class Knob : int { kLinearLt, kLinearGemv, kLceGradInForward, kGemvVariant, kRmsForward, kRmsBackward, kRopeKernel };
 
 /// The knob's current value.
 int64_t get(Knob k);

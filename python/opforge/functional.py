@@ -391,7 +391,17 @@ def fake_quant_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = No
     [qmin, qmax], (q − zp) · scale), with scales and zero points chosen as ``torch.ao.quantization``'s
     MinMaxObserver and torchao's ``choose_qparams_affine`` do, in float32 with eps = float32's machine epsilon
     (an all-zero or tiny group gets scale eps: finite outputs and gradients). CPU and CUDA share the scalar
-    code and give the same bits. Gradients (straight-through estimator, scales as constants):
+    code and give the same bits.
+
+    NaN and extreme ranges: a NaN is never hidden. A weight group (channel, group of columns, or the whole tensor
+    per tensor) or, with act_quant, a token containing NaN gets scale NaN and zero point 0: all of its
+    fake-quantized values are NaN and its in-range mask false, as torch's MinMaxObserver + fake_quantize give. So
+    the output columns (rows) it feeds are NaN, the input gradient those columns reach is NaN, and the weight
+    gradient of that group is 0 (masked, as torch's). Asymmetric groups spanning more than float32's range
+    (hi − lo overflowing, e.g. ±3e38) get scale hi/(qmax − qmin) − lo/(qmax − qmin) and stay finite where
+    torch's scale would be inf and its output NaN; elsewhere the scale is torch's bit for bit.
+
+    Gradients (straight-through estimator, scales as constants):
     grad_input = (grad · fq_w(W)) ⊙ [input in range], grad_weight = (gradᵀ · fq_a(input)) ⊙ [weight in range],
     grad_bias = Σ_rows grad (float32 accumulation). Under ``torch.autocast`` the input and bias are cast to the
     autocast dtype and the weight is quantized in its own (e.g. float32 master) precision.
@@ -423,6 +433,9 @@ def fake_quantize_weight(weight: Tensor, bits: int = 4, group_size: int = -1,
     Raises:
         ValueError: weight not 2-D; bits outside [2, 8]; group_size < −1 or not dividing K.
         TypeError: a non-floating weight.
+
+    NaN: a group containing NaN gets scale NaN and zero_point 0, all of its outputs NaN and its mask false; an
+    asymmetric group whose hi − lo overflows float32 gets a finite scale (see :func:`fake_quant_linear`).
 
     Not differentiable (its outputs carry no autograd history); :func:`fake_quant_linear` is.
     """
@@ -466,6 +479,56 @@ def linear_cat(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor] 
     db = Σ_rows dY (``torch.ops.opforge.linear_cat_backward``).
     """
     return torch.ops.opforge.linear_cat(list(inputs), weight, bias)
+
+
+# torch.func.vmap over linear_cat: a Tensor[] argument gets no batching fallback from functorch, so linear_cat and
+# linear_cat_backward (the backward op that vmap(grad(...)) reaches) carry their own rules, registered here for the
+# FuncTorchBatched key (torch.library.register_vmap; the ops themselves stay C++).
+
+def _vmap_sample(t: Optional[Tensor], dim: Optional[int], b: int) -> Optional[Tensor]:
+    """Sample b of a vmapped argument (t itself where it is not batched)."""
+    return t if t is None or dim is None else t.select(dim, b)
+
+
+def _stack_samples(outs: list) -> Tuple[Optional[Tensor], Optional[int]]:
+    """The per-sample results stacked along a new dim 0, and that out_dim (None, None where none was computed)."""
+    if outs[0] is None:
+        return None, None
+    return torch.stack(outs), 0
+
+
+def _linear_cat_vmap(info, in_dims, inputs, weight, bias):
+    """Batching rule of opforge::linear_cat. With an unbatched weight and bias (per-sample gradients, batched
+    activations) the batch dim becomes one more leading dim of every piece: one call, the same kernels and bits as
+    unbatched calls. A batched weight or bias: one call per sample."""
+    x_dims, w_dim, b_dim = in_dims
+    if w_dim is None and b_dim is None:
+        xs = [x.movedim(d, 0) if d is not None else x.expand(info.batch_size, *x.shape)
+              for x, d in zip(inputs, x_dims)]
+        return torch.ops.opforge.linear_cat(xs, weight, bias), 0
+    outs = [torch.ops.opforge.linear_cat([_vmap_sample(x, d, b) for x, d in zip(inputs, x_dims)],
+                                         _vmap_sample(weight, w_dim, b), _vmap_sample(bias, b_dim, b))
+            for b in range(info.batch_size)]
+    return torch.stack(outs), 0
+
+
+def _linear_cat_backward_vmap(info, in_dims, grad_output, inputs, weight, output_mask, bias_dtype=None):
+    """Batching rule of opforge::linear_cat_backward: one call per sample (each sample's weight and bias gradients
+    are its own, so the batch cannot be folded into the rows), the results stacked."""
+    g_dim, x_dims, w_dim = in_dims[0], in_dims[1], in_dims[2]
+    per = [torch.ops.opforge.linear_cat_backward(
+        _vmap_sample(grad_output, g_dim, b), [_vmap_sample(x, d, b) for x, d in zip(inputs, x_dims)],
+        _vmap_sample(weight, w_dim, b), output_mask, bias_dtype) for b in range(info.batch_size)]
+    n_inputs = len(per[0][0])
+    grad_inputs = [torch.stack([p[0][i] for p in per]) for i in range(n_inputs)]
+    grad_weight, w_out = _stack_samples([p[1] for p in per])
+    grad_bias, b_out = _stack_samples([p[2] for p in per])
+    return (grad_inputs, grad_weight, grad_bias), ([0] * n_inputs, w_out, b_out)
+
+
+if hasattr(torch.library, "register_vmap"):
+    torch.library.register_vmap("opforge::linear_cat", _linear_cat_vmap)
+    torch.library.register_vmap("opforge::linear_cat_backward", _linear_cat_backward_vmap)
 
 
 def indexed_linear(input: Tensor, weight: Tensor, index: Tensor, bias: Optional[Tensor] = None) -> Tensor:

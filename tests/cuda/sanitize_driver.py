@@ -1,131 +1,246 @@
-"""Drives every opforge CUDA kernel once per case under compute-sanitizer (scripts/sanitize.sh).
+"""Drives every opforge CUDA kernel, forward and backward, under compute-sanitizer (scripts/sanitize.sh).
 
-Each case runs forward and backward on small odd sizes, in every floating dtype, with contiguous inputs and
-with inputs whose base pointer is one element past an allocation's start (unaligned for 16-byte vector
-loads), so that the vectorized and the scalar paths of each kernel both run. Values are not checked here
-(the test suite does that); the sanitizer's verdict is the result. Ops that this build lacks are skipped and
-listed. Prints one line per op and the number of calls made.
+Each case is one op family in one dtype with either contiguous inputs or inputs whose base pointer is one element
+past an allocation's start (unaligned for 16-byte vector loads), so that the vectorized and the scalar paths of each
+kernel both run. Every input and gradient is made on the host and copied to the device (initcheck then sees each
+byte our kernels read written by a cudaMemcpy or by a kernel, never by an uninstrumented torch kernel). Values are
+not checked here (the test suite does that); the sanitizer's verdict is the result.
 
-Usage: python tests/cuda/sanitize_driver.py [--quick]
+Each case prints ``case <id>: begin`` before and ``case <id>: ok`` after it (flushed), so a log cut short by a
+sanitizer failure names the case it died in, and ``--start-after <id>`` resumes after it. ``--coverage`` runs the
+same cases without a sanitizer under torch.profiler and checks that every ``__global__`` kernel of csrc/ was launched
+under a name containing "opforge" (the sanitizer's kernel-name filter), printing ``coverage: K kernels, M launches``.
+
+Usage: python tests/cuda/sanitize_driver.py [--quick] [--tool T] [--coverage] [--start-after ID] [--list]
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from pathlib import Path
 
 import torch
 
 import opforge
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+ROOT = Path(__file__).resolve().parents[2]
+FILTER = "opforge"  # scripts/sanitize.sh: --kernel-name kns=opforge
 
 
-def make(shape, dtype, unaligned, requires_grad=True):
-    """A random CUDA tensor of `shape`; unaligned: a view starting one element into its storage."""
+def make(shape, dtype, unaligned, requires_grad=True, scale=1.0):
+    """A random CUDA tensor of `shape`, made on the host and copied over; unaligned: a view starting one element
+    into its storage."""
     n = 1
     for s in shape:
         n *= s
-    buf = torch.randn(n + 1, device="cuda", dtype=dtype)
+    buf = (torch.randn(n + 1, dtype=torch.float32) * scale).to(dtype).to("cuda")
     t = (buf[1:] if unaligned else buf[:n]).view(shape).detach()
     return t.requires_grad_(requires_grad)
 
 
-def backward(outs, inputs):
+def host_randint(lo, hi, shape):
+    return torch.randint(lo, hi, shape).to("cuda")
+
+
+def backward(outs):
+    """Backward of every output that requires grad, with host-made random gradients."""
     outs = [o for o in (outs if isinstance(outs, (tuple, list)) else (outs,)) if o is not None and o.requires_grad]
     if not outs:
         return
-    grads = [torch.randn_like(o) for o in outs]
+    grads = [torch.randn(o.shape, dtype=torch.float32).to(o.dtype).to("cuda") for o in outs]
     torch.autograd.backward(outs, grads)
 
 
-def cases():
-    """(op name, callable(dtype, unaligned) -> None) for every op family with CUDA kernels."""
+def families(quick: bool):
+    """(family, callable(dtype, unaligned)) for every op family with CUDA kernels; quick: fewer shapes and
+    activations, every kernel (and each kernel's shared-memory path) still launched."""
     ops = torch.ops.opforge
 
     def linear(dt, u):
-        for m, k, n in ((1, 64, 24), (7, 33, 5), (70, 256, 96)):
+        shapes = ((1, 64, 24), (7, 33, 5)) if quick else ((1, 64, 24), (7, 33, 5), (70, 256, 96))
+        acts = ("none", "gelu") if quick else opforge.functional.LINEAR_ACTIVATIONS
+        for m, k, n in shapes:
             x, w, b = make((m, k), dt, u), make((n, k), dt, u), make((n,), dt, u)
-            for act in ("none", "relu", "gelu", "gelu_tanh", "silu"):
-                backward(opforge.linear(x, w, b, activation=act), (x, w, b))
+            for act in acts:
+                backward(opforge.linear(x, w, b, activation=act))
 
     def elementwise(dt, u):
-        for shape in ((7,), (3, 83), (5, 769)):
+        for shape in (((7,), (5, 769)) if quick else ((7,), (3, 83), (5, 769))):
             x = make(shape, dt, u)
-            backward(opforge.sigmoid(x), (x,))
-            backward(opforge.square(x), (x,))
+            backward(opforge.sigmoid(x))
+            backward(opforge.square(x))
             o = make(shape[-1:], dt, u)
-            backward(opforge.square_add(x, o), (x, o))
+            backward(opforge.square_add(x, o))
             g, up = make(shape, dt, u), make(shape, dt, u)
-            backward(opforge.swiglu(g, up), (g, up))
+            backward(opforge.swiglu(g, up))
 
     def rms_norm(dt, u):
         for rows, n in ((3, 7), (5, 1000), (2, 5120), (1, 8200)):
             x, w, r = make((rows, n), dt, u), make((n,), dt, u), make((rows, n), dt, u)
-            backward(opforge.rms_norm(x, [n], w), (x, w))
-            backward(opforge.fused_add_rms_norm(x, r, [n], w), (x, r, w))
+            backward(opforge.rms_norm(x, [n], w))
+            backward(opforge.fused_add_rms_norm(x, r, [n], w))
 
     out = [("linear", linear), ("elementwise", elementwise), ("rms_norm", rms_norm)]
 
     if hasattr(ops, "linear_cross_entropy"):
-        def lce(dt, u):
+        def linear_cross_entropy(dt, u):
             for bt, h, v in ((7, 32, 50), (64, 64, 1000)):
-                x, w = make((bt, h), dt, u), make((v, h), dt, u)
-                t = torch.randint(0, v, (bt,), device="cuda")
+                x, w, b = make((bt, h), dt, u), make((v, h), dt, u), make((v,), dt, u)
+                t = host_randint(0, v, (bt,))
                 t[::3] = -100
-                backward(opforge.linear_cross_entropy(x, w, t), (x, w))
-        out.append(("linear_cross_entropy", lce))
+                backward(opforge.linear_cross_entropy(x, w, t, linear_bias=b))
+        out.append(("linear_cross_entropy", linear_cross_entropy))
     if hasattr(ops, "rope"):
         def rope(dt, u):
             b, s, d = 2, 5, 64
             q, k = make((b, 4, s, d), dt, u), make((b, 2, s, d), dt, u)
-            ang = torch.randn(b, s, d // 2, device="cuda", dtype=torch.float32)
-            cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-            backward(opforge.rope(q, k, cos, sin), (q, k))
+            ang = torch.randn(b, s, d // 2)
+            cos, sin = torch.cat([ang.cos()] * 2, -1).to("cuda"), torch.cat([ang.sin()] * 2, -1).to("cuda")
+            backward(opforge.rope(q, k, cos, sin))
+            backward(opforge.rope(q, k, cos, sin, interleaved=True))
+            if hasattr(ops, "rope_from_positions"):
+                pos = host_randint(0, 4096, (b, s))
+                backward(opforge.rope_from_positions(q, k, pos))
         out.append(("rope", rope))
     if hasattr(ops, "linear_cat"):
         def linear_cat(dt, u):
             xs = [make((5, 24), dt, u), make((5, 40), dt, u)]
             w, b = make((16, 64), dt, u), make((16,), dt, u)
-            backward(opforge.linear_cat(xs, w, b), (*xs, w, b))
+            backward(opforge.linear_cat(xs, w, b))
+            xs3 = [make((2, 3, 8), dt, u), make((2, 3, 0), dt, u), make((2, 3, 9), dt, u)]
+            backward(opforge.linear_cat(xs3, make((7, 17), dt, u)))
         out.append(("linear_cat", linear_cat))
     if hasattr(ops, "indexed_linear"):
         def indexed_linear(dt, u):
-            for t in (3, 300):
+            for t in (3, 300):  # the gather-GEMV (T <= 16) and the grouped regime
                 x, w, b = make((t, 32), dt, u), make((4, 24, 32), dt, u), make((4, 24), dt, u)
-                idx = torch.randint(-1, 4, (t,), device="cuda")
-                backward(opforge.indexed_linear(x, w, idx, b), (x, w, b))
+                idx = host_randint(-1, 4, (t,))
+                backward(opforge.indexed_linear(x, w, idx, b))
         out.append(("indexed_linear", indexed_linear))
     if hasattr(ops, "fake_quant_linear"):
         def fake_quant_linear(dt, u):
             x, w, b = make((5, 64), dt, u), make((24, 64), dt, u), make((24,), dt, u)
-            backward(opforge.fake_quant_linear(x, w, b), (x, w, b))
+            backward(opforge.fake_quant_linear(x, w, b))  # per channel, symmetric int4
+            backward(opforge.fake_quant_linear(x, w, b, group_size=32, symmetric=False, act_quant=True))
+            backward(opforge.fake_quant_linear(x, w, None, group_size=0))  # per tensor (device min/max)
+            # the quantizer's three team widths: 8 threads (short groups), a warp, the whole block (shared memory)
+            for shape, g in (((6, 32), 8), ((3, 640), -1), ((2, 4096), -1)):
+                opforge.fake_quantize_weight(make(shape, dt, u, requires_grad=False), 4, g, False)
         out.append(("fake_quant_linear", fake_quant_linear))
     return out
 
 
+def configs(quick: bool):
+    """(dtype, unaligned) per case: quick runs float32 aligned (the vector paths) and bfloat16 unaligned (the
+    scalar paths); full runs every dtype both ways."""
+    if quick:
+        return [(torch.float32, False), (torch.bfloat16, True)]
+    return [(dt, u) for dt in DTYPES for u in (False, True)]
+
+
+def case_list(quick: bool):
+    out = []
+    for name, fn in families(quick):
+        for dt, u in configs(quick):
+            out.append((f"{name}/{str(dt).replace('torch.', '')}/{'unaligned' if u else 'aligned'}", fn, dt, u))
+    return out
+
+
+def expected_kernels():
+    """{kernel name: source file} of every __global__ function under csrc/ (comments stripped)."""
+    pat = re.compile(r"__global__\s+(?:void\s+)?(?:__launch_bounds__\s*\([^)]*\)\s*)?(?:void\s+)?(\w+)\s*\(")
+    found = {}
+    for f in sorted((ROOT / "csrc").rglob("*")):
+        if f.suffix not in (".cu", ".cuh", ".h"):
+            continue
+        text = re.sub(r"//[^\n]*", "", f.read_text())
+        for m in pat.finditer(text):
+            found.setdefault(m.group(1), str(f.relative_to(ROOT)))
+    return found
+
+
+def run_cases(cases, start_after=None):
+    """Runs the cases in order (after `start_after` when given); returns the number of Python-level failures."""
+    skipping = start_after is not None
+    failures = 0
+    for cid, fn, dt, u in cases:
+        if skipping:
+            skipping = cid != start_after
+            continue
+        print(f"case {cid}: begin", flush=True)
+        try:
+            fn(dt, u)
+            torch.cuda.synchronize()
+            print(f"case {cid}: ok", flush=True)
+        except Exception as e:  # a Python-level error is a failure too (reported, the others still run)
+            failures += 1
+            print(f"case {cid}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+    return failures
+
+
+def coverage(cases) -> int:
+    """Runs the cases under torch.profiler; checks every csrc __global__ kernel launched under a name the
+    sanitizer's filter matches. Prints `coverage: K kernels, M launches` (and MISSING / FILTER lines)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        failures = run_cases(cases)
+        torch.cuda.synchronize()
+    counts = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            counts[e.name] = counts.get(e.name, 0) + 1
+    expected = expected_kernels()
+    bad = 0
+    launched = {}
+    for kname, where in expected.items():
+        pat = re.compile(r"(?:^|[\s:*&])" + re.escape(kname) + r"\s*[<(]")
+        names = [n for n in counts if pat.search(n)]
+        launched[kname] = sum(counts[n] for n in names)
+        if not names:
+            print(f"coverage: MISSING {kname} ({where}): never launched by the driver")
+            bad += 1
+        for n in names:
+            if FILTER not in n:
+                print(f"coverage: FILTER {kname} launched as '{n[:120]}': no '{FILTER}' in its name, the sanitizer "
+                      "would not check it")
+                bad += 1
+    ours = {n: c for n, c in counts.items() if FILTER in n}
+    for kname in sorted(expected):
+        print(f"coverage: {launched[kname]:6d} launches  {kname}  ({expected[kname]})")
+    print(f"coverage: {sum(1 for k in launched if launched[k])} kernels, {sum(ours.values())} launches "
+          f"({len(ours)} instantiations) of {len(expected)} kernels in csrc")
+    return (3 if bad else 0) or (1 if failures else 0)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="float32 and bfloat16 only, aligned inputs only")
+    p.add_argument("--quick", action="store_true", help="float32 aligned and bfloat16 unaligned, fewer shapes")
+    p.add_argument("--tool", default="memcheck", help="the sanitizer tool this run is for (recorded in the log)")
+    p.add_argument("--coverage", action="store_true", help="no sanitizer: profile the kernels the cases launch")
+    p.add_argument("--start-after", default=None, help="resume after this case id (a crashed case)")
+    p.add_argument("--list", action="store_true", help="print the case ids and exit")
     args = p.parse_args()
+    cases = case_list(args.quick)
+    if args.list:
+        for c in cases:
+            print(c[0])
+        return 0
     if not torch.cuda.is_available():
         print("sanitize_driver: no CUDA device", file=sys.stderr)
         return 2
-    dtypes = (torch.float32, torch.bfloat16) if args.quick else DTYPES
-    aligned = (False,) if args.quick else (False, True)
-    failures = 0
-    for name, fn in cases():
-        n = 0
-        for dt in dtypes:
-            for u in aligned:
-                try:
-                    fn(dt, u)
-                except Exception as e:  # a Python-level error is a failure too (reported, others still run)
-                    failures += 1
-                    print(f"{name} {dt} unaligned={u}: {type(e).__name__}: {str(e).splitlines()[0]}")
-                n += 1
-        torch.cuda.synchronize()
-        print(f"{name}: {n} dtype/alignment cases run")
-    return 1 if failures else 0
+    if args.start_after is not None and args.start_after not in [c[0] for c in cases]:
+        print(f"sanitize_driver: unknown case {args.start_after}", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    if args.coverage:
+        rc = coverage(cases)
+    else:
+        rc = 1 if run_cases(cases, args.start_after) else 0
+    print(f"sanitize_driver: done ({args.tool}, {len(cases)} cases, rc {rc})", flush=True)
+    return rc
 
 
 if __name__ == "__main__":

@@ -57,8 +57,17 @@ def test_modules_under_autocast_match_torch(device):
 @pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "sigmoid", "square", "swiglu", "square_add"])
 def test_input_dtype_ops_are_not_cast(device, name):
     """Norms and elementwise ops keep their input's dtype under autocast (float32 in, float32 out; bf16 in, bf16 out),
-    and autocast does not reach the ATen calls inside their kernels."""
+    and autocast does not reach the ATen calls inside their kernels. The one exception follows torch: on CUDA
+    autocast runs torch.square (pow) in float32, so opforge.square does too (checked against torch's own op)."""
     lowp = _lowp(device)
+    if name == "square" and device == "cuda":
+        for dtype in (torch.float32, lowp):
+            x = torch.randn(4, 16, device=device, dtype=dtype)
+            with torch.autocast(device, dtype=lowp):
+                auto, native = opforge.square(x), torch.square(x)
+            assert auto.dtype == native.dtype == torch.float32
+            torch.testing.assert_close(auto, opforge.square(x.float()), rtol=0, atol=0)
+        return
     for dtype in (torch.float32, lowp):
         x = torch.randn(4, 16, device=device, dtype=dtype)
         args = {"rms_norm": (x, 16), "fused_add_rms_norm": (x, x, 16), "sigmoid": (x,), "square": (x,),

@@ -406,3 +406,166 @@ def test_fake_quant_linear_module_and_torchao_layout(device):
         if sym:
             assert (c["zeros"] == 0).all()
     assert "group_size=0" in repr(m)
+
+
+# ---- NaN propagates, extreme ranges stay finite (issue 11, reliability) -------------------------------------------
+
+def _nan_group(group_size, shape, at):
+    """Bool mask (N, K) of the quantization group containing element `at`."""
+    N, K = shape
+    g = torch.zeros(shape, dtype=torch.bool)
+    if group_size == 0:
+        g[:] = True
+    elif group_size < 0:
+        g[at[0]] = True
+    else:
+        c0 = at[1] // group_size * group_size
+        g[at[0], c0:c0 + group_size] = True
+    return g
+
+
+def _assert_same_where_finite(ours, ref, where, what):
+    """ours equals ref bit for bit at `where` (the elements outside the NaN group)."""
+    _equal_bits(ours.detach().cpu()[where], ref.detach().cpu()[where], what)
+
+
+@pytest.mark.parametrize("group_size", [-1, 0, 32])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_nan_in_a_group_gives_nan_for_that_group(device, group_size, symmetric, dtype):
+    """A NaN weight is not hidden: its group (channel, group of columns, or the whole tensor) has scale NaN,
+    zero_point 0, every fake-quantized value NaN and the in-range mask false (torch's PerChannelMinMaxObserver +
+    fake_quantize_per_channel_affine give the same); the other groups are exactly as without the NaN."""
+    torch.manual_seed(0)
+    shape, at = (8, 64), (3, 37)
+    clean = torch.randn(shape, dtype=torch.float32).to(dtype)
+    w = clean.clone()
+    w[at] = float("nan")
+    group = _nan_group(group_size, shape, at)
+    out, mask, scale, zp = opforge.fake_quantize_weight(w.to(device), 4, group_size, symmetric)
+    out, mask, scale, zp = out.cpu(), mask.cpu(), scale.cpu(), zp.cpu()
+    assert torch.isnan(out[group]).all() and not mask[group].any()
+    assert torch.isnan(scale).sum() == 1  # the one group holding the NaN
+    assert (zp[torch.isnan(scale)] == 0).all()
+    if group_size != 0:
+        ref_out, ref_mask, ref_scale, ref_zp = opforge.fake_quantize_weight(clean.to(device), 4, group_size, symmetric)
+        _assert_same_where_finite(out, ref_out, ~group, "output outside the NaN group")
+        assert torch.equal(mask[~group], ref_mask.cpu()[~group])
+        keep = ~torch.isnan(scale)
+        _assert_same_where_finite(scale, ref_scale, keep, "scale of the other groups")
+        assert torch.equal(zp[keep], ref_zp.cpu()[keep])
+        assert not torch.isnan(out[~group]).any()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_nan_weight_reaches_the_output_and_the_input_gradient(device, symmetric):
+    """fake_quant_linear with one NaN weight: the output channel of the NaN row is NaN (no silent finite value),
+    so is every input gradient that channel feeds (dX = dY · fq_w(W)); the weight gradient of the NaN group is 0
+    (its mask is false, as torch's fake_quantize backward), the other rows' gradients are those of the clean
+    weight."""
+    torch.manual_seed(1)
+    x = torch.randn(5, 64, device=device, requires_grad=True)
+    clean = torch.randn(6, 64, device=device)
+    w = clean.clone()
+    w[2, 10] = float("nan")
+    w.requires_grad_(True)
+    y = opforge.fake_quant_linear(x, w, None, weight_bits=4, group_size=-1, symmetric=symmetric)
+    assert torch.isnan(y[:, 2]).all()
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x2, w2 = x.detach().clone().requires_grad_(True), clean.clone().requires_grad_(True)
+    y2 = opforge.fake_quant_linear(x2, w2, None, weight_bits=4, group_size=-1, symmetric=symmetric)
+    y2.backward(dy)
+    others = [0, 1, 3, 4, 5]
+    _equal_bits(y[:, others], y2[:, others], "output channels without NaN")
+    assert torch.isnan(x.grad).all()
+    assert (w.grad[2] == 0).all()
+    _equal_bits(w.grad[others], w2.grad[others], "weight gradient of the rows without NaN")
+
+
+def test_nan_in_an_input_row_with_act_quant(device):
+    """With act_quant a NaN in a token makes that token's row of fq_a(x) NaN (per-token asymmetric int8): the row
+    of the output is NaN, the other rows are those of the clean input."""
+    torch.manual_seed(2)
+    clean = torch.randn(4, 32, device=device)
+    x = clean.clone()
+    x[1, 7] = float("nan")
+    w = torch.randn(8, 32, device=device)
+    y = opforge.fake_quant_linear(x, w, None, act_quant=True)
+    y2 = opforge.fake_quant_linear(clean, w, None, act_quant=True)
+    assert torch.isnan(y[1]).all()
+    _equal_bits(y[[0, 2, 3]], y2[[0, 2, 3]], "rows without NaN")
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group_size", [-1, 0, 16])
+def test_asymmetric_range_near_float32_max_stays_finite(device, bits, group_size):
+    """Weights spanning about ±3e38: hi − lo overflows float32 (torch's MinMaxObserver then gives scale inf and NaN
+    outputs); opforge's scale is hi/(qmax − qmin) − lo/(qmax − qmin), so scale, outputs and masks are finite and
+    every value is within scale/2 of its input where it is in range."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    torch.manual_seed(3)
+    w = torch.empty(4, 32).uniform_(-1, 1) * 3e38
+    w[:, 0], w[:, 1] = 3e38, -3e38  # every group (of 16 columns, a row, the tensor) spans the whole range
+    w[:, 16], w[:, 17] = 3e38, -3e38
+    out, mask, scale, zp = opforge.fake_quantize_weight(w.to(device), bits, group_size, False)
+    out, mask, scale, zp = out.cpu(), mask.cpu(), scale.cpu(), zp.cpu()
+    assert torch.isfinite(scale).all() and torch.isfinite(out).all(), (scale, out)
+    r = float(qmax - qmin)
+    hi, lo = torch.tensor(3e38), torch.tensor(-3e38)
+    expected = (hi / r) - (lo / r)  # float32 arithmetic, as the kernel
+    assert torch.equal(scale, torch.full_like(scale, expected.item()))
+    s = scale.reshape(-1, 1).repeat_interleave(w.numel() // scale.numel(), 1).reshape(w.shape) if group_size else scale
+    err = (out.double() - w.double()).abs()
+    assert (err[mask] <= s.double().expand_as(w)[mask] * (0.5 + 1e-4)).all()
+    assert mask.float().mean() > 0.9
+    # the same weights shifted to an ordinary range are still torch's bits (the fallback only serves on overflow)
+    small = w / 1e36
+    for a, b, name in zip(opforge.fake_quantize_weight(small.to(device), bits, group_size, False),
+                          fake_quantize_weight_reference(small, bits, group_size, False), ("output", "mask", "scale", "zp")):
+        _equal_bits(a.cpu(), b.to(a.dtype), name)
+
+
+def test_asymmetric_near_float32_max_through_fake_quant_linear(device):
+    """The forward and the weight gradient of fake_quant_linear stay finite for ±3e38 weights (asymmetric); the
+    output is compared with a float64 product of torch's own cast of those fake-quantized weights."""
+    torch.manual_seed(4)
+    w = torch.empty(3, 16).uniform_(-1, 1) * 3e38
+    w[:, 0], w[:, 1] = 3e38, -3e38
+    x = torch.randn(2, 16) * 1e-30  # keeps the products inside float32
+    wq = opforge.fake_quantize_weight(w.to(device), 4, -1, False)[0]
+    assert torch.isfinite(wq).all()
+    wd = w.to(device).requires_grad_(True)
+    y = opforge.fake_quant_linear(x.to(device), wd, None, weight_bits=4, group_size=-1, symmetric=False)
+    ref = x.double() @ wq.cpu().double().T
+    bound = (x.double().abs() @ wq.cpu().double().abs().T) * 1e-3  # float32 (or TF32) products of 16 terms
+    assert ((y.detach().cpu().double() - ref).abs() <= bound).all()
+    y.sum().backward()
+    assert torch.isfinite(wd.grad).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("group_size", [-1, 0, 32, 256])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_nan_and_extreme_ranges_cpu_equals_cuda(dtype, group_size, symmetric):
+    """The NaN pattern and every non-NaN bit agree between CPU and CUDA (NaN payloads may differ: the CPU keeps
+    its operand's, the GPU writes the canonical one); the vectorized, team-of-8, warp and block paths all run
+    (group lengths 32, 256, 512 and K 1024)."""
+    torch.manual_seed(5)
+    w = torch.randn(16, 1024)
+    w[3, 100] = float("nan")
+    w[7, 0] = float("nan")
+    if dtype != torch.float16:
+        w[9] = torch.linspace(-3e38, 3e38, 1024)
+    w = w.to(dtype)
+    for a, b, name in zip(opforge.fake_quantize_weight(w, 4, group_size, symmetric),
+                          opforge.fake_quantize_weight(w.cuda(), 4, group_size, symmetric),
+                          ("output", "mask", "scale", "zero_point")):
+        b = b.cpu()
+        if a.is_floating_point():
+            assert torch.equal(torch.isnan(a), torch.isnan(b)), name
+            keep = ~torch.isnan(a)
+            _equal_bits(a[keep], b[keep], name)
+        else:
+            assert torch.equal(a, b), name

@@ -224,6 +224,34 @@ def test_compile_decoder_layer_fullgraph_no_graph_breaks():
     torch._dynamo.reset()
 
 
+def test_compile_per_layer_one_graph_no_recompiles():
+    """Every patched decoder layer compiled (fullgraph=True), two training steps with use_cache=False (as
+    benchmarks/bench_hf_llama.py trains): one graph shared by all layers, no graph break, no recompile. (With
+    transformers' default use_cache=True the cache object's per-layer state recompiles once per layer, patched or
+    not; the benchmark prints these counters for its +compile variants.)"""
+    import torch._dynamo
+    from torch._dynamo.utils import counters, guard_failures
+
+    torch._dynamo.reset()
+    counters.clear()
+    guard_failures.clear()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 3})).float()
+    patch.apply(model)
+    for layer in model.model.layers:
+        layer.compile(fullgraph=True, backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters())
+    for seed in (1, 2):
+        ids = _ids(seed=seed)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert not any(guard_failures.values()), {c.co_name: r[:1] for c, r in guard_failures.items()}
+    torch._dynamo.reset()
+
+
 def test_compile_inductor_layer_matches_eager():
     """Inductor on one patched decoder layer (inductor_math: the norms/SwiGLU/GEMMs as torch math) equals eager."""
     import torch._dynamo

@@ -340,3 +340,121 @@ def test_meta_rejects_bad_eps_like_the_real_kernels(eps):
             opforge.rms_norm(torch.empty(2, 4, device=dev), (4,), None, eps)
         with pytest.raises(ValueError, match="opforge::fused_add_rms_norm: expected eps >= 0"):
             opforge.fused_add_rms_norm(torch.empty(2, 4, device=dev), torch.empty(2, 4, device=dev), (4,), None, eps)
+
+
+# ---- issue 13: the CUDA kernel variants (knobs OPFORGE_RMS_FWD / OPFORGE_RMS_BWD), each against float64 -----------
+
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+VARIANT_SIZES = [1, 7, 83, 769, 3584, 5120, 8200, 16384]
+FWD_VARIANTS = [0, 1, 2, 3, 4]
+BWD_VARIANTS = [0, 1, 2]
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
+@pytest.mark.parametrize("dtype", LOWP_AND_FP32)
+@pytest.mark.parametrize("N", VARIANT_SIZES)
+def test_forward_variants(knob, variant, dtype, N):
+    """Forward and fused forward of each variant: vector widths (N % 8 == 0) and the scalar fallback, warp- and
+    block-per-row mappings, enough rows for several waves of blocks."""
+    knob("OPFORGE_RMS_FWD", variant)
+    M = 300 if N <= 8200 else 40
+    x = torch.randn(M, N, device="cuda", dtype=dtype)
+    w = (1 + 0.5 * torch.randn(N, device="cuda")).to(dtype)
+    _check(x, _ident, (N,), w, None)
+    r = torch.randn_like(x)
+    out, res = opforge.fused_add_rms_norm(x, r, (N,), w)
+    assert torch.equal(res, x + r)
+    ref_out, _ = fused_add_rms_norm_reference(x.double(), r.double(), (N,), w.double())
+    assert_matches_reference(out, ref_out, TF.rms_norm(x + r, (N,), w), what="fused output")
+    # the rstd the forward saves (used by the backward) is the reference's 1 / rms
+    y, rstd = torch.ops.opforge._rms_norm_forward(x, [N], w, 1e-6)
+    ref_rstd = (x.double().pow(2).mean(-1) + 1e-6).rsqrt()
+    assert torch.allclose(rstd.double(), ref_rstd, rtol=1e-4, atol=0)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("variant", FWD_VARIANTS)
+def test_forward_variants_views_and_no_weight(knob, variant):
+    """Strided rows, an unaligned base pointer (scalar path) and no weight, per forward variant."""
+    knob("OPFORGE_RMS_FWD", variant)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    _check(x, lambda t: t[::2], (4096,), torch.randn(4096, device="cuda", dtype=torch.bfloat16), None)
+    flat = torch.randn(33 * 4096 + 1, device="cuda", dtype=torch.bfloat16)
+    _check(flat, lambda t: t[1:].view(33, 4096), (4096,), torch.randn(4096, device="cuda", dtype=torch.bfloat16), None)
+    _check(torch.randn(9, 769, device="cuda", dtype=torch.float16), _ident, (769,), None, None)
+    _check(torch.randn(9, 8192, device="cuda"), _ident, (8192,), None, None)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
+@pytest.mark.parametrize("dtype", LOWP_AND_FP32)
+@pytest.mark.parametrize("N", VARIANT_SIZES)
+def test_backward_variants(knob, variant, dtype, N):
+    """grad_input and grad_weight of each backward variant; M large enough that each block of the
+    grid-stride grid visits several rows (the dweight partial accumulates over them)."""
+    knob("OPFORGE_RMS_BWD", variant)
+    M = 1500 if N <= 1024 else (400 if N <= 8200 else 200)
+    x = torch.randn(M, N, device="cuda", dtype=dtype)
+    w = (1 + 0.5 * torch.randn(N, device="cuda")).to(dtype)
+    _check(x, _ident, (N,), w, torch.randn_like(x))
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
+@pytest.mark.parametrize("dtype,N", [(torch.bfloat16, 32768), (torch.float32, 16384), (torch.float32, 12288)])
+def test_backward_variants_long_rows(knob, variant, dtype, N):
+    """The rows the backward variants are for (4 vectors a thread, 64 KiB of dweight partial in shared memory)."""
+    knob("OPFORGE_RMS_BWD", variant)
+    x = torch.randn(300, N, device="cuda", dtype=dtype)
+    w = (1 + 0.5 * torch.randn(N, device="cuda")).to(dtype)
+    _check(x, _ident, (N,), w, torch.randn_like(x))
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
+def test_backward_variants_views_masks_and_no_weight(knob, variant):
+    """Strided rows, unaligned base (scalar path), no weight, and grad of x or of the weight alone."""
+    knob("OPFORGE_RMS_BWD", variant)
+    x = torch.randn(600, 4096, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
+    _check(x, lambda t: t[::2], (4096,), torch.randn(4096, device="cuda", dtype=torch.bfloat16), g)
+    flat = torch.randn(333 * 769 + 1, device="cuda")
+    _check(flat, lambda t: t[1:].view(333, 769), (769,), torch.randn(769, device="cuda"), torch.randn(333, 769, device="cuda"))
+    _check(torch.randn(500, 16384, device="cuda", dtype=torch.bfloat16), _ident, (16384,), None,
+           torch.randn(500, 16384, device="cuda", dtype=torch.bfloat16))
+    xs = torch.randn(700, 5120, device="cuda", dtype=torch.float16)
+    ws = torch.randn(5120, device="cuda", dtype=torch.float16)
+    gs = torch.randn_like(xs)
+    y, rstd = torch.ops.opforge._rms_norm_forward(xs, [5120], ws, None)
+    gx_full, gw_full = torch.ops.opforge.rms_norm_backward(gs, xs, rstd, ws, [True, True])
+    gx_only, none_w = torch.ops.opforge.rms_norm_backward(gs, xs, rstd, ws, [True, False])
+    none_x, gw_only = torch.ops.opforge.rms_norm_backward(gs, xs, rstd, ws, [False, True])
+    assert none_w is None and none_x is None
+    assert torch.equal(gx_only, gx_full) and torch.equal(gw_only, gw_full)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("variant", [1, 2])
+def test_backward_variant_is_deterministic(knob, variant):
+    knob("OPFORGE_RMS_BWD", variant)
+    x = torch.randn(3000, 8192, device="cuda", dtype=torch.float32)
+    w = torch.randn(8192, device="cuda")
+    g = torch.randn_like(x)
+    y, rstd = torch.ops.opforge._rms_norm_forward(x, [8192], w, None)
+    a = torch.ops.opforge.rms_norm_backward(g, x, rstd, w, [True, True])
+    b = torch.ops.opforge.rms_norm_backward(g, x, rstd, w, [True, True])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.skipif(not _enough_cuda_memory(12 * 2**30), reason="needs a CUDA GPU with 12 GiB free")
+@pytest.mark.parametrize("variant", [1, 2])
+def test_forward_variant_past_2_31_elements(knob, variant):
+    """64-bit offsets of the one-CTA-per-row kernels where M · N >= 2^31."""
+    knob("OPFORGE_RMS_FWD", variant)
+    M, N = 524289, 4096
+    x = torch.randn(M, N, device="cuda", dtype=torch.float16)
+    w = torch.randn(N, device="cuda", dtype=torch.float16)
+    y = opforge.rms_norm(x, (N,), w)
+    tail = opforge.rms_norm(x[-3:].clone(), (N,), w)  # the same variant with 32-bit offsets
+    assert torch.equal(y[-3:], tail)

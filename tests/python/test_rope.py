@@ -1,6 +1,9 @@
 """rope and rope_from_positions (and their backward ops): the four RoPE cases of issue 15 (GQA, partial rotary,
 angle precision, views), values and gradients against the float64 reference and transformers'
-apply_rotary_pos_emb, opcheck, compile, gradcheck (first and second order), torch.func, errors."""
+apply_rotary_pos_emb, opcheck, compile, gradcheck (first and second order), torch.func, errors; on CUDA every test
+that takes ``device`` runs with both kernels (the rows kernel, and the per-token kernel of OPFORGE_ROPE_KERNEL=0),
+and the kernel-path tests at the end cover each branch of the rows kernel (vector/strided rows and tables,
+row groups, pass-through dims, the grid-stride loop)."""
 import math
 
 import pytest
@@ -13,6 +16,16 @@ from opforge.testing import (assert_matches_reference, rope_cos_sin_reference, r
 from conformance import rope_baseline as _baseline  # the same math in q's dtype (the conformance entry's)
 
 DTYPES = [torch.float32, torch.bfloat16]
+_NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+CUDA_KERNELS = [pytest.param("cuda", marks=_NEEDS_CUDA), pytest.param("cuda-token-kernel", marks=_NEEDS_CUDA)]
+
+
+@pytest.fixture(params=["cpu"] + CUDA_KERNELS)
+def device(request, knob):
+    """conftest's devices, with CUDA twice: the rows kernel (OPFORGE_ROPE_KERNEL=1, the default) and the former
+    per-token kernel (OPFORGE_ROPE_KERNEL=0)."""
+    knob("OPFORGE_ROPE_KERNEL", 0 if request.param == "cuda-token-kernel" else 1)
+    return "cuda" if request.param.startswith("cuda") else request.param
 
 
 def _tables(positions, R, dtype, device, base=10000.0, interleaved=False):
@@ -381,3 +394,107 @@ def test_rotary_embedding_module(device):
     rq, rk = rope_from_positions_reference(q, k, pos, 500.0, interleaved=True, rotary_dim=8)
     torch.testing.assert_close(oq.double(), rq, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ok.double(), rk, rtol=1e-5, atol=1e-5)
+
+
+# ---- kernel paths ----------------------------------------------------------------------------------------------
+# (Hq, Hk, S, D, R, interleaved, layout, table): rows of 16 = 2 groups of 8, 42 = 6 groups of 7, 3 = one short group;
+# layout "hf" is (B, S, H, D).transpose(1, 2), "strided" a non-contiguous last dim (V = 1 path); table "b" a
+# per-batch (B, S, R) table, "1" a shared (1, S, R) one, "offset" a table starting one element past an aligned
+# address (no 16-byte table loads), "f32" float32 tables with low-precision q.
+PATH_CASES = [
+    (13, 3, 9, 128, 128, False, "hf", "b"),
+    (37, 5, 7, 128, 128, True, "hf", "1"),
+    (2, 1, 11, 64, 32, False, "contiguous", "offset"),
+    (2, 1, 11, 64, 32, True, "contiguous", "f32"),
+    (4, 2, 5, 80, 48, False, "hf", "f32"),
+    (3, 2, 6, 96, 32, True, "strided", "b"),
+    (5, 1, 4, 64, 64, False, "strided", "offset"),
+    (1, 1, 3, 256, 64, False, "contiguous", "1"),
+]
+
+
+def _path_inputs(Hq, Hk, S, D, layout, dtype, device, B=2):
+    def one(H):
+        if layout == "hf":
+            return torch.randn(B, S, H, D, device=device).to(dtype).transpose(1, 2)
+        if layout == "strided":
+            return torch.randn(B, H, S, 2 * D, device=device).to(dtype)[..., ::2]
+        return torch.randn(B, H, S, D, device=device).to(dtype)
+
+    return one(Hq), one(Hk)
+
+
+def _path_tables(B, S, R, interleaved, table, dtype, device):
+    pos = torch.randint(0, 5000, (B, S), device=device)
+    cos, sin = _tables(pos, R, torch.float32 if table == "f32" else dtype, device, interleaved=interleaved)
+    if table == "1":
+        cos, sin = cos[:1], sin[:1]
+    if table == "offset":
+        pad = lambda t: torch.cat((torch.zeros_like(t[..., :1]), t), -1)[..., 1:]  # noqa: E731
+        cos, sin = pad(cos), pad(sin)
+        assert cos.data_ptr() % 16 != 0
+    return cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_paths(device, dtype, case):
+    Hq, Hk, S, D, R, interleaved, layout, table = case
+    if table == "f32" and dtype in (torch.float32, torch.float64):
+        table = "b"
+    q, k = _path_inputs(Hq, Hk, S, D, layout, dtype, device)
+    cos, sin = _path_tables(2, S, R, interleaved, table, dtype, device)
+    oq, ok = _check(q, k, cos, sin, interleaved=interleaved)
+    assert torch.equal(oq[..., R:], q[..., R:]) and torch.equal(ok[..., R:], k[..., R:])
+    # the positions form on the same layout
+    pos = torch.randint(0, 70000, (2, S), device=device)
+    pq, pk = opforge.rope_from_positions(q, k, pos, 5e5, interleaved=interleaved, rotary_dim=R)
+    rq, rk = rope_from_positions_reference(q, k, pos, 5e5, interleaved=interleaved, rotary_dim=R)
+    bq, bk = _baseline(q, k, *_tables(pos, R, dtype, device, 5e5, interleaved=interleaved), interleaved, R)
+    assert_matches_reference(pq, rq, bq, what="q_out (positions)")
+    assert_matches_reference(pk, rk, bk, what="k_out (positions)")
+    # its backward is the rotation by −θ (the transpose): the reference at −position, on the same input
+    gq, gk = torch.ops.opforge.rope_from_positions_backward(pq, pk, pos, 5e5, interleaved=interleaved, rotary_dim=R)
+    rq2, rk2 = rope_from_positions_reference(pq.double(), pk.double(), -pos, 5e5, interleaved=interleaved,
+                                             rotary_dim=R)
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 1e-2)
+    torch.testing.assert_close(gq.double(), rq2, rtol=tol, atol=tol * max(1.0, rq2.abs().max().item()))
+    torch.testing.assert_close(gk.double(), rk2, rtol=tol, atol=tol * max(1.0, rk2.abs().max().item()))
+
+
+@pytest.mark.parametrize("kernel", CUDA_KERNELS)
+def test_many_tokens_grid_stride(knob, kernel):
+    """More work items than one grid (132 SMs · 64 blocks · 256 threads on an H200): the grid-stride loop. rope is
+    per token, so a few tokens at each end and in the middle are checked against the reference of those tokens."""
+    knob("OPFORGE_ROPE_KERNEL", 0 if kernel == "cuda-token-kernel" else 1)
+    B, S, Hq, Hk, D = 1, 70000, 32, 8, 128
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    pos = torch.arange(S, device="cuda")
+    cos, sin = _tables(pos, D, torch.bfloat16, "cuda")
+    oq, ok = opforge.rope(q, k, cos, sin)
+    gq, gk = torch.ops.opforge.rope_backward(oq, ok, cos, sin)
+    for sl in (slice(0, 5), slice(S // 2 - 3, S // 2 + 3), slice(S - 5, S)):
+        rq, rk = rope_reference(q[:, :, sl], k[:, :, sl], cos[sl], sin[sl])
+        bq, bk = _baseline(q[:, :, sl], k[:, :, sl], cos[sl], sin[sl])
+        assert_matches_reference(oq[:, :, sl], rq, bq, what=f"q_out[{sl}]")
+        assert_matches_reference(ok[:, :, sl], rk, bk, what=f"k_out[{sl}]")
+        # backward of the forward: back to the input, to bf16 rounding twice
+        torch.testing.assert_close(gq[:, :, sl].float(), q[:, :, sl].float(), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(gk[:, :, sl].float(), k[:, :, sl].float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_both_cuda_kernels_agree_with_cpu(knob):
+    """The two CUDA kernels and the CPU kernel on the benchmark's layout (HF's transposed q, k; (B, S, D) tables)."""
+    B, S, Hq, Hk, D = 2, 64, 8, 2, 128
+    q = torch.randn(B, S, Hq, D, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(B, S, Hk, D, dtype=torch.bfloat16).transpose(1, 2)
+    cos, sin = _tables(torch.arange(S).expand(B, S), D, torch.bfloat16, "cpu")
+    cpu = opforge.rope(q, k, cos, sin)
+    for value in (1, 0):
+        knob("OPFORGE_ROPE_KERNEL", value)
+        out = opforge.rope(q.cuda(), k.cuda(), cos.cuda(), sin.cuda())
+        for a, b in zip(out, cpu):
+            # one bf16 rounding of the same fp32 math: at most one ulp apart (fma contraction may differ)
+            torch.testing.assert_close(a.cpu().float(), b.float(), rtol=8e-3, atol=1e-2)

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <optional>
 #include <tuple>
@@ -98,6 +99,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_weight_
                                                                                     const at::Tensor& weight,
                                                                                     int64_t bits, int64_t group_size,
                                                                                     bool symmetric);
+
+/// The backend kernels of _fake_quant_linear_forward, fake_quant_linear and fake_quantize_weight around one
+/// backend's fake_quantize_rows (`Rows`), written once for the CPU and CUDA.
+template <FakeQuantizeRowsFn Rows>
+struct Kernels {
+  /// fake_quant_linear: the output only (no masks, no saved tensors).
+  static at::Tensor fake_quant_linear(const at::Tensor& input, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias, int64_t weight_bits, int64_t group_size,
+                                      bool symmetric, bool act_quant) {
+    return std::get<0>(fake_quant_linear_forward_impl(Rows, input, weight, bias, weight_bits, group_size, symmetric,
+                                                      act_quant, /*want_masks=*/false));
+  }
+  /// _fake_quant_linear_forward: the output and what backward needs.
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
+      const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t weight_bits,
+      int64_t group_size, bool symmetric, bool act_quant) {
+    return fake_quant_linear_forward_impl(Rows, input, weight, bias, weight_bits, group_size, symmetric, act_quant,
+                                          /*want_masks=*/true);
+  }
+  /// fake_quantize_weight: (fq_w, mask, scale, zero_point).
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_weight(const at::Tensor& weight,
+                                                                                        int64_t bits,
+                                                                                        int64_t group_size,
+                                                                                        bool symmetric) {
+    return fake_quantize_weight_impl(Rows, weight, bits, group_size, symmetric);
+  }
+  /// Registers the four kernels (the backward is backend-independent) for the library's dispatch key.
+  static void register_for(torch::Library& m) {
+    m.impl("_fake_quant_linear_forward", &Kernels::forward);
+    m.impl("fake_quant_linear", &Kernels::fake_quant_linear);
+    m.impl("fake_quant_linear_backward", &fake_quant_linear_backward_impl);
+    m.impl("fake_quantize_weight", &Kernels::fake_quantize_weight);
+  }
+};
 
 }  // namespace fake_quant_linear_op
 }  // namespace opforge

@@ -58,13 +58,9 @@ FakeQuantized fake_quantize_rows_cpu(const at::Tensor& X, int64_t bits, Grouping
         const scalar_t* xg = x + gi * L;
         fq::QParams qp = tensor_qp;
         if (!g.per_tensor) {
-          // lo, hi = min, max of the group; then its scale and zero point
+          // lo, hi = min, max of the group (NaN propagates); then its scale and zero point
           C mn = std::numeric_limits<C>::infinity(), mx = -std::numeric_limits<C>::infinity();
-          for (int64_t i = 0; i < L; ++i) {
-            const C v = static_cast<C>(xg[i]);
-            mn = fq::fmin_f(mn, v);
-            mx = fq::fmax_f(mx, v);
-          }
+          for (int64_t i = 0; i < L; ++i) fq::minmax_update(mn, mx, static_cast<C>(xg[i]));
           qp = fq::choose_qparams<C>(mn, mx, qmin, qmax, symmetric);
           scale[gi] = qp.scale;
           zp[gi] = qp.zero_point;
@@ -83,36 +79,10 @@ FakeQuantized fake_quantize_rows_cpu(const at::Tensor& X, int64_t bits, Grouping
   return out;
 }
 
-namespace {
-
-at::Tensor fake_quant_linear_cpu(const at::Tensor& input, const at::Tensor& weight,
-                                 const std::optional<at::Tensor>& bias, int64_t weight_bits, int64_t group_size,
-                                 bool symmetric, bool act_quant) {
-  return std::get<0>(fake_quant_linear_forward_impl(&fake_quantize_rows_cpu, input, weight, bias, weight_bits,
-                                                    group_size, symmetric, act_quant, /*want_masks=*/false));
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quant_linear_forward_cpu(
-    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t weight_bits,
-    int64_t group_size, bool symmetric, bool act_quant) {
-  return fake_quant_linear_forward_impl(&fake_quantize_rows_cpu, input, weight, bias, weight_bits, group_size,
-                                        symmetric, act_quant, /*want_masks=*/true);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_weight_cpu(const at::Tensor& weight,
-                                                                                   int64_t bits, int64_t group_size,
-                                                                                   bool symmetric) {
-  return fake_quantize_weight_impl(&fake_quantize_rows_cpu, weight, bits, group_size, symmetric);
-}
-
-}  // namespace
 }  // namespace fake_quant_linear_op
 
 TORCH_LIBRARY_IMPL(opforge, CPU, m) {
-  m.impl("_fake_quant_linear_forward", &fake_quant_linear_op::fake_quant_linear_forward_cpu);
-  m.impl("fake_quant_linear", &fake_quant_linear_op::fake_quant_linear_cpu);
-  m.impl("fake_quant_linear_backward", &fake_quant_linear_op::fake_quant_linear_backward_impl);
-  m.impl("fake_quantize_weight", &fake_quant_linear_op::fake_quantize_weight_cpu);
+  fake_quant_linear_op::Kernels<&fake_quant_linear_op::fake_quantize_rows_cpu>::register_for(m);
 }
 
 }  // namespace opforge

@@ -22,15 +22,15 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-/// min and max over the TEAM threads of a team (TEAM a power of two ≤ 32, or kThreads: the whole block).
+/// min and max (NaN propagating) over the TEAM threads of a team (TEAM a power of two ≤ 32, or kThreads: the whole block).
 /// Every thread of the block calls it the same number of times (the caller's loop is uniform per block).
 template <typename C, int TEAM>
 __device__ __forceinline__ void team_minmax(C& mn, C& mx, C* smem /* [2 * kWarps] */) {
   constexpr int W = TEAM < 32 ? TEAM : 32;
 #pragma unroll
   for (int off = W / 2; off > 0; off >>= 1) {
-    mn = fq::fmin_f(mn, __shfl_xor_sync(0xffffffffu, mn, off, W));
-    mx = fq::fmax_f(mx, __shfl_xor_sync(0xffffffffu, mx, off, W));
+    mn = fq::nan_min(mn, __shfl_xor_sync(0xffffffffu, mn, off, W));
+    mx = fq::nan_max(mx, __shfl_xor_sync(0xffffffffu, mx, off, W));
   }
   if constexpr (TEAM > 32) {
     static_assert(TEAM == kThreads, "a team wider than a warp is the whole block");
@@ -45,8 +45,8 @@ __device__ __forceinline__ void team_minmax(C& mn, C& mx, C* smem /* [2 * kWarps
     mx = smem[kWarps];
 #pragma unroll
     for (int w = 1; w < kWarps; ++w) {
-      mn = fq::fmin_f(mn, smem[w]);
-      mx = fq::fmax_f(mx, smem[kWarps + w]);
+      mn = fq::nan_min(mn, smem[w]);
+      mx = fq::nan_max(mx, smem[kWarps + w]);
     }
   }
 }
@@ -89,16 +89,14 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t base = g * L;  // 64-bit element offset
     fq::QParams qp = tensor_qp;
     if (!per_tensor) {
-      // lo, hi = min, max of the group
+      // lo, hi = min, max of the group (NaN propagates)
       C mn = static_cast<C>(INFINITY), mx = static_cast<C>(-INFINITY);
       if (active) {
         for (int64_t v = lane; v < nvec; v += TEAM) {
           const V in = *reinterpret_cast<const V*>(X + base + v * VEC);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
-            const C c = static_cast<C>(in.val[j]);
-            mn = fq::fmin_f(mn, c);
-            mx = fq::fmax_f(mx, c);
+            fq::minmax_update(mn, mx, static_cast<C>(in.val[j]));
           }
         }
       }
@@ -197,36 +195,10 @@ FakeQuantized fake_quantize_rows_cuda(const at::Tensor& X, int64_t bits, Groupin
   return out;
 }
 
-namespace {
-
-at::Tensor fake_quant_linear_cuda(const at::Tensor& input, const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& bias, int64_t weight_bits, int64_t group_size,
-                                  bool symmetric, bool act_quant) {
-  return std::get<0>(fake_quant_linear_forward_impl(&fake_quantize_rows_cuda, input, weight, bias, weight_bits,
-                                                    group_size, symmetric, act_quant, /*want_masks=*/false));
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quant_linear_forward_cuda(
-    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t weight_bits,
-    int64_t group_size, bool symmetric, bool act_quant) {
-  return fake_quant_linear_forward_impl(&fake_quantize_rows_cuda, input, weight, bias, weight_bits, group_size,
-                                        symmetric, act_quant, /*want_masks=*/true);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_weight_cuda(const at::Tensor& weight,
-                                                                                    int64_t bits, int64_t group_size,
-                                                                                    bool symmetric) {
-  return fake_quantize_weight_impl(&fake_quantize_rows_cuda, weight, bits, group_size, symmetric);
-}
-
-}  // namespace
 }  // namespace fake_quant_linear_op
 
 TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
-  m.impl("_fake_quant_linear_forward", &fake_quant_linear_op::fake_quant_linear_forward_cuda);
-  m.impl("fake_quant_linear", &fake_quant_linear_op::fake_quant_linear_cuda);
-  m.impl("fake_quant_linear_backward", &fake_quant_linear_op::fake_quant_linear_backward_impl);
-  m.impl("fake_quantize_weight", &fake_quant_linear_op::fake_quantize_weight_cuda);
+  fake_quant_linear_op::Kernels<&fake_quant_linear_op::fake_quantize_rows_cuda>::register_for(m);
 }
 
 }  // namespace opforge

@@ -5,10 +5,12 @@
 //
 //   lo = min(min(x), 0), hi = max(max(x), 0)                                       (fp32)
 //   symmetric:  scale = max(max(−lo, hi) / ((qmax − qmin) / 2), eps), zero_point = 0
-//   asymmetric: scale = max((hi − lo) / (qmax − qmin), eps),
+//   asymmetric: scale = max((hi − lo) / (qmax − qmin), eps)   (where hi − lo overflows fp32:
+//                       hi / (qmax − qmin) − lo / (qmax − qmin), finite where torch's is inf),
 //               zero_point = clamp(qmin − round(lo / scale), qmin, qmax)
 //   q   = round(x · inv_scale) + zero_point,  inv_scale = 1 / scale (fp32)          round half to even
 //   y   = (clamp(q, qmin, qmax) − zero_point) · scale;  in_range = qmin ≤ q ≤ qmax
+//   a group containing NaN: min/max propagate it, scale = NaN, zero_point = 0, every y NaN, in_range false
 //
 // eps = float32's machine epsilon (2^−23). x · inv_scale is computed in C: float for float32/float16/bfloat16
 // inputs (upcast before the product), double for float64 (as ATen multiplies a double by the float inv_scale).
@@ -16,13 +18,14 @@
 // (__fdiv_rn, __fmul_rn, rintf), so fast-math flags or fma contraction cannot change a bit.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define OPFORGE_HD __host__ __device__
 #else
-#include <cmath>
 #define OPFORGE_HD
 #endif
 
@@ -32,6 +35,22 @@ namespace fq {
 /// float32's machine epsilon: the smallest scale (as torch's observers and torchao clamp it).
 constexpr float kScaleEps = 1.1920928955078125e-07f;
 
+/// Whether x is NaN (isnan of the device's math library, std::isnan on the host).
+template <typename T>
+OPFORGE_HD inline bool is_nan(T x) {
+#if defined(__CUDA_ARCH__)
+  return isnan(x);
+#else
+  return std::isnan(x);
+#endif
+}
+
+/// Whether x is finite (x − x is 0 for a finite x, NaN for ±inf and NaN).
+template <typename T>
+OPFORGE_HD inline bool is_finite(T x) {
+  return !is_nan(x - x);
+}
+
 /// One group's quantization parameters.
 struct QParams {
   float scale;      // > 0
@@ -39,66 +58,63 @@ struct QParams {
   int32_t zero_point;
 };
 
-OPFORGE_HD inline float fmin_f(float a, float b) {
+// Each helper below is one template for float and double: on the device the IEEE round-to-nearest intrinsic of
+// the type (if constexpr), on the host the C++ operator or <cmath> function.
+
+/// min / max that ignore a NaN operand (C's fmin / fmax): the clamps of fake_quantize_value, as ATen's.
+template <typename T>
+OPFORGE_HD inline T fmin_f(T a, T b) {
 #if defined(__CUDA_ARCH__)
-  return fminf(a, b);
+  if constexpr (std::is_same_v<T, float>) return fminf(a, b); else return fmin(a, b);
 #else
   return std::fmin(a, b);
 #endif
 }
-OPFORGE_HD inline float fmax_f(float a, float b) {
+template <typename T>
+OPFORGE_HD inline T fmax_f(T a, T b) {
 #if defined(__CUDA_ARCH__)
-  return fmaxf(a, b);
+  if constexpr (std::is_same_v<T, float>) return fmaxf(a, b); else return fmax(a, b);
 #else
   return std::fmax(a, b);
 #endif
 }
-OPFORGE_HD inline double fmin_f(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return fmin(a, b);
-#else
-  return std::fmin(a, b);
-#endif
+/// min / max that propagate NaN (a NaN operand wins, as torch.aminmax): the group reductions, so that a group
+/// containing NaN gets NaN qparams instead of a finite scale computed from its other values.
+template <typename T>
+OPFORGE_HD inline T nan_min(T a, T b) {
+  return (a < b || is_nan(a)) ? a : b;
 }
-OPFORGE_HD inline double fmax_f(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return fmax(a, b);
-#else
-  return std::fmax(a, b);
-#endif
+template <typename T>
+OPFORGE_HD inline T nan_max(T a, T b) {
+  return (a > b || is_nan(a)) ? a : b;
 }
-OPFORGE_HD inline float div_rn(float a, float b) {
+/// One step of a group's NaN-propagating min/max reduction.
+template <typename T>
+OPFORGE_HD inline void minmax_update(T& mn, T& mx, T v) {
+  mn = nan_min(mn, v);
+  mx = nan_max(mx, v);
+}
+template <typename T>
+OPFORGE_HD inline T div_rn(T a, T b) {
 #if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
+  if constexpr (std::is_same_v<T, float>) return __fdiv_rn(a, b); else return __ddiv_rn(a, b);
 #else
   return a / b;
 #endif
 }
-OPFORGE_HD inline float mul_rn(float a, float b) {
+template <typename T>
+OPFORGE_HD inline T mul_rn(T a, T b) {
 #if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-OPFORGE_HD inline double mul_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dmul_rn(a, b);
+  if constexpr (std::is_same_v<T, float>) return __fmul_rn(a, b); else return __dmul_rn(a, b);
 #else
   return a * b;
 #endif
 }
 /// Round half to even (the default rounding mode's nearbyint, as ATen's fake_quantize kernels use).
-OPFORGE_HD inline float round_even(float v) {
+template <typename T>
+OPFORGE_HD inline T round_even(T v) {
 #if defined(__CUDA_ARCH__)
-  return rintf(v);
-#else
-  return std::nearbyint(v);
-#endif
-}
-OPFORGE_HD inline double round_even(double v) {
-#if defined(__CUDA_ARCH__)
-  return rint(v);
+  if constexpr (std::is_same_v<T, float>) return rintf(v); else return rint(v);
 #else
   return std::nearbyint(v);
 #endif
@@ -110,17 +126,35 @@ OPFORGE_HD inline int qmax_of(int bits) { return (1 << (bits - 1)) - 1; }
 
 /// Scale and zero point of a group whose smallest and largest values are `mn` and `mx` (any floating type,
 /// rounded to fp32 first). A group of zeros, or of values below eps · (qmax − qmin), gets scale = eps.
+///
+/// NaN: a group containing NaN has mn or mx NaN (the reductions use nan_min / nan_max); it gets scale = NaN,
+/// inv_scale = NaN and zero_point = 0, so every fake-quantized value of the group is NaN and its mask false, as
+/// torch's PerChannelMinMaxObserver + fake_quantize_per_channel_affine give.
+///
+/// Overflow: the asymmetric (hi − lo) / (qmax − qmin) is torch's formula, kept bit for bit; only where hi − lo
+/// overflows fp32 (finite hi and lo of opposite signs summing past 3.4e38, where torch's scale is inf and its
+/// output NaN) the scale is hi / (qmax − qmin) − lo / (qmax − qmin), finite since qmax − qmin ≥ 3.
 template <typename C>
 OPFORGE_HD inline QParams choose_qparams(C mn, C mx, int qmin, int qmax, bool symmetric) {
-  const float lo = fmin_f(static_cast<float>(mn), 0.0f);
-  const float hi = fmax_f(static_cast<float>(mx), 0.0f);
   QParams p;
+  const float fmn = static_cast<float>(mn), fmx = static_cast<float>(mx);
+  if (is_nan(fmn) || is_nan(fmx)) {
+    p.scale = p.inv_scale = std::numeric_limits<float>::quiet_NaN();
+    p.zero_point = 0;
+    return p;
+  }
+  const float lo = fmin_f(fmn, 0.0f);
+  const float hi = fmax_f(fmx, 0.0f);
   if (symmetric) {
     const float half_range = static_cast<float>(qmax - qmin) / 2.0f;  // exact: (2^bits − 1) / 2
     p.scale = fmax_f(div_rn(fmax_f(-lo, hi), half_range), kScaleEps);
     p.zero_point = 0;
   } else {
-    p.scale = fmax_f(div_rn(hi - lo, static_cast<float>(qmax - qmin)), kScaleEps);
+    const float range = static_cast<float>(qmax - qmin);
+    float span = hi - lo;  // exact or rounded once, as torch's
+    float scale = div_rn(span, range);
+    if (!is_finite(span) && is_finite(hi) && is_finite(lo)) scale = div_rn(hi, range) - div_rn(lo, range);
+    p.scale = fmax_f(scale, kScaleEps);
     float z = static_cast<float>(qmin) - round_even(div_rn(lo, p.scale));
     z = fmin_f(fmax_f(z, static_cast<float>(qmin)), static_cast<float>(qmax));
     p.zero_point = static_cast<int32_t>(z);
@@ -131,7 +165,8 @@ OPFORGE_HD inline QParams choose_qparams(C mn, C mx, int qmin, int qmax, bool sy
 
 /// The fake-quantized value of x (compute type C: float, or double for float64) and whether its integer
 /// q = round(x · inv_scale) + zero_point lies in [qmin, qmax] (the straight-through estimator's mask).
-/// A NaN x gives (qmin − zero_point) · scale and in_range = false (as ATen's CPU kernel on x86).
+/// A NaN x with a finite scale would give (qmin − zero_point) · scale and in_range = false (as ATen's CPU kernel
+/// on x86); with the NaN-propagating reductions a NaN x always comes with scale = NaN, so y is NaN.
 template <typename C>
 OPFORGE_HD inline C fake_quantize_value(C x, const QParams& p, int qmin, int qmax, bool& in_range) {
   const C q = round_even(mul_rn(x, static_cast<C>(p.inv_scale))) + static_cast<C>(p.zero_point);

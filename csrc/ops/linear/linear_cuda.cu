@@ -9,9 +9,10 @@
 //                          (its leading dimension N must be a multiple of 8); relu needs no z (its output
 //                          decides relu').
 //   gelu, silu             cuBLASLt BIAS (or DEFAULT), then one elementwise pass y = act(z) (fp32 math).
-//   small M                M == 1 (OPFORGE_LINEAR_GEMV=1: 1 ≤ M ≤ 16; =0: never): a bandwidth-bound GEMV
-//                          kernel of our own (linear_gemv.cuh) with bias and activation fused; measured
-//                          faster than cuBLAS at M = 1 only (see gemv_eligible).
+//   small M                1 ≤ M ≤ 16 by the (M, N, K) bucket table kGemvTable (today M == 1 only;
+//                          OPFORGE_LINEAR_GEMV=1: every 1 ≤ M ≤ 16; =0: never): a bandwidth-bound GEMV
+//                          kernel of our own (linear_gemv.cuh: warp-per-rows, or tensor-core for 16-bit
+//                          types, OPFORGE_GEMV_VARIANT) with bias and activation fused (see gemv_choice).
 //   fallback               float64, a problem cuBLASLt finds no algorithm for (alignment, shapes), or
 //                          OPFORGE_LINEAR_LT=0: cublasGemmEx with the bias copied in first and beta = 1,
 //                          then the elementwise pass for any activation. Every path gives the same values
@@ -29,6 +30,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 #include "core/activation.h"
@@ -67,31 +70,75 @@ void gemm_bias(const linear_op::LinearProblem& p, const at::Tensor& Z) {
   gemm::gemm(Z, p.X, p.W, args);
 }
 
-/// True when the small-M GEMV kernel takes this problem. Knob OPFORGE_LINEAR_GEMV (core/knobs.h):
-/// unset: M == 1 only, where the H200 measured it faster than cuBLAS(Lt) (2026-11-30, 1x4096x4096: bf16
-/// 2852 vs 2438 GB/s, fp16 2842 vs 2424, fp32 3551 vs 2892); at M = 8 it was 2.7x slower, so larger M
-/// stays on cuBLAS(Lt). "1": every 1 ≤ M ≤ 16 (tests, benchmarks); "0": never. Always float32/float16/
-/// bfloat16, K > 0 a multiple of the 16-byte vector, X and W 16-byte aligned (contiguous from the checker).
-bool gemv_eligible(const linear_op::LinearProblem& p) {
+/// The GEMV kernel of each (M, N, K) bucket when OPFORGE_LINEAR_GEMV is unset (-1): -1 is cuBLAS(Lt), 0 the
+/// warp-per-rows kernel, 1..3 the tensor-core kernels (16-bit types only; linear_gemv.cuh). The first row
+/// whose bounds hold wins. CHOOSER TABLE: today's choice (the H200, 2026-11-30: the GEMV kernel ahead of
+/// cuBLAS(Lt) at M = 1 only: 1x4096x4096 bf16 2852 vs 2438 GB/s, fp16 2842 vs 2424, fp32 3551 vs 2892; 2.7x
+/// slower at M = 8); to be filled from benchmarks/results/gemv_variants.csv (benchmarks/gemv_variants.py).
+struct GemvBucket {
+  int64_t max_m, max_n, max_k;  // the bucket: M <= max_m, N <= max_n, K <= max_k
+  int kernel16;                 // float16/bfloat16: -1 cuBLAS(Lt), else the GEMV variant
+  int kernel32;                 // float32: -1 cuBLAS(Lt) or 0
+};
+constexpr int64_t kAny = INT64_MAX;
+constexpr GemvBucket kGemvTable[] = {
+    {1, kAny, kAny, 0, 0},     // M == 1: the warp-per-rows GEMV
+    {16, kAny, kAny, -1, -1},  // 2 <= M <= 16: cuBLAS(Lt)
+};
+
+/// The GEMV kernel for this problem (0 warp-per-rows, 1..3 tensor-core), or -1: cuBLAS(Lt). Knob
+/// OPFORGE_LINEAR_GEMV (core/knobs.h): unset: kGemvTable; "1": a GEMV kernel for every 1 <= M <= 16 (tests,
+/// benchmarks); "0": never. Knob OPFORGE_GEMV_VARIANT (>= 0) forces which GEMV kernel wherever one runs
+/// (tensor-core variants: float16/bfloat16 on sm_80+ only, else the warp-per-rows kernel). Always float32/
+/// float16/bfloat16, K > 0 a multiple of the 16-byte vector, X and W 16-byte aligned (contiguous from the
+/// checker).
+int gemv_choice(const linear_op::LinearProblem& p) {
   const int64_t mode = knobs::get(knobs::Knob::kLinearGemv);
-  const int64_t max_m = mode < 0 ? 1 : mode == 1 ? 16 : 0;
   const auto t = p.X.scalar_type();
-  if (t == at::kDouble || p.M < 1 || p.M > max_m || p.K < 1 || p.N < 1) return false;
+  if (mode == 0 || t == at::kDouble || p.M < 1 || p.M > 16 || p.K < 1 || p.N < 1) return -1;
   const int64_t vec = 16 / static_cast<int64_t>(p.X.element_size());
-  return p.K % vec == 0 && cuda::is_aligned16(p.X.const_data_ptr()) && cuda::is_aligned16(p.W.const_data_ptr());
+  if (p.K % vec != 0 || !cuda::is_aligned16(p.X.const_data_ptr()) || !cuda::is_aligned16(p.W.const_data_ptr())) {
+    return -1;
+  }
+  const bool wide = t == at::kFloat;
+  int kernel = -1;
+  if (mode < 0) {
+    for (const auto& row : kGemvTable) {
+      if (p.M <= row.max_m && p.N <= row.max_n && p.K <= row.max_k) {
+        kernel = wide ? row.kernel32 : row.kernel16;
+        break;
+      }
+    }
+    if (kernel < 0) return -1;
+  } else {
+    kernel = 0;
+  }
+  const int64_t forced = knobs::get(knobs::Knob::kGemvVariant);
+  if (forced >= 0) kernel = static_cast<int>(std::min<int64_t>(forced, 3));
+  if (kernel > 0 && (wide || at::cuda::getCurrentDeviceProperties()->major < 8)) kernel = 0;
+  return kernel;
 }
 
-/// Y[M, N] = act(X · Wᵀ + b) (and Z[M, N] = X · Wᵀ + b when Z is given) through the GEMV kernel.
-void gemv_linear(const linear_op::LinearProblem& p, at::Tensor& Y, at::Tensor* Z) {
+/// Y[M, N] = act(X · Wᵀ + b) (and Z[M, N] = X · Wᵀ + b when Z is given) through GEMV kernel `kernel`
+/// (gemv_choice).
+void gemv_linear(const linear_op::LinearProblem& p, int kernel, at::Tensor& Y, at::Tensor* Z) {
   OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::linear", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_INTERNAL_ASSERT(false, "opforge::linear: the GEMV kernel has no float64 path");
     } else {
       const scalar_t* b = p.b.defined() ? p.b.const_data_ptr<scalar_t>() : nullptr;
       scalar_t* z = Z != nullptr ? Z->mutable_data_ptr<scalar_t>() : nullptr;
+      const scalar_t* x = p.X.const_data_ptr<scalar_t>();
+      const scalar_t* w = p.W.const_data_ptr<scalar_t>();
+      scalar_t* y = Y.mutable_data_ptr<scalar_t>();
+      const int M = static_cast<int>(p.M);
       auto run = [&](auto act) {
-        cuda::launch_gemv<scalar_t>(p.X.const_data_ptr<scalar_t>(), p.W.const_data_ptr<scalar_t>(), b,
-                                    Y.mutable_data_ptr<scalar_t>(), z, static_cast<int>(p.M), p.K, p.N, act);
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          cuda::launch_gemv<scalar_t>(x, w, b, y, z, M, p.K, p.N, act);
+        } else {
+          if (kernel > 0) cuda::launch_gemv_mma<scalar_t>(kernel, x, w, b, y, z, M, p.K, p.N, act);
+          else cuda::launch_gemv<scalar_t>(x, w, b, y, z, M, p.K, p.N, act);
+        }
       };
       with_activation(p.act, [&](auto a) { run(act::Value<decltype(a)::value>{}); });
     }
@@ -106,8 +153,8 @@ std::pair<at::Tensor, at::Tensor> forward(const linear_op::LinearProblem& p, boo
   if (keep_z) Z = at::empty({p.M, p.N}, options);
   if (Y.numel() == 0) return {Y, Z};
   // 0. opt-in: small M through the GEMV kernel, everything fused
-  if (gemv_eligible(p)) {
-    gemv_linear(p, Y, keep_z ? &Z : nullptr);
+  if (const int kernel = gemv_choice(p); kernel >= 0) {
+    gemv_linear(p, kernel, Y, keep_z ? &Z : nullptr);
     return {Y, Z};
   }
   // 1. the activation in the GEMM's epilogue, where cuBLASLt has it

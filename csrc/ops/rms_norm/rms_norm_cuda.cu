@@ -21,8 +21,12 @@
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
+#include <climits>
+#include <type_traits>
+
 #include "core/cuda_utils.cuh"
 #include "core/dispatch.h"
+#include "core/knobs.h"
 #include "core/row_cuda.cuh"
 #include "ops/rms_norm/rms_norm.h"
 
@@ -151,6 +155,154 @@ __global__ void __launch_bounds__(kMaxThreadsFwd)
         scale_store(base, v, Sv[v], w, rs);
       }
     }
+  }
+}
+
+// ---- forward variants 1..4 (knob OPFORGE_RMS_FWD; variant 0 is the kernel above) --------------------------
+//
+// One CTA per row (rows of at most 32·NV vectors: one warp per row, 8 rows a block), a plain grid of
+// row groups (no grid-stride loop: the block scheduler fills the SMs as blocks finish, as a Triton
+// program per row does), each thread owning NV vectors of its row in registers. The weight is not
+// kept in registers across rows: it is read after the row's reduction (L1/L2 hits, the same N values
+// for every row; WEARLY: with the row's loads, before the reduction). Index: 32-bit offsets where
+// M·N < 2^31, 64-bit otherwise. Fewer live registers than variant 0 (no weight cache, no next-row
+// buffer), so more blocks are resident per SM and more row loads are in flight.
+template <typename T, int VEC, int NV, bool FUSED, bool WEARLY, typename Index>
+__global__ void __launch_bounds__(1024)
+    rms_norm_forward_row_kernel(const T* __restrict__ X,      // [M, N]
+                                const T* __restrict__ R,      // [M, N] (FUSED)
+                                const T* __restrict__ W,      // [N] or null
+                                T* __restrict__ Y,            // [M, N]
+                                T* __restrict__ Z,            // [M, N] (FUSED)
+                                at::opmath_type<T>* __restrict__ rstd,  // [M]
+                                int64_t M, Index N, at::opmath_type<T> eps) {
+  using opmath_t = at::opmath_type<T>;
+  using V = Vec<T, VEC>;
+  __shared__ opmath_t smem[2][32];
+  RowSum<opmath_t> row_sum{smem};
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= M) return;  // a whole warp (blockDim.x == 32) or the whole block (blockDim.y == 1)
+  const Index tid = threadIdx.x, tpr = blockDim.x;
+  const Index nvec = N / VEC;
+  const Index base = static_cast<Index>(row) * N;
+  const V* Xv = reinterpret_cast<const V*>(X + base);
+  const V* Rv = reinterpret_cast<const V*>(R + base);
+  const V* Wv = reinterpret_cast<const V*>(W);
+  V a[NV], w[NV];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const Index v = tid + k * tpr;
+    if (v < nvec) {
+      a[k] = Xv[v];
+      if constexpr (FUSED) {
+        const V b = Rv[v];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+          a[k].val[j] = static_cast<T>(static_cast<opmath_t>(a[k].val[j]) + static_cast<opmath_t>(b.val[j]));
+      }
+      if (WEARLY && W != nullptr) w[k] = Wv[v];
+    }
+  }
+  opmath_t ss = 0;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if (tid + k * tpr < nvec) {
+      if constexpr (FUSED) reinterpret_cast<V*>(Z + base)[tid + k * tpr] = a[k];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const opmath_t t = static_cast<opmath_t>(a[k].val[j]);
+        ss += t * t;
+      }
+    }
+  }
+  const opmath_t rs = opmath_t(1) / sqrt(row_sum(ss) / static_cast<opmath_t>(N) + eps);
+  if (threadIdx.x == 0) rstd[row] = rs;
+  V* Yv = reinterpret_cast<V*>(Y + base);
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const Index v = tid + k * tpr;
+    if (v < nvec) {
+      if (!WEARLY && W != nullptr) w[k] = Wv[v];
+      V y;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const opmath_t wj = W != nullptr ? static_cast<opmath_t>(w[k].val[j]) : opmath_t(1);
+        y.val[j] = static_cast<T>(static_cast<opmath_t>(a[k].val[j]) * rs * wj);
+      }
+      Yv[v] = y;
+    }
+  }
+}
+
+constexpr int kRowKernelMaxThreads = 1024;
+
+// The forward's variant when the knob is unset (OPFORGE_RMS_FWD = -1).
+// CHOOSER: today variant 0 (the kernel measured in the issue) everywhere; to be filled from
+// benchmarks/results/rms_norm_variants.csv (benchmarks/rms_norm_variants.py on the H200): return the
+// variant that won for this dtype and row length.
+inline int default_forward_variant(at::ScalarType /*dtype*/, int64_t /*M*/, int64_t /*N*/) { return 0; }
+
+// Vectors per thread of forward variant `variant` (1..4) for rows of nvec vectors, 0 where the
+// variant does not apply (rows of more than 8 · 1024 vectors: variant 0 streams them).
+inline int forward_vecs_per_thread(int variant, int64_t nvec) {
+  const int first = variant == 2 ? 1 : variant == 4 ? 4 : 2;
+  for (int nv = first; nv <= 8; nv *= 2)
+    if (nvec <= static_cast<int64_t>(nv) * kRowKernelMaxThreads) return nv;
+  return 0;
+}
+
+// Runs forward variant 1..4 (OPFORGE_RMS_FWD, else the chooser) for this problem; false, having
+// launched nothing, when variant 0 is chosen or the chosen variant does not apply (float64, rows too
+// long, more than 2^31 row groups).
+template <typename T, bool FUSED>
+bool launch_forward_variant(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd, bool vec) {
+  if constexpr (std::is_same_v<T, double>) {
+    return false;
+  } else {
+    using opmath_t = at::opmath_type<T>;
+    const int64_t knob = knobs::get(knobs::Knob::kRmsForward);
+    const int variant = knob >= 0 ? static_cast<int>(knob) : default_forward_variant(p.X.scalar_type(), p.M, p.N);
+    if (variant < 1 || variant > 4) return false;
+    constexpr int VEC = cuda::vec_size<T>();
+    const int64_t M = p.M, N = p.N, nvec = vec ? N / VEC : N;
+    const int nv = forward_vecs_per_thread(variant, nvec);
+    if (nv == 0) return false;
+    const int tpr = static_cast<int>(std::max<int64_t>(32, ((nvec + nv - 1) / nv + 31) / 32 * 32));
+    const int rows_per_block = tpr == 32 ? 8 : 1;
+    const int64_t grid = (M + rows_per_block - 1) / rows_per_block;
+    if (grid > INT_MAX) return false;
+    const bool small = M * N <= INT_MAX;
+    const T* x = p.X.const_data_ptr<T>();
+    const T* r = FUSED ? p.R.const_data_ptr<T>() : nullptr;
+    const T* w = p.W.defined() ? p.W.const_data_ptr<T>() : nullptr;
+    T* y = Y.mutable_data_ptr<T>();
+    T* z = FUSED ? Z.mutable_data_ptr<T>() : nullptr;
+    opmath_t* rs = rstd.mutable_data_ptr<opmath_t>();
+    const opmath_t eps = static_cast<opmath_t>(p.eps);
+    const dim3 block(tpr, rows_per_block);
+    auto stream = at::cuda::getCurrentCUDAStream();
+    auto go = [&](auto kernel, auto n) { kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(x, r, w, y, z, rs, M, n, eps); };
+    // NV_ and WEARLY_ as template arguments; Index from the problem's size (vector widths only: the
+    // scalar fallback of unaligned or odd rows always takes 64-bit offsets)
+    auto run = [&](auto nv_c, auto early_c) {
+      constexpr int NV_ = decltype(nv_c)::value;
+      constexpr bool E_ = decltype(early_c)::value;
+      if (vec && small) go(rms_norm_forward_row_kernel<T, VEC, NV_, FUSED, E_, int32_t>, static_cast<int32_t>(N));
+      else if (vec) go(rms_norm_forward_row_kernel<T, VEC, NV_, FUSED, E_, int64_t>, N);
+      else go(rms_norm_forward_row_kernel<T, 1, NV_, FUSED, E_, int64_t>, N);
+    };
+    using F = std::false_type;
+    using I1 = std::integral_constant<int, 1>;
+    using I2 = std::integral_constant<int, 2>;
+    using I4 = std::integral_constant<int, 4>;
+    using I8 = std::integral_constant<int, 8>;
+    if (variant == 3 && nv == 2) run(I2{}, std::true_type{});
+    else if (nv == 1) run(I1{}, F{});
+    else if (nv == 2) run(I2{}, F{});
+    else if (nv == 4) run(I4{}, F{});
+    else run(I8{}, F{});
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
   }
 }
 
@@ -310,6 +462,190 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
+// ---- backward variants 1, 2 (knob OPFORGE_RMS_BWD; variant 0 is the kernel above) --------------------------
+//
+// For rows too long for variant 0's registers (bf16 N >= 16384 streams there, re-reading the row from L2
+// and adding its dweight partial into global memory row by row): up to 1024 threads per row, each thread
+// keeping NV vectors of dy and x in registers (the weight is re-read where it is used: L1 hits), so each row is read from global
+// memory once; the dweight partial of the block's rows accumulates in shared memory (fp32, laid out
+// [VEC][nvec] so a warp's accesses are conflict-free; each thread owns its own entries, so no barrier),
+// and is written once at the end to row blockIdx.x of the [gridDim.x, N] partials that the launcher
+// sums over blocks (at::sum: deterministic). PIPE: the next row's dy and x are loaded before this row's
+// reduction. Grid: the blocks resident at once (grid-stride over rows), each owning one partial row.
+template <typename T, int VEC, int NV, bool PIPE>
+__global__ void __launch_bounds__(1024)
+    rms_norm_backward_rows_kernel(const T* __restrict__ dY,                     // [M, N]
+                                  const T* __restrict__ X,                      // [M, N]
+                                  const at::opmath_type<T>* __restrict__ rstd,  // [M]
+                                  const T* __restrict__ W,                      // [N] or null
+                                  T* __restrict__ dX,                           // [M, N] or null
+                                  at::opmath_type<T>* __restrict__ dW_partial,  // [gridDim.x, N] or null
+                                  int64_t M, int64_t N) {
+  using opmath_t = at::opmath_type<T>;
+  using V = Vec<T, VEC>;
+  extern __shared__ unsigned char dyn_smem[];
+  opmath_t* acc = reinterpret_cast<opmath_t*>(dyn_smem);  // [VEC][nvec] when dW_partial
+  __shared__ opmath_t smem[2][32];
+  RowSum<opmath_t> row_sum{smem};
+  const int tid = threadIdx.x, tpr = blockDim.x;
+  const int64_t nvec = N / VEC;
+  const V* Wv = reinterpret_cast<const V*>(W);
+  const opmath_t inv_n = opmath_t(1) / static_cast<opmath_t>(N);
+  V g[NV], x[NV], gn[PIPE ? NV : 1], xn[PIPE ? NV : 1];
+  opmath_t rs = 0, rsn = 0;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+    if (v < nvec && dW_partial != nullptr) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j * nvec + v] = 0;
+    }
+  }
+  // the weight vector v, read where it is used (L1 hits after the first row): no registers held across rows
+  auto wload = [&](int64_t v) {
+    V w;
+    if (W != nullptr) w = Wv[v];
+    return w;
+  };
+  auto wval = [&](const V& w, int j) { return W != nullptr ? static_cast<opmath_t>(w.val[j]) : opmath_t(1); };
+  auto load_row = [&](int64_t r, V* gd, V* xd, opmath_t& rsd) {
+    const V* dYv = reinterpret_cast<const V*>(dY + r * N);
+    const V* Xv = reinterpret_cast<const V*>(X + r * N);
+    rsd = rstd[r];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+      if (v < nvec) {
+        gd[k] = dYv[v];
+        xd[k] = Xv[v];
+      }
+    }
+  };
+  int64_t row = blockIdx.x;
+  if (PIPE && row < M) load_row(row, g, x, rs);
+  for (; row < M; row += gridDim.x) {
+    if constexpr (PIPE) {
+      if (row + gridDim.x < M) load_row(row + gridDim.x, gn, xn, rsn);
+    } else {
+      load_row(row, g, x, rs);
+    }
+    if (dX != nullptr) {
+      opmath_t s = 0;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+          const V w = wload(v);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j)
+            s += wval(w, j) * static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]);
+        }
+      }
+      const opmath_t c = rs * rs * rs * row_sum(s) * inv_n;
+      V* dXv = reinterpret_cast<V*>(dX + row * N);
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+          const V w = wload(v);
+          V d;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j)
+            d.val[j] = static_cast<T>(rs * wval(w, j) * static_cast<opmath_t>(g[k].val[j]) -
+                                      static_cast<opmath_t>(x[k].val[j]) * c);
+          dXv[v] = d;
+        }
+      }
+    }
+    if (dW_partial != nullptr) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j)
+            acc[j * nvec + v] += static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]) * rs;
+        }
+      }
+    }
+    if constexpr (PIPE) {
+      rs = rsn;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        g[k] = gn[k];
+        x[k] = xn[k];
+      }
+    }
+  }
+  if (dW_partial != nullptr) {
+    opmath_t* out = dW_partial + static_cast<int64_t>(blockIdx.x) * N;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+      if (v < nvec) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out[v * VEC + j] = acc[j * nvec + v];
+      }
+    }
+  }
+}
+
+// The backward's variant when the knob is unset (OPFORGE_RMS_BWD = -1).
+// CHOOSER: today variant 0 everywhere; to be filled from benchmarks/results/rms_norm_variants.csv
+// (e.g. variant 1 or 2 for the long rows, bf16 N >= 16384 and fp32 N >= 8192, if it won there).
+inline int default_backward_variant(at::ScalarType /*dtype*/, int64_t /*M*/, int64_t /*N*/) { return 0; }
+
+// Backward variant 1/2 (OPFORGE_RMS_BWD, else the chooser) into dX and dW (dW: weight's shape and dtype,
+// allocated here); false, having launched nothing, where variant 0 is chosen or this one does not apply
+// (float64, more than 4 · 1024 vectors a row, dweight partial row beyond the SM's shared memory).
+template <typename T>
+bool launch_backward_variant(const rmsnorm::BackwardProblem& p, at::Tensor& dX, bool want_dw, bool vec,
+                             const at::Tensor& weight, at::Tensor& dW) {
+  if constexpr (std::is_same_v<T, double>) {
+    return false;
+  } else {
+    using opmath_t = at::opmath_type<T>;
+    const int64_t knob = knobs::get(knobs::Knob::kRmsBackward);
+    const int variant = knob >= 0 ? static_cast<int>(knob) : default_backward_variant(p.X.scalar_type(), p.M, p.N);
+    if (variant != 1 && variant != 2) return false;
+    const bool pipe = variant == 2;
+    constexpr int VEC = cuda::vec_size<T>();
+    const int64_t M = p.M, N = p.N, nvec = vec ? N / VEC : N;
+    const int nv = nvec <= 2 * kRowKernelMaxThreads ? 2 : nvec <= 4 * kRowKernelMaxThreads ? 4 : 0;
+    const auto* prop = at::cuda::getCurrentDeviceProperties();
+    const size_t smem = want_dw ? static_cast<size_t>(N) * sizeof(opmath_t) : 0;
+    if (nv == 0 || smem > prop->sharedMemPerBlockOptin) return false;
+    const int tpr = static_cast<int>(std::max<int64_t>(32, ((nvec + nv - 1) / nv + 31) / 32 * 32));
+    const T* dy = p.dY.const_data_ptr<T>();
+    const T* x = p.X.const_data_ptr<T>();
+    const opmath_t* rs = p.rstd.const_data_ptr<opmath_t>();
+    const T* w = p.W.defined() ? p.W.const_data_ptr<T>() : nullptr;
+    T* dx = dX.defined() ? dX.mutable_data_ptr<T>() : nullptr;
+    at::Tensor partials;
+    auto stream = at::cuda::getCurrentCUDAStream();
+    auto go = [&](auto kernel) {
+      if (smem > 48 * 1024) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+      }
+      int resident = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, tpr, smem));
+      const int64_t grid = std::min<int64_t>(M, num_sms() * std::max(resident, 1));
+      if (want_dw) partials = at::empty({grid, N}, p.X.options().dtype(rmsnorm::rstd_dtype(p.X.scalar_type())));
+      opmath_t* part = want_dw ? partials.mutable_data_ptr<opmath_t>() : nullptr;
+      kernel<<<static_cast<unsigned>(grid), tpr, smem, stream>>>(dy, x, rs, w, dx, part, M, N);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    auto run = [&](auto kernel_vec, auto kernel_scalar) { vec ? go(kernel_vec) : go(kernel_scalar); };
+    if (nv == 2 && pipe) run(rms_norm_backward_rows_kernel<T, VEC, 2, true>, rms_norm_backward_rows_kernel<T, 1, 2, true>);
+    else if (nv == 2) run(rms_norm_backward_rows_kernel<T, VEC, 2, false>, rms_norm_backward_rows_kernel<T, 1, 2, false>);
+    else if (pipe) run(rms_norm_backward_rows_kernel<T, VEC, 4, true>, rms_norm_backward_rows_kernel<T, 1, 4, true>);
+    else run(rms_norm_backward_rows_kernel<T, VEC, 4, false>, rms_norm_backward_rows_kernel<T, 1, 4, false>);
+    if (want_dw) dW = partials.sum(0).view(weight.sizes()).to(weight.scalar_type());
+    return true;
+  }
+}
+
 // Threads per row for nvec vectors per row (core/row_cuda.cuh), each thread owning at most
 // kMaxVecsPerThread vectors.
 inline RowMapping choose_mapping(int64_t nvec, int max_tpr) {
@@ -338,6 +674,7 @@ void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at:
   const bool vec = N % VEC == 0 && cuda::is_aligned16(x) && cuda::is_aligned16(y) &&
                    (w == nullptr || cuda::is_aligned16(w)) &&
                    (!FUSED || (cuda::is_aligned16(r) && cuda::is_aligned16(z)));
+  if (launch_forward_variant<T, FUSED>(p, Y, Z, rstd, vec)) return;
   const int64_t nvec = vec ? N / VEC : N;
   // Measured on the H200 (2026-11-30, benchmarks/results/rms_norm_variants_cuda.txt): for 4-byte and
   // wider types, pipelining rows and up to 1024 threads per row won (fp32 32768x4096: 3895 vs 3495 GB/s;
@@ -477,6 +814,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   const bool vec = N % VEC == 0 && cuda::is_aligned16(p.dY.const_data_ptr()) && cuda::is_aligned16(p.X.const_data_ptr()) &&
                    (!p.W.defined() || cuda::is_aligned16(p.W.const_data_ptr())) &&
                    (!want_dx || cuda::is_aligned16(dX.const_data_ptr()));
+  bool done = false;
+  OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::rms_norm_backward", [&] {
+    done = launch_backward_variant<scalar_t>(p, dX, want_dw, vec, want_dw ? *weight : at::Tensor(), dW);
+  });
+  if (done) return {dX, dW};
   const RowMapping map = choose_mapping(vec ? N / VEC : N, kMaxThreads);
   // one row group per block, as many blocks as are resident at once: the partials are then
   // (resident blocks) rows of N floats, a few percent of the traffic of dY, X and dX

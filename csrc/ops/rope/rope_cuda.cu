@@ -1,23 +1,36 @@
-// CUDA kernels of rope: one launch for q and k. The grid is (tokens, head groups): a block takes a token (b, s),
-// builds its table C, S [R] (opmath) in shared memory once (from cos/sin, any strides, or from the position in
-// float64), then every thread of the block walks the head rows of q and k of its group. Rows whose last dim is
-// contiguous and 16-byte aligned move 16-byte vectors (a rotate-half thread loads the vector at j and its partner
-// at j + R/2); any other layout (transposed, zero-stride gradients) takes the strided scalar loop. 64-bit offsets.
+// CUDA kernels of rope: one launch for q and k, two kernels chosen by the knob OPFORGE_ROPE_KERNEL (core/knobs.h).
+//
+// rows kernel (1, the default): a flat grid over (token, group of up to kRows head rows, unit), unit fastest. A unit
+// is V = 16/sizeof(scalar) dims of a row (a rotate-half unit: the V dims at j and their partners at j + R/2; an
+// interleaved unit: V dims holding V/2 pairs; past R: V dims copied). A thread loads its unit's table entries once
+// (from cos/sin, 16-byte loads where the table's last dim is contiguous and aligned, else strided; or sin/cos of
+// the angles in float64), issues the 16-byte loads of all its rows at once, then computes and stores them: no
+// shared memory, no barrier, 32-bit index arithmetic while the problem fits. Rows whose last dim is not contiguous
+// and 16-byte aligned (transposed views, zero-stride gradients) take the same kernel with V = 1 (strided scalars).
+//
+// token kernel (0, the one before it, kept for comparison): the grid is (tokens, head groups); a block takes a
+// token (b, s), builds its table C, S [R] (opmath) in shared memory once, then every thread of the block walks the
+// head rows of q and k of its group. Two barriers per token and the table's global-memory latency before any q/k
+// load keep few bytes in flight: about 0.72 of the copy ceiling on the H200 (README).
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "core/check.h"
 #include "core/cuda_utils.cuh"
+#include "core/knobs.h"
 #include "core/dispatch.h"
 #include "ops/rope/rope.h"
 
 namespace opforge {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 128;      // token kernel
+constexpr int kRowThreads = 256;   // rows kernel
+constexpr int kRows = 8;           // rows kernel: most head rows per thread
 constexpr int64_t kMaxTableBytes = 48 * 1024;  // static shared-memory limit without opt-in
 
 template <typename scalar_t, typename trig_t>
@@ -35,10 +48,16 @@ struct Params {
   const int64_t* pos;    // [Bp, S]; ps[0] = 0 when Bp == 1
   int64_t ps[2];
   double base;
+  // rows kernel only
+  int U, Urot;           // units per row, of which rotated (the rest copied)
+  int G, K;              // row groups per token, rows per group (the last group may have fewer)
+  int64_t items;         // T · G · U
+  bool table_vec;        // cos/sin rows contiguous and 16-byte aligned: 16-byte table loads
+  double log2_base;
 };
 
 template <typename scalar_t, typename trig_t, bool kPositions, bool kVec>
-__global__ void __launch_bounds__(kThreads) rope_kernel(const Params<scalar_t, trig_t> p) {
+__global__ void __launch_bounds__(kThreads) rope_token_kernel(const Params<scalar_t, trig_t> p) {
   using opmath_t = at::opmath_type<scalar_t>;
   constexpr int V = kVec ? cuda::vec_size<scalar_t>() : 1;
   using Vx = cuda::Vec<scalar_t, V>;
@@ -141,6 +160,210 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const Params<scalar_t, t
   }
 }
 
+// ---- rows kernel ---------------------------------------------------------------------------------------------
+
+// V table entries of T at p (element stride `stride`) as opmath: 16-byte loads when `vec` (then stride is 1 and p
+// 16-byte aligned; V·sizeof(T) is a multiple of 16 since T is scalar_t or its wider opmath type), else strided.
+template <int V, typename T, typename opmath_t>
+__device__ __forceinline__ void load_entries(const T* p, int64_t stride, bool vec, opmath_t (&out)[V]) {
+  if constexpr (V > 1) {
+    constexpr int N = 16 / static_cast<int>(sizeof(T));
+    static_assert(V % N == 0, "a unit's table entries are whole 16-byte vectors");
+    if (vec) {
+#pragma unroll
+      for (int c = 0; c < V / N; ++c) {
+        const cuda::Vec<T, N> v = *reinterpret_cast<const cuda::Vec<T, N>*>(p + c * N);
+#pragma unroll
+        for (int e = 0; e < N; ++e) out[c * N + e] = static_cast<opmath_t>(v.val[e]);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < V; ++e) out[e] = static_cast<opmath_t>(p[e * stride]);
+}
+
+// cos θ, sin θ of pair i: θ = position · base^(−2i/R), in float64.
+__device__ __forceinline__ void angle(double position, int i, int R, double log2_base, double& c, double& s) {
+  const double theta = position * ::exp2(-2.0 * static_cast<double>(i) / static_cast<double>(R) * log2_base);
+  ::sincos(theta, &s, &c);
+}
+
+// V elements of a row at element offset j (element stride d; 1 and 16-byte aligned when V > 1).
+template <int V, typename T>
+__device__ __forceinline__ cuda::Vec<T, V> load_row(const T* x, int64_t j, int64_t d) {
+  if constexpr (V > 1) {
+    return *reinterpret_cast<const cuda::Vec<T, V>*>(x + j);
+  } else {
+    return cuda::Vec<T, 1>{{x[j * d]}};
+  }
+}
+template <int V, typename T>
+__device__ __forceinline__ void store_row(T* y, int64_t j, int64_t d, const cuda::Vec<T, V>& v) {
+  if constexpr (V > 1) {
+    *reinterpret_cast<cuda::Vec<T, V>*>(y + j) = v;
+  } else {
+    y[j * d] = v.val[0];
+  }
+}
+
+template <typename scalar_t, typename trig_t, bool kPositions, int V>
+__global__ void __launch_bounds__(kRowThreads) rope_rows_kernel(const Params<scalar_t, trig_t> p) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using Vx = cuda::Vec<scalar_t, V>;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.items; i += step) {
+    // (token t, group g, unit u), u fastest: 32-bit divisions while the problem fits (always, in practice)
+    int u, g;
+    int64_t t, b, s;
+    if (p.items <= static_cast<int64_t>(UINT32_MAX)) {
+      const uint32_t ii = static_cast<uint32_t>(i), q = ii / static_cast<uint32_t>(p.U);
+      u = static_cast<int>(ii - q * static_cast<uint32_t>(p.U));
+      const uint32_t tt = q / static_cast<uint32_t>(p.G);
+      g = static_cast<int>(q - tt * static_cast<uint32_t>(p.G));
+      const uint32_t bb = tt / static_cast<uint32_t>(p.S);
+      t = tt;
+      b = bb;
+      s = tt - bb * static_cast<uint32_t>(p.S);
+    } else {
+      const int64_t q = i / p.U;
+      u = static_cast<int>(i - q * p.U);
+      t = q / p.G;
+      g = static_cast<int>(q - t * p.G);
+      b = t / p.S;
+      s = t - b * p.S;
+    }
+    (void)t;
+    const int r0 = g * p.K, n = min(p.K, p.H[0] + p.H[1] - r0);
+    if (n <= 0) continue;
+    // row r of this token: q's head r, or k's head r − Hq
+    const scalar_t* xq = p.x[0] + b * p.xs[0][0] + s * p.xs[0][2];
+    const scalar_t* xk = p.x[1] + b * p.xs[1][0] + s * p.xs[1][2];
+    scalar_t* yq = p.y[0] + b * p.ys[0][0] + s * p.ys[0][2];
+    scalar_t* yk = p.y[1] + b * p.ys[1][0] + s * p.ys[1][2];
+    const int64_t xdq = p.xs[0][3], xdk = p.xs[1][3], ydq = p.ys[0][3], ydk = p.ys[1][3];
+    auto xrow = [&](int r) { return r < p.H[0] ? xq + r * p.xs[0][1] : xk + (r - p.H[0]) * p.xs[1][1]; };
+    auto yrow = [&](int r) { return r < p.H[0] ? yq + r * p.ys[0][1] : yk + (r - p.H[0]) * p.ys[1][1]; };
+    auto xd = [&](int r) { return r < p.H[0] ? xdq : xdk; };
+    auto yd = [&](int r) { return r < p.H[0] ? ydq : ydk; };
+
+    if (u >= p.Urot) {  // dims past R: copied bit-identical
+      const int64_t j = p.R + static_cast<int64_t>(u - p.Urot) * V;
+      Vx xv[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        if (r < n) xv[r] = load_row<V>(xrow(r0 + r), j, xd(r0 + r));
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        if (r < n) store_row<V>(yrow(r0 + r), j, yd(r0 + r), xv[r]);
+      continue;
+    }
+
+    double position = 0.0;
+    if constexpr (kPositions) position = static_cast<double>(p.pos[b * p.ps[0] + s * p.ps[1]]);
+    const trig_t* cosr = nullptr;
+    const trig_t* sinr = nullptr;
+    if constexpr (!kPositions) {
+      cosr = p.cos + b * p.cs[0] + s * p.cs[1];
+      sinr = p.sin + b * p.ss[0] + s * p.ss[1];
+    }
+
+    if (V == 1 || !p.interleaved) {
+      // pair units: V dims at ja, each paired with the same element of the V dims at jb
+      int64_t ja, jb;
+      if constexpr (V > 1) {
+        ja = static_cast<int64_t>(u) * V;
+        jb = ja + p.R / 2;
+      } else {
+        rotary::pair_dims(u, p.R, p.interleaved, ja, jb);
+      }
+      opmath_t Ca[V], Cb[V], Sa[V], Sb[V];
+      if constexpr (kPositions) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          double c, sn;
+          angle(position, V > 1 ? u * V + e : u, p.R, p.log2_base, c, sn);
+          const opmath_t co = static_cast<opmath_t>(c), si = static_cast<opmath_t>(sn);
+          rotary::table_pair(co, si, co, si, p.backward, Ca[e], Cb[e], Sa[e], Sb[e]);
+        }
+      } else {
+        opmath_t ca[V], cb[V], sa[V], sb[V];
+        load_entries<V>(cosr + ja * p.cs[2], p.cs[2], p.table_vec, ca);
+        load_entries<V>(cosr + jb * p.cs[2], p.cs[2], p.table_vec, cb);
+        load_entries<V>(sinr + ja * p.ss[2], p.ss[2], p.table_vec, sa);
+        load_entries<V>(sinr + jb * p.ss[2], p.ss[2], p.table_vec, sb);
+#pragma unroll
+        for (int e = 0; e < V; ++e) rotary::table_pair(ca[e], sa[e], cb[e], sb[e], p.backward, Ca[e], Cb[e], Sa[e], Sb[e]);
+      }
+      Vx xa[kRows], xb[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (r < n) {
+          const scalar_t* x = xrow(r0 + r);
+          const int64_t d = xd(r0 + r);
+          xa[r] = load_row<V>(x, ja, d);
+          xb[r] = load_row<V>(x, jb, d);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (r < n) {
+          Vx ya, yb;
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            const opmath_t a = static_cast<opmath_t>(xa[r].val[e]), c = static_cast<opmath_t>(xb[r].val[e]);
+            ya.val[e] = static_cast<scalar_t>(a * Ca[e] + c * Sa[e]);
+            yb.val[e] = static_cast<scalar_t>(c * Cb[e] + a * Sb[e]);
+          }
+          scalar_t* y = yrow(r0 + r);
+          const int64_t d = yd(r0 + r);
+          store_row<V>(y, ja, d, ya);
+          store_row<V>(y, jb, d, yb);
+        }
+      }
+    } else if constexpr (V > 1) {
+      // interleaved units: V dims from j = u·V, pairs (j + 2e, j + 2e + 1)
+      const int64_t j = static_cast<int64_t>(u) * V;
+      opmath_t C[V], Sn[V];
+      if constexpr (kPositions) {
+#pragma unroll
+        for (int e = 0; e < V; e += 2) {
+          double c, sn;
+          angle(position, u * (V / 2) + e / 2, p.R, p.log2_base, c, sn);
+          const opmath_t co = static_cast<opmath_t>(c), si = static_cast<opmath_t>(sn);
+          rotary::table_pair(co, si, co, si, p.backward, C[e], C[e + 1], Sn[e], Sn[e + 1]);
+        }
+      } else {
+        opmath_t cv[V], sv[V];
+        load_entries<V>(cosr + j * p.cs[2], p.cs[2], p.table_vec, cv);
+        load_entries<V>(sinr + j * p.ss[2], p.ss[2], p.table_vec, sv);
+#pragma unroll
+        for (int e = 0; e < V; e += 2)
+          rotary::table_pair(cv[e], sv[e], cv[e + 1], sv[e + 1], p.backward, C[e], C[e + 1], Sn[e], Sn[e + 1]);
+      }
+      Vx xv[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        if (r < n) xv[r] = load_row<V>(xrow(r0 + r), j, 1);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (r < n) {
+          Vx yv;
+#pragma unroll
+          for (int e = 0; e < V; e += 2) {
+            const opmath_t x0 = static_cast<opmath_t>(xv[r].val[e]), x1 = static_cast<opmath_t>(xv[r].val[e + 1]);
+            yv.val[e] = static_cast<scalar_t>(x0 * C[e] + x1 * Sn[e]);
+            yv.val[e + 1] = static_cast<scalar_t>(x1 * C[e + 1] + x0 * Sn[e + 1]);
+          }
+          store_row<V>(yrow(r0 + r), j, 1, yv);
+        }
+      }
+    }
+  }
+}
+
+// ---- launch ----------------------------------------------------------------------------------------------------
+
 // True when every defined row of x and y can move as aligned V-element vectors.
 bool vectorizable(const rotary::Problem& p, int V) {
   if (p.D % V != 0 || (p.interleaved ? p.R % V != 0 : (p.R / 2) % V != 0)) return false;
@@ -155,9 +378,18 @@ bool vectorizable(const rotary::Problem& p, int V) {
   return true;
 }
 
+// True when the cos/sin rows of a table of `elem` bytes per entry can be read as 16-byte vectors.
+bool table_vectorizable(const rotary::Problem& p, int64_t elem) {
+  const int64_t N = 16 / elem;
+  for (const at::Tensor* t : {&p.cos, &p.sin}) {
+    if (t->stride(2) != 1 || !cuda::is_aligned16(t->const_data_ptr())) return false;
+    if ((t->size(0) != 1 && t->stride(0) % N != 0) || t->stride(1) % N != 0) return false;
+  }
+  return true;
+}
+
 template <typename scalar_t, typename trig_t>
-void launch(const rotary::Problem& p, int rows, int64_t T) {
-  using opmath_t = at::opmath_type<scalar_t>;
+Params<scalar_t, trig_t> make_params(const rotary::Problem& p, int64_t T) {
   Params<scalar_t, trig_t> P{};
   for (int i = 0; i < 2; ++i) {
     P.H[i] = 0;
@@ -177,8 +409,8 @@ void launch(const rotary::Problem& p, int rows, int64_t T) {
   P.interleaved = p.interleaved;
   P.backward = p.backward;
   P.base = p.base;
-  const bool positions = p.positions.defined();
-  if (positions) {
+  P.log2_base = std::log2(p.base);
+  if (p.positions.defined()) {
     P.pos = p.positions.const_data_ptr<int64_t>();
     P.ps[0] = p.positions.size(0) == 1 ? 0 : p.positions.stride(0);
     P.ps[1] = p.positions.stride(1);
@@ -191,7 +423,14 @@ void launch(const rotary::Problem& p, int rows, int64_t T) {
     }
     if (p.cos.size(0) == 1) P.cs[0] = P.ss[0] = 0;
   }
+  return P;
+}
 
+template <typename scalar_t, typename trig_t>
+void launch_token(const rotary::Problem& p, int rows, int64_t T) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const Params<scalar_t, trig_t> P = make_params<scalar_t, trig_t>(p, T);
+  const bool positions = p.positions.defined();
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t blocks_x = std::min<int64_t>(T, sms * 32);
   int64_t groups = 1;
@@ -202,18 +441,49 @@ void launch(const rotary::Problem& p, int rows, int64_t T) {
   const bool vec = vectorizable(p, cuda::vec_size<scalar_t>());
   if (positions) {
     if (vec) {
-      rope_kernel<scalar_t, trig_t, true, true><<<grid, kThreads, smem, stream>>>(P);
+      rope_token_kernel<scalar_t, trig_t, true, true><<<grid, kThreads, smem, stream>>>(P);
     } else {
-      rope_kernel<scalar_t, trig_t, true, false><<<grid, kThreads, smem, stream>>>(P);
+      rope_token_kernel<scalar_t, trig_t, true, false><<<grid, kThreads, smem, stream>>>(P);
     }
   } else {
     if (vec) {
-      rope_kernel<scalar_t, trig_t, false, true><<<grid, kThreads, smem, stream>>>(P);
+      rope_token_kernel<scalar_t, trig_t, false, true><<<grid, kThreads, smem, stream>>>(P);
     } else {
-      rope_kernel<scalar_t, trig_t, false, false><<<grid, kThreads, smem, stream>>>(P);
+      rope_token_kernel<scalar_t, trig_t, false, false><<<grid, kThreads, smem, stream>>>(P);
     }
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, typename trig_t, int V>
+void launch_rows_v(const rotary::Problem& p, int rows, int64_t T) {
+  Params<scalar_t, trig_t> P = make_params<scalar_t, trig_t>(p, T);
+  const int64_t half = p.R / 2;
+  P.Urot = static_cast<int>(V > 1 ? (p.interleaved ? p.R / V : half / V) : half);
+  P.U = P.Urot + static_cast<int>((p.D - p.R) / V);
+  P.G = (rows + kRows - 1) / kRows;
+  P.K = (rows + P.G - 1) / P.G;  // balanced groups: K ≤ kRows
+  P.items = T * P.G * P.U;
+  P.table_vec = V > 1 && p.cos.defined() && table_vectorizable(p, p.cos.element_size());
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((P.items + kRowThreads - 1) / kRowThreads, sms * 64));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (p.positions.defined()) {
+    rope_rows_kernel<scalar_t, trig_t, true, V><<<static_cast<unsigned>(blocks), kRowThreads, 0, stream>>>(P);
+  } else {
+    rope_rows_kernel<scalar_t, trig_t, false, V><<<static_cast<unsigned>(blocks), kRowThreads, 0, stream>>>(P);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, typename trig_t>
+void launch_rows(const rotary::Problem& p, int rows, int64_t T) {
+  constexpr int V = cuda::vec_size<scalar_t>();
+  if (vectorizable(p, V)) {
+    launch_rows_v<scalar_t, trig_t, V>(p, rows, T);
+  } else {
+    launch_rows_v<scalar_t, trig_t, 1>(p, rows, T);
+  }
 }
 
 void run_cuda(const rotary::Problem& p) {
@@ -226,18 +496,21 @@ void run_cuda(const rotary::Problem& p) {
   TORCH_CHECK(rows <= std::numeric_limits<int>::max() / 2 && p.D <= std::numeric_limits<int>::max() / 2,
               "opforge::rope: expected fewer than 2^30 heads and head_dim below 2^30 on CUDA, but got ",
               num_str(rows), " heads and head_dim ", num_str(p.D));
+  const bool rows_kernel = knobs::get(knobs::Knob::kRopeKernel) != 0;
   const int64_t opmath_bytes = ref.scalar_type() == at::kDouble ? 8 : 4;
-  TORCH_CHECK(2 * p.R * opmath_bytes <= kMaxTableBytes, "opforge::rope: expected rotary_dim of at most ",
+  TORCH_CHECK(rows_kernel || 2 * p.R * opmath_bytes <= kMaxTableBytes, "opforge::rope: expected rotary_dim of at most ",
               num_str(kMaxTableBytes / (2 * opmath_bytes)), " on CUDA for ", ref.scalar_type(),
-              " (its per-token table lives in shared memory), but got ", num_str(p.R),
-              "; run this size on the CPU or split head_dim");
+              " with OPFORGE_ROPE_KERNEL=0 (its per-token table lives in shared memory), but got ", num_str(p.R),
+              "; use the default kernel (OPFORGE_ROPE_KERNEL=1) or run this size on the CPU");
   const bool table_in_opmath = p.cos.defined() && p.cos.scalar_type() != ref.scalar_type();
   OPFORGE_DISPATCH_FLOATING(ref.scalar_type(), "opforge::rope", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     if (table_in_opmath) {
-      launch<scalar_t, opmath_t>(p, static_cast<int>(rows), T);
+      rows_kernel ? launch_rows<scalar_t, opmath_t>(p, static_cast<int>(rows), T)
+                  : launch_token<scalar_t, opmath_t>(p, static_cast<int>(rows), T);
     } else {
-      launch<scalar_t, scalar_t>(p, static_cast<int>(rows), T);
+      rows_kernel ? launch_rows<scalar_t, scalar_t>(p, static_cast<int>(rows), T)
+                  : launch_token<scalar_t, scalar_t>(p, static_cast<int>(rows), T);
     }
   });
 }

@@ -1,0 +1,288 @@
+"""Where one training step's GPU time goes: torch.profiler of a Hugging Face Llama (HF, Liger, opforge) and of the
+demo model (issue 15's closing evidence; issue 14's "profiler table of one step of the demo model").
+
+(a) For each variant (hf, liger when importable, opforge; each in its own process) the model of
+benchmarks/bench_hf_llama.py (its ``build_variant``: same configuration options, seed, tokens, AdamW) trains
+``--warmup`` steps, then one profiled step; printed: the step's GPU time by category and the top kernels.
+Categories (first match, on the kernel name, lower-cased; :func:`category`):
+
+    opforge kernels   our own kernels (names in namespace ``opforge::``; its GEMMs are cuBLAS's, so GEMM)
+    attention         flash / memory-efficient / cuDNN SDPA kernels
+    GEMM              cuBLAS / cuBLASLt / CUTLASS matrix multiplies (gemm, nvjet, xmma, cutlass, sm90_...)
+    optimizer         AdamW (multi_tensor_apply, fused adam)
+    softmax/CE        softmax, log_softmax, nll_loss, cross_entropy (Liger's and Inductor's too)
+    norms             RMSNorm / LayerNorm kernels (rms_norm, layer_norm, Inductor's ``rsqrt`` reductions)
+    copies/casts      copies, dtype casts, cat, fill, memcpy/memset
+    elementwise       everything else elementwise or a reduction (aten's elementwise/reduce kernels, Triton
+                      pointwise kernels, SwiGLU, RoPE)
+    other             the rest
+
+(b) One training step of the demo model (opforge.models.llama.Llama, backend "opforge") under torch.profiler:
+``key_averages()`` sorted by device time (CPU time on the CPU), then only the ``opforge::<op>`` ranges, each
+with the time of the kernels under it.
+
+    python benchmarks/profile_step.py                     # CUDA, bench_hf_llama's default configuration
+    python benchmarks/profile_step.py --layers 8          # quicker
+    python benchmarks/profile_step.py --smoke             # CPU, tiny configuration (tests/python/test_profile_step.py)
+
+Output: printed and written to ``--out`` (default benchmarks/results/profile_step_<cuda|cpu>.txt).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_hf_llama  # noqa: E402
+import common  # noqa: E402
+
+VARIANTS = ["hf", "liger", "opforge"]
+CATEGORIES = ["GEMM", "attention", "copies/casts", "softmax/CE", "norms", "elementwise", "optimizer",
+              "opforge kernels", "other"]
+# (category, pattern on the lower-cased kernel or op name), first match wins
+_RULES = [
+    ("opforge kernels", r"opforge::(?!.*(gemm|cublas))"),
+    ("attention", r"flash|fmha|attention|sdpa|sdp_|_efficient_att|cudnn.*(mha|sdp)"),
+    ("optimizer", r"adam|multi_tensor_apply|_fused_sgd|optimizer|foreach"),
+    ("GEMM", r"gemm|nvjet|xmma|cutlass|^sm\d+_|cublas|wgmma|splitk|aten::(mm|addmm|bmm|baddbmm|matmul)$|_mkl|"
+             r"mkldnn_matmul|linear$"),
+    ("softmax/CE", r"softmax|cross_entropy|nll_loss|logsumexp"),
+    ("norms", r"rms_?norm|layer_?norm|rsqrt"),
+    ("copies/casts", r"copy|cat_|catarray|aten::cat$|memcpy|memset|fill|aten::to$|_to_copy|clone|contiguous"),
+    ("elementwise", r"elementwise|vectorized|reduce|triton_(poi|red|per)|silu|swiglu|rope|rotary|aten::\w+$"),
+]
+
+
+_RANGES = ("ProfilerStep", "Optimizer.", "aten::", "opforge::", "autograd::", "## ")
+
+
+def category(name: str) -> str:
+    """The category (one of CATEGORIES) of a kernel or op name (first matching rule of _RULES)."""
+    n = name.lower()
+    for cat, pattern in _RULES:
+        if re.search(pattern, n):
+            return cat
+    return "other"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the profiled one")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--top", type=int, default=15, help="kernels listed per variant")
+    p.add_argument("--no-demo", action="store_true", help="skip (b), the demo model's table")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny configuration, one warm-up step")
+    p.add_argument("--out", type=Path, default=None, help="output file (default benchmarks/results/profile_step_<dev>.txt)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per process")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.device is None:
+        import torch
+
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.smoke:
+        a.device, a.warmup = "cpu", 1
+    a.variant_list = [v.strip() for v in a.variants.split(",") if v.strip()]
+    bad = [v for v in a.variant_list if v not in VARIANTS]
+    if bad:
+        p.error(f"unknown variant(s) {bad}; choose from {VARIANTS}")
+    if a.out is None:
+        a.out = common.RESULTS_DIR / f"profile_step_{'cuda' if a.device.startswith('cuda') else 'cpu'}.txt"
+    return a
+
+
+def _bench_args(a: argparse.Namespace) -> argparse.Namespace:
+    """bench_hf_llama's options for this profile (its own parser: one definition of the configuration)."""
+    argv = ["--device", a.device, "--steps", "1", "--warmup", str(a.warmup)]
+    if a.smoke:
+        argv.append("--smoke")
+    else:
+        argv += ["--layers", str(a.layers), "--seq", str(a.seq), "--batch", str(a.batch), "--vocab", str(a.vocab)]
+    b = bench_hf_llama.parse_args(argv)
+    b.steps, b.warmup = 1, a.warmup
+    return b
+
+
+# ---- workers (one process each) ------------------------------------------------------------------------------
+
+def _profile(fn, cuda: bool):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return prof
+
+
+def _kernel_times(prof, cuda: bool) -> dict:
+    """{name: (microseconds, calls)}: CUDA kernels, memcpys and memsets on CUDA; ops' self CPU time on the CPU."""
+    from torch.autograd import DeviceType
+
+    out: dict = {}
+    if cuda:
+        for e in prof.events():
+            if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False) \
+                    or "annotation" in str(getattr(e, "activity_type", "")).lower() or e.name.startswith(_RANGES):
+                continue  # record_function ranges mirrored on the GPU timeline, not kernels
+            us = e.time_range.elapsed_us()
+            t, n = out.get(e.name, (0.0, 0))
+            out[e.name] = (t + us, n + 1)
+    else:
+        for e in prof.key_averages():
+            if e.self_cpu_time_total > 0 and not e.key.startswith("ProfilerStep"):
+                out[e.key] = (float(e.self_cpu_time_total), int(e.count))
+    return out
+
+
+def _variant_worker(a: argparse.Namespace) -> dict:
+    import torch
+
+    b = _bench_args(a)
+    model, _, _, report, step, sync = bench_hf_llama.build_variant(b, a.worker)
+    for i in range(a.warmup):
+        step(i)
+    sync()
+    t0 = time.perf_counter()
+    step(a.warmup)
+    sync()
+    wall = time.perf_counter() - t0
+    cuda = a.device.startswith("cuda")
+    prof = _profile(lambda: step(a.warmup), cuda)
+    config = (f"layers={b.layers} hidden={b.hidden} heads={b.heads}/{b.kv_heads} vocab={b.vocab} seq={b.seq} "
+              f"batch={b.batch} {b.dtype}")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    return {"variant": a.worker, "kernels": _kernel_times(prof, cuda), "wall_ms": wall * 1e3, "config": config,
+            "peak_gib": peak, "report": report}
+
+
+def _demo_worker(a: argparse.Namespace) -> dict:
+    import torch
+
+    try:
+        import opforge  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(common.REPO_ROOT / "python"))
+    from opforge.models.llama import Llama, LlamaConfig
+
+    cuda = a.device.startswith("cuda")
+    size = dict(d_model=64, layers=2, heads=4, seq=64, batch=4) if a.smoke else \
+        dict(d_model=1024, layers=4, heads=8, seq=1024, batch=8)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, d_model=size["d_model"], n_layers=size["layers"], n_heads=size["heads"],
+                      max_seq_len=size["seq"])
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = Llama(cfg, backend="opforge", device=a.device, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if cuda else {}))
+    x = torch.randint(0, 256, (size["batch"], size["seq"]), device=a.device)
+    y = torch.roll(x, -1, 1)
+
+    def step():
+        model.loss(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(a.warmup):
+        step()
+    prof = _profile(step, cuda)
+    key = "device_time_total" if cuda else "cpu_time_total"
+    avg = prof.key_averages()
+    table = avg.table(sort_by=key, row_limit=30)
+    ranges = [e for e in avg if e.key.startswith("opforge::")]
+    dev = (lambda e: getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))) if cuda else \
+        (lambda e: e.cpu_time_total)
+    ranges.sort(key=dev, reverse=True)
+    lines = [f"{'opforge range':40s} {'calls':>6s} {'CPU total us':>13s} " + (f"{'device total us':>16s}" if cuda else "")]
+    for e in ranges:
+        lines.append(f"{e.key:40s} {e.count:6d} {e.cpu_time_total:13.0f} " + (f"{dev(e):16.0f}" if cuda else ""))
+    desc = (f"demo model (opforge.models.llama.Llama, backend opforge): d_model={size['d_model']} layers={size['layers']} "
+            f"heads={size['heads']} seq={size['seq']} batch={size['batch']} {str(dtype).replace('torch.', '')}, AdamW")
+    return {"variant": "demo", "table": table, "ranges": "\n".join(lines), "n_ranges": len(ranges), "config": desc}
+
+
+# ---- the driver ----------------------------------------------------------------------------------------------
+
+def _spawn(a: argparse.Namespace, worker: str) -> dict:
+    argv = ["--layers", str(a.layers), "--seq", str(a.seq), "--batch", str(a.batch), "--vocab", str(a.vocab),
+            "--warmup", str(a.warmup), "--device", a.device, "--out", str(a.out)] + (["--smoke"] if a.smoke else [])
+    r = bench_hf_llama.spawn_worker(Path(__file__).resolve(), worker, argv, a.timeout)
+    if "status" in r:
+        r["error"] = r.pop("status")
+    return r
+
+
+def format_variant(r: dict, top: int, cuda: bool) -> str:
+    """A variant's table: time by category (ms, share) and the top kernels."""
+    kernels = r["kernels"]
+    total = sum(t for t, _ in kernels.values())
+    by_cat = {c: 0.0 for c in CATEGORIES}
+    for name, (t, _) in kernels.items():
+        by_cat[category(name)] += t
+    what = "GPU time (kernels)" if cuda else "self CPU time (ops)"
+    peak = f", peak memory {r['peak_gib']:.2f} GiB" if cuda else ""
+    lines = [f"== {r['variant']}: {what} of one training step {total / 1e3:.1f} ms (step wall time "
+             f"{r['wall_ms']:.1f} ms{peak}); {r['config']}",
+             f"  {'category':18s} {'ms':>9s} {'share':>7s}"]
+    for c in CATEGORIES:
+        if by_cat[c] > 0:
+            lines.append(f"  {c:18s} {by_cat[c] / 1e3:9.2f} {100 * by_cat[c] / max(total, 1e-9):6.1f}%")
+    lines.append(f"  top {top}: {'ms':>8s} {'calls':>6s}  category         name")
+    for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        short = name if len(name) <= 110 else name[:107] + "..."
+        lines.append(f"  {t / 1e3:14.3f} {n:6d}  {category(name):16s} {short}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.worker:
+        out = _demo_worker(a) if a.worker == "demo" else _variant_worker(a)
+        Path(a.json).write_text(json.dumps(out))
+        return 0
+    import torch
+
+    cuda = a.device.startswith("cuda")
+    head = (f"profile_step: {common.device_name(a.device)}, torch {torch.__version__}, commit {common.git_commit()}, "
+            f"{a.warmup} warm-up step(s) then one profiled step per variant, each in its own process")
+    print(head, flush=True)
+    sections = [head]
+    t_all = time.perf_counter()
+    for v in a.variant_list + ([] if a.no_demo else ["demo"]):
+        t0 = time.perf_counter()
+        r = _spawn(a, v)
+        took = time.perf_counter() - t0
+        if "error" in r:
+            text = f"== {v}: {r['error']}"
+        elif v == "demo":
+            text = (f"== {r['config']}: torch.profiler key_averages() of one training step, sorted by "
+                    f"{'device' if cuda else 'CPU'} time total\n{r['table']}\n"
+                    f"opforge's ranges ({r['n_ranges']} ops; each includes the kernels it launched):\n{r['ranges']}")
+        else:
+            text = format_variant(r, a.top, cuda)
+        text += f"\n  ({took:.0f} s)"
+        print("\n" + text, flush=True)
+        sections.append(text)
+    tail = f"total {time.perf_counter() - t_all:.0f} s"
+    print("\n" + tail)
+    sections.append(tail)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text("\n\n".join(sections) + "\n")
+    print(f"written: {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

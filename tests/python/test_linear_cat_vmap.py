@@ -1,0 +1,96 @@
+"""torch.func.vmap over linear_cat (issue 12 item 3): functorch has no batching fallback for an op with a Tensor[]
+argument, so linear_cat and linear_cat_backward carry their own rules (python/opforge/functional.py). Per-sample
+gradients (vmap(grad(...))), jacrev, batched weights and batch dims other than 0 equal torch's own cat + linear."""
+import pytest
+import torch
+import torch.func as tf
+import torch.nn.functional as TF
+
+import opforge
+
+
+def _f(ours):
+    def f(w, b, a, c):
+        y = opforge.linear_cat([a, c], w, b) if ours else TF.linear(torch.cat([a, c], -1), w, b)
+        return (y.tanh() * y).sum()
+    return f
+
+
+def _params(device, dtype=torch.float64):
+    torch.manual_seed(0)
+    return torch.randn(6, 7, device=device, dtype=dtype), torch.randn(6, device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("in_dims", [(None, None, 0, 0), (None, None, 0, None), (None, None, None, 0)])
+def test_per_sample_gradients_equal_torch_cat_linear(device, in_dims):
+    """vmap(grad(...)) over the samples (the batched pieces), weight and bias shared: the per-sample weight, bias
+    and piece gradients equal those of torch.cat + F.linear."""
+    w, b = _params(device)
+    a = torch.randn(5, 3, 3, device=device, dtype=torch.float64)
+    c = torch.randn(5, 3, 4, device=device, dtype=torch.float64)
+    a_, c_ = (a if in_dims[2] == 0 else a[0]), (c if in_dims[3] == 0 else c[0])
+    g = lambda ours: tf.vmap(tf.grad(_f(ours), argnums=(0, 1, 2, 3)), in_dims=in_dims)(w, b, a_, c_)  # noqa: E731
+    ours, ref = g(True), g(False)
+    for o, r in zip(ours, ref):
+        assert o.shape == r.shape and o.shape[0] == 5
+        torch.testing.assert_close(o, r)
+
+
+def test_per_sample_gradients_float32(device):
+    """The same in float32 against torch's float32 composition, within float32 rounding."""
+    w, b = _params(device, torch.float32)
+    a, c = torch.randn(8, 2, 3, device=device), torch.randn(8, 2, 4, device=device)
+    g = lambda ours: tf.vmap(tf.grad(_f(ours), argnums=(0, 1, 2)), in_dims=(None, None, 0, 0))(w, b, a, c)  # noqa: E731
+    for o, r in zip(g(True), g(False)):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_weight_and_bias_and_other_batch_dims(device):
+    """vmap over an ensemble of weights and biases (a batched weight takes the per-sample path) with the batch dim
+    of one piece at dim 1 and of the output at dim 1."""
+    torch.manual_seed(1)
+    d = torch.float64
+    W, B = torch.randn(4, 6, 7, device=device, dtype=d), torch.randn(4, 6, device=device, dtype=d)
+    a = torch.randn(3, 4, 3, device=device, dtype=d)  # batch at dim 1
+    c = torch.randn(4, 3, 4, device=device, dtype=d)
+    ours = tf.vmap(lambda w, b, a, c: opforge.linear_cat([a, c], w, b), in_dims=(0, 0, 1, 0), out_dims=1)(W, B, a, c)
+    ref = torch.stack([TF.linear(torch.cat([a[:, i], c[i]], -1), W[i], B[i]) for i in range(4)], 1)
+    torch.testing.assert_close(ours, ref)
+    # and per-sample gradients with a batched weight (grad of an ensemble member's loss)
+    g = lambda ours: tf.vmap(tf.grad(_f(ours), argnums=(0, 1, 2)), in_dims=(0, 0, 0, 0))(W, B, a.movedim(1, 0), c)  # noqa: E731
+    for o, r in zip(g(True), g(False)):
+        torch.testing.assert_close(o, r)
+
+
+def test_jacrev_equals_torch(device):
+    """jacrev vmaps the vjp over the output's basis: linear_cat_backward's rule (or the differentiable double
+    backward) under vmap."""
+    w, b = _params(device)
+    a, c = torch.randn(2, 3, device=device, dtype=torch.float64), torch.randn(2, 4, device=device, dtype=torch.float64)
+    ours = tf.jacrev(lambda a, w: opforge.linear_cat([a, c], w, b), argnums=(0, 1))(a, w)
+    ref = tf.jacrev(lambda a, w: TF.linear(torch.cat([a, c], -1), w, b), argnums=(0, 1))(a, w)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r)
+
+
+def test_vmap_of_the_backward_op_equals_a_loop(device):
+    """linear_cat_backward under vmap directly (grad_output, pieces and weight batched; bias dtype given) equals the
+    per-sample calls stacked, undefined gradients staying None."""
+    torch.manual_seed(2)
+    d = torch.float64
+    dy = torch.randn(3, 5, 6, device=device, dtype=d)
+    xs = [torch.randn(3, 5, 3, device=device, dtype=d), torch.randn(3, 5, 4, device=device, dtype=d)]
+    W = torch.randn(3, 6, 7, device=device, dtype=d)
+    op = torch.ops.opforge.linear_cat_backward
+    for mask in ([True, True, True], [False, True, False], [True, False, False]):
+        out_dims = ([0, 0] if mask[0] else [], 0 if mask[1] else None, 0 if mask[2] else None)
+        ours = tf.vmap(lambda g, x0, x1, w: op(g, [x0, x1], w, mask, d), out_dims=out_dims)(dy, *xs, W)
+        for i in range(3):
+            ref = op(dy[i], [xs[0][i], xs[1][i]], W[i], mask, d)
+            assert len(ours[0]) == len(ref[0])
+            for o, r in zip(ours[0], ref[0]):
+                torch.testing.assert_close(o[i], r)
+            for o, r in zip(ours[1:], ref[1:]):
+                assert (o is None) == (r is None)
+                if r is not None:
+                    torch.testing.assert_close(o[i], r)
