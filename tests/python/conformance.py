@@ -1406,11 +1406,7 @@ ENTRIES.append(OpEntry(
     name="linear_cat", op=_linear_cat, reference=_linear_cat_reference, baseline=_linear_cat_baseline,
     native=_linear_cat_native, samples=_linear_cat_samples, small_samples=_linear_cat_small,
     bad_inputs=_linear_cat_bad, double_backward=True, vmap_in_dims=(0, 0, None, None), autocast="lower_precision",
-    check=_linear_cat_check, schema_args=_linear_cat_schema_args,
-    known_failures={"test_torch_func": (
-        "torch.func.vmap: torch has no batching fallback for an op with a Tensor[] argument ('Batching rule not "
-        "implemented for opforge::linear_cat'), and linear_cat registers no batching rule; grad and jacrev pass "
-        "before it")}))
+    check=_linear_cat_check, schema_args=_linear_cat_schema_args))
 
 
 # ---- indexed_linear ---------------------------------------------------------------------------------------------
