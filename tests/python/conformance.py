@@ -153,6 +153,13 @@ def layouts(M, N, dtype, device, scale=1.0):
     ]
 
 
+def tensor_maker(device):
+    """t(*shape, dtype=float32): a normal tensor of that shape on `device`, cast to dtype (the bad-input tables)."""
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(shape, device=device).to(dtype)
+    return t
+
+
 def as_tuple(out) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -349,8 +356,7 @@ def _square_add_small(device):
 
 
 def _square_add_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
     op, bw = opforge.square_add, torch.ops.opforge.square_add_backward
     pre, bpre = "opforge::square_add: ", "opforge::square_add_backward: "
     f = lambda: t(3, 4)  # noqa: E731
@@ -409,8 +415,7 @@ def _swiglu_small(device):
 
 
 def _swiglu_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
     op, bw = opforge.swiglu, torch.ops.opforge.swiglu_backward
     pre, bpre = "opforge::swiglu: ", "opforge::swiglu_backward: "
     return [
@@ -498,8 +503,7 @@ def _rms_norm_small(device, fused=False):
 
 
 def _rms_norm_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
     op, bw = opforge.rms_norm, torch.ops.opforge.rms_norm_backward
     pre, bpre = "opforge::rms_norm: ", "opforge::rms_norm_backward: "
     return [
@@ -533,8 +537,7 @@ def _rms_norm_bad(device):
 
 
 def _fused_add_rms_norm_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
     op = opforge.fused_add_rms_norm
     pre = "opforge::fused_add_rms_norm: "
     return [
@@ -636,8 +639,7 @@ def _linear_small(device):
 
 
 def _linear_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
     op, bw = opforge.linear, torch.ops.opforge.linear_backward
     pre, bpre = "opforge::linear: ", "opforge::linear_backward: "
     return [
@@ -810,8 +812,7 @@ def _lce_vmap(device):
 
 
 def _lce_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
 
     def data():
         return t(5, 4), t(6, 4), torch.randint(0, 6, (5,), device=device)
@@ -943,8 +944,7 @@ def _rope_vmap(device):
 
 
 def _rope_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
 
     def qkcs(D=8, R=8, S=3, hq=2, hk=1):
         return t(1, hq, S, D), t(1, hk, S, D), t(S, R), t(S, R)
@@ -1017,8 +1017,7 @@ def _rope_from_positions_vmap(device):
 
 
 def _rope_from_positions_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
 
     op = F.rope_from_positions
     pre = "opforge::rope_from_positions: "
@@ -1179,8 +1178,7 @@ def _fql_small(device):
 
 
 def _fql_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
 
     op = F.fake_quant_linear
     pre = "opforge::fake_quant_linear: "
@@ -1255,8 +1253,7 @@ def _fqw_vmap(device):
 
 
 def _fqw_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
 
     op = F.fake_quantize_weight
     pre = "opforge::fake_quantize_weight: "
@@ -1374,8 +1371,7 @@ def _linear_cat_small(device):
 
 
 def _linear_cat_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
 
     op, bw = F.linear_cat, torch.ops.opforge.linear_cat_backward
     pre, bpre = "opforge::linear_cat: ", "opforge::linear_cat_backward: "
@@ -1488,8 +1484,7 @@ def _indexed_linear_vmap(device):
 
 
 def _indexed_linear_bad(device):
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(shape, device=device).to(dtype)
+    t = tensor_maker(device)
 
     def idx(*v):
         return torch.tensor(v, dtype=torch.int64, device=device)
