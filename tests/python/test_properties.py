@@ -97,7 +97,25 @@ def _check(entry, args):
         check(f"grad {j}", g, r, b, args, gouts)
 
 
-@pytest.mark.parametrize("entry", conformance.ENTRIES, ids=repr)
+# Entries that _args has no strategy for yet, each with why; test_every_entry_has_a_strategy keeps the list honest.
+# Their conformance entries cover odd shapes, zero sizes, views and every dtype with fixed samples.
+WITHOUT_STRATEGY = {name: "conformance entry added on 2026-12-01; strategy (shapes, options, index/target "
+                          "draws) pending" for name in ("linear_cross_entropy", "rope", "rope_from_positions",
+                                                       "fake_quant_linear", "fake_quantize_weight", "linear_cat",
+                                                       "indexed_linear")}
+WITH_STRATEGY = [e for e in conformance.ENTRIES if e.name not in WITHOUT_STRATEGY]
+
+
+def test_every_entry_has_a_strategy():
+    for e in conformance.ENTRIES:
+        if e.name in WITHOUT_STRATEGY:
+            with pytest.raises(KeyError):  # listed: it has none (remove it from the list with its strategy)
+                _args(e.name, "cpu").example()
+        else:
+            assert e.name in [w.name for w in WITH_STRATEGY]
+
+
+@pytest.mark.parametrize("entry", WITH_STRATEGY, ids=repr)
 def test_matches_float64_reference(device, entry):
     @SETTINGS
     @given(data=st.data())
