@@ -16,14 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import Row  # noqa: E402
-
-try:
-    import opforge
-except ImportError:  # running from a source tree: python/ is the package root
-    sys.path.insert(0, str(common.REPO_ROOT / "python"))
-    import opforge
+import common  # noqa: E402  (it puts the source tree's python/ on sys.path without an installed opforge)
+import opforge  # noqa: E402
 
 NAME = "elementwise"
 CUDA_SHAPES = [(4096, 4096), (8192, 8192), (16384, 16384), (8191, 5120)]
@@ -59,46 +53,35 @@ def minimal_bytes(op: str, pass_: str, n: int, N: int, elem: int) -> int:
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__.splitlines()[0])
-    args = p.parse_args(argv)
-    device = args.device
-    cuda = device.startswith("cuda")
-    dtypes = common.parse_dtypes(args.dtypes, [torch.float32, torch.bfloat16])
-    shapes = CUDA_SHAPES if cuda else CPU_SHAPES
-    if args.quick:
-        shapes = shapes[:1] + shapes[-1:]
-    warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
-    reps = args.reps if args.reps is not None else ((20 if args.quick else 50) if cuda else (5 if args.quick else 15))
-
-    rows: list[Row] = []
+    run = common.start(NAME, __doc__, argv, dtypes=[torch.float32, torch.bfloat16], warmup=(10, 2),
+                       reps=((20, 50), (5, 15)))
+    shapes = run.shapes(CUDA_SHAPES, CPU_SHAPES, CUDA_SHAPES[:1] + CUDA_SHAPES[-1:], CPU_SHAPES[:1] + CPU_SHAPES[-1:])
     for op, (ours, eager, binary) in OPS.items():
-        comp = None if args.no_compile else common.compiled(eager, fullgraph=True, dynamic=False)
+        comp = None if run.args.no_compile else common.compiled(eager, fullgraph=True, dynamic=False)
         impls = {"opforge": ours, "eager": eager, "torch.compile": comp}
-        for dtype in dtypes:
+        for dtype in run.dtypes:
             for M, N in shapes:
-                x = torch.randn(M, N, device=device, dtype=dtype)
-                b = torch.randn(N, device=device, dtype=dtype)
+                x = torch.randn(M, N, device=run.device, dtype=dtype)
+                b = torch.randn(N, device=run.device, dtype=dtype)
                 inputs = [x, b] if binary else [x]
                 grad_inputs = [t.detach().clone().requires_grad_() for t in inputs]
                 dy = torch.randn_like(x)
                 for pass_ in ("fwd", "fwd+bwd"):
                     nb = minimal_bytes(op, pass_, M * N, N, x.element_size())
+                    group = []
                     for impl, fn in impls.items():
                         if fn is None:
                             t = float("nan")
                         elif pass_ == "fwd":
-                            t = common.time_fn(lambda fn=fn: fn(*inputs), device, warmup=warmup, reps=reps)
+                            t = run.time(lambda fn=fn: fn(*inputs))
                         else:
-                            t = common.time_fn(common.fwd_bwd(fn, grad_inputs, dy), device, warmup=warmup, reps=reps)
-                        rows.append(Row(op, common.shape_str((M, N)), common.dtype_str(dtype), impl, pass_, t,
-                                        common.gbps(nb, t), "GB/s"))
-                    print(f"  {op} {pass_} {common.dtype_str(dtype)} {M}x{N}: " + ", ".join(
-                        f"{r.impl} {common._fmt(r.metric)}" for r in rows[-len(impls):]), flush=True)
+                            t = run.time(common.fwd_bwd(fn, grad_inputs, dy))
+                        row = run.add(op, (M, N), dtype, impl, pass_, t, common.gbps(nb, t), "GB/s")
+                        group.append(f"{impl} {common._fmt(row.metric)}")
+                    run.say(f"{op} {pass_} {common.dtype_str(dtype)} {M}x{N}", group, ", ")
                 del x, b, inputs, grad_inputs, dy
-                if cuda:
-                    torch.cuda.empty_cache()
-    common.finish(rows, NAME, device, save=not args.no_save)
-    return 0
+                run.release()
+    return run.finish()
 
 
 if __name__ == "__main__":

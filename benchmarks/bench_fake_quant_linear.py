@@ -7,7 +7,9 @@ fake-quantized linear (else the torch.fake_quantize_* composition; the table nam
 
 Timing (CUDA): device time per call, back-to-back calls in one CUDA graph (common.time_cuda_graph; eager loop
 where capture fails, e.g. a peer that synchronizes). CPU: wall time of single calls. Metric: TFLOP/s of the
-GEMMs (2·M·N·K per forward, 3x for forward+backward).
+GEMMs (2·M·N·K per forward, 3x for forward+backward). The weight quantizer alone, fake_quantize_weight (int4,
+group 32, no gradient), against its torch.fake_quantize_per_channel_affine composition: GB/s of its minimal bytes
+(read the weight, write fq_w and the mask).
 
     python benchmarks/bench_fake_quant_linear.py               # CUDA when available
     python benchmarks/bench_fake_quant_linear.py --device cpu --quick
@@ -22,14 +24,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import Row  # noqa: E402
-
-try:
-    import opforge
-except ImportError:  # running from a source tree: python/ is the package root
-    sys.path.insert(0, str(common.REPO_ROOT / "python"))
-    import opforge
+import common  # noqa: E402  (it puts the source tree's python/ on sys.path without an installed opforge)
+import opforge  # noqa: E402
 
 NAME = "fake_quant_linear"
 CUDA_SHAPES = [(8192, 4096, 4096), (2048, 4096, 14336), (8192, 14336, 4096)]
@@ -63,6 +59,13 @@ def torch_composition(x, w, b):
     return F.linear(xq.to(x.dtype).reshape(x.shape), wq.reshape(N, K).to(x.dtype), b)
 
 
+def torch_weight_quantizer(w):
+    """fake_quantize_weight's math in torch ops: the weight half of torch_composition (int4 symmetric, group 32)."""
+    wg = w.float().reshape(-1, GROUP)
+    ws = torch.clamp(torch.maximum(-wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)) / 7.5, min=EPS)
+    return torch.fake_quantize_per_channel_affine(wg, ws, torch.zeros_like(ws, dtype=torch.int32), 0, -8, 7)
+
+
 def torchao_module(K, N, device, dtype):
     """torchao's QAT FakeQuantizedLinear (8da4w, group 32), or None when torchao does not import here."""
     try:
@@ -80,19 +83,12 @@ def torchao_module(K, N, device, dtype):
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__.splitlines()[0])
-    args = p.parse_args(argv)
-    device = args.device
-    cuda = device.startswith("cuda")
-    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16] if cuda else [torch.float32])
-    shapes = (CUDA_QUICK_SHAPES if args.quick else CUDA_SHAPES) if cuda else (
-        CPU_SHAPES[:1] if args.quick else CPU_SHAPES)
-    warmup = args.warmup if args.warmup is not None else 3
-    reps = args.reps if args.reps is not None else (10 if cuda else 5)
-    comp = None if args.no_compile else common.compiled(torch_composition, fullgraph=True)
-    rows: list[Row] = []
-    for dtype in dtypes:
-        for M, K, N in shapes:
+    run = common.start(NAME, __doc__, argv, dtypes=common.cuda_or_cpu([torch.bfloat16], [torch.float32]),
+                       warmup=(3, 3), reps=((10, 10), (5, 5)))
+    device = run.device
+    comp = None if run.args.no_compile else common.compiled(torch_composition, fullgraph=True)
+    for dtype in run.dtypes:
+        for M, K, N in run.shapes(CUDA_SHAPES, CPU_SHAPES, CUDA_QUICK_SHAPES):
             x = torch.randn(M, K, device=device, dtype=dtype)
             w = (torch.randn(N, K, device=device) / K ** 0.5).to(dtype)
             b = torch.randn(N, device=device, dtype=dtype)
@@ -107,7 +103,7 @@ def main(argv=None) -> int:
                      "compile(torch.fake_quantize + F.linear)": comp,
                      "torchao FakeQuantizedLinear": (lambda x, w, b, ao=ao: ao(x)) if ao is not None else None}
             for pass_ in ("fwd", "fwd+bwd"):
-                group = []
+                group, by = [], {}
                 for impl, fn in impls.items():
                     t, method = math.nan, ""
                     if fn is not None:
@@ -123,29 +119,27 @@ def main(argv=None) -> int:
                             step = ao_step
                         else:
                             step = (lambda fn=fn: fn(x, w, b)) if pass_ == "fwd" else common.fwd_bwd(fn, leaves, dy)
-                        try:
-                            if cuda:
-                                t, method = common.time_cuda_graph(lambda i: step(), 4, reps=reps, warmup=warmup)
-                            else:
-                                t = common.time_cpu(step, warmup=warmup, reps=reps)
-                        except Exception as e:  # one peer failing must not end the run
-                            print(f"  [n/a] {impl}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                                  file=sys.stderr)
+                        t, method = run.time_graphed(impl, lambda i, step=step: step(), 4)
                     flops = 2 * M * N * K * (1 if pass_ == "fwd" else 3)
                     tflops = common.tflops(flops, t)
-                    rows.append(Row(NAME, common.shape_str((M, K, N)), common.dtype_str(dtype), impl, pass_, t,
-                                    tflops, "TFLOP/s"))
+                    by[impl] = run.add(NAME, (M, K, N), dtype, impl, pass_, t, tflops, "TFLOP/s").time_us
                     group.append(f"{impl} {common._fmt(t)}us {common._fmt(tflops)}TF" +
                                  (f" [{method}]" if method == "loop" else ""))
-                print(f"  {NAME} {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}: " + "; ".join(group), flush=True)
-                by = {r.impl: r.time_us for r in rows[-len(impls):]}
+                run.say(f"{NAME} {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}", group)
                 print(f"    fake_quant_linear / opforge.linear: "
                       f"{by['opforge fake_quant_linear'] / by['opforge.linear (no quant)']:.3f}", flush=True)
+            quantizers = {"opforge fake_quantize_weight": lambda: opforge.fake_quantize_weight(w, 4, GROUP),
+                          "torch.fake_quantize_per_channel_affine": lambda: torch_weight_quantizer(w)}
+            nb = N * K * (2 * w.element_size() + 1)
+            group = []
+            for impl, fn in quantizers.items():
+                t, _ = run.time_graphed(impl, lambda i, fn=fn: fn(), 4)
+                run.add("fake_quantize_weight", (N, K), dtype, impl, "fwd", t, common.gbps(nb, t), "GB/s")
+                group.append(f"{impl} {common._fmt(t)}us {common._fmt(common.gbps(nb, t), 0)}GB/s")
+            run.say(f"fake_quantize_weight fwd {common.dtype_str(dtype)} {N}x{K}", group)
             del x, w, b, dy, ao
-            if cuda:
-                torch.cuda.empty_cache()
-    common.finish(rows, NAME, device, save=not args.no_save)
-    return 0
+            run.release()
+    return run.finish()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ decode. CUDA: common.time_fn (events, L2 flushed, median); decode rows by common
 """
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -23,14 +22,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import Row  # noqa: E402
-
-try:
-    import opforge
-except ImportError:
-    sys.path.insert(0, str(common.REPO_ROOT / "python"))
-    import opforge
+import common  # noqa: E402  (it puts the source tree's python/ on sys.path without an installed opforge)
+import opforge  # noqa: E402
 
 NAME = "indexed_linear"
 CUDA_PREFILL = [(4096, 8, 4096, 4096), (16384, 8, 2048, 1024)]
@@ -63,16 +56,12 @@ def grouped_mm(x, w, index, b):
 
 
 def main(argv=None) -> int:
-    args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
-    device = args.device
-    cuda = device.startswith("cuda")
-    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16] if cuda else [torch.float32])
-    prefill = (CUDA_PREFILL[:1] if args.quick else CUDA_PREFILL) if cuda else CPU_PREFILL
+    run = common.start(NAME, __doc__, argv, dtypes=common.cuda_or_cpu([torch.bfloat16], [torch.float32]),
+                       warmup=(5, 1), reps=((10, 30), (3, 3)))
+    device, cuda = run.device, run.cuda
+    prefill = run.shapes(CUDA_PREFILL, CPU_PREFILL, CUDA_PREFILL[:1], CPU_PREFILL)
     decode = CUDA_DECODE if cuda else CPU_DECODE
-    warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
-    reps = args.reps if args.reps is not None else ((10 if args.quick else 30) if cuda else 3)
-    rows: list[Row] = []
-    for dtype in dtypes:
+    for dtype in run.dtypes:
         for T, E, N, K in prefill:
             x = torch.randn(T, K, device=device, dtype=dtype)
             w = (torch.randn(E, N, K, device=device) / K ** 0.5).to(dtype)
@@ -92,12 +81,11 @@ def main(argv=None) -> int:
                         step = lambda fn=fn: fn(x, w, index, b)  # noqa: E731
                     else:
                         step = common.fwd_bwd(lambda x_, w_, b_, fn=fn: fn(x_, w_, index, b_), [*leaves, bl], dy)
-                    t = common.time_fn(step, device, warmup=warmup, reps=reps)
+                    t = run.time(step)
                     flops = 2 * T * N * K * (1 if pass_ == "fwd" else 3)
-                    rows.append(Row(NAME, shape, common.dtype_str(dtype), impl, pass_, t, common.tflops(flops, t),
-                                    "TFLOP/s"))
+                    run.add(NAME, shape, dtype, impl, pass_, t, common.tflops(flops, t), "TFLOP/s")
                     group.append(f"{impl} {common._fmt(t)}us {common._fmt(common.tflops(flops, t))}TF")
-                print(f"  {NAME} {pass_} {common.dtype_str(dtype)} {shape}: " + "; ".join(group), flush=True)
+                run.say(f"{NAME} {pass_} {common.dtype_str(dtype)} {shape}", group)
             del x, w, b, dy, leaves, bl
         for T, E, N, K in decode:
             elem = torch.empty((), dtype=dtype).element_size()
@@ -113,20 +101,14 @@ def main(argv=None) -> int:
             shape = f"T{T} E{E} {K}->{N}"
             group = []
             for impl, fn in impls.items():
-                if cuda and impl != "expert loop":
-                    try:
-                        t, _ = common.time_cuda_graph(lambda i, fn=fn: fn(), 50, reps=reps, warmup=warmup)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  [n/a] {impl}: {e}", file=sys.stderr)
-                        t = math.nan
+                if impl != "expert loop":
+                    t, _ = run.time_graphed(impl, lambda i, fn=fn: fn(), 50)
                 else:
-                    t = common.time_fn(fn, device, warmup=warmup, reps=reps)
-                rows.append(Row(NAME, shape, common.dtype_str(dtype), impl, "fwd", t, common.gbps(touched, t), "GB/s"))
+                    t = run.time(fn)
+                run.add(NAME, shape, dtype, impl, "fwd", t, common.gbps(touched, t), "GB/s")
                 group.append(f"{impl} {common._fmt(t)}us {common._fmt(common.gbps(touched, t), 0)}GB/s")
-            print(f"  {NAME} decode fwd {common.dtype_str(dtype)} {shape} ({touched} bytes): " + "; ".join(group),
-                  flush=True)
-    common.finish(rows, NAME, device, save=not args.no_save)
-    return 0
+            run.say(f"{NAME} decode fwd {common.dtype_str(dtype)} {shape} ({touched} bytes)", group)
+    return run.finish()
 
 
 if __name__ == "__main__":

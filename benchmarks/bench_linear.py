@@ -25,14 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import Row  # noqa: E402
-
-try:
-    import opforge
-except ImportError:  # running from a source tree: python/ is the package root
-    sys.path.insert(0, str(common.REPO_ROOT / "python"))
-    import opforge
+import common  # noqa: E402  (it puts the source tree's python/ on sys.path without an installed opforge)
+import opforge  # noqa: E402
 
 NAME = "linear"
 CUDA_SHAPES = [(1, 4096, 4096), (8, 4096, 4096), (16, 4096, 14336), (64, 4096, 4096), (1024, 4096, 4096),
@@ -78,27 +72,21 @@ def weight_copies(wbytes: int, cuda: bool) -> int:
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__.splitlines()[0])
-    args = p.parse_args(argv)
-    device = args.device
-    cuda = device.startswith("cuda")
-    default_dtypes = ([torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16, torch.float32]) if cuda \
-        else [torch.float32]
-    dtypes = common.parse_dtypes(args.dtypes, default_dtypes)
-    shapes = (CUDA_QUICK_SHAPES if args.quick else CUDA_SHAPES) if cuda else (
-        CPU_SHAPES[:1] + CPU_SHAPES[-1:] if args.quick else CPU_SHAPES)
-    warmup = args.warmup if args.warmup is not None else (3 if cuda else 2)
-    reps = args.reps if args.reps is not None else ((5 if args.quick else 10) if cuda else 10)
+    run = common.start(NAME, __doc__, argv, warmup=(3, 2), reps=((5, 10), (10, 10)),
+                       dtypes=lambda cuda, quick: ([torch.bfloat16] if quick else
+                                                   [torch.bfloat16, torch.float16, torch.float32]) if cuda
+                       else [torch.float32])
+    device, cuda = run.device, run.cuda
+    shapes = run.shapes(CUDA_SHAPES, CPU_SHAPES, CUDA_QUICK_SHAPES, CPU_SHAPES[:1] + CPU_SHAPES[-1:])
     # dynamic=None: static for the first shape, one dynamic-shape recompile after (not one per shape)
-    comp = None if args.no_compile else common.compiled(eager_linear_gelu, fullgraph=True)
+    comp = None if run.args.no_compile else common.compiled(eager_linear_gelu, fullgraph=True)
     impls = {"opforge": ours_linear, "F.linear": eager_linear, "opforge gelu": ours_linear_gelu,
              "opforge gelu_tanh": ours_linear_gelu_tanh, "gelu(F.linear)": eager_linear_gelu,
              "compile gelu(F.linear)": comp}
     if cuda:
         impls["opforge gemv"] = ours_linear_gemv  # M <= 16 only (larger M: cuBLASLt, as "opforge")
 
-    rows: list[Row] = []
-    for dtype in dtypes:
+    for dtype in run.dtypes:
         for M, K, N in shapes:
             elem = torch.empty((), dtype=dtype).element_size()
             wbytes = N * K * elem
@@ -112,40 +100,26 @@ def main(argv=None) -> int:
             for pass_ in ("fwd", "fwd+bwd"):
                 group = []
                 for impl, fn in impls.items():
-                    method = ""
-                    if fn is None or (impl == "opforge gemv" and M > 16):
-                        t = math.nan
-                    else:
+                    t, method = math.nan, ""
+                    if fn is not None and not (impl == "opforge gemv" and M > 16):
                         if pass_ == "fwd":
                             steps = [lambda fn=fn, w=w: fn(x, w, b) for w in ws]
                         else:
                             steps = [common.fwd_bwd(fn, lv, dy) for lv in leaves]
-                        try:
-                            if cuda:
-                                t, method = common.time_cuda_graph(lambda i: steps[i % copies](), calls, reps=reps,
-                                                                   warmup=warmup)
-                            else:
-                                t = common.time_cpu(steps[0], warmup=warmup, reps=reps)
-                        except Exception as e:  # one impl failing on one shape must not end the run
-                            print(f"  [n/a] {impl}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                                  file=sys.stderr)
-                            t = math.nan
+                        t, method = run.time_graphed(impl, lambda i, steps=steps: steps[i % copies](), calls)
                     flops = 2 * M * N * K * (1 if pass_ == "fwd" else 3)
                     gbps, tflops = common.gbps(wbytes, t), common.tflops(flops, t)
                     if M <= 16 and pass_ == "fwd":
                         metric, unit = gbps, "GB/s"
                     else:
                         metric, unit = tflops, "TFLOP/s"
-                    rows.append(Row("linear", common.shape_str((M, K, N)), common.dtype_str(dtype), impl, pass_, t,
-                                    metric, unit))
+                    run.add("linear", (M, K, N), dtype, impl, pass_, t, metric, unit)
                     group.append(f"{impl} {common._fmt(t)}us {common._fmt(gbps, 0)}GB/s {common._fmt(tflops)}TF"
                                  + (f" [{method}]" if method == "loop" else ""))
-                print(f"  linear {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}: " + "; ".join(group), flush=True)
+                run.say(f"linear {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}", group)
             del x, ws, b, dy, leaves
-            if cuda:
-                torch.cuda.empty_cache()
-    common.finish(rows, NAME, device, save=not args.no_save)
-    return 0
+            run.release()
+    return run.finish()
 
 
 if __name__ == "__main__":

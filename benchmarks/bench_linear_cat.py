@@ -20,14 +20,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import Row  # noqa: E402
-
-try:
-    import opforge
-except ImportError:
-    sys.path.insert(0, str(common.REPO_ROOT / "python"))
-    import opforge
+import common  # noqa: E402  (it puts the source tree's python/ on sys.path without an installed opforge)
+import opforge  # noqa: E402
 
 NAME = "linear_cat"
 CUDA_SHAPES = [(8192, (2048, 2048), 4096), (8192, (1024, 24, 3072), 4096), (1, (2048, 2048), 4096)]
@@ -58,16 +52,11 @@ def peak_mib(fn, inputs, dy) -> float:
 
 
 def main(argv=None) -> int:
-    args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
-    device = args.device
-    cuda = device.startswith("cuda")
-    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16] if cuda else [torch.float32])
-    shapes = (CUDA_QUICK if args.quick else CUDA_SHAPES) if cuda else (CPU_SHAPES[:1] if args.quick else CPU_SHAPES)
-    warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
-    reps = args.reps if args.reps is not None else ((10 if args.quick else 30) if cuda else 5)
-    rows: list[Row] = []
-    for dtype in dtypes:
-        for M, widths, N in shapes:
+    run = common.start(NAME, __doc__, argv, dtypes=common.cuda_or_cpu([torch.bfloat16], [torch.float32]),
+                       warmup=(5, 2), reps=((10, 30), (5, 5)))
+    device = run.device
+    for dtype in run.dtypes:
+        for M, widths, N in run.shapes(CUDA_SHAPES, CPU_SHAPES, CUDA_QUICK):
             K = sum(widths)
             xs = [torch.randn(M, k, device=device, dtype=dtype) for k in widths]
             w = (torch.randn(N, K, device=device) / K ** 0.5).to(dtype)
@@ -80,26 +69,23 @@ def main(argv=None) -> int:
                 group = []
                 for impl, fn in impls.items():
                     step = (lambda fn=fn: fn(*xs, w, bias)) if pass_ == "fwd" else common.fwd_bwd(fn, leaves, dy)
-                    t = common.time_fn(step, device, warmup=warmup, reps=reps)
+                    t = run.time(step)
                     flops = 2 * M * N * K * (1 if pass_ == "fwd" else 3)
-                    rows.append(Row(NAME, shape, common.dtype_str(dtype), impl, pass_, t, common.tflops(flops, t),
-                                    "TFLOP/s"))
+                    run.add(NAME, shape, dtype, impl, pass_, t, common.tflops(flops, t), "TFLOP/s")
                     group.append(f"{impl} {common._fmt(t)}us {common._fmt(common.tflops(flops, t))}TF")
-                print(f"  {NAME} {pass_} {common.dtype_str(dtype)} {shape}: " + "; ".join(group), flush=True)
-            if cuda:
+                run.say(f"{NAME} {pass_} {common.dtype_str(dtype)} {shape}", group)
+            if run.cuda:
                 group = []
                 for impl, fn in impls.items():
                     mib = peak_mib(fn, leaves, dy)
-                    rows.append(Row(NAME, shape, common.dtype_str(dtype), impl, "peak fwd+bwd", math.nan, mib, "MiB"))
+                    run.add(NAME, shape, dtype, impl, "peak fwd+bwd", math.nan, mib, "MiB")
                     group.append(f"{impl} {mib:.0f} MiB")
                 cat_mib = M * K * torch.empty((), dtype=dtype).element_size() / 2**20
-                print(f"  {NAME} peak memory above inputs {shape}: " + "; ".join(group)
-                      + f" (concatenated buffer: {cat_mib:.0f} MiB)", flush=True)
+                run.say(f"{NAME} peak memory above inputs {shape}",
+                        group + [f"(concatenated buffer: {cat_mib:.0f} MiB)"])
             del xs, w, bias, dy, leaves
-            if cuda:
-                torch.cuda.empty_cache()
-    common.finish(rows, NAME, device, save=not args.no_save)
-    return 0
+            run.release()
+    return run.finish()
 
 
 if __name__ == "__main__":

@@ -24,14 +24,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import Row  # noqa: E402
-
-try:
-    import opforge
-except ImportError:  # running from a source tree: python/ is the package root
-    sys.path.insert(0, str(common.REPO_ROOT / "python"))
-    import opforge
+import common  # noqa: E402  (it puts the source tree's python/ on sys.path without an installed opforge)
+import opforge  # noqa: E402
 
 NAME = "linear_cross_entropy"
 CUDA_SHAPES = [(bt, h, v) for bt in (4096, 8192, 16384) for h in (2048, 4096) for v in (32000, 128256, 151936)]
@@ -121,16 +115,12 @@ def peak_cuda(fn) -> float:
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__.splitlines()[0])
-    args = p.parse_args(argv)
-    dev = args.device
-    cuda = dev.startswith("cuda")
-    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16] if cuda else [torch.float32])
-    shapes = (CUDA_QUICK_SHAPES if args.quick else CUDA_SHAPES) if cuda else CPU_SHAPES
-    reps = args.reps or (10 if cuda else 3)
-    warmup = args.warmup or (3 if cuda else 1)
+    run = common.start(NAME, __doc__, argv, dtypes=common.cuda_or_cpu([torch.bfloat16], [torch.float32]),
+                       warmup=(3, 1), reps=((10, 10), (3, 3)))
+    dev, cuda = run.device, run.cuda
+    shapes = run.shapes(CUDA_SHAPES, CPU_SHAPES, CUDA_QUICK_SHAPES, CPU_SHAPES)
     impls = {"opforge": ours, "opforge(recompute)": ours_recompute, "eager": eager}
-    if not args.no_compile:
+    if not run.args.no_compile:
         comp = common.compiled(eager, fullgraph=True)
         if comp is not None:
             impls["torch.compile"] = comp
@@ -142,8 +132,7 @@ def main(argv=None) -> int:
             if fn is not None:
                 impls[name] = fn
     peak = peak_cuda if cuda else peak_cpu
-    rows = []
-    for dtype in dtypes:
+    for dtype in run.dtypes:
         for (BT, H, V) in shapes:
             torch.manual_seed(0)
             x = torch.randn(BT, H, device=dev, dtype=dtype)
@@ -151,33 +140,30 @@ def main(argv=None) -> int:
             t = torch.randint(0, V, (BT,), device=dev)
             t[torch.rand(BT, device=dev) < 0.1] = -100
             floor_f, floor_fb = gemm_floor(x, w, dev)
-            floor = {"fwd": common.time_fn(floor_f, dev, warmup=warmup, reps=reps),
-                     "fwd+bwd": common.time_fn(floor_fb, dev, warmup=warmup, reps=reps)}
+            floor = {"fwd": run.time(floor_f), "fwd+bwd": run.time(floor_fb)}
             shape = common.shape_str((BT, H, V))
             for pass_ in ("fwd", "fwd+bwd"):
-                rows.append(Row(NAME, shape, common.dtype_str(dtype), "3 GEMMs (floor)" if pass_ == "fwd+bwd"
-                                else "1 GEMM (floor)", pass_, floor[pass_], 1.0, "xGEMM"))
+                run.add(NAME, shape, dtype, "3 GEMMs (floor)" if pass_ == "fwd+bwd" else "1 GEMM (floor)", pass_,
+                        floor[pass_], 1.0, "xGEMM")
                 group = [f"floor {common._fmt(floor[pass_])}us"]
                 for impl, fn in impls.items():
                     xi = x.detach().requires_grad_(pass_ == "fwd+bwd")
                     wi = w.detach().requires_grad_(pass_ == "fwd+bwd")
                     step = common.fwd_bwd(fn, [xi, wi, t]) if pass_ == "fwd+bwd" else (lambda: fn(xi, wi, t))
-                    tm = common.time_fn(step, dev, warmup=warmup, reps=reps)
+                    tm = run.time(step)
                     try:
                         mem = peak(step) if not math.isnan(tm) else math.nan
                     except Exception:
                         mem = math.nan
                     ratio = tm / floor[pass_] if floor[pass_] > 0 else math.nan
-                    rows.append(Row(NAME, shape, common.dtype_str(dtype), impl, pass_, tm, ratio, "xGEMM"))
-                    rows.append(Row(NAME + "_mem", shape, common.dtype_str(dtype), impl, pass_, tm, mem, "MiB"))
+                    run.add(NAME, shape, dtype, impl, pass_, tm, ratio, "xGEMM")
+                    run.add(NAME + "_mem", shape, dtype, impl, pass_, tm, mem, "MiB")
                     group.append(f"{impl} {common._fmt(tm)}us ({common._fmt(ratio, 2)}x, {common._fmt(mem, 0)} MiB)")
                     del step
                     gc.collect()
-                    if cuda:
-                        torch.cuda.empty_cache()
-                print(f"  {NAME} {pass_} {common.dtype_str(dtype)} {shape}: " + "; ".join(group), flush=True)
-    common.finish(rows, NAME, dev, save=not args.no_save)
-    return 0
+                    run.release()
+                run.say(f"{NAME} {pass_} {common.dtype_str(dtype)} {shape}", group)
+    return run.finish()
 
 
 if __name__ == "__main__":

@@ -40,14 +40,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common  # noqa: E402  (it puts the source tree's python/ on sys.path without an installed opforge)
 from common import Row  # noqa: E402
-
-try:
-    import opforge
-except ImportError:  # running from a source tree: python/ is the package root
-    sys.path.insert(0, str(common.REPO_ROOT / "python"))
-    import opforge
+import opforge  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import Row  # noqa: E402
 
 import opforge  # noqa: E402
 from opforge.testing import fused_add_rms_norm_reference, rms_norm_reference  # noqa: E402
@@ -74,17 +73,13 @@ def check_against_reference(x, r, w) -> None:
 def main(argv=None) -> int:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--shapes", default=None, help="e.g. 32768x4096,8x4096 (default: issue 3's list for the device)")
-    args = p.parse_args(argv)
-    device = args.device
-    cuda = device.startswith("cuda")
-    kind = "cuda" if cuda else "cpu"
-    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16, torch.float32])
+    run = common.start(NAME, __doc__, argv, dtypes=[torch.bfloat16, torch.float32], warmup=(5, 2),
+                       reps=((20, 50), (5, 20)), arg_parser=p)
+    args, device, cuda = run.args, run.device, run.cuda
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     else:
-        shapes = QUICK_SHAPES[kind] if args.quick else (CUDA_SHAPES if cuda else CPU_SHAPES)
-    warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
-    reps = args.reps if args.reps is not None else ((20 if args.quick else 50) if cuda else (5 if args.quick else 20))
+        shapes = run.shapes(CUDA_SHAPES, CPU_SHAPES, QUICK_SHAPES["cuda"], QUICK_SHAPES["cpu"])
     liger_rms, liger_fused = liger_functions() if cuda else (None, None)
     comp_rms = None if args.no_compile else common.compiled(composed_rms_norm, fullgraph=True)
     comp_fused = None if args.no_compile else common.compiled(composed_add_rms_norm, fullgraph=True)
@@ -95,8 +90,7 @@ def main(argv=None) -> int:
              "eager": lambda x, r, w: (lambda z: (F.rms_norm(z, (z.shape[-1],), w, EPS), z))(x + r),
              "torch.compile": comp_fused, "liger": liger_fused}
 
-    rows: list[Row] = []
-    for dtype in dtypes:
+    for dtype in run.dtypes:
         for M, N in shapes:
             e = torch.empty((), dtype=dtype).element_size()
             x = torch.randn(M, N, device=device, dtype=dtype)
@@ -109,23 +103,20 @@ def main(argv=None) -> int:
                      ("rms_norm", "fwd+bwd", rms, (xg, wg), 5 * M * N * e + 2 * N * e, True),
                      ("fused_add_rms_norm", "fwd", fused, (x, r, w), 4 * M * N * e + N * e, False)]
             for op, pass_, impls, inputs, nb, backward in cases:
+                group = []
                 for impl, fn in impls.items():
                     if fn is None:
                         t = float("nan")
                     elif backward:
-                        t = common.time_fn(common.fwd_bwd(fn, inputs, dy), device, warmup=warmup, reps=reps)
+                        t = run.time(common.fwd_bwd(fn, inputs, dy))
                     else:
-                        with torch.no_grad():
-                            t = common.time_fn(lambda fn=fn: fn(*inputs), device, warmup=warmup, reps=reps)
-                    rows.append(Row(op, common.shape_str((M, N)), common.dtype_str(dtype), impl, pass_, t,
-                                    common.gbps(nb, t), "GB/s"))
-                print(f"  {op} {pass_} {common.dtype_str(dtype)} {M}x{N}: " + ", ".join(
-                    f"{r_.impl} {common._fmt(r_.metric)}" for r_ in rows[-len(impls):]), flush=True)
+                        t = run.time(lambda fn=fn: fn(*inputs), no_grad=True)
+                    row = run.add(op, (M, N), dtype, impl, pass_, t, common.gbps(nb, t), "GB/s")
+                    group.append(f"{impl} {common._fmt(row.metric)}")
+                run.say(f"{op} {pass_} {common.dtype_str(dtype)} {M}x{N}", group, ", ")
             del x, r, dy, w, xg, wg
-            if cuda:
-                torch.cuda.empty_cache()
-    common.finish(rows, NAME, device, save=not args.no_save)
-    return 0
+            run.release()
+    return run.finish()
 
 
 if __name__ == "__main__":

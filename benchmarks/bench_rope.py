@@ -11,7 +11,8 @@ Metric: GB/s by the minimal-bytes rule: q and k read and written once each way
 forward+backward ≥ 0.9 × the copy ceiling (4269 GB/s measured on 2026-12-01).
 
 On CUDA, "opforge" is the rows kernel (the default) and "opforge token kernel" the per-token kernel it replaced
-(OPFORGE_ROPE_KERNEL=0), timed in the same run.
+(OPFORGE_ROPE_KERNEL=0), timed in the same run. "opforge rope_from_positions" is the same rotation with the
+angles computed in the kernel from position_ids (arange(S), made once per shape), no cos/sin tensors.
 
 Timing: CUDA events with warm-up and an L2 flush before each repetition (common.time_fn), median; on CPU wall
 time (perf_counter). A "copy" row (q and k cloned: 2·(|q| + |k|)·e bytes) gives the device's ceiling in the same run.
@@ -29,14 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import Row  # noqa: E402
-
-try:
-    import opforge
-except ImportError:  # running from a source tree: python/ is the package root
-    sys.path.insert(0, str(common.REPO_ROOT / "python"))
-    import opforge
+import common  # noqa: E402  (it puts the source tree's python/ on sys.path without an installed opforge)
+import opforge  # noqa: E402
 
 NAME = "rope"
 # (batch, seq, q heads, kv heads, head dim)
@@ -71,8 +66,17 @@ def impls(device: str, use_compile: bool) -> dict:
     def eager(q, k, cos, sin):
         return hf(q, k, cos, sin)
 
+    positions = {}  # (S, device) -> arange(S): made once per shape, outside the timed calls
+
+    def from_positions(q, k, cos, sin):
+        key = (q.shape[2], q.device)
+        if key not in positions:
+            positions[key] = torch.arange(q.shape[2], device=q.device)
+        return opforge.rope_from_positions(q, k, positions[key])
+
     out = {
         "opforge": lambda q, k, cos, sin: opforge.rope(q, k, cos, sin),
+        "opforge rope_from_positions": from_positions,
         "HF eager": eager,
         "compile HF": common.compiled(lambda q, k, cos, sin: hf(q, k, cos, sin), fullgraph=True) if use_compile
         else None,
@@ -99,20 +103,14 @@ def _timed(impl: str, time_it):
 
 
 def main(argv=None) -> int:
-    p = common.parser(__doc__.splitlines()[0])
-    args = p.parse_args(argv)
-    device = args.device
-    cuda = device.startswith("cuda")
-    dtypes = common.parse_dtypes(args.dtypes, [torch.bfloat16] if (args.quick or not cuda) else
-                                 [torch.bfloat16, torch.float32])
-    shapes = (CUDA_QUICK_SHAPES if args.quick else CUDA_SHAPES) if cuda else (
-        CPU_QUICK_SHAPES if args.quick else CPU_SHAPES)
-    warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
-    reps = args.reps if args.reps is not None else ((20 if args.quick else 50) if cuda else 10)
-    fns = impls(device, not args.no_compile)
+    run = common.start(NAME, __doc__, argv, warmup=(5, 2), reps=((20, 50), (10, 10)),
+                       dtypes=lambda cuda, quick: [torch.bfloat16] if (quick or not cuda) else
+                       [torch.bfloat16, torch.float32])
+    device = run.device
+    shapes = run.shapes(CUDA_SHAPES, CPU_SHAPES, CUDA_QUICK_SHAPES, CPU_QUICK_SHAPES)
+    fns = impls(device, not run.args.no_compile)
 
-    rows: list[Row] = []
-    for dtype in dtypes:
+    for dtype in run.dtypes:
         e = torch.empty((), dtype=dtype).element_size()
         for B, S, Hq, Hk, D in shapes:
             q = torch.randn(B, S, Hq, D, device=device, dtype=dtype).transpose(1, 2)
@@ -128,34 +126,27 @@ def main(argv=None) -> int:
             shape = common.shape_str((B, S, Hq, Hk, D))
             for pass_, nbytes in (("fwd", 2 * n * e), ("fwd+bwd", 4 * n * e)):
                 group = []
-                ceiling = common.time_fn(lambda: (q.clone(), k.clone()), device, warmup=warmup, reps=reps)
-                rows.append(Row(NAME, shape, common.dtype_str(dtype), "copy", pass_, ceiling,
-                                common.gbps(2 * n * e, ceiling), "GB/s"))
+                ceiling = run.time(lambda: (q.clone(), k.clone()))
+                run.add(NAME, shape, dtype, "copy", pass_, ceiling, common.gbps(2 * n * e, ceiling), "GB/s")
                 for impl, fn in fns.items():
                     if fn is None:
                         t = math.nan
                     elif pass_ == "fwd":
-                        def fwd(fn=fn):
-                            with torch.no_grad():
-                                return common.time_fn(lambda: fn(q, k, cos, sin), device, warmup=warmup, reps=reps)
-
-                        t = _timed(impl, fwd)
+                        t = _timed(impl, lambda fn=fn: run.time(lambda: fn(q, k, cos, sin), no_grad=True))
                     else:
                         def step(fn=fn):
                             oq, ok = fn(qg, kg, cos, sin)
                             return torch.autograd.grad((oq, ok), (qg, kg), (dq, dk))
 
-                        t = _timed(impl, lambda: common.time_fn(step, device, warmup=warmup, reps=reps))
+                        t = _timed(impl, lambda: run.time(step))
                     gb = common.gbps(nbytes, t)
-                    rows.append(Row(NAME, shape, common.dtype_str(dtype), impl, pass_, t, gb, "GB/s"))
+                    run.add(NAME, shape, dtype, impl, pass_, t, gb, "GB/s")
                     group.append(f"{impl} {common._fmt(t)}us {common._fmt(gb, 0)}GB/s")
-                print(f"  rope {pass_} {common.dtype_str(dtype)} {shape} (copy {common._fmt(common.gbps(2 * n * e, ceiling), 0)}"
-                      f"GB/s): " + "; ".join(group), flush=True)
+                run.say(f"rope {pass_} {common.dtype_str(dtype)} {shape} "
+                        f"(copy {common._fmt(common.gbps(2 * n * e, ceiling), 0)}GB/s)", group)
             del q, k, cos, sin, dq, dk, qg, kg
-            if cuda:
-                torch.cuda.empty_cache()
-    common.finish(rows, NAME, device, save=not args.no_save)
-    return 0
+            run.release()
+    return run.finish()
 
 
 if __name__ == "__main__":

@@ -3,11 +3,7 @@
 
 #include "test_util.h"
 
-using opforge_test::devices;
-using opforge_test::expect_close;
-using opforge_test::expect_error;
-using opforge_test::float_dtypes;
-using opforge_test::opts;
+using namespace opforge_test;  // devices, float_dtypes, opts, expect_close, expect_error, ref (test_util.h)
 
 TEST(Elementwise, ForwardMatchesFloat64Reference) {
   for (auto device : devices()) {

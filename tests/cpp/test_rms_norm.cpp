@@ -4,13 +4,7 @@
 
 #include "test_util.h"
 
-using opforge_test::devices;
-using opforge_test::expect_close;
-using opforge_test::expect_error;
-using opforge_test::float_dtypes;
-using opforge_test::opts;
-
-namespace ref = opforge_test::ref;
+using namespace opforge_test;  // devices, float_dtypes, opts, expect_close, expect_error, ref (test_util.h)
 
 TEST(RmsNorm, ForwardMatchesFloat64Reference) {
   for (auto device : devices()) {

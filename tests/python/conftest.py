@@ -78,3 +78,13 @@ def knob():
     yield set_knob
     for name, old in reversed(saved):
         torch.ops.opforge._set_knob(name, old)
+
+
+@pytest.fixture
+def one_thread():
+    """torch.set_num_threads(1) for the test: tiny models run faster on one thread than two (and far faster on a
+    shared CI machine, where a second thread spins waiting for a busy core)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

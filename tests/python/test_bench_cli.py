@@ -45,7 +45,10 @@ def test_unknown_family_and_list(capsys):
 def test_every_family_uses_the_harness():
     for family, path in cli.discover(REPO / "benchmarks").items():
         text = path.read_text()
-        assert "common.finish(" in text, f"{path.name} does not report through the harness (one CSV schema, PNG)"
+        # common.start(...) makes the run whose finish() is common.finish (bench_<op>.py); the model-level scripts
+        # with their own command line call common.finish directly
+        assert "common.start(" in text or "common.finish(" in text, \
+            f"{path.name} does not report through the harness (one CSV schema, PNG)"
 
 
 def test_compiled_peer_is_keyed_per_shape_and_grad_mode():

@@ -57,19 +57,7 @@ CHECKS = ["functional", "cpp_declaration", "reference", "conformance_entry", "do
 
 # Pieces known to be missing on main, each with the one who adds it. strict: once the piece exists, the xfail
 # turns into a failure, so the entry here is removed with it.
-KNOWN_GAPS = {
-    # The five ops added on 2026-12-01 test opcheck, compile, gradcheck, torch.func and bad inputs in their own files
-    # (test_<op>.py); their conformance-table entries are the next step.
-    ("linear_cross_entropy", "conformance_entry"): "covered by test_linear_cross_entropy.py; table entry pending",
-    ("rope", "conformance_entry"): "covered by test_rope.py; table entry pending",
-    ("rope_from_positions", "conformance_entry"): "covered by test_rope.py; table entry pending",
-    ("rope_from_positions", "benchmark"): "bench_rope.py measures rope with a table only",
-    ("fake_quant_linear", "conformance_entry"): "covered by test_fake_quant_linear.py; table entry pending",
-    ("fake_quantize_weight", "conformance_entry"): "covered by test_fake_quant_linear.py; table entry pending",
-    ("fake_quantize_weight", "benchmark"): "measured only inside fake_quant_linear's benchmark",
-    ("linear_cat", "conformance_entry"): "covered by test_linear_cat.py; table entry pending",
-    ("indexed_linear", "conformance_entry"): "covered by test_indexed_linear.py; table entry pending",
-}
+KNOWN_GAPS: dict = {}
 
 
 def _line_of(path: Path, pattern: str) -> int:

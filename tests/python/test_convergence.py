@@ -30,14 +30,8 @@ CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atten
 SEQ, BATCH, LR, LOG_EVERY = 48, 8, 1e-3, 10
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is faster than two (and far faster on a shared CI machine, where a second thread
-    spins waiting for a busy core)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny models: one thread (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _data():

@@ -1,5 +1,6 @@
 """linear_cat and linear_cat_backward: values and gradients against float64, one rounding, degenerate pieces,
-no concatenated buffer saved, opcheck, compile, gradcheck, torch.func, errors (issue 11)."""
+no concatenated buffer saved, mixed dtypes, errors (issue 11). opcheck, torch.compile, gradcheck and gradgradcheck,
+torch.func and autocast: its entry in conformance.py (test_conformance.py)."""
 import pytest
 import torch
 import torch.nn.functional as TF
@@ -132,63 +133,6 @@ def test_non_contiguous_pieces(device):
     w = torch.randn(4, 6 + 6 + 3, device=device)
     y = opforge.linear_cat(xs, w)
     torch.testing.assert_close(y, TF.linear(torch.cat(xs, -1), w), rtol=1e-5, atol=1e-5)
-
-
-def test_gradcheck_and_gradgradcheck_float64(device):
-    xs = [torch.randn(3, 2, k, device=device, dtype=torch.float64, requires_grad=True) for k in (2, 0, 3)]
-    w = torch.randn(4, 5, device=device, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(4, device=device, dtype=torch.float64, requires_grad=True)
-    fn = lambda a, c, d, w, b: opforge.linear_cat([a, c, d], w, b)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (*xs, w, b))
-    assert torch.autograd.gradgradcheck(fn, (*xs, w, b))
-
-
-def test_torch_func_grad(device):
-    xs = [torch.randn(3, k, device=device, dtype=torch.float64) for k in (2, 3)]
-    w = torch.randn(4, 5, device=device, dtype=torch.float64)
-    g = torch.func.grad(lambda w, a, c: opforge.linear_cat([a, c], w).square().sum())(w, *xs)
-    w2 = w.clone().requires_grad_()
-    TF.linear(torch.cat(xs, -1), w2).square().sum().backward()
-    torch.testing.assert_close(g, w2.grad)
-
-
-def test_opcheck(device):
-    xs = [torch.randn(6, k, device=device, requires_grad=True) for k in (3, 4)]
-    w = torch.randn(5, 7, device=device, requires_grad=True)
-    b = torch.randn(5, device=device, requires_grad=True)
-    torch.library.opcheck(torch.ops.opforge.linear_cat, (xs, w, b))
-    torch.library.opcheck(torch.ops.opforge.linear_cat, (xs, w, None))
-    dy = torch.randn(6, 5, device=device)
-    torch.library.opcheck(torch.ops.opforge.linear_cat_backward,
-                          (dy, [x.detach() for x in xs], w.detach(), [True, True, True], torch.float32))
-
-
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_compile_fullgraph_matches_eager(device, dynamic):
-    xs = [torch.randn(8, k, device=device, requires_grad=True) for k in (3, 5)]
-    w = torch.randn(4, 8, device=device, requires_grad=True)
-    b = torch.randn(4, device=device, requires_grad=True)
-    fn = torch.compile(lambda a, c, w, b: opforge.linear_cat([a, c], w, b).square().sum(), fullgraph=True,
-                       dynamic=dynamic)
-    out = fn(*xs, w, b)
-    out.backward()
-    grads = [t.grad.clone() for t in (*xs, w, b)]
-    for t in (*xs, w, b):
-        t.grad = None
-    ref = opforge.linear_cat(xs, w, b).square().sum()
-    ref.backward()
-    torch.testing.assert_close(out, ref)
-    for g, t in zip(grads, (*xs, w, b)):
-        torch.testing.assert_close(g, t.grad)
-
-
-def test_autocast_runs_in_lower_precision(device):
-    xs = [torch.randn(4, k, device=device) for k in (3, 5)]
-    w = torch.randn(2, 8, device=device)
-    dt = torch.bfloat16
-    with torch.autocast(device_type=device, dtype=dt):
-        y = opforge.linear_cat(xs, w)
-    assert y.dtype == dt
 
 
 @pytest.mark.parametrize(

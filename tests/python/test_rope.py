@@ -13,6 +13,8 @@ import opforge
 from opforge.testing import (assert_matches_reference, rope_cos_sin_reference, rope_from_positions_reference,
                              rope_reference)
 
+from conformance import rope_baseline as _baseline  # the same math in q's dtype (the conformance entry's)
+
 DTYPES = [torch.float32, torch.bfloat16]
 _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 CUDA_KERNELS = [pytest.param("cuda", marks=_NEEDS_CUDA), pytest.param("cuda-token-kernel", marks=_NEEDS_CUDA)]
@@ -29,28 +31,6 @@ def device(request, knob):
 def _tables(positions, R, dtype, device, base=10000.0, interleaved=False):
     cos, sin = rope_cos_sin_reference(torch.as_tensor(positions, device=device), R, base, interleaved=interleaved)
     return cos.to(dtype), sin.to(dtype)
-
-
-def _baseline(q, k, cos, sin, interleaved=False, rotary_dim=None):
-    """The same math composed of PyTorch ops in q's dtype (transformers' formula): the achievable error."""
-    dt = q.dtype
-    c, s = cos.to(dt), sin.to(dt)
-    if c.dim() == 2:
-        c, s = c[None], s[None]
-    if c.dim() == 3:
-        c, s = c[:, None], s[:, None]
-    R = c.shape[-1] if rotary_dim is None else rotary_dim
-
-    def rot(x):
-        if interleaved:
-            return torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
-        return torch.cat((-x[..., R // 2:], x[..., :R // 2]), -1)
-
-    def one(x):
-        xr = x[..., :R]
-        return torch.cat((xr * c + rot(xr) * s, x[..., R:]), -1)
-
-    return one(q), one(k)
 
 
 def _check(q, k, cos, sin, dq=None, dk=None, interleaved=False, rotary_dim=None):

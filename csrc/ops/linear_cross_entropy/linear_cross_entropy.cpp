@@ -196,6 +196,20 @@ at::Tensor reduce_loss(const Problem& p, const at::Tensor& token_loss, const at:
   return token_loss;
 }
 
+GradBuffers::GradBuffers(const Problem& p, std::array<bool, 3> mask, bool zero_dw) {
+  const auto acc = p.X.options().dtype(acc_dtype(p.X.scalar_type()));
+  if (mask[0]) dX = at::empty({p.N, p.H}, p.X.options());
+  if (mask[1]) dW = zero_dw ? at::zeros({p.V, p.H}, acc) : at::empty({p.V, p.H}, acc);
+  if (mask[2] && p.b.defined()) db = at::zeros({p.V}, acc);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> GradBuffers::finish(
+    const at::Tensor& input, const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias) const {
+  return {dX.defined() ? dX.view(input.sizes()) : at::Tensor(),
+          dW.defined() ? dW.to(linear_weight.scalar_type()) : at::Tensor(),
+          db.defined() ? db.to(linear_bias->scalar_type()) : at::Tensor()};
+}
+
 at::Tensor grad_scale(const Problem& p, const at::Tensor& grad_output, int64_t& stride) {
   const auto acc = acc_dtype(p.X.scalar_type());
   if (p.reduction == Reduction::kNone) {

@@ -124,6 +124,18 @@ at::Tensor mean_denominator(const Problem& p);
 /// divided by mean_denominator (mean: NaN when every target is ignored, as torch's cross_entropy); input's dtype.
 at::Tensor reduce_loss(const Problem& p, const at::Tensor& token_loss, const at::Tensor& target);
 
+/// The gradient buffers of a chunk loop (CPU and CUDA): dX [N, H] in input's dtype, dW [V, H] and db [V] in the
+/// acc dtype, each allocated only when its mask entry is set (db only with a bias). db starts at zero; dW too
+/// with `zero_dw` (a loop that adds every chunk), else uninitialised (the first chunk's GEMM writes it).
+struct GradBuffers {
+  at::Tensor dX, dW, db;
+  GradBuffers(const Problem& p, std::array<bool, 3> mask, bool zero_dw);
+  /// (grad_input in input's shape, grad_linear_weight in linear_weight's dtype, grad_linear_bias in
+  /// linear_bias's dtype), each undefined where it was not asked.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> finish(const at::Tensor& input, const at::Tensor& linear_weight,
+                                                        const std::optional<at::Tensor>& linear_bias) const;
+};
+
 /// The per-token gradient scale [N] or [1] (acc dtype) from grad_output: grad_output itself for none,
 /// grad_output / mean_denominator for mean, grad_output for sum. `stride` is set to 1 ([N]) or 0 ([1]).
 at::Tensor grad_scale(const Problem& p, const at::Tensor& grad_output, int64_t& stride);

@@ -163,6 +163,22 @@ RowParams<acc_t> row_params(const Problem& p) {
 
 int64_t row_grain(int64_t V) { return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(V, 1)); }
 
+// The chunk's gradient GEMMs from its logit gradient L = dZ_c [c, V] (acc dtype) for the rows [s0, s0 + c):
+// dX_c = dZ_c · W, dW += dZ_cᵀ · X_c, db += Σ_rows dZ_c (fp32 accumulators); each only where its buffer is.
+void chunk_grads(const at::Tensor& L, const at::Tensor& Xc, const at::Tensor& Wf, int64_t s0,
+                 const lce::GradBuffers& g) {
+  if (g.dX.defined()) {
+    at::Tensor dXc = g.dX.narrow(0, s0, L.size(0));
+    if (dXc.scalar_type() == L.scalar_type()) {
+      at::mm_out(dXc, L, Wf);
+    } else {
+      dXc.copy_(at::mm(L, Wf));
+    }
+  }
+  if (g.dW.defined()) g.dW.addmm_(L.t(), Xc);
+  if (g.db.defined()) g.db.add_(L.sum(0));
+}
+
 // The forward; with a grad_mask entry set, also the gradients of loss.sum() in the same chunk loop: each chunk's
 // logit gradient (from the row's capped logits, in place, right after its loss) feeds dX_c = dZ_c · W, dW += dZ_cᵀ X_c
 // and db += Σ_rows dZ_c (fp32 accumulators).
@@ -183,9 +199,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   const bool need_grad = need_dx || need_dw || need_db;
   at::Tensor token_loss = at::empty({p.N}, p.X.options().dtype(acc));  // [N]
   at::Tensor stats = at::empty({p.N, 2}, p.X.options().dtype(acc));    // [N, 2]
-  at::Tensor dX = need_dx ? at::empty({p.N, p.H}, p.X.options()) : at::Tensor();             // [N, H]
-  at::Tensor dW = need_dw ? at::zeros({p.V, p.H}, p.X.options().dtype(acc)) : at::Tensor();  // [V, H] fp32
-  at::Tensor db = need_db ? at::zeros({p.V}, p.X.options().dtype(acc)) : at::Tensor();       // [V] fp32
+  lce::GradBuffers grads(p, grad_mask, /*zero_dw=*/true);  // dX [N, H]; dW [V, H], db [V] fp32 (zeroed)
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCpuChunkBudget, at::elementSize(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "opforge::linear_cross_entropy", [&] {
     using acc_t = scalar_t;
@@ -211,23 +225,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
         }
       });
       if (!need_grad) continue;
-      if (need_dx) {  // dX_c = dZ_c · W
-        at::Tensor dXc = dX.narrow(0, s0, c);
-        if (dtype == acc) {
-          at::mm_out(dXc, L, Wf);
-        } else {
-          dXc.copy_(at::mm(L, Wf));
-        }
-      }
-      if (need_dw) dW.addmm_(L.t(), Xc);  // dW += dZ_cᵀ · X_c
-      if (need_db) db.add_(L.sum(0));     // db += Σ_rows dZ_c
+      chunk_grads(L, Xc, Wf, s0, grads);
     }
   });
   auto ss = target.sizes().vec();
   ss.push_back(2);
-  at::Tensor gi = need_dx ? dX.view(input.sizes()) : at::Tensor();
-  at::Tensor gw = need_dw ? dW.to(linear_weight.scalar_type()) : at::Tensor();
-  at::Tensor gb = need_db ? db.to(linear_bias->scalar_type()) : at::Tensor();
+  auto [gi, gw, gb] = grads.finish(input, linear_weight, linear_bias);
   return {lce::reduce_loss(p, token_loss, target), stats.view(ss), gi, gw, gb};
 }
 
@@ -246,9 +249,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cpu(
   const bool need_dx = output_mask[0], need_dw = output_mask[1], need_db = output_mask[2] && has_bias;
   const auto dtype = input.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
-  at::Tensor dX = need_dx ? at::empty({p.N, p.H}, p.X.options()) : at::Tensor();             // [N, H]
-  at::Tensor dW = need_dw ? at::zeros({p.V, p.H}, p.X.options().dtype(acc)) : at::Tensor();  // [V, H] fp32
-  at::Tensor db = need_db ? at::zeros({p.V}, p.X.options().dtype(acc)) : at::Tensor();       // [V] fp32
+  lce::GradBuffers grads(p, output_mask, /*zero_dw=*/true);  // dX [N, H]; dW [V, H], db [V] fp32 (zeroed)
   if (need_dx || need_dw || need_db) {
     int64_t g_stride = 0;
     const at::Tensor G = lce::grad_scale(p, grad_output, g_stride);  // [N] or [1]
@@ -274,23 +275,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cpu(
             backward_row(Lp + i * p.V, T[row], q, st[2 * row], st[2 * row + 1], g[g_stride * row]);
           }
         });
-        if (need_dx) {  // dX_c = dZ_c · W
-          at::Tensor dXc = dX.narrow(0, s0, c);
-          if (dtype == acc) {
-            at::mm_out(dXc, L, Wf);
-          } else {
-            dXc.copy_(at::mm(L, Wf));
-          }
-        }
-        if (need_dw) dW.addmm_(L.t(), Xc);  // dW += dZ_cᵀ · X_c
-        if (need_db) db.add_(L.sum(0));     // db += Σ_rows dZ_c
+        chunk_grads(L, Xc, Wf, s0, grads);
       }
     });
   }
-  at::Tensor gi = need_dx ? dX.view(input.sizes()) : at::Tensor();
-  at::Tensor gw = need_dw ? dW.to(linear_weight.scalar_type()) : at::Tensor();
-  at::Tensor gb = need_db ? db.to(linear_bias->scalar_type()) : at::Tensor();
-  return {gi, gw, gb};
+  return grads.finish(input, linear_weight, linear_bias);
 }
 
 }  // namespace

@@ -343,13 +343,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   const bool write_acc = !low || need_db;  // the fp32 gradient is read again (fp32 GEMMs, the bias column sum)
   at::Tensor token_loss = at::empty({p.N}, p.X.options().dtype(acc));                 // [N]
   at::Tensor stats = at::empty({p.N, 2}, p.X.options().dtype(acc));                   // [N, 2]
-  at::Tensor dX = need_dx ? at::empty({p.N, p.H}, p.X.options()) : at::Tensor();      // [N, H]
-  at::Tensor dW = need_dw ? at::empty({p.V, p.H}, p.X.options().dtype(acc)) : at::Tensor();  // [V, H] fp32
-  at::Tensor db = need_db ? at::zeros({p.V}, p.X.options().dtype(acc)) : at::Tensor();       // [V] fp32
+  // dX [N, H]; dW [V, H] fp32 (the first chunk's GEMM writes it); db [V] fp32
+  const lce::GradBuffers grads(p, grad_mask, /*zero_dw=*/false);
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
                                            at::elementSize(acc) + (need_grad && low ? at::elementSize(dtype) : 0));
   check_cuda_dims(p, chunk);
-  if (need_dw && p.N == 0) dW.zero_();
+  if (need_dw && p.N == 0) grads.dW.zero_();
   if (p.N > 0) {
     const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
     const at::Tensor G = need_grad ? lce::unit_grad_scale(p) : at::Tensor();  // [1] on the device: no sync
@@ -393,15 +392,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
               <<<c, kThreads, 0, stream>>>(Lp, op, write_acc, T, q, gp, lp, sp);
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        grad_gemms(D, L, Xc, p, s0, dX, dW, db);
+        grad_gemms(D, L, Xc, p, s0, grads.dX, grads.dW, grads.db);
       }
     });
   }
   auto ss = target.sizes().vec();
   ss.push_back(2);
-  at::Tensor gi = need_dx ? dX.view(input.sizes()) : at::Tensor();
-  at::Tensor gw = need_dw ? dW.to(linear_weight.scalar_type()) : at::Tensor();
-  at::Tensor gb = need_db ? db.to(linear_bias->scalar_type()) : at::Tensor();
+  auto [gi, gw, gb] = grads.finish(input, linear_weight, linear_bias);
   return {lce::reduce_loss(p, token_loss, target), stats.view(ss), gi, gw, gb};
 }
 
@@ -421,14 +418,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cuda(
   const auto acc = lce::acc_dtype(dtype);
   const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
   const bool write_acc = !low || need_db;
-  at::Tensor dX = need_dx ? at::empty({p.N, p.H}, p.X.options()) : at::Tensor();  // [N, H]
-  // dW: float32 accumulator [V, H] (the gradient buffer itself for float32/float64 weights)
-  at::Tensor dW = need_dw ? at::empty({p.V, p.H}, p.X.options().dtype(acc)) : at::Tensor();
-  at::Tensor db = need_db ? at::zeros({p.V}, p.X.options().dtype(acc)) : at::Tensor();  // [V]
+  // dX [N, H]; dW: float32 accumulator [V, H] (the gradient buffer itself for float32/float64 weights); db [V]
+  const lce::GradBuffers grads(p, output_mask, /*zero_dw=*/false);
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
                                            at::elementSize(acc) + (low ? at::elementSize(dtype) : 0));
   check_cuda_dims(p, chunk);
-  if (need_dw && p.N == 0) dW.zero_();
+  if (need_dw && p.N == 0) grads.dW.zero_();
   if ((need_dx || need_dw || need_db) && p.N > 0) {
     int64_t g_stride = 0;
     const at::Tensor G = lce::grad_scale(p, grad_output, g_stride);  // [N] or [1]
@@ -461,14 +456,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cuda(
               <<<c, kThreads, 0, stream>>>(L.mutable_data_ptr<acc_t>(), op, write_acc, T, q, sp, gp, g_stride);
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        grad_gemms(D, L, Xc, p, s0, dX, dW, db);
+        grad_gemms(D, L, Xc, p, s0, grads.dX, grads.dW, grads.db);
       }
     });
   }
-  at::Tensor gi = need_dx ? dX.view(input.sizes()) : at::Tensor();
-  at::Tensor gw = need_dw ? dW.to(linear_weight.scalar_type()) : at::Tensor();
-  at::Tensor gb = need_db ? db.to(linear_bias->scalar_type()) : at::Tensor();
-  return {gi, gw, gb};
+  return grads.finish(input, linear_weight, linear_bias);
 }
 
 }  // namespace

@@ -32,9 +32,9 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -545,6 +545,112 @@ def finish(rows: list[Row], name: str, device: str, save: bool = True, out: Opti
         png = plot(rows, name, device)
         if png:
             print(f"plot: {png}")
+
+
+# ---- a bench script's run: the main() every benchmarks/bench_<name>.py shares --------------------------
+
+
+@dataclass
+class BenchRun:
+    """One run of a bench script: its command line (:func:`parser`) resolved once, the rows it measures, and the
+    steps every script repeats (timing with the run's warm-up and repetitions, a row, a printed line, releasing
+    CUDA memory between shapes, the final table, CSV and PNG). Made by :func:`start`."""
+
+    name: str
+    args: argparse.Namespace
+    dtypes: list
+    warmup: int
+    reps: int
+    rows: list = field(default_factory=list)
+
+    @property
+    def device(self) -> str:
+        """``--device`` (cuda, cuda:<i> or cpu)."""
+        return self.args.device
+
+    @property
+    def cuda(self) -> bool:
+        """Whether the run is on a CUDA device."""
+        return self.device.startswith("cuda")
+
+    def shapes(self, cuda: Sequence, cpu: Sequence, cuda_quick: Optional[Sequence] = None,
+               cpu_quick: Optional[Sequence] = None) -> list:
+        """The shape list of this device; with ``--quick`` its quick list (default: the first shape)."""
+        full, quick = (cuda, cuda_quick) if self.cuda else (cpu, cpu_quick)
+        if not self.args.quick:
+            return list(full)
+        return list(quick) if quick is not None else list(full[:1])
+
+    def time(self, step: Callable[[], object], no_grad: bool = False) -> float:
+        """:func:`time_fn` of ``step`` with the run's warm-up and repetitions (under torch.no_grad() if asked)."""
+        if no_grad:
+            with torch.no_grad():
+                return time_fn(step, self.device, warmup=self.warmup, reps=self.reps)
+        return time_fn(step, self.device, warmup=self.warmup, reps=self.reps)
+
+    def time_graphed(self, impl: str, step: Callable[[int], object], calls: int) -> tuple[float, str]:
+        """(µs per call, method): on CUDA :func:`time_cuda_graph` of ``step(i)`` for i < calls, on the CPU
+        :func:`time_cpu` of ``step(0)``, with the run's warm-up and repetitions. NaN (and a line on stderr naming
+        ``impl``) when it raises: one peer failing on one shape must not end the run."""
+        try:
+            if self.cuda:
+                return time_cuda_graph(step, calls, reps=self.reps, warmup=self.warmup)
+            return time_cpu(lambda: step(0), warmup=self.warmup, reps=self.reps), ""
+        except Exception as e:  # noqa: BLE001
+            print(f"  [n/a] {impl}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                  file=sys.stderr)
+            return math.nan, ""
+
+    def add(self, op: str, shape, dtype: torch.dtype, impl: str, pass_: str, time_us: float, metric: float,
+            unit: str) -> Row:
+        """Append and return one row (shape: a string, or a sequence of ints for :func:`shape_str`)."""
+        row = Row(op, shape if isinstance(shape, str) else shape_str(shape), dtype_str(dtype), impl, pass_, time_us,
+                  metric, unit)
+        self.rows.append(row)
+        return row
+
+    @staticmethod
+    def say(label: str, parts: Iterable[str], sep: str = "; ") -> None:
+        """Print one progress line: ``  <label>: <part><sep><part>...``."""
+        print(f"  {label}: " + sep.join(parts), flush=True)
+
+    def release(self) -> None:
+        """Return the caching allocator's free blocks between shapes (CUDA)."""
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def finish(self) -> int:
+        """:func:`finish` of the rows (table; CSV and PNG unless ``--no-save``); main()'s exit status 0."""
+        finish(self.rows, self.name, self.device, save=not self.args.no_save)
+        return 0
+
+
+DtypeDefault = Union[Sequence[torch.dtype], Callable[[bool, bool], Sequence[torch.dtype]]]
+
+
+def start(name: str, doc: str, argv=None, *, dtypes: DtypeDefault, warmup: tuple, reps: tuple,
+          arg_parser: Optional[argparse.ArgumentParser] = None) -> BenchRun:
+    """Parse a bench script's command line and resolve its defaults.
+
+    Args:
+        name: the benchmark's name (its CSV ``<name>.csv``). doc: the script's docstring (its first line is the
+            description). argv: the arguments (default: sys.argv).
+        dtypes: the dtypes without ``--dtypes``: a list, or ``f(cuda, quick)`` returning one.
+        warmup: (CUDA, CPU) warm-up calls without ``--warmup``.
+        reps: ((CUDA quick, CUDA), (CPU quick, CPU)) repetitions without ``--reps``.
+        arg_parser: :func:`parser` with the script's own arguments added (default: :func:`parser` itself).
+    """
+    args = (arg_parser or parser(doc.splitlines()[0])).parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    default = dtypes(cuda, args.quick) if callable(dtypes) else dtypes
+    w = args.warmup if args.warmup is not None else warmup[0 if cuda else 1]
+    r = args.reps if args.reps is not None else reps[0 if cuda else 1][0 if args.quick else 1]
+    return BenchRun(name, args, parse_dtypes(args.dtypes, default), w, r)
+
+
+def cuda_or_cpu(cuda_dtypes: Sequence[torch.dtype], cpu_dtypes: Sequence[torch.dtype]) -> Callable:
+    """A ``dtypes`` default of :func:`start`: one list on CUDA, another on the CPU."""
+    return lambda cuda, quick: cuda_dtypes if cuda else cpu_dtypes
 
 
 def redraw_main(argv=None) -> int:
