@@ -33,11 +33,27 @@ def _seed():
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False,
                      help="also run tests marked slow (e.g. the JIT build, minutes on a small machine)")
+    parser.addoption("--cuda-only", action="store_true", default=False,
+                     help="keep only the CUDA tests (a 'cuda' in the test id, or a skip-without-CUDA/GPU mark): "
+                          "the GPU machine's run, whose CPU twins CI already runs")
+
+
+def _needs_cuda(item) -> bool:
+    """True for a test that skips on a machine without CUDA: its id names cuda (the device fixture's "cuda"
+    parameter, a test_cuda_* module) or it carries a skipif mark whose reason names CUDA or a GPU."""
+    if "cuda" in item.nodeid.lower():
+        return True
+    return any("CUDA" in m.kwargs.get("reason", "") or "GPU" in m.kwargs.get("reason", "")
+               for m in item.iter_markers("skipif"))
 
 
 def pytest_collection_modifyitems(config, items):
     import os
 
+    if config.getoption("--cuda-only"):
+        kept = [i for i in items if _needs_cuda(i)]
+        config.hook.pytest_deselected(items=[i for i in items if not _needs_cuda(i)])
+        items[:] = kept
     if config.getoption("--run-slow") or os.environ.get("OPFORGE_RUN_SLOW", "") not in ("", "0"):
         return
     skip = pytest.mark.skip(reason="slow test: run with --run-slow or OPFORGE_RUN_SLOW=1")

@@ -328,3 +328,150 @@ def test_cuda_graph_capture_no_host_sync(path, monkeypatch):
     ref = torch.ops.opforge.indexed_linear_backward(dy, x, w, index, [True, True, True], torch.bfloat16)
     for got, want in zip((gi, gw, gb), ref):
         torch.testing.assert_close(got, want)
+
+
+# ---- CUDA gather-GEMV: decode shapes (multi-LoRA shrink K 4096 -> N 16, expand K 16 -> N 4096) ------------------
+
+GEMV_K = [16, 24, 4095, 4096, 4097]  # 16-byte loads where K·sizeof divides by 16, element loads for odd K
+GEMV_N = [1, 16, 17, 4096]
+GEMV_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _decode_index(T, E):
+    """Experts in [0, E) with −1 at positions 1, 4, 7, ..., E + 5 at 5, 12, ... and −7 at 6, 15, ... (out of range:
+    a −1 row on CUDA); position 0 always valid."""
+    index = torch.randint(0, E, (T,))
+    index[1::3] = -1
+    index[5::7] = E + 5
+    index[6::9] = -7
+    return index.cuda()
+
+
+def _as_minus_one(index, E):
+    return torch.where((index >= 0) & (index < E), index, -1)
+
+
+def _fp32_accumulation_bound(x, w, index, b, dtype):
+    """Elementwise a-priori bound of y = round_dtype(Σ_k x·w + b) accumulated in fp32 (float64 for float64):
+    (K + 1)·u_acc·(|x|·|W_e|ᵀ + |b_e|) + u_dtype·|y| (Higham's γ_K, first order), 0 on the −1 rows. Float64 (T, N).
+    A wrong expert, a missing chunk or a wrong row breaks it on most elements."""
+    u_acc = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps / 2
+    u = torch.finfo(dtype).eps / 2
+    K = x.shape[1]
+    absb = b.detach().abs() if b is not None else None
+    mag = indexed_linear_reference(x.detach().abs(), w.detach().abs(), index, absb)
+    ref = indexed_linear_reference(x, w, index, b)
+    return (K + 1) * u_acc * mag + u * ref.abs()
+
+
+def _check_decode(x, w, index, b, dtype):
+    """y against the float64 reference with the file's rule (3× PyTorch's error, or the fp32-accumulation bound),
+    the invalid rows exactly zero."""
+    E = w.shape[0]
+    valid_index = _as_minus_one(index, E)
+    y = opforge.indexed_linear(x, w, index, b)
+    assert y.dtype == dtype and y.shape == (x.shape[0], w.shape[1])
+    invalid = valid_index < 0
+    assert torch.equal(y[invalid].double(), torch.zeros(int(invalid.sum()), w.shape[1], dtype=torch.float64,
+                                                        device="cuda")), "−1 / out-of-range rows not exactly zero"
+    ref = indexed_linear_reference(x, w, valid_index, b)
+    bound = _fp32_accumulation_bound(x, w, valid_index, b, dtype)
+    assert_matches_reference(y, ref, _torch_baseline(x, w, valid_index, b), factor=3.0, bound=bound)
+    return y
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
+@pytest.mark.parametrize("K", GEMV_K)
+@pytest.mark.parametrize("N", GEMV_N)
+@pytest.mark.parametrize("T", [1, 5, 16, 33])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cuda_gemv_decode_shapes_match_float64(dtype, K, N, T, bias, monkeypatch):
+    """The gather-GEMV (forced for T 33) on shrink / expand shapes incl. odd K and N, with −1 and out-of-range
+    indices: values against float64, invalid rows exactly zero."""
+    monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", "gemv")
+    E = 4
+    index = _decode_index(T, E)
+    x, w, _, b = _make("cuda", dtype, T, E, N, K, bias, index)
+    _check_decode(x.detach(), w.detach(), index, None if b is None else b.detach(), dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["auto", "gemv"])
+@pytest.mark.parametrize("K, N", [(4096, 16), (16, 4096), (4097, 17)])
+def test_cuda_decode_every_token_count(path, K, N, monkeypatch):
+    """T = 1 .. 33 in bfloat16 with bias (auto: the GEMV up to 16 tokens, the grouped regime after)."""
+    if path != "auto":
+        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+    E = 64
+    w = (torch.randn(E, N, K, device="cuda") / K ** 0.5).bfloat16()
+    b = torch.randn(E, N, device="cuda").bfloat16()
+    for T in range(1, 34):
+        x = torch.randn(T, K, device="cuda").bfloat16()
+        _check_decode(x, w, _decode_index(T, E), b, torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("K, N", [(16, 4096), (24, 1), (4096, 16), (4097, 17), (4096, 4096)])
+def test_cuda_gemv_unaligned_views(dtype, K, N, monkeypatch):
+    """Input and bank at an odd storage offset (not 16-byte aligned: element loads) give the right values and the
+    same values as aligned copies within the rule."""
+    monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", "gemv")
+    T, E = 8, 3
+    x = torch.randn(T * K + 1, device="cuda").to(dtype)[1:].view(T, K)
+    w = (torch.randn(E * N * K + 1, device="cuda") / K ** 0.5).to(dtype)[1:].view(E, N, K)
+    b = torch.randn(E * N + 1, device="cuda").to(dtype)[1:].view(E, N)
+    assert x.is_contiguous() and w.is_contiguous() and x.data_ptr() % 16 != 0 and w.data_ptr() % 16 != 0
+    index = _decode_index(T, E)
+    _check_decode(x, w, index, b, dtype)
+    _check_decode(x.clone(), w.clone(), index, b.clone(), dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["auto", "gemv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, E, K, N", [(8, 64, 4096, 16), (8, 64, 16, 4096), (3, 5, 4097, 1), (16, 4, 8192, 64)])
+def test_cuda_gemv_deterministic(path, dtype, T, E, K, N, monkeypatch):
+    """Two calls give the same bits (fixed summation order: no atomics), and so does a third after other work."""
+    if path != "auto":
+        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+    x = torch.randn(T, K, device="cuda").to(dtype)
+    w = (torch.randn(E, N, K, device="cuda") / K ** 0.5).to(dtype)
+    b = torch.randn(E, N, device="cuda").to(dtype)
+    index = _decode_index(T, E)
+    y1 = opforge.indexed_linear(x, w, index, b)
+    y2 = opforge.indexed_linear(x, w, index, b)
+    torch.randn(1 << 20, device="cuda").sum()  # other work in between
+    y3 = opforge.indexed_linear(x, w, index, b)
+    assert torch.equal(y1, y2) and torch.equal(y1, y3)
+    ref = indexed_linear_reference(x, w, _as_minus_one(index, E), b)
+    assert relative_error(y1, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)  # and the bits are right ones
+
+
+@needs_cuda
+@pytest.mark.parametrize("K, N", [(4096, 16), (16, 4096), (4097, 17)])
+def test_cuda_gemv_decode_graph_capture(K, N):
+    """The decode shapes capture in a CUDA graph (no host sync, no workspace) and a replay after the index changed
+    gives the eager result bit for bit."""
+    T, E = 8, 64
+    x = torch.randn(T, K, device="cuda").bfloat16()
+    w = (torch.randn(E, N, K, device="cuda") / K ** 0.5).bfloat16()
+    b = torch.randn(E, N, device="cuda").bfloat16()
+    index = _decode_index(T, E)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        opforge.indexed_linear(x, w, index, b)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = opforge.indexed_linear(x, w, index, b)
+    index.copy_(torch.randperm(E, device="cuda")[:T])
+    index[3] = -1
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, opforge.indexed_linear(x, w, index, b))
+    assert torch.equal(y[3].float(), torch.zeros(N, device="cuda"))
+    _check_decode(x, w, index, b, torch.bfloat16)

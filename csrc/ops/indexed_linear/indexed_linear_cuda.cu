@@ -5,8 +5,12 @@
 //
 // Two regimes, chosen by shape (OPFORGE_INDEXED_LINEAR_PATH=gemv|grouped|grouped_mm forces one, for tests):
 //   gather-GEMV (T ≤ kGemvMaxTokens: decode, multi-LoRA shrink/expand): one block per (token, tile of outputs);
-//     a team of G lanes (G from the reduction length) computes one output, streaming the selected expert's row
-//     of W, fp32 accumulation, shuffle reduction; bias and the −1 rule fused.
+//     a team of L lanes computes one output from the selected expert's row of W with 16-byte loads of W and X
+//     (element loads for odd K or unaligned views), L from the row length and the number of outputs: up to the
+//     whole block (split-K inside the block, warps' partials summed in shared memory in a fixed order) for long
+//     rows and few outputs (shrink: K 4096, T·N 128), one lane per output for short rows (expand: K 16); fp32
+//     accumulation, deterministic, one kernel; bias and the −1 rule fused. The input gradient reads the bank
+//     transposed: teams of G ≤ 32 lanes, element loads.
 //   grouped (more tokens): tokens are sorted by expert on the device (at::sort of the key, −1 and out-of-range
 //     keyed E so they sort last), group offsets by at::searchsorted of the sorted keys; then
 //       - bfloat16 on sm_90 with 16-byte aligned rows: torch's at::_grouped_mm (CUTLASS) on the gathered rows,
@@ -22,6 +26,7 @@
 #include <torch/library.h>
 
 #include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <tuple>
@@ -48,8 +53,160 @@ Path forced_path() {
 
 // ---- gather-GEMV ---------------------------------------------------------------------------------------
 // out[t, o] = Σ_r A[t, r] · B[e_t, o, r]  (+ bias[e_t, o]),  0 where e_t ∉ [0, E)
-//   forward:    A = X [T, K],  B[e, o, r] = W[e, o, r]   (o < N, r < K): sBo = K, sBr = 1
-//   grad_input: A = dY [T, N], B[e, o, r] = W[e, r, o]   (o < K, r < N): sBo = 1, sBr = K
+//   forward:    A = X [T, K],  B[e, o, r] = W[e, o, r]   (o < N, r < K): rows of B contiguous (gemv_rows_kernel)
+//   grad_input: A = dY [T, N], B[e, o, r] = W[e, r, o]   (o < K, r < N): sBo = 1, sBr = K (gather_gemv_kernel)
+
+constexpr int kRowThreads = 256;
+
+/// VEC elements of T loaded and stored as one aligned unit (16 bytes: one LDG.128).
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+/// A Pack of zeros.
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> zero_pack() {
+  Pack<T, VEC> p;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) p.v[j] = T(0);
+  return p;
+}
+
+/// Chunks of a row loaded together by one lane of gemv_rows_kernel before it multiplies.
+constexpr int kBatch = 4;
+
+// Contiguous rows: B[e, o, r] = W[e·sWe + o·R + r], A rows of length R, R % VEC == 0, A and W 16-byte aligned
+// when VEC > 1. A team of L lanes computes one output at a time: lane l reduces the VEC-wide chunks l, l + L, ...
+// of the row (16-byte loads of W and of A), then the team sums its lanes: shuffles inside a warp (L ≤ 32), and for
+// L = 32·team_warps (G == 32) the warps' sums through shared memory in warp order — split-K inside the block,
+// a fixed summation order, so two calls give the same bits. The A loads do not wait for the index (always in
+// bounds); the W loads are predicated on a valid index (no read at all for −1 or out of range), the bias is
+// loaded before the reduction so its latency overlaps the W stream.
+template <typename scalar_t, int VEC, int G>
+__global__ void __launch_bounds__(kRowThreads)
+    gemv_rows_kernel(const scalar_t* __restrict__ A,     // [T, R]
+                     const scalar_t* __restrict__ W,     // [E, O, R] (expert stride sWe)
+                     const scalar_t* __restrict__ bias,  // [E, O] or null
+                     const int64_t* __restrict__ index,  // [T]
+                     scalar_t* __restrict__ out,         // [T, O]
+                     int64_t O, int64_t R, int64_t E, int64_t sWe, int team_warps) {
+  static_assert(G >= 1 && G <= 32 && (G & (G - 1)) == 0, "G: a power of two ≤ 32");
+  using acc_t = at::opmath_type<scalar_t>;
+  using P = Pack<scalar_t, VEC>;
+  __shared__ acc_t partial[kRowThreads / 32];
+  const int64_t t = blockIdx.x;
+  const int64_t e = index[t];
+  const bool valid = e >= 0 && e < E;
+  const int L = G < 32 ? G : 32 * team_warps;  // lanes per output
+  const int teams = kRowThreads / L, team = threadIdx.x / L, lane = threadIdx.x % L;
+  const int64_t chunks = R / VEC;
+  const P* a = reinterpret_cast<const P*>(A + t * R);
+  const scalar_t* w = W + (valid ? e : 0) * sWe;
+  for (int64_t o0 = static_cast<int64_t>(blockIdx.y) * teams; o0 < O; o0 += static_cast<int64_t>(gridDim.y) * teams) {
+    const int64_t o = o0 + team;
+    const bool live = o < O;
+    const acc_t b = (valid && live && lane == 0 && bias != nullptr) ? static_cast<acc_t>(bias[e * O + o]) : acc_t(0);
+    acc_t acc = 0;
+    if (live) {
+      const P* wo = reinterpret_cast<const P*>(w + o * R);
+      // kBatch chunks' loads issued before the first multiply: a lane's whole share of a decode row in flight at once
+      for (int64_t c0 = lane; c0 < chunks; c0 += kBatch * static_cast<int64_t>(L)) {
+        P xs[kBatch], ys[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          const int64_t c = c0 + static_cast<int64_t>(i) * L;
+          xs[i] = c < chunks ? a[c] : zero_pack<scalar_t, VEC>();
+          ys[i] = valid && c < chunks ? wo[c] : zero_pack<scalar_t, VEC>();
+        }
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i)
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) acc += static_cast<acc_t>(xs[i].v[j]) * static_cast<acc_t>(ys[i].v[j]);
+      }
+    }
+#pragma unroll
+    for (int off = G / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off, G);
+    if (G == 32 && team_warps > 1) {  // block-uniform: every thread takes the same path and loop trip count
+      const int warp = threadIdx.x / 32;
+      if (threadIdx.x % 32 == 0) partial[warp] = acc;
+      __syncthreads();
+      if (lane == 0) {
+        for (int i = 1; i < team_warps; ++i) acc += partial[warp + i];
+      }
+      __syncthreads();
+    }
+    if (lane == 0 && live) out[t * O + o] = static_cast<scalar_t>(valid ? acc + b : acc_t(0));
+  }
+}
+
+/// Lanes per output and launch of gemv_rows_kernel (see there) for VEC and G fixed.
+template <typename scalar_t, int VEC, int G>
+void launch_gemv_rows(const scalar_t* A, const scalar_t* W, const scalar_t* bias, const int64_t* index, scalar_t* out,
+                      int64_t T, int64_t O, int64_t R, int64_t E, int64_t sWe, int lanes) {
+  const int team_warps = G < 32 ? 1 : lanes / 32;
+  const int teams = kRowThreads / lanes;
+  const int64_t tiles = std::min<int64_t>((O + teams - 1) / teams, 65535);
+  dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(std::max<int64_t>(tiles, 1)));
+  gemv_rows_kernel<scalar_t, VEC, G><<<grid, kRowThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      A, W, bias, index, out, O, R, E, sWe, team_warps);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+/// Lanes per output of gemv_rows_kernel for `chunks` VEC-wide chunks per row, T·O outputs: about two chunks per
+/// lane (every load of a row in flight at once: at decode sizes the kernel is bound by latency, not bandwidth),
+/// at most the whole block (kRowThreads), and no more than 32 once T·O·lanes exceeds twice the threads the GPU
+/// holds (then one warp per output loops over its row: no block barrier, the GPU still full).
+int gemv_rows_lanes(int64_t chunks, int64_t outputs) {
+  int lanes = 1;
+  while (lanes < kRowThreads && int64_t{lanes} * 2 < chunks) lanes *= 2;
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const int64_t resident = int64_t{prop->multiProcessorCount} * prop->maxThreadsPerMultiProcessor;
+  while (lanes > 32 && outputs * lanes > 2 * resident) lanes /= 2;
+  return lanes;
+}
+
+template <typename scalar_t, int VEC>
+void gemv_rows_vec(const scalar_t* A, const scalar_t* W, const scalar_t* bias, const int64_t* index, scalar_t* out,
+                   int64_t T, int64_t O, int64_t R, int64_t E, int64_t sWe) {
+  const int lanes = gemv_rows_lanes(R / VEC, T * O);
+  auto args = std::make_tuple(A, W, bias, index, out, T, O, R, E, sWe, lanes);
+  switch (lanes) {
+    case 1: std::apply(launch_gemv_rows<scalar_t, VEC, 1>, args); break;
+    case 2: std::apply(launch_gemv_rows<scalar_t, VEC, 2>, args); break;
+    case 4: std::apply(launch_gemv_rows<scalar_t, VEC, 4>, args); break;
+    case 8: std::apply(launch_gemv_rows<scalar_t, VEC, 8>, args); break;
+    case 16: std::apply(launch_gemv_rows<scalar_t, VEC, 16>, args); break;
+    default: std::apply(launch_gemv_rows<scalar_t, VEC, 32>, args); break;  // 32 · team_warps lanes
+  }
+}
+
+/// out [T, O] from A [T, R] (contiguous) and the contiguous bank W [E, O, R] (forward: O = N, R = K). 16-byte
+/// loads where R·sizeof(scalar) is a multiple of 16 and A, W are 16-byte aligned, element loads otherwise (odd K,
+/// views at an odd storage offset). T ≤ 2³¹ − 1 (grid x).
+void gemv_rows(const at::Tensor& A, const at::Tensor& W, const at::Tensor& bias, const at::Tensor& index,
+               at::Tensor& out, int64_t O, int64_t R, int64_t E) {
+  const int64_t T = A.size(0);
+  if (T == 0 || O == 0) return;
+  OPFORGE_DISPATCH_FLOATING(A.scalar_type(), "indexed_linear_gemv", [&] {
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    const scalar_t* a = A.const_data_ptr<scalar_t>();
+    const scalar_t* w = E > 0 ? W.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
+    const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    const bool vec = R % kVec == 0 && aligned(a) && (w == nullptr || aligned(w));
+    if (vec) {
+      gemv_rows_vec<scalar_t, kVec>(a, w, b, index.const_data_ptr<int64_t>(), out.mutable_data_ptr<scalar_t>(), T,
+                                    O, R, E, O * R);
+    } else {
+      gemv_rows_vec<scalar_t, 1>(a, w, b, index.const_data_ptr<int64_t>(), out.mutable_data_ptr<scalar_t>(), T, O,
+                                 R, E, O * R);
+    }
+  });
+}
+
+// Any strides of B (the input gradient reads the bank transposed): a team of G lanes computes one output,
+// element loads, fp32 accumulation, shuffle reduction.
 template <typename scalar_t, int G>
 __global__ void gather_gemv_kernel(const scalar_t* __restrict__ A,  // [T, R]
                                    const scalar_t* __restrict__ W,  // [E, N, K]
@@ -365,7 +522,7 @@ at::Tensor indexed_linear_cuda(const at::Tensor& input, const at::Tensor& weight
   if (p.T == 0 || p.N == 0) return Y;
   const Path path = forced_path();
   if (use_gemv(p, path)) {
-    gather_gemv(p.X, p.W, p.b, p.index, Y, p.N, p.K, p.E, p.N * p.K, p.K, 1);
+    gemv_rows(p.X, p.W, p.b, p.index, Y, p.N, p.K, p.E);
     return Y;
   }
   const Sorted s = sort_tokens(p.index, p.E);
