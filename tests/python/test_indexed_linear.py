@@ -154,29 +154,65 @@ def test_case2_empty_groups(dev, order):
     assert relative_error(gi, gx2) <= 1e-2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("T", [87382, 87383, 100000])
-@pytest.mark.parametrize("path", ["auto", "grouped"])
-def test_case3_past_int32_offsets(T, path, monkeypatch):
-    """Issue 11 case 3: T × N × 2 bytes passes 2³¹; rows 0, 87381, 87382, T − 1 equal the reference, fwd and bwd."""
-    if path != "auto":
-        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
-    E, K, N = 2, 16, 12288
-    x, w, index, b = _make("cuda", torch.bfloat16, T, E, N, K, True, torch.randint(0, E, (T,)))
+def _boundary_rows(T, row_sizes, limit=2**31):
+    """Distinct, in-range rows of a [T, ·] tensor around `limit`: 0, T − 1 and, for each row size (bytes or
+    elements per row), the rows b − 1, b, b + 1 with b = limit // size (row b straddles or starts at the limit).
+    Distinct matters: a row listed twice gets one grad_output row but counts twice in a reference sum."""
+    rows = {0, T - 1}
+    for size in row_sizes:
+        b = limit // size
+        rows |= {b - 1, b, b + 1}
+    return sorted(r for r in rows if 0 <= r < T)
+
+
+def _check_probe_rows(device, dtype, T, E, N, K, rows, tol):
+    """Forward rows, grad_input rows, grad_weight and grad_bias (grad_output nonzero only on `rows`) against float64."""
+    x, w, index, b = _make(device, dtype, T, E, N, K, True, torch.randint(0, E, (T,)))
     y = opforge.indexed_linear(x, w, index, b)
-    rows = torch.tensor([0, 87381, 87382, T - 1], device="cuda")
+    rows = torch.tensor(rows, device=device)
+    assert rows.unique().numel() == rows.numel() and int(rows.max()) < T  # the reference sums below need this
     ref = torch.einsum("tk,tnk->tn", x[rows].double(), w[index[rows]].double()) + b[index[rows]].double()
-    torch.testing.assert_close(y[rows].double(), ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y[rows].double(), ref, rtol=tol, atol=tol)
     dy = torch.zeros_like(y)
-    dy[rows] = torch.randn(4, N, device="cuda").bfloat16()
+    dy[rows] = torch.randn(rows.numel(), N, device=device).to(dtype)
     y.backward(dy)
     ref_gx = torch.einsum("tn,tnk->tk", dy[rows].double(), w[index[rows]].double())
-    torch.testing.assert_close(x.grad[rows].double(), ref_gx, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(x.grad[rows].double(), ref_gx, rtol=tol, atol=2.5 * tol)
     for e in range(E):
         sel = rows[index[rows] == e]
         ref_gw = dy[sel].double().t() @ x[sel].double()
-        torch.testing.assert_close(w.grad[e].double(), ref_gw, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(b.grad[e].double(), dy[sel].double().sum(0), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(w.grad[e].double(), ref_gw, rtol=tol, atol=tol)
+        torch.testing.assert_close(b.grad[e].double(), dy[sel].double().sum(0), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 7, 8, 9, 10, 11, 40])
+def test_boundary_rows_are_distinct_and_in_range(T):
+    """Regression: case 3 listed row 87382 for T = 87382 (out of range: device-side assert) and twice for T = 87383
+    (grad_weight reference counted it twice). Here with a scaled limit (row sizes 8 and 4, limit 64: b = 8, 16)."""
+    rows = _boundary_rows(T, [8, 4], limit=64)
+    assert rows == sorted(set(rows)) and all(0 <= r < T for r in rows) and 0 in rows and T - 1 in rows
+
+
+@pytest.mark.parametrize("T", [8, 9, 10, 11])
+def test_case3_probe_rows_on_cpu(T):
+    """The case-3 check itself on CPU at a scaled limit (row b = 9 of 28 bytes straddles 2⁸ bytes), T − 1 from b − 2 to b + 1."""
+    rows = _boundary_rows(T, [7 * 4], limit=2**8)
+    _check_probe_rows("cpu", torch.float32, T, 2, 7, 3, rows, tol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# 87381 rows of 12288 bf16 (24576 bytes) end 8192 bytes below 2³¹, row 87381 straddles it (T = 87382: the last row),
+# row 87382 starts past it; 174763: T × N passes 2³¹ elements (row 174762 straddles)
+@pytest.mark.parametrize("T", [87381, 87382, 87383, 100000, 174763])
+@pytest.mark.parametrize("path", ["auto", "grouped"])
+def test_case3_past_int32_offsets(T, path, monkeypatch):
+    """Issue 11 case 3: T × N × 2 bytes (and T × N) around 2³¹; rows 0, T − 1 and the rows at each boundary equal
+    the float64 reference, fwd and bwd (grad_weight, grad_bias from those rows only)."""
+    if path != "auto":
+        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+    E, K, N = 2, 16, 12288
+    rows = _boundary_rows(T, [N * 2, N])
+    _check_probe_rows("cuda", torch.bfloat16, T, E, N, K, rows, tol=2e-2)
 
 
 @pytest.mark.parametrize("layout", ["transposed_bank", "sliced_bank", "sliced_input"])
