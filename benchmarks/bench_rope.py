@@ -10,8 +10,8 @@ Metric: GB/s by the minimal-bytes rule: q and k read and written once each way
 (cos/sin, read once per token, are not counted). Goal (H200, (4, 4096, 32 q heads, 8 kv heads, 128) bf16):
 forward+backward ≥ 0.9 × the copy ceiling (4269 GB/s measured on 2026-12-01).
 
-On CUDA, "opforge" is the rows kernel (the default) and "opforge token kernel" the per-token kernel it replaced
-(OPFORGE_ROPE_KERNEL=0), timed in the same run. "opforge rope_from_positions" is the same rotation with the
+On CUDA, "opforge" is the default kernel (the per-token kernel where its table fits) and "opforge rows kernel"
+the rows kernel (OPFORGE_ROPE_KERNEL=1), timed in the same run. "opforge rope_from_positions" is the same rotation with the
 angles computed in the kernel from position_ids (arange(S), made once per shape), no cos/sin tensors.
 
 Timing: CUDA events with warm-up and an L2 flush before each repetition (common.time_fn), median; on CPU wall
@@ -82,13 +82,13 @@ def impls(device: str, use_compile: bool) -> dict:
         else None,
     }
     if device.startswith("cuda"):
-        out["opforge token kernel"] = out["opforge"]  # the same call under KNOBS' setting
+        out["opforge rows kernel"] = out["opforge"]  # the same call under KNOBS' setting
         out["liger"] = common.liger("liger_rotary_pos_emb", "liger_kernel.transformers.rope")
     return out
 
 
 # impl -> (knob, value) set while that impl is timed (forward and backward), restored after
-KNOBS = {"opforge token kernel": ("OPFORGE_ROPE_KERNEL", 0)}
+KNOBS = {"opforge rows kernel": ("OPFORGE_ROPE_KERNEL", 1)}
 
 
 def _timed(impl: str, time_it):

@@ -21,7 +21,7 @@ struct Entry {
 constexpr Entry kEntries[] = {{"OPFORGE_LINEAR_LT", 1, false},   {"OPFORGE_LINEAR_GEMV", -1, false},
                               {"OPFORGE_LCE_GRAD_IN_FORWARD", 1, false}, {"OPFORGE_GEMV_VARIANT", -1, true},
                               {"OPFORGE_RMS_FWD", -1, true},     {"OPFORGE_RMS_BWD", -1, true},
-                              {"OPFORGE_ROPE_KERNEL", 1, false}};
+                              {"OPFORGE_ROPE_KERNEL", -1, true}};
 constexpr int kCount = sizeof(kEntries) / sizeof(kEntries[0]);
 
 int64_t from_env(const Entry& e) {
@@ -32,7 +32,7 @@ int64_t from_env(const Entry& e) {
     const long long v = std::strtoll(env, &end, 10);
     return (end != env && *end == '\0') ? static_cast<int64_t>(v) : e.unset;
   }
-  if (e.unset == 1) return std::strcmp(env, "0") == 0 ? 0 : 1;  // OPFORGE_LINEAR_LT, _LCE_GRAD_IN_FORWARD, _ROPE_KERNEL: "0" or not
+  if (e.unset == 1) return std::strcmp(env, "0") == 0 ? 0 : 1;  // OPFORGE_LINEAR_LT, _LCE_GRAD_IN_FORWARD: "0" or not
   return std::strcmp(env, "1") == 0 ? 1 : 0;                     // OPFORGE_LINEAR_GEMV: "1" or not
 }
 

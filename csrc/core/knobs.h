@@ -18,8 +18,9 @@
 //                        "sum" computes its gradients in the forward (3 GEMMs); 0: the recompute path (4 GEMMs)
 //                        (ops/linear_cross_entropy/linear_cross_entropy.cpp; read when the forward runs, so a
 //                        compiled graph keeps the path it was traced with).
-//   OPFORGE_ROPE_KERNEL  1 (default, or any value but "0"): rope's rows kernel on CUDA; 0: the per-token table
-//                        kernel it replaced, kept for comparison (ops/rope/rope_cuda.cu).
+//   OPFORGE_ROPE_KERNEL  -1 (unset, default): rope's per-token table kernel on CUDA where its table fits in
+//                        shared memory (measured faster), else the rows kernel; 0: the per-token kernel;
+//                        1: the rows kernel (ops/rope/rope_cuda.cu).
 #pragma once
 
 #include <cstdint>

@@ -22,8 +22,8 @@ CUDA_KERNELS = [pytest.param("cuda", marks=_NEEDS_CUDA), pytest.param("cuda-toke
 
 @pytest.fixture(params=["cpu"] + CUDA_KERNELS)
 def device(request, knob):
-    """conftest's devices, with CUDA twice: the rows kernel (OPFORGE_ROPE_KERNEL=1, the default) and the former
-    per-token kernel (OPFORGE_ROPE_KERNEL=0)."""
+    """conftest's devices, with CUDA twice: the rows kernel (OPFORGE_ROPE_KERNEL=1) and the per-token kernel
+    (OPFORGE_ROPE_KERNEL=0, the default wherever its table fits)."""
     knob("OPFORGE_ROPE_KERNEL", 0 if request.param == "cuda-token-kernel" else 1)
     return "cuda" if request.param.startswith("cuda") else request.param
 
@@ -451,8 +451,15 @@ def test_kernel_paths(device, dtype, case):
     pq, pk = opforge.rope_from_positions(q, k, pos, 5e5, interleaved=interleaved, rotary_dim=R)
     rq, rk = rope_from_positions_reference(q, k, pos, 5e5, interleaved=interleaved, rotary_dim=R)
     bq, bk = _baseline(q, k, *_tables(pos, R, dtype, device, 5e5, interleaved=interleaved), interleaved, R)
-    assert_matches_reference(pq, rq, bq, what="q_out (positions)")
-    assert_matches_reference(pk, rk, bk, what="k_out (positions)")
+    if dtype == torch.float64:
+        # angles reach 7e4 rad (positions < 70000, base^(−2i/R) ≤ 1): sin and cos of an fp64 angle carry
+        # |angle|·eps of rounding from the argument alone, so the fixed float64 bound does not apply
+        for o, r, x in ((pq, rq, q), (pk, rk, k)):
+            atol = 8 * torch.finfo(torch.float64).eps * float(pos.max()) * float(x.abs().max())
+            torch.testing.assert_close(o, r, rtol=0, atol=atol)
+    else:
+        assert_matches_reference(pq, rq, bq, what="q_out (positions)")
+        assert_matches_reference(pk, rk, bk, what="k_out (positions)")
     # its backward is the rotation by −θ (the transpose): the reference at −position, on the same input
     gq, gk = torch.ops.opforge.rope_from_positions_backward(pq, pk, pos, 5e5, interleaved=interleaved, rotary_dim=R)
     rq2, rk2 = rope_from_positions_reference(pq.double(), pk.double(), -pos, 5e5, interleaved=interleaved,

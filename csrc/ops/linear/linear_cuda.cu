@@ -9,7 +9,7 @@
 //                          (its leading dimension N must be a multiple of 8); relu needs no z (its output
 //                          decides relu').
 //   gelu, silu             cuBLASLt BIAS (or DEFAULT), then one elementwise pass y = act(z) (fp32 math).
-//   small M                1 ≤ M ≤ 16 by the (M, N, K) bucket table kGemvTable (today M == 1 only;
+//   small M                1 ≤ M ≤ 16 by the (M, N, K) bucket table kGemvTable (measured on the H200;
 //                          OPFORGE_LINEAR_GEMV=1: every 1 ≤ M ≤ 16; =0: never): a bandwidth-bound GEMV
 //                          kernel of our own (linear_gemv.cuh: warp-per-rows, or tensor-core for 16-bit
 //                          types, OPFORGE_GEMV_VARIANT) with bias and activation fused (see gemv_choice).
@@ -72,9 +72,10 @@ void gemm_bias(const linear_op::LinearProblem& p, const at::Tensor& Z) {
 
 /// The GEMV kernel of each (M, N, K) bucket when OPFORGE_LINEAR_GEMV is unset (-1): -1 is cuBLAS(Lt), 0 the
 /// warp-per-rows kernel, 1..3 the tensor-core kernels (16-bit types only; linear_gemv.cuh). The first row
-/// whose bounds hold wins. CHOOSER TABLE: today's choice (the H200, 2026-11-30: the GEMV kernel ahead of
-/// cuBLAS(Lt) at M = 1 only: 1x4096x4096 bf16 2852 vs 2438 GB/s, fp16 2842 vs 2424, fp32 3551 vs 2892; 2.7x
-/// slower at M = 8); to be filled from benchmarks/results/gemv_variants.csv (benchmarks/gemv_variants.py).
+/// whose bounds hold wins. The table is the H200's measurements of 2026-12-01 (benchmarks/gemv_variants.py,
+/// benchmarks/results/gemv_variants.csv; GB/s of weight streamed, bf16 / fp32, the GEMV kernel vs cuBLAS(Lt)), each
+/// row with the numbers that put it there. The tensor-core variants 1, 2 lost everywhere; variant 3 (split-K) wins
+/// only where N is small.
 struct GemvBucket {
   int64_t max_m, max_n, max_k;  // the bucket: M <= max_m, N <= max_n, K <= max_k
   int kernel16;                 // float16/bfloat16: -1 cuBLAS(Lt), else the GEMV variant
@@ -82,8 +83,16 @@ struct GemvBucket {
 };
 constexpr int64_t kAny = INT64_MAX;
 constexpr GemvBucket kGemvTable[] = {
-    {1, kAny, kAny, 0, 0},     // M == 1: the warp-per-rows GEMV
-    {16, kAny, kAny, -1, -1},  // 2 <= M <= 16: cuBLAS(Lt)
+    {1, 1024, kAny, 3, -1},    // 1x4096x1024: bf16 split-K 1268 vs 1100; fp32 cuBLAS 2424 vs 1803
+    {2, 1024, kAny, 3, 0},     // 2x4096x1024: bf16 1262 vs 1090; fp32 1266 vs 888
+    {16, 1024, kAny, 3, -1},   // 16x4096x1024: bf16 1113 vs 1070; fp32 cuBLAS (M 4: 848 vs 685)
+    {1, 8192, 4096, 0, 0},     // 1x4096x4096: bf16 2907 vs 2541; fp32 3545 vs 2981
+    {1, kAny, 2048, 0, 0},     // 1x2048x128256: bf16 4443 vs 4191; fp32 4412 vs 4177
+    {1, kAny, 4096, -1, 0},    // 1x4096x14336: bf16 cuBLAS 3818 vs 3707; fp32 4108 vs 3793
+    {1, kAny, kAny, -1, -1},   // 1x14336x4096: bf16 cuBLAS 3684 vs 3419; fp32 4133 vs 3899
+    {2, kAny, kAny, -1, 0},    // M 2: fp32 GEMV everywhere measured (4096x4096 3039 vs 2535, 14336x4096 3227 vs 2865)
+    {8, kAny, 2048, -1, 0},    // fp32 M <= 8, K 2048, N 128256: 3515 vs 2250 (M 4: 4143 vs 2991)
+    {16, kAny, kAny, -1, -1},  // the rest of 2 <= M <= 16: cuBLAS(Lt)
 };
 
 /// The GEMV kernel for this problem (0 warp-per-rows, 1..3 tensor-core), or -1: cuBLAS(Lt). Knob

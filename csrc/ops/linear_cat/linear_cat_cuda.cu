@@ -6,7 +6,7 @@
 //   float32/float64  the first non-empty piece writes Y with the bias in its epilogue (beta = 0); every further
 //                    piece accumulates into Y with beta = 1 (Y is already the opmath type).
 //   float16/bfloat16 row block by row block, the pieces' rows are copied side by side into a bounded buffer
-//                    Xc[R, K] (R = block_rows(M, K): ≤ 16 MiB, so the block stays in L2 for its GEMM), and one GEMM
+//                    Xc[R, K] (R = block_rows(M, K): ≤ 32 MiB, so the block is mostly still in L2 for its GEMM), and one GEMM
 //                    Y[r0 : r0 + R] = Xc · Wᵀ + b (bias in the epilogue) sums every piece's partial products in
 //                    its fp32 accumulator and rounds once, exactly as cat + linear does (issue 11), while the
 //                    concatenated input never exists whole and nothing of it is saved for backward. (Measured on
@@ -27,10 +27,11 @@
 namespace opforge {
 namespace {
 
-/// Rows of the concatenation buffer Xc[R, K] per block: ≤ 2²³ elements (16 MiB in a 16-bit dtype, a third of
-/// the H200's L2), so the copy's writes are still in L2 when the block's GEMM reads them.
+/// Rows of the concatenation buffer Xc[R, K] per block: ≤ 2²⁴ elements (32 MiB in a 16-bit dtype; the H200's
+/// L2 is 50 MB), so the copy's writes are mostly still in L2 when the block's GEMM reads them. (2²³ elements, four
+/// GEMMs of 2048 rows at 8192×(2048+2048)×4096, measured 459 µs forward against cat + F.linear's 380 µs.)
 int64_t block_rows(int64_t M, int64_t K) {
-  constexpr int64_t kMaxElements = int64_t{1} << 23;
+  constexpr int64_t kMaxElements = int64_t{1} << 24;
   return std::max<int64_t>(1, std::min<int64_t>(M, kMaxElements / std::max<int64_t>(K, 1)));
 }
 

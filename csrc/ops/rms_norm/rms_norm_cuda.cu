@@ -236,11 +236,21 @@ __global__ void __launch_bounds__(1024)
 
 constexpr int kRowKernelMaxThreads = 1024;
 
-// The forward's variant when the knob is unset (OPFORGE_RMS_FWD = -1).
-// CHOOSER: today variant 0 (the kernel measured in the issue) everywhere; to be filled from
-// benchmarks/results/rms_norm_variants.csv (benchmarks/rms_norm_variants.py on the H200): return the
-// variant that won for this dtype and row length.
-inline int default_forward_variant(at::ScalarType /*dtype*/, int64_t /*M*/, int64_t /*N*/) { return 0; }
+// The forward's variant when the knob is unset (OPFORGE_RMS_FWD = -1), from the H200 measurements in
+// benchmarks/results/rms_norm_variants.csv (benchmarks/rms_norm_variants.py, 2026-12-01, GB/s at
+// 32768x4096 / 16384x8192 / 4096x8192 / 65536x1024 / 4096x16384): 16-bit plain: variant 1 (3987 / 4046 / 3561 /
+// 3836 / 3677; variant 0 3515 / 3289 / 2715 / 3600 / 2998), variant 4 for rows of 16384+ (3786); 16-bit fused:
+// variant 2 (4087 / 4061 / 3755 / 4071 / 3854); fp32 plain: variant 4 (4063 / 4162 / 3826 / 4082 / 3653); fp32
+// fused: variant 3 (4102 / 4113 / 3973 / 4126 / 3757). A handful of rows (8x4096) runs best on variant 0,
+// whose grid-stride blocks start fastest.
+inline int default_forward_variant(at::ScalarType dtype, int64_t M, int64_t N, bool fused) {
+  if (dtype == at::kDouble) return 0;
+  const bool fp32 = dtype == at::kFloat;
+  if (fused) return fp32 ? 3 : 2;
+  if (M < 64) return 0;
+  if (fp32) return 4;
+  return N >= 16384 ? 4 : 1;
+}
 
 // Vectors per thread of forward variant `variant` (1..4) for rows of nvec vectors, 0 where the
 // variant does not apply (rows of more than 8 · 1024 vectors: variant 0 streams them).
@@ -261,7 +271,7 @@ bool launch_forward_variant(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor
   } else {
     using opmath_t = at::opmath_type<T>;
     const int64_t knob = knobs::get(knobs::Knob::kRmsForward);
-    const int variant = knob >= 0 ? static_cast<int>(knob) : default_forward_variant(p.X.scalar_type(), p.M, p.N);
+    const int variant = knob >= 0 ? static_cast<int>(knob) : default_forward_variant(p.X.scalar_type(), p.M, p.N, FUSED);
     if (variant < 1 || variant > 4) return false;
     constexpr int VEC = cuda::vec_size<T>();
     const int64_t M = p.M, N = p.N, nvec = vec ? N / VEC : N;
@@ -590,10 +600,20 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// The backward's variant when the knob is unset (OPFORGE_RMS_BWD = -1).
-// CHOOSER: today variant 0 everywhere; to be filled from benchmarks/results/rms_norm_variants.csv
-// (e.g. variant 1 or 2 for the long rows, bf16 N >= 16384 and fp32 N >= 8192, if it won there).
-inline int default_backward_variant(at::ScalarType /*dtype*/, int64_t /*M*/, int64_t /*N*/) { return 0; }
+// The backward's variant when the knob is unset (OPFORGE_RMS_BWD = -1), from the same H200 run (forward +
+// backward GB/s): 16-bit, variant 1 for rows of 16384+ (4096x16384: 2854 vs variant 0's 1275) and for many rows of
+// 4096+ (16384x8192: 3281 vs 2822; 32768x4096: 3428 vs 3226), variant 0 elsewhere (65536x1024: 3470 vs 3325;
+// 4096x8192: 1480 vs 1430); fp32, variant 1 for rows of 16384+ (3284 vs 2039) and 32768x4096 (3986 vs 3944),
+// variant 2 for rows of 8192 up to 16384 (16384x8192: 3909 vs 2400; 4096x8192: 3579 vs 2195).
+inline int default_backward_variant(at::ScalarType dtype, int64_t M, int64_t N) {
+  if (dtype == at::kDouble) return 0;
+  if (dtype == at::kFloat) {
+    if (N >= 16384) return 1;
+    if (N >= 8192) return 2;
+    return (N >= 4096 && M >= 8192) ? 1 : 0;
+  }
+  return (N >= 16384 || (N >= 4096 && M >= 8192)) ? 1 : 0;
+}
 
 // Backward variant 1/2 (OPFORGE_RMS_BWD, else the chooser) into dX and dW (dW: weight's shape and dtype,
 // allocated here); false, having launched nothing, where variant 0 is chosen or this one does not apply
@@ -614,7 +634,8 @@ bool launch_backward_variant(const rmsnorm::BackwardProblem& p, at::Tensor& dX, 
     const int nv = nvec <= 2 * kRowKernelMaxThreads ? 2 : nvec <= 4 * kRowKernelMaxThreads ? 4 : 0;
     const auto* prop = at::cuda::getCurrentDeviceProperties();
     const size_t smem = want_dw ? static_cast<size_t>(N) * sizeof(opmath_t) : 0;
-    if (nv == 0 || smem > prop->sharedMemPerBlockOptin) return false;
+    constexpr size_t kStaticSmem = 2 * 32 * sizeof(opmath_t);  // the kernel's RowSum scratch
+    if (nv == 0 || smem + kStaticSmem > prop->sharedMemPerBlockOptin) return false;
     const int tpr = static_cast<int>(std::max<int64_t>(32, ((nvec + nv - 1) / nv + 31) / 32 * 32));
     const T* dy = p.dY.const_data_ptr<T>();
     const T* x = p.X.const_data_ptr<T>();
@@ -624,7 +645,7 @@ bool launch_backward_variant(const rmsnorm::BackwardProblem& p, at::Tensor& dX, 
     at::Tensor partials;
     auto stream = at::cuda::getCurrentCUDAStream();
     auto go = [&](auto kernel) {
-      if (smem > 48 * 1024) {
+      if (smem + kStaticSmem > 48 * 1024) {  // past the default limit, static scratch included (fp32 N = 12288)
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem)));
       }

@@ -496,12 +496,17 @@ void run_cuda(const rotary::Problem& p) {
   TORCH_CHECK(rows <= std::numeric_limits<int>::max() / 2 && p.D <= std::numeric_limits<int>::max() / 2,
               "opforge::rope: expected fewer than 2^30 heads and head_dim below 2^30 on CUDA, but got ",
               num_str(rows), " heads and head_dim ", num_str(p.D));
-  const bool rows_kernel = knobs::get(knobs::Knob::kRopeKernel) != 0;
+  // Kernel: OPFORGE_ROPE_KERNEL 0 the per-token table kernel, 1 the rows kernel; unset (-1): the per-token
+  // kernel wherever its table fits, as it measured faster on the H200 (2026-12-01, bench_rope.py, bf16
+  // 4x4096x32/8x128: forward+backward 225 us vs the rows kernel's 371 us), else the rows kernel.
   const int64_t opmath_bytes = ref.scalar_type() == at::kDouble ? 8 : 4;
-  TORCH_CHECK(rows_kernel || 2 * p.R * opmath_bytes <= kMaxTableBytes, "opforge::rope: expected rotary_dim of at most ",
+  const int64_t choice = knobs::get(knobs::Knob::kRopeKernel);
+  const bool table_fits = 2 * p.R * opmath_bytes <= kMaxTableBytes;
+  const bool rows_kernel = choice == 1 || (choice < 0 && !table_fits);
+  TORCH_CHECK(rows_kernel || table_fits, "opforge::rope: expected rotary_dim of at most ",
               num_str(kMaxTableBytes / (2 * opmath_bytes)), " on CUDA for ", ref.scalar_type(),
               " with OPFORGE_ROPE_KERNEL=0 (its per-token table lives in shared memory), but got ", num_str(p.R),
-              "; use the default kernel (OPFORGE_ROPE_KERNEL=1) or run this size on the CPU");
+              "; unset OPFORGE_ROPE_KERNEL (the rows kernel takes any size) or run this size on the CPU");
   const bool table_in_opmath = p.cos.defined() && p.cos.scalar_type() != ref.scalar_type();
   OPFORGE_DISPATCH_FLOATING(ref.scalar_type(), "opforge::rope", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
