@@ -15,7 +15,8 @@
 #   configure  CMake + Ninja against python3's torch, TORCH_CUDA_ARCH_LIST=9.0, OPFORGE_CUDA=ON,
 #              OPFORGE_BUILD_TESTS=ON when GoogleTest is found (else the C++ tests are skipped, said so)
 #   build      ninja -j$GPU_CHECK_JOBS (library first, then the C++ tests)
-#   pytest     tests/python with OPFORGE_LIBRARY=<build>/libopforge.so -> $OUT/pytest.log, $OUT/junit.xml;
+#   pytest     tests/python with OPFORGE_LIBRARY=<build>/libopforge.so -> $OUT/pytest.log (-v: one line per test as it ends,
+#              so a run cut by its time cap still names its failures), $OUT/junit.xml;
 #              counts passed / failed / skipped, and the CUDA tests skipped (the goal is none)
 #   ctest      when the C++ tests were built
 #   run        each command of $GPU_CHECK_RUN, one step each, with the built library selected
@@ -271,7 +272,7 @@ elif [ "$BUILT" = 1 ]; then
   echo "pytest (cap ${cap}s) -> $OUT/pytest.log"
   # shellcheck disable=SC2086
   OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} \
-    timeout --kill-after=10 "$cap" "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 \
+    timeout --kill-after=10 "$cap" "$PY" -m pytest -v -rs -p no:cacheprovider --durations=15 \
       --junitxml="$OUT/junit.xml" ${GPU_CHECK_PYTEST_ARGS:-tests/python} > "$OUT/pytest.log" 2>&1
   rc=$?
   tail -n 5 "$OUT/pytest.log"
