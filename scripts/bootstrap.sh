@@ -30,7 +30,11 @@ import importlib.util, sys
 out = []
 for spec in sys.argv[1:]:
     mod, _, req = spec.partition("=")
-    if importlib.util.find_spec(mod) is None:
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing (mkdocstrings_handlers.python)
+        found = False
+    if not found:
         out.append(req or mod)
 print(" ".join(out))
 PYEOF
