@@ -1282,11 +1282,7 @@ ENTRIES.append(OpEntry(
     autocast="lower_precision", check=_fql_check,
     # the input and weight gradients are the straight-through estimator (not the derivative of the step function);
     # checked against the reference's estimator above; gradcheck sees the bias only
-    gradcheck_args=(2,),
-    known_failures={"test_gradcheck_and_double_backward": (
-        "with act_quant the first-order gradients under create_graph=True carry no history, so differentiating them "
-        "again raises torch's 'does not require grad', not the lazy 'double backward is not supported' "
-        "(csrc/ops/fake_quant_linear/fake_quant_linear.cpp's autograd); the other samples pass before it")}))
+    gradcheck_args=(2,)))
 ENTRIES.append(OpEntry(
     name="fake_quantize_weight", op=F.fake_quantize_weight, reference=_fqw_reference_for(torch.float64),
     reference_for=_fqw_reference_for, baseline=_fqw_baseline, native=_fqw_baseline, samples=_fqw_samples,

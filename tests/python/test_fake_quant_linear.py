@@ -569,3 +569,16 @@ def test_nan_and_extreme_ranges_cpu_equals_cuda(dtype, group_size, symmetric):
             _equal_bits(a[keep], b[keep], name)
         else:
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_second_derivative_through_the_quantized_operands_raises(act_quant):
+    """d(x.grad)/dW goes through fq_w(W) and d(W.grad)/dx through fq_a(x): neither may come out as a silent zero
+    (or torch's 'not used in the graph'); differentiating the first-order gradient again raises naming the op."""
+    x = torch.randn(4, 64, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 64, dtype=torch.float64, requires_grad=True)
+    y = opforge.fake_quant_linear(x, w, None, weight_bits=4, group_size=32, act_quant=act_quant)
+    gx, gw = torch.autograd.grad(y.sum(), (x, w), create_graph=True)
+    for first, other in ((gx, w), (gw, x)):
+        with pytest.raises(RuntimeError, match=r"opforge::fake_quant_linear\w*: double backward is not supported"):
+            torch.autograd.grad(first.sum(), other)
