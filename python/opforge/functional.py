@@ -486,30 +486,47 @@ def linear_cat(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor] 
 # FuncTorchBatched key (torch.library.register_vmap; the ops themselves stay C++).
 
 def _vmap_sample(t: Optional[Tensor], dim: Optional[int], b: int) -> Optional[Tensor]:
-    """Sample b of a vmapped argument (t itself where it is not batched)."""
-    return t if t is None or dim is None else t.select(dim, b)
+    """Sample b of a vmapped argument (t itself where it is not batched). A batch of size 0 has no sample: a zero
+    stand-in of the sample's shape takes its place (the per-sample loops run once on it and drop the result)."""
+    if t is None or dim is None:
+        return t
+    if t.size(dim) == 0:
+        return t.new_zeros(t.shape[:dim] + t.shape[dim + 1:])
+    return t.select(dim, b)
 
 
-def _stack_samples(outs: list) -> Tuple[Optional[Tensor], Optional[int]]:
+def _samples(info) -> range:
+    """The per-sample loop's range: one stand-in sample for a batch of size 0, so its results have a shape."""
+    return range(max(info.batch_size, 1))
+
+
+def _stack(outs: list, batch_size: int) -> Tensor:
+    """The per-sample results stacked along a new dim 0 (none of them for a batch of size 0)."""
+    return torch.stack(outs)[:batch_size]
+
+
+def _stack_samples(outs: list, batch_size: int) -> Tuple[Optional[Tensor], Optional[int]]:
     """The per-sample results stacked along a new dim 0, and that out_dim (None, None where none was computed)."""
     if outs[0] is None:
         return None, None
-    return torch.stack(outs), 0
+    return _stack(outs, batch_size), 0
 
 
-def _linear_cat_vmap(info, in_dims, inputs, weight, bias):
+def _linear_cat_vmap(info, in_dims, inputs, weight, bias=None):
     """Batching rule of opforge::linear_cat. With an unbatched weight and bias (per-sample gradients, batched
     activations) the batch dim becomes one more leading dim of every piece: one call, the same kernels and bits as
-    unbatched calls. A batched weight or bias: one call per sample."""
-    x_dims, w_dim, b_dim = in_dims
+    unbatched calls. A batched weight or bias: one call per sample. The dispatcher leaves out a bias of None (the
+    schema's default), in_dims then has no entry for it."""
+    x_dims, w_dim = in_dims[0], in_dims[1]
+    b_dim = in_dims[2] if len(in_dims) > 2 else None
     if w_dim is None and b_dim is None:
         xs = [x.movedim(d, 0) if d is not None else x.expand(info.batch_size, *x.shape)
               for x, d in zip(inputs, x_dims)]
         return torch.ops.opforge.linear_cat(xs, weight, bias), 0
     outs = [torch.ops.opforge.linear_cat([_vmap_sample(x, d, b) for x, d in zip(inputs, x_dims)],
                                          _vmap_sample(weight, w_dim, b), _vmap_sample(bias, b_dim, b))
-            for b in range(info.batch_size)]
-    return torch.stack(outs), 0
+            for b in _samples(info)]
+    return _stack(outs, info.batch_size), 0
 
 
 def _linear_cat_backward_vmap(info, in_dims, grad_output, inputs, weight, output_mask, bias_dtype=None):
@@ -518,11 +535,11 @@ def _linear_cat_backward_vmap(info, in_dims, grad_output, inputs, weight, output
     g_dim, x_dims, w_dim = in_dims[0], in_dims[1], in_dims[2]
     per = [torch.ops.opforge.linear_cat_backward(
         _vmap_sample(grad_output, g_dim, b), [_vmap_sample(x, d, b) for x, d in zip(inputs, x_dims)],
-        _vmap_sample(weight, w_dim, b), output_mask, bias_dtype) for b in range(info.batch_size)]
+        _vmap_sample(weight, w_dim, b), output_mask, bias_dtype) for b in _samples(info)]
     n_inputs = len(per[0][0])
-    grad_inputs = [torch.stack([p[0][i] for p in per]) for i in range(n_inputs)]
-    grad_weight, w_out = _stack_samples([p[1] for p in per])
-    grad_bias, b_out = _stack_samples([p[2] for p in per])
+    grad_inputs = [_stack([p[0][i] for p in per], info.batch_size) for i in range(n_inputs)]
+    grad_weight, w_out = _stack_samples([p[1] for p in per], info.batch_size)
+    grad_bias, b_out = _stack_samples([p[2] for p in per], info.batch_size)
     return (grad_inputs, grad_weight, grad_bias), ([0] * n_inputs, w_out, b_out)
 
 

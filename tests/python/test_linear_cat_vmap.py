@@ -94,3 +94,37 @@ def test_vmap_of_the_backward_op_equals_a_loop(device):
                 assert (o is None) == (r is None)
                 if r is not None:
                     torch.testing.assert_close(o[i], r)
+
+
+@pytest.mark.parametrize("weight_batched", [False, True])
+def test_no_bias_under_vmap(device, weight_batched):
+    """Without a bias (left out or None) the dispatcher passes the rule two arguments and two in_dims: vmap, and
+    vmap(grad(...)), of a bias-less linear_cat equal torch's cat + linear (they raised a TypeError, the rule's bias
+    argument missing)."""
+    torch.manual_seed(3)
+    d = torch.float64
+    W = torch.randn(4, 6, 7, device=device, dtype=d)
+    w_arg, w_dim = (W, 0) if weight_batched else (W[0], None)
+    a, c = torch.randn(4, 2, 3, device=device, dtype=d), torch.randn(4, 2, 4, device=device, dtype=d)
+    for call in (lambda w, a, c: opforge.linear_cat([a, c], w), lambda w, a, c: opforge.linear_cat([a, c], w, None)):
+        ours = tf.vmap(call, in_dims=(w_dim, 0, 0))(w_arg, a, c)
+        ref = tf.vmap(lambda w, a, c: TF.linear(torch.cat([a, c], -1), w), in_dims=(w_dim, 0, 0))(w_arg, a, c)
+        torch.testing.assert_close(ours, ref)
+        assert ours.shape == (4, 2, 6)
+    g = lambda f: tf.vmap(tf.grad(lambda w, a, c: f(w, a, c).pow(2).sum(), argnums=(0, 1, 2)), in_dims=(w_dim, 0, 0))  # noqa: E731
+    ours = g(lambda w, a, c: opforge.linear_cat([a, c], w))(w_arg, a, c)
+    ref = g(lambda w, a, c: TF.linear(torch.cat([a, c], -1), w))(w_arg, a, c)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r)
+
+
+def test_batched_weight_over_an_empty_batch(device):
+    """A batch of size 0 on the per-sample path (batched weight) gives empty results of the right shapes, as torch's
+    cat + linear does (torch.stack of no samples raised)."""
+    d = torch.float64
+    W, B = torch.empty(0, 6, 7, device=device, dtype=d), torch.empty(0, 6, device=device, dtype=d)
+    a, c = torch.randn(2, 3, device=device, dtype=d), torch.randn(2, 4, device=device, dtype=d)
+    ours = tf.vmap(lambda w, b: opforge.linear_cat([a, c], w, b))(W, B)
+    assert ours.shape == (0, 2, 6)
+    gw, gb = tf.vmap(tf.grad(lambda w, b: opforge.linear_cat([a, c], w, b).sum(), argnums=(0, 1)))(W, B)
+    assert gw.shape == W.shape and gb.shape == B.shape
