@@ -1264,8 +1264,8 @@ def _fqw_bad(device):
             pre + "expected group_size to divide in_features 8 .*but got 5"),
         Bad("group_negative", lambda d: (op, (t(2, 8), 4, -3)), ValueError, pre + r"expected group_size to be -1 .*but got -3"),
         # the message names fake_quant_linear's weight_bits (the shared checker of csrc/ops/fake_quant_linear)
-        Bad("bits_1", lambda d: (op, (t(2, 8), 1)), ValueError, pre + r"expected weight_bits in \[2, 8\], but got 1"),
-        Bad("bits_16", lambda d: (op, (t(2, 8), 16)), ValueError, pre + r"expected weight_bits in \[2, 8\], but got 16"),
+        Bad("bits_1", lambda d: (op, (t(2, 8), 1)), ValueError, pre + r"expected bits in \[2, 8\], but got 1"),
+        Bad("bits_16", lambda d: (op, (t(2, 8), 16)), ValueError, pre + r"expected bits in \[2, 8\], but got 16"),
         Bad("int_weight", lambda d: (op, (t(2, 8, dtype=torch.int64),)), TypeError, pre + DTYPE_MSG.format("weight", "Long")),
         Bad("bool_weight", lambda d: (op, (t(2, 8, dtype=torch.bool),)), TypeError, pre + DTYPE_MSG.format("weight", "Bool")),
         Bad("complex_weight", lambda d: (op, (t(2, 8, dtype=torch.complex64),)), TypeError,

@@ -7,6 +7,8 @@
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
 
+#include <cstring>
+
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/check.h"
@@ -17,8 +19,10 @@ namespace opforge {
 namespace fake_quant_linear_op {
 
 void check_quant_args(const char* op, int64_t weight_bits, int64_t group_size, const c10::SymInt& K) {
-  TORCH_CHECK_VALUE(weight_bits >= 2 && weight_bits <= 8, "opforge::", op,
-                    ": expected weight_bits in [2, 8], but got ", num_str(weight_bits));
+  // the argument's name as the op's schema spells it: fake_quant_linear's weight_bits, fake_quantize_weight's bits
+  const char* bits_name = std::strcmp(op, "fake_quantize_weight") == 0 ? "bits" : "weight_bits";
+  TORCH_CHECK_VALUE(weight_bits >= 2 && weight_bits <= 8, "opforge::", op, ": expected ", bits_name,
+                    " in [2, 8], but got ", num_str(weight_bits));
   TORCH_CHECK_VALUE(group_size >= -1, "opforge::", op,
                     ": expected group_size to be -1 (per channel), 0 (per tensor) or a positive divisor of "
                     "in_features, but got ",
