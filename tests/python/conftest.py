@@ -43,8 +43,7 @@ def _needs_cuda(item) -> bool:
     parameter, a test_cuda_* module) or it carries a skipif mark whose reason names CUDA or a GPU."""
     if "cuda" in item.nodeid.lower():
         return True
-    return any("CUDA" in m.kwargs.get("reason", "") or "GPU" in m.kwargs.get("reason", "")
-               for m in item.iter_markers("skipif"))
+    return any(word in m.kwargs.get("reason", "").lower() for m in item.iter_markers("skipif") for word in ("cuda", "gpu"))
 
 
 def pytest_collection_modifyitems(config, items):
