@@ -336,6 +336,9 @@ def _worker(mode, out):
     if torch.distributed.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(losses, f)
+    # every rank past its last collective (FSDP2's reduce-scatters included) before gloo's threads are torn down: a
+    # rank that tore down early aborted now and then with "terminate called without an active exception"
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 

@@ -68,6 +68,8 @@ def run(args) -> dict:
     finally:
         if d.on:
             import torch.distributed as dist
+            if sys.exc_info()[0] is None:
+                dist.barrier()  # every rank past its last collective before the process group is torn down
             dist.destroy_process_group()
 
 
