@@ -371,8 +371,11 @@ def render(facts: dict, diagnoses: List[Diagnosis]) -> str:
         f"library        {lib.get('path') or ('JIT build' if lib.get('jit') else 'unknown')}: "
         + ("loaded, " + f"{lib.get('ops')} ops, CUDA kernels {'yes' if lib.get('has_cuda_kernels') else 'no'}"
            if lib.get("loaded") else "NOT loaded"),
-        f"built for      torch {stamp.get('torch', 'unknown')}, CUDA {stamp.get('cuda', 'unknown')}, archs "
-        f"{stamp.get('cuda_archs') or '-'}, flags {stamp.get('torch_cxx_flags') or 'unknown'}",
+        f"built for      torch {stamp.get('torch', 'unknown')}, CUDA {stamp.get('cuda', 'unknown')}"
+        # CUDA archs mean something only for a CUDA build; torch's CMake leaves TORCH_CXX_FLAGS empty on some builds
+        + (f", archs {stamp.get('cuda_archs') or '-'}" if str(stamp.get("cuda", "")).upper() not in ("OFF", "0", "FALSE", "")
+           else " (a CPU-only build: no CUDA archs)")
+        + f", torch C++ flags {stamp.get('torch_cxx_flags') or '(none recorded)'}",
     ]
     if not diagnoses:
         lines.append("\nno problems found")
