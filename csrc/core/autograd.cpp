@@ -138,6 +138,22 @@ variable_list OpNode::apply_with_saved(const variable_list& inputs,
   return results;
 }
 
+at::Tensor saved_in_place_of(const at::Tensor& derived, const at::Tensor& source, const char* op) {
+  if (!derived.defined() || !source.defined() || !source.requires_grad() ||
+      !torch::autograd::isDifferentiableType(derived.scalar_type())) {
+    return derived;
+  }
+  at::Tensor tied = derived.detach();
+  auto node = make_node<torch::autograd::Error>(
+      std::string("opforge::") + op +
+          ": double backward is not supported (its backward reads a tensor derived from an input below autograd); "
+          "a first-order gradient works under create_graph=True and torch.func, but differentiating that gradient "
+          "again does not",
+      torch::autograd::collect_next_edges(source));
+  torch::autograd::set_history(tied, node);
+  return tied;
+}
+
 void backward_op_autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const auto num_args = op.schema().arguments().size();
   std::vector<at::Tensor> differentiable_inputs;

@@ -136,6 +136,13 @@ inline void register_backward_op_autograd(torch::Library& m, const char* name) {
   m.impl(name, torch::CppFunction::makeFromBoxedFunction<&backward_op_autograd_kernel>());
 }
 
+/// `derived` (a tensor computed below autograd from `source`, e.g. a fake-quantized weight) as it is to be saved for
+/// backward in `source`'s place: tied to `source` by a node that raises "opforge::<op>: double backward is not
+/// supported ..." if differentiated through. Without the tie a gradient computed from `derived` under
+/// create_graph=True looks constant in `source`, and a second derivative through it comes out as a silent zero.
+/// Returns `derived` itself when `source` does not require grad.
+at::Tensor saved_in_place_of(const at::Tensor& derived, const at::Tensor& source, const char* op);
+
 /// True when `t` carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp).
 inline bool has_fw_grad(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
 inline bool has_fw_grad(const std::optional<at::Tensor>& t) { return t.has_value() && has_fw_grad(*t); }

@@ -4,7 +4,6 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -239,31 +238,15 @@ variable_list fake_quant_linear_backward_fn(const BackwardArgs& a) {
   return {grad_input, grad_weight, grad_bias};
 }
 
-// fq(source) as saved for backward: `fq` itself (a tensor made below autograd) tied to `source` by a node that
-// refuses to be differentiated. The first-order backward does not need the tie, but under create_graph=True the
-// gradients computed from fq_a(input) and fq_w(weight) then depend on input and weight in autograd's eyes, so
-// differentiating them again raises the lazy "double backward is not supported" error instead of treating them as
-// constants (a silently zero second derivative, or torch's "does not require grad").
-at::Tensor tied_to(const at::Tensor& fq, const at::Tensor& source) {
-  if (!fq.defined() || !source.requires_grad() || !torch::autograd::isDifferentiableType(fq.scalar_type())) return fq;
-  at::Tensor tied = fq.detach();
-  auto node = make_node<torch::autograd::Error>(
-      "opforge::fake_quant_linear: double backward is not supported (its gradients go through the fake-quantized "
-      "input and weight, whose derivative is the straight-through estimator only to first order); a first-order "
-      "gradient works under create_graph=True and torch.func, but differentiating that gradient again does not",
-      torch::autograd::collect_next_edges(source));
-  torch::autograd::set_history(tied, node);
-  return tied;
-}
-
 void record_fake_quant_linear_node(const at::Tensor& input, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, bool act_quant, at::Tensor& Y,
                                    const at::Tensor& Wq, const at::Tensor& Wm, const at::Tensor& Xq,
                                    const at::Tensor& Xm) {
   auto node = record_node("opforge::FakeQuantLinearBackward", fake_quant_linear_backward_fn, nullptr, {&Y}, input,
                           weight, bias);
-  node->save(act_quant ? tied_to(Xq, input) : input);
-  node->save(tied_to(Wq, weight));
+  // fq_a(input) and fq_w(weight) stand in for input and weight: tied to them (core/autograd.h)
+  node->save(act_quant ? saved_in_place_of(Xq, input, "fake_quant_linear") : input);
+  node->save(saved_in_place_of(Wq, weight, "fake_quant_linear"));
   node->save(Wm);
   node->save(act_quant ? Xm : at::Tensor());
   node->attr(static_cast<int64_t>(weight.scalar_type()));
