@@ -235,11 +235,13 @@ def fake_quant_qparams_reference(mn: Tensor, mx: Tensor, qmin: int, qmax: int, s
     zero = torch.zeros_like(mn)
     lo, hi = torch.minimum(mn, zero), torch.maximum(mx, zero)
     eps = torch.tensor(torch.finfo(torch.float32).eps, dtype=torch.float32)
+    # The divisors are tensors on mn's device, not Python numbers: ATen's CUDA division by a scalar multiplies by
+    # its fp32 reciprocal (1 / 7.5 is inexact), which moves the scale by an ulp from the observer's CPU value.
     if symmetric:
-        scale = torch.maximum(torch.maximum(-lo, hi) / ((qmax - qmin) / 2), eps)
+        scale = torch.maximum(torch.maximum(-lo, hi) / torch.full_like(lo, (qmax - qmin) / 2), eps)
         zp = torch.zeros_like(scale, dtype=torch.int32)
     else:
-        scale = torch.maximum((hi - lo) / float(qmax - qmin), eps)
+        scale = torch.maximum((hi - lo) / torch.full_like(lo, float(qmax - qmin)), eps)
         zp = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax).to(torch.int32)
     return scale, zp
 

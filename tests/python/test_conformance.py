@@ -19,7 +19,10 @@ from opforge.testing import assert_matches_reference
 
 BACKWARD_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 DTYPE_IDS = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-BAD_CASES = [(e, b.name) for e in ENTRIES for b in e.bad_inputs("cpu")]
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+# (entry, case, device) for each device where the case is an error (Bad.devices)
+BAD_CASES = [pytest.param(e, b.name, d, id=f"{d}-{e.name}-{b.name}", marks=[_NO_CUDA] if d == "cuda" else [])
+             for e in ENTRIES for b in e.bad_inputs("cpu") for d in b.devices]
 
 
 def entry_params(test: str) -> list:
@@ -137,8 +140,8 @@ def test_meta_matches_real(device, entry):
 # ---- bad inputs: each raises its own message and leaves the inputs unchanged -----------------------------------
 
 
-@pytest.mark.parametrize("entry,case", BAD_CASES, ids=[f"{e.name}-{c}" for e, c in BAD_CASES])
-def test_bad_input(device, entry, case):
+@pytest.mark.parametrize("entry,case,device", BAD_CASES)
+def test_bad_input(entry, case, device):
     (bad,) = [b for b in entry.bad_inputs(device) if b.name == case]
     fn, args = bad.make(device)
     before = [a.clone() if isinstance(a, torch.Tensor) and a.device.type != "meta" else None for a in args]
