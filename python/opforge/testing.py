@@ -34,7 +34,7 @@ __all__ = [
     "gemm_error_bound",
     "FLOAT64_TOLERANCE",
 ]
-__all__ += ["linear_cat_reference", "indexed_linear_reference"]  # linear variants (issue 11)
+__all__ += ["linear_cat_reference", "indexed_linear_reference", "experts_present"]  # linear variants (issue 11)
 
 #: Elementwise bound for float64 results, relative to max(1, the reference's largest magnitude).
 FLOAT64_TOLERANCE = 1e-12
@@ -320,16 +320,19 @@ def linear_cat_reference(inputs, weight: Tensor, bias: Optional[Tensor] = None) 
     return y + bias.double() if bias is not None else y
 
 
+def experts_present(index: Tensor, E: int) -> list:
+    """The distinct values of ``index`` in [0, E), ascending (one host synchronisation, not one per expert)."""
+    return index[(index >= 0) & (index < E)].unique().tolist()
+
+
 def indexed_linear_reference(input: Tensor, weight: Tensor, index: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """y[t] = input[t] · weight[index[t]]ᵀ + bias[index[t]] in float64, a loop over experts; rows with index −1
     are zero. input (T, K), weight (E, N, K), index (T,), bias (E, N) -> (T, N) float64. Differentiable."""
     x, w = input.double(), weight.double()
     # zeros connected to every input (zero gradients even when no row selects a weight)
     y = x.new_zeros(x.shape[0], w.shape[1]) + 0 * (x.sum() + w.sum() + (bias.double().sum() if bias is not None else 0))
-    for e in range(w.shape[0]):
+    for e in experts_present(index, w.shape[0]):
         rows = (index == e).nonzero().flatten()
-        if rows.numel() == 0:
-            continue
         ye = x[rows] @ w[e].t()
         if bias is not None:
             ye = ye + bias[e].double()
