@@ -39,7 +39,8 @@
 #   GPU_CHECK_RUN                     extra steps, one a line: "NAME: COMMAND" (bash), run after ctest with
 #                                     OPFORGE_LIBRARY and PYTHONPATH set to this build, each capped by the
 #                                     deadline; output in logs.tar.gz run_NAME.log, its last lines printed
-#   GPU_CHECK_SANITIZER       0       1: run the compute-sanitizer step
+#   GPU_CHECK_SANITIZER       0       1: run the compute-sanitizer step; parallel: the coverage pass, then the tools
+#                                     side by side in the background from the end of the build, beside pytest
 #   GPU_CHECK_SANITIZER_TOOLS memcheck racecheck initcheck synccheck
 #   GPU_CHECK_BENCH           all     benchmark names ("elementwise rms_norm") or "none"
 #   GPU_CHECK_BENCH_ARGS              extra arguments for every benchmark (e.g. "--quick")
@@ -240,6 +241,32 @@ else
   record build SKIP "not configured"
 fi
 
+# ---- compute-sanitizer beside the tests (GPU_CHECK_SANITIZER=parallel) --------------------------------------
+# The coverage pass, then the tools side by side, in the background while pytest (and the later steps) run: the
+# sanitized processes are slow but small, so one call fits the build, the whole suite and the four tools. The
+# sanitizer section below waits for them and records each tool's verdict.
+SAN_TOOLS=${GPU_CHECK_SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}
+SAN_PIDS=()
+if [ "${GPU_CHECK_SANITIZER:-0}" = parallel ] && [ "$BUILT" = 1 ] && [ "$NO_CUDA" != 1 ]; then
+  san_cap=$(( $(remaining) - 20 ))
+  echo "sanitizer: $SAN_TOOLS in the background (cap ${san_cap}s each, logs.tar.gz: sanitizer_<tool>.txt)"
+  (
+    OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} OUT=$LOGS SANITIZE_COVERAGE_ONLY=1 \
+      timeout --kill-after=10 "$san_cap" bash scripts/sanitize.sh > "$LOGS/sanitizer_coverage.txt" 2>&1
+  ) &
+  cov_pid=$!
+  for tool in $SAN_TOOLS; do
+    (
+      while kill -0 "$cov_pid" 2>/dev/null; do sleep 1; done
+      cap=$(( DEADLINE - ( $(date +%s) - START ) - 20 ))
+      OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} OUT=$LOGS \
+        timeout --kill-after=10 "$cap" bash scripts/sanitize.sh "$tool" > "$LOGS/sanitizer_$tool.txt" 2>&1
+      echo "$? $cap" > "$LOGS/sanitizer_$tool.rc"
+    ) &
+    SAN_PIDS+=($!)
+  done
+fi
+
 # ---- pytest ---------------------------------------------------------------------------------------------
 section pytest
 junit_counts() {  # prints: total failed errors skipped cuda_skipped, and lists the CUDA skips in the log
@@ -333,7 +360,21 @@ if [ -n "${GPU_CHECK_RUN:-}" ]; then
 fi
 
 # ---- compute-sanitizer (optional): the four tools over every opforge kernel (scripts/sanitize.sh) ---------
-if [ "${GPU_CHECK_SANITIZER:-0}" = 1 ]; then
+if [ "${GPU_CHECK_SANITIZER:-0}" = parallel ]; then
+  section sanitizer
+  if [ ${#SAN_PIDS[@]} = 0 ]; then
+    record sanitizer SKIP "no CUDA build"
+  else
+    wait "${SAN_PIDS[@]}" 2>/dev/null
+    for tool in $SAN_TOOLS; do
+      read -r rc cap < "$LOGS/sanitizer_$tool.rc" 2>/dev/null || { rc=1; cap=?; }
+      tail -n 3 "$LOGS/sanitizer_$tool.txt"
+      line=$(grep -E "^sanitize " "$LOGS/sanitizer_$tool.txt" | tail -n 1)
+      if [ "$rc" = 0 ]; then record "sanitizer $tool" PASS "${line:-clean} (beside pytest)"
+      else record "sanitizer $tool" FAIL "rc $rc$([ "$rc" = 124 ] && echo " (timed out after ${cap}s)") ${line} (logs.tar.gz: sanitize_$tool.log)"; fi
+    done
+  fi
+elif [ "${GPU_CHECK_SANITIZER:-0}" = 1 ]; then
   section sanitizer
   if [ "$BUILT" != 1 ] || [ "$NO_CUDA" = 1 ]; then
     record sanitizer SKIP "no CUDA build"

@@ -8,6 +8,7 @@
 # kernels run uninstrumented. Needs a GPU and an opforge build (OPFORGE_LIBRARY or installed).
 #
 #   bash scripts/sanitize.sh [tool ...]        # default: all four
+#   SANITIZE_COVERAGE_ONLY=1 bash scripts/sanitize.sh   # step 1 alone (its log is then reused by later runs)
 #
 # Per tool:
 #   1. coverage (no sanitizer, once per build and mode, cached in $OUT/sanitize_coverage_<mode>.log): which
@@ -68,6 +69,13 @@ launches=$(sed -E 's/^coverage: ([0-9]+) kernels, ([0-9]+) launches.*/\2/' <<<"$
 if [ "${cov_rc:-1}" != 0 ]; then
   echo "sanitize coverage: FAIL (rc ${cov_rc:-?}; $cov_log):"
   grep -E "MISSING|FILTER|FAILED|Error" "$cov_log" | head -20
+fi
+
+# SANITIZE_COVERAGE_ONLY=1: the coverage pass alone (scripts/gpu_check.sh runs it once before starting the tools
+# side by side, which then share its cached log)
+if [ "${SANITIZE_COVERAGE_ONLY:-0}" = 1 ]; then
+  echo "sanitize coverage: ${cov_line:-no coverage line} (rc ${cov_rc:-?})"
+  [ "${cov_rc:-1}" = 0 ]; exit $?
 fi
 
 # ---- 2. the sanitized runs ----------------------------------------------------------------------------------
