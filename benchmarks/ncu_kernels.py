@@ -1,0 +1,77 @@
+"""One launch of each opforge kernel that issue 13 asks about, for Nsight Compute (`ncu`) to read its counters.
+
+Each case runs its op once on the shapes of the README's rms_norm / small-M linear / rope tables, so the
+profile has one record per kernel (ncu replays a kernel to collect its sections; timing here means nothing):
+
+    ncu --clock-control none --kernel-name regex:opforge --section SpeedOfLight --section Occupancy \\
+        --section LaunchStats --section MemoryWorkloadAnalysis python benchmarks/ncu_kernels.py [--cases a,b]
+
+Cases: rms_fwd (bf16 32768x4096), rms_fwd_8192 (bf16 16384x8192), fused_fwd (bf16 32768x4096),
+rms_bwd_long (bf16 4096x16384 forward+backward), rms_bwd_fp32 (fp32 16384x8192 forward+backward),
+gemv (bf16 1x4096x4096, no bias), rope (bf16 4x4096, 32 q / 8 kv heads, head dim 128, forward).
+`--clock-control none` leaves the GPU's clocks alone (the device notes ask for it).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import opforge
+
+
+def _rms(M, N, dtype, backward=False):
+    x = torch.randn(M, N, device="cuda", dtype=dtype, requires_grad=backward)
+    w = torch.randn(N, device="cuda", dtype=dtype, requires_grad=backward)
+    y = opforge.rms_norm(x, [N], w, 1e-6)
+    if backward:
+        y.backward(torch.randn_like(y))
+
+
+def _fused(M, N, dtype):
+    x, r = (torch.randn(M, N, device="cuda", dtype=dtype) for _ in range(2))
+    opforge.fused_add_rms_norm(x, r, [N], torch.randn(N, device="cuda", dtype=dtype), 1e-6)
+
+
+def _gemv():
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    opforge.linear(x, w)
+
+
+def _rope():
+    B, S, Hq, Hk, D = 4, 4096, 32, 8, 128
+    q = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hk, S, D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(S, device="cuda", dtype=torch.float32)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
+    emb = torch.cat([pos[:, None] * inv[None], pos[:, None] * inv[None]], -1)[None]
+    opforge.rope(q, k, emb.cos().bfloat16(), emb.sin().bfloat16())
+
+
+CASES = {
+    "rms_fwd": lambda: _rms(32768, 4096, torch.bfloat16),
+    "rms_fwd_8192": lambda: _rms(16384, 8192, torch.bfloat16),
+    "fused_fwd": lambda: _fused(32768, 4096, torch.bfloat16),
+    "rms_bwd_long": lambda: _rms(4096, 16384, torch.bfloat16, backward=True),
+    "rms_bwd_fp32": lambda: _rms(16384, 8192, torch.float32, backward=True),
+    "gemv": _gemv,
+    "rope": _rope,
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
+    args = p.parse_args(argv)
+    for name in args.cases.split(","):
+        torch.cuda.nvtx.range_push(name)
+        CASES[name]()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        print(f"ncu_kernels: {name} done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
