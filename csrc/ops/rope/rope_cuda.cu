@@ -38,6 +38,7 @@ constexpr int kRowThreads = 256;   // rows kernel
 constexpr int kRows = 8;           // rows kernel: most head rows per thread
 constexpr int kHeadThreads = 256;  // heads kernel: most threads per block
 constexpr int kHeadRows = 4;       // heads kernel: head rows a thread loads before it stores
+constexpr int kHeadMinBlocks = 2;  // heads kernel: blocks per SM its register budget must allow (≤ 128 registers)
 constexpr int64_t kMaxTableBytes = 48 * 1024;  // static shared-memory limit without opt-in
 
 template <typename scalar_t, typename trig_t>
@@ -423,7 +424,7 @@ __global__ void __launch_bounds__(kRowThreads) rope_rows_kernel(const Params<sca
 // (last dims contiguous, 16-byte aligned) and when every q/k/output element offset and the token count fit in 31
 // bits: its row and token index arithmetic is 32-bit (heads_applies checks; else the token kernel runs).
 template <typename scalar_t, typename trig_t, bool kPositions>
-__global__ void __launch_bounds__(kHeadThreads) rope_heads_kernel(const Params<scalar_t, trig_t> p) {
+__global__ void __launch_bounds__(kHeadThreads, kHeadMinBlocks) rope_heads_kernel(const Params<scalar_t, trig_t> p) {
   using opmath_t = at::opmath_type<scalar_t>;
   constexpr int V = cuda::vec_size<scalar_t>();
   using Vx = cuda::Vec<scalar_t, V>;
@@ -439,15 +440,10 @@ __global__ void __launch_bounds__(kHeadThreads) rope_heads_kernel(const Params<s
   const uint32_t ja = rotated ? static_cast<uint32_t>(u) * V : static_cast<uint32_t>(p.R + (u - p.Urot) * V);
   const uint32_t jb = ja + static_cast<uint32_t>(p.R / 2);
   const uint32_t S = static_cast<uint32_t>(p.S), T = static_cast<uint32_t>(p.T);
-  // 32-bit strides: heads_applies checked that every element offset of q, k and the outputs fits in 31 bits
-  uint32_t xs[2][3], ys[2][3];
-#pragma unroll
-  for (int w = 0; w < 2; ++w)
-#pragma unroll
-    for (int d = 0; d < 3; ++d) {
-      xs[w][d] = static_cast<uint32_t>(p.xs[w][d]);
-      ys[w][d] = static_cast<uint32_t>(p.ys[w][d]);
-    }
+  // 32-bit strides (read from the parameters where used, no registers held): offsets_fit_int32 checked that every
+  // element offset of q, k and the outputs fits in 31 bits
+  auto xs = [&](int w, int d) { return static_cast<uint32_t>(p.xs[w][d]); };
+  auto ys = [&](int w, int d) { return static_cast<uint32_t>(p.ys[w][d]); };
   const uint32_t step = gridDim.x * static_cast<uint32_t>(p.TPB);
 
   for (uint32_t t = blockIdx.x * static_cast<uint32_t>(p.TPB) + slot; t < T; t += step) {
@@ -470,15 +466,15 @@ __global__ void __launch_bounds__(kHeadThreads) rope_heads_kernel(const Params<s
       }
     }
     // element offsets of this token's rows in q, k and their outputs
-    const uint32_t xt[2] = {b * xs[0][0] + s * xs[0][2], b * xs[1][0] + s * xs[1][2]};
-    const uint32_t yt[2] = {b * ys[0][0] + s * ys[0][2], b * ys[1][0] + s * ys[1][2]};
+    const uint32_t xt[2] = {b * xs(0, 0) + s * xs(0, 2), b * xs(1, 0) + s * xs(1, 2)};
+    const uint32_t yt[2] = {b * ys(0, 0) + s * ys(0, 2), b * ys(1, 0) + s * ys(1, 2)};
     auto xrow = [&](int r) -> const scalar_t* {
-      return r < Hq ? p.x[0] + (xt[0] + static_cast<uint32_t>(r) * xs[0][1])
-                    : p.x[1] + (xt[1] + static_cast<uint32_t>(r - Hq) * xs[1][1]);
+      return r < Hq ? p.x[0] + (xt[0] + static_cast<uint32_t>(r) * xs(0, 1))
+                    : p.x[1] + (xt[1] + static_cast<uint32_t>(r - Hq) * xs(1, 1));
     };
     auto yrow = [&](int r) -> scalar_t* {
-      return r < Hq ? p.y[0] + (yt[0] + static_cast<uint32_t>(r) * ys[0][1])
-                    : p.y[1] + (yt[1] + static_cast<uint32_t>(r - Hq) * ys[1][1]);
+      return r < Hq ? p.y[0] + (yt[0] + static_cast<uint32_t>(r) * ys(0, 1))
+                    : p.y[1] + (yt[1] + static_cast<uint32_t>(r - Hq) * ys(1, 1));
     };
     for (int r0 = lane; r0 < rows; r0 += kHeadRows * p.L) {
       Vx xa[kHeadRows], xb[kHeadRows];
@@ -664,7 +660,7 @@ bool launch_heads(const rotary::Problem& p, int rows, int64_t T) {
   Params<scalar_t, trig_t> P = make_params<scalar_t, trig_t>(p, T);
   P.Urot = static_cast<int>(p.interleaved ? p.R / V : (p.R / 2) / V);
   P.U = P.Urot + static_cast<int>((p.D - p.R) / V);
-  if (P.U > kHeadThreads) return false;
+  if (P.U <= 0 || P.U > kHeadThreads) return false;
   P.L = std::max(1, std::min((rows + kHeadRows - 1) / kHeadRows, kHeadThreads / P.U));
   P.TPB = std::max(1, kHeadThreads / (P.U * P.L));
   P.table_vec = p.cos.defined() && table_vectorizable(p, p.cos.element_size());
