@@ -10,9 +10,11 @@ Metric: GB/s by the minimal-bytes rule: q and k read and written once each way
 (cos/sin, read once per token, are not counted). Goal (H200, (4, 4096, 32 q heads, 8 kv heads, 128) bf16):
 forward+backward ≥ 0.9 × the copy ceiling (4269 GB/s measured on 2026-12-01).
 
-On CUDA, "opforge" is the default kernel (the per-token kernel where its table fits) and "opforge rows kernel"
-the rows kernel (OPFORGE_ROPE_KERNEL=1), timed in the same run. "opforge rope_from_positions" is the same rotation with the
-angles computed in the kernel from position_ids (arange(S), made once per shape), no cos/sin tensors.
+On CUDA, "opforge" is the default kernel (the per-token kernel where its table fits), "opforge token kernel" the
+per-token kernel (OPFORGE_ROPE_KERNEL=0), "opforge rows kernel" the rows kernel (OPFORGE_ROPE_KERNEL=1) and "opforge
+heads kernel" the heads kernel (OPFORGE_ROPE_KERNEL=2), timed in the same run. "opforge rope_from_positions" is
+the same rotation with the angles computed in the kernel from position_ids (arange(S), made once per shape), no
+cos/sin tensors.
 
 Timing: CUDA events with warm-up and an L2 flush before each repetition (common.time_fn), median; on CPU wall
 time (perf_counter). A "copy" row (q and k cloned: 2·(|q| + |k|)·e bytes) gives the device's ceiling in the same run.
@@ -82,13 +84,15 @@ def impls(device: str, use_compile: bool) -> dict:
         else None,
     }
     if device.startswith("cuda"):
-        out["opforge rows kernel"] = out["opforge"]  # the same call under KNOBS' setting
+        for impl in KNOBS:
+            out[impl] = out["opforge"]  # the same call under KNOBS' setting
         out["liger"] = common.liger("liger_rotary_pos_emb", "liger_kernel.transformers.rope")
     return out
 
 
 # impl -> (knob, value) set while that impl is timed (forward and backward), restored after
-KNOBS = {"opforge rows kernel": ("OPFORGE_ROPE_KERNEL", 1)}
+KNOBS = {"opforge token kernel": ("OPFORGE_ROPE_KERNEL", 0), "opforge rows kernel": ("OPFORGE_ROPE_KERNEL", 1),
+         "opforge heads kernel": ("OPFORGE_ROPE_KERNEL", 2)}
 
 
 def _timed(impl: str, time_it):

@@ -20,7 +20,8 @@
 //                        compiled graph keeps the path it was traced with).
 //   OPFORGE_ROPE_KERNEL  -1 (unset, default): rope's per-token table kernel on CUDA where its table fits in
 //                        shared memory (measured faster), else the rows kernel; 0: the per-token kernel;
-//                        1: the rows kernel (ops/rope/rope_cuda.cu).
+//                        1: the rows kernel; 2: the heads kernel where it applies (16-byte vector path,
+//                        32-bit offsets), else as unset (ops/rope/rope_cuda.cu).
 #pragma once
 
 #include <cstdint>

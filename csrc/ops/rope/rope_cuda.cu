@@ -1,6 +1,7 @@
-// CUDA kernels of rope: one launch for q and k, two kernels chosen by the knob OPFORGE_ROPE_KERNEL (core/knobs.h).
+// CUDA kernels of rope: one launch for q and k, three kernels chosen by the knob OPFORGE_ROPE_KERNEL (core/knobs.h;
+// unset: the token kernel where its table fits in shared memory, else the rows kernel; see run_cuda).
 //
-// rows kernel (1, the default): a flat grid over (token, group of up to kRows head rows, unit), unit fastest. A unit
+// rows kernel (1): a flat grid over (token, group of up to kRows head rows, unit), unit fastest. A unit
 // is V = 16/sizeof(scalar) dims of a row (a rotate-half unit: the V dims at j and their partners at j + R/2; an
 // interleaved unit: V dims holding V/2 pairs; past R: V dims copied). A thread loads its unit's table entries once
 // (from cos/sin, 16-byte loads where the table's last dim is contiguous and aligned, else strided; or sin/cos of
@@ -8,10 +9,14 @@
 // shared memory, no barrier, 32-bit index arithmetic while the problem fits. Rows whose last dim is not contiguous
 // and 16-byte aligned (transposed views, zero-stride gradients) take the same kernel with V = 1 (strided scalars).
 //
-// token kernel (0, the one before it, kept for comparison): the grid is (tokens, head groups); a block takes a
+// token kernel (0, the default where its table fits): the grid is (tokens, head groups); a block takes a
 // token (b, s), builds its table C, S [R] (opmath) in shared memory once, then every thread of the block walks the
 // head rows of q and k of its group. Two barriers per token and the table's global-memory latency before any q/k
 // load keep few bytes in flight: about 0.72 of the copy ceiling on the H200 (README).
+//
+// heads kernel (2, vector path only, else as unset): per token, each thread owns one unit of the row and a lane of
+// its head rows; it loads the unit's table entries from global memory into registers once, then rotates its rows
+// of q and k: no shared memory, no barrier, 32-bit index arithmetic (rope_heads_kernel says more).
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
@@ -31,6 +36,9 @@ namespace {
 constexpr int kThreads = 128;      // token kernel
 constexpr int kRowThreads = 256;   // rows kernel
 constexpr int kRows = 8;           // rows kernel: most head rows per thread
+constexpr int kHeadThreads = 256;  // heads kernel: most threads per block
+constexpr int kHeadRows = 4;       // heads kernel: head rows a thread loads before it stores
+constexpr int kHeadMinBlocks = 2;  // heads kernel: blocks per SM its register budget must allow (≤ 128 registers)
 constexpr int64_t kMaxTableBytes = 48 * 1024;  // static shared-memory limit without opt-in
 
 template <typename scalar_t, typename trig_t>
@@ -52,8 +60,11 @@ struct Params {
   int U, Urot;           // units per row, of which rotated (the rest copied)
   int G, K;              // row groups per token, rows per group (the last group may have fewer)
   int64_t items;         // T · G · U
-  bool table_vec;        // cos/sin rows contiguous and 16-byte aligned: 16-byte table loads
+  bool table_vec;        // cos/sin rows contiguous and 16-byte aligned: 16-byte table loads (also heads kernel)
   double log2_base;
+  // heads kernel only (with U, Urot, table_vec, log2_base)
+  int L;                 // row lanes per token: a token's U·L threads take its rows lane, lane + L, ...
+  int TPB;               // tokens per block (blockDim = TPB·U·L)
 };
 
 template <typename scalar_t, typename trig_t, bool kPositions, bool kVec>
@@ -207,6 +218,85 @@ __device__ __forceinline__ void store_row(T* y, int64_t j, int64_t d, const cuda
   }
 }
 
+// The table of a pair unit (rotate-half with V > 1: dims ja + e paired with jb + e; V == 1: pair u of either
+// convention at dims ja, jb): Ca, Cb, Sa, Sb [V] in opmath, from cos/sin rows cosr/sinr (strides p.cs[2], p.ss[2];
+// 16-byte loads when p.table_vec) or, kPositions, from the angles of pairs u·V + e (u when V == 1) at `position`.
+template <bool kPositions, int V, typename scalar_t, typename trig_t, typename opmath_t>
+__device__ __forceinline__ void pair_table(const Params<scalar_t, trig_t>& p, const trig_t* cosr, const trig_t* sinr,
+                                           double position, int u, int64_t ja, int64_t jb, opmath_t (&Ca)[V],
+                                           opmath_t (&Cb)[V], opmath_t (&Sa)[V], opmath_t (&Sb)[V]) {
+  if constexpr (kPositions) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      double c, sn;
+      angle(position, V > 1 ? u * V + e : u, p.R, p.log2_base, c, sn);
+      const opmath_t co = static_cast<opmath_t>(c), si = static_cast<opmath_t>(sn);
+      rotary::table_pair(co, si, co, si, p.backward, Ca[e], Cb[e], Sa[e], Sb[e]);
+    }
+  } else {
+    opmath_t ca[V], cb[V], sa[V], sb[V];
+    load_entries<V>(cosr + ja * p.cs[2], p.cs[2], p.table_vec, ca);
+    load_entries<V>(cosr + jb * p.cs[2], p.cs[2], p.table_vec, cb);
+    load_entries<V>(sinr + ja * p.ss[2], p.ss[2], p.table_vec, sa);
+    load_entries<V>(sinr + jb * p.ss[2], p.ss[2], p.table_vec, sb);
+#pragma unroll
+    for (int e = 0; e < V; ++e) rotary::table_pair(ca[e], sa[e], cb[e], sb[e], p.backward, Ca[e], Cb[e], Sa[e], Sb[e]);
+  }
+}
+
+// The table of an interleaved unit (V > 1, even): the V dims from j = u·V hold pairs (j + e, j + e + 1), e even;
+// C, Sn [V] in opmath, from cos/sin rows as in pair_table or, kPositions, from the angles of pairs u·V/2 + e/2.
+template <bool kPositions, int V, typename scalar_t, typename trig_t, typename opmath_t>
+__device__ __forceinline__ void interleaved_table(const Params<scalar_t, trig_t>& p, const trig_t* cosr,
+                                                  const trig_t* sinr, double position, int u, int64_t j,
+                                                  opmath_t (&C)[V], opmath_t (&Sn)[V]) {
+  static_assert(V % 2 == 0, "an interleaved unit holds whole pairs");
+  if constexpr (kPositions) {
+#pragma unroll
+    for (int e = 0; e < V; e += 2) {
+      double c, sn;
+      angle(position, u * (V / 2) + e / 2, p.R, p.log2_base, c, sn);
+      const opmath_t co = static_cast<opmath_t>(c), si = static_cast<opmath_t>(sn);
+      rotary::table_pair(co, si, co, si, p.backward, C[e], C[e + 1], Sn[e], Sn[e + 1]);
+    }
+  } else {
+    opmath_t cv[V], sv[V];
+    load_entries<V>(cosr + j * p.cs[2], p.cs[2], p.table_vec, cv);
+    load_entries<V>(sinr + j * p.ss[2], p.ss[2], p.table_vec, sv);
+#pragma unroll
+    for (int e = 0; e < V; e += 2)
+      rotary::table_pair(cv[e], sv[e], cv[e + 1], sv[e + 1], p.backward, C[e], C[e + 1], Sn[e], Sn[e + 1]);
+  }
+}
+
+// A pair unit rotated: ya[e] = xa[e]·Ca[e] + xb[e]·Sa[e], yb[e] = xb[e]·Cb[e] + xa[e]·Sb[e] (opmath, rounded once).
+template <int V, typename scalar_t, typename opmath_t>
+__device__ __forceinline__ void rotate_pair(const cuda::Vec<scalar_t, V>& xa, const cuda::Vec<scalar_t, V>& xb,
+                                            const opmath_t (&Ca)[V], const opmath_t (&Cb)[V], const opmath_t (&Sa)[V],
+                                            const opmath_t (&Sb)[V], cuda::Vec<scalar_t, V>& ya,
+                                            cuda::Vec<scalar_t, V>& yb) {
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    const opmath_t a = static_cast<opmath_t>(xa.val[e]), c = static_cast<opmath_t>(xb.val[e]);
+    ya.val[e] = static_cast<scalar_t>(a * Ca[e] + c * Sa[e]);
+    yb.val[e] = static_cast<scalar_t>(c * Cb[e] + a * Sb[e]);
+  }
+}
+
+// An interleaved unit rotated: y[e] = x[e]·C[e] + x[e+1]·Sn[e], y[e+1] = x[e+1]·C[e+1] + x[e]·Sn[e+1], e even.
+template <int V, typename scalar_t, typename opmath_t>
+__device__ __forceinline__ cuda::Vec<scalar_t, V> rotate_interleaved(const cuda::Vec<scalar_t, V>& x,
+                                                                     const opmath_t (&C)[V], const opmath_t (&Sn)[V]) {
+  cuda::Vec<scalar_t, V> y;
+#pragma unroll
+  for (int e = 0; e < V; e += 2) {
+    const opmath_t x0 = static_cast<opmath_t>(x.val[e]), x1 = static_cast<opmath_t>(x.val[e + 1]);
+    y.val[e] = static_cast<scalar_t>(x0 * C[e] + x1 * Sn[e]);
+    y.val[e + 1] = static_cast<scalar_t>(x1 * C[e + 1] + x0 * Sn[e + 1]);
+  }
+  return y;
+}
+
 template <typename scalar_t, typename trig_t, bool kPositions, int V>
 __global__ void __launch_bounds__(kRowThreads) rope_rows_kernel(const Params<scalar_t, trig_t> p) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -278,23 +368,7 @@ __global__ void __launch_bounds__(kRowThreads) rope_rows_kernel(const Params<sca
         rotary::pair_dims(u, p.R, p.interleaved, ja, jb);
       }
       opmath_t Ca[V], Cb[V], Sa[V], Sb[V];
-      if constexpr (kPositions) {
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          double c, sn;
-          angle(position, V > 1 ? u * V + e : u, p.R, p.log2_base, c, sn);
-          const opmath_t co = static_cast<opmath_t>(c), si = static_cast<opmath_t>(sn);
-          rotary::table_pair(co, si, co, si, p.backward, Ca[e], Cb[e], Sa[e], Sb[e]);
-        }
-      } else {
-        opmath_t ca[V], cb[V], sa[V], sb[V];
-        load_entries<V>(cosr + ja * p.cs[2], p.cs[2], p.table_vec, ca);
-        load_entries<V>(cosr + jb * p.cs[2], p.cs[2], p.table_vec, cb);
-        load_entries<V>(sinr + ja * p.ss[2], p.ss[2], p.table_vec, sa);
-        load_entries<V>(sinr + jb * p.ss[2], p.ss[2], p.table_vec, sb);
-#pragma unroll
-        for (int e = 0; e < V; ++e) rotary::table_pair(ca[e], sa[e], cb[e], sb[e], p.backward, Ca[e], Cb[e], Sa[e], Sb[e]);
-      }
+      pair_table<kPositions, V>(p, cosr, sinr, position, u, ja, jb, Ca, Cb, Sa, Sb);
       Vx xa[kRows], xb[kRows];
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
@@ -309,12 +383,7 @@ __global__ void __launch_bounds__(kRowThreads) rope_rows_kernel(const Params<sca
       for (int r = 0; r < kRows; ++r) {
         if (r < n) {
           Vx ya, yb;
-#pragma unroll
-          for (int e = 0; e < V; ++e) {
-            const opmath_t a = static_cast<opmath_t>(xa[r].val[e]), c = static_cast<opmath_t>(xb[r].val[e]);
-            ya.val[e] = static_cast<scalar_t>(a * Ca[e] + c * Sa[e]);
-            yb.val[e] = static_cast<scalar_t>(c * Cb[e] + a * Sb[e]);
-          }
+          rotate_pair(xa[r], xb[r], Ca, Cb, Sa, Sb, ya, yb);
           scalar_t* y = yrow(r0 + r);
           const int64_t d = yd(r0 + r);
           store_row<V>(y, ja, d, ya);
@@ -325,22 +394,7 @@ __global__ void __launch_bounds__(kRowThreads) rope_rows_kernel(const Params<sca
       // interleaved units: V dims from j = u·V, pairs (j + 2e, j + 2e + 1)
       const int64_t j = static_cast<int64_t>(u) * V;
       opmath_t C[V], Sn[V];
-      if constexpr (kPositions) {
-#pragma unroll
-        for (int e = 0; e < V; e += 2) {
-          double c, sn;
-          angle(position, u * (V / 2) + e / 2, p.R, p.log2_base, c, sn);
-          const opmath_t co = static_cast<opmath_t>(c), si = static_cast<opmath_t>(sn);
-          rotary::table_pair(co, si, co, si, p.backward, C[e], C[e + 1], Sn[e], Sn[e + 1]);
-        }
-      } else {
-        opmath_t cv[V], sv[V];
-        load_entries<V>(cosr + j * p.cs[2], p.cs[2], p.table_vec, cv);
-        load_entries<V>(sinr + j * p.ss[2], p.ss[2], p.table_vec, sv);
-#pragma unroll
-        for (int e = 0; e < V; e += 2)
-          rotary::table_pair(cv[e], sv[e], cv[e + 1], sv[e + 1], p.backward, C[e], C[e + 1], Sn[e], Sn[e + 1]);
-      }
+      interleaved_table<kPositions, V>(p, cosr, sinr, position, u, j, C, Sn);
       Vx xv[kRows];
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
@@ -348,14 +402,106 @@ __global__ void __launch_bounds__(kRowThreads) rope_rows_kernel(const Params<sca
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         if (r < n) {
-          Vx yv;
+          store_row<V>(yrow(r0 + r), j, 1, rotate_interleaved(xv[r], C, Sn));
+        }
+      }
+    }
+  }
+}
+
+// ---- heads kernel ----------------------------------------------------------------------------------------------
+
+// rope_heads_kernel (OPFORGE_ROPE_KERNEL=2): a token's rotation with its table in registers. A block takes TPB tokens
+// at a time (grid-stride); a token's U·L threads each own a fixed unit u of the row (V = 16/sizeof(scalar) dims: a
+// rotate-half pair unit (dims u·V.. with partners u·V + R/2..), an interleaved unit of V/2 pairs, or V dims past R,
+// copied) and a lane ℓ < L. Per token a thread loads only its unit's cos/sin entries, straight from global memory
+// into opmath registers (pair_table / interleaved_table: 16-byte loads where the table row is contiguous and aligned,
+// else strided; or the float64 angles of kPositions), then walks the token's head rows ℓ, ℓ + L, ... of q and then
+// k, kHeadRows at a time: all their 16-byte loads first, then rotate and store. Why: the token kernel stages the
+// table in shared memory behind two barriers per token, so the q/k loads wait for the table's global latency and
+// few bytes are in flight; here there is no shared memory and no barrier, a token's table is read once per lane
+// (L1/L2 hits after the first), and each thread keeps 2·kHeadRows 16-byte loads in flight. Only for the vector path
+// (last dims contiguous, 16-byte aligned) and when every q/k/output element offset and the token count fit in 31
+// bits: its row and token index arithmetic is 32-bit (heads_applies checks; else the token kernel runs).
+template <typename scalar_t, typename trig_t, bool kPositions>
+__global__ void __launch_bounds__(kHeadThreads, kHeadMinBlocks) rope_heads_kernel(const Params<scalar_t, trig_t> p) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  constexpr int V = cuda::vec_size<scalar_t>();
+  using Vx = cuda::Vec<scalar_t, V>;
+  const int per_token = p.U * p.L;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int slot = tid / per_token;  // this thread's token of the block's TPB
+  const int lane = (tid - slot * per_token) / p.U;
+  const int u = tid - slot * per_token - lane * p.U;
+  const int Hq = p.H[0], rows = p.H[0] + p.H[1];
+  const bool rotated = u < p.Urot;
+  const bool paired = rotated && !p.interleaved;  // rotate-half: a second vector at ja + R/2
+  // this thread's dims: from ja (rotated unit or copied unit), and its partners from jb (rotate-half)
+  const uint32_t ja = rotated ? static_cast<uint32_t>(u) * V : static_cast<uint32_t>(p.R + (u - p.Urot) * V);
+  const uint32_t jb = ja + static_cast<uint32_t>(p.R / 2);
+  const uint32_t S = static_cast<uint32_t>(p.S), T = static_cast<uint32_t>(p.T);
+  // 32-bit strides (read from the parameters where used, no registers held): offsets_fit_int32 checked that every
+  // element offset of q, k and the outputs fits in 31 bits
+  auto xs = [&](int w, int d) { return static_cast<uint32_t>(p.xs[w][d]); };
+  auto ys = [&](int w, int d) { return static_cast<uint32_t>(p.ys[w][d]); };
+  const uint32_t step = gridDim.x * static_cast<uint32_t>(p.TPB);
+
+  for (uint32_t t = blockIdx.x * static_cast<uint32_t>(p.TPB) + slot; t < T; t += step) {
+    const uint32_t b = t / S, s = t - b * S;
+    opmath_t Ca[V], Cb[V], Sa[V], Sb[V];  // interleaved: C = Ca, Sn = Sa
+    if (rotated) {
+      double position = 0.0;
+      const trig_t* cosr = nullptr;
+      const trig_t* sinr = nullptr;
+      if constexpr (kPositions) {
+        position = static_cast<double>(p.pos[static_cast<int64_t>(b) * p.ps[0] + static_cast<int64_t>(s) * p.ps[1]]);
+      } else {
+        cosr = p.cos + static_cast<int64_t>(b) * p.cs[0] + static_cast<int64_t>(s) * p.cs[1];
+        sinr = p.sin + static_cast<int64_t>(b) * p.ss[0] + static_cast<int64_t>(s) * p.ss[1];
+      }
+      if (p.interleaved) {
+        interleaved_table<kPositions, V>(p, cosr, sinr, position, u, ja, Ca, Sa);
+      } else {
+        pair_table<kPositions, V>(p, cosr, sinr, position, u, ja, jb, Ca, Cb, Sa, Sb);
+      }
+    }
+    // element offsets of this token's rows in q, k and their outputs
+    const uint32_t xt[2] = {b * xs(0, 0) + s * xs(0, 2), b * xs(1, 0) + s * xs(1, 2)};
+    const uint32_t yt[2] = {b * ys(0, 0) + s * ys(0, 2), b * ys(1, 0) + s * ys(1, 2)};
+    auto xrow = [&](int r) -> const scalar_t* {
+      return r < Hq ? p.x[0] + (xt[0] + static_cast<uint32_t>(r) * xs(0, 1))
+                    : p.x[1] + (xt[1] + static_cast<uint32_t>(r - Hq) * xs(1, 1));
+    };
+    auto yrow = [&](int r) -> scalar_t* {
+      return r < Hq ? p.y[0] + (yt[0] + static_cast<uint32_t>(r) * ys(0, 1))
+                    : p.y[1] + (yt[1] + static_cast<uint32_t>(r - Hq) * ys(1, 1));
+    };
+    for (int r0 = lane; r0 < rows; r0 += kHeadRows * p.L) {
+      Vx xa[kHeadRows], xb[kHeadRows];
 #pragma unroll
-          for (int e = 0; e < V; e += 2) {
-            const opmath_t x0 = static_cast<opmath_t>(xv[r].val[e]), x1 = static_cast<opmath_t>(xv[r].val[e + 1]);
-            yv.val[e] = static_cast<scalar_t>(x0 * C[e] + x1 * Sn[e]);
-            yv.val[e + 1] = static_cast<scalar_t>(x1 * C[e + 1] + x0 * Sn[e + 1]);
+      for (int i = 0; i < kHeadRows; ++i) {
+        const int r = r0 + i * p.L;
+        if (r < rows) {
+          const scalar_t* x = xrow(r);
+          xa[i] = load_row<V>(x, ja, 1);
+          if (paired) xb[i] = load_row<V>(x, jb, 1);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kHeadRows; ++i) {
+        const int r = r0 + i * p.L;
+        if (r < rows) {
+          scalar_t* y = yrow(r);
+          if (paired) {
+            Vx ya, yb;
+            rotate_pair(xa[i], xb[i], Ca, Cb, Sa, Sb, ya, yb);
+            store_row<V>(y, ja, 1, ya);
+            store_row<V>(y, jb, 1, yb);
+          } else if (rotated) {
+            store_row<V>(y, ja, 1, rotate_interleaved(xa[i], Ca, Sa));
+          } else {  // dims past R: copied bit-identical
+            store_row<V>(y, ja, 1, xa[i]);
           }
-          store_row<V>(yrow(r0 + r), j, 1, yv);
         }
       }
     }
@@ -486,6 +632,51 @@ void launch_rows(const rotary::Problem& p, int rows, int64_t T) {
   }
 }
 
+// True when the heads kernel's 32-bit index arithmetic cannot overflow: every element offset of q, k and their
+// outputs ((size − 1)·stride summed over dims) and the token count (plus a grid's token stride) below 2^31.
+bool offsets_fit_int32(const rotary::Problem& p, int64_t T) {
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  if (T > kMax / 2) return false;
+  for (int i = 0; i < 2; ++i) {
+    if (!p.x[i].defined()) continue;
+    for (const at::Tensor* t : {&p.x[i], &p.y[i]}) {
+      int64_t extent = 0;
+      for (int d = 0; d < 4; ++d) {
+        if (t->size(d) == 0) return false;  // no elements: nothing to index (run_cuda returns before), be safe
+        extent += (t->size(d) - 1) * t->stride(d);
+      }
+      if (extent >= kMax) return false;
+    }
+  }
+  return true;
+}
+
+// Launches the heads kernel where it applies (vector path, 32-bit offsets, a row's units within one block); returns
+// false (nothing launched) otherwise, for the caller to run the token kernel.
+template <typename scalar_t, typename trig_t>
+bool launch_heads(const rotary::Problem& p, int rows, int64_t T) {
+  constexpr int V = cuda::vec_size<scalar_t>();
+  if (!vectorizable(p, V) || !offsets_fit_int32(p, T)) return false;
+  Params<scalar_t, trig_t> P = make_params<scalar_t, trig_t>(p, T);
+  P.Urot = static_cast<int>(p.interleaved ? p.R / V : (p.R / 2) / V);
+  P.U = P.Urot + static_cast<int>((p.D - p.R) / V);
+  if (P.U <= 0 || P.U > kHeadThreads) return false;
+  P.L = std::max(1, std::min((rows + kHeadRows - 1) / kHeadRows, kHeadThreads / P.U));
+  P.TPB = std::max(1, kHeadThreads / (P.U * P.L));
+  P.table_vec = p.cos.defined() && table_vectorizable(p, p.cos.element_size());
+  const int threads = P.TPB * P.U * P.L;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((T + P.TPB - 1) / P.TPB, sms * 32));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (p.positions.defined()) {
+    rope_heads_kernel<scalar_t, trig_t, true><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(P);
+  } else {
+    rope_heads_kernel<scalar_t, trig_t, false><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(P);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
 void run_cuda(const rotary::Problem& p) {
   const at::Tensor& ref = p.x[0].defined() ? p.x[0] : p.x[1];
   c10::cuda::CUDAGuard guard(ref.device());
@@ -496,13 +687,14 @@ void run_cuda(const rotary::Problem& p) {
   TORCH_CHECK(rows <= std::numeric_limits<int>::max() / 2 && p.D <= std::numeric_limits<int>::max() / 2,
               "opforge::rope: expected fewer than 2^30 heads and head_dim below 2^30 on CUDA, but got ",
               num_str(rows), " heads and head_dim ", num_str(p.D));
-  // Kernel: OPFORGE_ROPE_KERNEL 0 the per-token table kernel, 1 the rows kernel; unset (-1): the per-token
-  // kernel wherever its table fits, as it measured faster on the H200 (2026-12-01, bench_rope.py, bf16
-  // 4x4096x32/8x128: forward+backward 225 us vs the rows kernel's 371 us), else the rows kernel.
+  // Kernel: OPFORGE_ROPE_KERNEL 0 the per-token table kernel, 1 the rows kernel, 2 the heads kernel where it
+  // applies (else as unset); unset (-1): the per-token kernel wherever its table fits, as it measured faster on
+  // the H200 (2026-12-01, bench_rope.py, bf16 4x4096x32/8x128: forward+backward 225 us vs the rows kernel's
+  // 371 us), else the rows kernel. The heads kernel is not yet measured, so not yet chosen by default.
   const int64_t opmath_bytes = ref.scalar_type() == at::kDouble ? 8 : 4;
   const int64_t choice = knobs::get(knobs::Knob::kRopeKernel);
   const bool table_fits = 2 * p.R * opmath_bytes <= kMaxTableBytes;
-  const bool rows_kernel = choice == 1 || (choice < 0 && !table_fits);
+  const bool rows_kernel = choice == 1 || (choice != 0 && !table_fits);
   TORCH_CHECK(rows_kernel || table_fits, "opforge::rope: expected rotary_dim of at most ",
               num_str(kMaxTableBytes / (2 * opmath_bytes)), " on CUDA for ", ref.scalar_type(),
               " with OPFORGE_ROPE_KERNEL=0 (its per-token table lives in shared memory), but got ", num_str(p.R),
@@ -510,12 +702,16 @@ void run_cuda(const rotary::Problem& p) {
   const bool table_in_opmath = p.cos.defined() && p.cos.scalar_type() != ref.scalar_type();
   OPFORGE_DISPATCH_FLOATING(ref.scalar_type(), "opforge::rope", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
+    auto launch = [&](auto trig) {
+      using trig_t = decltype(trig);
+      if (choice == 2 && launch_heads<scalar_t, trig_t>(p, static_cast<int>(rows), T)) return;
+      rows_kernel ? launch_rows<scalar_t, trig_t>(p, static_cast<int>(rows), T)
+                  : launch_token<scalar_t, trig_t>(p, static_cast<int>(rows), T);
+    };
     if (table_in_opmath) {
-      rows_kernel ? launch_rows<scalar_t, opmath_t>(p, static_cast<int>(rows), T)
-                  : launch_token<scalar_t, opmath_t>(p, static_cast<int>(rows), T);
+      launch(opmath_t{});
     } else {
-      rows_kernel ? launch_rows<scalar_t, scalar_t>(p, static_cast<int>(rows), T)
-                  : launch_token<scalar_t, scalar_t>(p, static_cast<int>(rows), T);
+      launch(scalar_t{});
     }
   });
 }
