@@ -316,113 +316,65 @@ bool launch_forward_variant(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor
   }
 }
 
-// The part of one row that a backward thread keeps in registers: the NV vectors v = tid + k·tpr (k < NV)
-// that lie below nvec. Shared by the backward kernels (variant 0's register path and variants 1, 2); every
-// member is __forceinline__, so each kernel compiles to the code it had with these loops written inline.
-template <typename T, int VEC, int NV>
-struct BackwardSlice {
-  using opmath_t = at::opmath_type<T>;
-  using V = Vec<T, VEC>;
-  int tid, tpr;
-  int64_t nvec;
+// The backward kernels' shared per-thread row steps (variant 0's register path and variants 1, 2). A thread owns
+// the NV vectors v = tid + k·tpr (k < NV) of a row that lie below nvec; O is opmath_t. Written as free functions
+// with the loops the kernels had inline: the H200 SASS of every instantiation is byte-identical to the inline code
+// (a struct-with-lambda version was not, nor was a shared dx step: the dx loops stay in each kernel).
 
-  /// Calls f(k, v) for each of this thread's vectors (unrolled over k).
-  template <typename F>
-  __device__ __forceinline__ void each(F&& f) const {
+// Row r's dy and x vectors into gd, xd and its rstd into rsd.
+template <int NV, typename V, typename T, typename O>
+__device__ __forceinline__ void backward_load_row(const T* dY, const T* X, const O* rstd, int64_t N, int64_t nvec,
+                                                  int tid, int tpr, int64_t r, V* gd, V* xd, O& rsd) {
+  const V* dYv = reinterpret_cast<const V*>(dY + r * N);
+  const V* Xv = reinterpret_cast<const V*>(X + r * N);
+  rsd = rstd[r];
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-      if (v < nvec) f(k, v);
-    }
-  }
-
-  /// Row r's dy and x vectors into gd, xd and its rstd into rsd.
-  __device__ __forceinline__ void load(const T* __restrict__ dY, const T* __restrict__ X,
-                                       const opmath_t* __restrict__ rstd, int64_t N, int64_t r, V* gd, V* xd,
-                                       opmath_t& rsd) const {
-    const V* dYv = reinterpret_cast<const V*>(dY + r * N);
-    const V* Xv = reinterpret_cast<const V*>(X + r * N);
-    rsd = rstd[r];
-    each([&](int k, int64_t v) {
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+    if (v < nvec) {
       gd[k] = dYv[v];
       xd[k] = Xv[v];
-    });
+    }
   }
+}
 
-  /// One row's dx into dXrow: s = Σ w·dy·x over the row (row_sum), dx = rs·w·dy − x·(rs³·s/N). wat(k, v)
-  /// gives weight vector v, wval(w, j) its element j as opmath_t (1 without a weight).
-  template <typename WAt, typename WVal, typename Sum>
-  __device__ __forceinline__ void dx(const V* g, const V* x, opmath_t rs, opmath_t inv_n, Sum& row_sum, WAt&& wat,
-                                     WVal&& wval, T* __restrict__ dXrow) const {
-    opmath_t s = 0;
-    each([&](int k, int64_t v) {
-      const V w = wat(k, v);
+// PIPE: the next row (gn, xn, rsn) becomes this row (g, x, rs).
+template <int NV, typename V, typename O>
+__device__ __forceinline__ void backward_advance(V* g, V* x, const V* gn, const V* xn, O& rs, O rsn) {
+  rs = rsn;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j)
-        s += wval(w, j) * static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]);
-    });
-    const opmath_t c = rs * rs * rs * row_sum(s) * inv_n;
-    V* dXv = reinterpret_cast<V*>(dXrow);
-    each([&](int k, int64_t v) {
-      const V w = wat(k, v);
-      V d;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j)
-        d.val[j] = static_cast<T>(rs * wval(w, j) * static_cast<opmath_t>(g[k].val[j]) -
-                                  static_cast<opmath_t>(x[k].val[j]) * c);
-      dXv[v] = d;
-    });
+  for (int k = 0; k < NV; ++k) {
+    g[k] = gn[k];
+    x[k] = xn[k];
   }
+}
 
-  /// One row's dweight partial: dw(k, v, j) += dy·x·rs.
-  template <typename DwAt>
-  __device__ __forceinline__ void accumulate_dw(const V* g, const V* x, opmath_t rs, DwAt&& dw) const {
-    each([&](int k, int64_t v) {
+// One row's dweight partial: dw(k, v, j) += dy·x·rs.
+template <int NV, int VEC, typename V, typename O, typename DwAt>
+__device__ __forceinline__ void backward_accumulate_dw(const V* g, const V* x, O rs, int64_t nvec, int tid, int tpr,
+                                                       DwAt&& dw) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j)
-        dw(k, v, j) += static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]) * rs;
-    });
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+    if (v < nvec) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dw(k, v, j) += static_cast<O>(g[k].val[j]) * static_cast<O>(x[k].val[j]) * rs;
+    }
   }
+}
 
-  /// The block's dweight partial dw(k, v, j) into its row out of the [gridDim.x, N] partials.
-  template <typename DwAt>
-  __device__ __forceinline__ void store_dw(opmath_t* __restrict__ out, DwAt&& dw) const {
-    each([&](int k, int64_t v) {
+// The block's dweight partial dw(k, v, j) into its row `out` of the [gridDim.x, N] partials.
+template <int NV, int VEC, typename O, typename DwAt>
+__device__ __forceinline__ void backward_store_dw(O* out, int64_t nvec, int tid, int tpr, DwAt&& dw) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+    if (v < nvec) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) out[v * VEC + j] = dw(k, v, j);
-    });
-  }
-
-  /// The grid-stride loop over the block's rows: loads row `row` into g, x, rs (PIPE: row + gridDim.x is
-  /// loaded into gn, xn, rsn before step(row) runs, and becomes g, x, rs after it), then step(row).
-  template <bool PIPE, typename Step>
-  __device__ __forceinline__ void rows(const T* __restrict__ dY, const T* __restrict__ X,
-                                       const opmath_t* __restrict__ rstd, int64_t M, int64_t N, V* g, V* x, V* gn,
-                                       V* xn, opmath_t& rs, opmath_t& rsn, Step&& step) const {
-    int64_t row = blockIdx.x;
-    if (PIPE && row < M) load(dY, X, rstd, N, row, g, x, rs);
-    for (; row < M; row += gridDim.x) {
-      if constexpr (PIPE) {
-        if (row + gridDim.x < M) load(dY, X, rstd, N, row + gridDim.x, gn, xn, rsn);
-      } else {
-        load(dY, X, rstd, N, row, g, x, rs);
-      }
-      step(row);
-      if constexpr (PIPE) advance(g, x, gn, xn, rs, rsn);
     }
   }
-
-  /// PIPE: the next row (gn, xn, rsn) becomes this row (g, x, rs).
-  __device__ __forceinline__ static void advance(V* g, V* x, const V* gn, const V* xn, opmath_t& rs,
-                                                 opmath_t rsn) {
-    rs = rsn;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      g[k] = gn[k];
-      x[k] = xn[k];
-    }
-  }
-};
+}
 
 // Backward. Per row (rs = rstd[row]):
 //   s = Σ w·dy·x;  dx = rs·w·dy − x·(rs³·s/N);  dw_partial[group] += dy·x·rs
@@ -458,14 +410,49 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) dw[k][j] = 0;
     }
-    const BackwardSlice<T, VEC, MAXV> slice{tid, tpr, nvec};
+    auto load_row = [&](int64_t r, V* gd, V* xd, opmath_t& rsd) {
+      backward_load_row<MAXV>(dY, X, rstd, N, nvec, tid, tpr, r, gd, xd, rsd);
+    };
     auto dw_at = [&](int k, int64_t, int j) -> opmath_t& { return dw[k][j]; };
-    slice.template rows<PIPE>(dY, X, rstd, M, N, g, x, gn, xn, rs, rsn, [&](int64_t row) {
-      if (dX != nullptr)
-        slice.dx(g, x, rs, inv_n, row_sum, [&](int k, int64_t) { return w[k]; }, wval, dX + row * N);
-      if (dW_partial != nullptr) slice.accumulate_dw(g, x, rs, dw_at);
-    });
-    if (dW_partial != nullptr) slice.store_dw(dW_partial + static_cast<int64_t>(blockIdx.x) * N, dw_at);
+    int64_t row = blockIdx.x;
+    if (PIPE && row < M) load_row(row, g, x, rs);
+    for (; row < M; row += gridDim.x) {
+      if constexpr (PIPE) {
+        if (row + gridDim.x < M) load_row(row + gridDim.x, gn, xn, rsn);
+      } else {
+        load_row(row, g, x, rs);
+      }
+      if (dX != nullptr) {
+        opmath_t s = 0;
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {
+          if (tid + static_cast<int64_t>(k) * tpr < nvec) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+              s += wval(w[k], j) * static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]);
+          }
+        }
+        s = row_sum(s);
+        const opmath_t c = rs * rs * rs * s * inv_n;
+        V* dXv = reinterpret_cast<V*>(dX + row * N);
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {
+          const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+          if (v < nvec) {
+            V d;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+              d.val[j] = static_cast<T>(rs * wval(w[k], j) * static_cast<opmath_t>(g[k].val[j]) -
+                                        static_cast<opmath_t>(x[k].val[j]) * c);
+            dXv[v] = d;
+          }
+        }
+      }
+      if (dW_partial != nullptr) backward_accumulate_dw<MAXV, VEC>(g, x, rs, nvec, tid, tpr, dw_at);
+      if constexpr (PIPE) backward_advance<MAXV>(g, x, gn, xn, rs, rsn);
+    }
+    if (dW_partial != nullptr)
+      backward_store_dw<MAXV, VEC>(dW_partial + static_cast<int64_t>(blockIdx.x) * N, nvec, tid, tpr, dw_at);
   } else {
     // streaming: rows too long for registers; the dweight partial row accumulates in global memory
     // (this block's own row of dW_partial, zero-initialized by the launcher, L2-resident)
@@ -557,13 +544,51 @@ __global__ void __launch_bounds__(1024)
     return w;
   };
   auto wval = [&](const V& w, int j) { return W != nullptr ? static_cast<opmath_t>(w.val[j]) : opmath_t(1); };
-  const BackwardSlice<T, VEC, NV> slice{tid, tpr, nvec};
+  auto load_row = [&](int64_t r, V* gd, V* xd, opmath_t& rsd) {
+    backward_load_row<NV>(dY, X, rstd, N, nvec, tid, tpr, r, gd, xd, rsd);
+  };
   auto dw_at = [&](int, int64_t v, int j) -> opmath_t& { return acc[j * nvec + v]; };
-  slice.template rows<PIPE>(dY, X, rstd, M, N, g, x, gn, xn, rs, rsn, [&](int64_t row) {
-    if (dX != nullptr) slice.dx(g, x, rs, inv_n, row_sum, [&](int, int64_t v) { return wload(v); }, wval, dX + row * N);
-    if (dW_partial != nullptr) slice.accumulate_dw(g, x, rs, dw_at);
-  });
-  if (dW_partial != nullptr) slice.store_dw(dW_partial + static_cast<int64_t>(blockIdx.x) * N, dw_at);
+  int64_t row = blockIdx.x;
+  if (PIPE && row < M) load_row(row, g, x, rs);
+  for (; row < M; row += gridDim.x) {
+    if constexpr (PIPE) {
+      if (row + gridDim.x < M) load_row(row + gridDim.x, gn, xn, rsn);
+    } else {
+      load_row(row, g, x, rs);
+    }
+    if (dX != nullptr) {
+      opmath_t s = 0;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+          const V w = wload(v);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j)
+            s += wval(w, j) * static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]);
+        }
+      }
+      const opmath_t c = rs * rs * rs * row_sum(s) * inv_n;
+      V* dXv = reinterpret_cast<V*>(dX + row * N);
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+          const V w = wload(v);
+          V d;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j)
+            d.val[j] = static_cast<T>(rs * wval(w, j) * static_cast<opmath_t>(g[k].val[j]) -
+                                      static_cast<opmath_t>(x[k].val[j]) * c);
+          dXv[v] = d;
+        }
+      }
+    }
+    if (dW_partial != nullptr) backward_accumulate_dw<NV, VEC>(g, x, rs, nvec, tid, tpr, dw_at);
+    if constexpr (PIPE) backward_advance<NV>(g, x, gn, xn, rs, rsn);
+  }
+  if (dW_partial != nullptr)
+    backward_store_dw<NV, VEC>(dW_partial + static_cast<int64_t>(blockIdx.x) * N, nvec, tid, tpr, dw_at);
 }
 
 // The backward's variant when the knob is unset (OPFORGE_RMS_BWD = -1), from the same H200 run (forward +
