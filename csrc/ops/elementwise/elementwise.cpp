@@ -178,33 +178,32 @@ variable_list square_add_double_backward_fn(const BackwardArgs& a) {
   return {2 * a.saved[0] * g, grad_other};
 }
 
-at::Tensor sigmoid_autograd(const at::Tensor& input) {
-  check_no_forward_ad("sigmoid", input);
+// The autograd wrapper of a one-input op (sigmoid, square): runs `forward` below autograd and, when input requires
+// grad, records node `node` with backward / double_backward, saving the output (save_output) or the input.
+at::Tensor unary_autograd(const char* op, const char* node, at::Tensor (*forward)(const at::Tensor&),
+                          BackwardFn backward, BackwardFn double_backward, bool save_output,
+                          const at::Tensor& input) {
+  check_no_forward_ad(op, input);
   at::Tensor output;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    output = opforge::sigmoid(input);
+    output = forward(input);
   }
   if (any_requires_grad(input)) {
-    auto node = record_node("opforge::SigmoidBackward", sigmoid_backward_fn, sigmoid_double_backward_fn, {&output},
-                            input);
-    node->save(output, /*is_output=*/true);
+    auto n = record_node(node, backward, double_backward, {&output}, input);
+    if (save_output) n->save(output, /*is_output=*/true);
+    else n->save(input);
   }
   return output;
 }
+
+at::Tensor sigmoid_autograd(const at::Tensor& input) {
+  return unary_autograd("sigmoid", "opforge::SigmoidBackward", &opforge::sigmoid, sigmoid_backward_fn,
+                        sigmoid_double_backward_fn, /*save_output=*/true, input);
+}
 at::Tensor square_autograd(const at::Tensor& input) {
-  check_no_forward_ad("square", input);
-  at::Tensor output;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    output = opforge::square(input);
-  }
-  if (any_requires_grad(input)) {
-    auto node = record_node("opforge::SquareBackward", square_backward_fn, square_double_backward_fn, {&output},
-                            input);
-    node->save(input);
-  }
-  return output;
+  return unary_autograd("square", "opforge::SquareBackward", &opforge::square, square_backward_fn,
+                        square_double_backward_fn, /*save_output=*/false, input);
 }
 at::Tensor square_add_autograd(const at::Tensor& input, const at::Tensor& other) {
   check_no_forward_ad("square_add", input, other);

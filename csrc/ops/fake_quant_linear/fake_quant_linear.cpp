@@ -74,6 +74,18 @@ c10::SymDimVector qparams_sym_sizes(const at::Tensor& weight, int64_t group_size
   return {weight.sym_size(0), weight.sym_size(1) / group_size};
 }
 
+FakeQuantized empty_fake_quantized(const at::Tensor& X, Grouping g, bool want_mask) {
+  const int64_t R = X.size(0), K = X.size(1), L = g.length;
+  FakeQuantized out;
+  out.output = at::empty_like(X);
+  if (want_mask) out.mask = at::empty(X.sizes(), X.options().dtype(at::kBool));
+  const auto fopts = X.options().dtype(at::kFloat);
+  const int64_t qrows = g.per_tensor ? 1 : R, qcols = g.per_tensor ? 1 : (L > 0 ? K / L : 0);
+  out.scale = at::empty({qrows, qcols}, fopts);
+  out.zero_point = at::empty({qrows, qcols}, fopts.dtype(at::kInt));
+  return out;
+}
+
 namespace {
 int64_t rows_of(const at::Tensor& input) {
   int64_t M = 1;

@@ -64,6 +64,11 @@ struct FakeQuantized {
   at::Tensor zero_point;  // int32, scale's shape
 };
 
+/// The uninitialised outputs of a fake-quantization of X [R, K] (both backends): output like X, mask [R, K] bool
+/// when `want_mask` (else undefined), scale float32 and zero_point int32 of (1, 1) per tensor, else (R, K / g.length)
+/// ((R, 0) when g.length is 0).
+FakeQuantized empty_fake_quantized(const at::Tensor& X, Grouping g, bool want_mask);
+
 /// Backend kernel: fake-quantizes X [R, K] (contiguous, floating) to `bits`-bit signed integers with the grouping
 /// `g`, symmetric or asymmetric. Defined by each backend (CPU: fake_quant_linear_cpu.cpp, CUDA: *_cuda.cu).
 /// `want_mask` = false leaves `mask` undefined (and writes none).

@@ -21,17 +21,7 @@ FakeQuantized fake_quantize_rows_cpu(const at::Tensor& X, int64_t bits, Grouping
   const int64_t L = g.length;  // elements per group
   const int64_t n_groups = L > 0 ? R * (K / L) : 0;
   const int qmin = fq::qmin_of(static_cast<int>(bits)), qmax = fq::qmax_of(static_cast<int>(bits));
-  FakeQuantized out;
-  out.output = at::empty_like(X);
-  if (want_mask) out.mask = at::empty(X.sizes(), X.options().dtype(at::kBool));
-  const auto fopts = X.options().dtype(at::kFloat);
-  if (g.per_tensor) {
-    out.scale = at::empty({1, 1}, fopts);
-    out.zero_point = at::empty({1, 1}, fopts.dtype(at::kInt));
-  } else {
-    out.scale = at::empty({R, L > 0 ? K / L : 0}, fopts);
-    out.zero_point = at::empty({R, L > 0 ? K / L : 0}, fopts.dtype(at::kInt));
-  }
+  FakeQuantized out = empty_fake_quantized(X, g, want_mask);
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::fake_quantize_rows", [&] {
     using C = at::opmath_type<scalar_t>;  // float, or double for float64
     const scalar_t* x = X.const_data_ptr<scalar_t>();

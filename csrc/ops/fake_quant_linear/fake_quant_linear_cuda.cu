@@ -165,13 +165,7 @@ FakeQuantized fake_quantize_rows_cuda(const at::Tensor& X, int64_t bits, Groupin
   const int64_t L = g.length;
   const int64_t n_groups = L > 0 ? R * (K / L) : 0;
   const int qmin = fq::qmin_of(static_cast<int>(bits)), qmax = fq::qmax_of(static_cast<int>(bits));
-  FakeQuantized out;
-  out.output = at::empty_like(X);
-  if (want_mask) out.mask = at::empty(X.sizes(), X.options().dtype(at::kBool));
-  const auto fopts = X.options().dtype(at::kFloat);
-  const int64_t qcols = g.per_tensor ? 1 : (L > 0 ? K / L : 0);
-  out.scale = at::empty({g.per_tensor ? 1 : R, qcols}, fopts);
-  out.zero_point = at::empty({g.per_tensor ? 1 : R, qcols}, fopts.dtype(at::kInt));
+  FakeQuantized out = empty_fake_quantized(X, g, want_mask);
   if (X.numel() == 0 || n_groups == 0) {
     if (g.per_tensor) {  // an empty tensor's qparams, as the CPU kernel computes them
       const fq::QParams qp = fq::choose_qparams<float>(INFINITY, -INFINITY, qmin, qmax, symmetric);

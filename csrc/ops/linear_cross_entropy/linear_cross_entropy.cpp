@@ -210,6 +210,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> GradBuffers::finish(
           db.defined() ? db.to(linear_bias->scalar_type()) : at::Tensor()};
 }
 
+Problem forward_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                        const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                        c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+                        std::optional<double> softcap, std::optional<int64_t> chunk_size) {
+  const auto red = check_args("linear_cross_entropy", input, linear_weight, target, linear_bias, weight, reduction,
+                              label_smoothing, z_loss, softcap, chunk_size);
+  return make_problem(input, linear_weight, target, linear_bias, weight, red, ignore_index, label_smoothing, z_loss,
+                      softcap);
+}
+
+Problem backward_problem(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight,
+                         const at::Tensor& target, const at::Tensor& stats,
+                         const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                         c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+                         std::optional<double> softcap, std::optional<int64_t> chunk_size) {
+  const auto red = check_backward_args(grad_output, input, linear_weight, target, stats, linear_bias, weight,
+                                       reduction, label_smoothing, z_loss, softcap, chunk_size);
+  return make_problem(input, linear_weight, target, linear_bias, weight, red, ignore_index, label_smoothing, z_loss,
+                      softcap);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(
+    const Problem& p, const at::Tensor& token_loss, const at::Tensor& stats, const GradBuffers& grads,
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias) {
+  auto ss = target.sizes().vec();
+  ss.push_back(2);
+  auto [gi, gw, gb] = grads.finish(input, linear_weight, linear_bias);
+  return {reduce_loss(p, token_loss, target), stats.view(ss), gi, gw, gb};
+}
+
 at::Tensor grad_scale(const Problem& p, const at::Tensor& grad_output, int64_t& stride) {
   const auto acc = acc_dtype(p.X.scalar_type());
   if (p.reduction == Reduction::kNone) {

@@ -136,6 +136,26 @@ struct GradBuffers {
                                                         const std::optional<at::Tensor>& linear_bias) const;
 };
 
+/// The forward's checked problem (CPU and CUDA): check_args, then make_problem.
+Problem forward_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                        const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                        c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+                        std::optional<double> softcap, std::optional<int64_t> chunk_size);
+
+/// The backward's checked problem (CPU and CUDA): check_backward_args, then make_problem.
+Problem backward_problem(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight,
+                         const at::Tensor& target, const at::Tensor& stats,
+                         const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                         c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+                         std::optional<double> softcap, std::optional<int64_t> chunk_size);
+
+/// _linear_cross_entropy_forward's outputs from a backend's results (CPU and CUDA): (reduce_loss of token_loss,
+/// stats [N, 2] viewed as target's shape + (2,), then grads.finish's three gradients).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(
+    const Problem& p, const at::Tensor& token_loss, const at::Tensor& stats, const GradBuffers& grads,
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias);
+
 /// The per-token gradient scale [N] or [1] (acc dtype) from grad_output: grad_output itself for none,
 /// grad_output / mean_denominator for mean, grad_output for sum. `stride` is set to 1 ([N]) or 0 ([1]).
 at::Tensor grad_scale(const Problem& p, const at::Tensor& grad_output, int64_t& stride);

@@ -188,10 +188,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
     int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
     std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask) {
   const char* op = "linear_cross_entropy";
-  const auto red = lce::check_args(op, input, linear_weight, target, linear_bias, weight, reduction, label_smoothing,
-                                   z_loss, softcap, chunk_size);
-  const Problem p = lce::make_problem(input, linear_weight, target, linear_bias, weight, red, ignore_index,
-                                      label_smoothing, z_loss, softcap);
+  const Problem p = lce::forward_problem(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                                         label_smoothing, z_loss, softcap, chunk_size);
   check_targets(p, op);
   const auto dtype = input.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
@@ -228,10 +226,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
       chunk_grads(L, Xc, Wf, s0, grads);
     }
   });
-  auto ss = target.sizes().vec();
-  ss.push_back(2);
-  auto [gi, gw, gb] = grads.finish(input, linear_weight, linear_bias);
-  return {lce::reduce_loss(p, token_loss, target), stats.view(ss), gi, gw, gb};
+  return lce::forward_outputs(p, token_loss, stats, grads, input, linear_weight, target, linear_bias);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cpu(
@@ -240,10 +235,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cpu(
     c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
     std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size) {
   const char* op = "linear_cross_entropy_backward";
-  const auto red = lce::check_backward_args(grad_output, input, linear_weight, target, stats, linear_bias, weight,
-                                            reduction, label_smoothing, z_loss, softcap, chunk_size);
-  const Problem p = lce::make_problem(input, linear_weight, target, linear_bias, weight, red, ignore_index,
-                                      label_smoothing, z_loss, softcap);
+  const Problem p = lce::backward_problem(grad_output, input, linear_weight, target, stats, linear_bias, weight,
+                                          reduction, ignore_index, label_smoothing, z_loss, softcap, chunk_size);
   check_targets(p, op);
   const bool has_bias = p.b.defined();
   const bool need_dx = output_mask[0], need_dw = output_mask[1], need_db = output_mask[2] && has_bias;

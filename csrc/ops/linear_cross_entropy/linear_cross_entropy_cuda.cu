@@ -330,11 +330,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
     int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
     std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask) {
-  const auto red = lce::check_args("linear_cross_entropy", input, linear_weight, target, linear_bias, weight,
-                                   reduction, label_smoothing, z_loss, softcap, chunk_size);
   c10::cuda::CUDAGuard guard(input.device());
-  const Problem p = lce::make_problem(input, linear_weight, target, linear_bias, weight, red, ignore_index,
-                                      label_smoothing, z_loss, softcap);
+  const Problem p = lce::forward_problem(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                                         label_smoothing, z_loss, softcap, chunk_size);
   const auto dtype = input.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
   const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
@@ -396,10 +394,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
       }
     });
   }
-  auto ss = target.sizes().vec();
-  ss.push_back(2);
-  auto [gi, gw, gb] = grads.finish(input, linear_weight, linear_bias);
-  return {lce::reduce_loss(p, token_loss, target), stats.view(ss), gi, gw, gb};
+  return lce::forward_outputs(p, token_loss, stats, grads, input, linear_weight, target, linear_bias);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cuda(
@@ -407,11 +402,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cuda(
     const at::Tensor& stats, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
     c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
     std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size) {
-  const auto red = lce::check_backward_args(grad_output, input, linear_weight, target, stats, linear_bias, weight,
-                                            reduction, label_smoothing, z_loss, softcap, chunk_size);
   c10::cuda::CUDAGuard guard(input.device());
-  const Problem p = lce::make_problem(input, linear_weight, target, linear_bias, weight, red, ignore_index,
-                                      label_smoothing, z_loss, softcap);
+  const Problem p = lce::backward_problem(grad_output, input, linear_weight, target, stats, linear_bias, weight,
+                                          reduction, ignore_index, label_smoothing, z_loss, softcap, chunk_size);
   const bool has_bias = p.b.defined();
   const bool need_dx = output_mask[0], need_dw = output_mask[1], need_db = output_mask[2] && has_bias;
   const auto dtype = input.scalar_type();

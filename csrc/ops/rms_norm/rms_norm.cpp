@@ -47,6 +47,35 @@ ForwardOutputs empty_forward_outputs(const Problem& p, const at::Tensor& input, 
   return o;
 }
 
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(ForwardKernel kernel, const at::Tensor& input,
+                                                    c10::SymIntArrayRef normalized_shape,
+                                                    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  const auto p = check_forward("rms_norm", input, normalized_shape, weight, eps);
+  auto o = empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/false);
+  kernel(p, o.Y, o.Z, o.rstd);
+  return {o.Y, o.rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward(ForwardKernel kernel, const at::Tensor& input,
+                                                                          const at::Tensor& residual,
+                                                                          c10::SymIntArrayRef normalized_shape,
+                                                                          const std::optional<at::Tensor>& weight,
+                                                                          std::optional<double> eps) {
+  const auto p = check_forward("fused_add_rms_norm", input, normalized_shape, weight, eps, residual);
+  auto o = empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/true);
+  kernel(p, o.Y, o.Z, o.rstd);
+  return {o.Y, o.Z, o.rstd};
+}
+
+BackwardSetup begin_backward(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
+                             const std::optional<at::Tensor>& weight, std::array<bool, 2> output_mask) {
+  BackwardSetup s{check_backward(grad_output, input, rstd, weight), output_mask[0], false, at::Tensor(),
+                  rstd_dtype(input.scalar_type())};
+  s.want_dw = output_mask[1] && s.p.W.defined();
+  if (s.want_dx) s.dX = at::empty(input.sizes(), s.p.X.options());
+  return s;
+}
+
 c10::SymIntArrayRef leading_sizes(const at::Tensor& input, int64_t normalized_ndim) {
   const auto s = input.sym_sizes();
   return s.slice(0, s.size() - normalized_ndim);

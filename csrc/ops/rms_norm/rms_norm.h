@@ -10,7 +10,9 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <optional>
+#include <tuple>
 
 #include "opforge/opforge.h"
 
@@ -76,6 +78,33 @@ struct ForwardOutputs {
   at::Tensor Y, Z, rstd;
 };
 ForwardOutputs empty_forward_outputs(const Problem& p, const at::Tensor& input, int64_t normalized_ndim, bool fused);
+
+/// A backend's forward: fills Y (and Z where p.R is defined) and rstd, as allocated by empty_forward_outputs.
+using ForwardKernel = void (*)(const Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd);
+
+/// _rms_norm_forward on one backend: checks, allocates the outputs and runs `kernel`; returns (Y, rstd).
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(ForwardKernel kernel, const at::Tensor& input,
+                                                    c10::SymIntArrayRef normalized_shape,
+                                                    const std::optional<at::Tensor>& weight, std::optional<double> eps);
+
+/// _fused_add_rms_norm_forward on one backend: as rms_norm_forward with a residual; returns (Y, Z, rstd).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward(ForwardKernel kernel, const at::Tensor& input,
+                                                                          const at::Tensor& residual,
+                                                                          c10::SymIntArrayRef normalized_shape,
+                                                                          const std::optional<at::Tensor>& weight,
+                                                                          std::optional<double> eps);
+
+/// What every backend's rms_norm_backward starts from: the checked problem, which gradients are wanted
+/// (want_dw: output_mask[1] and a weight), dX (input's shape and dtype, empty) when want_dx, and the dtype
+/// in which the dweight partials accumulate (rstd_dtype).
+struct BackwardSetup {
+  BackwardProblem p;
+  bool want_dx, want_dw;
+  at::Tensor dX;
+  at::ScalarType acc_dtype;
+};
+BackwardSetup begin_backward(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
+                             const std::optional<at::Tensor>& weight, std::array<bool, 2> output_mask);
 
 }  // namespace rmsnorm
 }  // namespace opforge

@@ -140,19 +140,13 @@ void forward_cpu(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Te
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cpu(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                         const std::optional<at::Tensor>& weight,
                                                         std::optional<double> eps) {
-  const auto p = rmsnorm::check_forward("rms_norm", input, normalized_shape, weight, eps);
-  auto o = rmsnorm::empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/false);
-  forward_cpu(p, o.Y, o.Z, o.rstd);
-  return {o.Y, o.rstd};
+  return rmsnorm::rms_norm_forward(forward_cpu, input, normalized_shape, weight, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cpu(
     const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  const auto p = rmsnorm::check_forward("fused_add_rms_norm", input, normalized_shape, weight, eps, residual);
-  auto o = rmsnorm::empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/true);
-  forward_cpu(p, o.Y, o.Z, o.rstd);
-  return {o.Y, o.Z, o.rstd};
+  return rmsnorm::fused_add_rms_norm_forward(forward_cpu, input, residual, normalized_shape, weight, eps);
 }
 
 // One backward row (rs = rstd of the row):
@@ -223,20 +217,17 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
                                                          const at::Tensor& rstd,
                                                          const std::optional<at::Tensor>& weight,
                                                          std::array<bool, 2> output_mask) {
-  const auto p = rmsnorm::check_backward(grad_output, input, rstd, weight);
+  auto s = rmsnorm::begin_backward(grad_output, input, rstd, weight, output_mask);
+  const rmsnorm::BackwardProblem& p = s.p;
+  if (!s.want_dx && !s.want_dw) return {s.dX, at::Tensor()};
   const int64_t M = p.M, N = p.N;
-  const bool want_dx = output_mask[0];
-  const bool want_dw = output_mask[1] && p.W.defined();
-  at::Tensor dX = want_dx ? at::empty(input.sizes(), p.X.options()) : at::Tensor();
-  if (!want_dx && !want_dw) return {dX, at::Tensor()};
-  const auto acc_dtype = rmsnorm::rstd_dtype(input.scalar_type());
   // Rows split into nblocks fixed blocks; block b accumulates rows [b·M/B, (b+1)·M/B) in order into its dweight
   // partial row partials[b]. B depends on M and N only (at most kMaxDwBlocks, each at least row_grain(N) rows),
   // so the sums are independent of how many threads run the blocks.
   constexpr int64_t kMaxDwBlocks = 64;
   const int64_t nblocks =
-      want_dw ? std::max<int64_t>(1, std::min<int64_t>(kMaxDwBlocks, M / row_grain(N))) : 0;
-  at::Tensor partials = want_dw ? at::zeros({nblocks, N}, p.X.options().dtype(acc_dtype)) : at::Tensor();  // [B, N]
+      s.want_dw ? std::max<int64_t>(1, std::min<int64_t>(kMaxDwBlocks, M / row_grain(N))) : 0;
+  at::Tensor partials = s.want_dw ? at::zeros({nblocks, N}, p.X.options().dtype(s.acc_dtype)) : at::Tensor();  // [B, N]
   if (M > 0 && N > 0) {
     const at::Tensor W = p.W.defined() ? p.W : at::ones({N}, p.X.options());  // [N]
     OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::rms_norm_backward", [&] {
@@ -245,8 +236,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
       const scalar_t* x = p.X.const_data_ptr<scalar_t>();         // [M, N]
       const opmath_t* rs = p.rstd.const_data_ptr<opmath_t>();     // [M]
       const scalar_t* w = W.const_data_ptr<scalar_t>();           // [N]
-      scalar_t* dx = want_dx ? dX.mutable_data_ptr<scalar_t>() : nullptr;  // [M, N]
-      if (want_dw) {
+      scalar_t* dx = s.want_dx ? s.dX.mutable_data_ptr<scalar_t>() : nullptr;  // [M, N]
+      if (s.want_dw) {
         opmath_t* part = partials.mutable_data_ptr<opmath_t>();
         at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
           for (int64_t b = b0; b < b1; ++b) {
@@ -263,10 +254,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
     });
   }
   at::Tensor dW;
-  if (want_dw) {
+  if (s.want_dw) {
     // dW[j] = Σ_b partials[b, j], b in order (ATen's sum may split the reduction by thread count)
     at::Tensor sum = at::empty({N}, partials.options());  // [N]
-    AT_DISPATCH_FLOATING_TYPES(acc_dtype, "opforge::rms_norm_backward_dw", [&] {
+    AT_DISPATCH_FLOATING_TYPES(s.acc_dtype, "opforge::rms_norm_backward_dw", [&] {
       const scalar_t* part = partials.const_data_ptr<scalar_t>();  // [B, N]
       scalar_t* out = sum.mutable_data_ptr<scalar_t>();            // [N]
       at::parallel_for(0, N, 4096, [&](int64_t j0, int64_t j1) {
@@ -277,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
     });
     dW = sum.view(weight->sizes()).to(weight->scalar_type());
   }
-  return {dX, dW};
+  return {s.dX, dW};
 }
 
 }  // namespace

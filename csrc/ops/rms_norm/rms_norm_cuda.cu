@@ -316,6 +316,66 @@ bool launch_forward_variant(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor
   }
 }
 
+// The backward kernels' shared per-thread row steps (variant 0's register path and variants 1, 2). A thread owns
+// the NV vectors v = tid + k·tpr (k < NV) of a row that lie below nvec; O is opmath_t. Written as free functions
+// with the loops the kernels had inline: the H200 SASS of every instantiation is byte-identical to the inline code
+// (a struct-with-lambda version was not, nor was a shared dx step: the dx loops stay in each kernel).
+
+// Row r's dy and x vectors into gd, xd and its rstd into rsd.
+template <int NV, typename V, typename T, typename O>
+__device__ __forceinline__ void backward_load_row(const T* dY, const T* X, const O* rstd, int64_t N, int64_t nvec,
+                                                  int tid, int tpr, int64_t r, V* gd, V* xd, O& rsd) {
+  const V* dYv = reinterpret_cast<const V*>(dY + r * N);
+  const V* Xv = reinterpret_cast<const V*>(X + r * N);
+  rsd = rstd[r];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+    if (v < nvec) {
+      gd[k] = dYv[v];
+      xd[k] = Xv[v];
+    }
+  }
+}
+
+// PIPE: the next row (gn, xn, rsn) becomes this row (g, x, rs).
+template <int NV, typename V, typename O>
+__device__ __forceinline__ void backward_advance(V* g, V* x, const V* gn, const V* xn, O& rs, O rsn) {
+  rs = rsn;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    g[k] = gn[k];
+    x[k] = xn[k];
+  }
+}
+
+// One row's dweight partial: dw(k, v, j) += dy·x·rs.
+template <int NV, int VEC, typename V, typename O, typename DwAt>
+__device__ __forceinline__ void backward_accumulate_dw(const V* g, const V* x, O rs, int64_t nvec, int tid, int tpr,
+                                                       DwAt&& dw) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+    if (v < nvec) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dw(k, v, j) += static_cast<O>(g[k].val[j]) * static_cast<O>(x[k].val[j]) * rs;
+    }
+  }
+}
+
+// The block's dweight partial dw(k, v, j) into its row `out` of the [gridDim.x, N] partials.
+template <int NV, int VEC, typename O, typename DwAt>
+__device__ __forceinline__ void backward_store_dw(O* out, int64_t nvec, int tid, int tpr, DwAt&& dw) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+    if (v < nvec) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out[v * VEC + j] = dw(k, v, j);
+    }
+  }
+}
+
 // Backward. Per row (rs = rstd[row]):
 //   s = Σ w·dy·x;  dx = rs·w·dy − x·(rs³·s/N);  dw_partial[group] += dy·x·rs
 // One row group per block (blockDim.y == 1); group g = blockIdx.x writes partial row g. PIPE: as in
@@ -351,18 +411,9 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int j = 0; j < VEC; ++j) dw[k][j] = 0;
     }
     auto load_row = [&](int64_t r, V* gd, V* xd, opmath_t& rsd) {
-      const V* dYv = reinterpret_cast<const V*>(dY + r * N);
-      const V* Xv = reinterpret_cast<const V*>(X + r * N);
-      rsd = rstd[r];
-#pragma unroll
-      for (int k = 0; k < MAXV; ++k) {
-        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-        if (v < nvec) {
-          gd[k] = dYv[v];
-          xd[k] = Xv[v];
-        }
-      }
+      backward_load_row<MAXV>(dY, X, rstd, N, nvec, tid, tpr, r, gd, xd, rsd);
     };
+    auto dw_at = [&](int k, int64_t, int j) -> opmath_t& { return dw[k][j]; };
     int64_t row = blockIdx.x;
     if (PIPE && row < M) load_row(row, g, x, rs);
     for (; row < M; row += gridDim.x) {
@@ -397,36 +448,11 @@ __global__ void __launch_bounds__(kMaxThreads)
           }
         }
       }
-      if (dW_partial != nullptr) {
-#pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-          if (tid + static_cast<int64_t>(k) * tpr < nvec) {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j)
-              dw[k][j] += static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]) * rs;
-          }
-        }
-      }
-      if constexpr (PIPE) {
-        rs = rsn;
-#pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-          g[k] = gn[k];
-          x[k] = xn[k];
-        }
-      }
+      if (dW_partial != nullptr) backward_accumulate_dw<MAXV, VEC>(g, x, rs, nvec, tid, tpr, dw_at);
+      if constexpr (PIPE) backward_advance<MAXV>(g, x, gn, xn, rs, rsn);
     }
-    if (dW_partial != nullptr) {
-      opmath_t* out = dW_partial + static_cast<int64_t>(blockIdx.x) * N;
-#pragma unroll
-      for (int k = 0; k < MAXV; ++k) {
-        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-        if (v < nvec) {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) out[v * VEC + j] = dw[k][j];
-        }
-      }
-    }
+    if (dW_partial != nullptr)
+      backward_store_dw<MAXV, VEC>(dW_partial + static_cast<int64_t>(blockIdx.x) * N, nvec, tid, tpr, dw_at);
   } else {
     // streaming: rows too long for registers; the dweight partial row accumulates in global memory
     // (this block's own row of dW_partial, zero-initialized by the launcher, L2-resident)
@@ -519,18 +545,9 @@ __global__ void __launch_bounds__(1024)
   };
   auto wval = [&](const V& w, int j) { return W != nullptr ? static_cast<opmath_t>(w.val[j]) : opmath_t(1); };
   auto load_row = [&](int64_t r, V* gd, V* xd, opmath_t& rsd) {
-    const V* dYv = reinterpret_cast<const V*>(dY + r * N);
-    const V* Xv = reinterpret_cast<const V*>(X + r * N);
-    rsd = rstd[r];
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-      if (v < nvec) {
-        gd[k] = dYv[v];
-        xd[k] = Xv[v];
-      }
-    }
+    backward_load_row<NV>(dY, X, rstd, N, nvec, tid, tpr, r, gd, xd, rsd);
   };
+  auto dw_at = [&](int, int64_t v, int j) -> opmath_t& { return acc[j * nvec + v]; };
   int64_t row = blockIdx.x;
   if (PIPE && row < M) load_row(row, g, x, rs);
   for (; row < M; row += gridDim.x) {
@@ -567,37 +584,11 @@ __global__ void __launch_bounds__(1024)
         }
       }
     }
-    if (dW_partial != nullptr) {
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-        if (v < nvec) {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j)
-            acc[j * nvec + v] += static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]) * rs;
-        }
-      }
-    }
-    if constexpr (PIPE) {
-      rs = rsn;
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        g[k] = gn[k];
-        x[k] = xn[k];
-      }
-    }
+    if (dW_partial != nullptr) backward_accumulate_dw<NV, VEC>(g, x, rs, nvec, tid, tpr, dw_at);
+    if constexpr (PIPE) backward_advance<NV>(g, x, gn, xn, rs, rsn);
   }
-  if (dW_partial != nullptr) {
-    opmath_t* out = dW_partial + static_cast<int64_t>(blockIdx.x) * N;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-      if (v < nvec) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) out[v * VEC + j] = acc[j * nvec + v];
-      }
-    }
-  }
+  if (dW_partial != nullptr)
+    backward_store_dw<NV, VEC>(dW_partial + static_cast<int64_t>(blockIdx.x) * N, nvec, tid, tpr, dw_at);
 }
 
 // The backward's variant when the knob is unset (OPFORGE_RMS_BWD = -1), from the same H200 run (forward +
@@ -740,19 +731,13 @@ void forward_cuda(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::T
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                                                          const std::optional<at::Tensor>& weight,
                                                          std::optional<double> eps) {
-  const auto p = rmsnorm::check_forward("rms_norm", input, normalized_shape, weight, eps);
-  auto o = rmsnorm::empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/false);
-  forward_cuda(p, o.Y, o.Z, o.rstd);
-  return {o.Y, o.rstd};
+  return rmsnorm::rms_norm_forward(forward_cuda, input, normalized_shape, weight, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cuda(
     const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  const auto p = rmsnorm::check_forward("fused_add_rms_norm", input, normalized_shape, weight, eps, residual);
-  auto o = rmsnorm::empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/true);
-  forward_cuda(p, o.Y, o.Z, o.rstd);
-  return {o.Y, o.Z, o.rstd};
+  return rmsnorm::fused_add_rms_norm_forward(forward_cuda, input, residual, normalized_shape, weight, eps);
 }
 
 // The backward's launch plan: the kernel variant and the blocks resident per SM. Pipelining (PIPE) is
@@ -817,43 +802,40 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
                                                           const at::Tensor& rstd,
                                                           const std::optional<at::Tensor>& weight,
                                                           std::array<bool, 2> output_mask) {
-  const auto p = rmsnorm::check_backward(grad_output, input, rstd, weight);
+  auto s = rmsnorm::begin_backward(grad_output, input, rstd, weight, output_mask);
+  const rmsnorm::BackwardProblem& p = s.p;
+  if (!s.want_dx && !s.want_dw) return {s.dX, at::Tensor()};
   const int64_t M = p.M, N = p.N;
-  const bool want_dx = output_mask[0];
-  const bool want_dw = output_mask[1] && p.W.defined();
-  at::Tensor dX = want_dx ? at::empty(input.sizes(), p.X.options()) : at::Tensor();
-  if (!want_dx && !want_dw) return {dX, at::Tensor()};
-  const auto acc_dtype = rmsnorm::rstd_dtype(input.scalar_type());
   c10::cuda::CUDAGuard guard(input.device());
   at::Tensor dW;
   if (M == 0 || N == 0) {
-    if (want_dw) dW = at::zeros(weight->sizes(), weight->options());
-    return {dX, dW};
+    if (s.want_dw) dW = at::zeros(weight->sizes(), weight->options());
+    return {s.dX, dW};
   }
   const int64_t elem = p.X.element_size();
   const int64_t VEC = 16 / elem;
   const bool vec = N % VEC == 0 && cuda::is_aligned16(p.dY.const_data_ptr()) && cuda::is_aligned16(p.X.const_data_ptr()) &&
                    (!p.W.defined() || cuda::is_aligned16(p.W.const_data_ptr())) &&
-                   (!want_dx || cuda::is_aligned16(dX.const_data_ptr()));
+                   (!s.want_dx || cuda::is_aligned16(s.dX.const_data_ptr()));
   bool done = false;
   OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::rms_norm_backward", [&] {
-    done = launch_backward_variant<scalar_t>(p, dX, want_dw, vec, want_dw ? *weight : at::Tensor(), dW);
+    done = launch_backward_variant<scalar_t>(p, s.dX, s.want_dw, vec, s.want_dw ? *weight : at::Tensor(), dW);
   });
-  if (done) return {dX, dW};
+  if (done) return {s.dX, dW};
   const RowMapping map = choose_mapping(vec ? N / VEC : N, kMaxThreads);
   // one row group per block, as many blocks as are resident at once: the partials are then
   // (resident blocks) rows of N floats, a few percent of the traffic of dY, X and dX
   const BackwardPlan plan = backward_plan(p.X.scalar_type(), map, vec);
   const int64_t grid = std::min<int64_t>(M, num_sms() * plan.resident);
   at::Tensor partials;  // [grid, N]
-  if (want_dw) {
-    auto opts = p.X.options().dtype(acc_dtype);
+  if (s.want_dw) {
+    auto opts = p.X.options().dtype(s.acc_dtype);
     partials = map.cached ? at::empty({grid, N}, opts) : at::zeros({grid, N}, opts);
   }
   OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::rms_norm_backward",
-                            [&] { launch_backward<scalar_t>(p, dX, partials, grid, map, vec, plan.pipe); });
-  if (want_dw) dW = partials.sum(0).view(weight->sizes()).to(weight->scalar_type());
-  return {dX, dW};
+                            [&] { launch_backward<scalar_t>(p, s.dX, partials, grid, map, vec, plan.pipe); });
+  if (s.want_dw) dW = partials.sum(0).view(weight->sizes()).to(weight->scalar_type());
+  return {s.dX, dW};
 }
 
 }  // namespace

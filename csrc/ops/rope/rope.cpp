@@ -277,41 +277,42 @@ void finish_table_node(Node& node, const at::Tensor& cos, const at::Tensor& sin,
   node->attr(rotary_dim);
 }
 
-std::tuple<at::Tensor, at::Tensor> rope_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                                                 const at::Tensor& sin, bool interleaved, int64_t rotary_dim) {
-  check_no_forward_ad("rope", q, k, cos, sin);
-  check_table_no_grad("rope", cos, sin);
-  const bool grad = any_requires_grad(q, k);
-  at::Tensor yq, yk;
+// The autograd wrapper of a table op (rope, rope_backward) of two tensors a, b (q and k, or the two incoming
+// gradients): runs forward() below autograd and, when a or b requires grad, records node `node` (backward is
+// also its own double backward) with the table and the attributes.
+template <typename A, typename Forward>
+std::tuple<at::Tensor, at::Tensor> table_autograd(const char* op, const char* node, BackwardFn backward, const A& a,
+                                                  const A& b, const at::Tensor& cos, const at::Tensor& sin,
+                                                  bool interleaved, int64_t rotary_dim, Forward&& forward) {
+  check_no_forward_ad(op, a, b, cos, sin);
+  check_table_no_grad(op, cos, sin);
+  const bool grad = any_requires_grad(a, b);
+  at::Tensor ya, yb;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(yq, yk) = opforge::rope(q, k, cos, sin, interleaved, rotary_dim);
+    std::tie(ya, yb) = forward();
   }
   if (grad) {
-    auto node = record_node("opforge::RopeBackward", rope_backward_fn, rope_backward_fn, {&yq, &yk}, q, k);
-    finish_table_node(node, cos, sin, interleaved, rotary_dim);
+    auto n = record_node(node, backward, backward, {&ya, &yb}, a, b);
+    finish_table_node(n, cos, sin, interleaved, rotary_dim);
   }
-  return {yq, yk};
+  return {ya, yb};
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                 const at::Tensor& sin, bool interleaved, int64_t rotary_dim) {
+  return table_autograd("rope", "opforge::RopeBackward", rope_backward_fn, q, k, cos, sin, interleaved, rotary_dim,
+                        [&] { return opforge::rope(q, k, cos, sin, interleaved, rotary_dim); });
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_backward_autograd(const std::optional<at::Tensor>& grad_q_out,
                                                           const std::optional<at::Tensor>& grad_k_out,
                                                           const at::Tensor& cos, const at::Tensor& sin,
                                                           bool interleaved, int64_t rotary_dim) {
-  check_no_forward_ad("rope_backward", grad_q_out, grad_k_out, cos, sin);
-  check_table_no_grad("rope_backward", cos, sin);
-  const bool grad = any_requires_grad(grad_q_out, grad_k_out);
-  at::Tensor gq, gk;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(gq, gk) = opforge::rope_backward(grad_q_out, grad_k_out, cos, sin, interleaved, rotary_dim);
-  }
-  if (grad) {
-    auto node = record_node("opforge::RopeBackwardBackward", rope_backward_backward_fn, rope_backward_backward_fn,
-                            {&gq, &gk}, grad_q_out, grad_k_out);
-    finish_table_node(node, cos, sin, interleaved, rotary_dim);
-  }
-  return {gq, gk};
+  return table_autograd("rope_backward", "opforge::RopeBackwardBackward", rope_backward_backward_fn, grad_q_out,
+                        grad_k_out, cos, sin, interleaved, rotary_dim, [&] {
+                          return opforge::rope_backward(grad_q_out, grad_k_out, cos, sin, interleaved, rotary_dim);
+                        });
 }
 
 template <typename Node>
