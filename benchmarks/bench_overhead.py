@@ -59,13 +59,16 @@ def per_call_us(fn, args: tuple, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def variants(requires_grad: bool) -> tuple[dict, dict]:
-    """{name: (callable, args)} and {name: the name of its torch baseline}, for one grad mode."""
+def variants(requires_grad: bool, shape: str = "4x8x8") -> tuple[dict, dict]:
+    """{name: (callable, args)} and {name: the name of its torch baseline}, for one grad mode and one linear
+    problem ``MxKxN`` (input M×K, weight N×K, bias N)."""
     torch.manual_seed(0)
-    x = torch.randn(4, 8, requires_grad=requires_grad)
-    w = torch.randn(8, 8, requires_grad=requires_grad)
-    b = torch.randn(8, requires_grad=requires_grad)
-    ref_mod, our_mod = torch.nn.Linear(8, 8), opforge.nn.Linear(8, 8)
+    M, K, N = (int(d) for d in shape.split("x"))
+    x = torch.randn(M, K, requires_grad=requires_grad)
+    w = torch.randn(N, K, requires_grad=requires_grad)
+    b = torch.randn(N, requires_grad=requires_grad)
+    bk = b if K == N else torch.randn(K, requires_grad=requires_grad)  # a (K,) weight for rms_norm, square_add
+    ref_mod, our_mod = torch.nn.Linear(K, N), opforge.nn.Linear(K, N)
     our_mod.load_state_dict(ref_mod.state_dict())
     for m in (ref_mod, our_mod):
         m.requires_grad_(requires_grad)
@@ -83,19 +86,25 @@ def variants(requires_grad: bool) -> tuple[dict, dict]:
         "F.gelu(F.linear)": (lambda x, w, b: F.gelu(F.linear(x, w, b)), xwb),
         "torch.nn.Linear": (ref_mod, (x,)),
         "opforge.nn.Linear": (our_mod, (x,)),
-        # the other functional wrappers, each against its torch counterpart
+        # the floor of the boxed path: a near-empty ATen op (a bool from two sizes) through its generated binding
+        # and through torch.ops, as any custom op is called
+        "Tensor.is_same_size": (torch.Tensor.is_same_size, (x, x)),
+        "torch.ops.aten.is_same_size.default._op": (torch.ops.aten.is_same_size.default._op, (x, x)),
+        # the other functional wrappers, each against its torch counterpart (their inputs: x (M, K), bk (K,))
         "torch.sigmoid": (torch.sigmoid, (x,)),
         "opforge.sigmoid": (opforge.sigmoid, (x,)),
         "torch.square": (torch.square, (x,)),
         "opforge.square": (opforge.square, (x,)),
-        "F.rms_norm": (F.rms_norm, (x, (8,), b)),
-        "opforge.rms_norm": (opforge.rms_norm, (x, (8,), b)),
+        "F.rms_norm": (F.rms_norm, (x, (K,), bk)),
+        "opforge.rms_norm": (opforge.rms_norm, (x, (K,), bk)),
         "F.silu(gate) * up": (lambda g, u: F.silu(g) * u, (x, x)),
         "opforge.swiglu": (opforge.swiglu, (x, x)),
-        "torch.square(x) + b": (lambda x, b: torch.square(x) + b, (x, b)),
-        "opforge.square_add": (opforge.square_add, (x, b)),
+        "torch.square(x) + b": (lambda x, b: torch.square(x) + b, (x, bk)),
+        "opforge.square_add": (opforge.square_add, (x, bk)),
     }
-    base = {"opforge.linear gelu": "F.gelu(F.linear)", "F.gelu(F.linear)": "F.gelu(F.linear)",
+    base = {"Tensor.is_same_size": "Tensor.is_same_size",
+            "torch.ops.aten.is_same_size.default._op": "Tensor.is_same_size",
+            "opforge.linear gelu": "F.gelu(F.linear)", "F.gelu(F.linear)": "F.gelu(F.linear)",
             "torch.nn.Linear": "torch.nn.Linear", "opforge.nn.Linear": "torch.nn.Linear",
             "torch.sigmoid": "torch.sigmoid", "opforge.sigmoid": "torch.sigmoid",
             "torch.square": "torch.square", "opforge.square": "torch.square",
@@ -107,13 +116,13 @@ def variants(requires_grad: bool) -> tuple[dict, dict]:
 
 # ---- instruction counts (valgrind --tool=callgrind) ------------------------------------------------------
 
-def callgrind_child(names: list[str], calls: int) -> int:
+def callgrind_child(names: list[str], calls: int, shape: str) -> int:
     """Runs inside valgrind: for each "mode:name", warm up, then `calls` calls through starmap (the only code
     counted), then os.getppid(), the marker on which callgrind dumps the counts (and zeroes them)."""
     os.getppid()  # dump 1: whatever came before (nothing: collection is on inside starmap_next only)
     for item in names:
         mode, name = item.split(":", 1)
-        fn, args = variants(mode == "requires_grad")[0][name]
+        fn, args = variants(mode == "requires_grad", shape)[0][name]
         for _ in range(200):  # warm-up outside starmap: caches, lazy inits, the dispatcher's first-call paths
             fn(*args)
         run_calls(fn, args, calls)
@@ -121,7 +130,7 @@ def callgrind_child(names: list[str], calls: int) -> int:
     return 0
 
 
-def callgrind_ir(names: list[str], calls: int, threads: int, keep: Path | None) -> list[float]:
+def callgrind_ir(names: list[str], calls: int, threads: int, keep: Path | None, shape: str) -> list[float]:
     """Instructions per call of each "mode:name" variant, in one child process under callgrind (collection on
     inside starmap_next only, one dump per variant at the os.getppid() marker)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,7 +138,7 @@ def callgrind_ir(names: list[str], calls: int, threads: int, keep: Path | None) 
         cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=starmap_next",
                "--dump-before=os_getppid", f"--callgrind-out-file={out}", sys.executable,
                str(Path(__file__).resolve()), "--_callgrind-child", "|".join(names), "--calls", str(calls),
-               "--threads", str(threads)]
+               "--threads", str(threads), "--shape", shape]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         dumps = sorted(Path(tmp).glob("callgrind.out.*"), key=lambda f: int(f.suffix[1:]))
         if len(dumps) < len(names) + 1:
@@ -174,6 +183,7 @@ def main(argv=None) -> int:
                    help="accepted for the shared benchmark command line; the tensors are CPU tensors either way "
                         "(the goal is host time per call)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    p.add_argument("--shape", default="4x8x8", help="the linear problem MxKxN: input M×K, weight N×K, bias N")
     p.add_argument("--only", default=None, help="comma-separated variant names (and their baselines)")
     p.add_argument("--callgrind", action="store_true", help="instructions per call under valgrind, not wall time")
     p.add_argument("--callgrind-keep", type=Path, default=None,
@@ -185,14 +195,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.child:
-        return callgrind_child(args.child.split("|"), args.calls)
+        return callgrind_child(args.child.split("|"), args.calls, args.shape)
     if args.quick:
         args.calls, args.repeats = min(args.calls, 500), min(args.repeats, 5)
 
     rows: list[Row] = []
     selected = {}
     for requires_grad in (False, True):
-        v, base = variants(requires_grad)
+        v, base = variants(requires_grad, args.shape)
         if args.only:
             wanted = {s.strip() for s in args.only.split(",")}
             wanted |= {base[k] for k in wanted if k in base}
@@ -200,12 +210,12 @@ def main(argv=None) -> int:
         selected["requires_grad" if requires_grad else "no_grad"] = (v, base)
     if args.callgrind:  # every variant in one valgrind run (torch's import under valgrind takes minutes)
         names = [f"{mode}:{k}" for mode, (v, _) in selected.items() for k in v]
-        irs = dict(zip(names, callgrind_ir(names, args.calls, args.threads, args.callgrind_keep)))
+        irs = dict(zip(names, callgrind_ir(names, args.calls, args.threads, args.callgrind_keep, args.shape)))
         for mode, (v, base) in selected.items():
             for k in v:
                 ir, ref = irs[f"{mode}:{k}"], irs.get(f"{mode}:{base[k]}", float("nan"))
                 print(f"  {mode:13s} {k:40s} {ir:10.0f} Ir/call", flush=True)
-                rows.append(Row("linear_overhead_ir", "4x8x8", "float32", k, mode, float("nan"), ir / ref,
+                rows.append(Row("linear_overhead_ir", args.shape, "float32", k, mode, float("nan"), ir / ref,
                                 f"x baseline ({ir:.0f} Ir/call)"))
     else:
         for mode, (v, base) in selected.items():
@@ -217,7 +227,7 @@ def main(argv=None) -> int:
                     times[k].append(per_call_us(fn, a, args.calls))
             med = {k: statistics.median(t) for k, t in times.items()}
             for k, t in med.items():
-                rows.append(Row("linear_overhead", "4x8x8", "float32", k, mode, t, t / med[base[k]], "x baseline"))
+                rows.append(Row("linear_overhead", args.shape, "float32", k, mode, t, t / med[base[k]], "x baseline"))
     if args.cpp:
         rows += cpp_rows(args.build_dir, args.calls * 10, args.repeats)
     what = "instructions per call (callgrind)" if args.callgrind else "call overhead"

@@ -5,11 +5,25 @@
 // grad_input make the same GEMM calls as torch.nn.functional.linear.
 #include <torch/library.h>
 
+#include <array>
+
 #include "core/check.h"
 #include "ops/linear/linear.h"
 
 namespace opforge {
 namespace {
+
+/// weightᵀ [K, N], a view of W [N, K] with the same sizes, strides, storage, version counter and dispatch keys as
+/// W.t(), made directly: W.t() goes through the dispatcher twice (t, then as_strided), ~2 300 instructions a call,
+/// a tenth of a tiny linear's host time (docs/performance/overhead.md).
+at::Tensor transposed(const at::Tensor& W) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(W.storage()), W.key_set(),
+                                                   W.dtype());
+  const std::array<int64_t, 2> sizes{W.size(1), W.size(0)}, strides{W.stride(1), W.stride(0)};
+  impl->set_sizes_and_strides(c10::IntArrayRef(sizes), c10::IntArrayRef(strides), W.storage_offset());
+  impl->set_version_counter(W.unsafeGetTensorImpl()->version_counter());
+  return at::Tensor(std::move(impl));
+}
 
 /// Z[M, N] = X · Wᵀ + b, a new contiguous tensor (never a view of bias).
 at::Tensor pre_activation(const linear_op::LinearProblem& p) {
@@ -19,8 +33,8 @@ at::Tensor pre_activation(const linear_op::LinearProblem& p) {
     if (p.b.defined()) Z.copy_(p.b.expand({p.M, p.N})); else Z.zero_();
     return Z;
   }
-  if (p.b.defined()) return at::addmm(p.b, p.X, p.W.t());  // Z = b + X · Wᵀ
-  return at::mm(p.X, p.W.t());                              // Z = X · Wᵀ
+  if (p.b.defined()) return at::addmm(p.b, p.X, transposed(p.W));  // Z = b + X · Wᵀ
+  return at::mm(p.X, transposed(p.W));                              // Z = X · Wᵀ
 }
 
 /// y = act(z), a new tensor (z is left as it is).
