@@ -1116,10 +1116,13 @@ def _fql_native(input, weight, bias=None, **kwargs):
 def _fql_quantized(input, weight, dtype, weight_bits=4, group_size=-1, symmetric=True, act_quant=False):
     """(fq_a(input), its mask, fq_w(weight) in input's dtype, its mask) by torch's fake_quantize functions
     (opforge.testing), on the args rounded back to the sample's dtype: bit-identical to the op's."""
-    wq, wm = T.fake_quantize_weight_reference(weight.detach().to(dtype), weight_bits, group_size, symmetric)[:2]
-    x = input.detach().to(dtype)
+    # torch's fake_quantize functions on the CPU: the spec (issue 11). Their CUDA kernels differ for float64
+    # (H200, torch 2.11: the float64 product is not the CPU's), which opforge's CUDA kernel does not follow.
+    dev = input.device
+    wq, wm = T.fake_quantize_weight_reference(weight.detach().cpu().to(dtype), weight_bits, group_size, symmetric)[:2]
+    x = input.detach().cpu().to(dtype)
     xq, xm = T.fake_quantize_per_token_reference(x) if act_quant else (x, torch.ones(x.shape, dtype=torch.bool))
-    return xq, xm.to(input.device), wq.to(dtype), wm.to(input.device)
+    return xq.to(dev), xm.to(dev), wq.to(dtype).to(dev), wm.to(dev)
 
 
 def _fql_reference_for(dtype):
@@ -1215,8 +1218,9 @@ def _fql_bad(device):
 
 def _fqw_reference_for(dtype):
     def ref(weight, bits=4, group_size=-1, symmetric=True):
-        """torch's fake_quantize functions on the weight in the sample's dtype (opforge.testing)."""
-        return T.fake_quantize_weight_reference(weight.detach().to(dtype), bits, group_size, symmetric)
+        """torch's fake_quantize functions (on the CPU, the spec) on the weight in the sample's dtype (opforge.testing)."""
+        out = T.fake_quantize_weight_reference(weight.detach().cpu().to(dtype), bits, group_size, symmetric)
+        return tuple(t.to(weight.device) for t in out)
     return ref
 
 
