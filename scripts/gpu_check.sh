@@ -6,6 +6,10 @@
 #   GPU_CHECK_BENCH="elementwise rms_norm" bash scripts/gpu_check.sh
 #   GPU_CHECK_NO_CUDA=1 GPU_CHECK_JOBS=1 bash scripts/gpu_check.sh      # CPU-only dry run of the flow
 #   scripts/multi_gpu_check.sh and scripts/llama_report.sh are this script with other settings.
+#   The whole CUDA suite when build + suite pass one device call's 600 s: two calls on the same warm machine (the
+#   second reuses build/gpu, about 40 s), each half of the tests (tests/python/conftest.py's --shard K/N):
+#     GPU_CHECK_PYTEST_ARGS='-n 16 --cuda-only --shard 1/2 tests/python' bash scripts/gpu_check.sh
+#     GPU_CHECK_PYTEST_ARGS='-n 16 --cuda-only --shard 2/2 tests/python' bash scripts/gpu_check.sh   (within 30 s)
 #
 # Steps (a failing step is recorded and the later steps still run):
 #   wheels     .whl/*.whl, if present, installed with pip --no-index --no-deps into /tmp/site (PYTHONPATH)
@@ -121,6 +125,9 @@ try:
     import triton; print(f"triton {triton.__version__}")
 except Exception as e:
     print(f"triton: n/a ({type(e).__name__})")
+EOF
+  # the peer's import (transformers, triton: ~25 s) runs beside the build; its line is printed after the build
+  "$PY" - > "$LOGS/env_peers.log" 2>&1 <<'EOF' &
 try:
     from importlib.metadata import version
     import liger_kernel.transformers  # noqa: F401  (imports triton)
@@ -240,6 +247,9 @@ if [ "$CONFIGURED" = 1 ]; then
 else
   record build SKIP "not configured"
 fi
+
+for _ in $(seq 60); do grep -q "^liger-kernel" "$LOGS/env_peers.log" 2>/dev/null && break; sleep 1; done  # env's peer import
+grep -v Warning "$LOGS/env_peers.log" 2>/dev/null | tail -n 3 | tee -a "$LOGS/env.log"
 
 # ---- compute-sanitizer beside the tests (GPU_CHECK_SANITIZER=parallel) --------------------------------------
 # The coverage pass, then the tools side by side, in the background while pytest (and the later steps) run: the

@@ -36,6 +36,10 @@ def pytest_addoption(parser):
     parser.addoption("--cuda-only", action="store_true", default=False,
                      help="keep only the CUDA tests (a 'cuda' in the test id, or a skip-without-CUDA/GPU mark): "
                           "the GPU machine's run, whose CPU twins CI already runs")
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="keep the K-th of N disjoint parts of the selected tests (by a hash of each test id, so "
+                          "the parts are stable and balanced): the GPU machine runs the whole suite as N calls on "
+                          "one warm build when one call's time limit cannot hold it (scripts/gpu_check.sh)")
 
 
 def _needs_cuda(item) -> bool:
@@ -53,6 +57,18 @@ def pytest_collection_modifyitems(config, items):
         kept = [i for i in items if _needs_cuda(i)]
         config.hook.pytest_deselected(items=[i for i in items if not _needs_cuda(i)])
         items[:] = kept
+    shard = config.getoption("--shard")
+    if shard:
+        import zlib
+
+        try:
+            k, n = (int(v) for v in shard.split("/"))
+            assert 1 <= k <= n
+        except (ValueError, AssertionError):
+            raise pytest.UsageError(f"--shard: expected K/N with 1 <= K <= N, but got {shard!r}") from None
+        part = [i for i in items if zlib.crc32(i.nodeid.encode()) % n == k - 1]
+        config.hook.pytest_deselected(items=[i for i in items if zlib.crc32(i.nodeid.encode()) % n != k - 1])
+        items[:] = part
     if config.getoption("--run-slow") or os.environ.get("OPFORGE_RUN_SLOW", "") not in ("", "0"):
         return
     skip = pytest.mark.skip(reason="slow test: run with --run-slow or OPFORGE_RUN_SLOW=1")
