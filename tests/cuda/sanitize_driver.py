@@ -2,8 +2,10 @@
 
 Each case is one op family in one dtype with either contiguous inputs or inputs whose base pointer is one element
 past an allocation's start (unaligned for 16-byte vector loads), so that the vectorized and the scalar paths of each
-kernel both run. Every input and gradient is made on the host and copied to the device (initcheck then sees each
-byte our kernels read written by a cudaMemcpy or by a kernel, never by an uninstrumented torch kernel). Values are
+kernel both run. Every input and gradient is made on the host and copied to the device (a cudaMemcpy, which
+initcheck tracks; initcheck runs without the kernel filter, so the writes of torch's and cuBLAS's kernels, e.g. a
+GEMM output that an activation pass reads, are tracked too: scripts/sanitize.sh). Each family also runs its
+run-time knob and kernel-path variants (core/knobs.h, OPFORGE_INDEXED_LINEAR_PATH), so that every kernel is launched. Values are
 not checked here (the test suite does that); the sanitizer's verdict is the result.
 
 Each case prints ``case <id>: begin`` before and ``case <id>: ok`` after it (flushed), so a log cut short by a
