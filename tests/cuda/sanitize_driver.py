@@ -2,8 +2,10 @@
 
 Each case is one op family in one dtype with either contiguous inputs or inputs whose base pointer is one element
 past an allocation's start (unaligned for 16-byte vector loads), so that the vectorized and the scalar paths of each
-kernel both run. Every input and gradient is made on the host and copied to the device (initcheck then sees each
-byte our kernels read written by a cudaMemcpy or by a kernel, never by an uninstrumented torch kernel). Values are
+kernel both run. Every input and gradient is made on the host and copied to the device (a cudaMemcpy, which
+initcheck tracks; initcheck runs without the kernel filter, so the writes of torch's and cuBLAS's kernels, e.g. a
+GEMM output that an activation pass reads, are tracked too: scripts/sanitize.sh). Each family also runs its
+run-time knob and kernel-path variants (core/knobs.h, OPFORGE_INDEXED_LINEAR_PATH), so that every kernel is launched. Values are
 not checked here (the test suite does that); the sanitizer's verdict is the result.
 
 Each case prints ``case <id>: begin`` before and ``case <id>: ok`` after it (flushed), so a log cut short by a
@@ -11,11 +13,15 @@ sanitizer failure names the case it died in, and ``--start-after <id>`` resumes 
 same cases without a sanitizer under torch.profiler and checks that every ``__global__`` kernel of csrc/ was launched
 under a name containing "opforge" (the sanitizer's kernel-name filter), printing ``coverage: K kernels, M launches``.
 
-Usage: python tests/cuda/sanitize_driver.py [--quick] [--tool T] [--coverage] [--start-after ID] [--list]
+``--only <id>`` runs that one case (to localize a failure, e.g. with CUDA_LAUNCH_BLOCKING=1).
+
+Usage: python tests/cuda/sanitize_driver.py [--quick] [--tool T] [--coverage] [--start-after ID] [--only ID] [--list]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -40,6 +46,39 @@ def make(shape, dtype, unaligned, requires_grad=True, scale=1.0):
     return t.requires_grad_(requires_grad)
 
 
+@contextlib.contextmanager
+def knobs(**values):
+    """Sets opforge's run-time knobs (core/knobs.h: OPFORGE_LINEAR_GEMV=1, ...) through _set_knob for the block,
+    restoring the previous values after; a knob set to None is left as it is."""
+    saved = []
+    try:
+        for name, value in values.items():
+            if value is not None:
+                saved.append((name, torch.ops.opforge._set_knob(name, int(value))))
+        yield
+    finally:
+        for name, old in reversed(saved):
+            torch.ops.opforge._set_knob(name, old)
+
+
+@contextlib.contextmanager
+def env(name, value):
+    """Sets an environment variable opforge reads on every call (OPFORGE_INDEXED_LINEAR_PATH) for the block;
+    None: unset."""
+    old = os.environ.get(name)
+    try:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def host_randint(lo, hi, shape):
     return torch.randint(lo, hi, shape).to("cuda")
 
@@ -55,7 +94,9 @@ def backward(outs):
 
 def families(quick: bool):
     """(family, callable(dtype, unaligned)) for every op family with CUDA kernels; quick: fewer shapes and
-    activations, every kernel (and each kernel's shared-memory path) still launched."""
+    activations, every kernel (and each kernel's shared-memory path) still launched. Each family also runs its
+    run-time knob / path variants (core/knobs.h, OPFORGE_INDEXED_LINEAR_PATH) on small shapes, so kernels that
+    only a knob or a path selects are launched (and sanitized) too."""
     ops = torch.ops.opforge
 
     def linear(dt, u):
@@ -65,6 +106,24 @@ def families(quick: bool):
             x, w, b = make((m, k), dt, u), make((n, k), dt, u), make((n,), dt, u)
             for act in acts:
                 backward(opforge.linear(x, w, b, activation=act))
+        with knobs(OPFORGE_LINEAR_LT=0):  # cublasGemmEx plus separate bias / activation passes
+            x, w, b = make((7, 33), dt, u), make((5, 33), dt, u), make((5,), dt, u)
+            backward(opforge.linear(x, w, b, activation="gelu"))
+        # the GEMV kernels (linear_gemv.cuh): 16-bit (float32 cases run them in bfloat16), 1 <= M <= 16, K a multiple
+        # of 8; aligned cases launch them, unaligned ones the cuBLAS fallback. Variant -1 (the chooser, forced
+        # on: warp-per-rows), 0 (warp-per-rows), 1..3 (tensor cores; 3 splits K over blocks once K >= 2048 and
+        # launches gemv_splitk_finish).
+        gdt = dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
+        for variant in (-1, 0, 1, 2, 3):
+            with knobs(OPFORGE_LINEAR_GEMV=1, OPFORGE_GEMV_VARIANT=variant):
+                for m, k, n in ((1, 64, 24), (3, 2048, 40)):
+                    x, w, b = make((m, k), gdt, u), make((n, k), gdt, u), make((n,), gdt, u)
+                    for act in ("none", "gelu"):
+                        backward(opforge.linear(x, w, b, activation=act))
+        if dt == torch.float32:  # float32 GEMV (warp-per-rows) too
+            with knobs(OPFORGE_LINEAR_GEMV=1):
+                x, w, b = make((2, 64), dt, u), make((24, 64), dt, u), make((24,), dt, u)
+                backward(opforge.linear(x, w, b, activation="gelu"))
 
     def elementwise(dt, u):
         for shape in (((7,), (5, 769)) if quick else ((7,), (3, 83), (5, 769))):
@@ -81,6 +140,14 @@ def families(quick: bool):
             x, w, r = make((rows, n), dt, u), make((n,), dt, u), make((rows, n), dt, u)
             backward(opforge.rms_norm(x, [n], w))
             backward(opforge.fused_add_rms_norm(x, r, [n], w))
+        # the forced forward (0 grid-stride, 1..4 one CTA per row) and backward (0, 1, 2) kernels
+        for name, variants in (("OPFORGE_RMS_FWD", range(5)), ("OPFORGE_RMS_BWD", range(3))):
+            for v in variants:
+                with knobs(**{name: v}):
+                    for rows, n in ((3, 7), (5, 1000)):
+                        x, w, r = make((rows, n), dt, u), make((n,), dt, u), make((rows, n), dt, u)
+                        backward(opforge.rms_norm(x, [n], w))
+                        backward(opforge.fused_add_rms_norm(x, r, [n], w))
 
     out = [("linear", linear), ("elementwise", elementwise), ("rms_norm", rms_norm)]
 
@@ -91,6 +158,16 @@ def families(quick: bool):
                 t = host_randint(0, v, (bt,))
                 t[::3] = -100
                 backward(opforge.linear_cross_entropy(x, w, t, linear_bias=b))
+            # the separate backward (lce_backward_rows): reduction "none", and "mean" with the gradients not
+            # computed in the forward (OPFORGE_LCE_GRAD_IN_FORWARD=0); smoothing, z-loss and softcap once
+            x, w, b = make((7, 32), dt, u), make((50, 32), dt, u), make((50,), dt, u)
+            t = host_randint(0, 50, (7,))
+            t[::3] = -100
+            backward(opforge.linear_cross_entropy(x, w, t, linear_bias=b, reduction="none"))
+            with knobs(OPFORGE_LCE_GRAD_IN_FORWARD=0):
+                backward(opforge.linear_cross_entropy(x, w, t, linear_bias=b))
+                backward(opforge.linear_cross_entropy(x, w, t, linear_bias=b, label_smoothing=0.1, z_loss=1e-4,
+                                                      softcap=30.0))
         out.append(("linear_cross_entropy", linear_cross_entropy))
     if hasattr(ops, "rope"):
         def rope(dt, u):
@@ -98,11 +175,15 @@ def families(quick: bool):
             q, k = make((b, 4, s, d), dt, u), make((b, 2, s, d), dt, u)
             ang = torch.randn(b, s, d // 2)
             cos, sin = torch.cat([ang.cos()] * 2, -1).to("cuda"), torch.cat([ang.sin()] * 2, -1).to("cuda")
-            backward(opforge.rope(q, k, cos, sin))
-            backward(opforge.rope(q, k, cos, sin, interleaved=True))
-            if hasattr(ops, "rope_from_positions"):
-                pos = host_randint(0, 4096, (b, s))
-                backward(opforge.rope_from_positions(q, k, pos))
+            pos = host_randint(0, 4096, (b, s))
+            # OPFORGE_ROPE_KERNEL: unset (the per-token kernel), 0 per-token, 1 the rows kernel, 2 the heads kernel
+            # (vector path only: unaligned cases fall back to the per-token kernel)
+            for kernel in (None, 0, 1, 2):
+                with knobs(OPFORGE_ROPE_KERNEL=kernel):
+                    backward(opforge.rope(q, k, cos, sin))
+                    backward(opforge.rope(q, k, cos, sin, interleaved=True))
+                    if hasattr(ops, "rope_from_positions"):
+                        backward(opforge.rope_from_positions(q, k, pos))
         out.append(("rope", rope))
     if hasattr(ops, "linear_cat"):
         def linear_cat(dt, u):
@@ -111,13 +192,24 @@ def families(quick: bool):
             backward(opforge.linear_cat(xs, w, b))
             xs3 = [make((2, 3, 8), dt, u), make((2, 3, 0), dt, u), make((2, 3, 9), dt, u)]
             backward(opforge.linear_cat(xs3, make((7, 17), dt, u)))
+            with knobs(OPFORGE_LINEAR_LT=0):  # cublasGemmEx plus separate passes
+                backward(opforge.linear_cat(xs, w, b))
         out.append(("linear_cat", linear_cat))
     if hasattr(ops, "indexed_linear"):
         def indexed_linear(dt, u):
-            for t in (3, 300):  # the gather-GEMV (T <= 16) and the grouped regime
-                x, w, b = make((t, 32), dt, u), make((4, 24, 32), dt, u), make((4, 24), dt, u)
-                idx = host_randint(-1, 4, (t,))
-                backward(opforge.indexed_linear(x, w, idx, b))
+            # every path: auto (the gather-GEMV for T <= 16, else grouped: _grouped_mm for bfloat16 on sm_90 with
+            # the scatter_rows_kernel epilogue), and each forced (grouped_mm falls back to grouped where ineligible)
+            for path in (None, "gemv", "grouped", "grouped_mm"):
+                with env("OPFORGE_INDEXED_LINEAR_PATH", path):
+                    for t in (3, 300):  # the gather-GEMV (T <= 16) and the grouped regime
+                        x, w, b = make((t, 32), dt, u), make((4, 24, 32), dt, u), make((4, 24), dt, u)
+                        idx = host_randint(-1, 4, (t,))
+                        backward(opforge.indexed_linear(x, w, idx, b))
+            if dt != torch.bfloat16:  # the _grouped_mm path (bfloat16 only) in every case
+                with env("OPFORGE_INDEXED_LINEAR_PATH", "grouped_mm"):
+                    x, w = make((40, 32), torch.bfloat16, u), make((4, 24, 32), torch.bfloat16, u)
+                    b = make((4, 24), torch.bfloat16, u)
+                    backward(opforge.indexed_linear(x, w, host_randint(-1, 4, (40,)), b))
         out.append(("indexed_linear", indexed_linear))
     if hasattr(ops, "fake_quant_linear"):
         def fake_quant_linear(dt, u):
@@ -125,6 +217,8 @@ def families(quick: bool):
             backward(opforge.fake_quant_linear(x, w, b))  # per channel, symmetric int4
             backward(opforge.fake_quant_linear(x, w, b, group_size=32, symmetric=False, act_quant=True))
             backward(opforge.fake_quant_linear(x, w, None, group_size=0))  # per tensor (device min/max)
+            with knobs(OPFORGE_LINEAR_LT=0):
+                backward(opforge.fake_quant_linear(x, w, b))
             # the quantizer's three team widths: 8 threads (short groups), a warp, the whole block (shared memory)
             for shape, g in (((6, 32), 8), ((3, 640), -1), ((2, 4096), -1)):
                 opforge.fake_quantize_weight(make(shape, dt, u, requires_grad=False), 4, g, False)
@@ -221,9 +315,15 @@ def main() -> int:
     p.add_argument("--tool", default="memcheck", help="the sanitizer tool this run is for (recorded in the log)")
     p.add_argument("--coverage", action="store_true", help="no sanitizer: profile the kernels the cases launch")
     p.add_argument("--start-after", default=None, help="resume after this case id (a crashed case)")
+    p.add_argument("--only", default=None, help="run only this case id")
     p.add_argument("--list", action="store_true", help="print the case ids and exit")
     args = p.parse_args()
     cases = case_list(args.quick)
+    if args.only is not None:
+        if args.only not in [c[0] for c in cases]:
+            print(f"sanitize_driver: unknown case {args.only}", file=sys.stderr)
+            return 2
+        cases = [c for c in cases if c[0] == args.only]
     if args.list:
         for c in cases:
             print(c[0])

@@ -178,8 +178,10 @@ FakeQuantized fake_quantize_rows_cuda(const at::Tensor& X, int64_t bits, Groupin
   if (g.per_tensor) std::tie(tmin, tmax) = at::aminmax(X);  // device scalars: no host synchronization
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::fake_quantize_rows", [&] {
     constexpr int kVec = cuda::vec_size<scalar_t>();
+    // the mask's MaskVec stores need VEC-byte alignment too (a fresh allocation: always; checked, not assumed)
     const bool vectorized = L % kVec == 0 && cuda::is_aligned16(X.const_data_ptr()) &&
-                            cuda::is_aligned16(out.output.const_data_ptr());
+                            cuda::is_aligned16(out.output.const_data_ptr()) &&
+                            (!out.mask.defined() || cuda::is_aligned16(out.mask.const_data_ptr()));
     if (vectorized) {
       launch_groups_team<scalar_t, kVec>(X, out, n_groups, L, qmin, qmax, symmetric, tmin, tmax);
     } else {
