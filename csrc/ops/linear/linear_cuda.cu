@@ -40,7 +40,8 @@
 #include "core/gemm.h"
 #include "core/knobs.h"
 #include "ops/linear/linear.h"
-#include "ops/linear/linear_gemv.cuh"
+#include "core/cuda_utils.cuh"
+#include "ops/linear/linear_gemv_launch.h"
 
 namespace opforge {
 namespace {
@@ -134,27 +135,12 @@ int gemv_choice(const linear_op::LinearProblem& p) {
 /// Y[M, N] = act(X · Wᵀ + b) (and Z[M, N] = X · Wᵀ + b when Z is given) through GEMV kernel `kernel`
 /// (gemv_choice).
 void gemv_linear(const linear_op::LinearProblem& p, int kernel, at::Tensor& Y, at::Tensor* Z) {
-  OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::linear", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_INTERNAL_ASSERT(false, "opforge::linear: the GEMV kernel has no float64 path");
-    } else {
-      const scalar_t* b = p.b.defined() ? p.b.const_data_ptr<scalar_t>() : nullptr;
-      scalar_t* z = Z != nullptr ? Z->mutable_data_ptr<scalar_t>() : nullptr;
-      const scalar_t* x = p.X.const_data_ptr<scalar_t>();
-      const scalar_t* w = p.W.const_data_ptr<scalar_t>();
-      scalar_t* y = Y.mutable_data_ptr<scalar_t>();
-      const int M = static_cast<int>(p.M);
-      auto run = [&](auto act) {
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          cuda::launch_gemv<scalar_t>(x, w, b, y, z, M, p.K, p.N, act);
-        } else {
-          if (kernel > 0) cuda::launch_gemv_mma<scalar_t>(kernel, x, w, b, y, z, M, p.K, p.N, act);
-          else cuda::launch_gemv<scalar_t>(x, w, b, y, z, M, p.K, p.N, act);
-        }
-      };
-      with_activation(p.act, [&](auto a) { run(act::Value<decltype(a)::value>{}); });
-    }
-  });
+  switch (p.X.scalar_type()) {
+    case at::kFloat: return linear_op::gemv_linear_typed<float>(p, kernel, Y, Z);
+    case at::kHalf: return linear_op::gemv_linear_typed<c10::Half>(p, kernel, Y, Z);
+    case at::kBFloat16: return linear_op::gemv_linear_typed<c10::BFloat16>(p, kernel, Y, Z);
+    default: TORCH_INTERNAL_ASSERT(false, "opforge::linear: the GEMV kernel has no ", p.X.scalar_type(), " path");
+  }
 }
 
 /// (Y, Z) of the forward, each [M, N]: Y = act(X · Wᵀ + b); Z = X · Wᵀ + b when keep_z (else undefined).

@@ -1,0 +1,10 @@
+// linear's GEMV path for c10::BFloat16 inputs (linear_gemv_launch.h: one translation unit per dtype, compiled in parallel).
+#include "ops/linear/linear_gemv_impl.cuh"
+
+namespace opforge {
+namespace linear_op {
+
+template void gemv_linear_typed<c10::BFloat16>(const LinearProblem& p, int kernel, at::Tensor& Y, at::Tensor* Z);
+
+}  // namespace linear_op
+}  // namespace opforge
