@@ -4,9 +4,10 @@ The op families are the scripts ``benchmarks/bench_<family>.py`` of the source t
 names another folder); each runs in a process of its own (:mod:`opforge.bench._run_family`, its output streamed
 through) on the shared harness (:mod:`opforge.bench.harness`), with ``--device``, ``--quick`` and ``--out``
 passed on, so no CUDA, RNG or torch.compile state of one family reaches the next, and a family that fails, even
-by a CUDA error that poisons its context or a crash of its process, is reported and the others still run. The summary table has one line per (op, shape, dtype, pass):
-opforge's time and its GB/s or TFLOP/s, then the speed-up of opforge over eager PyTorch, torch.compile and
-each installed peer (a ratio > 1 means opforge is faster; "fallback" marks a compile peer that ran eagerly).
+by a CUDA error that poisons its context or a crash of its process, is reported and the others still run.
+The summary table has one line per (op, shape, dtype, pass): opforge's time and its GB/s or TFLOP/s, then the
+speed-up of opforge over eager PyTorch, torch.compile and each installed peer (a ratio > 1 means opforge is
+faster; "fallback" marks a compile peer that ran eagerly).
 
     python -m opforge bench                       # every family, this machine's default device
     python -m opforge bench --quick --ops rms_norm --out /tmp/b
@@ -29,7 +30,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import harness
-from ._run_family import load as _load  # noqa: F401  (kept for callers that import a bench script in-process)
 
 #: Benchmarks that are not an op family (they measure something else) and are not run by the CLI.
 NOT_OP_FAMILIES = ("overhead", "hf_llama")  # host overhead; the model-level train-step table (its own columns: tokens/s, memory, loss)
