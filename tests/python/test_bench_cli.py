@@ -85,3 +85,95 @@ def test_csv_of_an_older_schema_is_not_mixed(tmp_path):
     row = harness.Row("x", "1x1", "float32", "opforge", "fwd", 1.0, 1.0, "GB/s")
     path = harness.write_csv([row], "x", "cpu", tmp_path)
     assert path.name == "x-2.csv" and harness.read_header(path) == harness.CONTEXT_COLUMNS + harness.ROW_COLUMNS
+
+
+FAKE_COMMON = """import sys
+from opforge.bench import harness
+sys.modules[__name__] = harness
+"""
+
+FAKE_OK = """import common
+
+
+def main(argv=None):
+    run = common.start("{name}", "a fake family", argv, dtypes=[common.torch.float32], warmup=(1, 1),
+                       reps=((1, 1), (1, 1)))
+    run.add("{name}", (4,), common.torch.float32, "opforge", "fwd", 2.0, 1.0, "GB/s")
+    run.add("{name}", (4,), common.torch.float32, "eager", "fwd", 3.0, 0.5, "GB/s")
+    return run.finish()
+"""
+
+FAKE_RAISES = """import common
+
+
+def main(argv=None):
+    common._State.collected.append(common.Row("b_raises", "4", "float32", "opforge", "fwd", 5.0, 1.0, "GB/s"))
+    raise ValueError("boom inside main")
+"""
+
+FAKE_DIES = """import os
+
+
+def main(argv=None):
+    print("c_dies: about to end its process", flush=True)
+    os._exit(7)  # as a fatal CUDA error would: no exception, no result file
+"""
+
+
+def test_a_failing_family_is_reported_and_the_next_still_runs(tmp_path):
+    """Each family runs in its own process: one raising inside main() or killing its process is a FAILED line (exit
+    status 1), the rows it measured before failing stay in the table, and the families after it still run."""
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "common.py").write_text(FAKE_COMMON)
+    (bench / "bench_a_ok.py").write_text(FAKE_OK.format(name="a_ok"))
+    (bench / "bench_b_raises.py").write_text(FAKE_RAISES)
+    (bench / "bench_c_dies.py").write_text(FAKE_DIES)
+    (bench / "bench_d_ok.py").write_text(FAKE_OK.format(name="d_ok"))
+    out = tmp_path / "results"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPFORGE_BENCHMARKS=str(bench),
+               PYTHONPATH=os.pathsep.join([str(REPO / "python")] + ([os.environ["PYTHONPATH"]]
+                                                                    if os.environ.get("PYTHONPATH") else [])))
+    p = subprocess.run([sys.executable, "-m", "opforge", "bench", "--device", "cpu", "--no-compile", "--out", str(out)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "FAILED: b_raises: ValueError: boom inside main" in p.stdout, p.stdout
+    assert "FAILED: c_dies: its process ended without a result (exit status 7)" in p.stdout, p.stdout
+    assert "FAILED: a_ok" not in p.stdout and "FAILED: d_ok" not in p.stdout
+    assert "c_dies: about to end its process" in p.stdout  # the child's output is streamed through
+    assert "boom inside main" in p.stderr  # with the traceback
+    assert "4/4" in p.stderr  # the progress bar counted every family
+    summary = p.stdout[p.stdout.index("ratios are peer time"):]
+    for op in ("a_ok", "b_raises", "d_ok"):
+        assert op in summary, summary
+    assert "1.50x" in summary  # eager 3.0 us / opforge 2.0 us, from the child's rows
+    assert {r["op"] for r in csv.DictReader((out / "d_ok.csv").open())} == {"d_ok"}
+
+
+def test_run_family_returns_the_childs_rows(tmp_path):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "common.py").write_text(FAKE_COMMON)
+    (bench / "bench_x.py").write_text(FAKE_OK.format(name="x"))
+    rows, failure, name = cli.run_family(bench / "bench_x.py", ["--device", "cpu", "--no-save"])
+    assert failure == "" and name
+    assert [(r.op, r.impl, r.time_us) for r in rows] == [("x", "opforge", 2.0), ("x", "eager", 3.0)]
+    assert isinstance(rows[0], harness.Row) and rows[0].pass_ == "fwd"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_failed_graph_capture_leaves_the_cuda_rng_and_later_captures_usable():
+    """A step that synchronizes (.item()) invalidates the capture: time_cuda_graph times an eager loop instead, and
+    afterwards random ops on the device and a new capture (with a random op in it) still work. Before the fix, on
+    torch 2.11, the next torch.randn(device="cuda") raised "Offset increment outside graph capture encountered
+    unexpectedly" (the failed capture_end never ran the generator's capture epilogue)."""
+    x = torch.randn(4096, device="cuda")
+    t, method = harness.time_cuda_graph(lambda i: (x * 2).sum().item(), 4, reps=2, warmup=1)
+    assert method == "loop" and t > 0
+    y = torch.randn(4096, device="cuda")  # raised before the fix
+    assert torch.isfinite(y).all() and y.std().item() > 0.5
+    z = torch.empty(4096, device="cuda")
+    t2, method2 = harness.time_cuda_graph(lambda i: z.normal_(), 4, reps=2, warmup=1)
+    assert method2 == "graph" and t2 > 0
+    torch.cuda.synchronize()
+    assert z.std().item() > 0.5

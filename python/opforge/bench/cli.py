@@ -1,10 +1,13 @@
 """``python -m opforge bench``: every op family's benchmark on this machine, one table, CSV + PNG.
 
 The op families are the scripts ``benchmarks/bench_<family>.py`` of the source tree (``OPFORGE_BENCHMARKS``
-names another folder); each runs in this process on the shared harness (:mod:`opforge.bench.harness`), with
-``--device``, ``--quick`` and ``--out`` passed on. The summary table has one line per (op, shape, dtype, pass):
-opforge's time and its GB/s or TFLOP/s, then the speed-up of opforge over eager PyTorch, torch.compile and
-each installed peer (a ratio > 1 means opforge is faster; "fallback" marks a compile peer that ran eagerly).
+names another folder); each runs in a process of its own (:mod:`opforge.bench._run_family`, its output streamed
+through) on the shared harness (:mod:`opforge.bench.harness`), with ``--device``, ``--quick`` and ``--out``
+passed on, so no CUDA, RNG or torch.compile state of one family reaches the next, and a family that fails, even
+by a CUDA error that poisons its context or a crash of its process, is reported and the others still run.
+The summary table has one line per (op, shape, dtype, pass): opforge's time and its GB/s or TFLOP/s, then the
+speed-up of opforge over eager PyTorch, torch.compile and each installed peer (a ratio > 1 means opforge is
+faster; "fallback" marks a compile peer that ran eagerly).
 
     python -m opforge bench                       # every family, this machine's default device
     python -m opforge bench --quick --ops rms_norm --out /tmp/b
@@ -12,13 +15,17 @@ each installed peer (a ratio > 1 means opforge is faster; "fallback" marks a com
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
 import math
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -44,13 +51,84 @@ def discover(folder: Path) -> Dict[str, Path]:
     return {k: v for k, v in found.items() if k not in NOT_OP_FAMILIES}
 
 
-def _load(path: Path):
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"opforge_bench_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _child_env() -> Dict[str, str]:
+    """The environment of a family's process: this one's, with the folder of this opforge package first on
+    PYTHONPATH (so the child imports the same copy, installed or from a source tree)."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def _stream_target(stream) -> Optional[int]:
+    """None (the child inherits the file descriptor) when ``stream`` is a real file, else subprocess.PIPE."""
+    try:
+        stream.fileno()
+        return None
+    except (AttributeError, OSError, ValueError):  # e.g. replaced by io.StringIO
+        return subprocess.PIPE
+
+
+def _forward(pipe, stream) -> None:
+    for line in iter(pipe.readline, ""):
+        stream.write(line)
+        stream.flush()
+    pipe.close()
+
+
+def run_family(path: Path, args: List[str]) -> Tuple[List[harness.Row], str, str]:
+    """Run one family's ``main(args)`` in a process of its own (:mod:`opforge.bench._run_family`).
+
+    Args:
+        path: its ``bench_<family>.py``. args: the arguments of its ``main()``.
+    Returns:
+        (the rows it measured, also those before a failure; "" when it ran, else why it failed as one line;
+        the device's name as the child saw it, "" when unknown).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd, result = tempfile.mkstemp(prefix="opforge_bench_", suffix=".json")
+    os.close(fd)
+    try:
+        out_t, err_t = _stream_target(sys.stdout), _stream_target(sys.stderr)
+        proc = subprocess.Popen([sys.executable, "-m", "opforge.bench._run_family", str(path), result, *args],
+                                env=_child_env(), stdout=out_t, stderr=err_t, text=True)
+        threads = [threading.Thread(target=_forward, args=(pipe, stream), daemon=True)
+                   for pipe, stream in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)) if pipe is not None]
+        for t in threads:
+            t.start()
+        try:
+            code = proc.wait()
+        except BaseException:  # Ctrl-C: stop the child too
+            proc.kill()
+            proc.wait()
+            raise
+        for t in threads:
+            t.join()
+        try:
+            payload = json.loads(Path(result).read_text() or "null")
+        except (OSError, ValueError):
+            payload = None
+    finally:
+        try:
+            os.unlink(result)
+        except OSError:
+            pass
+    if payload is None:  # no result: the process died (a signal, os._exit, a fatal CUDA error)
+        try:
+            why = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        except ValueError:
+            why = f"exit status {code}"
+        return [], f"its process ended without a result ({why})", ""
+    rows = [harness.Row(**r) for r in payload.get("rows", [])]
+    status = payload.get("status", code)
+    if payload.get("error"):
+        failure = payload["error"]
+    elif status:
+        failure = f"exit status {status}"
+    else:
+        failure = ""
+    return rows, failure, payload.get("device_name", "")
 
 
 def summarize(rows: List[harness.Row]) -> List[List[str]]:
@@ -134,26 +212,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ImportError:
         tqdm = None
     bar = tqdm(total=len(selected), desc="opforge bench", unit="family", file=sys.stderr) if tqdm else None
-    harness._State.collected = []
-    failures, t0 = [], time.perf_counter()
+    rows: List[harness.Row] = []
+    failures, names, t0 = [], [], time.perf_counter()
     for family in selected:
         if bar is not None:
             bar.set_postfix_str(family)
         sub = ["--device", args.device, "--out", str(out)] + (["--quick"] if args.quick else []) + \
               (["--no-compile"] if args.no_compile else [])
-        try:
-            status = _load(families[family]).main(sub)
-            if status:
-                failures.append(f"{family}: exit status {status}")
-        except Exception as e:  # noqa: BLE001  (one family failing must not lose the others)
-            failures.append(f"{family}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        family_rows, failure, name = run_family(families[family], sub)
+        rows.extend(family_rows)
+        names.append(name)
+        if failure:  # one family failing must not lose the others
+            failures.append(f"{family}: {failure}")
             print(f"opforge bench: {failures[-1]}", file=sys.stderr)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    rows = harness._State.collected
-    print(f"\nopforge bench: {harness.device_name(args.device)}, torch {torch.__version__}, commit {harness.git_commit()}, "
+    device = next((n for n in names if n), None) or harness.device_name(args.device)
+    print(f"\nopforge bench: {device}, torch {torch.__version__}, commit {harness.git_commit()}, "
           f"{time.perf_counter() - t0:.0f}s; ratios are peer time / opforge time (> 1: opforge faster)")
     if rows:
         print_summary(summarize(rows))

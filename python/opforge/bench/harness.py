@@ -170,6 +170,51 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 10, reps: int = 50, flu
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
 
 
+def _discard_failed_capture(graph: Optional["torch.cuda.CUDAGraph"], pool, stream: "torch.cuda.Stream") -> None:
+    """Undo what a CUDA-graph capture that raised leaves behind, so later work in this process is unaffected.
+
+    When the captured code does something illegal during capture (a host synchronization, ``.item()``, a
+    cudaMalloc), CUDA invalidates the capture; ``torch.cuda.graph.__exit__`` then calls ``capture_end()``, whose
+    ``cudaStreamEndCapture`` fails and raises before PyTorch's epilogue runs. On torch versions where the CUDA
+    generator keeps a "capturing" flag (2.11 among them) that flag stays set, and every later random op on the
+    device (``torch.randn(..., device="cuda")``) raises "Offset increment outside graph capture encountered
+    unexpectedly"; the caching allocator also keeps routing to the graph's private pool. Here, best effort and
+    each step on its own: end a capture that is still open, give the default generator of the device a fresh
+    copy of its own state (same seed and offset, not capturing), and, when the capture never ended (then the
+    graph's destructor does not release its pool), end the allocation to ``pool`` and release it.
+
+    Args:
+        graph: the graph whose capture raised (None: nothing was captured). pool: the memory pool handle the
+            capture was given. stream: its capture stream.
+    """
+    dev = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
+    if graph is not None:
+        try:
+            with torch.cuda.stream(stream):
+                if torch.cuda.is_current_stream_capturing():
+                    graph.capture_end()
+        except Exception:  # noqa: BLE001  (an invalidated capture cannot end cleanly; it is closed anyway)
+            pass
+    try:
+        gen = torch.cuda.default_generators[dev]
+        gen.graphsafe_set_state(gen.clone_state())
+    except Exception as e:  # noqa: BLE001
+        print(f"  [could not reset the CUDA generator after the failed capture] {type(e).__name__}: {e}",
+              file=sys.stderr)
+    if graph is None or pool is None:
+        return
+    try:
+        graph.pool()  # raises unless the capture ended: then ~CUDAGraph releases the pool itself
+        return
+    except Exception:  # noqa: BLE001
+        pass
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        try:
+            getattr(torch._C, name)(dev, pool)
+        except Exception:  # noqa: BLE001  (already ended by capture_end, or absent from this torch)
+            pass
+
+
 def time_cuda_graph(fn: Callable[[int], object], calls: int, *, reps: int = 10, warmup: int = 3) -> tuple[float, str]:
     """Device time per call in microseconds, and the method used.
 
@@ -188,10 +233,10 @@ def time_cuda_graph(fn: Callable[[int], object], calls: int, *, reps: int = 10, 
             fn(i)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    graph = None
+    graph, pool = None, None
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             for i in range(calls):
                 fn(i)
         graph.replay()
@@ -200,6 +245,7 @@ def time_cuda_graph(fn: Callable[[int], object], calls: int, *, reps: int = 10, 
     except Exception as e:  # capture refused: time eager calls instead
         print(f"  [graph capture failed, timing an eager loop] {type(e).__name__}: {str(e).splitlines()[0][:160]}",
               file=sys.stderr)
+        _discard_failed_capture(graph, pool, stream)
         graph = None
         torch.cuda.synchronize()
 
