@@ -383,7 +383,7 @@ if [ "${GPU_CHECK_SANITIZER:-0}" = parallel ]; then
   else
     wait "${SAN_PIDS[@]}" 2>/dev/null
     for tool in $SAN_TOOLS; do
-      read -r rc cap < "$LOGS/sanitizer_$tool.rc" 2>/dev/null || { rc=1; cap=?; }
+      read -r rc cap < "$LOGS/sanitizer_$tool.rc" 2>/dev/null || { rc="? (no sanitizer_$tool.rc: the tool's shell died)"; cap=?; }
       if [ "$rc" = skip ]; then record "sanitizer $tool" SKIP "no time left after the coverage pass (cap ${cap}s)"; continue; fi
       tail -n 3 "$LOGS/sanitizer_$tool.txt"
       line=$(grep -E "^sanitize " "$LOGS/sanitizer_$tool.txt" | tail -n 1)
