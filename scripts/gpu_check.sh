@@ -257,8 +257,13 @@ grep -v Warning "$LOGS/env_peers.log" 2>/dev/null | tail -n 3 | tee -a "$LOGS/en
 # sanitizer section below waits for them and records each tool's verdict.
 SAN_TOOLS=${GPU_CHECK_SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}
 SAN_PIDS=()
-if [ "${GPU_CHECK_SANITIZER:-0}" = parallel ] && [ "$BUILT" = 1 ] && [ "$NO_CUDA" != 1 ]; then
-  san_cap=$(( $(remaining) - 20 ))
+SAN_SKIP="no CUDA build"; [ "$BUILT" = 1 ] || SAN_SKIP="no library"
+# Every cap has a floor: `timeout 0` would never stop its command and a negative one is an invalid option (rc 125).
+SAN_MIN_CAP=30
+san_cap=$(( $(remaining) - 20 ))
+if [ "${GPU_CHECK_SANITIZER:-0}" = parallel ] && [ "$BUILT" = 1 ] && [ "$NO_CUDA" != 1 ] && [ "$san_cap" -lt "$SAN_MIN_CAP" ]; then
+  SAN_SKIP="no time left after the build (GPU_CHECK_DEADLINE=${DEADLINE}s)"
+elif [ "${GPU_CHECK_SANITIZER:-0}" = parallel ] && [ "$BUILT" = 1 ] && [ "$NO_CUDA" != 1 ]; then
   echo "sanitizer: $SAN_TOOLS in the background (cap ${san_cap}s each, logs.tar.gz: sanitizer_<tool>.txt)"
   (
     OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} OUT=$LOGS SANITIZE_COVERAGE_ONLY=1 \
@@ -269,6 +274,7 @@ if [ "${GPU_CHECK_SANITIZER:-0}" = parallel ] && [ "$BUILT" = 1 ] && [ "$NO_CUDA
     (
       while kill -0 "$cov_pid" 2>/dev/null; do sleep 1; done
       cap=$(( DEADLINE - ( $(date +%s) - START ) - 20 ))
+      if [ "$cap" -lt "$SAN_MIN_CAP" ]; then echo "skip $cap" > "$LOGS/sanitizer_$tool.rc"; exit 0; fi
       OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} OUT=$LOGS \
         timeout --kill-after=10 "$cap" bash scripts/sanitize.sh "$tool" > "$LOGS/sanitizer_$tool.txt" 2>&1
       echo "$? $cap" > "$LOGS/sanitizer_$tool.rc"
@@ -373,11 +379,12 @@ fi
 if [ "${GPU_CHECK_SANITIZER:-0}" = parallel ]; then
   section sanitizer
   if [ ${#SAN_PIDS[@]} = 0 ]; then
-    record sanitizer SKIP "no CUDA build"
+    record sanitizer SKIP "$SAN_SKIP"
   else
     wait "${SAN_PIDS[@]}" 2>/dev/null
     for tool in $SAN_TOOLS; do
-      read -r rc cap < "$LOGS/sanitizer_$tool.rc" 2>/dev/null || { rc=1; cap=?; }
+      read -r rc cap < "$LOGS/sanitizer_$tool.rc" 2>/dev/null || { rc="? (no sanitizer_$tool.rc: the tool's shell died)"; cap=?; }
+      if [ "$rc" = skip ]; then record "sanitizer $tool" SKIP "no time left after the coverage pass (cap ${cap}s)"; continue; fi
       tail -n 3 "$LOGS/sanitizer_$tool.txt"
       line=$(grep -E "^sanitize " "$LOGS/sanitizer_$tool.txt" | tail -n 1)
       if [ "$rc" = 0 ]; then record "sanitizer $tool" PASS "${line:-clean} (beside pytest)"

@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=[i for i in items if not _needs_cuda(i)])
         items[:] = kept
     shard = config.getoption("--shard")
-    if shard:
+    if shard is not None:  # an empty value is malformed too, not "no sharding"
         import zlib
 
         try:

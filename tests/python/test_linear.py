@@ -137,6 +137,40 @@ def test_transposed_weight_and_batched_input(device, dtype):
     assert_matches_reference(y, linear_reference(x, W), expected, bound=gemm_error_bound(x, W, dtype))
 
 
+# The CPU kernel builds weightᵀ as a hand-made view of weight's storage (linear_cpu.cpp's transposed): weights with a
+# storage offset, steps, zero or swapped strides make exactly F.linear's GEMM call (W.t()), so the results are equal.
+WEIGHT_VIEWS = {
+    "offset": lambda: torch.randn(20, 30)[3:9, 4:11],
+    "steps": lambda: torch.randn(20, 30)[1::3, 2::4][:6, :7],
+    "transposed_offset": lambda: torch.randn(9, 8).t()[1:7, 2:9],
+    "expanded_rows": lambda: torch.randn(1, 7).expand(6, 7),
+    "expanded_cols": lambda: torch.randn(6, 1).expand(6, 7),
+    "one_row": lambda: torch.randn(3, 7)[2:],
+    "no_rows": lambda: torch.empty_strided((0, 7), (0, 0)),
+}
+
+
+@pytest.mark.parametrize("view", list(WEIGHT_VIEWS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_weight_views_equal_f_linear(view, bias):
+    W = WEIGHT_VIEWS[view]()
+    b = torch.randn(W.shape[0]) if bias else None
+    for x in (torch.randn(5, 7), torch.randn(2, 5, 7)):
+        assert torch.equal(opforge.linear(x, W, b), F.linear(x, W, b))
+    with torch.inference_mode():  # a normal weight read inside inference mode
+        assert torch.equal(opforge.linear(x, W, b), F.linear(x, W, b))
+
+
+def test_cpu_weight_changed_in_place_before_backward_raises_like_f_linear():
+    for f in (opforge.linear, F.linear):
+        x = torch.randn(5, 7, requires_grad=True)
+        W = torch.randn(6, 7, requires_grad=True) * 1  # a non-leaf weight: changeable in place
+        y = f(x, W[1:])
+        W.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
 def test_zero_rows_give_zero_parameter_gradients(device):
     x = torch.randn(0, 2100, device=device, requires_grad=True)
     W = torch.randn(2100, 2100, device=device, requires_grad=True)
