@@ -1,14 +1,13 @@
 // Generic elementwise CUDA kernels over flat contiguous arrays: 16-byte vector loads and stores
 // (when every pointer is 16-byte aligned), a scalar tail, fp32 math for float16/bfloat16, a grid-stride
-// loop with 64-bit indices. The *_rows launchers read inputs that are row-strided 2-D views [rows, cols]
-// (element i at (i / cols) * row_stride + i % cols: column slices of a wider tensor) without copying;
-// outputs stay contiguous. Each launcher goes through launch_vec_or_scalar (device guard, current
-// stream, the vector or the scalar instantiation, launch check); empty inputs launch nothing.
+// loop with 64-bit indices. The *_rows launchers (at the end) read inputs that are row-strided 2-D views
+// [rows, cols] (element i at (i / cols) * row_stride + i % cols: column slices of a wider tensor, as swiglu's
+// gate/up views of a fused projection) without copying; outputs stay contiguous. The contiguous kernels above
+// them are left exactly as they were measured. Each launcher does: device guard, current stream, launch, launch check;
+// empty inputs launch nothing.
 #pragma once
 
 #include <ATen/OpMathType.h>
-
-#include <type_traits>
 
 #include "core/cuda_utils.cuh"
 
@@ -16,22 +15,6 @@ namespace opforge {
 namespace cuda {
 
 constexpr int kMapThreads = 256;
-
-/// The launch shared by every launcher here: on `device`'s current stream, calls
-/// launch(std::integral_constant<int, W>{}, blocks, stream) with W = VEC when `vectorize`, else W = 1 (blocks
-/// enough for n / W accesses and a tail), then checks the launch. n == 0 launches nothing.
-template <int VEC, typename Launch>
-void launch_vec_or_scalar(c10::Device device, int64_t n, bool vectorize, const Launch& launch) {
-  if (n == 0) return;
-  c10::cuda::CUDAGuard guard(device);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (vectorize) {
-    launch(std::integral_constant<int, VEC>{}, grid_for(n / VEC + 1, kMapThreads), stream);
-  } else {
-    launch(std::integral_constant<int, 1>{}, grid_for(n, kMapThreads), stream);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
 
 // out[i] = op(a[i]) for i in [0, n). VEC elements per access (1 when a pointer is not 16-byte aligned).
 template <int VEC, typename scalar_t, typename Op>
@@ -53,8 +36,129 @@ __global__ void map_unary_kernel(const scalar_t* __restrict__ a,  // [n]
     out[i] = static_cast<scalar_t>(op(static_cast<opmath_t>(a[i])));
 }
 
+// out[i] = op(a[i], b[i mod period]) for i in [0, n); period == n means b is as long as a.
+template <int VEC, typename scalar_t, typename Op>
+__global__ void map_binary_kernel(const scalar_t* __restrict__ a,  // [n]
+                                  const scalar_t* __restrict__ b,  // [period]
+                                  scalar_t* __restrict__ out,      // [n]
+                                  int64_t n, int64_t period, Op op) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nvec = n / VEC;
+  for (int64_t v = first; v < nvec; v += stride) {
+    const int64_t i = v * VEC;
+    const int64_t j = period == n ? i : i % period;  // period % VEC == 0 when VEC > 1
+    const Vec<scalar_t, VEC> x = reinterpret_cast<const Vec<scalar_t, VEC>*>(a)[v];
+    const Vec<scalar_t, VEC> c = *reinterpret_cast<const Vec<scalar_t, VEC>*>(b + j);
+    Vec<scalar_t, VEC> y;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k)
+      y.val[k] = static_cast<scalar_t>(op(static_cast<opmath_t>(x.val[k]), static_cast<opmath_t>(c.val[k])));
+    reinterpret_cast<Vec<scalar_t, VEC>*>(out)[v] = y;
+  }
+  for (int64_t i = nvec * VEC + first; i < n; i += stride)
+    out[i] = static_cast<scalar_t>(op(static_cast<opmath_t>(a[i]), static_cast<opmath_t>(b[period == n ? i : i % period])));
+}
+
+/// Launches out[i] = op(a[i]) over A.numel() elements.
+template <typename scalar_t, typename Op>
+void launch_unary(const at::Tensor& A, at::Tensor& Out, Op op) {
+  const int64_t n = A.numel();
+  if (n == 0) return;
+  c10::cuda::CUDAGuard guard(A.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const scalar_t* a = A.const_data_ptr<scalar_t>();
+  scalar_t* out = Out.mutable_data_ptr<scalar_t>();
+  constexpr int VEC = vec_size<scalar_t>();
+  if (is_aligned16(a) && is_aligned16(out)) {
+    map_unary_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, out, n, op);
+  } else {
+    map_unary_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, out, n, op);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+/// Launches out[i] = op(a[i], b[i mod period]) over A.numel() elements (period == n: b as long as a).
+template <typename scalar_t, typename Op>
+void launch_binary(const at::Tensor& A, const at::Tensor& B, int64_t period, at::Tensor& Out, Op op) {
+  const int64_t n = A.numel();
+  if (n == 0) return;
+  c10::cuda::CUDAGuard guard(A.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const scalar_t* a = A.const_data_ptr<scalar_t>();
+  const scalar_t* b = B.const_data_ptr<scalar_t>();
+  scalar_t* out = Out.mutable_data_ptr<scalar_t>();
+  constexpr int VEC = vec_size<scalar_t>();
+  if (is_aligned16(a) && is_aligned16(b) && is_aligned16(out) && period % VEC == 0) {
+    map_binary_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, b, out, n, period, op);
+  } else {
+    map_binary_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, b, out, n, period, op);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// (out0[i], out1[i]) = op(a[i], b[i], c[i]) for i in [0, n): three inputs, two outputs.
+template <int VEC, typename scalar_t, typename Op>
+__global__ void map3_to2_kernel(const scalar_t* __restrict__ a,  // [n]
+                                   const scalar_t* __restrict__ b,  // [n]
+                                   const scalar_t* __restrict__ c,  // [n]
+                                   scalar_t* __restrict__ out0,     // [n]
+                                   scalar_t* __restrict__ out1,     // [n]
+                                   int64_t n, Op op) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nvec = n / VEC;
+  for (int64_t v = first; v < nvec; v += stride) {
+    const Vec<scalar_t, VEC> x = reinterpret_cast<const Vec<scalar_t, VEC>*>(a)[v];
+    const Vec<scalar_t, VEC> y = reinterpret_cast<const Vec<scalar_t, VEC>*>(b)[v];
+    const Vec<scalar_t, VEC> z = reinterpret_cast<const Vec<scalar_t, VEC>*>(c)[v];
+    Vec<scalar_t, VEC> r0, r1;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      opmath_t o0, o1;
+      op(static_cast<opmath_t>(x.val[k]), static_cast<opmath_t>(y.val[k]), static_cast<opmath_t>(z.val[k]), o0, o1);
+      r0.val[k] = static_cast<scalar_t>(o0);
+      r1.val[k] = static_cast<scalar_t>(o1);
+    }
+    reinterpret_cast<Vec<scalar_t, VEC>*>(out0)[v] = r0;
+    reinterpret_cast<Vec<scalar_t, VEC>*>(out1)[v] = r1;
+  }
+  for (int64_t i = nvec * VEC + first; i < n; i += stride) {
+    opmath_t o0, o1;
+    op(static_cast<opmath_t>(a[i]), static_cast<opmath_t>(b[i]), static_cast<opmath_t>(c[i]), o0, o1);
+    out0[i] = static_cast<scalar_t>(o0);
+    out1[i] = static_cast<scalar_t>(o1);
+  }
+}
+
+/// Launches map3_to2_kernel on tensors of n elements (all contiguous, same dtype and device).
+/// `op(a, b, c, out0&, out1&)` runs in opmath (fp32 for fp16/bf16).
+template <typename scalar_t, typename Op>
+void launch_map3_to2(const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, at::Tensor& Out0,
+                     at::Tensor& Out1, Op op) {
+  const int64_t n = A.numel();
+  if (n == 0) return;
+  c10::cuda::CUDAGuard guard(A.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const scalar_t* a = A.const_data_ptr<scalar_t>();
+  const scalar_t* b = B.const_data_ptr<scalar_t>();
+  const scalar_t* c = C.const_data_ptr<scalar_t>();
+  scalar_t* o0 = Out0.mutable_data_ptr<scalar_t>();
+  scalar_t* o1 = Out1.mutable_data_ptr<scalar_t>();
+  constexpr int VEC = vec_size<scalar_t>();
+  if (is_aligned16(a) && is_aligned16(b) && is_aligned16(c) && is_aligned16(o0) && is_aligned16(o1)) {
+    map3_to2_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, b, c, o0, o1, n, op);
+  } else {
+    map3_to2_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, b, c, o0, o1, n, op);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---- row-strided inputs -------------------------------------------------------------------------------------
+
 // out[0, W) = op(a[0, W), b[0, W)) as one W-wide access per pointer (W == 1: scalar), math in opmath.
-// The per-access body shared by the contiguous and the row-strided binary kernels.
 template <int W, typename scalar_t, typename Op>
 __device__ __forceinline__ void binary_lanes(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
                                              scalar_t* __restrict__ out, const Op& op) {
@@ -69,7 +173,6 @@ __device__ __forceinline__ void binary_lanes(const scalar_t* __restrict__ a, con
 }
 
 // (out0, out1)[0, W) = op(a, b, c)[0, W) as one W-wide access per pointer (W == 1: scalar), math in opmath.
-// The per-access body shared by the contiguous and the row-strided 3-to-2 kernels.
 template <int W, typename scalar_t, typename Op>
 __device__ __forceinline__ void map3_to2_lanes(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
                                                const scalar_t* __restrict__ c, scalar_t* __restrict__ out0,
@@ -90,23 +193,6 @@ __device__ __forceinline__ void map3_to2_lanes(const scalar_t* __restrict__ a, c
   *reinterpret_cast<Vec<scalar_t, W>*>(out1) = r1;
 }
 
-// out[i] = op(a[i], b[i mod period]) for i in [0, n); period == n means b is as long as a.
-template <int VEC, typename scalar_t, typename Op>
-__global__ void map_binary_kernel(const scalar_t* __restrict__ a,  // [n]
-                                  const scalar_t* __restrict__ b,  // [period]
-                                  scalar_t* __restrict__ out,      // [n]
-                                  int64_t n, int64_t period, Op op) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nvec = n / VEC;
-  for (int64_t v = first; v < nvec; v += stride) {
-    const int64_t i = v * VEC;
-    const int64_t j = period == n ? i : i % period;  // period % VEC == 0 when VEC > 1
-    binary_lanes<VEC>(a + i, b + j, out + i, op);
-  }
-  for (int64_t i = nvec * VEC + first; i < n; i += stride) binary_lanes<1>(a + i, b + (period == n ? i : i % period), out + i, op);
-}
-
 // out[i] = op(a[r * sa + col], b[r * sb + col]) for i = r * cols + col in [0, n): a and b row-strided
 // [n / cols, cols] views, out contiguous. VEC elements per access: VEC > 1 needs cols, sa, sb multiples of VEC
 // (so an access never straddles a row and n % VEC == 0) and 16-byte aligned pointers.
@@ -120,77 +206,6 @@ __global__ void map_binary_rows_kernel(const scalar_t* __restrict__ a, int64_t s
     const int64_t r = i / cols, col = i - r * cols;  // one division for both inputs
     binary_lanes<VEC>(a + r * sa + col, b + r * sb + col, out + i, op);
   }
-}
-
-/// Launches out[i] = op(a[i]) over A.numel() elements.
-template <typename scalar_t, typename Op>
-void launch_unary(const at::Tensor& A, at::Tensor& Out, Op op) {
-  const int64_t n = A.numel();
-  if (n == 0) return;
-  const scalar_t* a = A.const_data_ptr<scalar_t>();
-  scalar_t* out = Out.mutable_data_ptr<scalar_t>();
-  constexpr int VEC = vec_size<scalar_t>();
-  launch_vec_or_scalar<VEC>(A.device(), n, is_aligned16(a) && is_aligned16(out), [&](auto w, int64_t blocks, cudaStream_t stream) {
-    map_unary_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, out, n, op);
-  });
-}
-
-/// Launches out[i] = op(a[i], b[i mod period]) over A.numel() elements (period == n: b as long as a).
-template <typename scalar_t, typename Op>
-void launch_binary(const at::Tensor& A, const at::Tensor& B, int64_t period, at::Tensor& Out, Op op) {
-  const int64_t n = A.numel();
-  if (n == 0) return;
-  const scalar_t* a = A.const_data_ptr<scalar_t>();
-  const scalar_t* b = B.const_data_ptr<scalar_t>();
-  scalar_t* out = Out.mutable_data_ptr<scalar_t>();
-  constexpr int VEC = vec_size<scalar_t>();
-  const bool vectorize = is_aligned16(a) && is_aligned16(b) && is_aligned16(out) && period % VEC == 0;
-  launch_vec_or_scalar<VEC>(A.device(), n, vectorize, [&](auto w, int64_t blocks, cudaStream_t stream) {
-    map_binary_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, b, out, n, period, op);
-  });
-}
-
-/// True when a row-strided input (or output) of `cols` columns may be accessed VEC elements at a time:
-/// 16-byte aligned base, and cols and the row stride multiples of VEC (no access straddles a row).
-template <int VEC>
-inline bool rows_vectorizable(const void* p, int64_t cols, int64_t row_stride) {
-  return is_aligned16(p) && cols % VEC == 0 && row_stride % VEC == 0;
-}
-
-/// Launches out[i] = op(a, b) over the row-strided [n / cols, cols] views A (row stride sa) and B (row
-/// stride sb), n = Out.numel(), into contiguous Out. Only the strides differ from launch_binary (period n).
-template <typename scalar_t, typename Op>
-void launch_binary_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, int64_t sb, int64_t cols,
-                        at::Tensor& Out, Op op) {
-  const int64_t n = Out.numel();
-  if (n == 0) return;
-  const scalar_t* a = A.const_data_ptr<scalar_t>();
-  const scalar_t* b = B.const_data_ptr<scalar_t>();
-  scalar_t* out = Out.mutable_data_ptr<scalar_t>();
-  constexpr int VEC = vec_size<scalar_t>();
-  const bool vectorize =
-      rows_vectorizable<VEC>(a, cols, sa) && rows_vectorizable<VEC>(b, cols, sb) && rows_vectorizable<VEC>(out, cols, cols);
-  launch_vec_or_scalar<VEC>(A.device(), n, vectorize, [&](auto w, int64_t blocks, cudaStream_t stream) {
-    map_binary_rows_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, sa, b, sb, out, n, cols, op);
-  });
-}
-
-// (out0[i], out1[i]) = op(a[i], b[i], c[i]) for i in [0, n): three inputs, two outputs.
-template <int VEC, typename scalar_t, typename Op>
-__global__ void map3_to2_kernel(const scalar_t* __restrict__ a,  // [n]
-                                   const scalar_t* __restrict__ b,  // [n]
-                                   const scalar_t* __restrict__ c,  // [n]
-                                   scalar_t* __restrict__ out0,     // [n]
-                                   scalar_t* __restrict__ out1,     // [n]
-                                   int64_t n, Op op) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nvec = n / VEC;
-  for (int64_t v = first; v < nvec; v += stride) {
-    const int64_t i = v * VEC;
-    map3_to2_lanes<VEC>(a + i, b + i, c + i, out0 + i, out1 + i, op);
-  }
-  for (int64_t i = nvec * VEC + first; i < n; i += stride) map3_to2_lanes<1>(a + i, b + i, c + i, out0 + i, out1 + i, op);
 }
 
 // map3_to2_kernel over row-strided [n / cols, cols] inputs (row strides sa, sb, sc), contiguous outputs;
@@ -209,42 +224,58 @@ __global__ void map3_to2_rows_kernel(const scalar_t* __restrict__ a, int64_t sa,
   }
 }
 
-/// Launches map3_to2_rows_kernel: map3_to2 over the row-strided [n / cols, cols] views A, B, C (row
-/// strides sa, sb, sc), n = Out0.numel(), into contiguous Out0 and Out1 (same dtype and device).
-/// `op(a, b, c, out0&, out1&)` runs in opmath (fp32 for fp16/bf16). cols == 0 means every tensor is
-/// contiguous (strides ignored): then map3_to2_kernel runs, as launch_map3_to2.
+/// True when a row-strided input (or output) of `cols` columns may be accessed VEC elements at a time:
+/// 16-byte aligned base, and cols and the row stride multiples of VEC (no access straddles a row).
+template <int VEC>
+inline bool rows_vectorizable(const void* p, int64_t cols, int64_t row_stride) {
+  return is_aligned16(p) && cols % VEC == 0 && row_stride % VEC == 0;
+}
+
+/// Launches out[i] = op(a, b) over the row-strided [n / cols, cols] views A (row stride sa) and B (row
+/// stride sb), n = Out.numel(), into contiguous Out (same dtype and device).
+template <typename scalar_t, typename Op>
+void launch_binary_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, int64_t sb, int64_t cols,
+                        at::Tensor& Out, Op op) {
+  const int64_t n = Out.numel();
+  if (n == 0) return;
+  c10::cuda::CUDAGuard guard(A.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const scalar_t* a = A.const_data_ptr<scalar_t>();
+  const scalar_t* b = B.const_data_ptr<scalar_t>();
+  scalar_t* out = Out.mutable_data_ptr<scalar_t>();
+  constexpr int VEC = vec_size<scalar_t>();
+  if (rows_vectorizable<VEC>(a, cols, sa) && rows_vectorizable<VEC>(b, cols, sb) && rows_vectorizable<VEC>(out, cols, cols)) {
+    map_binary_rows_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, out, n, cols, op);
+  } else {
+    map_binary_rows_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, out, n, cols, op);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+/// Launches map3_to2 over the row-strided [n / cols, cols] views A, B, C (row strides sa, sb, sc),
+/// n = Out0.numel(), into contiguous Out0 and Out1 (same dtype and device). `op(a, b, c, out0&, out1&)` runs
+/// in opmath (fp32 for fp16/bf16).
 template <typename scalar_t, typename Op>
 void launch_map3_to2_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, int64_t sb, const at::Tensor& C,
                           int64_t sc, int64_t cols, at::Tensor& Out0, at::Tensor& Out1, Op op) {
   const int64_t n = Out0.numel();
   if (n == 0) return;
+  c10::cuda::CUDAGuard guard(A.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
   const scalar_t* a = A.const_data_ptr<scalar_t>();
   const scalar_t* b = B.const_data_ptr<scalar_t>();
   const scalar_t* c = C.const_data_ptr<scalar_t>();
   scalar_t* o0 = Out0.mutable_data_ptr<scalar_t>();
   scalar_t* o1 = Out1.mutable_data_ptr<scalar_t>();
   constexpr int VEC = vec_size<scalar_t>();
-  if (cols == 0) {
-    const bool vectorize = is_aligned16(a) && is_aligned16(b) && is_aligned16(c) && is_aligned16(o0) && is_aligned16(o1);
-    launch_vec_or_scalar<VEC>(A.device(), n, vectorize, [&](auto w, int64_t blocks, cudaStream_t stream) {
-      map3_to2_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, b, c, o0, o1, n, op);
-    });
-    return;
+  if (rows_vectorizable<VEC>(a, cols, sa) && rows_vectorizable<VEC>(b, cols, sb) && rows_vectorizable<VEC>(c, cols, sc) &&
+      rows_vectorizable<VEC>(o0, cols, cols) && rows_vectorizable<VEC>(o1, cols, cols)) {
+    map3_to2_rows_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, c, sc, o0,
+                                                                                              o1, n, cols, op);
+  } else {
+    map3_to2_rows_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, c, sc, o0, o1, n, cols, op);
   }
-  const bool vectorize = rows_vectorizable<VEC>(a, cols, sa) && rows_vectorizable<VEC>(b, cols, sb) &&
-                         rows_vectorizable<VEC>(c, cols, sc) && rows_vectorizable<VEC>(o0, cols, cols) &&
-                         rows_vectorizable<VEC>(o1, cols, cols);
-  launch_vec_or_scalar<VEC>(A.device(), n, vectorize, [&](auto w, int64_t blocks, cudaStream_t stream) {
-    map3_to2_rows_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, sa, b, sb, c, sc, o0, o1, n, cols, op);
-  });
-}
-
-/// Launches map3_to2_kernel on tensors of n elements (all contiguous, same dtype and device).
-/// `op(a, b, c, out0&, out1&)` runs in opmath (fp32 for fp16/bf16).
-template <typename scalar_t, typename Op>
-void launch_map3_to2(const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, at::Tensor& Out0,
-                     at::Tensor& Out1, Op op) {
-  launch_map3_to2_rows<scalar_t>(A, 0, B, 0, C, 0, /*cols=*/0, Out0, Out1, op);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace cuda
