@@ -1,6 +1,9 @@
 // Generic elementwise CUDA kernels over flat contiguous arrays: 16-byte vector loads and stores
 // (when every pointer is 16-byte aligned), a scalar tail, fp32 math for float16/bfloat16, a grid-stride
-// loop with 64-bit indices. Each launcher does: device guard, current stream, launch, launch check;
+// loop with 64-bit indices. The *_rows launchers (at the end) read inputs that are row-strided 2-D views
+// [rows, cols] (element i at (i / cols) * row_stride + i % cols: column slices of a wider tensor, as swiglu's
+// gate/up views of a fused projection) without copying; outputs stay contiguous. The contiguous kernels above
+// them are left exactly as they were measured. Each launcher does: device guard, current stream, launch, launch check;
 // empty inputs launch nothing.
 #pragma once
 
@@ -149,6 +152,128 @@ void launch_map3_to2(const at::Tensor& A, const at::Tensor& B, const at::Tensor&
     map3_to2_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, b, c, o0, o1, n, op);
   } else {
     map3_to2_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, b, c, o0, o1, n, op);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---- row-strided inputs -------------------------------------------------------------------------------------
+
+// out[0, W) = op(a[0, W), b[0, W)) as one W-wide access per pointer (W == 1: scalar), math in opmath.
+template <int W, typename scalar_t, typename Op>
+__device__ __forceinline__ void binary_lanes(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
+                                             scalar_t* __restrict__ out, const Op& op) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const Vec<scalar_t, W> x = *reinterpret_cast<const Vec<scalar_t, W>*>(a);
+  const Vec<scalar_t, W> c = *reinterpret_cast<const Vec<scalar_t, W>*>(b);
+  Vec<scalar_t, W> y;
+#pragma unroll
+  for (int k = 0; k < W; ++k)
+    y.val[k] = static_cast<scalar_t>(op(static_cast<opmath_t>(x.val[k]), static_cast<opmath_t>(c.val[k])));
+  *reinterpret_cast<Vec<scalar_t, W>*>(out) = y;
+}
+
+// (out0, out1)[0, W) = op(a, b, c)[0, W) as one W-wide access per pointer (W == 1: scalar), math in opmath.
+template <int W, typename scalar_t, typename Op>
+__device__ __forceinline__ void map3_to2_lanes(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
+                                               const scalar_t* __restrict__ c, scalar_t* __restrict__ out0,
+                                               scalar_t* __restrict__ out1, const Op& op) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const Vec<scalar_t, W> x = *reinterpret_cast<const Vec<scalar_t, W>*>(a);
+  const Vec<scalar_t, W> y = *reinterpret_cast<const Vec<scalar_t, W>*>(b);
+  const Vec<scalar_t, W> z = *reinterpret_cast<const Vec<scalar_t, W>*>(c);
+  Vec<scalar_t, W> r0, r1;
+#pragma unroll
+  for (int k = 0; k < W; ++k) {
+    opmath_t o0, o1;
+    op(static_cast<opmath_t>(x.val[k]), static_cast<opmath_t>(y.val[k]), static_cast<opmath_t>(z.val[k]), o0, o1);
+    r0.val[k] = static_cast<scalar_t>(o0);
+    r1.val[k] = static_cast<scalar_t>(o1);
+  }
+  *reinterpret_cast<Vec<scalar_t, W>*>(out0) = r0;
+  *reinterpret_cast<Vec<scalar_t, W>*>(out1) = r1;
+}
+
+// out[i] = op(a[r * sa + col], b[r * sb + col]) for i = r * cols + col in [0, n): a and b row-strided
+// [n / cols, cols] views, out contiguous. VEC elements per access: VEC > 1 needs cols, sa, sb multiples of VEC
+// (so an access never straddles a row and n % VEC == 0) and 16-byte aligned pointers.
+template <int VEC, typename scalar_t, typename Op>
+__global__ void map_binary_rows_kernel(const scalar_t* __restrict__ a, int64_t sa,  // [n / cols, cols] by sa
+                                       const scalar_t* __restrict__ b, int64_t sb,  // [n / cols, cols] by sb
+                                       scalar_t* __restrict__ out,                  // [n]
+                                       int64_t n, int64_t cols, Op op) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC; i < n; i += stride * VEC) {
+    const int64_t r = i / cols, col = i - r * cols;  // one division for both inputs
+    binary_lanes<VEC>(a + r * sa + col, b + r * sb + col, out + i, op);
+  }
+}
+
+// map3_to2_kernel over row-strided [n / cols, cols] inputs (row strides sa, sb, sc), contiguous outputs;
+// map_binary_rows_kernel's VEC rule.
+template <int VEC, typename scalar_t, typename Op>
+__global__ void map3_to2_rows_kernel(const scalar_t* __restrict__ a, int64_t sa,  // [n / cols, cols] by sa
+                                     const scalar_t* __restrict__ b, int64_t sb,  // [n / cols, cols] by sb
+                                     const scalar_t* __restrict__ c, int64_t sc,  // [n / cols, cols] by sc
+                                     scalar_t* __restrict__ out0,                 // [n]
+                                     scalar_t* __restrict__ out1,                 // [n]
+                                     int64_t n, int64_t cols, Op op) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC; i < n; i += stride * VEC) {
+    const int64_t r = i / cols, col = i - r * cols;  // one division for the three inputs
+    map3_to2_lanes<VEC>(a + r * sa + col, b + r * sb + col, c + r * sc + col, out0 + i, out1 + i, op);
+  }
+}
+
+/// True when a row-strided input (or output) of `cols` columns may be accessed VEC elements at a time:
+/// 16-byte aligned base, and cols and the row stride multiples of VEC (no access straddles a row).
+template <int VEC>
+inline bool rows_vectorizable(const void* p, int64_t cols, int64_t row_stride) {
+  return is_aligned16(p) && cols % VEC == 0 && row_stride % VEC == 0;
+}
+
+/// Launches out[i] = op(a, b) over the row-strided [n / cols, cols] views A (row stride sa) and B (row
+/// stride sb), n = Out.numel(), into contiguous Out (same dtype and device).
+template <typename scalar_t, typename Op>
+void launch_binary_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, int64_t sb, int64_t cols,
+                        at::Tensor& Out, Op op) {
+  const int64_t n = Out.numel();
+  if (n == 0) return;
+  c10::cuda::CUDAGuard guard(A.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const scalar_t* a = A.const_data_ptr<scalar_t>();
+  const scalar_t* b = B.const_data_ptr<scalar_t>();
+  scalar_t* out = Out.mutable_data_ptr<scalar_t>();
+  constexpr int VEC = vec_size<scalar_t>();
+  if (rows_vectorizable<VEC>(a, cols, sa) && rows_vectorizable<VEC>(b, cols, sb) && rows_vectorizable<VEC>(out, cols, cols)) {
+    map_binary_rows_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, out, n, cols, op);
+  } else {
+    map_binary_rows_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, out, n, cols, op);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+/// Launches map3_to2 over the row-strided [n / cols, cols] views A, B, C (row strides sa, sb, sc),
+/// n = Out0.numel(), into contiguous Out0 and Out1 (same dtype and device). `op(a, b, c, out0&, out1&)` runs
+/// in opmath (fp32 for fp16/bf16).
+template <typename scalar_t, typename Op>
+void launch_map3_to2_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, int64_t sb, const at::Tensor& C,
+                          int64_t sc, int64_t cols, at::Tensor& Out0, at::Tensor& Out1, Op op) {
+  const int64_t n = Out0.numel();
+  if (n == 0) return;
+  c10::cuda::CUDAGuard guard(A.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const scalar_t* a = A.const_data_ptr<scalar_t>();
+  const scalar_t* b = B.const_data_ptr<scalar_t>();
+  const scalar_t* c = C.const_data_ptr<scalar_t>();
+  scalar_t* o0 = Out0.mutable_data_ptr<scalar_t>();
+  scalar_t* o1 = Out1.mutable_data_ptr<scalar_t>();
+  constexpr int VEC = vec_size<scalar_t>();
+  if (rows_vectorizable<VEC>(a, cols, sa) && rows_vectorizable<VEC>(b, cols, sb) && rows_vectorizable<VEC>(c, cols, sc) &&
+      rows_vectorizable<VEC>(o0, cols, cols) && rows_vectorizable<VEC>(o1, cols, cols)) {
+    map3_to2_rows_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, c, sc, o0,
+                                                                                              o1, n, cols, op);
+  } else {
+    map3_to2_rows_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, c, sc, o0, o1, n, cols, op);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

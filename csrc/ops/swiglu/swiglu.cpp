@@ -18,7 +18,7 @@ std::pair<at::Tensor, at::Tensor> check_swiglu(const char* op, const at::Tensor&
   TORCH_CHECK_VALUE(gate.sym_sizes().equals(up.sym_sizes()), "opforge::", op,
                     ": expected gate and up of the same shape, but got ", shape_str(gate.sym_sizes()), " and ",
                     shape_str(up.sym_sizes()));
-  return {gate.contiguous(), to_input_dtype(up, gate.scalar_type()).contiguous()};
+  return {gate, to_input_dtype(up, gate.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> check_swiglu_backward(const at::Tensor& grad_output,
@@ -29,7 +29,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> check_swiglu_backward(const at::T
   TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(gate.sym_sizes()),
                     "opforge::swiglu_backward: expected grad_output of gate's shape ", shape_str(gate.sym_sizes()),
                     ", but got ", shape_str(grad_output.sym_sizes()));
-  return {to_input_dtype(grad_output, gate.scalar_type()).contiguous(), G, U};
+  return {to_input_dtype(grad_output, gate.scalar_type()), G, U};
+}
+
+std::optional<RowView> row_view(const at::Tensor& t) {
+  const int64_t dim = t.dim();
+  const int64_t cols = dim == 0 ? 1 : t.size(-1);
+  if (dim > 0 && cols > 1 && t.stride(-1) != 1) return std::nullopt;
+  // The leading dims, innermost first, must step as one index over rows: each stride the previous
+  // (non-1) dim's stride times its size. Dims of size 1 have no stride that matters.
+  int64_t rows = 1, row_stride = cols, expected = -1;
+  for (int64_t d = dim - 2; d >= 0; --d) {
+    const int64_t size = t.size(d);
+    if (size == 1) continue;
+    if (expected < 0) {
+      row_stride = t.stride(d);
+      expected = row_stride * size;
+    } else {
+      if (t.stride(d) != expected) return std::nullopt;
+      expected *= size;
+    }
+    rows *= size;
+  }
+  if (rows > 1 && row_stride < cols) return std::nullopt;  // overlapping or expanded rows
+  return RowView{rows, cols, row_stride};
 }
 
 

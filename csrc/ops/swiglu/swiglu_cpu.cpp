@@ -12,8 +12,11 @@ namespace {
 using at::vec::Vectorized;
 
 at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
-  auto [G, U] = check_swiglu("swiglu", gate, up);  // [n], [n]
-  at::Tensor Y = at::empty_like(G);                          // [n]
+  // The CPU kernels read contiguous copies: a row-strided loop would end each row in the scalar tail,
+  // whose exp differs from Vectorized's in the last bits, so views would not match their copies bitwise.
+  auto [Gs, Us] = check_swiglu("swiglu", gate, up);
+  const at::Tensor G = Gs.contiguous(), U = Us.contiguous();  // [n], [n]
+  at::Tensor Y = at::empty_like(G);                             // [n]
   OPFORGE_DISPATCH_FLOATING(G.scalar_type(), "opforge::swiglu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     using V = Vectorized<opmath_t>;
@@ -28,7 +31,8 @@ at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
 
 std::tuple<at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_output, const at::Tensor& gate,
                                                        const at::Tensor& up) {
-  auto [dY, G, U] = check_swiglu_backward(grad_output, gate, up);  // [n] each, gate's dtype
+  auto [dYs, Gs, Us] = check_swiglu_backward(grad_output, gate, up);
+  const at::Tensor dY = dYs.contiguous(), G = Gs.contiguous(), U = Us.contiguous();  // [n] each, gate's dtype
   at::Tensor dG = at::empty_like(G);
   at::Tensor dU = at::empty_like(G);
   OPFORGE_DISPATCH_FLOATING(G.scalar_type(), "opforge::swiglu_backward", [&] {
