@@ -3,11 +3,13 @@
 // loop with 64-bit indices. The *_rows launchers (at the end) read inputs that are row-strided 2-D views
 // [rows, cols] (element i at (i / cols) * row_stride + i % cols: column slices of a wider tensor, as swiglu's
 // gate/up views of a fused projection) without copying; outputs stay contiguous. The contiguous kernels above
-// them are left exactly as they were measured. Each launcher does: device guard, current stream, launch, launch check;
-// empty inputs launch nothing.
+// them are left exactly as they were measured. Each launcher goes through launch_vec_or_scalar (device guard,
+// current stream, the vector or scalar instantiation, launch check); empty inputs launch nothing.
 #pragma once
 
 #include <ATen/OpMathType.h>
+
+#include <type_traits>
 
 #include "core/cuda_utils.cuh"
 
@@ -15,6 +17,22 @@ namespace opforge {
 namespace cuda {
 
 constexpr int kMapThreads = 256;
+
+/// The launch shared by every launcher here: on `device`'s current stream, calls
+/// launch(std::integral_constant<int, W>{}, blocks, stream) with W = VEC when `vectorize`, else W = 1 (blocks
+/// enough for n / W accesses and a tail), then checks the launch. n == 0 launches nothing.
+template <int VEC, typename Launch>
+void launch_vec_or_scalar(c10::Device device, int64_t n, bool vectorize, const Launch& launch) {
+  if (n == 0) return;
+  c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (vectorize) {
+    launch(std::integral_constant<int, VEC>{}, grid_for(n / VEC + 1, kMapThreads), stream);
+  } else {
+    launch(std::integral_constant<int, 1>{}, grid_for(n, kMapThreads), stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 // out[i] = op(a[i]) for i in [0, n). VEC elements per access (1 when a pointer is not 16-byte aligned).
 template <int VEC, typename scalar_t, typename Op>
@@ -65,37 +83,26 @@ __global__ void map_binary_kernel(const scalar_t* __restrict__ a,  // [n]
 template <typename scalar_t, typename Op>
 void launch_unary(const at::Tensor& A, at::Tensor& Out, Op op) {
   const int64_t n = A.numel();
-  if (n == 0) return;
-  c10::cuda::CUDAGuard guard(A.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
   const scalar_t* a = A.const_data_ptr<scalar_t>();
   scalar_t* out = Out.mutable_data_ptr<scalar_t>();
-  constexpr int VEC = vec_size<scalar_t>();
-  if (is_aligned16(a) && is_aligned16(out)) {
-    map_unary_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, out, n, op);
-  } else {
-    map_unary_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, out, n, op);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_vec_or_scalar<vec_size<scalar_t>()>(A.device(), n, is_aligned16(a) && is_aligned16(out),
+                                             [&](auto w, int64_t blocks, cudaStream_t stream) {
+    map_unary_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, out, n, op);
+  });
 }
 
 /// Launches out[i] = op(a[i], b[i mod period]) over A.numel() elements (period == n: b as long as a).
 template <typename scalar_t, typename Op>
 void launch_binary(const at::Tensor& A, const at::Tensor& B, int64_t period, at::Tensor& Out, Op op) {
   const int64_t n = A.numel();
-  if (n == 0) return;
-  c10::cuda::CUDAGuard guard(A.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
   const scalar_t* a = A.const_data_ptr<scalar_t>();
   const scalar_t* b = B.const_data_ptr<scalar_t>();
   scalar_t* out = Out.mutable_data_ptr<scalar_t>();
   constexpr int VEC = vec_size<scalar_t>();
-  if (is_aligned16(a) && is_aligned16(b) && is_aligned16(out) && period % VEC == 0) {
-    map_binary_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, b, out, n, period, op);
-  } else {
-    map_binary_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, b, out, n, period, op);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool vectorize = is_aligned16(a) && is_aligned16(b) && is_aligned16(out) && period % VEC == 0;
+  launch_vec_or_scalar<VEC>(A.device(), n, vectorize, [&](auto w, int64_t blocks, cudaStream_t stream) {
+    map_binary_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, b, out, n, period, op);
+  });
 }
 
 // (out0[i], out1[i]) = op(a[i], b[i], c[i]) for i in [0, n): three inputs, two outputs.
@@ -139,21 +146,15 @@ template <typename scalar_t, typename Op>
 void launch_map3_to2(const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, at::Tensor& Out0,
                      at::Tensor& Out1, Op op) {
   const int64_t n = A.numel();
-  if (n == 0) return;
-  c10::cuda::CUDAGuard guard(A.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
   const scalar_t* a = A.const_data_ptr<scalar_t>();
   const scalar_t* b = B.const_data_ptr<scalar_t>();
   const scalar_t* c = C.const_data_ptr<scalar_t>();
   scalar_t* o0 = Out0.mutable_data_ptr<scalar_t>();
   scalar_t* o1 = Out1.mutable_data_ptr<scalar_t>();
-  constexpr int VEC = vec_size<scalar_t>();
-  if (is_aligned16(a) && is_aligned16(b) && is_aligned16(c) && is_aligned16(o0) && is_aligned16(o1)) {
-    map3_to2_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, b, c, o0, o1, n, op);
-  } else {
-    map3_to2_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, b, c, o0, o1, n, op);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool vectorize = is_aligned16(a) && is_aligned16(b) && is_aligned16(c) && is_aligned16(o0) && is_aligned16(o1);
+  launch_vec_or_scalar<vec_size<scalar_t>()>(A.device(), n, vectorize, [&](auto w, int64_t blocks, cudaStream_t stream) {
+    map3_to2_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, b, c, o0, o1, n, op);
+  });
 }
 
 // ---- row-strided inputs -------------------------------------------------------------------------------------
@@ -237,19 +238,15 @@ template <typename scalar_t, typename Op>
 void launch_binary_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, int64_t sb, int64_t cols,
                         at::Tensor& Out, Op op) {
   const int64_t n = Out.numel();
-  if (n == 0) return;
-  c10::cuda::CUDAGuard guard(A.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
   const scalar_t* a = A.const_data_ptr<scalar_t>();
   const scalar_t* b = B.const_data_ptr<scalar_t>();
   scalar_t* out = Out.mutable_data_ptr<scalar_t>();
   constexpr int VEC = vec_size<scalar_t>();
-  if (rows_vectorizable<VEC>(a, cols, sa) && rows_vectorizable<VEC>(b, cols, sb) && rows_vectorizable<VEC>(out, cols, cols)) {
-    map_binary_rows_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, out, n, cols, op);
-  } else {
-    map_binary_rows_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, out, n, cols, op);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool vectorize =
+      rows_vectorizable<VEC>(a, cols, sa) && rows_vectorizable<VEC>(b, cols, sb) && rows_vectorizable<VEC>(out, cols, cols);
+  launch_vec_or_scalar<VEC>(A.device(), n, vectorize, [&](auto w, int64_t blocks, cudaStream_t stream) {
+    map_binary_rows_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, sa, b, sb, out, n, cols, op);
+  });
 }
 
 /// Launches map3_to2 over the row-strided [n / cols, cols] views A, B, C (row strides sa, sb, sc),
@@ -259,23 +256,18 @@ template <typename scalar_t, typename Op>
 void launch_map3_to2_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, int64_t sb, const at::Tensor& C,
                           int64_t sc, int64_t cols, at::Tensor& Out0, at::Tensor& Out1, Op op) {
   const int64_t n = Out0.numel();
-  if (n == 0) return;
-  c10::cuda::CUDAGuard guard(A.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
   const scalar_t* a = A.const_data_ptr<scalar_t>();
   const scalar_t* b = B.const_data_ptr<scalar_t>();
   const scalar_t* c = C.const_data_ptr<scalar_t>();
   scalar_t* o0 = Out0.mutable_data_ptr<scalar_t>();
   scalar_t* o1 = Out1.mutable_data_ptr<scalar_t>();
   constexpr int VEC = vec_size<scalar_t>();
-  if (rows_vectorizable<VEC>(a, cols, sa) && rows_vectorizable<VEC>(b, cols, sb) && rows_vectorizable<VEC>(c, cols, sc) &&
-      rows_vectorizable<VEC>(o0, cols, cols) && rows_vectorizable<VEC>(o1, cols, cols)) {
-    map3_to2_rows_kernel<VEC><<<grid_for(n / VEC + 1, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, c, sc, o0,
-                                                                                              o1, n, cols, op);
-  } else {
-    map3_to2_rows_kernel<1><<<grid_for(n, kMapThreads), kMapThreads, 0, stream>>>(a, sa, b, sb, c, sc, o0, o1, n, cols, op);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool vectorize = rows_vectorizable<VEC>(a, cols, sa) && rows_vectorizable<VEC>(b, cols, sb) &&
+                         rows_vectorizable<VEC>(c, cols, sc) && rows_vectorizable<VEC>(o0, cols, cols) &&
+                         rows_vectorizable<VEC>(o1, cols, cols);
+  launch_vec_or_scalar<VEC>(A.device(), n, vectorize, [&](auto w, int64_t blocks, cudaStream_t stream) {
+    map3_to2_rows_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, sa, b, sb, c, sc, o0, o1, n, cols, op);
+  });
 }
 
 }  // namespace cuda
