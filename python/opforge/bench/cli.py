@@ -181,7 +181,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=None, help="comma-separated op families (default: all; --list shows them)")
     p.add_argument("--list", action="store_true", help="list the op families and exit")
-    p.add_argument("--quick", action="store_true", help="few shapes and repetitions (CPU: well under two minutes)")
+    p.add_argument("--quick", action="store_true", help="few shapes and repetitions (CPU: a few minutes for every family)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--out", type=Path, default=Path("opforge_bench"),
                    help="folder of the CSV and PNG files (default: ./opforge_bench in the current directory)")
