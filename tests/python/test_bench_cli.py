@@ -177,3 +177,32 @@ def test_a_failed_graph_capture_leaves_the_cuda_rng_and_later_captures_usable():
     assert method2 == "graph" and t2 > 0
     torch.cuda.synchronize()
     assert z.std().item() > 0.5
+
+
+def test_rows_carry_the_commit_of_the_benchmarks_checkout(tmp_path):
+    """An installed opforge has no git tree of its own: `opforge bench` records the commit of the checkout whose
+    benchmarks/ it runs (here a fresh repository), in the CSV rows and the summary line."""
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("git not installed")
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "common.py").write_text(FAKE_COMMON)
+    (bench / "bench_a_ok.py").write_text(FAKE_OK.format(name="a_ok"))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "x"], check=True)
+    commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if k != "OPFORGE_GIT_COMMIT"}
+    env.update(OMP_NUM_THREADS="1", OPFORGE_BENCHMARKS=str(bench),
+               PYTHONPATH=os.pathsep.join([str(REPO / "python")] + ([os.environ["PYTHONPATH"]]
+                                                                    if os.environ.get("PYTHONPATH") else [])))
+    p = subprocess.run([sys.executable, "-m", "opforge", "bench", "--device", "cpu", "--no-compile", "--out", str(out)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"commit {commit}" in p.stdout, p.stdout[-2000:]
+    assert {r["commit"] for r in csv.DictReader((out / "a_ok.csv").open())} == {commit}

@@ -197,6 +197,11 @@ def main(argv: Optional[List[str]] = None) -> int:
               "from an opforge checkout or set OPFORGE_BENCHMARKS=<checkout>/benchmarks", file=sys.stderr)
         return 2
     families = discover(folder)
+    # the commit of the checkout the benchmarks come from (an installed package knows none), for every family's
+    # CSV rows and the summary line
+    commit = harness.git_commit(folder.resolve().parent)
+    if commit != "unknown":
+        os.environ.setdefault("OPFORGE_GIT_COMMIT", commit)
     if args.list:
         print("\n".join(families))
         return 0

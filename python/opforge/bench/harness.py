@@ -123,15 +123,17 @@ def device_name(device: str) -> str:
     return (platform.processor() or platform.machine()) + f" ({torch.get_num_threads()} threads)"
 
 
-def git_commit() -> str:
-    """Short commit of the source tree (+"-dirty" with local changes); $OPFORGE_GIT_COMMIT or "unknown"
-    where there is no git checkout (e.g. a copied tree on the GPU machine)."""
+def git_commit(root: Optional[Path] = None) -> str:
+    """Short commit of the source tree at ``root`` (default: the tree this file is in) (+"-dirty" with local
+    changes); $OPFORGE_GIT_COMMIT or "unknown" where there is no git checkout (e.g. a copied tree on the GPU
+    machine, or an installed package: ``python -m opforge bench`` passes the checkout its benchmarks come from)."""
     if os.environ.get("OPFORGE_GIT_COMMIT"):
         return os.environ["OPFORGE_GIT_COMMIT"]
+    where = root if root is not None else REPO_ROOT
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
