@@ -206,3 +206,13 @@ def test_rows_carry_the_commit_of_the_benchmarks_checkout(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"commit {commit}" in p.stdout, p.stdout[-2000:]
     assert {r["commit"] for r in csv.DictReader((out / "a_ok.csv").open())} == {commit}
+
+
+def test_summary_has_one_table_per_op_with_its_own_peers():
+    R = harness.Row
+    rows = [R("a", "4", "float32", "opforge", "fwd", 2.0, 1.0, "GB/s"), R("a", "4", "float32", "liger", "fwd", 4.0, 0.5, "GB/s"),
+            R("b", "8", "float32", "opforge", "fwd", 1.0, 1.0, "GB/s"), R("b", "8", "float32", "eager", "fwd", 3.0, 0.3, "GB/s"),
+            R("b", "8", "float32", "torchao", "fwd+bwd", 9.0, 0.1, "GB/s")]  # no opforge row there: no column
+    tables = cli.summarize_by_op(rows)
+    assert [t[0][6:] for t in tables] == [["vs liger"], ["vs eager"]]
+    assert [t[1][:4] + t[1][6:] for t in tables] == [["a", "4", "float32", "fwd", "2.00x"], ["b", "8", "float32", "fwd", "3.00x"]]

@@ -144,7 +144,9 @@ def summarize(rows: List[harness.Row]) -> List[List[str]]:
     groups: Dict[tuple, Dict[str, harness.Row]] = {}
     for r in rows:
         groups.setdefault((r.op, r.shape, r.dtype, r.pass_), {})[r.impl] = r
-    others = list(dict.fromkeys(r.impl for r in rows if r.impl != "opforge"))
+    # only the impls that ran next to an opforge row of these rows (one family's peers, not every family's)
+    others = list(dict.fromkeys(r.impl for r in rows if r.impl != "opforge"
+                                and "opforge" in groups[(r.op, r.shape, r.dtype, r.pass_)]))
     table = [["op", "shape", "dtype", "pass", "opforge us", "opforge metric"] + [f"vs {o}" for o in others]]
     for (op, shape, dtype, pass_), impls in groups.items():
         ours = impls.get("opforge")
@@ -159,6 +161,14 @@ def summarize(rows: List[harness.Row]) -> List[List[str]]:
                 line.append(f"{peer.time_us / ours.time_us:.2f}x" + (" +fallback" if peer.fallback else ""))
         table.append(line)
     return table
+
+
+def summarize_by_op(rows: List[harness.Row]) -> List[List[List[str]]]:
+    """:func:`summarize` per op (rows of one ``op`` value each, in the order they came): one table each, with
+    only the peers that op was measured against, so a run of every family stays readable."""
+    ops = list(dict.fromkeys(r.op for r in rows))
+    tables = [summarize([r for r in rows if r.op == op]) for op in ops]
+    return [t for t in tables if len(t) > 1]
 
 
 def print_summary(table: List[List[str]], file=sys.stdout) -> None:
@@ -238,7 +248,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\nopforge bench: {device}, torch {torch.__version__}, commit {harness.git_commit()}, "
           f"{time.perf_counter() - t0:.0f}s; ratios are peer time / opforge time (> 1: opforge faster)")
     if rows:
-        print_summary(summarize(rows))
+        for k, table in enumerate(summarize_by_op(rows)):
+            if k:
+                print(file=sys.stdout)
+            print_summary(table)
     print(f"\nCSV and PNG files: {out}")
     for f in failures:
         print(f"FAILED: {f}")
