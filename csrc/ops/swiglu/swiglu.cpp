@@ -32,30 +32,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> check_swiglu_backward(const at::T
   return {to_input_dtype(grad_output, gate.scalar_type()), G, U};
 }
 
-std::optional<RowView> row_view(const at::Tensor& t) {
-  const int64_t dim = t.dim();
-  const int64_t cols = dim == 0 ? 1 : t.size(-1);
-  if (dim > 0 && cols > 1 && t.stride(-1) != 1) return std::nullopt;
-  // The leading dims, innermost first, must step as one index over rows: each stride the previous
-  // (non-1) dim's stride times its size. Dims of size 1 have no stride that matters.
-  int64_t rows = 1, row_stride = cols, expected = -1;
-  for (int64_t d = dim - 2; d >= 0; --d) {
-    const int64_t size = t.size(d);
-    if (size == 1) continue;
-    if (expected < 0) {
-      row_stride = t.stride(d);
-      expected = row_stride * size;
-    } else {
-      if (t.stride(d) != expected) return std::nullopt;
-      expected *= size;
-    }
-    rows *= size;
-  }
-  if (rows > 1 && row_stride < cols) return std::nullopt;  // overlapping or expanded rows
-  return RowView{rows, cols, row_stride};
-}
-
-
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   static auto op = typed_op<decltype(swiglu)>("opforge::swiglu");
   return op.call(gate, up);

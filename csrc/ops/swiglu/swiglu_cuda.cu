@@ -5,6 +5,7 @@
 
 #include "core/activation.h"
 #include "core/dispatch.h"
+#include "core/layout.h"
 #include "core/map_cuda.cuh"
 #include "ops/swiglu/swiglu.h"
 
@@ -25,14 +26,6 @@ struct SwigluBackwardOp {
     du = dy * g * act::sigmoid(g);
   }
 };
-
-// t read in place as rows (row_view), or its contiguous copy when its layout does not fit: the tensor to
-// pass and its row stride.
-std::pair<at::Tensor, int64_t> rows_or_contiguous(const at::Tensor& t) {
-  if (const auto v = row_view(t)) return {t, v->row_stride};
-  at::Tensor c = t.contiguous();
-  return {c, c.dim() == 0 ? 1 : c.size(-1)};
-}
 
 at::Tensor swiglu_cuda(const at::Tensor& gate, const at::Tensor& up) {
   auto [G, U] = check_swiglu("swiglu", gate, up);  // gate's shape, gate's dtype, any layout
