@@ -110,17 +110,9 @@ def print_table(rows, bad) -> None:
         kns = list(dict.fromkeys("x".join(r.shape.split("x")[1:]) for r in rows if r.dtype == dtype))
         mlist = list(dict.fromkeys(r.shape.split("x")[0] for r in rows if r.dtype == dtype))
         for kn in kns:
-            print(f"\nlinear fwd {dtype} KxN={kn} (GB/s of weight; ceiling {COPY_CEILING:.0f})")
-            print(f"{'impl':10s}" + "".join(f"{'M=' + m:>10s}" for m in mlist))
-            for impl in IMPLS:
-                vals = [cell.get((dtype, f"{m}x{kn}", impl)) for m in mlist]
-                if all(v is None for v in vals):
-                    continue
-                line = f"{impl:10s}"
-                for m, v in zip(mlist, vals):
-                    flag = "!" if (dtype, f"{m}x{kn}", impl) in bad else " "
-                    line += f"{common._fmt(v if v is not None else math.nan, 0):>9s}{flag}"
-                print(line)
+            common.print_grid(f"linear fwd {dtype} KxN={kn} (GB/s of weight; ceiling {COPY_CEILING:.0f})", IMPLS, mlist,
+                              lambda m: "M=" + m, lambda impl, m: cell.get((dtype, f"{m}x{kn}", impl)),
+                              lambda impl, m: (dtype, f"{m}x{kn}", impl) in bad, label_width=10, cell_width=9)
     if bad:
         print("\nBAD (output differs from F.linear): " + "; ".join(" ".join(b) for b in sorted(bad)))
 

@@ -180,15 +180,9 @@ def print_table(rows, bad) -> None:
     cell = {(r.dtype, r.op, r.pass_, r.impl, r.shape): r.metric for r in rows}
     for dtype, op, pass_ in groups:
         impls = list(dict.fromkeys(r.impl for r in rows if (r.dtype, r.op, r.pass_) == (dtype, op, pass_)))
-        print(f"\n{op} {pass_} {dtype} (GB/s, minimal bytes; copy ceiling {COPY_CEILING:.0f})")
-        print(f"{'impl':16s}" + "".join(f"{s:>13s}" for s in shapes))
-        for impl in impls:
-            line = f"{impl:16s}"
-            for s in shapes:
-                v = cell.get((dtype, op, pass_, impl, s), math.nan)
-                flag = "!" if (op, pass_, s, dtype, impl) in bad else " "
-                line += f"{common._fmt(v, 0):>12s}{flag}"
-            print(line)
+        common.print_grid(f"{op} {pass_} {dtype} (GB/s, minimal bytes; copy ceiling {COPY_CEILING:.0f})", impls, shapes,
+                          lambda s: s, lambda impl, s: cell.get((dtype, op, pass_, impl, s), math.nan),
+                          lambda impl, s: (op, pass_, s, dtype, impl) in bad)
     if bad:
         print("\nBAD (output differs from F.rms_norm; '!' above): " + "; ".join(" ".join(b) for b in sorted(bad)))
 

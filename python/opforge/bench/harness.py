@@ -400,6 +400,25 @@ def _fmt(v: float, digits: int = 1) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
+def print_grid(title: str, impls: Sequence[str], cols: Sequence[str], header: Callable[[str], str],
+               value: Callable[[str, str], Optional[float]], flagged: Callable[[str, str], bool] = lambda i, c: False,
+               label_width: int = 16, cell_width: int = 12, file=None) -> None:
+    """A probe's pivot table: ``title``, then one line per impl (skipped when it has no value at all) with
+    ``value(impl, col)`` per column (0 decimals, "n/a" where None or NaN) and "!" after a flagged cell (its output
+    differed from the reference op). Columns are headed ``header(col)``; ``file``: sys.stdout at the call."""
+    file = file if file is not None else sys.stdout
+    print(f"\n{title}", file=file)
+    print(f"{'impl':{label_width}s}" + "".join(f"{header(c):>{cell_width + 1}s}" for c in cols), file=file)
+    for impl in impls:
+        vals = [value(impl, c) for c in cols]
+        if all(v is None for v in vals):
+            continue
+        line = f"{impl:{label_width}s}"
+        for c, v in zip(cols, vals):
+            line += f"{_fmt(v if v is not None else math.nan, 0):>{cell_width}s}{'!' if flagged(impl, c) else ' '}"
+        print(line, file=file)
+
+
 def print_table(rows: Iterable[Row], file=sys.stdout) -> None:
     """A compact table: one line per row, with the speed-up of opforge over each peer of its group."""
     rows = list(rows)
