@@ -30,6 +30,13 @@ inline bool is_aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
+/// t itself when its data is 16-byte aligned, else a fresh contiguous (hence aligned) copy: for the vendor calls
+/// (cuBLASLt's bias epilogue, at::_grouped_mm) that reject an unaligned operand, which a valid view at an odd
+/// storage offset is. The copy costs one pass over t, and only for such views.
+inline at::Tensor aligned16_or_copy(const at::Tensor& t) {
+  return is_aligned16(t.const_data_ptr()) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 /// Blocks for a grid-stride loop over `n` work items with `threads` per block: enough to fill the
 /// device several times over, never more than the work needs.
 inline int64_t grid_for(int64_t n, int threads) {

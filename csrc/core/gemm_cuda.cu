@@ -313,7 +313,7 @@ bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, cons
   if (is_empty(p) || !lt_enabled(ab)) return false;
   check_int(p);
   at::Tensor bias = args.bias;
-  if (bias.defined() && !cuda::is_aligned16(bias.const_data_ptr())) bias = bias.clone();  // a fresh, aligned copy
+  if (bias.defined()) bias = cuda::aligned16_or_copy(bias);  // the bias epilogue wants 16-byte alignment
   const void* bias_ptr = bias.defined() ? bias.const_data_ptr() : nullptr;
   void* aux_ptr = args.epilogue == Epilogue::kGELUTanhAux ? args.aux.mutable_data_ptr() : nullptr;
   void* bias_grad_ptr = args.epilogue == Epilogue::kBiasGradA || args.epilogue == Epilogue::kBiasGradB

@@ -510,14 +510,6 @@ bool grouped_mm_eligible(const indexed_linear_op::IndexedLinearProblem& p, Path 
   return p.K % 8 == 0 && p.N % 8 == 0 && p.K > 0 && p.N > 0 && p.T < INT_MAX && p.E > 0;
 }
 
-/// `t`, or a contiguous copy of it when its base address is not 16-byte aligned: at::_grouped_mm (CUTLASS, TMA)
-/// rejects an operand whose data_ptr is not 16-byte aligned ("expected data_ptr to be aligned to 16 bytes"), which
-/// a valid view at an odd storage offset is. The gathered operands (index_select) are fresh allocations, so only
-/// the bank can be misaligned; the copy costs one pass over it (docs/ops/indexed_linear.md).
-at::Tensor aligned_for_grouped_mm(const at::Tensor& t) {
-  return cuda::is_aligned16(t.const_data_ptr()) ? t : t.clone(at::MemoryFormat::Contiguous);
-}
-
 bool use_gemv(const indexed_linear_op::IndexedLinearProblem& p, Path path) {
   if (path == Path::kGemv) return p.T <= INT_MAX;
   if (path != Path::kAuto) return false;
@@ -539,7 +531,9 @@ at::Tensor indexed_linear_cuda(const at::Tensor& input, const at::Tensor& weight
   if (grouped_mm_eligible(p, path)) {
     const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);  // group ends
     const at::Tensor Xs = p.X.index_select(0, s.perm);
-    const at::Tensor Ys = at::_grouped_mm(Xs, aligned_for_grouped_mm(p.W).transpose(1, 2), offs);  // [T, N]
+    // _grouped_mm rejects an unaligned operand: the bank may be a view at an odd offset (copied then); the
+    // gathered operands are fresh allocations
+    const at::Tensor Ys = at::_grouped_mm(Xs, cuda::aligned16_or_copy(p.W).transpose(1, 2), offs);  // [T, N]
     scatter_rows(Ys, p.b, s, Y, p.E);
     return Y;
   }
@@ -576,7 +570,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_cuda(
     if (gmm) {
       const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);
       const at::Tensor dXs =
-          at::_grouped_mm(dY.index_select(0, s.perm), aligned_for_grouped_mm(p.W), offs);  // [T, K]
+          at::_grouped_mm(dY.index_select(0, s.perm), cuda::aligned16_or_copy(p.W), offs);  // [T, K]
       scatter_rows(dXs, at::Tensor(), s, gi, p.E);
     } else {
       grouped_rows(dY, p.W, at::Tensor(), s, gi, p.K, p.N, p.E, p.N * p.K, 1, p.K);
