@@ -89,7 +89,10 @@ def backward(outs):
     if not outs:
         return
     grads = [torch.randn(o.shape, dtype=torch.float32).to(o.dtype).to("cuda") for o in outs]
-    torch.autograd.backward(outs, grads)
+    # in this thread (no autograd device thread): the sanitizer then sees one host thread, with its CUDA context
+    # current, for forward and backward alike (racecheck died in an autograd thread's first cuBLAS call on the H200)
+    with torch.autograd.set_multithreading_enabled(False):
+        torch.autograd.backward(outs, grads)
 
 
 def families(quick: bool):
@@ -98,6 +101,18 @@ def families(quick: bool):
     run-time knob / path variants (core/knobs.h, OPFORGE_INDEXED_LINEAR_PATH) on small shapes, so kernels that
     only a knob or a path selects are launched (and sanitized) too."""
     ops = torch.ops.opforge
+
+    def control_torch(dt, u):
+        # torch's own ops only, the same calls the linear family makes (F.linear + GELU, small-M GEMMs, a gradient
+        # accumulated over two uses of one input): what a sanitizer reports here is not opforge's (cuBLAS's or
+        # torch's kernels, or the sanitizer itself); scripts/sanitize.sh reports these cases apart
+        gdt = dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
+        for cdt in (dt, gdt):
+            for m, k, n in ((1, 64, 24), (7, 33, 5), (3, 2048, 40)):
+                x, w, b = make((m, k), cdt, u), make((n, k), cdt, u), make((n,), cdt, u)
+                backward([torch.nn.functional.linear(x, w, b), torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))])
+        x = make((5, 769), dt, u)
+        backward([torch.sigmoid(x), x * x])
 
     def linear(dt, u):
         shapes = ((1, 64, 24), (7, 33, 5)) if quick else ((1, 64, 24), (7, 33, 5), (70, 256, 96))
@@ -134,6 +149,9 @@ def families(quick: bool):
             backward(opforge.square_add(x, o))
             g, up = make(shape, dt, u), make(shape, dt, u)
             backward(opforge.swiglu(g, up))
+            # gate/up as column views of one fused [gate | up] projection (row stride 2·I): the *_rows kernels
+            gu = make(shape[:-1] + (2 * shape[-1],), dt, u)
+            backward(opforge.swiglu(gu[..., : shape[-1]], gu[..., shape[-1]:]))
 
     def rms_norm(dt, u):
         for rows, n in ((3, 7), (5, 1000), (2, 5120), (1, 8200)):
@@ -149,7 +167,7 @@ def families(quick: bool):
                         backward(opforge.rms_norm(x, [n], w))
                         backward(opforge.fused_add_rms_norm(x, r, [n], w))
 
-    out = [("linear", linear), ("elementwise", elementwise), ("rms_norm", rms_norm)]
+    out = [("control_torch", control_torch), ("linear", linear), ("elementwise", elementwise), ("rms_norm", rms_norm)]
 
     if hasattr(ops, "linear_cross_entropy"):
         def linear_cross_entropy(dt, u):
@@ -271,7 +289,21 @@ def run_cases(cases, start_after=None):
         except Exception as e:  # a Python-level error is a failure too (reported, the others still run)
             failures += 1
             print(f"case {cid}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+            if sticky_cuda_error(e):
+                # the context is lost (every later case would fail the same way): stop here, so that
+                # scripts/sanitize.sh records this case as not checked and resumes after it in a fresh process
+                print(f"case {cid}: CUDA context lost, stopping", flush=True)
+                sys.exit(4)
     return failures
+
+
+def sticky_cuda_error(e: BaseException) -> bool:
+    """True for a CUDA error after which the process's CUDA context is unusable (illegal address, launch failure,
+    a sanitizer's hardware exception), as opposed to a Python-level error of one case."""
+    text = f"{type(e).__name__}: {e}"
+    return type(e).__name__ == "AcceleratorError" or any(
+        k in text for k in ("illegal memory access", "unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED",
+                            "misaligned address", "an illegal instruction", "hardware exception"))
 
 
 def coverage(cases) -> int:
