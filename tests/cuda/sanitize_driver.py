@@ -110,7 +110,8 @@ def families(quick: bool):
         for cdt in (dt, gdt):
             for m, k, n in ((1, 64, 24), (7, 33, 5), (3, 2048, 40)):
                 x, w, b = make((m, k), cdt, u), make((n, k), cdt, u), make((n,), cdt, u)
-                backward([torch.nn.functional.linear(x, w, b), torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))])
+                backward(torch.nn.functional.linear(x, w, b))  # x.grad, w.grad, b.grad then accumulated
+                backward(torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)))
         x = make((5, 769), dt, u)
         backward([torch.sigmoid(x), x * x])
 
