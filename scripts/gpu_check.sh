@@ -28,7 +28,7 @@
 #              synccheck over every opforge kernel (GPU_CHECK_SANITIZER_TOOLS picks tools), each must finish with 0 errors
 #   bench      each benchmarks/bench_<name>.py of $GPU_CHECK_BENCH (default: all), capped by `timeout`
 #   collect    $OUT gets at most 8 files: summary.txt, pytest.log, junit.xml, logs.tar.gz (every log and
-#              every benchmark result of this run) and up to 4 CSV/PNG files from benchmarks/results
+#              every benchmark result of this run, subfolders of benchmarks/results included) and up to 4 CSV/PNG files
 #
 # Environment (all optional):
 #   OUT                       where the results go (the device tool provides it)
@@ -445,10 +445,14 @@ section collect
 mkdir -p "$LOGS/results"
 NEW_RESULTS=()
 if [ -d "$ROOT/benchmarks/results" ]; then
-  while IFS= read -r f; do NEW_RESULTS+=("$f"); done < <(find "$ROOT/benchmarks/results" -maxdepth 1 -type f \
-      \( -name '*.csv' -o -name '*.png' \) -newer "$STAMP" | sort)
+  # every CSV / PNG / TXT a step of this run wrote, in subfolders too (python -m opforge bench --out <folder>)
+  while IFS= read -r f; do NEW_RESULTS+=("$f"); done < <(find "$ROOT/benchmarks/results" -type f \
+      \( -name '*.csv' -o -name '*.png' -o -name '*.txt' \) -newer "$STAMP" | sort)
 fi
-for f in "${NEW_RESULTS[@]}"; do cp "$f" "$LOGS/results/"; done
+for f in "${NEW_RESULTS[@]}"; do
+  rel=${f#"$ROOT/benchmarks/results/"}
+  mkdir -p "$LOGS/results/$(dirname "$rel")" && cp "$f" "$LOGS/results/$rel"
+done
 # Up to 4 result files straight into $OUT (CSVs first); all of them are in logs.tar.gz too.
 n=0
 for f in $(printf '%s\n' "${NEW_RESULTS[@]}" | grep '\.csv$') $(printf '%s\n' "${NEW_RESULTS[@]}" | grep '\.png$'); do
