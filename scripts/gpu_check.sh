@@ -46,6 +46,8 @@
 #   GPU_CHECK_SANITIZER       0       1: run the compute-sanitizer step; parallel: the coverage pass, then the tools
 #                                     side by side in the background from the end of the build, beside pytest
 #   GPU_CHECK_SANITIZER_TOOLS memcheck racecheck initcheck synccheck
+#   GPU_CHECK_SANITIZER_QUICK_TOOLS   the tools that run the driver's quick mode (e.g. "initcheck", the slow one);
+#                                     the others every dtype both ways. Unset: SANITIZE_QUICK=1 makes all quick
 #   GPU_CHECK_BENCH           all     benchmark names ("elementwise rms_norm") or "none"
 #   GPU_CHECK_BENCH_ARGS              extra arguments for every benchmark (e.g. "--quick")
 #   GPU_CHECK_BENCH_TIMEOUT   150     seconds per benchmark
@@ -256,6 +258,13 @@ grep -v Warning "$LOGS/env_peers.log" 2>/dev/null | tail -n 3 | tee -a "$LOGS/en
 # sanitized processes are slow but small, so one call fits the build, the whole suite and the four tools. The
 # sanitizer section below waits for them and records each tool's verdict.
 SAN_TOOLS=${GPU_CHECK_SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}
+# san_quick TOOL: 1 when TOOL runs the driver's quick mode: listed in GPU_CHECK_SANITIZER_QUICK_TOOLS when that is
+# set (the others then run every dtype both ways), else $SANITIZE_QUICK for every tool
+san_quick() {
+  if [ -n "${GPU_CHECK_SANITIZER_QUICK_TOOLS+x}" ]; then
+    case " $GPU_CHECK_SANITIZER_QUICK_TOOLS " in *" $1 "*) echo 1 ;; *) echo 0 ;; esac
+  else echo "${SANITIZE_QUICK:-0}"; fi
+}
 SAN_PIDS=()
 SAN_SKIP="no CUDA build"; [ "$BUILT" = 1 ] || SAN_SKIP="no library"
 # Every cap has a floor: `timeout 0` would never stop its command and a negative one is an invalid option (rc 125).
@@ -265,9 +274,14 @@ if [ "${GPU_CHECK_SANITIZER:-0}" = parallel ] && [ "$BUILT" = 1 ] && [ "$NO_CUDA
   SAN_SKIP="no time left after the build (GPU_CHECK_DEADLINE=${DEADLINE}s)"
 elif [ "${GPU_CHECK_SANITIZER:-0}" = parallel ] && [ "$BUILT" = 1 ] && [ "$NO_CUDA" != 1 ]; then
   echo "sanitizer: $SAN_TOOLS in the background (cap ${san_cap}s each, logs.tar.gz: sanitizer_<tool>.txt)"
+  # the coverage pass once per mode the tools use (side by side: each mode has its own cached log)
+  san_modes=$(for tool in $SAN_TOOLS; do san_quick "$tool"; done | sort -u)
   (
-    OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} OUT=$LOGS SANITIZE_COVERAGE_ONLY=1 \
-      timeout --kill-after=10 "$san_cap" bash scripts/sanitize.sh > "$LOGS/sanitizer_coverage.txt" 2>&1
+    for q in $san_modes; do
+      OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} OUT=$LOGS SANITIZE_COVERAGE_ONLY=1 \
+        SANITIZE_QUICK=$q timeout --kill-after=10 "$san_cap" bash scripts/sanitize.sh > "$LOGS/sanitizer_coverage_$q.txt" 2>&1 &
+    done
+    wait
   ) &
   cov_pid=$!
   for tool in $SAN_TOOLS; do
@@ -275,7 +289,7 @@ elif [ "${GPU_CHECK_SANITIZER:-0}" = parallel ] && [ "$BUILT" = 1 ] && [ "$NO_CU
       while kill -0 "$cov_pid" 2>/dev/null; do sleep 1; done
       cap=$(( DEADLINE - ( $(date +%s) - START ) - 20 ))
       if [ "$cap" -lt "$SAN_MIN_CAP" ]; then echo "skip $cap" > "$LOGS/sanitizer_$tool.rc"; exit 0; fi
-      OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} OUT=$LOGS \
+      OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} OUT=$LOGS SANITIZE_QUICK=$(san_quick "$tool") \
         timeout --kill-after=10 "$cap" bash scripts/sanitize.sh "$tool" > "$LOGS/sanitizer_$tool.txt" 2>&1
       echo "$? $cap" > "$LOGS/sanitizer_$tool.rc"
     ) &
@@ -399,7 +413,7 @@ elif [ "${GPU_CHECK_SANITIZER:-0}" = 1 ]; then
     for tool in ${GPU_CHECK_SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
       cap=$(( $(remaining) - 30 )); [ "$cap" -gt 240 ] && cap=240
       if [ "$cap" -lt 30 ]; then record "sanitizer $tool" SKIP "no time left"; continue; fi
-      OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} OUT=$LOGS \
+      OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} OUT=$LOGS SANITIZE_QUICK=$(san_quick "$tool") \
         timeout --kill-after=10 "$cap" bash scripts/sanitize.sh "$tool" > "$LOGS/sanitizer_$tool.txt" 2>&1
       rc=$?
       tail -n 3 "$LOGS/sanitizer_$tool.txt"
