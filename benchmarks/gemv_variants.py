@@ -6,7 +6,8 @@ GEMV variants, cuBLASLt and F.linear, in GB/s of weight bytes streamed.
 
 Impls (torch.ops.opforge._set_knob, csrc/core/knobs.h): "gemv0" OPFORGE_LINEAR_GEMV=1 with OPFORGE_GEMV_VARIANT=0
 (today's kernel), "gemv1".."gemv3" the tensor-core kernels (1: 16 W rows a warp; 2: 32 rows; 3: 16 rows with
-split-K over blocks where the grid is small; 16-bit dtypes only), "cublaslt" OPFORGE_LINEAR_GEMV=0, "default"
+split-K over blocks where the grid is small; 16-bit dtypes only), "cublaslt" OPFORGE_LINEAR_GEMV=0, "gemmex" also
+OPFORGE_LINEAR_LT=0 (cublasGemmEx), "default"
 (the chooser as shipped), "F.linear". Device time per call: CUDA-graph replay of back-to-back calls with the
 weight rotated over copies that exceed the L2 twice over (as bench_linear.py). Each impl's output is compared
 with F.linear's first; a mismatch prints '!' in the table.
@@ -37,14 +38,18 @@ MS = [1, 2, 4, 8, 16]
 KN = [(4096, 4096), (4096, 14336), (14336, 4096), (4096, 1024), (2048, 128256)]
 L2_BYTES = 60e6
 COPY_CEILING = 4274.0
-# impl -> (OPFORGE_LINEAR_GEMV, OPFORGE_GEMV_VARIANT); None: F.linear
-IMPLS = {"gemv0": (1, 0), "gemv1": (1, 1), "gemv2": (1, 2), "gemv3": (1, 3), "cublaslt": (0, -1),
-         "default": (-1, -1), "F.linear": None}
+# impl -> (OPFORGE_LINEAR_GEMV, OPFORGE_GEMV_VARIANT, OPFORGE_LINEAR_LT); None: F.linear. "gemmex": no GEMV and no
+# cuBLASLt, the cublasGemmEx fallback (the question of fp32 at M 8..16, where cuBLASLt measured up to 1.9x slower
+# than F.linear)
+IMPLS = {"gemv0": (1, 0, 1), "gemv1": (1, 1, 1), "gemv2": (1, 2, 1), "gemv3": (1, 3, 1), "cublaslt": (0, -1, 1),
+         "gemmex": (0, -1, 0), "default": (-1, -1, 1), "F.linear": None}
 
 
-def set_knobs(gemv: int, variant: int):
+def set_knobs(gemv: int, variant: int, lt: int):
+    """Sets the three knobs; returns their previous values (the same order) for restoring."""
     return (torch.ops.opforge._set_knob("OPFORGE_LINEAR_GEMV", gemv),
-            torch.ops.opforge._set_knob("OPFORGE_GEMV_VARIANT", variant))
+            torch.ops.opforge._set_knob("OPFORGE_GEMV_VARIANT", variant),
+            torch.ops.opforge._set_knob("OPFORGE_LINEAR_LT", lt))
 
 
 def main(argv=None) -> int:
