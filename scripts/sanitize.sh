@@ -140,9 +140,7 @@ for tool in "${tools[@]}"; do
     # initcheck: no kernel filter (see the top); every error printed up to 20000, so each can be attributed
     if [ "$tool" = initcheck ]; then opts+=(--print-limit "${SANITIZE_INITCHECK_PRINT_LIMIT:-0}")
     else opts+=("${filter[@]}" --print-limit 50); fi
-    # initcheck prints every error (tens of thousands): no backtrace, the report's "at <kernel>" line attributes it
-    if [ "$tool" = initcheck ]; then opts+=(--error-exitcode 99 --show-backtrace no)
-    else opts+=(--error-exitcode 99 --show-backtrace device); fi
+    opts+=(--error-exitcode 99 --show-backtrace device)
     case "$tool" in
       memcheck)  opts+=(--leak-check no) ;;
       racecheck) [ "$use_exclude" = 1 ] && opts+=("${exclude_vendor[@]}")
