@@ -209,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor> rope_from_positions_backward(const std::optio
 /// csrc/ops/linear_cross_entropy/linear_cross_entropy.h for the two autograd paths). input (*, H), linear_weight (V, H), target (*) int64, linear_bias (V,) or none, weight
 /// (V,) class weights or none. reduction "mean" | "sum" | "none"; label_smoothing in [0, 1]; z_loss >= 0;
 /// softcap > 0 or none; chunk_size rows per chunk (none: from the memory budget / OPFORGE_LCE_CHUNK_SIZE).
-/// Returns the loss: () for mean/sum, (*) for none, in input's dtype.
+/// Returns the loss: () for mean/sum, (*) for none, in float32 (float64 for float64 input; 16-bit input too).
 at::Tensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                                 const std::optional<at::Tensor>& linear_bias = std::nullopt,
                                 const std::optional<at::Tensor>& weight = std::nullopt,

@@ -322,8 +322,11 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
             (256 MiB of logits on CUDA, 32 MiB on CPU), rounded down to a multiple of 64 tokens. Default: None.
 
     Returns:
-        () for ``"mean"``/``"sum"``, (*) for ``"none"``; input's dtype (float32 under ``torch.autocast``, where
-        input, linear_weight and linear_bias go to the autocast dtype as for ``F.linear``).
+        () for ``"mean"``/``"sum"``, (*) for ``"none"``, in float32 (float64 for float64 input): the dtype the loss
+        is computed in, also for float16/bfloat16 input (as Liger-Kernel's fused loss and transformers'
+        causal-LM loss return it; torch's ``F.linear_cross_entropy`` returns the input's dtype, one rounding of that
+        value). Under ``torch.autocast`` input, linear_weight and linear_bias go to the autocast dtype as for
+        ``F.linear``; the loss is float32 all the same.
 
     Raises:
         ValueError: input of rank 0; linear_weight not 2-D or without rows; input's H != linear_weight's H;

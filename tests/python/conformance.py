@@ -751,9 +751,11 @@ def _lce_reference(input, linear_weight, target, linear_bias=None, chunk_size=No
 
 
 def _lce_baseline(input, linear_weight, target, linear_bias=None, chunk_size=None, **kwargs):
-    """The reference's math done in input's dtype (its compute_dtype): the achievable error."""
-    return T.linear_cross_entropy_reference(input, linear_weight, target, linear_bias=linear_bias,
+    """The reference's math done in input's dtype (its compute_dtype): the achievable error; the loss in float32 for
+    16-bit inputs (float64 for float64), the dtype opforge computes and returns it in."""
+    loss = T.linear_cross_entropy_reference(input, linear_weight, target, linear_bias=linear_bias,
                                             compute_dtype=input.dtype, **kwargs)
+    return loss.to(torch.float64 if input.dtype == torch.float64 else torch.float32)
 
 
 def _lce_native(input, linear_weight, target, linear_bias=None, weight=None, reduction="mean", ignore_index=-100,

@@ -71,6 +71,30 @@ def test_matches_float64(device, dtype, reduction, opts):
     _check_all(x, w, b, t, reduction=reduction, chunk_size=8, grad_weights=grad_weights, **opts)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_loss_is_float32_for_16bit_inputs(device, dtype, reduction, autocast):
+    """16-bit inputs (or float32 inputs under autocast): the loss is returned in float32 at float32 precision, not
+    a float32 copy of a 16-bit rounding (bf16's step at a loss near 7 is 0.03; a 16-bit loss is off by up to
+    2e-3 relative, more than this test's 1e-4 bound). The reference: float64 math on the same 16-bit values."""
+    torch.manual_seed(7)
+    N, H, V = 512, 64, 100
+    x = torch.randn(N, H, device=device)
+    w = torch.randn(V, H, device=device) * 0.3
+    t = torch.randint(0, V, (N,), device=device)
+    if autocast:
+        with torch.autocast(device, dtype=dtype):
+            loss = opforge.linear_cross_entropy(x, w, t, reduction=reduction)
+    else:
+        x, w = x.to(dtype), w.to(dtype)
+        loss = opforge.linear_cross_entropy(x, w, t, reduction=reduction)
+    assert loss.dtype == torch.float32
+    ref = linear_cross_entropy_reference(x.to(dtype), w.to(dtype), t, reduction=reduction)
+    err = ((loss.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-4, f"relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 64, None])
 def test_chunk_size_does_not_change_the_result(device, chunk):
     x, w, b, t = _data(50, 16, 129, torch.float64, device, bias=True, ignore_frac=0.3)

@@ -187,7 +187,10 @@ at::Tensor mean_denominator(const Problem& p) {
 }
 
 at::Tensor reduce_loss(const Problem& p, const at::Tensor& token_loss, const at::Tensor& target) {
-  const auto dtype = p.X.scalar_type();
+  // the loss leaves in the dtype it is computed in (float32; float64 for float64): a bf16 loss would be one
+  // rounding of a float32 value (bf16's step at a loss of 12 is 0.0625); Liger-Kernel's fused loss and
+  // transformers' causal-LM loss do not round theirs either; torch's F.linear_cross_entropy returns the input's dtype
+  const auto dtype = acc_dtype(p.X.scalar_type());
   switch (p.reduction) {
     case Reduction::kNone: return token_loss.reshape(target.sizes()).to(dtype);
     case Reduction::kSum: return token_loss.sum().to(dtype);
@@ -337,8 +340,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
                                  label_smoothing, z_loss, softcap, chunk_size);
   c10::SymDimVector ss(target.sym_sizes().begin(), target.sym_sizes().end());
   ss.push_back(2);
-  at::Tensor loss = r == lce::Reduction::kNone ? at::empty_symint(target.sym_sizes(), input.options())
-                                               : at::empty({}, input.options());
+  const auto loss_opts = input.options().dtype(lce::acc_dtype(input.scalar_type()));  // reduce_loss's dtype
+  at::Tensor loss = r == lce::Reduction::kNone ? at::empty_symint(target.sym_sizes(), loss_opts)
+                                               : at::empty({}, loss_opts);
   at::Tensor gi, gw, gb;
   if (grad_mask[0]) gi = at::empty_symint(input.sym_sizes(), input.options());
   if (grad_mask[1]) gw = at::empty_symint(linear_weight.sym_sizes(), linear_weight.options());
@@ -518,7 +522,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
 }
 
 // ---- autocast: the GEMM inputs (input, linear_weight, linear_bias) in the autocast dtype, as torch's linear;
-// the class weights untouched; the loss returned in float32, as torch's cross_entropy under autocast ----------
+// the class weights untouched; the loss in float32 (every 16-bit call returns it so), as torch's cross_entropy
+// under autocast ------------------------------------------------------------------------------------------------
 
 void lce_autocast_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   const auto device = ks.has(c10::DispatchKey::AutocastCUDA) ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
@@ -532,14 +537,9 @@ void lce_autocast_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, 
     if (t.defined() && at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kDouble)
       arg = at::autocast::cached_cast(to, t, device);
   }
-  {
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    op.callBoxed(stack);
-  }
-  const auto outs = op.schema().returns().size();
-  c10::IValue& loss = (*stack)[stack->size() - outs];
-  const at::Tensor& l = loss.toTensor();
-  if (l.scalar_type() == at::kHalf || l.scalar_type() == at::kBFloat16) loss = l.to(at::kFloat);
+  // the loss comes back in float32 from the kernels themselves (reduce_loss), at float32 precision
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  op.callBoxed(stack);
 }
 
 }  // namespace

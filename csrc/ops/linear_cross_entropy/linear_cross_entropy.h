@@ -121,7 +121,8 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
 at::Tensor mean_denominator(const Problem& p);
 
 /// The loss from the per-token losses [N] (acc dtype): reshaped to target's shape (none), summed, or summed and
-/// divided by mean_denominator (mean: NaN when every target is ignored, as torch's cross_entropy); input's dtype.
+/// divided by mean_denominator (mean: NaN when every target is ignored, as torch's cross_entropy); in the acc dtype
+/// (float32; float64 for float64), for 16-bit input too.
 at::Tensor reduce_loss(const Problem& p, const at::Tensor& token_loss, const at::Tensor& target);
 
 /// The gradient buffers of a chunk loop (CPU and CUDA): dX [N, H] in input's dtype, dW [V, H] and db [V] in the
