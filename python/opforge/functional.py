@@ -51,6 +51,16 @@ _fused_add_rms_norm_op = torch.ops.opforge.fused_add_rms_norm.default
 _fused_add_rms_norm_call = _fused_add_rms_norm_op._op
 
 
+
+def _missing_tensor(op: str, **args) -> None:
+    """Raises the op's own error for a None where it needs a tensor. Called only after the dispatcher failed
+    (no argument was a tensor, so it could pick no kernel and its message names no op): the fast path pays
+    nothing (an exception handler costs nothing until it runs). Returns if no argument is None."""
+    for name, value in args.items():
+        if value is None:
+            raise ValueError(f"opforge::{op}: expected {name} to be a tensor, but got None") from None
+
+
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
     """y = act(input · weightᵀ + bias); with ``activation="none"`` exactly :func:`torch.nn.functional.linear`.
 
@@ -75,7 +85,8 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
             and names the given one).
         TypeError: any tensor with an integer, bool or complex dtype.
         RuntimeError: tensors on different devices (the message names both); on CUDA, M, K or N above
-            2**31 - 1 (cuBLAS takes int dimensions); double backward (``create_graph=True``).
+            2**31 - 1 (cuBLAS takes int dimensions). Double backward (``create_graph=True``, ``gradgradcheck``,
+            ``torch.func`` transforms nested) is supported: the backward is itself differentiable.
 
     Numerics: CPU through ATen's GEMM (at::addmm / at::mm) and ATen's activation functions. CUDA through
     cuBLASLt with the bias, relu and gelu_tanh fused into the GEMM's epilogue (gelu and silu: one
@@ -91,9 +102,13 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     """
     if _is_dynamo_compiling():
         return _linear_op(input, weight, bias, activation)
-    if activation == "none":  # the schema's default: one argument fewer to convert (~4% of a tiny call)
-        return _linear_call(input, weight, bias)
-    return _linear_call(input, weight, bias, activation)
+    try:
+        if activation == "none":  # the schema's default: one argument fewer to convert (~4% of a tiny call)
+            return _linear_call(input, weight, bias)
+        return _linear_call(input, weight, bias, activation)
+    except NotImplementedError:
+        _missing_tensor("linear", input=input, weight=weight)
+        raise
 
 
 def sigmoid(input: Tensor) -> Tensor:
@@ -116,7 +131,11 @@ def sigmoid(input: Tensor) -> Tensor:
     """
     if _is_dynamo_compiling():
         return _sigmoid_op(input)
-    return _sigmoid_call(input)
+    try:
+        return _sigmoid_call(input)
+    except NotImplementedError:
+        _missing_tensor("sigmoid", input=input)
+        raise
 
 
 def square(input: Tensor) -> Tensor:
@@ -137,7 +156,11 @@ def square(input: Tensor) -> Tensor:
     """
     if _is_dynamo_compiling():
         return _square_op(input)
-    return _square_call(input)
+    try:
+        return _square_call(input)
+    except NotImplementedError:
+        _missing_tensor("square", input=input)
+        raise
 
 
 def square_add(input: Tensor, other: Tensor) -> Tensor:
@@ -164,7 +187,11 @@ def square_add(input: Tensor, other: Tensor) -> Tensor:
     """
     if _is_dynamo_compiling():
         return _square_add_op(input, other)
-    return _square_add_call(input, other)
+    try:
+        return _square_add_call(input, other)
+    except NotImplementedError:
+        _missing_tensor("square_add", input=input, other=other)
+        raise
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -189,7 +216,11 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """
     if _is_dynamo_compiling():
         return _swiglu_op(gate, up)
-    return _swiglu_call(gate, up)
+    try:
+        return _swiglu_call(gate, up)
+    except NotImplementedError:
+        _missing_tensor("swiglu", gate=gate, up=up)
+        raise
 
 
 _Shape = Union[int, Sequence[int], torch.Size]
@@ -201,9 +232,14 @@ def _as_shape(normalized_shape: _Shape, op: str = "rms_norm") -> list:
     if isinstance(normalized_shape, (list, tuple)):
         return list(normalized_shape)
     try:
-        return list(normalized_shape)
+        if isinstance(normalized_shape, (str, bytes, Tensor)):
+            raise TypeError
+        shape = list(normalized_shape)
+        if not all(isinstance(d, (int, torch.SymInt)) and not isinstance(d, bool) for d in shape):
+            raise TypeError
+        return shape
     except TypeError:
-        raise TypeError(f"opforge.{op}: expected normalized_shape to be an int or a sequence of ints (e.g. (N,)), "
+        raise TypeError(f"opforge::{op}: expected normalized_shape to be an int or a sequence of ints (e.g. (N,)), "
                         f"but got {type(normalized_shape).__name__}") from None
 
 
@@ -281,7 +317,11 @@ def fused_add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: _Shape
     shape = _as_shape(normalized_shape, "fused_add_rms_norm")
     if _is_dynamo_compiling():
         return _fused_add_rms_norm_op(input, residual, shape, weight, eps)
-    return _fused_add_rms_norm_call(input, residual, shape, weight, eps)
+    try:
+        return _fused_add_rms_norm_call(input, residual, shape, weight, eps)
+    except NotImplementedError:
+        _missing_tensor("fused_add_rms_norm", input=input, residual=residual)
+        raise
 
 
 # ---- linear_cross_entropy (issue 10) -----------------------------------------------------------------------
@@ -350,9 +390,13 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     softcap: Gemma 2 (Team Gemma 2024); chunking: Liger-Kernel's fused linear cross-entropy, Wijmans et al. 2024
     ("Cut Your Losses in Large-Vocabulary Language Models").
     """
-    return _linear_cross_entropy_op(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-                                    float(label_smoothing), float(z_loss),
-                                    None if softcap is None else float(softcap), chunk_size)
+    try:
+        return _linear_cross_entropy_op(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                                        float(label_smoothing), float(z_loss),
+                                        None if softcap is None else float(softcap), chunk_size)
+    except NotImplementedError:
+        _missing_tensor("linear_cross_entropy", input=input, linear_weight=linear_weight, target=target)
+        raise
 # ---- fake_quant_linear -------------------------------------------------------------------------------
 __all__ += ["fake_quant_linear", "fake_quantize_weight"]
 
@@ -414,8 +458,12 @@ def fake_quant_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = No
     ``IntxFakeQuantizeConfig`` (the same math composed from PyTorch ops); ``opforge.nn.FakeQuantLinear.convert``
     exports the integers in torchao's layout.
     """
-    return torch.ops.opforge.fake_quant_linear(input, weight, bias, weight_bits=weight_bits, group_size=group_size,
-                                               symmetric=symmetric, act_quant=act_quant)
+    try:
+        return torch.ops.opforge.fake_quant_linear(input, weight, bias, weight_bits=weight_bits, group_size=group_size,
+                                                   symmetric=symmetric, act_quant=act_quant)
+    except NotImplementedError:
+        _missing_tensor("fake_quant_linear", input=input, weight=weight)
+        raise
 
 
 def fake_quantize_weight(weight: Tensor, bits: int = 4, group_size: int = -1,
@@ -442,7 +490,11 @@ def fake_quantize_weight(weight: Tensor, bits: int = 4, group_size: int = -1,
 
     Not differentiable (its outputs carry no autograd history); :func:`fake_quant_linear` is.
     """
-    return torch.ops.opforge.fake_quantize_weight(weight, bits, group_size, symmetric)
+    try:
+        return torch.ops.opforge.fake_quantize_weight(weight, bits, group_size, symmetric)
+    except NotImplementedError:
+        _missing_tensor("fake_quantize_weight", weight=weight)
+        raise
 # ---- linear variants (issue 11): linear_cat, indexed_linear -----------------------------------------------
 
 def linear_cat(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -481,7 +533,14 @@ def linear_cat(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor] 
     Source: torch.nn.functional.linear over torch.cat; gradients dX_i = dY·W_i, dW[:, k_i:k_i+K_i] = dYᵀ·X_i,
     db = Σ_rows dY (``torch.ops.opforge.linear_cat_backward``).
     """
-    return torch.ops.opforge.linear_cat(list(inputs), weight, bias)
+    if isinstance(inputs, Tensor) or not isinstance(inputs, (list, tuple)):
+        raise TypeError(f"opforge::linear_cat: expected inputs to be a list or tuple of tensors (the pieces of the "
+                        f"concatenation), but got {type(inputs).__name__}")
+    try:
+        return torch.ops.opforge.linear_cat(list(inputs), weight, bias)
+    except NotImplementedError:
+        _missing_tensor("linear_cat", weight=weight)
+        raise
 
 
 # torch.func.vmap over linear_cat: a Tensor[] argument gets no batching fallback from functorch, so linear_cat and
@@ -590,7 +649,11 @@ def indexed_linear(input: Tensor, weight: Tensor, index: Tensor, bias: Optional[
     Source: the batched GEMV of multi-LoRA serving (Punica's BGMV / S-LoRA) and mixture-of-experts grouped
     GEMMs; reference: a loop over experts (``opforge.testing.indexed_linear_reference``).
     """
-    return torch.ops.opforge.indexed_linear(input, weight, index, bias)
+    try:
+        return torch.ops.opforge.indexed_linear(input, weight, index, bias)
+    except NotImplementedError:
+        _missing_tensor("indexed_linear", input=input, weight=weight, index=index)
+        raise
 # ---- rope ------------------------------------------------------------------------------------------------------
 __all__ += ["rope", "rope_from_positions"]
 
@@ -635,8 +698,12 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = 
     Source: Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding";
     ``transformers.models.llama.modeling_llama.apply_rotary_pos_emb`` (reference: ``opforge.testing.rope_reference``).
     """
-    return torch.ops.opforge.rope(q, k, cos, sin, interleaved=interleaved,
-                                  rotary_dim=-1 if rotary_dim is None else rotary_dim)
+    try:
+        return torch.ops.opforge.rope(q, k, cos, sin, interleaved=interleaved,
+                                      rotary_dim=-1 if rotary_dim is None else rotary_dim)
+    except NotImplementedError:
+        _missing_tensor("rope", q=q, k=k, cos=cos, sin=sin)
+        raise
 
 
 def rope_from_positions(q: Tensor, k: Tensor, position_ids: Tensor, base: float = 10000.0, *,
@@ -668,5 +735,9 @@ def rope_from_positions(q: Tensor, k: Tensor, position_ids: Tensor, base: float 
 
     Source: Su et al. 2021 (RoFormer); transformers' ``LlamaRotaryEmbedding`` (default rope type).
     """
-    return torch.ops.opforge.rope_from_positions(q, k, position_ids, base, interleaved=interleaved,
-                                                 rotary_dim=-1 if rotary_dim is None else rotary_dim)
+    try:
+        return torch.ops.opforge.rope_from_positions(q, k, position_ids, base, interleaved=interleaved,
+                                                     rotary_dim=-1 if rotary_dim is None else rotary_dim)
+    except NotImplementedError:
+        _missing_tensor("rope_from_positions", q=q, k=k, position_ids=position_ids)
+        raise

@@ -309,8 +309,12 @@ class FakeQuantLinear(torch.nn.Linear):
         else:
             s = scale.repeat_interleave(cols, dim=1)
             z = zero_point.repeat_interleave(cols, dim=1)
-        # the same float32 math as the kernel: round_half_even(w · (1 / scale)) + zp, clamped
-        q = torch.clamp(torch.round(self.weight.float() * (1.0 / s)) + z, qmin, qmax).to(torch.int8)
+        # the kernel's math: round_half_even(w · inv_scale) + zp, clamped, inv_scale = 1 / scale rounded to float32,
+        # the product in float32 (in float64 for a float64 weight, as the kernel computes it)
+        w = self.weight.detach()
+        w = w.double() if w.dtype == torch.float64 else w.float()
+        inv_scale = (1.0 / s).to(w.dtype)
+        q = torch.clamp(torch.round(w * inv_scale) + z, qmin, qmax).to(torch.int8)
         return {
             "weight": q,
             "scales": scale.clone(),
@@ -396,6 +400,12 @@ class RotaryEmbedding(torch.nn.Module):
         self.interleaved = interleaved
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(q_out, k_out) of :func:`opforge.rope_from_positions`. Raises ValueError when q's or k's last dim is not
+        this module's head_dim (the op alone would rotate the first rotary_dim dims of any head size)."""
+        for name, t in (("q", q), ("k", k)):
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] != self.head_dim:
+                raise ValueError(f"opforge.nn.RotaryEmbedding: expected {name}'s last dim to be head_dim "
+                                 f"{self.head_dim}, but got {t.shape[-1]} (shape {tuple(t.shape)})")
         return F.rope_from_positions(q, k, position_ids, self.base, interleaved=self.interleaved,
                                      rotary_dim=self.rotary_dim)
 

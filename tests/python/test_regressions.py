@@ -118,7 +118,7 @@ def test_patch_still_swaps_torch_rms_norm_with_multi_dim_weight():
 @pytest.mark.parametrize("ns", [8.0, object()])
 def test_rms_norm_bad_normalized_shape_type_names_op(fn, ns):
     # Was: TypeError "'float' object is not iterable", naming neither the op nor the argument.
-    with pytest.raises(TypeError, match=r"opforge\.(fused_add_)?rms_norm: expected normalized_shape"):
+    with pytest.raises(TypeError, match=r"opforge::(fused_add_)?rms_norm: expected normalized_shape"):
         fn(torch.randn(3, 8), ns)
 
 
@@ -141,3 +141,67 @@ def test_forward_ad_error_names_op(op):
         x = fwAD.make_dual(torch.randn(3, 4), torch.randn(3, 4))
         with pytest.raises(NotImplementedError, match=f"opforge::{op}: forward-mode AD is not supported"):
             FORWARD_AD_CASES[op](x)
+
+
+# ---- a second adversarial pass (2026-12-01, stop 19) -------------------------------------------------------
+
+NONE_CASES = {
+    "sigmoid": (lambda: opforge.sigmoid(None), "input"),
+    "square": (lambda: opforge.square(None), "input"),
+    "square_add": (lambda: opforge.square_add(None, None), "input"),
+    "swiglu": (lambda: opforge.swiglu(None, None), "gate"),
+    "linear": (lambda: opforge.linear(None, None), "input"),
+    "fused_add_rms_norm": (lambda: opforge.fused_add_rms_norm(None, None, [4]), "input"),
+    "linear_cross_entropy": (lambda: opforge.linear_cross_entropy(None, None, None), "input"),
+    "fake_quant_linear": (lambda: opforge.fake_quant_linear(None, None), "input"),
+    "fake_quantize_weight": (lambda: opforge.fake_quantize_weight(None), "weight"),
+    "indexed_linear": (lambda: opforge.indexed_linear(None, None, None), "input"),
+    "rope": (lambda: opforge.rope(None, None, None, None), "q"),
+    "rope_from_positions": (lambda: opforge.rope_from_positions(None, None, None), "q"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(NONE_CASES))
+def test_none_for_every_tensor_names_op(op):
+    # Was: the dispatcher's "There were no tensor arguments to this function ... no fallback function is registered
+    # for schema opforge::<op>", which names neither the argument nor what to pass.
+    fn, name = NONE_CASES[op]
+    with pytest.raises(ValueError, match=rf"^opforge::{op}: expected {name} to be a tensor, but got None$"):
+        fn()
+
+
+@pytest.mark.parametrize("inputs", [torch.randn(1, 4), torch.randn(3, 4), None])
+def test_linear_cat_inputs_not_a_list(inputs):
+    # Was: list(tensor) split a (1, 4) tensor into its rows and returned shape (5,) silently (a (3, 4) one gave a
+    # misleading in_features error).
+    with pytest.raises(TypeError, match=r"^opforge::linear_cat: expected inputs to be a list or tuple of tensors"):
+        opforge.linear_cat(inputs, torch.randn(5, 4))
+
+
+@pytest.mark.parametrize("ns", ["4", torch.ones(4), b"4"])
+def test_rms_norm_normalized_shape_of_wrong_type(ns):
+    # Was: "opforge::rms_norm() Expected a value of type 'List[int]' ... but instead found type 'list'".
+    with pytest.raises(TypeError, match=r"^opforge::rms_norm: expected normalized_shape to be an int or a sequence"):
+        opforge.rms_norm(torch.randn(2, 4), ns)
+
+
+@pytest.mark.parametrize("scale", [1.0, 7.0])
+def test_fake_quant_convert_float64_weight(scale):
+    # Was: convert() computed the integers with weight.float(), so for a float64 weight (whose fake-quantization runs
+    # in float64) some integers were a whole step off and (weight − zeros) · scales differed from the forward's.
+    torch.manual_seed(0)
+    m = opforge.nn.FakeQuantLinear(64, 8, group_size=-1, dtype=torch.float64)
+    with torch.no_grad():
+        m.weight.mul_(scale)
+    d = m.convert()
+    fq = opforge.fake_quantize_weight(m.weight, m.weight_bits, m.group_size, m.symmetric)[0]
+    deq = (d["weight"].double() - d["zeros"].double()) * d["scales"].double()
+    torch.testing.assert_close(deq, fq, rtol=0, atol=0)
+
+
+def test_rotary_embedding_checks_head_dim():
+    # Was: a q/k head size other than head_dim rotated only the first head_dim dims, silently.
+    m = opforge.nn.RotaryEmbedding(head_dim=64)
+    q = torch.randn(1, 2, 3, 128)
+    with pytest.raises(ValueError, match=r"RotaryEmbedding: expected q's last dim to be head_dim 64, but got 128"):
+        m(q, q, torch.arange(3))
