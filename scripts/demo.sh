@@ -20,7 +20,11 @@ ob_build_tools
 # torch, and the library would not match the ABI of the torch you run).
 # CMake finds torch through the interpreter's own prefix too (a venv that sees a system torch, for one).
 export CMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
-"$PY" -m pip install --no-build-isolation .
+# pip shows nothing of the build until it ends (a few minutes the first time on 2 cores): say so, and with
+# OPFORGE_BUILD_VERBOSE=1 show the compiler's progress (pip -v)
+echo "demo.sh: building and installing opforge with pip (the first build compiles the C++ library: about 3-5 min on 2 cores, quiet until it ends; OPFORGE_BUILD_VERBOSE=1 shows it)"
+pip_v=(); [ "${OPFORGE_BUILD_VERBOSE:-0}" = 1 ] && pip_v=(-v)
+"$PY" -m pip install "${pip_v[@]}" --no-build-isolation .
 # The commit recorded in --csv rows (the installed package has no .git to ask).
 export OPFORGE_GIT_COMMIT=${OPFORGE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || true)}
 # Run where the script was started (the PNG lands there), unless an opforge/ folder there would shadow the

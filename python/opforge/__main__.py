@@ -39,7 +39,8 @@ def digits(args: argparse.Namespace) -> int:
         from sklearn.model_selection import train_test_split
         from tqdm import tqdm
     except ImportError as e:
-        print(f"opforge digits needs scikit-learn and tqdm ({e}): pip install scikit-learn tqdm", file=sys.stderr)
+        missing = "tqdm" if getattr(e, "name", "") == "tqdm" else "scikit-learn"
+        print(f"opforge digits needs {missing} ({e}): pip install {missing}", file=sys.stderr)
         return 1
 
     device = torch.device(args.device)

@@ -177,3 +177,20 @@ def test_report_keeps_the_other_runs_when_one_fails(tmp_path, monkeypatch):
     assert [r["backend"] for r in out["results"]] == ["opforge"]
     assert len(out["failures"]) == 1 and "torch eager: RuntimeError: injected failure" in out["failures"][0]
     assert demo.main(argv) == 1
+
+
+def test_readme_python_example_runs(tmp_path):
+    """The README's ```python block (its "From Python" example) runs as written and prints a finite loss."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    assert blocks, "README.md has no ```python example"
+    env = dict(os.environ)
+    for i, code in enumerate(blocks):
+        script = tmp_path / f"readme_{i}.py"
+        script.write_text(code)
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                           timeout=300)
+        assert r.returncode == 0, f"README python block {i} failed:\n{r.stdout}\n{r.stderr}"
+        assert r.stdout.strip(), f"README python block {i} printed nothing"
+        first = r.stdout.split()[0]
+        assert first.replace(".", "", 1).replace("-", "", 1).isdigit() and float(first) > 0, r.stdout

@@ -226,7 +226,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         from tqdm.auto import tqdm
     except ImportError:
         tqdm = None
-    bar = tqdm(total=len(selected), desc="opforge bench", unit="family", file=sys.stderr) if tqdm else None
+    # the bar only on a terminal: in a log (stderr and stdout to one file) it would be glued onto the result lines
+    bar = (tqdm(total=len(selected), desc="opforge bench", unit="family", file=sys.stderr)
+           if tqdm and sys.stderr.isatty() else None)
     rows: List[harness.Row] = []
     failures, names, t0 = [], [], time.perf_counter()
     for family in selected:
