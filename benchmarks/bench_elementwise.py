@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                             t = run.time(common.fwd_bwd(fn, grad_inputs, dy))
                         row = run.add(op, (M, N), dtype, impl, pass_, t, common.gbps(nb, t), "GB/s")
                         group.append(f"{impl} {common._fmt(row.metric)}")
-                    run.say(f"{op} {pass_} {common.dtype_str(dtype)} {M}x{N}", group, ", ")
+                    run.say_case(op, pass_, dtype, (M, N), group, ", ")
                 del x, b, inputs, grad_inputs, dy
                 run.release()
     return run.finish()

@@ -120,12 +120,12 @@ def main(argv=None) -> int:
                         else:
                             step = (lambda fn=fn: fn(x, w, b)) if pass_ == "fwd" else common.fwd_bwd(fn, leaves, dy)
                         t, method = run.time_graphed(impl, lambda i, step=step: step(), 4)
-                    flops = 2 * M * N * K * (1 if pass_ == "fwd" else 3)
+                    flops = common.linear_flops(M, K, N, pass_)
                     tflops = common.tflops(flops, t)
                     by[impl] = run.add(NAME, (M, K, N), dtype, impl, pass_, t, tflops, "TFLOP/s").time_us
                     group.append(f"{impl} {common._fmt(t)}us {common._fmt(tflops)}TF" +
-                                 (f" [{method}]" if method == "loop" else ""))
-                run.say(f"{NAME} {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}", group)
+                                 common.method_note(method))
+                run.say_case(NAME, pass_, dtype, (M, K, N), group)
                 print(f"    fake_quant_linear / opforge.linear: "
                       f"{by['opforge fake_quant_linear'] / by['opforge.linear (no quant)']:.3f}", flush=True)
             quantizers = {"opforge fake_quantize_weight": lambda: opforge.fake_quantize_weight(w, 4, GROUP),
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                 t, _ = run.time_graphed(impl, lambda i, fn=fn: fn(), 4)
                 run.add("fake_quantize_weight", (N, K), dtype, impl, "fwd", t, common.gbps(nb, t), "GB/s")
                 group.append(f"{impl} {common._fmt(t)}us {common._fmt(common.gbps(nb, t), 0)}GB/s")
-            run.say(f"fake_quantize_weight fwd {common.dtype_str(dtype)} {N}x{K}", group)
+            run.say_case("fake_quantize_weight", "fwd", dtype, (N, K), group)
             del x, w, b, dy, ao
             run.release()
     return run.finish()

@@ -82,10 +82,10 @@ def main(argv=None) -> int:
                     else:
                         step = common.fwd_bwd(lambda x_, w_, b_, fn=fn: fn(x_, w_, index, b_), [*leaves, bl], dy)
                     t = run.time(step)
-                    flops = 2 * T * N * K * (1 if pass_ == "fwd" else 3)
+                    flops = common.linear_flops(T, K, N, pass_)
                     run.add(NAME, shape, dtype, impl, pass_, t, common.tflops(flops, t), "TFLOP/s")
                     group.append(f"{impl} {common._fmt(t)}us {common._fmt(common.tflops(flops, t))}TF")
-                run.say(f"{NAME} {pass_} {common.dtype_str(dtype)} {shape}", group)
+                run.say_case(NAME, pass_, dtype, shape, group)
             del x, w, b, dy, leaves, bl
         for T, E, N, K in decode:
             elem = torch.empty((), dtype=dtype).element_size()

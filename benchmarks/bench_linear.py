@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                         else:
                             steps = [common.fwd_bwd(fn, lv, dy) for lv in leaves]
                         t, method = run.time_graphed(impl, lambda i, steps=steps: steps[i % copies](), calls)
-                    flops = 2 * M * N * K * (1 if pass_ == "fwd" else 3)
+                    flops = common.linear_flops(M, K, N, pass_)
                     gbps, tflops = common.gbps(wbytes, t), common.tflops(flops, t)
                     if M <= 16 and pass_ == "fwd":
                         metric, unit = gbps, "GB/s"
@@ -115,8 +115,8 @@ def main(argv=None) -> int:
                         metric, unit = tflops, "TFLOP/s"
                     run.add("linear", (M, K, N), dtype, impl, pass_, t, metric, unit)
                     group.append(f"{impl} {common._fmt(t)}us {common._fmt(gbps, 0)}GB/s {common._fmt(tflops)}TF"
-                                 + (f" [{method}]" if method == "loop" else ""))
-                run.say(f"linear {pass_} {common.dtype_str(dtype)} {M}x{K}x{N}", group)
+                                 + common.method_note(method))
+                run.say_case("linear", pass_, dtype, (M, K, N), group)
             del x, ws, b, dy, leaves
             run.release()
     return run.finish()

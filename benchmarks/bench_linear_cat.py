@@ -70,10 +70,10 @@ def main(argv=None) -> int:
                 for impl, fn in impls.items():
                     step = (lambda fn=fn: fn(*xs, w, bias)) if pass_ == "fwd" else common.fwd_bwd(fn, leaves, dy)
                     t = run.time(step)
-                    flops = 2 * M * N * K * (1 if pass_ == "fwd" else 3)
+                    flops = common.linear_flops(M, K, N, pass_)
                     run.add(NAME, shape, dtype, impl, pass_, t, common.tflops(flops, t), "TFLOP/s")
                     group.append(f"{impl} {common._fmt(t)}us {common._fmt(common.tflops(flops, t))}TF")
-                run.say(f"{NAME} {pass_} {common.dtype_str(dtype)} {shape}", group)
+                run.say_case(NAME, pass_, dtype, shape, group)
             if run.cuda:
                 group = []
                 for impl, fn in impls.items():

@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                     del step
                     gc.collect()
                     run.release()
-                run.say(f"{NAME} {pass_} {common.dtype_str(dtype)} {shape}", group)
+                run.say_case(NAME, pass_, dtype, shape, group)
     return run.finish()
 
 

@@ -23,6 +23,7 @@
 // only if someone differentiates through them: first-order gradients under create_graph=True still work.
 #pragma once
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
@@ -156,4 +157,41 @@ inline void check_no_forward_ad(const char* op, const Tensors&... tensors) {
                               "jacrev)");
 }
 
+/// The Autograd kernel of a one-output op whose node's edges are `inputs` (steps 1-2 of the pattern above): raises
+/// on forward-mode AD in `inputs`, runs `forward()` below autograd and, when grad mode is on and one of `inputs`
+/// requires grad, records node `name` (backward, double_backward) as the output's grad_fn and calls
+/// `save(node, output)` to save what backward needs (OpNode::save, OpNode::attr). Returns the output.
+template <typename Forward, typename Save, typename... Inputs>
+at::Tensor autograd_one_output(const char* op, const char* name, BackwardFn backward, BackwardFn double_backward,
+                               Forward&& forward, Save&& save, const Inputs&... inputs) {
+  check_no_forward_ad(op, inputs...);
+  at::Tensor output;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    output = forward();
+  }
+  if (any_requires_grad(inputs...)) {
+    auto node = record_node(name, backward, double_backward, {&output}, inputs...);
+    save(*node, output);
+  }
+  return output;
+}
+
 }  // namespace opforge
+
+/// Registers the Meta and Autograd kernels of an op family made of a public op `OP`, its private
+/// `_OP_forward` (the forward that also returns what backward saves) and `OP_backward`, with the house names:
+///   Meta:     _OP_forward -> OP_forward_meta,     OP -> OP_meta,     OP_backward -> OP_backward_meta
+///   Autograd: _OP_forward -> OP_forward_autograd, OP -> OP_autograd, OP_backward -> backward_op_autograd_kernel
+/// Use at namespace scope where those functions are visible, e.g. OPFORGE_FORWARD_OP_FAMILY(linear).
+#define OPFORGE_FORWARD_OP_FAMILY(OP)                                  \
+  TORCH_LIBRARY_IMPL(opforge, Meta, m) {                              \
+    m.impl("_" #OP "_forward", &OP##_forward_meta);                   \
+    m.impl(#OP, &OP##_meta);                                          \
+    m.impl(#OP "_backward", &OP##_backward_meta);                     \
+  }                                                                   \
+  TORCH_LIBRARY_IMPL(opforge, Autograd, m) {                          \
+    m.impl("_" #OP "_forward", &OP##_forward_autograd);               \
+    m.impl(#OP, &OP##_autograd);                                      \
+    opforge::register_backward_op_autograd(m, #OP "_backward");       \
+  }

@@ -11,6 +11,14 @@
 
 namespace opforge {
 
+/// Rows of t flattened to [rows, size(-1)]: the product of its leading dims (well defined when size(-1) == 0,
+/// where numel / size(-1) is not; 1 for a 1-D or 0-d tensor).
+inline int64_t rows_of(const at::Tensor& t) {
+  int64_t M = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) M *= t.size(d);
+  return M;
+}
+
 /// A tensor read as a row-strided 2-D view: element (r, c) at data_ptr + r * row_stride + c.
 struct RowView {
   int64_t rows;        ///< numel / cols

@@ -35,20 +35,19 @@ LINEAR_ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 _is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 # Bound once, at import: the wrappers read module globals (no attribute lookups per call).
-_linear_op = torch.ops.opforge.linear.default
-_linear_call = _linear_op._op
-_sigmoid_op = torch.ops.opforge.sigmoid.default
-_sigmoid_call = _sigmoid_op._op
-_square_op = torch.ops.opforge.square.default
-_square_call = _square_op._op
-_square_add_op = torch.ops.opforge.square_add.default
-_square_add_call = _square_add_op._op
-_swiglu_op = torch.ops.opforge.swiglu.default
-_swiglu_call = _swiglu_op._op
-_rms_norm_op = torch.ops.opforge.rms_norm.default
-_rms_norm_call = _rms_norm_op._op
-_fused_add_rms_norm_op = torch.ops.opforge.fused_add_rms_norm.default
-_fused_add_rms_norm_call = _fused_add_rms_norm_op._op
+def _bind(name: str):
+    """(OpOverload, its C++ callable ``_op``) of ``torch.ops.opforge.<name>.default``."""
+    op = getattr(torch.ops.opforge, name).default
+    return op, op._op
+
+
+_linear_op, _linear_call = _bind("linear")
+_sigmoid_op, _sigmoid_call = _bind("sigmoid")
+_square_op, _square_call = _bind("square")
+_square_add_op, _square_add_call = _bind("square_add")
+_swiglu_op, _swiglu_call = _bind("swiglu")
+_rms_norm_op, _rms_norm_call = _bind("rms_norm")
+_fused_add_rms_norm_op, _fused_add_rms_norm_call = _bind("fused_add_rms_norm")
 
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "FLOAT64_TOLERANCE",
 ]
 __all__ += ["linear_cat_reference", "indexed_linear_reference", "experts_present"]  # linear variants (issue 11)
+__all__ += ["linear_leaves"]
 
 #: Elementwise bound for float64 results, relative to max(1, the reference's largest magnitude).
 FLOAT64_TOLERANCE = 1e-12
@@ -50,6 +51,12 @@ def linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = Non
     if bias is not None:
         y = y + bias.double()
     return activation_reference(y, activation)
+
+
+def linear_leaves(M: int, K: int, N: int, device, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+    """(input [M, K], weight [N, K], bias [N]): standard-normal leaf tensors that require grad, drawn in that order,
+    the problem of a linear-family test."""
+    return tuple(torch.randn(*shape, device=device, dtype=dtype, requires_grad=True) for shape in ((M, K), (N, K), (N,)))
 
 
 def activation_reference(z: Tensor, activation: str) -> Tensor:

@@ -250,31 +250,24 @@ def test_zero_dim_tensors(device):
 # Also: gradcheck, gradgradcheck, opcheck, torch.compile, Meta, bad inputs, compiled autograd, torch.func and autocast of
 # every op: test_conformance.py (the table: conformance.py).
 
-def test_different_devices_meta():
-    """A tensor on another device (meta here, so it runs without a GPU) raises the device message."""
-    x = torch.randn(3, 4)
-    m = torch.empty(3, 4, device="meta")
-    with pytest.raises(RuntimeError, match=r"opforge::square_add: expected input and other to be on the same "
-                                           r"device, but got input on (cpu|meta) and other on (cpu|meta)"):
-        opforge.square_add(x, m[0])
-    with pytest.raises(RuntimeError, match=r"opforge::sigmoid_backward: expected grad_output and output to be on "
-                                           r"the same device"):
-        ops.sigmoid_backward(x, m)
-
-
-@needs_cuda
-def test_different_devices_cuda():
-    x = torch.randn(3, 4, device="cuda")
-    c = torch.randn(3, 4)
-    with pytest.raises(RuntimeError, match=r"opforge::square_add: expected input and other to be on the same "
-                                           r"device, but got input on cuda:0 and other on cpu"):
-        opforge.square_add(x, c[0])
-    with pytest.raises(RuntimeError, match=r"opforge::square_backward: expected grad_output and input to be on "
-                                           r"the same device, but got grad_output on (cuda:0|cpu) and input on (cuda:0|cpu)"):
-        ops.square_backward(x, c)
+@pytest.mark.parametrize("devices", [("cpu", "meta"), pytest.param(("cuda", "cpu"), marks=needs_cuda)],
+                         ids=["meta", "cuda"])
+def test_different_devices(devices):
+    """Tensors on two devices raise the device message, forward and backward ops (meta pairs with the CPU, so it runs
+    without a GPU; every backend runs the same checks)."""
+    x = torch.randn(3, 4, device=devices[0])
+    y = torch.randn(3, 4, device=devices[1])
+    dev = f"({x.device}|{y.device})"
+    with pytest.raises(RuntimeError, match=rf"opforge::square_add: expected input and other to be on the same "
+                                           rf"device, but got input on {dev} and other on {dev}"):
+        opforge.square_add(x, y[0])
+    for op, saved in (("sigmoid_backward", "output"), ("square_backward", "input")):
+        with pytest.raises(RuntimeError, match=rf"opforge::{op}: expected grad_output and {saved} to be on the same "
+                                               rf"device, but got grad_output on {dev} and {saved} on {dev}"):
+            getattr(ops, op)(x, y)
     with pytest.raises(RuntimeError, match=r"opforge::square_add_backward: expected grad_output and input to be on "
                                            r"the same device"):
-        ops.square_add_backward(c, x, x[0], [False, True])
+        ops.square_add_backward(y, x, x[0], [False, True])
 
 
 # ---- mixed dtypes: output in input's dtype, other's gradient in other's dtype; CPU == Meta ------------

@@ -11,6 +11,7 @@ from opforge.testing import (
     fake_quantize_per_token_reference,
     fake_quantize_weight_reference,
     gemm_error_bound,
+    linear_leaves,
 )
 
 from conftest import FLOAT_DTYPES
@@ -277,9 +278,7 @@ def test_double_backward_is_a_clear_error(device):
 
 
 def test_opcheck(device):
-    x = torch.randn(6, 32, device=device, requires_grad=True)
-    w = torch.randn(5, 32, device=device, requires_grad=True)
-    b = torch.randn(5, device=device, requires_grad=True)
+    x, w, b = linear_leaves(6, 32, 5, device)
     kw = dict(weight_bits=4, group_size=8, symmetric=False, act_quant=True)
     torch.library.opcheck(torch.ops.opforge.fake_quant_linear, (x, w, b), kw)
     torch.library.opcheck(fwd_op, (x, w, b), kw)
@@ -292,9 +291,7 @@ def test_opcheck(device):
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compile_fullgraph_matches_eager(device, dynamic):
-    x = torch.randn(8, 32, device=device, requires_grad=True)
-    w = torch.randn(6, 32, device=device, requires_grad=True)
-    b = torch.randn(6, device=device, requires_grad=True)
+    x, w, b = linear_leaves(8, 32, 6, device)
 
     def f(x, w, b):
         return opforge.fake_quant_linear(x, w, b, group_size=16, act_quant=True).square().sum()

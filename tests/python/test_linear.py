@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import conformance
 import opforge
-from opforge.testing import activation_reference, assert_matches_reference, gemm_error_bound, linear_reference
+from opforge.testing import (activation_reference, assert_matches_reference, gemm_error_bound, linear_leaves,
+                             linear_reference)
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 # (M, K, N): odd sizes from DESIGN §5, products kept small for the CPU run.
@@ -172,9 +173,7 @@ def test_cpu_weight_changed_in_place_before_backward_raises_like_f_linear():
 
 
 def test_zero_rows_give_zero_parameter_gradients(device):
-    x = torch.randn(0, 2100, device=device, requires_grad=True)
-    W = torch.randn(2100, 2100, device=device, requires_grad=True)
-    b = torch.randn(2100, device=device, requires_grad=True)
+    x, W, b = linear_leaves(0, 2100, 2100, device)
     y = opforge.linear(x, W, b)
     assert y.shape == (0, 2100)
     y.sum().backward()
@@ -184,9 +183,7 @@ def test_zero_rows_give_zero_parameter_gradients(device):
 
 
 def test_zero_in_features_gives_the_bias(device):
-    x = torch.randn(5, 0, device=device, requires_grad=True)
-    W = torch.randn(3, 0, device=device, requires_grad=True)
-    b = torch.randn(3, device=device, requires_grad=True)
+    x, W, b = linear_leaves(5, 0, 3, device)
     y = opforge.linear(x, W, b)
     assert torch.equal(y, b.detach().expand(5, 3))
     assert y.data_ptr() != b.data_ptr()  # a new tensor, never a view of bias
@@ -225,9 +222,7 @@ def test_every_requires_grad_combination(device, with_bias):
 
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh", "silu"])
 def test_double_backward(device, activation):
-    x = torch.randn(3, 4, device=device, dtype=torch.float64, requires_grad=True)
-    W = torch.randn(5, 4, device=device, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(5, device=device, dtype=torch.float64, requires_grad=True)
+    x, W, b = linear_leaves(3, 4, 5, device, torch.float64)
     assert torch.autograd.gradgradcheck(lambda *a: opforge.linear(*a, activation), (x, W, b))
 
 
@@ -652,9 +647,7 @@ def test_cuda_graph_capture_matches_eager(knob, activation, gemv):
     # stream-ordered, no host synchronization: forward + backward capture in a CUDA graph and replay
     if gemv:
         knob("OPFORGE_LINEAR_GEMV", 1)
-    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(136, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    b = torch.randn(136, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x, w, b = linear_leaves(4, 64, 136, "cuda", torch.bfloat16)
     dy = torch.randn(4, 136, device="cuda", dtype=torch.bfloat16)
 
     def step():

@@ -183,18 +183,13 @@ variable_list square_add_double_backward_fn(const BackwardArgs& a) {
 at::Tensor unary_autograd(const char* op, const char* node, at::Tensor (*forward)(const at::Tensor&),
                           BackwardFn backward, BackwardFn double_backward, bool save_output,
                           const at::Tensor& input) {
-  check_no_forward_ad(op, input);
-  at::Tensor output;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    output = forward(input);
-  }
-  if (any_requires_grad(input)) {
-    auto n = record_node(node, backward, double_backward, {&output}, input);
-    if (save_output) n->save(output, /*is_output=*/true);
-    else n->save(input);
-  }
-  return output;
+  return autograd_one_output(
+      op, node, backward, double_backward, [&] { return forward(input); },
+      [&](OpNode& n, const at::Tensor& output) {
+        if (save_output) n.save(output, /*is_output=*/true);
+        else n.save(input);
+      },
+      input);
 }
 
 at::Tensor sigmoid_autograd(const at::Tensor& input) {
@@ -206,19 +201,14 @@ at::Tensor square_autograd(const at::Tensor& input) {
                         square_double_backward_fn, /*save_output=*/false, input);
 }
 at::Tensor square_add_autograd(const at::Tensor& input, const at::Tensor& other) {
-  check_no_forward_ad("square_add", input, other);
-  at::Tensor output;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    output = opforge::square_add(input, other);
-  }
-  if (any_requires_grad(input, other)) {
-    auto node = record_node("opforge::SquareAddBackward", square_add_backward_fn, square_add_double_backward_fn,
-                            {&output}, input, other);
-    node->save(input);
-    node->save(at::empty({}, other.options()).expand_symint(other.sym_sizes()));
-  }
-  return output;
+  return autograd_one_output(
+      "square_add", "opforge::SquareAddBackward", square_add_backward_fn, square_add_double_backward_fn,
+      [&] { return opforge::square_add(input, other); },
+      [&](OpNode& n, const at::Tensor&) {
+        n.save(input);
+        n.save(at::empty({}, other.options()).expand_symint(other.sym_sizes()));
+      },
+      input, other);
 }
 
 }  // namespace

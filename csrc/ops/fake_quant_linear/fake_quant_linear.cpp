@@ -12,6 +12,7 @@
 #include "core/autograd.h"
 #include "core/check.h"
 #include "core/dispatch.h"
+#include "core/layout.h"
 #include "ops/linear/linear.h"
 
 namespace opforge {
@@ -85,14 +86,6 @@ FakeQuantized empty_fake_quantized(const at::Tensor& X, Grouping g, bool want_ma
   out.zero_point = at::empty({qrows, qcols}, fopts.dtype(at::kInt));
   return out;
 }
-
-namespace {
-int64_t rows_of(const at::Tensor& input) {
-  int64_t M = 1;
-  for (int64_t d = 0; d + 1 < input.dim(); ++d) M *= input.size(d);
-  return M;
-}
-}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quant_linear_forward_impl(
     FakeQuantizeRowsFn fq_rows, const at::Tensor& input, const at::Tensor& weight,
@@ -342,19 +335,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quan
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(opforge, Meta, m) {
-  m.impl("_fake_quant_linear_forward", &fake_quant_linear_forward_meta);
-  m.impl("fake_quant_linear", &fake_quant_linear_meta);
-  m.impl("fake_quant_linear_backward", &fake_quant_linear_backward_meta);
-  m.impl("fake_quantize_weight", &fake_quantize_weight_meta);
-}
+OPFORGE_FORWARD_OP_FAMILY(fake_quant_linear)
 
-TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
-  m.impl("_fake_quant_linear_forward", &fake_quant_linear_forward_autograd);
-  m.impl("fake_quant_linear", &fake_quant_linear_autograd);
-  register_backward_op_autograd(m, "fake_quant_linear_backward");
-  m.impl("fake_quantize_weight", &fake_quantize_weight_autograd);
-}
+TORCH_LIBRARY_IMPL(opforge, Meta, m) { m.impl("fake_quantize_weight", &fake_quantize_weight_meta); }
+TORCH_LIBRARY_IMPL(opforge, Autograd, m) { m.impl("fake_quantize_weight", &fake_quantize_weight_autograd); }
 
 TORCH_LIBRARY_IMPL(opforge, AutocastCPU, m) {
   m.impl("fake_quant_linear", &fake_quant_linear_autocast<c10::DeviceType::CPU>);

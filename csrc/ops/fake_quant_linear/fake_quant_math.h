@@ -61,23 +61,35 @@ struct QParams {
 // Each helper below is one template for float and double: on the device the IEEE round-to-nearest intrinsic of
 // the type (if constexpr), on the host the C++ operator or <cmath> function.
 
+/// Defines `template <typename T> T NAME(T a, T b)`: on the device F32(a, b) for float and F64(a, b) for double,
+/// on the host HOST(a, b).
+#if defined(__CUDA_ARCH__)
+#define OPFORGE_FQ_BINARY(NAME, F32, F64, HOST)                                  \
+  template <typename T>                                                          \
+  OPFORGE_HD inline T NAME(T a, T b) {                                           \
+    if constexpr (std::is_same_v<T, float>) return F32(a, b); else return F64(a, b); \
+  }
+#else
+#define OPFORGE_FQ_BINARY(NAME, F32, F64, HOST) \
+  template <typename T>                         \
+  OPFORGE_HD inline T NAME(T a, T b) {          \
+    return HOST(a, b);                          \
+  }
+#endif
+
+/// The host's a / b and a · b (the default rounding mode is round-to-nearest).
+template <typename T>
+inline T host_div(T a, T b) {
+  return a / b;
+}
+template <typename T>
+inline T host_mul(T a, T b) {
+  return a * b;
+}
+
 /// min / max that ignore a NaN operand (C's fmin / fmax): the clamps of fake_quantize_value, as ATen's.
-template <typename T>
-OPFORGE_HD inline T fmin_f(T a, T b) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<T, float>) return fminf(a, b); else return fmin(a, b);
-#else
-  return std::fmin(a, b);
-#endif
-}
-template <typename T>
-OPFORGE_HD inline T fmax_f(T a, T b) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<T, float>) return fmaxf(a, b); else return fmax(a, b);
-#else
-  return std::fmax(a, b);
-#endif
-}
+OPFORGE_FQ_BINARY(fmin_f, fminf, fmin, std::fmin)
+OPFORGE_FQ_BINARY(fmax_f, fmaxf, fmax, std::fmax)
 /// min / max that propagate NaN (a NaN operand wins, as torch.aminmax): the group reductions, so that a group
 /// containing NaN gets NaN qparams instead of a finite scale computed from its other values.
 template <typename T>
@@ -94,22 +106,10 @@ OPFORGE_HD inline void minmax_update(T& mn, T& mx, T v) {
   mn = nan_min(mn, v);
   mx = nan_max(mx, v);
 }
-template <typename T>
-OPFORGE_HD inline T div_rn(T a, T b) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<T, float>) return __fdiv_rn(a, b); else return __ddiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-template <typename T>
-OPFORGE_HD inline T mul_rn(T a, T b) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<T, float>) return __fmul_rn(a, b); else return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
+/// a / b and a · b, each rounded once to nearest.
+OPFORGE_FQ_BINARY(div_rn, __fdiv_rn, __ddiv_rn, host_div)
+OPFORGE_FQ_BINARY(mul_rn, __fmul_rn, __dmul_rn, host_mul)
+#undef OPFORGE_FQ_BINARY
 /// Round half to even (the default rounding mode's nearbyint, as ATen's fake_quantize kernels use).
 template <typename T>
 OPFORGE_HD inline T round_even(T v) {

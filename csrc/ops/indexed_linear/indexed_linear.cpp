@@ -82,6 +82,13 @@ void check_indexed_linear_backward_args(const at::Tensor& grad_output, const at:
                     ", ", num_str(weight.sym_size(1)), "], but got ", shape_str(grad_output.sym_sizes()));
 }
 
+IndexedLinearProblem check_indexed_linear_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                   const at::Tensor& weight, const at::Tensor& index,
+                                                   std::optional<at::ScalarType> bias_dtype) {
+  check_indexed_linear_backward_args(grad_output, input, weight, index, bias_dtype);
+  return check_indexed_linear("indexed_linear_backward", input, weight, index, std::nullopt);
+}
+
 }  // namespace indexed_linear_op
 
 // ---- public C++ API ----------------------------------------------------------------------------------
@@ -156,20 +163,16 @@ variable_list indexed_linear_double_backward_fn(const BackwardArgs& a) {
 
 at::Tensor indexed_linear_autograd(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
                                    const std::optional<at::Tensor>& bias) {
-  check_no_forward_ad("indexed_linear", input, weight, bias);
-  at::Tensor Y;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    Y = opforge::indexed_linear(input, weight, index, bias);
-  }
-  if (!any_requires_grad(input, weight, bias)) return Y;
-  auto node = record_node("opforge::IndexedLinearBackward", indexed_linear_backward_fn,
-                          indexed_linear_double_backward_fn, {&Y}, input, weight, bias);
-  node->save(input);
-  node->save(weight);
-  node->save(index);
-  node->attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
-  return Y;
+  return autograd_one_output(
+      "indexed_linear", "opforge::IndexedLinearBackward", indexed_linear_backward_fn,
+      indexed_linear_double_backward_fn, [&] { return opforge::indexed_linear(input, weight, index, bias); },
+      [&](OpNode& n, const at::Tensor&) {
+        n.save(input);
+        n.save(weight);
+        n.save(index);
+        n.attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
+      },
+      input, weight, bias);
 }
 
 }  // namespace

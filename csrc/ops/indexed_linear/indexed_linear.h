@@ -46,5 +46,10 @@ void check_indexed_linear_backward_args(const at::Tensor& grad_output, const at:
                                         const at::Tensor& weight, const at::Tensor& index,
                                         std::optional<at::ScalarType> bias_dtype);
 
+/// The backward kernels' entry: check_indexed_linear_backward_args, then the canonical problem (no bias).
+IndexedLinearProblem check_indexed_linear_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                   const at::Tensor& weight, const at::Tensor& index,
+                                                   std::optional<at::ScalarType> bias_dtype);
+
 }  // namespace indexed_linear_op
 }  // namespace opforge

@@ -544,8 +544,7 @@ at::Tensor indexed_linear_cuda(const at::Tensor& input, const at::Tensor& weight
 std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
     std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype) {
-  indexed_linear_op::check_indexed_linear_backward_args(grad_output, input, weight, index, bias_dtype);
-  const auto p = indexed_linear_op::check_indexed_linear("indexed_linear_backward", input, weight, index, std::nullopt);
+  const auto p = indexed_linear_op::check_indexed_linear_backward(grad_output, input, weight, index, bias_dtype);
   c10::cuda::CUDAGuard guard(input.device());
   const auto dtype = input.scalar_type();
   const at::Tensor dY = to_input_dtype(grad_output, dtype).contiguous();  // [T, N]

@@ -13,6 +13,7 @@
 #include "core/autograd.h"
 #include "core/check.h"
 #include "core/dispatch.h"
+#include "core/layout.h"
 
 namespace opforge {
 namespace linear_op {
@@ -49,12 +50,6 @@ c10::SymDimVector output_sym_sizes(const at::Tensor& input, const at::Tensor& we
 }
 
 namespace {
-// Rows of the flattened problem: the product of input's leading dims (well defined when K == 0).
-int64_t rows_of(const at::Tensor& input) {
-  int64_t M = 1;
-  for (int64_t d = 0; d + 1 < input.dim(); ++d) M *= input.size(d);
-  return M;
-}
 at::Tensor maybe_contiguous(const at::Tensor& t, bool contiguous) { return contiguous ? t.contiguous() : t; }
 // t as [rows, cols]: t itself when it is 2-D already (no new view on the common path), else a reshape.
 at::Tensor as_2d(const at::Tensor& t, int64_t rows, int64_t cols) { return t.dim() == 2 ? t : t.reshape({rows, cols}); }
@@ -301,17 +296,7 @@ std::tuple<at::Tensor, at::Tensor> linear_forward_autograd(const at::Tensor& inp
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(opforge, Meta, m) {
-  m.impl("_linear_forward", &linear_forward_meta);
-  m.impl("linear", &linear_meta);
-  m.impl("linear_backward", &linear_backward_meta);
-}
-
-TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
-  m.impl("_linear_forward", &linear_forward_autograd);
-  m.impl("linear", &linear_autograd);
-  register_backward_op_autograd(m, "linear_backward");
-}
+OPFORGE_FORWARD_OP_FAMILY(linear)
 
 // torch.autocast: as the native ops these mirror (core/autocast.h)
 OPFORGE_AUTOCAST(linear, {{"linear", AutocastPolicy::kLowerPrecision}, {"_linear_forward", AutocastPolicy::kLowerPrecision}, {"linear_backward", AutocastPolicy::kInputDtype}})

@@ -8,6 +8,7 @@
 #include "core/autograd.h"
 #include "core/check.h"
 #include "core/dispatch.h"
+#include "core/layout.h"
 #include "opforge/opforge.h"
 
 namespace opforge {
@@ -177,8 +178,7 @@ variable_list linear_cat_double_backward_fn(const BackwardArgs& a) {
   const auto dtype = a.saved[0].scalar_type();
   const at::Tensor Wc = W.to(dtype);
   const at::Tensor& dY = a.grads[0];
-  int64_t M = 1;
-  for (int64_t d = 0; d + 1 < dY.dim(); ++d) M *= dY.size(d);
+  const int64_t M = rows_of(dY);
   const at::Tensor dY2 = dY.reshape({M, dY.size(-1)});
   variable_list out(P + 2);
   std::vector<at::Tensor> dW_parts;

@@ -213,6 +213,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> GradBuffers::finish(
           db.defined() ? db.to(linear_bias->scalar_type()) : at::Tensor()};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
+    BackwardKernel kernel, bool zero_dw, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& stats,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
+    int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
+    std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size) {
+  const Problem p = backward_problem(grad_output, input, linear_weight, target, stats, linear_bias, weight, reduction,
+                                     ignore_index, label_smoothing, z_loss, softcap, chunk_size);
+  const GradBuffers grads(p, output_mask, zero_dw);
+  kernel(p, grad_output, stats, GradNeeds(p, output_mask), chunk_size, grads);
+  return grads.finish(input, linear_weight, linear_bias);
+}
+
 Problem forward_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                         const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                         c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,

@@ -166,5 +166,39 @@ at::Tensor grad_scale(const Problem& p, const at::Tensor& grad_output, int64_t& 
 /// 1 for sum and none.
 at::Tensor unit_grad_scale(const Problem& p);
 
+/// The gradients one call computes: mask's entries for (input, linear_weight, linear_bias); db only with a bias.
+struct GradNeeds {
+  bool dx, dw, db;
+  GradNeeds(const Problem& p, std::array<bool, 3> mask) : dx(mask[0]), dw(mask[1]), db(mask[2] && p.b.defined()) {}
+  /// Whether any gradient is wanted.
+  bool any() const { return dx || dw || db; }
+};
+
+/// A backend's linear_cross_entropy_backward once the problem is checked: fills `grads` (allocated for `need`).
+using BackwardKernel = void (*)(const Problem& p, const at::Tensor& grad_output, const at::Tensor& stats,
+                                const GradNeeds& need, std::optional<int64_t> chunk_size, const GradBuffers& grads);
+
+/// linear_cross_entropy_backward on one backend (the op's arguments after `kernel` and `zero_dw`): the checked
+/// problem, the gradient buffers (dW zeroed when `zero_dw`), `kernel`, then the gradients in the parameters' shapes
+/// and dtypes (GradBuffers::finish).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
+    BackwardKernel kernel, bool zero_dw, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& stats,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
+    int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
+    std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size);
+
+/// Writes p's scalar row parameters into a backend's row-parameter struct q (the CPU RowParams, the CUDA RowArgs):
+/// q.V, q.ignore_index, and q.eps (label_smoothing), q.z_loss, q.cap (softcap, 0: none) in q's accumulation type.
+template <typename Q>
+void set_row_scalars(Q& q, const Problem& p) {
+  using acc_t = decltype(q.eps);
+  q.V = p.V;
+  q.ignore_index = p.ignore_index;
+  q.eps = static_cast<acc_t>(p.label_smoothing);
+  q.z_loss = static_cast<acc_t>(p.z_loss);
+  q.cap = static_cast<acc_t>(p.softcap);
+}
+
 }  // namespace lce
 }  // namespace opforge

@@ -153,11 +153,7 @@ RowParams<acc_t> row_params(const Problem& p) {
   q.bias = p.b.defined() ? p.b.const_data_ptr<acc_t>() : nullptr;
   q.cw = p.cw.defined() ? p.cw.const_data_ptr<acc_t>() : nullptr;
   q.wsum = p.cw.defined() ? p.cw.sum().item<acc_t>() : static_cast<acc_t>(p.V);
-  q.V = p.V;
-  q.ignore_index = p.ignore_index;
-  q.eps = static_cast<acc_t>(p.label_smoothing);
-  q.z_loss = static_cast<acc_t>(p.z_loss);
-  q.cap = static_cast<acc_t>(p.softcap);
+  lce::set_row_scalars(q, p);
   return q;
 }
 
@@ -193,8 +189,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   check_targets(p, op);
   const auto dtype = input.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
-  const bool need_dx = grad_mask[0], need_dw = grad_mask[1], need_db = grad_mask[2] && p.b.defined();
-  const bool need_grad = need_dx || need_dw || need_db;
+  const lce::GradNeeds need(p, grad_mask);
+  const bool need_grad = need.any();
   at::Tensor token_loss = at::empty({p.N}, p.X.options().dtype(acc));  // [N]
   at::Tensor stats = at::empty({p.N, 2}, p.X.options().dtype(acc));    // [N, 2]
   lce::GradBuffers grads(p, grad_mask, /*zero_dw=*/true);  // dX [N, H]; dW [V, H], db [V] fp32 (zeroed)
@@ -229,21 +225,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   return lce::forward_outputs(p, token_loss, stats, grads, input, linear_weight, target, linear_bias);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cpu(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const at::Tensor& stats, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
-    c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
-    std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size) {
-  const char* op = "linear_cross_entropy_backward";
-  const Problem p = lce::backward_problem(grad_output, input, linear_weight, target, stats, linear_bias, weight,
-                                          reduction, ignore_index, label_smoothing, z_loss, softcap, chunk_size);
-  check_targets(p, op);
-  const bool has_bias = p.b.defined();
-  const bool need_dx = output_mask[0], need_dw = output_mask[1], need_db = output_mask[2] && has_bias;
-  const auto dtype = input.scalar_type();
-  const auto acc = lce::acc_dtype(dtype);
-  lce::GradBuffers grads(p, output_mask, /*zero_dw=*/true);  // dX [N, H]; dW [V, H], db [V] fp32 (zeroed)
-  if (need_dx || need_dw || need_db) {
+// grads: dX [N, H]; dW [V, H], db [V] fp32 (zeroed)
+void backward_cpu(const Problem& p, const at::Tensor& grad_output, const at::Tensor& stats, const lce::GradNeeds& need,
+                  std::optional<int64_t> chunk_size, const lce::GradBuffers& grads) {
+  check_targets(p, "linear_cross_entropy_backward");
+  const auto acc = lce::acc_dtype(p.X.scalar_type());
+  if (need.any()) {
     int64_t g_stride = 0;
     const at::Tensor G = lce::grad_scale(p, grad_output, g_stride);  // [N] or [1]
     const at::Tensor S = stats.reshape({p.N, 2}).contiguous();
@@ -272,7 +259,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cpu(
       }
     });
   }
-  return grads.finish(input, linear_weight, linear_bias);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cpu(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const at::Tensor& stats, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+    c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+    std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size) {
+  return lce::backward(backward_cpu, /*zero_dw=*/true, grad_output, input, linear_weight, target, stats, linear_bias,
+                       weight, reduction, ignore_index, label_smoothing, z_loss, softcap, output_mask, chunk_size);
 }
 
 }  // namespace

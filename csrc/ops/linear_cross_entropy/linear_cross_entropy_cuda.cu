@@ -280,11 +280,7 @@ RowArgs<acc_t> row_args(const Problem& p, const at::Tensor& wsum) {
   RowArgs<acc_t> q;
   q.cw = p.cw.defined() ? p.cw.const_data_ptr<acc_t>() : nullptr;
   q.wsum = wsum.defined() ? wsum.const_data_ptr<acc_t>() : nullptr;
-  q.V = p.V;
-  q.ignore_index = p.ignore_index;
-  q.eps = static_cast<acc_t>(p.label_smoothing);
-  q.z_loss = static_cast<acc_t>(p.z_loss);
-  q.cap = static_cast<acc_t>(p.softcap);
+  lce::set_row_scalars(q, p);
   return q;
 }
 
@@ -336,9 +332,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   const auto dtype = input.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
   const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
-  const bool need_dx = grad_mask[0], need_dw = grad_mask[1], need_db = grad_mask[2] && p.b.defined();
-  const bool need_grad = need_dx || need_dw || need_db;
-  const bool write_acc = !low || need_db;  // the fp32 gradient is read again (fp32 GEMMs, the bias column sum)
+  const lce::GradNeeds need(p, grad_mask);
+  const bool need_grad = need.any();
+  const bool write_acc = !low || need.db;  // the fp32 gradient is read again (fp32 GEMMs, the bias column sum)
   at::Tensor token_loss = at::empty({p.N}, p.X.options().dtype(acc));                 // [N]
   at::Tensor stats = at::empty({p.N, 2}, p.X.options().dtype(acc));                   // [N, 2]
   // dX [N, H]; dW [V, H] fp32 (the first chunk's GEMM writes it); db [V] fp32
@@ -346,7 +342,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
                                            at::elementSize(acc) + (need_grad && low ? at::elementSize(dtype) : 0));
   check_cuda_dims(p, chunk);
-  if (need_dw && p.N == 0) grads.dW.zero_();
+  if (need.dw && p.N == 0) grads.dW.zero_();
   if (p.N > 0) {
     const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
     const at::Tensor G = need_grad ? lce::unit_grad_scale(p) : at::Tensor();  // [1] on the device: no sync
@@ -397,27 +393,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   return lce::forward_outputs(p, token_loss, stats, grads, input, linear_weight, target, linear_bias);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cuda(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const at::Tensor& stats, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
-    c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
-    std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size) {
-  c10::cuda::CUDAGuard guard(input.device());
-  const Problem p = lce::backward_problem(grad_output, input, linear_weight, target, stats, linear_bias, weight,
-                                          reduction, ignore_index, label_smoothing, z_loss, softcap, chunk_size);
-  const bool has_bias = p.b.defined();
-  const bool need_dx = output_mask[0], need_dw = output_mask[1], need_db = output_mask[2] && has_bias;
-  const auto dtype = input.scalar_type();
+// grads: dX [N, H]; dW: float32 accumulator [V, H] (the gradient buffer itself for float32/float64 weights), not
+// zeroed; db [V]
+void backward_cuda(const Problem& p, const at::Tensor& grad_output, const at::Tensor& stats, const lce::GradNeeds& need,
+                   std::optional<int64_t> chunk_size, const lce::GradBuffers& grads) {
+  const auto dtype = p.X.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
   const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
-  const bool write_acc = !low || need_db;
-  // dX [N, H]; dW: float32 accumulator [V, H] (the gradient buffer itself for float32/float64 weights); db [V]
-  const lce::GradBuffers grads(p, output_mask, /*zero_dw=*/false);
+  const bool write_acc = !low || need.db;
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
                                            at::elementSize(acc) + (low ? at::elementSize(dtype) : 0));
   check_cuda_dims(p, chunk);
-  if (need_dw && p.N == 0) grads.dW.zero_();
-  if ((need_dx || need_dw || need_db) && p.N > 0) {
+  if (need.dw && p.N == 0) grads.dW.zero_();
+  if (need.any() && p.N > 0) {
     int64_t g_stride = 0;
     const at::Tensor G = lce::grad_scale(p, grad_output, g_stride);  // [N] or [1]
     const at::Tensor S = stats.reshape({p.N, 2}).contiguous();
@@ -453,7 +441,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cuda(
       }
     });
   }
-  return grads.finish(input, linear_weight, linear_bias);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cuda(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const at::Tensor& stats, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+    c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+    std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size) {
+  c10::cuda::CUDAGuard guard(input.device());
+  return lce::backward(backward_cuda, /*zero_dw=*/false, grad_output, input, linear_weight, target, stats, linear_bias,
+                       weight, reduction, ignore_index, label_smoothing, z_loss, softcap, output_mask, chunk_size);
 }
 
 }  // namespace

@@ -76,6 +76,16 @@ BackwardSetup begin_backward(const at::Tensor& grad_output, const at::Tensor& in
   return s;
 }
 
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(BackwardKernel kernel, const at::Tensor& grad_output,
+                                                     const at::Tensor& input, const at::Tensor& rstd,
+                                                     const std::optional<at::Tensor>& weight,
+                                                     std::array<bool, 2> output_mask) {
+  BackwardSetup s = begin_backward(grad_output, input, rstd, weight, output_mask);
+  if (!s.want_dx && !s.want_dw) return {s.dX, at::Tensor()};
+  at::Tensor dW = kernel(s, s.want_dw ? *weight : at::Tensor());
+  return {s.dX, dW};
+}
+
 c10::SymIntArrayRef leading_sizes(const at::Tensor& input, int64_t normalized_ndim) {
   const auto s = input.sym_sizes();
   return s.slice(0, s.size() - normalized_ndim);

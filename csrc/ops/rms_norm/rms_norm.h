@@ -106,5 +106,20 @@ struct BackwardSetup {
 BackwardSetup begin_backward(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
                              const std::optional<at::Tensor>& weight, std::array<bool, 2> output_mask);
 
+/// A backend's backward, called when a gradient is wanted: fills s.dX when s.want_dx; returns dweight in weight's
+/// shape and dtype when s.want_dw (`weight` is then the weight; undefined otherwise), else an undefined tensor.
+using BackwardKernel = at::Tensor (*)(BackwardSetup& s, const at::Tensor& weight);
+
+/// rms_norm_backward on one backend: begin_backward, then `kernel` unless no gradient is wanted; returns (dX, dW).
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(BackwardKernel kernel, const at::Tensor& grad_output,
+                                                     const at::Tensor& input, const at::Tensor& rstd,
+                                                     const std::optional<at::Tensor>& weight,
+                                                     std::array<bool, 2> output_mask);
+
+/// dweight from its [N] sum in the accumulation dtype: viewed as weight and converted to weight's dtype.
+inline at::Tensor as_weight_grad(const at::Tensor& sum, const at::Tensor& weight) {
+  return sum.view(weight.sizes()).to(weight.scalar_type());
+}
+
 }  // namespace rmsnorm
 }  // namespace opforge

@@ -213,13 +213,8 @@ void backward_row(const scalar_t* dy, const scalar_t* x, const scalar_t* w, at::
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_output, const at::Tensor& input,
-                                                         const at::Tensor& rstd,
-                                                         const std::optional<at::Tensor>& weight,
-                                                         std::array<bool, 2> output_mask) {
-  auto s = rmsnorm::begin_backward(grad_output, input, rstd, weight, output_mask);
+at::Tensor backward_cpu(rmsnorm::BackwardSetup& s, const at::Tensor& weight) {
   const rmsnorm::BackwardProblem& p = s.p;
-  if (!s.want_dx && !s.want_dw) return {s.dX, at::Tensor()};
   const int64_t M = p.M, N = p.N;
   // Rows split into nblocks fixed blocks; block b accumulates rows [b·M/B, (b+1)·M/B) in order into its dweight
   // partial row partials[b]. B depends on M and N only (at most kMaxDwBlocks, each at least row_grain(N) rows),
@@ -266,9 +261,16 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
           for (int64_t j = j0; j < j1; ++j) out[j] += part[b * N + j];
       });
     });
-    dW = sum.view(weight->sizes()).to(weight->scalar_type());
+    dW = rmsnorm::as_weight_grad(sum, weight);
   }
-  return {s.dX, dW};
+  return dW;
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_output, const at::Tensor& input,
+                                                         const at::Tensor& rstd,
+                                                         const std::optional<at::Tensor>& weight,
+                                                         std::array<bool, 2> output_mask) {
+  return rmsnorm::rms_norm_backward(backward_cpu, grad_output, input, rstd, weight, output_mask);
 }
 
 }  // namespace

@@ -798,19 +798,14 @@ void launch_backward(const rmsnorm::BackwardProblem& p, at::Tensor& dX, at::Tens
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
-                                                          const at::Tensor& rstd,
-                                                          const std::optional<at::Tensor>& weight,
-                                                          std::array<bool, 2> output_mask) {
-  auto s = rmsnorm::begin_backward(grad_output, input, rstd, weight, output_mask);
+at::Tensor backward_cuda(rmsnorm::BackwardSetup& s, const at::Tensor& weight) {
   const rmsnorm::BackwardProblem& p = s.p;
-  if (!s.want_dx && !s.want_dw) return {s.dX, at::Tensor()};
   const int64_t M = p.M, N = p.N;
-  c10::cuda::CUDAGuard guard(input.device());
+  c10::cuda::CUDAGuard guard(p.X.device());
   at::Tensor dW;
   if (M == 0 || N == 0) {
-    if (s.want_dw) dW = at::zeros(weight->sizes(), weight->options());
-    return {s.dX, dW};
+    if (s.want_dw) dW = at::zeros(weight.sizes(), weight.options());
+    return dW;
   }
   const int64_t elem = p.X.element_size();
   const int64_t VEC = 16 / elem;
@@ -819,9 +814,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
                    (!s.want_dx || cuda::is_aligned16(s.dX.const_data_ptr()));
   bool done = false;
   OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::rms_norm_backward", [&] {
-    done = launch_backward_variant<scalar_t>(p, s.dX, s.want_dw, vec, s.want_dw ? *weight : at::Tensor(), dW);
+    done = launch_backward_variant<scalar_t>(p, s.dX, s.want_dw, vec, weight, dW);
   });
-  if (done) return {s.dX, dW};
+  if (done) return dW;
   const RowMapping map = choose_mapping(vec ? N / VEC : N, kMaxThreads);
   // one row group per block, as many blocks as are resident at once: the partials are then
   // (resident blocks) rows of N floats, a few percent of the traffic of dY, X and dX
@@ -834,8 +829,15 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   }
   OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::rms_norm_backward",
                             [&] { launch_backward<scalar_t>(p, s.dX, partials, grid, map, vec, plan.pipe); });
-  if (s.want_dw) dW = partials.sum(0).view(weight->sizes()).to(weight->scalar_type());
-  return {s.dX, dW};
+  if (s.want_dw) dW = rmsnorm::as_weight_grad(partials.sum(0), weight);
+  return dW;
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
+                                                          const at::Tensor& rstd,
+                                                          const std::optional<at::Tensor>& weight,
+                                                          std::array<bool, 2> output_mask) {
+  return rmsnorm::rms_norm_backward(backward_cuda, grad_output, input, rstd, weight, output_mask);
 }
 
 }  // namespace

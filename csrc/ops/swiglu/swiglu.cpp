@@ -77,18 +77,14 @@ variable_list swiglu_double_backward_fn(const BackwardArgs& a) {
 }
 
 at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
-  check_no_forward_ad("swiglu", gate, up);
-  at::Tensor output;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    output = opforge::swiglu(gate, up);
-  }
-  if (any_requires_grad(gate, up)) {
-    auto node = record_node("opforge::SwigluBackward", swiglu_backward_fn, swiglu_double_backward_fn, {&output}, gate, up);
-    node->save(gate);
-    node->save(up);
-  }
-  return output;
+  return autograd_one_output(
+      "swiglu", "opforge::SwigluBackward", swiglu_backward_fn, swiglu_double_backward_fn,
+      [&] { return opforge::swiglu(gate, up); },
+      [&](OpNode& n, const at::Tensor&) {
+        n.save(gate);
+        n.save(up);
+      },
+      gate, up);
 }
 
 }  // namespace

@@ -86,6 +86,17 @@ def dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def linear_flops(M: int, K: int, N: int, pass_: str) -> int:
+    """FLOPs of a linear of M rows, K in and N out features: 2·M·K·N for ``"fwd"``, three such GEMMs (the
+    forward, dX and dW) for ``"fwd+bwd"``."""
+    return 2 * M * N * K * (1 if pass_ == "fwd" else 3)
+
+
+def method_note(method: str) -> str:
+    """`` [loop]`` for a progress line when :func:`time_cuda_graph` fell back to a timed loop, else ``""``."""
+    return f" [{method}]" if method == "loop" else ""
+
+
 def gbps(nbytes: float, time_us: float) -> float:
     """Bandwidth in GB/s (1e9 bytes per second) of moving `nbytes` in `time_us` microseconds."""
     return nbytes / (time_us * 1e3) if time_us > 0 else math.nan
@@ -680,6 +691,11 @@ class BenchRun:
     def say(label: str, parts: Iterable[str], sep: str = "; ") -> None:
         """Print one progress line: ``  <label>: <part><sep><part>...``."""
         print(f"  {label}: " + sep.join(parts), flush=True)
+
+    def say_case(self, op: str, pass_: str, dtype: torch.dtype, shape, parts: Iterable[str], sep: str = "; ") -> None:
+        """:meth:`say` for one case: the label ``<op> <pass> <dtype> <shape>`` (shape: a string, or a sequence of
+        ints for :func:`shape_str`)."""
+        self.say(f"{op} {pass_} {dtype_str(dtype)} {shape if isinstance(shape, str) else shape_str(shape)}", parts, sep)
 
     def release(self) -> None:
         """Return the caching allocator's free blocks between shapes (CUDA)."""
