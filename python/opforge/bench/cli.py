@@ -226,14 +226,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         from tqdm.auto import tqdm
     except ImportError:
         tqdm = None
-    # the bar only on a terminal: in a log (stderr and stdout to one file) it would be glued onto the result lines
+    # a bar on a terminal; in a log (stderr and stdout to one file) a bar's redraws would be glued onto the result
+    # lines, so there one line per family, flushed
     bar = (tqdm(total=len(selected), desc="opforge bench", unit="family", file=sys.stderr)
            if tqdm and sys.stderr.isatty() else None)
     rows: List[harness.Row] = []
     failures, names, t0 = [], [], time.perf_counter()
-    for family in selected:
+    for i, family in enumerate(selected, 1):
         if bar is not None:
             bar.set_postfix_str(family)
+        else:
+            print(f"opforge bench: [{i}/{len(selected)}] {family} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+                  flush=True)
         sub = ["--device", args.device, "--out", str(out)] + (["--quick"] if args.quick else []) + \
               (["--no-compile"] if args.no_compile else [])
         family_rows, failure, name = run_family(families[family], sub)
