@@ -88,10 +88,12 @@ struct GemmArgs {
   at::Tensor bias;                    // [n], D's dtype, or undefined
   at::Tensor aux;                     // [m, n] (row stride may exceed n), D's dtype: kGELUTanhAux's Z
   at::Tensor bias_grad;               // [m] (kBiasGradA) or [n] (kBiasGradB), contiguous, D's dtype: written
+  bool prefer_gemm_ex = false;        // gemm(): straight to the cublasGemmEx path (a caller's measured choice)
 };
 
-/// D = epilogue(alpha · op(A) · op(B) + beta · D + bias): cuBLASLt if it takes the problem, else
-/// cublasGemmEx with the epilogue as separate passes. Never fails for a valid problem.
+/// D = epilogue(alpha · op(A) · op(B) + beta · D + bias): cuBLASLt if it takes the problem (and
+/// args.prefer_gemm_ex is not set), else cublasGemmEx with the epilogue as separate passes. Never fails for a
+/// valid problem.
 void gemm(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args = {});
 
 /// The same through cuBLASLt only. Returns false, having written nothing, when cuBLASLt declines.

@@ -414,7 +414,7 @@ void gemm_ex(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, cons
 }
 
 void gemm(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args) {
-  if (gemm_lt(D, A, B, args)) return;
+  if (!args.prefer_gemm_ex && gemm_lt(D, A, B, args)) return;
   // The fallback: the bias into D first (then accumulate with beta = 1), cublasGemmEx, the epilogue.
   GemmArgs ex;
   ex.trans_a = args.trans_a;

@@ -63,11 +63,16 @@ bool lt_linear(const linear_op::LinearProblem& p, const at::Tensor& Y, Epilogue 
 
 /// Z[M, N] = X · Wᵀ + b: cuBLASLt (BIAS or DEFAULT epilogue), else cublasGemmEx with the bias copied
 /// in first and beta = 1. K == 0 gives the bias broadcast (zeros without bias).
+/// float32 with 8 <= M <= 16 goes straight to cublasGemmEx: cuBLASLt's heuristic picks kernels up to 2x slower
+/// there (H200, benchmarks/gemv_variants.py, GB/s of weight, cuBLASLt / cublasGemmEx / F.linear: 16x4096x4096
+/// 711 / 1344 / 1349, 16x14336x4096 1320 / 1947 / 1934, 8x4096x1024 394 / 820 / 818; equal at M = 8 4096x4096,
+/// 1429 / 1425 / 1430); the GEMV kernel serves smaller M where it wins (kGemvTable).
 void gemm_bias(const linear_op::LinearProblem& p, const at::Tensor& Z) {
   if (Z.numel() == 0) return;
   GemmArgs args;
   args.trans_b = true;
   args.bias = p.b;
+  args.prefer_gemm_ex = p.X.scalar_type() == at::kFloat && p.M >= 8 && p.M <= 16;
   gemm::gemm(Z, p.X, p.W, args);
 }
 
