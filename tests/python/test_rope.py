@@ -341,7 +341,7 @@ def _qkcs(D=8, R=8, S=3, hq=2, hk=1):
         (_qkcs(D=8, R=10), {}, ValueError, r"expected rotary_dim to be even, positive and at most head_dim 8, but got 10"),
         (_qkcs(), {"rotary_dim": 4}, ValueError, r"expected rotary_dim of -1 or cos.size\(-1\) 8, but got 4"),
         (_qkcs()[:3] + (torch.randn(3, 6),), {}, ValueError, r"expected cos and sin of the same shape, but got \[3, 8\] and \[3, 6\]"),
-        (_qkcs()[:2] + (torch.randn(4, 8), torch.randn(4, 8)), {}, ValueError, r"expected cos and sin of shape \(1 or 1, 3, rotary_dim\)"),
+        (_qkcs()[:2] + (torch.randn(4, 8), torch.randn(4, 8)), {}, ValueError, r"expected cos and sin of shape \(1, 3, rotary_dim\)"),
         (_qkcs()[:2] + (torch.randn(2, 3, 8), torch.randn(2, 3, 8)), {}, ValueError, r"to match q's \(batch, seq\), but got \[2, 3, 8\]"),
         ((torch.randn(1, 2, 3, 8), torch.randn(2, 1, 3, 8)) + _qkcs()[2:], {}, ValueError,
          r"expected q and k of the same batch, seq and head_dim \(dims 0, 2, 3\), but got \[1, 2, 3, 8\] and \[2, 1, 3, 8\]"),
@@ -365,7 +365,7 @@ def test_bad_positions_raise():
     q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8)
     with pytest.raises(TypeError, match=r"opforge::rope_from_positions: expected position_ids of an integer dtype"):
         opforge.rope_from_positions(q, k, torch.arange(3.0))
-    with pytest.raises(ValueError, match=r"expected position_ids of shape \(3,\) or \(1 or 1, 3\)"):
+    with pytest.raises(ValueError, match=r"expected position_ids of shape \(3,\) or \(1, 3\)"):
         opforge.rope_from_positions(q, k, torch.arange(4))
     with pytest.raises(ValueError, match=r"expected a finite base > 0, but got -1"):
         opforge.rope_from_positions(q, k, torch.arange(3), -1.0)

@@ -25,6 +25,12 @@ namespace opforge {
 namespace rotary {
 namespace {
 
+// "B or 1" for a shape message's batch dim, or "1" when the batch is 1 (a message, read only when a check fails)
+std::string batch_or_one(const c10::SymInt& B) {
+  const auto b = B.maybe_as_int();
+  return b.has_value() && *b == 1 ? std::string("1") : num_str(B) + " or 1";
+}
+
 // q and k: rank 4, floating, same dtype and device, same batch, seq and (even) head_dim. Returns the defined one
 // (q preferred) as the shape reference.
 const at::Tensor& check_qk(const char* op, const char* q_name, const at::Tensor& q, const char* k_name,
@@ -83,7 +89,7 @@ Checked check_rope(const char* op, const char* q_name, const at::Tensor& q, cons
   at::Tensor S = nd == 2 ? sin.unsqueeze(0) : nd == 4 ? sin.select(1, 0) : sin;
   const auto B = ref.sym_size(0), seq = ref.sym_size(2);
   TORCH_CHECK_VALUE(C.sym_size(1) == seq && (C.sym_size(0) == 1 || C.sym_size(0) == B), "opforge::", op,
-                    ": expected cos and sin of shape (", num_str(B), " or 1, ", num_str(seq),
+                    ": expected cos and sin of shape (", batch_or_one(B), ", ", num_str(seq),
                     ", rotary_dim) to match ", q_name, "'s (batch, seq), but got ", shape_str(cos.sym_sizes()));
   const c10::SymInt R = C.sym_size(2);
   TORCH_CHECK_VALUE(rotary_dim == -1 || R == rotary_dim, "opforge::", op, ": expected rotary_dim of -1 or cos.size(-1) ",
@@ -111,8 +117,8 @@ Checked check_rope_from_positions(const char* op, const char* q_name, const at::
   const int64_t nd = position_ids.dim();
   TORCH_CHECK_VALUE((nd == 1 || nd == 2) && position_ids.sym_size(-1) == seq &&
                         (nd == 1 || position_ids.sym_size(0) == 1 || position_ids.sym_size(0) == B),
-                    "opforge::", op, ": expected position_ids of shape (", num_str(seq), ",) or (", num_str(B),
-                    " or 1, ", num_str(seq), ") to match ", q_name, "'s (batch, seq), but got ",
+                    "opforge::", op, ": expected position_ids of shape (", num_str(seq), ",) or (", batch_or_one(B),
+                    ", ", num_str(seq), ") to match ", q_name, "'s (batch, seq), but got ",
                     shape_str(position_ids.sym_sizes()));
   TORCH_CHECK_VALUE(std::isfinite(base) && base > 0, "opforge::", op, ": expected a finite base > 0, but got ",
                     num_str(base));
