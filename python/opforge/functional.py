@@ -12,6 +12,7 @@ tensors on any one device; inputs on different devices, integer, bool or complex
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -230,13 +231,13 @@ def _as_shape(normalized_shape: _Shape, op: str = "rms_norm") -> list:
         return [normalized_shape]
     if isinstance(normalized_shape, (list, tuple)):
         return list(normalized_shape)
-    try:
-        if isinstance(normalized_shape, (str, bytes, Tensor)):
+    try:  # any other iterable of integers (a numpy array, a 1-D integer tensor); not a str, bytes, set or dict
+        if isinstance(normalized_shape, (str, bytes, set, frozenset, dict)):
             raise TypeError
         shape = list(normalized_shape)
-        if not all(isinstance(d, (int, torch.SymInt)) and not isinstance(d, bool) for d in shape):
+        if any(isinstance(d, bool) for d in shape):
             raise TypeError
-        return shape
+        return [d if isinstance(d, torch.SymInt) else operator.index(d) for d in shape]
     except TypeError:
         raise TypeError(f"opforge::{op}: expected normalized_shape to be an int or a sequence of ints (e.g. (N,)), "
                         f"but got {type(normalized_shape).__name__}") from None
@@ -532,13 +533,14 @@ def linear_cat(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor] 
     Source: torch.nn.functional.linear over torch.cat; gradients dX_i = dY·W_i, dW[:, k_i:k_i+K_i] = dYᵀ·X_i,
     db = Σ_rows dY (``torch.ops.opforge.linear_cat_backward``).
     """
-    if isinstance(inputs, Tensor) or not isinstance(inputs, (list, tuple)):
-        raise TypeError(f"opforge::linear_cat: expected inputs to be a list or tuple of tensors (the pieces of the "
+    if inputs is None or isinstance(inputs, (Tensor, str, bytes)):  # list(tensor) would split it into its rows
+        raise TypeError(f"opforge::linear_cat: expected inputs to be a sequence of tensors (the pieces of the "
                         f"concatenation), but got {type(inputs).__name__}")
+    pieces = list(inputs)
     try:
-        return torch.ops.opforge.linear_cat(list(inputs), weight, bias)
-    except NotImplementedError:
-        _missing_tensor("linear_cat", weight=weight)
+        return torch.ops.opforge.linear_cat(pieces, weight, bias)
+    except (NotImplementedError, RuntimeError):
+        _missing_tensor("linear_cat", **{f"inputs[{i}]": t for i, t in enumerate(pieces)}, weight=weight)
         raise
 
 

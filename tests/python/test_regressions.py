@@ -174,7 +174,7 @@ def test_none_for_every_tensor_names_op(op):
 def test_linear_cat_inputs_not_a_list(inputs):
     # Was: list(tensor) split a (1, 4) tensor into its rows and returned shape (5,) silently (a (3, 4) one gave a
     # misleading in_features error).
-    with pytest.raises(TypeError, match=r"^opforge::linear_cat: expected inputs to be a list or tuple of tensors"):
+    with pytest.raises(TypeError, match=r"^opforge::linear_cat: expected inputs to be a sequence of tensors"):
         opforge.linear_cat(inputs, torch.randn(5, 4))
 
 
@@ -205,3 +205,27 @@ def test_rotary_embedding_checks_head_dim():
     q = torch.randn(1, 2, 3, 128)
     with pytest.raises(ValueError, match=r"RotaryEmbedding: expected q's last dim to be head_dim 64, but got 128"):
         m(q, q, torch.arange(3))
+
+
+def test_linear_cat_takes_any_sequence_of_tensors():
+    # The list check above must not refuse what list(inputs) took before (a deque, a generator), and a None piece
+    # is named (the dispatcher's message was "Expected a value of type 'List[Tensor]' ... found type 'list'").
+    import collections
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    ref = opforge.linear_cat([x[:, :3], x[:, 3:]], w)
+    for inputs in (collections.deque([x[:, :3], x[:, 3:]]), (t for t in (x[:, :3], x[:, 3:]))):
+        torch.testing.assert_close(opforge.linear_cat(inputs, w), ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"^opforge::linear_cat: expected inputs\[0\] to be a tensor, but got None$"):
+        opforge.linear_cat([None, x], w)
+
+
+def test_rms_norm_normalized_shape_of_numpy_or_tensor_ints():
+    # Integers that are not Python ints (numpy, a 1-D integer tensor) are shapes as before; floats, bools, sets are not.
+    np = pytest.importorskip("numpy")
+    x = torch.randn(3, 8)
+    ref = opforge.rms_norm(x, [8])
+    for ns in (np.array([8]), torch.tensor([8]), (d for d in [8])):
+        torch.testing.assert_close(opforge.rms_norm(x, ns), ref, rtol=0, atol=0)
+    for ns in ({8}, np.array([8.0]), iter([True])):
+        with pytest.raises(TypeError, match=r"^opforge::rms_norm: expected normalized_shape"):
+            opforge.rms_norm(x, ns)
