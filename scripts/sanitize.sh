@@ -114,32 +114,36 @@ errors_in() {
 # c10::BFloat16::operator float) and "Device Frame: <kernel>" lines. A report is opforge's when any of its lines
 # names an opforge function (the kernel is often only in a Device Frame); a host API report (a cudaMemcpy reading
 # device memory no kernel was seen writing) names no kernel and counts as unattributed.
-# initcheck_split LOG: "OURS VENDOR UNPRINTED CONTROL": the reports naming opforge, those naming only other kernels,
-# ERROR SUMMARY minus the printed ones plus the host API reports, and the reports inside the driver's torch-only
-# control cases (control_torch/*: torch's and cuBLAS's kernels alone, the same calls as the linear family; any
-# error there is not opforge's and is counted apart)
-initcheck_split() {
-  awk 'function close_report() { if (open) { if (cs ~ /^control_torch\//) control++; else if (ours_r) ours++;
-                                              else if (kern_r) vendor++; else host++ } open = 0 }
-       /^case [^ ]+: begin$/ {close_report(); cs = $2; sub(/:$/, "", cs); next}
-       /^========= [A-Z][a-z]+.*(memory|access)/ && !/SUMMARY/ {close_report(); open = 1; ours_r = 0; kern_r = 0; next}
-       open && /^=========  +(at |Device Frame:)/ {kern_r = 1; if ($0 ~ /opforge/) ours_r = 1; next}
-       open && /^========= *$/ {close_report(); next}
-       /ERROR SUMMARY: [0-9]+ error/ {close_report(); match($0, /ERROR SUMMARY: [0-9]+/); total = substr($0, RSTART + 15, RLENGTH - 15) + 0}
-       END {close_report(); un = total - ours - vendor - control; if (un < 0) un = 0; print ours + 0, vendor + 0, un, control + 0}' "$1"
-}
-
-# initcheck_by_case LOG: "<errors> <case> <where>" per (case, where) of LOG's reports, most first; where: the
-# opforge kernel a report names, else its "at" function, else "host API (cudaMemcpy)"
-initcheck_by_case() {
-  awk 'function close_report() { if (open) n[cs " " (ok != "" ? ok : (at != "" ? at : "host API (cudaMemcpy)"))]++; open = 0 }
-       function fname(line) { sub(/^=========  +(at |Device Frame: )/, "", line); gsub(/<unnamed>::/, "", line); sub(/\(.*/, "", line); sub(/<.*/, "", line); return line }
+# initcheck_reports LOG: one line per printed report, "<case>|<class>|<where>" (class: control = inside the driver's
+# torch-only control cases (control_torch/*: torch's and cuBLAS's kernels alone; not opforge's), ours, vendor, or
+# host = a host API report naming no kernel; where: the opforge kernel it names, else its "at" function, else
+# "host API (cudaMemcpy)"), then "summary||<ERROR SUMMARY count>"
+initcheck_reports() {
+  awk 'function fname(line) { sub(/^=========  +(at |Device Frame: )/, "", line); gsub(/<unnamed>::/, "", line)
+                              sub(/\(.*/, "", line); sub(/<.*/, "", line); return line }
+       function close_report() {
+         if (!open) return
+         cls = cs ~ /^control_torch\// ? "control" : (ok != "" ? "ours" : (at != "" ? "vendor" : "host"))
+         print cs "|" cls "|" (ok != "" ? ok : (at != "" ? at : "host API (cudaMemcpy)")); open = 0 }
        /^case [^ ]+: begin$/ {close_report(); cs = $2; sub(/:$/, "", cs); next}
        /^========= [A-Z][a-z]+.*(memory|access)/ && !/SUMMARY/ {close_report(); open = 1; ok = ""; at = ""; next}
-       open && /^=========  +at / {at = fname($0); if ($0 ~ /opforge/) ok = at; next}
-       open && /^=========  +Device Frame:/ {if ($0 ~ /opforge/ && ok == "") ok = fname($0); next}
+       open && /^=========  +(at |Device Frame:)/ {f = fname($0); if (at == "") at = f; if ($0 ~ /opforge/ && ok == "") ok = f; next}
        open && /^========= *$/ {close_report(); next}
-       END {close_report(); for (x in n) print n[x], x}' "$1" | sort -rn | head -12
+       /ERROR SUMMARY: [0-9]+ error/ {close_report(); match($0, /ERROR SUMMARY: [0-9]+/); total = substr($0, RSTART + 15, RLENGTH - 15) + 0}
+       END {close_report(); print "summary||" total + 0}' "$1"
+}
+
+# initcheck_split LOG: "OURS VENDOR UNPRINTED CONTROL": reports naming opforge, those naming only other kernels,
+# ERROR SUMMARY minus the printed ones plus the host API reports (unattributed: they count as ours), control's
+initcheck_split() {
+  initcheck_reports "$1" | awk -F'|' '$1 == "summary" {total = $3; next} {n[$2]++}
+    END {un = total - n["ours"] - n["vendor"] - n["control"]; if (un < 0) un = 0
+         print n["ours"] + 0, n["vendor"] + 0, un, n["control"] + 0}'
+}
+
+# initcheck_by_case LOG: "<errors> <case> <where>" per (case, where) of LOG's reports, most first
+initcheck_by_case() {
+  initcheck_reports "$1" | awk -F'|' '$1 != "summary" {n[$1 " " $3]++} END {for (x in n) print n[x], x}' | sort -rn | head -12
 }
 
 failed=0
