@@ -36,7 +36,8 @@
 #      ("Internal Sanitizer Error", a crash, no "done" line), that case is recorded as NOT CHECKED and the run
 #      resumes after it (at most SANITIZE_RESUMES times, default 3: logs sanitize_<tool>_resume<i>.log);
 #   3. one final line, which scripts/gpu_check.sh greps:
-#        sanitize <tool>: PASS|FAIL N errors, K kernels, M launches, T s[; not checked: <case> ...]
+#        sanitize <tool>: PASS|FAIL|PARTIAL N errors, K kernels, M launches, T s[; not checked: <case> ...]
+#      (PARTIAL: no error, but SANITIZE_ONLY limited the cases)
 #      N: the sanitizer's error count (memcheck/synccheck: ERROR SUMMARY; initcheck: the errors in opforge
 #      kernels plus those not printed, see above, with "V in vendor kernels (not counted)" appended; racecheck:
 #      every hazard reported, errors and warnings); K, M: opforge kernels and their launches in the coverage pass (the
@@ -54,6 +55,10 @@ DRIVER=tests/cuda/sanitize_driver.py
 tools=("$@")
 [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck initcheck synccheck)
 quick=()
+only=()
+# SANITIZE_ONLY=<ids or prefixes/>: only those driver cases (e.g. control_torch/ to probe the sanitizer alone); the
+# coverage pass still runs every case, so a partial run reports FAIL for the kernels it did not check
+[ -n "${SANITIZE_ONLY:-}" ] && only=(--only "$SANITIZE_ONLY")
 mode=full
 [ "${SANITIZE_QUICK:-0}" = 1 ] && quick=(--quick) && mode=quick
 export CUDA_MODULE_LOADING=LAZY   # only the kernels that run are loaded (and patched)
@@ -75,21 +80,27 @@ fi
 
 # ---- 1. coverage (no sanitizer) ---------------------------------------------------------------------------
 lib=${OPFORGE_LIBRARY:-$("$PY" -c "import opforge; print(opforge.library_path)" 2>/dev/null | tail -1)}
-stamp="$lib $(stat -c %Y "$lib" 2>/dev/null) $(stat -c %Y "$DRIVER") $mode"
-cov_log="$OUT/sanitize_coverage_$mode.log"
-if [ ! -f "$cov_log" ] || [ "$(head -1 "$cov_log")" != "stamp: $stamp" ]; then
-  { echo "stamp: $stamp"; "$PY" "$DRIVER" "${quick[@]}" --coverage --tool coverage 2>&1; echo "coverage rc $?"; } >"$cov_log"
-fi
-cov_rc=$(sed -n 's/^coverage rc //p' "$cov_log" | tail -1)
-cov_line=$(grep -E "^coverage: [0-9]+ kernels" "$cov_log" | tail -1)
-kernels=$(sed -E 's/^coverage: ([0-9]+) kernels, ([0-9]+) launches.*/\1/' <<<"$cov_line")
-launches=$(sed -E 's/^coverage: ([0-9]+) kernels, ([0-9]+) launches.*/\2/' <<<"$cov_line")
-[ -n "$kernels" ] || kernels="?"
-[ -n "$launches" ] || launches="?"
-if [ "${cov_rc:-1}" != 0 ]; then
-  echo "sanitize coverage: FAIL (rc ${cov_rc:-?}; $cov_log):"
-  grep -E "MISSING|FILTER|FAILED|Error" "$cov_log" | head -20
-fi
+# coverage [--vendor-safe]: the coverage pass of this mode (cached per build, driver, mode and flag); sets cov_log,
+# cov_rc, cov_line, kernels, launches
+coverage() {
+  local tag=$mode${1:+-vendor-safe}
+  local stamp="$lib $(stat -c %Y "$lib" 2>/dev/null) $(stat -c %Y "$DRIVER") $tag"
+  cov_log="$OUT/sanitize_coverage_$tag.log"
+  if [ ! -f "$cov_log" ] || [ "$(head -1 "$cov_log")" != "stamp: $stamp" ]; then
+    { echo "stamp: $stamp"; "$PY" "$DRIVER" "${quick[@]}" "$@" --coverage --tool coverage 2>&1; echo "coverage rc $?"; } >"$cov_log"
+  fi
+  cov_rc=$(sed -n 's/^coverage rc //p' "$cov_log" | tail -1)
+  cov_line=$(grep -E "^coverage: [0-9]+ kernels" "$cov_log" | tail -1)
+  kernels=$(sed -E 's/^coverage: ([0-9]+) kernels, ([0-9]+) launches.*/\1/' <<<"$cov_line")
+  launches=$(sed -E 's/^coverage: ([0-9]+) kernels, ([0-9]+) launches.*/\2/' <<<"$cov_line")
+  [ -n "$kernels" ] || kernels="?"
+  [ -n "$launches" ] || launches="?"
+  if [ "${cov_rc:-1}" != 0 ]; then
+    echo "sanitize coverage${1:+ ($1)}: FAIL (rc ${cov_rc:-?}; $cov_log):"
+    grep -E "MISSING|FILTER|FAILED|Error" "$cov_log" | head -20
+  fi
+}
+coverage
 
 # SANITIZE_COVERAGE_ONLY=1: the coverage pass alone (scripts/gpu_check.sh runs it once before starting the tools
 # side by side, which then share its cached log)
@@ -172,6 +183,11 @@ for tool in "${tools[@]}"; do
   }
   env_cache=()
   case "$tool" in memcheck|initcheck) env_cache=(PYTORCH_NO_CUDA_MEMORY_CACHING=1) ;; esac
+  # racecheck: the driver's --vendor-safe mode (its float32/float64 cases launch no 16-bit vendor GEMM, in which
+  # racecheck's process dies on the H200; SANITIZE_VENDOR_SAFE=0: off), with its own coverage pass
+  vsafe=()
+  if [ "$tool" = racecheck ] && [ "${SANITIZE_VENDOR_SAFE:-1}" = 1 ]; then vsafe=(--vendor-safe); coverage --vendor-safe
+  else coverage; fi
   errors=0; vendor_errors=0; control_errors=0; no_summary=0; not_checked=(); start=(); finished=0
   rm -f "$OUT/sanitize_${tool}_resume"*.log
   # SANITIZE_RESUMES (default 3): resumes after a crash in an opforge case; a crash in a torch-only control case
@@ -182,7 +198,8 @@ for tool in "${tools[@]}"; do
     log="$OUT/sanitize_$tool.log"
     [ $attempt -gt 0 ] && log="$OUT/sanitize_${tool}_resume$attempt.log"
     tool_opts
-    env "${env_cache[@]}" "$CS" "${opts[@]}" "$PY" "$DRIVER" "${quick[@]}" --tool "$tool" "${start[@]}" >"$log" 2>&1
+    env "${env_cache[@]}" "$CS" "${opts[@]}" "$PY" "$DRIVER" "${quick[@]}" "${vsafe[@]}" "${only[@]}" --tool "$tool" \
+      "${start[@]}" >"$log" 2>&1
     rc=$?
     n=$(errors_in "$log" "$tool")
     if [ -n "$n" ] && [ "$tool" = initcheck ]; then
@@ -224,6 +241,7 @@ for tool in "${tools[@]}"; do
   [ ${#control_crashes[@]} -gt 0 ] && extra="; the sanitizer died in torch-only control case(s): ${control_crashes[*]}"
   [ ${#not_checked[@]} -gt 0 ] && extra="; not checked: ${not_checked[*]}"
   [ "$finished" = 1 ] || extra="$extra; did not finish"
+  if [ ${#only[@]} -gt 0 ]; then extra="$extra; partial run (SANITIZE_ONLY=$SANITIZE_ONLY)"; [ "$status" = PASS ] && status=PARTIAL; fi
   [ "$no_summary" = 1 ] && extra="$extra; a run printed no error summary"
   [ "${cov_rc:-1}" = 0 ] || extra="$extra; coverage FAIL ($cov_log)"
   [ "$tool" = initcheck ] && extra="$extra; $vendor_errors in vendor kernels, $control_errors in the torch-only control cases (not counted)"

@@ -13,9 +13,11 @@ sanitizer failure names the case it died in, and ``--start-after <id>`` resumes 
 same cases without a sanitizer under torch.profiler and checks that every ``__global__`` kernel of csrc/ was launched
 under a name containing "opforge" (the sanitizer's kernel-name filter), printing ``coverage: K kernels, M launches``.
 
-``--only <id>`` runs that one case (to localize a failure, e.g. with CUDA_LAUNCH_BLOCKING=1).
+``--only <id>[,<id>|<prefix/>...]`` runs those cases (to localize a failure, e.g. with CUDA_LAUNCH_BLOCKING=1).
+``--vendor-safe``: see VENDOR_SAFE.
 
-Usage: python tests/cuda/sanitize_driver.py [--quick] [--tool T] [--coverage] [--start-after ID] [--only ID] [--list]
+Usage: python tests/cuda/sanitize_driver.py [--quick] [--vendor-safe] [--tool T] [--coverage] [--start-after ID]
+       [--only IDS] [--list]
 """
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ import opforge
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 ROOT = Path(__file__).resolve().parents[2]
 FILTER = "opforge"  # scripts/sanitize.sh: --kernel-name kns=opforge
+# --vendor-safe (scripts/sanitize.sh sets it for racecheck): the float32 / float64 cases launch no 16-bit vendor GEMM
+# of their own (the bfloat16 GEMV variants of linear's float32 cases run forward only: their backward is cuBLAS;
+# indexed_linear's extra bfloat16 _grouped_mm call is left to the bfloat16 cases). Racecheck's process dies inside
+# 16-bit aligned cuBLAS / CUTLASS GEMMs on the H200 (the control cases show it with torch's own ops), which would
+# otherwise take the float32 cases' opforge kernels down with it. The same opforge kernels are launched (the coverage
+# pass runs in the same mode).
+VENDOR_SAFE = False
 
 
 def make(shape, dtype, unaligned, requires_grad=True, scale=1.0):
@@ -103,17 +112,23 @@ def families(quick: bool):
     ops = torch.ops.opforge
 
     def control_torch(dt, u):
-        # torch's own ops only, the same calls the linear family makes (F.linear + GELU, small-M GEMMs, a gradient
-        # accumulated over two uses of one input): what a sanitizer reports here is not opforge's (cuBLAS's or
-        # torch's kernels, or the sanitizer itself); scripts/sanitize.sh reports these cases apart
-        gdt = dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
-        for cdt in (dt, gdt):
-            for m, k, n in ((1, 64, 24), (7, 33, 5), (3, 2048, 40)):
-                x, w, b = make((m, k), cdt, u), make((n, k), cdt, u), make((n,), cdt, u)
-                backward(torch.nn.functional.linear(x, w, b))  # x.grad, w.grad, b.grad then accumulated
-                backward(torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)))
+        # torch's own ops only, the same calls the opforge families make (F.linear + GELU, small-M GEMMs, a gradient
+        # accumulated over two uses of one input; for bfloat16 also torch._grouped_mm and a torch kernel reading its
+        # output, as indexed_linear's scatter_rows_kernel does): what a sanitizer reports here is not opforge's
+        # (cuBLAS's, CUTLASS's or torch's kernels, or the sanitizer itself); scripts/sanitize.sh reports these cases
+        # apart. Each case uses GEMMs of its own dtype only, so a crash names the dtype and alignment it needs.
+        for m, k, n in ((1, 64, 24), (7, 33, 5), (3, 2048, 40)):
+            x, w, b = make((m, k), dt, u), make((n, k), dt, u), make((n,), dt, u)
+            backward(torch.nn.functional.linear(x, w, b))  # x.grad, w.grad, b.grad then accumulated
+            backward(torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)))
         x = make((5, 769), dt, u)
         backward([torch.sigmoid(x), x * x])
+        if dt == torch.bfloat16 and not u and hasattr(torch, "_grouped_mm") \
+                and torch.cuda.get_device_capability()[0] == 9:
+            xs, ws = make((40, 32), dt, False, False), make((4, 24, 32), dt, False, False).transpose(1, 2)
+            offs = torch.tensor([10, 20, 30, 40], dtype=torch.int32).to("cuda")
+            ys = torch._grouped_mm(xs, ws, offs)  # [40, 24] (ws as indexed_linear passes it), CUTLASS on sm_90
+            (ys + 1).sum().item()                 # a torch kernel reading it (what initcheck says of that read)
 
     def linear(dt, u):
         shapes = ((1, 64, 24), (7, 33, 5)) if quick else ((1, 64, 24), (7, 33, 5), (70, 256, 96))
@@ -135,7 +150,11 @@ def families(quick: bool):
                 for m, k, n in ((1, 64, 24), (3, 2048, 40)):
                     x, w, b = make((m, k), gdt, u), make((n, k), gdt, u), make((n,), gdt, u)
                     for act in ("none", "gelu"):
-                        backward(opforge.linear(x, w, b, activation=act))
+                        if VENDOR_SAFE and gdt != dt:
+                            with torch.no_grad():
+                                opforge.linear(x, w, b, activation=act)
+                        else:
+                            backward(opforge.linear(x, w, b, activation=act))
         if dt == torch.float32:  # float32 GEMV (warp-per-rows) too
             with knobs(OPFORGE_LINEAR_GEMV=1):
                 x, w, b = make((2, 64), dt, u), make((24, 64), dt, u), make((24,), dt, u)
@@ -224,7 +243,7 @@ def families(quick: bool):
                         x, w, b = make((t, 32), dt, u), make((4, 24, 32), dt, u), make((4, 24), dt, u)
                         idx = host_randint(-1, 4, (t,))
                         backward(opforge.indexed_linear(x, w, idx, b))
-            if dt != torch.bfloat16:  # the _grouped_mm path (bfloat16 only) in every case
+            if dt != torch.bfloat16 and not VENDOR_SAFE:  # the _grouped_mm path (bfloat16 only) in every case
                 with env("OPFORGE_INDEXED_LINEAR_PATH", "grouped_mm"):
                     x, w = make((40, 32), torch.bfloat16, u), make((4, 24, 32), torch.bfloat16, u)
                     b = make((4, 24), torch.bfloat16, u)
@@ -348,15 +367,22 @@ def main() -> int:
     p.add_argument("--tool", default="memcheck", help="the sanitizer tool this run is for (recorded in the log)")
     p.add_argument("--coverage", action="store_true", help="no sanitizer: profile the kernels the cases launch")
     p.add_argument("--start-after", default=None, help="resume after this case id (a crashed case)")
-    p.add_argument("--only", default=None, help="run only this case id")
+    p.add_argument("--only", default=None,
+                   help="run only these cases: comma-separated ids, or prefixes ending in '/' (e.g. control_torch/)")
+    p.add_argument("--vendor-safe", action="store_true",
+                   help="float32/float64 cases launch no 16-bit vendor GEMM of their own (see VENDOR_SAFE)")
     p.add_argument("--list", action="store_true", help="print the case ids and exit")
     args = p.parse_args()
+    global VENDOR_SAFE
+    VENDOR_SAFE = args.vendor_safe
     cases = case_list(args.quick)
     if args.only is not None:
-        if args.only not in [c[0] for c in cases]:
-            print(f"sanitize_driver: unknown case {args.only}", file=sys.stderr)
+        sel = [w for w in args.only.split(",") if w]
+        chosen = [c for c in cases if any(c[0] == w or (w.endswith("/") and c[0].startswith(w)) for w in sel)]
+        if not chosen:
+            print(f"sanitize_driver: no case matches {args.only}", file=sys.stderr)
             return 2
-        cases = [c for c in cases if c[0] == args.only]
+        cases = chosen
     if args.list:
         for c in cases:
             print(c[0])
