@@ -359,7 +359,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
         softcap: c > 0 caps the logits to c · tanh(logits / c) before the loss, or None. Default: None.
         chunk_size: tokens per chunk (at most ``chunk_size × V`` float32 logits exist at a time). None: the
             environment variable ``OPFORGE_LCE_CHUNK_SIZE`` (read once per process) if set, else a memory budget
-            (256 MiB of logits on CUDA, 32 MiB on CPU), rounded down to a multiple of 64 tokens. Default: None.
+            (768 MiB of logits plus their 16-bit gradient copy on CUDA, 32 MiB on CPU), rounded down to a multiple
+            of 64 tokens. Default: None.
 
     Returns:
         () for ``"mean"``/``"sum"``, (*) for ``"none"``, in float32 (float64 for float64 input): the dtype the loss
