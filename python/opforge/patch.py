@@ -355,7 +355,9 @@ def _norm_from_rstd(z: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -
     """rms_norm's output from its input z and the rstd its forward computed: (z · rstd · weight) rounded once to z's
     dtype, in the kernels' order and compute type (float32; float64 for float64), so bitwise the forward's output."""
     op = torch.float64 if z.dtype == torch.float64 else torch.float32
-    return (z.to(op) * rstd.unsqueeze(-1) * weight.to(z.dtype).to(op)).to(z.dtype)
+    y = z.to(op, copy=True)  # one buffer in the compute type, multiplied in place (same roundings as out of place)
+    y.mul_(rstd.unsqueeze(-1)).mul_(weight.to(z.dtype).to(op))
+    return y.to(z.dtype)
 
 
 def _pending(m: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]:
