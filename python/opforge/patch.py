@@ -16,7 +16,10 @@ transformers'):
   q/k/v (gate/up) are then column views of the GEMM's output, never copied;
 * RoPE: :func:`opforge.rope` on the q/k views of the fused projection (transformers' rotate-half math
   as a fallback while the op is not built);
-* SwiGLU: :func:`opforge.swiglu` on the gate/up views.
+* SwiGLU: :func:`opforge.swiglu` on the gate/up views;
+* saved activations (``recompute=True``, eager training): the GEMMs do not keep the two norm outputs and SwiGLU's
+  output for backward, which computes them again, bitwise, from what the norms and SwiGLU keep anyway; v is
+  copied out of the fused q/k/v output so the attention does not keep that whole output (see :func:`apply`).
 
 **The loss** of a ``*ForCausalLM`` whose ``loss_function`` is transformers' ``ForCausalLMLoss``: with
 ``labels``, the loss is :func:`opforge.linear_cross_entropy` of the final hidden states and
