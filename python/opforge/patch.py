@@ -311,16 +311,20 @@ class _Recipe:
     counters of the tensor arguments when the forward ran (an in-place change since then is an error, as for
     any saved tensor)."""
 
-    __slots__ = ("fn", "args", "versions", "view", "what")
+    __slots__ = ("fn", "args", "versions", "view", "what", "stale")
 
     def __init__(self, fn, args, view, what):
-        self.fn, self.args, self.view, self.what = fn, args, view, what
+        self.fn, self.args, self.view, self.what, self.stale = fn, args, view, what, False
         self.versions = tuple(a._version if isinstance(a, torch.Tensor) else None for a in args)
 
 
 def _unpack_recipe(packed):
     if not isinstance(packed, _Recipe):
         return packed
+    if packed.stale:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: {packed.what}, saved for backward by the GEMM that read it, was changed in "
+                           f"place after it was saved")
     for a, v in zip(packed.args, packed.versions):
         if v is not None and a._version != v:
             raise RuntimeError(
@@ -338,20 +342,27 @@ def _call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
     if not _recordable(target) or target.storage_offset() != 0 or not target.is_contiguous() \
             or target.untyped_storage().nbytes() != target.numel() * target.element_size():
         return call()
-    ptr, dtype, device = target.untyped_storage().data_ptr(), target.dtype, target.device
+    ptr, dtype, device, version = target.untyped_storage().data_ptr(), target.dtype, target.device, target._version
     state = [fn, args]
+    made: List[_Recipe] = []
 
     def pack(t):
+        # t._version == version: not changed in place since the forward computed it (views share the counter)
         if state and type(t) is torch.Tensor and t.dtype == dtype and t.device == device \
-                and t.layout == torch.strided and t.untyped_storage().data_ptr() == ptr:
-            return _Recipe(state[0], state[1], (t.size(), t.stride(), t.storage_offset()), what)
+                and t.layout == torch.strided and t.untyped_storage().data_ptr() == ptr and t._version == version:
+            made.append(_Recipe(state[0], state[1], (t.size(), t.stride(), t.storage_offset()), what))
+            return made[-1]
         return t
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack_recipe):
             return call()
     finally:
+        if made and target._version != version:  # changed in place after it was saved: backward must raise
+            for r in made:
+                r.stale = True
         state.clear()  # pack may outlive the call (held by the graph): it must not hold the recipe
+        made.clear()
 
 
 def _norm_from_rstd(z: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

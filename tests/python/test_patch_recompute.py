@@ -178,6 +178,44 @@ def test_inplace_change_of_a_recipe_input_raises():
         y.sum().backward()
 
 
+class _InplaceAfterSave(torch.nn.Module):
+    """Stands in for down_proj: saves its input for backward (through the linear), then changes it in place."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, h):
+        y = torch.nn.functional.linear(h, self.lin.weight)
+        with torch.no_grad():
+            h.mul_(2)
+        return y
+
+
+def test_inplace_change_of_the_dropped_tensor_after_saving_raises():
+    """As autograd raises for a saved tensor changed in place, so does a recipe whose tensor was changed after the
+    GEMM saved it (the recipe would give the value before the change)."""
+    for model in _pair():
+        mlp = model.model.layers[0].mlp
+        mlp.down_proj = _InplaceAfterSave(mlp.down_proj)
+        loss = model(input_ids=_ids(), labels=_ids(), use_cache=False).loss
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+def test_double_backward_equal():
+    """create_graph=True through a patched MLP (swiglu's output recomputed): the recomputed tensor is attached to
+    the forward's graph, so a gradient of a gradient is recompute=False's. (The norms have no double backward.)"""
+    outs = []
+    for model in _pair():
+        mlp = model.model.layers[0].mlp
+        x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(4), requires_grad=True)
+        params = [mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        grads = torch.autograd.grad(mlp(x).square().sum(), [x, *params], create_graph=True)
+        outs.append(torch.autograd.grad(sum((g * g).sum() for g in grads), [x, *params]))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def test_no_grad_inference_and_generate_unaffected():
     off, on = _pair()
     off.eval(), on.eval()
