@@ -295,8 +295,18 @@ def _recompute_on(owner: torch.nn.Module) -> bool:
     if torch.compiler.is_compiling() or not owner.__dict__.get("_opforge_recompute", False):
         return False
     return (torch.is_grad_enabled() and torch._C._autograd._saved_tensors_hooks_is_enabled()
-            and torch._C._autograd._top_saved_tensors_default_hooks(True) is None
-            and torch._C._functorch.maybe_current_level() is None)
+            and not _other_saved_tensors_hooks() and torch._C._functorch.maybe_current_level() is None)
+
+
+def _other_saved_tensors_hooks() -> bool:
+    """True when some saved-tensor hooks are active (also while a tracer hides them); True where torch cannot say."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(True) is not None  # ignore_is_tracing=True
+    except TypeError:  # a torch whose binding takes no argument
+        return top() is not None
 
 
 def _recordable(t: torch.Tensor) -> bool:
