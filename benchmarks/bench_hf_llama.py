@@ -13,6 +13,8 @@ fall back to eager past Dynamo's recompile limit of 8). The "+compile" variants 
 (``--compile-scope layers``, fullgraph=True; identical layers share one compiled graph) and report Dynamo's
 graph breaks, recompiles and graphs; Inductor's cache is ``build/inductor-cache`` unless TORCHINDUCTOR_CACHE_DIR
 is set. Weights are initialised on the run's device (``--init-device``, same seed in every variant's process).
+The opforge variants patch with ``patch.apply``'s defaults: in eager, ``recompute=True`` (the norm and SwiGLU
+outputs are computed again in backward instead of kept); under compile Inductor decides what to recompute.
 
     # the issue's configuration on one GPU (about 10 minutes on an H200, compile included):
     python benchmarks/bench_hf_llama.py

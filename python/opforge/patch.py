@@ -16,7 +16,10 @@ transformers'):
   q/k/v (gate/up) are then column views of the GEMM's output, never copied;
 * RoPE: :func:`opforge.rope` on the q/k views of the fused projection (transformers' rotate-half math
   as a fallback while the op is not built);
-* SwiGLU: :func:`opforge.swiglu` on the gate/up views.
+* SwiGLU: :func:`opforge.swiglu` on the gate/up views;
+* saved activations (``recompute=True``, eager training): the GEMMs do not keep the two norm outputs and SwiGLU's
+  output for backward, which computes them again, bitwise, from what the norms and SwiGLU keep anyway; v is
+  copied out of the fused q/k/v output so the attention does not keep that whole output (see :func:`apply`).
 
 **The loss** of a ``*ForCausalLM`` whose ``loss_function`` is transformers' ``ForCausalLMLoss``: with
 ``labels``, the loss is :func:`opforge.linear_cross_entropy` of the final hidden states and
@@ -279,6 +282,123 @@ def _linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.T
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Selective activation recomputation (apply(recompute=True)). A GEMM saves its input for the weight gradient; where
+# that input is a norm's or SwiGLU's output, computable again from tensors saved anyway (the norm's input and
+# rstd, SwiGLU's gate and up), the GEMM runs under saved-tensor hooks that store a recipe instead of the tensor,
+# so the tensor is freed after the forward and computed again, bitwise, when the backward needs it.
+
+def _recompute_on(owner: torch.nn.Module) -> bool:
+    """True when ``owner`` (patched with recompute=True) may drop a saved activation now: eager autograd records
+    (grad mode on), no other saved-tensor hooks are active (activation checkpointing, save_on_cpu, user hooks),
+    and neither torch.compile/export traces (Inductor's partitioner decides recompute there) nor a torch.func
+    transform runs (those refuse saved-tensor hooks)."""
+    if torch.compiler.is_compiling() or not owner.__dict__.get("_opforge_recompute", False):
+        return False
+    return (torch.is_grad_enabled() and torch._C._autograd._saved_tensors_hooks_is_enabled()
+            and not _other_saved_tensors_hooks() and torch._C._functorch.maybe_current_level() is None)
+
+
+def _other_saved_tensors_hooks() -> bool:
+    """True when some saved-tensor hooks are active (also while a tracer hides them); True where torch cannot say."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(True) is not None  # ignore_is_tracing=True
+    except TypeError:  # a torch whose binding takes no argument
+        return top() is not None
+
+
+def _recordable(t: torch.Tensor) -> bool:
+    """A plain tensor with storage (not a subclass, fake or functorch-wrapped tensor): one a recipe can stand for."""
+    return type(t) is torch.Tensor and t.numel() > 0 and not torch._C._functorch.is_functorch_wrapped_tensor(t) \
+        and t.layout == torch.strided and t.device.type != "meta"
+
+
+class _Recipe:
+    """What a dropped saved tensor leaves in the autograd graph: ``fn(*args)`` gives the full tensor again (bitwise
+    the forward's), whose (size, stride, offset) view is the tensor that was saved. ``versions``: the version
+    counters of the tensor arguments when the forward ran (an in-place change since then is an error, as for
+    any saved tensor)."""
+
+    __slots__ = ("fn", "args", "versions", "view", "what", "stale")
+
+    def __init__(self, fn, args, view, what):
+        self.fn, self.args, self.view, self.what, self.stale = fn, args, view, what, False
+        self.versions = tuple(a._version if isinstance(a, torch.Tensor) else None for a in args)
+
+
+def _unpack_recipe(packed):
+    if not isinstance(packed, _Recipe):
+        return packed
+    if packed.stale:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: {packed.what}, saved for backward by the GEMM that read it, was changed in "
+                           f"place after it was saved")
+    for a, v in zip(packed.args, packed.versions):
+        if v is not None and a._version != v:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"opforge.patch recomputes {packed.what} in backward from a {list(a.shape)} tensor that is at version "
+                f"{a._version}; expected version {v} instead")
+    with torch.no_grad():
+        full = packed.fn(*packed.args)
+    return full.as_strided(*packed.view)
+
+
+def _call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
+    """``call()``, with every tensor it saves for backward that is a view of ``target`` (same storage and dtype)
+    replaced by a :class:`_Recipe` ``fn(*args)`` (args: tensors saved anyway, detached, and constants)."""
+    if not _recordable(target) or target.storage_offset() != 0 or not target.is_contiguous() \
+            or target.untyped_storage().nbytes() != target.numel() * target.element_size():
+        return call()
+    ptr, dtype, device, version = target.untyped_storage().data_ptr(), target.dtype, target.device, target._version
+    state = [fn, args]
+    made: List[_Recipe] = []
+
+    def pack(t):
+        # t._version == version: not changed in place since the forward computed it (views share the counter)
+        if state and type(t) is torch.Tensor and t.dtype == dtype and t.device == device \
+                and t.layout == torch.strided and t.untyped_storage().data_ptr() == ptr and t._version == version:
+            made.append(_Recipe(state[0], state[1], (t.size(), t.stride(), t.storage_offset()), what))
+            return made[-1]
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack_recipe):
+            return call()
+    finally:
+        if made and target._version != version:  # changed in place after it was saved: backward must raise
+            for r in made:
+                r.stale = True
+        state.clear()  # pack may outlive the call (held by the graph): it must not hold the recipe
+        made.clear()
+
+
+def _norm_from_rstd(z: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rms_norm's output from its input z and the rstd its forward computed: (z · rstd · weight) rounded once to z's
+    dtype, in the kernels' order and compute type (float32; float64 for float64), so bitwise the forward's output."""
+    op = torch.float64 if z.dtype == torch.float64 else torch.float32
+    y = z.to(op, copy=True)  # one buffer in the compute type, multiplied in place (same roundings as out of place)
+    y.mul_(rstd.unsqueeze(-1)).mul_(weight.to(z.dtype).to(op))
+    return y.to(z.dtype)
+
+
+def _pending(m: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]:
+    """The recipe the decoder layer left on ``m`` for its input ``x`` (taken: used once), or None."""
+    p = m.__dict__.pop("_opforge_pending", None)
+    return p[1:] if p is not None and p[0] is x else None
+
+
+def _gemm(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+    """_proj(owner, x, lin), dropping x from the saved tensors when the decoder layer left a recipe for it."""
+    p = _pending(owner, x) if _recompute_on(owner) else None
+    if p is None:
+        return _proj(owner, x, lin)
+    return _call_dropping(lambda: _proj(owner, x, lin), x, *p)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Fused projections.
 
 class FusedProjectionSlice(torch.nn.Module):
@@ -420,10 +540,28 @@ def _decoder_layer_forward(self, hidden_states, *args, **kwargs):
     """transformers' pre-norm decoder layer with the post-attention residual add and norm fused:
     h = rms_norm(x); a = attn(h); (h, r) = fused_add_rms_norm(a, x); return r + mlp(h)."""
     kwargs = _bind(self, args, kwargs)
+    recompute = _recompute_on(self)
     h = _norm(self, self.input_layernorm, hidden_states)
-    attn_out = self.self_attn(hidden_states=h, **kwargs)[0]
-    h, residual = _add_norm(self, self.post_attention_layernorm, attn_out, hidden_states)
-    return residual + self.mlp(h)
+    if recompute:  # the q/k/v GEMM keeps a recipe for h, not h (read by _gemm)
+        n = self.input_layernorm
+        self.self_attn._opforge_pending = (h, OF.rms_norm, (hidden_states.detach(), (h.shape[-1],), n.weight.detach(),
+                                                            _eps(n)), "input_layernorm's output")
+    try:
+        attn_out = self.self_attn(hidden_states=h, **kwargs)[0]
+    finally:
+        self.self_attn.__dict__.pop("_opforge_pending", None)
+    n = self.post_attention_layernorm
+    if recompute:  # the fused op's rstd: the gate/up GEMM keeps a recipe (residual, rstd) for h
+        h, residual, rstd = torch.ops.opforge._fused_add_rms_norm_forward.default(
+            attn_out, hidden_states, [attn_out.shape[-1]], n.weight, _eps(n))
+        self.mlp._opforge_pending = (h, _norm_from_rstd, (residual.detach(), rstd, n.weight.detach()),
+                                     "post_attention_layernorm's output")
+    else:
+        h, residual = _add_norm(self, n, attn_out, hidden_states)
+    try:
+        return residual + self.mlp(h)
+    finally:
+        self.mlp.__dict__.pop("_opforge_pending", None)
 
 
 def _attention_forward(self, hidden_states, *args, **kwargs):
@@ -437,11 +575,15 @@ def _attention_forward(self, hidden_states, *args, **kwargs):
         cache = past
     input_shape = hidden_states.shape[:-1]
     hd = self.head_dim
-    qkv = _proj(self, hidden_states, self.qkv_proj)
+    qkv = _gemm(self, hidden_states, self.qkv_proj)
     q, k, v = qkv.split(self._opforge_sizes, dim=-1)
     q = q.view(*input_shape, -1, hd)
     k = k.view(*input_shape, -1, hd)
     v = v.view(*input_shape, -1, hd)
+    if not self._opforge_qk_norm and _ROPE is not None and _recompute_on(self):
+        # q and k leave the fused output through rope's new tensors; v would stay a view, and the attention saving
+        # it would keep the whole (tokens x (q+k+v)) output alive for backward: a copy of v frees it
+        v = v.contiguous()
     if self._opforge_qk_norm:
         q = _norm(self, self.q_norm, q)
         k = _norm(self, self.k_norm, k)
@@ -465,9 +607,12 @@ def _attention_forward(self, hidden_states, *args, **kwargs):
 
 def _mlp_forward(self, x):
     """down_proj(swiglu(gate, up)) with gate/up as column views of one fused GEMM."""
-    gu = _proj(self, x, self.gate_up_proj)
+    gu = _gemm(self, x, self.gate_up_proj)
     gate, up = gu.split(self._opforge_sizes, dim=-1)
-    return self.down_proj(_swiglu(self, gate, up))
+    h = _swiglu(self, gate, up)
+    if _recompute_on(self):  # down_proj keeps a recipe (swiglu of the gate/up views swiglu saves), not h
+        return _call_dropping(lambda: self.down_proj(h), h, OF.swiglu, (gate.detach(), up.detach()), "swiglu's output")
+    return self.down_proj(h)
 
 
 def _causal_lm_forward(self, *args, **kwargs):
@@ -629,7 +774,7 @@ def _decoder_layer_reason(model_counts: Dict[int, int], layer: torch.nn.Module) 
     return None
 
 
-def _patch_decoder_layer(layer: torch.nn.Module, inductor_math: bool) -> None:
+def _patch_decoder_layer(layer: torch.nn.Module, inductor_math: bool, recompute: bool = False) -> None:
     attn, mlp = layer.self_attn, layer.mlp
     mod = sys.modules[type(attn).__module__]
     src = inspect.getsource(type(attn).forward) if hasattr(type(attn), "forward") else ""
@@ -647,6 +792,8 @@ def _patch_decoder_layer(layer: torch.nn.Module, inductor_math: bool) -> None:
     attn._opforge_attention_functions = mod.ALL_ATTENTION_FUNCTIONS
     attn._opforge_eager_attention = mod.eager_attention_forward
     mlp._opforge_sizes = mlp_sizes
+    for m in (layer, attn, mlp):
+        m._opforge_recompute = bool(recompute)
 
 
 def _causal_lm_reason(m: torch.nn.Module) -> Optional[str]:
@@ -815,8 +962,8 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, inductor_math: bool = True,
-          linear: bool = True, rms_norm: bool = True, mlp: bool = True, check: bool = True, strict: bool = False,
-          verbose: bool = False) -> PatchReport:
+          recompute: bool = True, linear: bool = True, rms_norm: bool = True, mlp: bool = True, check: bool = True,
+          strict: bool = False, verbose: bool = False) -> PatchReport:
     """Patch ``model`` in place to run on opforge ops (see the module docstring); :func:`revert` undoes it.
 
     Args:
@@ -829,6 +976,20 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             materialised; ``outputs.logits`` is None). Default: True.
         inductor_math: while torch.compile traces, run the norms, SwiGLU and projections of the patched
             layers as torch math, so Inductor fuses them. Default: True.
+        recompute: selective activation recomputation in the patched decoder layers (eager training only): the
+            GEMMs' inputs that are cheap to compute again are not kept for backward but computed again, bitwise,
+            when backward needs them: input_layernorm's output (kept by the q/k/v GEMM; again rms_norm of the
+            layer input, which rms_norm keeps anyway), post_attention_layernorm's output (kept by the gate/up GEMM;
+            again residual · rstd · weight from what fused_add_rms_norm keeps) and SwiGLU's output (kept by
+            down_proj; again swiglu of the gate/up views SwiGLU keeps); and v is copied out of the fused q/k/v
+            output, which the attention would otherwise keep whole for the view v. Saved per layer, with T tokens,
+            hidden size D, intermediate size I, q/k/v widths Dq/Dkv and e bytes per element:
+            T·(2·D + I + Dq + Dkv)·e (8192 tokens of a 2048/8192 Llama with 8 KV heads, bf16: 240 MiB a layer).
+            Cost: one rms_norm, one normalisation multiply and one swiglu forward per layer in backward, one copy
+            of v in forward. Off (today's graph exactly) while torch.compile traces (Inductor's partitioner decides
+            recompute there), under other saved-tensor hooks (activation checkpointing, save_on_cpu) and inside
+            torch.func transforms; with no grad (inference, generate) nothing changes. Without opforge.rope, or
+            with q/k norms (Qwen3), v is not copied (q/k keep the fused output anyway). Default: True.
         linear: swap the remaining plain torch.nn.Linear modules for opforge.nn.Linear. Default: True.
         rms_norm: swap the remaining Llama-style RMSNorm modules for opforge.nn.RMSNorm. Default: True.
         mlp: swap the remaining SiLU-gated MLPs for opforge.nn.GatedMLP. Default: True.
@@ -869,7 +1030,7 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             if reason:
                 report.skipped.append((name, cls, f"decoder layer left as transformers wrote it: {reason}"))
                 continue
-            _patch_decoder_layer(m, inductor_math)
+            _patch_decoder_layer(m, inductor_math, recompute)
             report.patched.append((name, cls, "opforge decoder layer (rms_norm, fused_add_rms_norm)"))
             report.patched.append((f"{name}.self_attn", type(m.self_attn).__mro__[1].__name__,
                                    "opforge attention (fused q/k/v GEMM, rope)"))

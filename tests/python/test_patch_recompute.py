@@ -1,0 +1,315 @@
+"""opforge.patch.apply(recompute=True): selective activation recomputation in the patched decoder layers. Tiny random
+transformers configs, nothing downloaded.
+
+What is checked: the gradients and the loss equal recompute=False's bitwise (the recomputed tensors are bitwise the
+forward's: same op and arguments, or for the post-attention norm the kernels' own last step from the saved rstd, so
+every backward sees the same values); the bytes kept alive for backward by one decoder layer drop by exactly the
+formula of apply's docstring; the recipe is off under activation checkpointing, other saved-tensor hooks,
+torch.compile, torch.func and no-grad inference; an in-place change of a tensor a recipe reads raises. On CUDA (run
+on the GPU machine): the recomputation of the post-attention norm is bitwise the fused kernel's output for every
+kernel variant, and the peak memory of a training step is lower by about the formula, with gradients that meet the
+float64-reference tolerance rule (CUDA's attention backward is not bitwise reproducible, so no bitwise claim there).
+"""
+import copy
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from opforge import patch
+from opforge.testing import assert_matches_reference
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=128, max_position_embeddings=64)
+FAMILIES = {
+    "llama": lambda **kw: transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, **kw})),
+    "qwen2": lambda **kw: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**COMMON, **kw})),  # biases
+    "qwen3": lambda **kw: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**COMMON, "head_dim": 32, **kw})),
+}
+DTYPES = [torch.float32, torch.bfloat16]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _pair(family="llama", dtype=torch.float32, device="cpu", **cfg):
+    """(recompute=False, recompute=True) patched copies of one random model, in train mode."""
+    torch.manual_seed(0)
+    base = FAMILIES[family](**cfg).to(device=device, dtype=dtype)
+    off, on = copy.deepcopy(base), copy.deepcopy(base)
+    patch.apply(off, recompute=False)
+    patch.apply(on)  # the default
+    return off.train(), on.train()
+
+
+def _ids(batch=2, seq=11, vocab=128, seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _assert_bitwise(a, b):
+    (loss_a, g_a), (loss_b, g_b) = a, b
+    assert torch.equal(loss_a, loss_b), (loss_a, loss_b)
+    assert g_a.keys() == g_b.keys()
+    for n in g_a:
+        assert g_a[n] is not None and torch.equal(g_a[n], g_b[n]), n
+
+
+def _pending_left(model):
+    return [n for n, m in model.named_modules() if "_opforge_pending" in m.__dict__]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gradients_bitwise_equal(family, dtype):
+    off, on = _pair(family, dtype)
+    assert all(m.__dict__.get("_opforge_recompute") for m in on.modules() if "_opforge_sizes" in m.__dict__)
+    ids = _ids()
+    _assert_bitwise(_step(on, ids), _step(off, ids))
+    assert not _pending_left(on)
+    # a second step (the recipes do not outlive their graph; nothing is stale)
+    _assert_bitwise(_step(on, _ids(seed=2)), _step(off, _ids(seed=2)))
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Records every storage an op outputs (weakly); ``live_bytes()``: the bytes of those still alive, less the
+    storages that existed before (parameters, inputs: ``known``)."""
+
+    def __init__(self, known):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in known}
+        self.seen = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
+                s = t.untyped_storage()
+                if s.data_ptr() not in self.known:
+                    self.seen[s.data_ptr()] = (weakref.ref(s), s.nbytes())
+        return out
+
+    def live_bytes(self):
+        return sum(n for ref, n in self.seen.values() if ref() is not None)
+
+
+def _layer_inputs(model, dtype, batch=2, seq=16):
+    torch.manual_seed(3)
+    D = model.config.hidden_size
+    x = torch.randn(batch, seq, D, dtype=dtype, requires_grad=True)
+    cos, sin = model.model.rotary_emb(x, torch.arange(seq)[None].expand(batch, -1))
+    return x, (cos, sin)
+
+
+def _layer_live_bytes(model, dtype):
+    """Bytes that one decoder layer's forward leaves alive (its output and what its graph keeps for backward);
+    the output's gradients from a backward, to compare."""
+    layer = model.model.layers[0]
+    x, pe = _layer_inputs(model, dtype)
+    with _LiveStorages([*model.parameters(), x, *pe]) as mode:
+        y = layer(x, position_embeddings=pe, attention_mask=None)
+    live = mode.live_bytes()
+    y.backward(torch.ones_like(y))
+    return live, y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_saved_bytes_per_layer_drop_by_the_formula(dtype):
+    off, on = _pair("llama", dtype)
+    live_off, y_off, gx_off, g_off = _layer_live_bytes(off, dtype)
+    live_on, y_on, gx_on, g_on = _layer_live_bytes(on, dtype)
+    cfg, T, e = on.config, 2 * 16, torch.finfo(dtype).bits // 8
+    D, I = cfg.hidden_size, cfg.intermediate_size
+    hd = D // cfg.num_attention_heads
+    Dq, Dkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    # the two norm outputs, swiglu's output, and the fused q/k/v output less the copy of v
+    assert live_off - live_on == T * (2 * D + I + Dq + Dkv) * e, (live_off, live_on)
+    assert torch.equal(y_on, y_off) and torch.equal(gx_on, gx_off)
+    assert all(torch.equal(g_on[n], g_off[n]) for n in g_off)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing(reentrant):
+    off, on = _pair()
+    on.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = _ids()
+    # checkpointed recompute=True against the plain recompute=False model (no checkpointing): same values
+    _assert_bitwise(_step(on, ids), _step(off, ids))
+    assert not _pending_left(on)
+
+
+def test_other_saved_tensor_hooks_see_every_tensor():
+    """Under a user's saved-tensor hooks the recipes are off: the user's pack sees the same tensors as with
+    recompute=False."""
+    counts = {}
+    for name, model in zip(("off", "on"), _pair()):
+        seen = []
+
+        def pack(t):
+            seen.append(t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=_ids(), labels=_ids(), use_cache=False).loss
+        loss.backward()
+        counts[name] = sorted(seen)
+    assert counts["on"] == counts["off"] and counts["off"]
+
+
+def test_inplace_change_of_a_recipe_input_raises():
+    _, on = _pair()
+    layer = on.model.layers[0]
+    x, pe = _layer_inputs(on, torch.float32)
+    h = x * 1  # a non-leaf layer input, changed in place after the forward
+    y = layer(h, position_embeddings=pe, attention_mask=None)
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: opforge.patch recomputes input_layernorm's output"):
+        y.sum().backward()
+
+
+class _InplaceAfterSave(torch.nn.Module):
+    """Stands in for down_proj: saves its input for backward (through the linear), then changes it in place."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, h):
+        y = torch.nn.functional.linear(h, self.lin.weight)
+        with torch.no_grad():
+            h.mul_(2)
+        return y
+
+
+def test_inplace_change_of_the_dropped_tensor_after_saving_raises():
+    """As autograd raises for a saved tensor changed in place, so does a recipe whose tensor was changed after the
+    GEMM saved it (the recipe would give the value before the change)."""
+    for model in _pair():
+        mlp = model.model.layers[0].mlp
+        mlp.down_proj = _InplaceAfterSave(mlp.down_proj)
+        loss = model(input_ids=_ids(), labels=_ids(), use_cache=False).loss
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+def test_double_backward_equal():
+    """create_graph=True through a patched MLP (swiglu's output recomputed): the recomputed tensor is attached to
+    the forward's graph, so a gradient of a gradient is recompute=False's. (The norms have no double backward.)"""
+    outs = []
+    for model in _pair():
+        mlp = model.model.layers[0].mlp
+        x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(4), requires_grad=True)
+        params = [mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        grads = torch.autograd.grad(mlp(x).square().sum(), [x, *params], create_graph=True)
+        outs.append(torch.autograd.grad(sum((g * g).sum() for g in grads), [x, *params]))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_no_grad_inference_and_generate_unaffected():
+    off, on = _pair()
+    off.eval(), on.eval()
+    ids = _ids()
+    with torch.no_grad():
+        a = on(input_ids=ids).logits
+        b = off(input_ids=ids).logits
+    assert torch.equal(a, b) and not _pending_left(on)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(on.generate(ids[:1, :5], **kw), off.generate(ids[:1, :5], **kw))
+    # eval mode with grad enabled (autograd records): recompute on, same values
+    _assert_bitwise(_step(on, ids), _step(off, ids))
+
+
+def test_torch_func_falls_back():
+    """torch.func.grad refuses saved-tensor hooks; inside it the layer takes the plain path."""
+    off, on = _pair()
+    outs = []
+    for model in (off, on):
+        layer = model.model.layers[0]
+        x, pe = _layer_inputs(model, torch.float32)
+        outs.append(torch.func.grad(lambda t: layer(t, position_embeddings=pe, attention_mask=None).sum())(x.detach()))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_revert_and_reapply_keep_the_choice():
+    _, on = _pair()
+    layer = on.model.layers[0]
+    assert layer._opforge_recompute and layer.mlp._opforge_recompute and layer.self_attn._opforge_recompute
+    patch.revert(on)
+    assert "_opforge_recompute" not in layer.__dict__ and "_opforge_recompute" not in layer.mlp.__dict__
+    patch.apply(on, recompute=False)
+    assert not layer._opforge_recompute and not layer.mlp._opforge_recompute
+
+
+def test_compile_decoder_layer_fullgraph():
+    """torch.compile(fullgraph=True) of recompute=True layers: Dynamo traces the plain path (no graph break)."""
+    import torch._dynamo
+
+    off, on = _pair()
+    torch._dynamo.reset()
+    for layer in on.model.layers:
+        layer.compile(fullgraph=True, backend="aot_eager")
+    ids = _ids()
+    loss_on, g_on = _step(on, ids)
+    loss_off, g_off = _step(off, ids)
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-5, atol=0)
+    for n in g_off:
+        torch.testing.assert_close(g_on[n], g_off[n], rtol=1e-4, atol=1e-6, msg=n)
+    torch._dynamo.reset()
+
+
+# ---- CUDA (the GPU machine) --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(7, 64), (8, 4096), (300, 2048), (4096, 2048), (64, 16384), (5, 33)], ids=str)
+def test_norm_from_rstd_is_the_fused_kernels_output(device, dtype, shape):
+    """The post-attention norm's recipe (residual · rstd · weight) is bitwise fused_add_rms_norm's output, for the
+    shapes that pick each kernel variant (few rows, many rows, long rows, odd widths)."""
+    M, N = shape
+    g = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(M, N, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(N, generator=g)).to(device=device, dtype=dtype)
+    y, z, rstd = torch.ops.opforge._fused_add_rms_norm_forward.default(x, r, [N], w, 1e-6)
+    assert torch.equal(patch._norm_from_rstd(z, rstd, w), y)
+
+
+def _cuda_step(model, ids):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = _step(model, ids)
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_cuda_peak_memory_lower_and_gradients_within_the_rule():
+    cfg = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
+    B, S = 4, 512
+    ids = _ids(batch=B, seq=S, vocab=512, device="cuda")
+    off, on = _pair("llama", torch.bfloat16, "cuda", **cfg)
+    _step(off, ids), _step(on, ids)  # warm-up: workspaces, lazy init
+    (loss_off, g_off), peak_off = _cuda_step(off, ids)
+    (loss_on, g_on), peak_on = _cuda_step(on, ids)
+    hd = 256 // 4
+    per_layer = B * S * (2 * 256 + 1024 + 4 * hd + 2 * hd) * 2
+    print(f"peak: recompute=False {peak_off / 2**20:.1f} MiB, recompute=True {peak_on / 2**20:.1f} MiB, "
+          f"formula {2 * per_layer / 2**20:.1f} MiB")
+    assert peak_off - peak_on >= 0.5 * 2 * per_layer, (peak_off, peak_on, per_layer)
+    # accuracy: recompute=True is within the tolerance rule of recompute=False against a float64 run
+    ref = _pair("llama", torch.float64, "cuda", **cfg)[0]
+    loss_ref, g_ref = _step(ref, ids)
+    assert_matches_reference(loss_on.float(), loss_ref, loss_off.float(), what="loss")
+    for n in g_ref:
+        assert_matches_reference(g_on[n], g_ref[n], g_off[n], what=n)
