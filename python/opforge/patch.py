@@ -56,8 +56,9 @@ breaks a graph (``torch.compile(layer, fullgraph=True)`` works per decoder layer
 
 Numerics: in float32 the patched model matches the original to rounding. In bfloat16/float16, opforge's
 RMSNorm multiplies by the weight before rounding to the input dtype (transformers rounds first), the
-fused residual add+norm normalises the fp32 sum before rounding it, and the loss accumulates in fp32
-without rounding the logits to bf16 first: outputs differ by about one ulp of that dtype per layer.
+fused residual add+norm rounds the sum to the input dtype and normalises that (as transformers does), and the
+loss accumulates in fp32 without rounding the logits to bf16 first: outputs differ by about one ulp of that
+dtype per layer.
 """
 from __future__ import annotations
 
