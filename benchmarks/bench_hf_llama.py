@@ -52,6 +52,7 @@ VARIANTS = {
     "hf": "HF eager (SDPA)",
     "liger": "HF + Liger (apply_liger_kernel_to_llama)",
     "opforge": "HF + opforge.patch.apply",
+    "opforge-norecompute": "HF + opforge.patch.apply(recompute=False)",
     "hf+compile": "HF + torch.compile",
     "opforge+compile": "HF + opforge.patch.apply + torch.compile",
     "liger+compile": "HF + Liger + torch.compile",
@@ -166,7 +167,7 @@ def build_variant(a: argparse.Namespace, variant: str):
         torch.cuda.reset_peak_memory_stats()
     report = None
     if use_opforge:
-        report = str(patch.apply(model))
+        report = str(patch.apply(model, recompute=not variant.startswith("opforge-norecompute")))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=device.startswith("cuda"))
     step_model = model
     if use_compile:
