@@ -10,6 +10,7 @@
 #include <ATen/OpMathType.h>
 
 #include <type_traits>
+#include <utility>
 
 #include "core/cuda_utils.cuh"
 
@@ -34,24 +35,42 @@ void launch_vec_or_scalar(c10::Device device, int64_t n, bool vectorize, const L
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The grid-stride walk of map_unary_kernel and map3_to2_kernel: vec(v) for each VEC-wide access v in [0, n / VEC), then
+// tail(i) for each element i in [n / VEC · VEC, n), both strided by the grid's thread count.
+// The bodies must hold no loop of their own (each_lane instead): nvcc unrolls a grid-stride loop whose body calls
+// a function with a loop less than the same loop written inline (sm_90: fp32 and fp64 kernels lost their 4x unroll).
+// map_binary_kernel keeps its loops inline: through this walk, swiglu's SwigluOp instantiations lose the loop's
+// unswitching on period == n (sm_90, bf16: 846 -> 632 instructions, 4 vector loads -> 2; same with the bodies
+// by value or __restrict__), so it stays as measured until an H200 benchmark decides.
+template <int VEC, typename VecBody, typename TailBody>
+__device__ __forceinline__ void map_grid_stride(int64_t n, const VecBody& vec, const TailBody& tail) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nvec = n / VEC;
+  for (int64_t v = first; v < nvec; v += stride) vec(v);
+  for (int64_t i = nvec * VEC + first; i < n; i += stride) tail(i);
+}
+
+// f(0), f(1), ..., f(W - 1), written out (no loop: see map_grid_stride).
+template <int W, typename F>
+__device__ __forceinline__ void each_lane(const F& f) {
+  [&]<int... k>(std::integer_sequence<int, k...>) { (f(k), ...); }(std::make_integer_sequence<int, W>{});
+}
+
 // out[i] = op(a[i]) for i in [0, n). VEC elements per access (1 when a pointer is not 16-byte aligned).
 template <int VEC, typename scalar_t, typename Op>
 __global__ void map_unary_kernel(const scalar_t* __restrict__ a,  // [n]
                                  scalar_t* __restrict__ out,      // [n]
                                  int64_t n, Op op) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nvec = n / VEC;
-  for (int64_t v = first; v < nvec; v += stride) {
-    const Vec<scalar_t, VEC> x = reinterpret_cast<const Vec<scalar_t, VEC>*>(a)[v];
-    Vec<scalar_t, VEC> y;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) y.val[k] = static_cast<scalar_t>(op(static_cast<opmath_t>(x.val[k])));
-    reinterpret_cast<Vec<scalar_t, VEC>*>(out)[v] = y;
-  }
-  for (int64_t i = nvec * VEC + first; i < n; i += stride)
-    out[i] = static_cast<scalar_t>(op(static_cast<opmath_t>(a[i])));
+  using V = Vec<scalar_t, VEC>;
+  map_grid_stride<VEC>(n, [&](int64_t v) {
+        const V x = reinterpret_cast<const V*>(a)[v];
+        V y;
+        each_lane<VEC>([&](int k) { y.val[k] = static_cast<scalar_t>(op(static_cast<opmath_t>(x.val[k]))); });
+        reinterpret_cast<V*>(out)[v] = y;
+      },
+      [&](int64_t i) { out[i] = static_cast<scalar_t>(op(static_cast<opmath_t>(a[i]))); });
 }
 
 // out[i] = op(a[i], b[i mod period]) for i in [0, n); period == n means b is as long as a.
@@ -114,30 +133,26 @@ __global__ void map3_to2_kernel(const scalar_t* __restrict__ a,  // [n]
                                    scalar_t* __restrict__ out1,     // [n]
                                    int64_t n, Op op) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nvec = n / VEC;
-  for (int64_t v = first; v < nvec; v += stride) {
-    const Vec<scalar_t, VEC> x = reinterpret_cast<const Vec<scalar_t, VEC>*>(a)[v];
-    const Vec<scalar_t, VEC> y = reinterpret_cast<const Vec<scalar_t, VEC>*>(b)[v];
-    const Vec<scalar_t, VEC> z = reinterpret_cast<const Vec<scalar_t, VEC>*>(c)[v];
-    Vec<scalar_t, VEC> r0, r1;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      opmath_t o0, o1;
-      op(static_cast<opmath_t>(x.val[k]), static_cast<opmath_t>(y.val[k]), static_cast<opmath_t>(z.val[k]), o0, o1);
-      r0.val[k] = static_cast<scalar_t>(o0);
-      r1.val[k] = static_cast<scalar_t>(o1);
-    }
-    reinterpret_cast<Vec<scalar_t, VEC>*>(out0)[v] = r0;
-    reinterpret_cast<Vec<scalar_t, VEC>*>(out1)[v] = r1;
-  }
-  for (int64_t i = nvec * VEC + first; i < n; i += stride) {
-    opmath_t o0, o1;
-    op(static_cast<opmath_t>(a[i]), static_cast<opmath_t>(b[i]), static_cast<opmath_t>(c[i]), o0, o1);
-    out0[i] = static_cast<scalar_t>(o0);
-    out1[i] = static_cast<scalar_t>(o1);
-  }
+  using V = Vec<scalar_t, VEC>;
+  map_grid_stride<VEC>(n, [&](int64_t v) {
+        const V x = reinterpret_cast<const V*>(a)[v], y = reinterpret_cast<const V*>(b)[v],
+                z = reinterpret_cast<const V*>(c)[v];
+        V r0, r1;
+        each_lane<VEC>([&](int k) {
+          opmath_t o0, o1;
+          op(static_cast<opmath_t>(x.val[k]), static_cast<opmath_t>(y.val[k]), static_cast<opmath_t>(z.val[k]), o0, o1);
+          r0.val[k] = static_cast<scalar_t>(o0);
+          r1.val[k] = static_cast<scalar_t>(o1);
+        });
+        reinterpret_cast<V*>(out0)[v] = r0;
+        reinterpret_cast<V*>(out1)[v] = r1;
+      },
+      [&](int64_t i) {
+        opmath_t o0, o1;
+        op(static_cast<opmath_t>(a[i]), static_cast<opmath_t>(b[i]), static_cast<opmath_t>(c[i]), o0, o1);
+        out0[i] = static_cast<scalar_t>(o0);
+        out1[i] = static_cast<scalar_t>(o1);
+      });
 }
 
 /// Launches map3_to2_kernel on tensors of n elements (all contiguous, same dtype and device).

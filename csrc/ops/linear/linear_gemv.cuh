@@ -202,6 +202,10 @@ __device__ __forceinline__ void gemv_store(float sum, const scalar_t* __restrict
   Y[m * N + n] = static_cast<scalar_t>(act(static_cast<float>(z)));
 }
 
+// The operand list (X, W, b, Y, Z, ..., M, K, N, act) repeats gemv_kernel's on purpose: passing both kernels one
+// struct of these operands drops __restrict__ from them (sm_90, bf16, measured: every gemv_kernel instantiation
+// differs; MR = 1 and 16: same counts, but the bias loads leave the read-only path, LDG.E.U16.CONSTANT -> LDG.E.U16;
+// MR = 2: +5..7 instructions, MR = 4: -23, MR = 8: +28..58). Kept until an H200 benchmark says it costs nothing.
 // Block (kMmaWarps warps) = RT·16 rows of W from row blockIdx.x·RT·16, split s = blockIdx.y of gridDim.y
 // over K. MT = 1 (M <= 8) or 2 (M <= 16) tiles of 8 rows of X. K % 8 == 0, X and W 16-byte aligned.
 template <typename scalar_t, int MT, int RT, typename Act>

@@ -318,8 +318,9 @@ bool launch_forward_variant(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor
 
 // The backward kernels' shared per-thread row steps (variant 0's register path and variants 1, 2). A thread owns
 // the NV vectors v = tid + k·tpr (k < NV) of a row that lie below nvec; O is opmath_t. Written as free functions
-// with the loops the kernels had inline: the H200 SASS of every instantiation is byte-identical to the inline code
-// (a struct-with-lambda version was not, nor was a shared dx step: the dx loops stay in each kernel).
+// with the loops the kernels had inline: the sm_90 SASS of every instantiation is byte-identical to the inline code
+// (a struct-with-lambda version was not, nor was one dx step taking the row pointer: the dx step is two functions,
+// the dot before the block sum and the store after it, and the store computes the row pointer itself).
 
 // Row r's dy and x vectors into gd, xd and its rstd into rsd.
 template <int NV, typename V, typename T, typename O>
@@ -346,6 +347,43 @@ __device__ __forceinline__ void backward_advance(V* g, V* x, const V* gn, const 
   for (int k = 0; k < NV; ++k) {
     g[k] = gn[k];
     x[k] = xn[k];
+  }
+}
+
+// One row's dx, in two steps around the block sum: backward_dx_dot gives this thread's part of s = Σ w·dy·x,
+// backward_dx_store writes dx = rs·w·dy − x·c (c = rs³·s/N) into row `row` of dX [M, N]. w_at(k, v) is the weight
+// vector of slot k (vector v), wval(w, j) its element j in opmath (1 without a weight).
+template <int NV, int VEC, typename V, typename O, typename WAt, typename WVal>
+__device__ __forceinline__ O backward_dx_dot(const V* g, const V* x, int64_t nvec, int tid, int tpr, WAt&& w_at,
+                                             WVal&& wval) {
+  O s = 0;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+    if (v < nvec) {
+      const V& w = w_at(k, v);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) s += wval(w, j) * static_cast<O>(g[k].val[j]) * static_cast<O>(x[k].val[j]);
+    }
+  }
+  return s;
+}
+
+template <int NV, int VEC, typename T, typename V, typename O, typename WAt, typename WVal>
+__device__ __forceinline__ void backward_dx_store(const V* g, const V* x, O rs, O c, int64_t nvec, int tid, int tpr,
+                                                  T* dX, int64_t row, int64_t N, WAt&& w_at, WVal&& wval) {
+  V* dXv = reinterpret_cast<V*>(dX + row * N);
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t v = tid + static_cast<int64_t>(k) * tpr;
+    if (v < nvec) {
+      const V& w = w_at(k, v);
+      V d;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+        d.val[j] = static_cast<T>(rs * wval(w, j) * static_cast<O>(g[k].val[j]) - static_cast<O>(x[k].val[j]) * c);
+      dXv[v] = d;
+    }
   }
 }
 
@@ -423,30 +461,10 @@ __global__ void __launch_bounds__(kMaxThreads)
         load_row(row, g, x, rs);
       }
       if (dX != nullptr) {
-        opmath_t s = 0;
-#pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-          if (tid + static_cast<int64_t>(k) * tpr < nvec) {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j)
-              s += wval(w[k], j) * static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]);
-          }
-        }
-        s = row_sum(s);
+        auto w_at = [&](int k, int64_t) -> const V& { return w[k]; };
+        const opmath_t s = row_sum(backward_dx_dot<MAXV, VEC, V, opmath_t>(g, x, nvec, tid, tpr, w_at, wval));
         const opmath_t c = rs * rs * rs * s * inv_n;
-        V* dXv = reinterpret_cast<V*>(dX + row * N);
-#pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-          const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-          if (v < nvec) {
-            V d;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j)
-              d.val[j] = static_cast<T>(rs * wval(w[k], j) * static_cast<opmath_t>(g[k].val[j]) -
-                                        static_cast<opmath_t>(x[k].val[j]) * c);
-            dXv[v] = d;
-          }
-        }
+        backward_dx_store<MAXV, VEC, T>(g, x, rs, c, nvec, tid, tpr, dX, row, N, w_at, wval);
       }
       if (dW_partial != nullptr) backward_accumulate_dw<MAXV, VEC>(g, x, rs, nvec, tid, tpr, dw_at);
       if constexpr (PIPE) backward_advance<MAXV>(g, x, gn, xn, rs, rsn);
@@ -557,32 +575,10 @@ __global__ void __launch_bounds__(1024)
       load_row(row, g, x, rs);
     }
     if (dX != nullptr) {
-      opmath_t s = 0;
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-        if (v < nvec) {
-          const V w = wload(v);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j)
-            s += wval(w, j) * static_cast<opmath_t>(g[k].val[j]) * static_cast<opmath_t>(x[k].val[j]);
-        }
-      }
+      auto w_at = [&](int, int64_t v) { return wload(v); };
+      const opmath_t s = backward_dx_dot<NV, VEC, V, opmath_t>(g, x, nvec, tid, tpr, w_at, wval);
       const opmath_t c = rs * rs * rs * row_sum(s) * inv_n;
-      V* dXv = reinterpret_cast<V*>(dX + row * N);
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int64_t v = tid + static_cast<int64_t>(k) * tpr;
-        if (v < nvec) {
-          const V w = wload(v);
-          V d;
-#pragma unroll
-          for (int j = 0; j < VEC; ++j)
-            d.val[j] = static_cast<T>(rs * wval(w, j) * static_cast<opmath_t>(g[k].val[j]) -
-                                      static_cast<opmath_t>(x[k].val[j]) * c);
-          dXv[v] = d;
-        }
-      }
+      backward_dx_store<NV, VEC, T>(g, x, rs, c, nvec, tid, tpr, dX, row, N, w_at, wval);
     }
     if (dW_partial != nullptr) backward_accumulate_dw<NV, VEC>(g, x, rs, nvec, tid, tpr, dw_at);
     if constexpr (PIPE) backward_advance<NV>(g, x, gn, xn, rs, rsn);
