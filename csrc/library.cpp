@@ -10,6 +10,10 @@ TORCH_LIBRARY(opforge, m) {
   m.def("_linear_forward(Tensor input, Tensor weight, Tensor? bias=None, str activation=\"none\") -> (Tensor output, Tensor pre_activation)");
   // rms_norm plus rstd = 1/sqrt(mean(x²) + eps) over the normalized dims, [*] in float32 (float64 for float64)
   m.def("_rms_norm_forward(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor rstd)");
+  // input · rstd · weight from a saved rstd (normalized dims = input's dims after rstd's): bitwise the output of
+  // _rms_norm_forward / _fused_add_rms_norm_forward for that input (z for the fused op), rstd and weight; not
+  // differentiable (opforge.patch recomputes a norm's output with it in backward)
+  m.def("_rms_norm_apply(Tensor input, Tensor rstd, Tensor? weight=None) -> Tensor");
   // residual_out = input + residual; output = rms_norm(residual_out, normalized_shape, weight, eps)
   m.def("fused_add_rms_norm(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor residual_out)");
   // y = act(input · weightᵀ + bias); input (*, K), weight (N, K), bias (N,); activation in none, relu, gelu, gelu_tanh, silu

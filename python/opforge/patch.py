@@ -377,12 +377,10 @@ def _call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
 
 
 def _norm_from_rstd(z: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rms_norm's output from its input z and the rstd its forward computed: (z · rstd · weight) rounded once to z's
-    dtype, in the kernels' order and compute type (float32; float64 for float64), so bitwise the forward's output."""
-    op = torch.float64 if z.dtype == torch.float64 else torch.float32
-    y = z.to(op, copy=True)  # one buffer in the compute type, multiplied in place (same roundings as out of place)
-    y.mul_(rstd.unsqueeze(-1)).mul_(weight.to(z.dtype).to(op))
-    return y.to(z.dtype)
+    """rms_norm's output from its input z and the rstd its forward computed: the private op
+    ``_rms_norm_apply`` (z · rstd · weight in float32, float64 for float64, rounded once: the forward kernels' last
+    step, one pass), so bitwise the forward's output."""
+    return torch.ops.opforge._rms_norm_apply.default(z, rstd, weight)
 
 
 def _pending(m: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]:

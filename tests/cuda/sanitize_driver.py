@@ -191,6 +191,10 @@ def families(quick: bool):
             x, w, r = make((rows, n), dt, u), make((n,), dt, u), make((rows, n), dt, u)
             backward(opforge.rms_norm(x, [n], w))
             backward(opforge.fused_add_rms_norm(x, r, [n], w))
+            # _rms_norm_apply (the patch's norm recompute) from the fused forward's rstd
+            with torch.no_grad():
+                _, z, rstd = torch.ops.opforge._fused_add_rms_norm_forward(x, r, [n], w)
+                torch.ops.opforge._rms_norm_apply(z, rstd, w)
         # the forced forward (0 grid-stride, 1..4 one CTA per row) and backward (0, 1, 2) kernels
         for name, variants in (("OPFORGE_RMS_FWD", range(5)), ("OPFORGE_RMS_BWD", range(3))):
             for v in variants:

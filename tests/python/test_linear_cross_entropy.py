@@ -104,15 +104,20 @@ def test_chunk_size_does_not_change_the_result(device, chunk):
         torch.testing.assert_close(o, r, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5, 11, 64])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_16bit_chunk_groups(device, chunk, reduction):
+def test_16bit_chunk_groups(device, chunk, reduction, group):
     """bfloat16 with N = 11 tokens at chunk sizes that give full and partial dW groups (CUDA gathers the logit
-    gradients of two chunks per dW GEMM): every gradient against float64 by the tolerance rule, at every chunk size,
-    on the gradient-in-forward ("mean") and the recompute ("none") path."""
+    gradients of `group` chunks per dW GEMM, the knob OPFORGE_LCE_DW_GROUP): every gradient against float64 by the
+    tolerance rule, at every chunk size, on the gradient-in-forward ("mean") and the recompute ("none") path."""
     x, w, b, t = _data(11, 24, 70, torch.bfloat16, device, bias=True, ignore_frac=0.2, scale=2.0)
     gw = torch.rand(11, device=device).to(torch.bfloat16) if reduction == "none" else None
-    _check_all(x, w, b, t, reduction=reduction, chunk_size=chunk, grad_weights=gw)
+    old = torch.ops.opforge._set_knob("OPFORGE_LCE_DW_GROUP", group)
+    try:
+        _check_all(x, w, b, t, reduction=reduction, chunk_size=chunk, grad_weights=gw)
+    finally:
+        torch.ops.opforge._set_knob("OPFORGE_LCE_DW_GROUP", old)
 
 
 def test_batch_dims_and_non_contiguous(device):

@@ -281,6 +281,33 @@ def test_norm_from_rstd_is_the_fused_kernels_output(device, dtype, shape):
     w = (1 + 0.1 * torch.randn(N, generator=g)).to(device=device, dtype=dtype)
     y, z, rstd = torch.ops.opforge._fused_add_rms_norm_forward.default(x, r, [N], w, 1e-6)
     assert torch.equal(patch._norm_from_rstd(z, rstd, w), y)
+    # and the plain forward's, with and without a weight, through a 3-D input (two normalized dims)
+    y2, rstd2 = torch.ops.opforge._rms_norm_forward.default(x, [N], w, 1e-6)
+    assert torch.equal(torch.ops.opforge._rms_norm_apply(x, rstd2, w), y2)
+    y3, rstd3 = torch.ops.opforge._rms_norm_forward.default(x, [N], None, 1e-6)
+    assert torch.equal(torch.ops.opforge._rms_norm_apply(x, rstd3), y3)
+    if N % 2 == 0:
+        x4 = x.reshape(M, 2, N // 2)
+        y4, rstd4 = torch.ops.opforge._rms_norm_forward.default(x4, [2, N // 2], w.reshape(2, N // 2), 1e-6)
+        assert torch.equal(torch.ops.opforge._rms_norm_apply(x4, rstd4, w.reshape(2, N // 2)), y4)
+
+
+def test_rms_norm_apply_checks_and_meta(device):
+    """_rms_norm_apply's argument errors name it; its Meta kernel gives input's shape and dtype; opcheck passes."""
+    x = torch.randn(4, 6, device=device)
+    rstd = torch.rand(4, device=device) + 0.5
+    w = torch.randn(6, device=device)
+    with pytest.raises(ValueError, match="opforge::_rms_norm_apply: expected rstd of input's leading dims"):
+        torch.ops.opforge._rms_norm_apply(x, rstd[:3], w)
+    with pytest.raises(ValueError, match="opforge::_rms_norm_apply: expected weight of shape"):
+        torch.ops.opforge._rms_norm_apply(x, rstd, w[:5])
+    with pytest.raises(TypeError, match="opforge::_rms_norm_apply: expected rstd of dtype"):
+        torch.ops.opforge._rms_norm_apply(x, rstd.double(), w)
+    m = torch.ops.opforge._rms_norm_apply(x.to("meta"), rstd.to("meta"), w.to("meta"))
+    assert m.shape == x.shape and m.dtype == x.dtype
+    torch.library.opcheck(torch.ops.opforge._rms_norm_apply.default, (x, rstd, w))
+    ref = (x.double() * rstd.double()[:, None] * w.double()).float()
+    torch.testing.assert_close(torch.ops.opforge._rms_norm_apply(x, rstd, w), ref, rtol=2e-7, atol=1e-6)
 
 
 def _cuda_step(model, ids):

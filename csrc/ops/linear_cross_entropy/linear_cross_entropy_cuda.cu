@@ -18,12 +18,14 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <climits>
 
 #include "core/check.h"
 #include "core/cuda_utils.cuh"
 #include "core/dispatch.h"
 #include "core/gemm.h"
+#include "core/knobs.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 namespace opforge {
@@ -31,9 +33,9 @@ namespace {
 
 using lce::Problem;
 
-// Bytes of logits (fp32 chunk plus its storage-dtype gradient copy) one chunk may hold on CUDA: at V = 128256,
-// 768 MiB gives 1024 rows for bf16. Chosen by measurement (H200, bf16, fwd+bwd, 8192x4096x128256 /
-// 8192x2048x128256): 320 rows (the earlier 256 MiB) 71.8 / 41.1 ms, 1024 rows 47.4 / 27.2 ms, 2048 rows 48.6 / 24.8 ms,
+// Bytes of logits (fp32 chunk plus its storage-dtype gradient copies, one per chunk of a dW group) one chunk may hold
+// on CUDA: at V = 128256, 768 MiB gives 1024 rows for bf16 with one copy, 768 with two (the default group). Chosen by
+// measurement (H200, bf16, fwd+bwd, one copy, 8192x4096x128256 / 8192x2048x128256): 320 rows (the earlier 256 MiB) 71.8 / 41.1 ms, 1024 rows 47.4 / 27.2 ms, 2048 rows 48.6 / 24.8 ms,
 // 8192 rows 42.8 / 22.8 ms; peak above the inputs 2.0 / 1.0, 2.0 / 1.25, 2.5 / 2.0, 7.0 / 6.5 GiB (the fp32 dW
 // accumulator, V x H x 4 bytes, sets the floor). Each chunk's fp32 dW accumulation re-reads and re-writes V x H, so
 // fewer, larger chunks amortise it.
@@ -315,15 +317,15 @@ void chunk_grads(const at::Tensor& D, const at::Tensor& L, const Problem& p, int
   if (db.defined()) db.add_(L.sum(0));
 }
 
-// Chunks per dW GEMM for 16-bit inputs: the logit-gradient copy holds kDwGroup chunks, and dW (+)= D_gᵀ · X_g runs
-// once per group, so the fp32 V×H accumulator is read and written N / (kDwGroup · chunk) times instead of N / chunk
-// (each pass is 2·V·H·4 bytes: 2 GiB at V = 128256, H = 2048, ~0.6 ms on the H200, where 1024- and 2048-row chunks
-// measured 27.2 and 24.8 ms). Memory: one more [chunk, V] copy in the storage dtype (262 MB at 1024 × 128256 bf16).
-constexpr int64_t kDwGroup = 2;
+// Chunks per dW GEMM for 16-bit inputs (the knob OPFORGE_LCE_DW_GROUP, default 2): the logit-gradient copy holds G
+// chunks, and dW (+)= D_gᵀ · X_g runs once per group, so the fp32 V×H accumulator is read and written N / (G · chunk)
+// times instead of N / chunk (each pass is 2·V·H·4 bytes: 2 GiB at V = 128256, H = 2048, ~0.6 ms on the H200, where
+// 1024- and 2048-row chunks measured 27.2 and 24.8 ms with G = 1). The chunk budget counts the G copies.
+int64_t dw_group() { return std::max<int64_t>(1, knobs::get(knobs::Knob::kLceDwGroup)); }
 
-// Rows of logit gradient gathered per dW GEMM: kDwGroup chunks for 16-bit inputs (D is then a separate buffer),
-// one chunk otherwise (D is the fp32 logits chunk itself).
-int64_t dw_group_rows(bool low, int64_t chunk) { return low ? kDwGroup * chunk : chunk; }
+// Rows of logit gradient gathered per dW GEMM: G chunks when `grouped` (16-bit inputs whose dW is wanted: D is then a
+// separate buffer), one chunk otherwise (D is the fp32 logits chunk itself, or no dW GEMM runs).
+int64_t dw_group_rows(bool grouped, int64_t chunk, int64_t group) { return grouped ? group * chunk : chunk; }
 
 // After the chunk [s0, s0 + c): once a group of `group_rows` rows (or the last chunk) is complete, dW (+)= Dgᵀ · X_g
 // for the group's rows [g0, s0 + c), where Dg holds them from its row 0 (beta = 0 for the first group: dW need not
@@ -360,8 +362,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   at::Tensor stats = at::empty({p.N, 2}, p.X.options().dtype(acc));                   // [N, 2]
   // dX [N, H]; dW [V, H] fp32 (the first chunk's GEMM writes it); db [V] fp32
   const lce::GradBuffers grads(p, grad_mask, /*zero_dw=*/false);
+  const int64_t group = need_grad && low && need.dw ? dw_group() : 1;  // chunks per dW GEMM
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
-                                           at::elementSize(acc) + (need_grad && low ? at::elementSize(dtype) : 0));
+                                           at::elementSize(acc) + (need_grad && low ? group * at::elementSize(dtype) : 0));
   check_cuda_dims(p, chunk);
   if (need.dw && p.N == 0) grads.dW.zero_();
   if (p.N > 0) {
@@ -369,7 +372,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
     const at::Tensor G = need_grad ? lce::unit_grad_scale(p) : at::Tensor();  // [1] on the device: no sync
     const int64_t rows = std::min(chunk, p.N);
     at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));                       // [chunk, V]
-    const int64_t group_rows = dw_group_rows(low, chunk);
+    const int64_t group_rows = dw_group_rows(low && need.dw, chunk, group);
     // the logit gradient in the storage dtype, one dW group of chunks [group, V]
     at::Tensor dlow = need_grad && low ? at::empty({std::min(group_rows, p.N), p.V}, p.X.options()) : at::Tensor();
     auto stream = at::cuda::getCurrentCUDAStream();
@@ -425,8 +428,9 @@ void backward_cuda(const Problem& p, const at::Tensor& grad_output, const at::Te
   const auto acc = lce::acc_dtype(dtype);
   const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
   const bool write_acc = !low || need.db;
+  const int64_t group = low && need.dw ? dw_group() : 1;  // chunks per dW GEMM
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
-                                           at::elementSize(acc) + (low ? at::elementSize(dtype) : 0));
+                                           at::elementSize(acc) + (low ? group * at::elementSize(dtype) : 0));
   check_cuda_dims(p, chunk);
   if (need.dw && p.N == 0) grads.dW.zero_();
   if (need.any() && p.N > 0) {
@@ -436,7 +440,7 @@ void backward_cuda(const Problem& p, const at::Tensor& grad_output, const at::Te
     const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
     const int64_t rows = std::min(chunk, p.N);
     at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));        // [chunk, V] fp32
-    const int64_t group_rows = dw_group_rows(low, chunk);
+    const int64_t group_rows = dw_group_rows(low && need.dw, chunk, group);
     at::Tensor dlow = low ? at::empty({std::min(group_rows, p.N), p.V}, p.X.options()) : at::Tensor();  // [group, V]
     auto stream = at::cuda::getCurrentCUDAStream();
     OPFORGE_DISPATCH_FLOATING(dtype, "opforge::linear_cross_entropy_backward", [&] {

@@ -136,17 +136,22 @@ Problem check_forward(const char* op, const at::Tensor& input, c10::SymIntArrayR
   return p;
 }
 
-void check_backward_args(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
-                         const std::optional<at::Tensor>& weight) {
-  const char* op = "rms_norm_backward";
-  check_floating(op, "grad_output", grad_output);
+namespace {
+// input / rstd / weight of rms_norm_backward and _rms_norm_apply (after grad_output's own checks): floating dtypes,
+// one device, rstd of input's leading dims in rstd_dtype, weight of the normalized shape
+void check_rstd_args(const char* op, const at::Tensor& input, const at::Tensor& rstd,
+                     const std::optional<at::Tensor>& weight, const at::Tensor* grad_output) {
   check_floating(op, "input", input);
   check_floating(op, "rstd", rstd);
-  check_same_device(op, "grad_output", grad_output, "input", input);
-  check_same_device(op, "rstd", rstd, "input", input);
-  TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(input.sym_sizes()), "opforge::", op,
-                    ": expected grad_output of input's shape ", shape_str(input.sym_sizes()), ", but got ",
-                    shape_str(grad_output.sym_sizes()));
+  if (grad_output != nullptr) {
+    check_same_device(op, "grad_output", *grad_output, "input", input);
+    check_same_device(op, "rstd", rstd, "input", input);
+    TORCH_CHECK_VALUE(grad_output->sym_sizes().equals(input.sym_sizes()), "opforge::", op,
+                      ": expected grad_output of input's shape ", shape_str(input.sym_sizes()), ", but got ",
+                      shape_str(grad_output->sym_sizes()));
+  } else {
+    check_same_device(op, "rstd", rstd, "input", input);
+  }
   const int64_t nd = input.dim() - rstd.dim();
   TORCH_CHECK_VALUE(nd >= 1 && leading_sizes(input, nd).equals(rstd.sym_sizes()), "opforge::", op,
                     ": expected rstd of input's leading dims (input ", shape_str(input.sym_sizes()),
@@ -163,18 +168,40 @@ void check_backward_args(const at::Tensor& grad_output, const at::Tensor& input,
   }
 }
 
-BackwardProblem check_backward(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
-                               const std::optional<at::Tensor>& weight) {
-  check_backward_args(grad_output, input, rstd, weight);
+// the [M, N] problem of input / rstd / weight (checked)
+BackwardProblem rstd_problem(const at::Tensor& input, const at::Tensor& rstd, const std::optional<at::Tensor>& weight) {
   BackwardProblem p;
   p.M = rstd.numel();
   p.N = 1;
   for (int64_t i = rstd.dim(); i < input.dim(); ++i) p.N *= input.size(i);
   p.X = input.contiguous();
-  p.dY = to_input_dtype(grad_output, input.scalar_type()).contiguous();  // materializes expanded/transposed views
   p.rstd = rstd.contiguous();
   if (weight.has_value() && weight->defined()) p.W = to_input_dtype(*weight, input.scalar_type()).contiguous();
   return p;
+}
+}  // namespace
+
+void check_backward_args(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
+                         const std::optional<at::Tensor>& weight) {
+  check_floating("rms_norm_backward", "grad_output", grad_output);
+  check_rstd_args("rms_norm_backward", input, rstd, weight, &grad_output);
+}
+
+BackwardProblem check_backward(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
+                               const std::optional<at::Tensor>& weight) {
+  check_backward_args(grad_output, input, rstd, weight);
+  BackwardProblem p = rstd_problem(input, rstd, weight);
+  p.dY = to_input_dtype(grad_output, input.scalar_type()).contiguous();  // materializes expanded/transposed views
+  return p;
+}
+
+void check_apply_args(const at::Tensor& input, const at::Tensor& rstd, const std::optional<at::Tensor>& weight) {
+  check_rstd_args("_rms_norm_apply", input, rstd, weight, nullptr);
+}
+
+BackwardProblem check_apply(const at::Tensor& input, const at::Tensor& rstd, const std::optional<at::Tensor>& weight) {
+  check_apply_args(input, rstd, weight);
+  return rstd_problem(input, rstd, weight);
 }
 
 }  // namespace rmsnorm
@@ -270,6 +297,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_meta(
   const auto lead = rmsnorm::leading_sizes(input, normalized_shape.size());
   return {at::empty_symint(input.sym_sizes(), input.options()), at::empty_symint(input.sym_sizes(), input.options()),
           at::empty_symint(lead, input.options().dtype(rmsnorm::rstd_dtype(input.scalar_type())))};
+}
+at::Tensor rms_norm_apply_meta(const at::Tensor& input, const at::Tensor& rstd, const std::optional<at::Tensor>& weight) {
+  rmsnorm::check_apply_args(input, rstd, weight);
+  return at::empty_symint(input.sym_sizes(), input.options());
 }
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad_output, const at::Tensor& input,
                                                           const at::Tensor& rstd,
@@ -395,6 +426,7 @@ TORCH_LIBRARY_IMPL(opforge, CompositeExplicitAutograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(opforge, Meta, m) {
+  m.impl("_rms_norm_apply", &rms_norm_apply_meta);
   m.impl("_rms_norm_forward", &rms_norm_forward_meta);
   m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_meta);
   m.impl("rms_norm_backward", &rms_norm_backward_meta);

@@ -72,6 +72,14 @@ struct BackwardProblem {
 BackwardProblem check_backward(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& rstd,
                                const std::optional<at::Tensor>& weight);
 
+/// The canonical problem of _rms_norm_apply(input, rstd, weight): X [M, N] contiguous (input), rstd [M] contiguous,
+/// W [N] in input's dtype or undefined (dY undefined); the checks of rms_norm_backward's input / rstd / weight
+/// (normalized dims = input's dims after rstd's), errors naming _rms_norm_apply.
+BackwardProblem check_apply(const at::Tensor& input, const at::Tensor& rstd, const std::optional<at::Tensor>& weight);
+
+/// check_apply's checks alone (symbolic-safe, shared with Meta).
+void check_apply_args(const at::Tensor& input, const at::Tensor& rstd, const std::optional<at::Tensor>& weight);
+
 /// The forward ops' outputs as every backend returns them: Y (and, when `fused`, Z = residual_out) of
 /// input's shape and dtype, contiguous; rstd of input's leading (un-normalized) dims in rstd_dtype.
 struct ForwardOutputs {

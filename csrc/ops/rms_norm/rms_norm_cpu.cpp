@@ -48,6 +48,26 @@ struct VecIO {
 // Grain of at::parallel_for over rows: at least ~16K elements per task.
 inline int64_t row_grain(int64_t N) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)); }
 
+// y = x · rstd · w for one row (the forward's last step; also _rms_norm_apply's whole work, so the two agree bitwise)
+template <typename scalar_t>
+void apply_row(const scalar_t* x, at::opmath_type<scalar_t> rs, const scalar_t* w, scalar_t* y, int64_t N) {
+  using IO = VecIO<scalar_t>;
+  using opmath_t = typename IO::opmath_t;
+  using fVec = typename IO::fVec;
+  constexpr int64_t W = IO::kWidth;
+  constexpr int P = IO::kParts;
+  const fVec rv(rs);
+  int64_t i = 0;
+  for (; i + W <= N; i += W) {
+    fVec a[P], b[P];
+    IO::load(x + i, a);
+    IO::load(w + i, b);
+    for (int k = 0; k < P; ++k) a[k] = a[k] * rv * b[k];
+    IO::store(y + i, a);
+  }
+  for (; i < N; ++i) y[i] = static_cast<scalar_t>(static_cast<opmath_t>(x[i]) * rs * static_cast<opmath_t>(w[i]));
+}
+
 // One forward row. With r (fused): z = x + r rounded to scalar_t and stored, then normalized.
 //   rstd = 1 / sqrt(Σ z² / N + eps);  y = z · rstd · w
 template <typename scalar_t>
@@ -97,17 +117,7 @@ void forward_row(const scalar_t* x, const scalar_t* r, const scalar_t* w, scalar
   }
   const opmath_t rs = opmath_t(1) / std::sqrt(ss / static_cast<opmath_t>(N) + static_cast<opmath_t>(eps));
   *rstd = rs;
-  // y = x · rstd · w
-  const fVec rv(rs);
-  i = 0;
-  for (; i + W <= N; i += W) {
-    fVec a[P], b[P];
-    IO::load(x + i, a);
-    IO::load(w + i, b);
-    for (int k = 0; k < P; ++k) a[k] = a[k] * rv * b[k];
-    IO::store(y + i, a);
-  }
-  for (; i < N; ++i) y[i] = static_cast<scalar_t>(static_cast<opmath_t>(x[i]) * rs * static_cast<opmath_t>(w[i]));
+  apply_row(x, rs, w, y, N);
 }
 
 // Shared by _rms_norm_forward and _fused_add_rms_norm_forward: fills Y, Z (fused only) and rstd.
@@ -273,9 +283,29 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
   return rmsnorm::rms_norm_backward(backward_cpu, grad_output, input, rstd, weight, output_mask);
 }
 
+at::Tensor rms_norm_apply_cpu(const at::Tensor& input, const at::Tensor& rstd, const std::optional<at::Tensor>& weight) {
+  const rmsnorm::BackwardProblem p = rmsnorm::check_apply(input, rstd, weight);
+  at::Tensor Y = at::empty(input.sizes(), p.X.options());
+  if (p.M == 0 || p.N == 0) return Y;
+  const at::Tensor W = p.W.defined() ? p.W : at::ones({p.N}, p.X.options());  // [N] (ones: x · rstd · 1, exact)
+  OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::_rms_norm_apply", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* x = p.X.const_data_ptr<scalar_t>();
+    const opmath_t* rs = p.rstd.const_data_ptr<opmath_t>();
+    const scalar_t* w = W.const_data_ptr<scalar_t>();
+    scalar_t* y = Y.mutable_data_ptr<scalar_t>();
+    const int64_t N = p.N;
+    at::parallel_for(0, p.M, row_grain(N), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) apply_row<scalar_t>(x + m * N, rs[m], w, y + m * N, N);
+    });
+  });
+  return Y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opforge, CPU, m) {
+  m.impl("_rms_norm_apply", &rms_norm_apply_cpu);
   m.impl("_rms_norm_forward", &rms_norm_forward_cpu);
   m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_cpu);
   m.impl("rms_norm_backward", &rms_norm_backward_cpu);
