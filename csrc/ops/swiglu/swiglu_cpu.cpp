@@ -76,8 +76,8 @@ std::pair<at::Tensor, at::Tensor> packed_halves(const at::Tensor& input, int64_t
 
 at::Tensor swiglu_packed_cpu(const at::Tensor& input) {
   const int64_t I = check_swiglu_packed("swiglu_packed", input).expect_int();
-  const auto [G, U] = packed_halves(input, I);  // [*, I] each
-  at::Tensor Y = at::empty_like(G);               // [*, I]
+  const auto [G, U] = packed_halves(input, I);       // [*, I] each
+  at::Tensor Y = at::empty(G.sizes(), G.options());  // [*, I], contiguous (G may keep a zero-size view's strides)
   swiglu_forward_flat(G, U, Y);
   return Y;
 }
@@ -87,8 +87,8 @@ at::Tensor swiglu_packed_backward_cpu(const at::Tensor& grad_output, const at::T
   const int64_t I = Is.expect_int();
   const at::Tensor dY = dYs.contiguous();        // [*, I], input's dtype
   const auto [G, U] = packed_halves(input, I);   // [*, I] each
-  at::Tensor dG = at::empty_like(G);
-  at::Tensor dU = at::empty_like(G);
+  at::Tensor dG = at::empty(G.sizes(), G.options());
+  at::Tensor dU = at::empty(G.sizes(), G.options());
   swiglu_backward_flat(dY, G, U, dG, dU);
   return at::cat({dG, dU}, -1);  // [*, 2I], contiguous (the CUDA kernel writes both halves in place instead)
 }
