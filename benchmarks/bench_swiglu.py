@@ -28,7 +28,7 @@ import opforge  # noqa: E402
 
 NAME = "swiglu"
 # (M tokens, I intermediate): the Llama-style MLP widths; 8192 x 8192 is the case the packed op was made for
-CUDA_SHAPES = [(8192, 8192), (8192, 14336), (4096, 3584), (8191, 5120)]
+CUDA_SHAPES = [(8192, 8192), (8192, 14336), (8191, 5120)]
 CPU_SHAPES = [(1024, 1024), (769, 4100)]
 
 
