@@ -62,6 +62,10 @@ TORCH_LIBRARY(opforge, m) {
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   // (grad_gate, grad_up) of swiglu in one fused pass
   m.def("swiglu_backward(Tensor grad_output, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  // y = silu(input[..., :I]) · input[..., I:], input (*, 2I) the packed [gate | up] halves -> (*, I)
+  m.def("swiglu_packed(Tensor input) -> Tensor");
+  // grad_input (*, 2I) of swiglu_packed, both halves written in one fused pass
+  m.def("swiglu_packed_backward(Tensor grad_output, Tensor input) -> Tensor");
   // ---- linear_cross_entropy (issue 10) ----
   // loss = cross_entropy(cap(input · linear_weightᵀ + linear_bias), target, weight, reduction, ignore_index, label_smoothing)
   // + z_loss · logsumexp² per valid token, cap(x) = softcap · tanh(x / softcap); input (*, H), linear_weight (V, H),

@@ -2,9 +2,11 @@
 // (when every pointer is 16-byte aligned), a scalar tail, fp32 math for float16/bfloat16, a grid-stride
 // loop with 64-bit indices. The *_rows launchers (at the end) read inputs that are row-strided 2-D views
 // [rows, cols] (element i at (i / cols) * row_stride + i % cols: column slices of a wider tensor, as swiglu's
-// gate/up views of a fused projection) without copying; outputs stay contiguous. The contiguous kernels above
-// them are left exactly as they were measured. Each launcher goes through launch_vec_or_scalar (device guard,
-// current stream, the vector or scalar instantiation, launch check); empty inputs launch nothing.
+// gate/up views of a fused projection) without copying; their outputs are contiguous, except through the
+// launch_map3_to2_rows overload with output row strides (the two halves of one gradient buffer, as
+// swiglu_packed_backward writes them). The contiguous kernels above them are left exactly as they were measured.
+// Each launcher goes through launch_vec_or_scalar (device guard, current stream, the vector or scalar
+// instantiation, launch check); empty inputs launch nothing.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -224,8 +226,26 @@ __global__ void map_binary_rows_kernel(const scalar_t* __restrict__ a, int64_t s
   }
 }
 
+// The walk of the map3_to2 rows kernels: (out0, out1)[r, col] = op(a, b, c)[r, col] for i = r * cols + col in
+// [0, n), every operand a row-strided [n / cols, cols] view (row strides sa, sb, sc, so0, so1); VEC elements per
+// access, map_binary_rows_kernel's VEC rule (outputs included).
+template <int VEC, typename scalar_t, typename Op>
+__device__ __forceinline__ void map3_to2_rows_walk(const scalar_t* __restrict__ a, int64_t sa,
+                                                   const scalar_t* __restrict__ b, int64_t sb,
+                                                   const scalar_t* __restrict__ c, int64_t sc,
+                                                   scalar_t* __restrict__ out0, int64_t so0,
+                                                   scalar_t* __restrict__ out1, int64_t so1, int64_t n,
+                                                   int64_t cols, const Op& op) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC; i < n; i += stride * VEC) {
+    const int64_t r = i / cols, col = i - r * cols;  // one division for the five operands
+    map3_to2_lanes<VEC>(a + r * sa + col, b + r * sb + col, c + r * sc + col, out0 + r * so0 + col,
+                        out1 + r * so1 + col, op);
+  }
+}
+
 // map3_to2_kernel over row-strided [n / cols, cols] inputs (row strides sa, sb, sc), contiguous outputs;
-// map_binary_rows_kernel's VEC rule.
+// map_binary_rows_kernel's VEC rule. (The walk with output row strides cols: r * cols + col is i.)
 template <int VEC, typename scalar_t, typename Op>
 __global__ void map3_to2_rows_kernel(const scalar_t* __restrict__ a, int64_t sa,  // [n / cols, cols] by sa
                                      const scalar_t* __restrict__ b, int64_t sb,  // [n / cols, cols] by sb
@@ -233,11 +253,19 @@ __global__ void map3_to2_rows_kernel(const scalar_t* __restrict__ a, int64_t sa,
                                      scalar_t* __restrict__ out0,                 // [n]
                                      scalar_t* __restrict__ out1,                 // [n]
                                      int64_t n, int64_t cols, Op op) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC; i < n; i += stride * VEC) {
-    const int64_t r = i / cols, col = i - r * cols;  // one division for the three inputs
-    map3_to2_lanes<VEC>(a + r * sa + col, b + r * sb + col, c + r * sc + col, out0 + i, out1 + i, op);
-  }
+  map3_to2_rows_walk<VEC>(a, sa, b, sb, c, sc, out0, cols, out1, cols, n, cols, op);
+}
+
+// map3_to2_rows_kernel with row-strided outputs too (row strides so0, so1 >= cols): e.g. the two halves
+// [..., :cols], [..., cols:] of one [n / cols, 2 * cols] gradient buffer.
+template <int VEC, typename scalar_t, typename Op>
+__global__ void map3_to2_rows_kernel(const scalar_t* __restrict__ a, int64_t sa,  // [n / cols, cols] by sa
+                                     const scalar_t* __restrict__ b, int64_t sb,  // [n / cols, cols] by sb
+                                     const scalar_t* __restrict__ c, int64_t sc,  // [n / cols, cols] by sc
+                                     scalar_t* __restrict__ out0, int64_t so0,    // [n / cols, cols] by so0
+                                     scalar_t* __restrict__ out1, int64_t so1,    // [n / cols, cols] by so1
+                                     int64_t n, int64_t cols, Op op) {
+  map3_to2_rows_walk<VEC>(a, sa, b, sb, c, sc, out0, so0, out1, so1, n, cols, op);
 }
 
 /// True when a row-strided input (or output) of `cols` columns may be accessed VEC elements at a time:
@@ -264,12 +292,12 @@ void launch_binary_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, in
   });
 }
 
-/// Launches map3_to2 over the row-strided [n / cols, cols] views A, B, C (row strides sa, sb, sc),
-/// n = Out0.numel(), into contiguous Out0 and Out1 (same dtype and device). `op(a, b, c, out0&, out1&)` runs
-/// in opmath (fp32 for fp16/bf16).
-template <typename scalar_t, typename Op>
-void launch_map3_to2_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, int64_t sb, const at::Tensor& C,
-                          int64_t sc, int64_t cols, at::Tensor& Out0, at::Tensor& Out1, Op op) {
+// The launch of both launch_map3_to2_rows overloads: kStridedOut picks the kernel with output row strides
+// (so0, so1) or the one whose outputs are contiguous (so0 == so1 == cols).
+template <typename scalar_t, bool kStridedOut, typename Op>
+void launch_map3_to2_rows_impl(const at::Tensor& A, int64_t sa, const at::Tensor& B, int64_t sb, const at::Tensor& C,
+                               int64_t sc, int64_t cols, at::Tensor& Out0, int64_t so0, at::Tensor& Out1, int64_t so1,
+                               Op op) {
   const int64_t n = Out0.numel();
   const scalar_t* a = A.const_data_ptr<scalar_t>();
   const scalar_t* b = B.const_data_ptr<scalar_t>();
@@ -278,11 +306,34 @@ void launch_map3_to2_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, 
   scalar_t* o1 = Out1.mutable_data_ptr<scalar_t>();
   constexpr int VEC = vec_size<scalar_t>();
   const bool vectorize = rows_vectorizable<VEC>(a, cols, sa) && rows_vectorizable<VEC>(b, cols, sb) &&
-                         rows_vectorizable<VEC>(c, cols, sc) && rows_vectorizable<VEC>(o0, cols, cols) &&
-                         rows_vectorizable<VEC>(o1, cols, cols);
+                         rows_vectorizable<VEC>(c, cols, sc) && rows_vectorizable<VEC>(o0, cols, so0) &&
+                         rows_vectorizable<VEC>(o1, cols, so1);
   launch_vec_or_scalar<VEC>(A.device(), n, vectorize, [&](auto w, int64_t blocks, cudaStream_t stream) {
-    map3_to2_rows_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, sa, b, sb, c, sc, o0, o1, n, cols, op);
+    if constexpr (kStridedOut) {
+      map3_to2_rows_kernel<decltype(w)::value>
+          <<<blocks, kMapThreads, 0, stream>>>(a, sa, b, sb, c, sc, o0, so0, o1, so1, n, cols, op);
+    } else {
+      map3_to2_rows_kernel<decltype(w)::value><<<blocks, kMapThreads, 0, stream>>>(a, sa, b, sb, c, sc, o0, o1, n, cols, op);
+    }
   });
+}
+
+/// Launches map3_to2 over the row-strided [n / cols, cols] views A, B, C (row strides sa, sb, sc),
+/// n = Out0.numel(), into Out0 and Out1 (same dtype and device), row-strided [n / cols, cols] views too with row
+/// strides so0 and so1 (>= cols; the two halves of one [n / cols, 2 * cols] buffer, say).
+/// `op(a, b, c, out0&, out1&)` runs in opmath (fp32 for fp16/bf16).
+template <typename scalar_t, typename Op>
+void launch_map3_to2_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, int64_t sb, const at::Tensor& C,
+                          int64_t sc, int64_t cols, at::Tensor& Out0, int64_t so0, at::Tensor& Out1, int64_t so1,
+                          Op op) {
+  launch_map3_to2_rows_impl<scalar_t, /*kStridedOut=*/true>(A, sa, B, sb, C, sc, cols, Out0, so0, Out1, so1, op);
+}
+
+/// The same with contiguous Out0 and Out1 (row strides cols), through the kernel without output strides.
+template <typename scalar_t, typename Op>
+void launch_map3_to2_rows(const at::Tensor& A, int64_t sa, const at::Tensor& B, int64_t sb, const at::Tensor& C,
+                          int64_t sc, int64_t cols, at::Tensor& Out0, at::Tensor& Out1, Op op) {
+  launch_map3_to2_rows_impl<scalar_t, /*kStridedOut=*/false>(A, sa, B, sb, C, sc, cols, Out0, cols, Out1, cols, op);
 }
 
 }  // namespace cuda

@@ -108,6 +108,16 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_output, const at::Tensor& gate,
                                                    const at::Tensor& up);
 
+/// y = silu(gate) · up over one packed tensor: gate = input[..., :I], up = input[..., I:].
+/// input (*, 2I) floating, any strides, last dimension even (ValueError otherwise) -> (*, I) in input's dtype,
+/// contiguous; fp32 math for fp16/bf16; bitwise equal to swiglu(gate, up) on the two halves.
+at::Tensor swiglu_packed(const at::Tensor& input);
+
+/// grad_input (*, 2I) of swiglu_packed in one fused pass, contiguous, in input's dtype: with gate, up the halves of
+/// input and s = σ(gate), grad_input[..., :I] = grad_output · up · s · (1 + gate · (1 − s)),
+/// grad_input[..., I:] = grad_output · gate · s. grad_output (*, I), converted to input's dtype if it differs.
+at::Tensor swiglu_packed_backward(const at::Tensor& grad_output, const at::Tensor& input);
+
 // ---- fake_quant_linear (csrc/ops/fake_quant_linear) ----
 
 /// y = fq_a(input) · fq_w(weight)ᵀ + bias: a linear layer for quantization-aware training.

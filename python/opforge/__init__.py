@@ -141,9 +141,11 @@ from . import profiling  # noqa: E402,F401  (reads OPFORGE_NVTX once)
 from . import functional, nn  # noqa: E402
 from .functional import fused_add_rms_norm, linear, rms_norm, sigmoid, square, square_add, swiglu  # noqa: E402
 from .functional import indexed_linear, linear_cat  # noqa: E402  (linear variants, issue 11)
+from .functional import swiglu_packed  # noqa: E402
 from .functional import rope, rope_from_positions  # noqa: E402
 
 __all__ = ["cmake_prefix_path", "functional", "fused_add_rms_norm", "library_path", "linear", "nn", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
+__all__ += ["swiglu_packed"]
 
 from .functional import linear_cross_entropy  # noqa: E402  (issue 10)
 __all__ += ["linear_cross_entropy"]

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["LINEAR_ACTIVATIONS", "fused_add_rms_norm", "linear", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
+__all__ += ["swiglu_packed"]
 __all__ += ["linear_cat", "indexed_linear"]  # linear variants (issue 11)
 
 
@@ -47,6 +48,7 @@ _sigmoid_op, _sigmoid_call = _bind("sigmoid")
 _square_op, _square_call = _bind("square")
 _square_add_op, _square_add_call = _bind("square_add")
 _swiglu_op, _swiglu_call = _bind("swiglu")
+_swiglu_packed_op, _swiglu_packed_call = _bind("swiglu_packed")
 _rms_norm_op, _rms_norm_call = _bind("rms_norm")
 _fused_add_rms_norm_op, _fused_add_rms_norm_call = _bind("fused_add_rms_norm")
 
@@ -220,6 +222,43 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
         return _swiglu_call(gate, up)
     except NotImplementedError:
         _missing_tensor("swiglu", gate=gate, up=up)
+        raise
+
+
+def swiglu_packed(input: Tensor) -> Tensor:
+    """y = silu(input[..., :I]) · input[..., I:]: :func:`swiglu` over one packed ``[gate | up]`` tensor.
+
+    The output of a fused gate/up projection (one GEMM, ``(*, 2I)``) goes in as it is; the gradient comes back as
+    one ``(*, 2I)`` tensor written by one fused pass, where ``swiglu(gu[..., :I], gu[..., I:])`` returns two
+    gradients that autograd then concatenates.
+
+    Args:
+        input: (*, 2I) float64, float32, float16 or bfloat16, any strides; at least 1-D, last dimension even.
+            gate = input[..., :I] (the pre-activation x·W_gateᵀ), up = input[..., I:] (x·W_upᵀ).
+
+    Returns:
+        Tensor (*, I) of input's dtype, contiguous.
+
+    Raises:
+        ValueError: input None or 0-d, or its last dimension odd
+            ("opforge::swiglu_packed: expected input's last dimension to be even ..., but got 7").
+        TypeError: an integer, bool or complex input.
+
+    Numerics: float32 math for float16/bfloat16, one rounding; bitwise equal to :func:`swiglu` on the two halves,
+    forward and both halves of the gradient. Backward (``opforge::swiglu_packed_backward``): with s = σ(gate),
+    grad_input[..., :I] = dy · up · s · (1 + gate · (1 − s)), grad_input[..., I:] = dy · gate · s, in input's
+    dtype, contiguous. On CUDA row-strided inputs (a column slice of a wider row) are read in place; other
+    layouts, and every CPU input, through a contiguous copy.
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference
+    ``F.silu(input[..., :I]) * input[..., I:]``.
+    """
+    if _is_dynamo_compiling():
+        return _swiglu_packed_op(input)
+    try:
+        return _swiglu_packed_call(input)
+    except NotImplementedError:
+        _missing_tensor("swiglu_packed", input=input)
         raise
 
 

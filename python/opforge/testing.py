@@ -29,6 +29,7 @@ __all__ = [
     "square_reference",
     "square_add_reference",
     "swiglu_reference",
+    "swiglu_packed_reference",
     "assert_matches_reference",
     "relative_error",
     "gemm_error_bound",
@@ -190,6 +191,12 @@ def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) · up in float64, gate's shape."""
     g = gate.double()
     return g * torch.sigmoid(g) * up.double()
+
+
+def swiglu_packed_reference(input: Tensor) -> Tensor:
+    """silu(gate) · up in float64 with gate, up = input[..., :I], input[..., I:]; shape (*, I)."""
+    gate, up = input.double().chunk(2, dim=-1)
+    return swiglu_reference(gate, up)
 
 
 # ---- linear_cross_entropy (issue 10) -----------------------------------------------------------------------

@@ -185,6 +185,10 @@ def families(quick: bool):
             # gate/up as column views of one fused [gate | up] projection (row stride 2·I): the *_rows kernels
             gu = make(shape[:-1] + (2 * shape[-1],), dt, u)
             backward(opforge.swiglu(gu[..., : shape[-1]], gu[..., shape[-1]:]))
+            # the same packed: swiglu_packed's backward writes both halves of grad(gu) through output row strides;
+            # I = 64 too, for the vector path (aligned cases)
+            backward(opforge.swiglu_packed(gu))
+            backward(opforge.swiglu_packed(make(shape[:-1] + (128,), dt, u)))
 
     def rms_norm(dt, u):
         for rows, n in ((3, 7), (5, 1000), (2, 5120), (1, 8200)):

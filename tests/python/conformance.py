@@ -1531,6 +1531,70 @@ ENTRIES.append(OpEntry(
     vmap_sample=_indexed_linear_vmap, autocast="lower_precision", check=_indexed_linear_check))
 
 
+# ---- swiglu_packed ---------------------------------------------------------------------------------------------
+
+
+def _swiglu_packed_baseline(input):
+    gate, up = input.chunk(2, dim=-1)
+    return TF.silu(gate) * up
+
+
+def _swiglu_packed_samples(device, dtype):
+    # I = 7 (odd) in the layouts; "column_slice": the (*, 2I) columns of a wider row, read in place on CUDA
+    out = [Sample(name, (x,), grad_strided=(i % 2 == 1)) for i, (name, x) in enumerate(layouts(83, 14, dtype, device, 3.0))]
+    out += [
+        Sample("column_slice", (randn((83, 2 * 64 + 8), dtype, device, 3.0)[:, 8:],)),
+        Sample("column_slice_unaligned", (randn((5, 3, 2 * 83 + 3), dtype, device, 3.0)[..., 3:],), grad_strided=True),
+        Sample("1d_I1", (randn((2,), dtype, device, 3.0),)),
+        Sample("odd_3x1538", (randn((3, 1538), dtype, device, 3.0),)),
+        Sample("zero_rows", (randn((0, 10), dtype, device),)),
+        Sample("zero_I", (randn((3, 0), dtype, device),)),
+    ]
+    return out
+
+
+def _swiglu_packed_small(device):
+    d = torch.float64
+    return [Sample("contiguous", (randn((4, 10), d, device, 2.0),)),
+            Sample("transposed", (randn((10, 4), d, device, 2.0).t(),)),
+            Sample("column_slice", (randn((4, 13), d, device, 2.0)[:, 3:],))]
+
+
+def _swiglu_packed_bad(device):
+    t = tensor_maker(device)
+    op, bw = opforge.swiglu_packed, torch.ops.opforge.swiglu_packed_backward
+    pre, bpre = "opforge::swiglu_packed: ", "opforge::swiglu_packed_backward: "
+    odd = r"expected input's last dimension to be even \(2I: the \[gate \| up\] halves\), but got {}"
+    return [
+        Bad("odd_last_dim", lambda d: (op, (t(3, 5),)), ValueError, pre + odd.format(5)),
+        Bad("odd_1d", lambda d: (op, (t(7),)), ValueError, pre + odd.format(7)),
+        Bad("0d", lambda d: (op, (t(),)), ValueError,
+            pre + r"expected input of shape \(\*, 2I\) \(the \[gate \| up\] halves\), but got a 0-d tensor"),
+        Bad("int_input", lambda d: (op, (t(3, 4, dtype=torch.int64),)), TypeError, pre + DTYPE_MSG.format("input", "Long")),
+        Bad("complex_input", lambda d: (op, (t(3, 4, dtype=torch.complex64),)), TypeError,
+            pre + DTYPE_MSG.format("input", "ComplexFloat")),
+        Bad("bool_input", lambda d: (op, (t(3, 4, dtype=torch.bool),)), TypeError, pre + DTYPE_MSG.format("input", "Bool")),
+        Bad("none_input", lambda d: (op, (None,)), ValueError, pre + "expected input to be a tensor, but got None"),
+        Bad("backward_grad_shape", lambda d: (bw, (t(3, 3), t(3, 4))), ValueError,
+            bpre + r"expected grad_output of shape \[3, 2\] \(input's with the last dimension halved\), but got \[3, 3\]"),
+        Bad("backward_grad_of_input_shape", lambda d: (bw, (t(3, 4), t(3, 4))), ValueError,
+            bpre + r"expected grad_output of shape \[3, 2\] \(input's with the last dimension halved\), but got \[3, 4\]"),
+        Bad("backward_odd_input", lambda d: (bw, (t(3, 2), t(3, 5))), ValueError, bpre + odd.format(5)),
+        Bad("backward_int_grad", lambda d: (bw, (t(3, 2, dtype=torch.int32), t(3, 4))), TypeError,
+            bpre + DTYPE_MSG.format("grad_output", "Int")),
+        Bad("backward_int_input", lambda d: (bw, (t(3, 2), t(3, 4, dtype=torch.int32))), TypeError,
+            bpre + DTYPE_MSG.format("input", "Int")),
+        Bad("backward_grad_device", lambda d: (bw, (torch.empty(3, 2, device="meta"), t(3, 4))), RuntimeError,
+            bpre + "expected grad_output and input to be on the same device"),
+    ]
+
+
+ENTRIES.append(OpEntry(
+    name="swiglu_packed", op=F.swiglu_packed, reference=T.swiglu_packed_reference, baseline=_swiglu_packed_baseline,
+    native=_swiglu_packed_baseline, samples=_swiglu_packed_samples, small_samples=_swiglu_packed_small,
+    bad_inputs=_swiglu_packed_bad, double_backward=True, vmap_in_dims=(0,)))
+
+
 def entry(name: str) -> OpEntry:
     for e in ENTRIES:
         if e.name == name:

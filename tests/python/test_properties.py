@@ -57,6 +57,8 @@ def _args(draw, name, device):
         return (t((M, N)), t(shape, "contiguous"))
     if name == "swiglu":
         return (t((M, N)), t((M, N), draw(LAYOUTS)))
+    if name == "swiglu_packed":  # input (M, 2N): [gate | up]
+        return (t((M, 2 * N)),)
     if name in ("rms_norm", "fused_add_rms_norm"):
         N = max(N, 1)
         eps = draw(st.sampled_from([None, 1e-6, 1e-3, 1.0]))

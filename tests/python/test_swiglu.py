@@ -1,4 +1,5 @@
-"""swiglu and swiglu_backward: values and gradients against float64 over sizes and layouts, mixed dtypes, GatedMLP.
+"""swiglu and swiglu_backward: values and gradients against float64 over sizes and layouts, mixed dtypes, GatedMLP;
+swiglu_packed and swiglu_packed_backward: bitwise equal to swiglu on the two halves, views, zero-size, float64.
 
 The common checks of every op (opcheck, compile, gradcheck, gradgradcheck, Meta, bad inputs, ...): test_conformance.py."""
 import pytest
@@ -6,7 +7,7 @@ import torch
 import torch.nn.functional as TF
 
 import opforge
-from opforge.testing import assert_matches_reference, swiglu_reference
+from opforge.testing import assert_matches_reference, swiglu_packed_reference, swiglu_reference
 
 from conftest import FLOAT_DTYPES
 
@@ -196,3 +197,200 @@ def test_gated_mlp_matches_torch_composition(device):
     torch.testing.assert_close(y.double(), ref.transpose(-1, -2), rtol=1e-5, atol=1e-5)
     y.sum().backward()
     assert all(p.grad is not None for p in mlp.parameters())
+
+
+# ---- swiglu_packed: input = [gate | up] (*, 2I) -> (*, I); one gradient (*, 2I) ----------------------------------
+
+
+def _exact(a, b, what):
+    """a equal to b bit for bit (values, shape and dtype)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+def _packed_baseline_grad(x, dy):
+    """grad of input under torch's eager composition: silu(gate) * up on the two halves, autograd's cat."""
+    b = x.detach().requires_grad_()
+    gate, up = b.chunk(2, dim=-1)
+    (TF.silu(gate) * up).backward(dy)
+    return b.grad
+
+
+def _packed_float64_grad(x, dy):
+    r = x.detach().double().requires_grad_()
+    swiglu_packed_reference(r).backward(dy.double())
+    return r.grad
+
+
+def _check_packed(x, dy):
+    """swiglu_packed and swiglu_packed_backward on (x, dy) as given: outputs contiguous in x's dtype; bitwise equal to
+    swiglu / swiglu_backward on the halves x[..., :I], x[..., I:] (both gradient halves), and to swiglu_packed on
+    contiguous copies; within the tolerance rule of the float64 reference."""
+    I = x.shape[-1] // 2
+    gate, up = x[..., :I], x[..., I:]
+    y = opforge.swiglu_packed(x)
+    assert y.is_contiguous() and y.dtype == x.dtype and y.shape == (*x.shape[:-1], I)
+    _exact(y, opforge.swiglu(gate, up), "forward vs swiglu on the halves")
+    _exact(y, opforge.swiglu_packed(x.contiguous()), "forward vs a contiguous copy")
+    assert_matches_reference(y, swiglu_packed_reference(x), TF.silu(gate) * up)
+    dx = torch.ops.opforge.swiglu_packed_backward(dy, x)
+    assert dx.is_contiguous() and dx.dtype == x.dtype and dx.shape == x.shape
+    dg, du = torch.ops.opforge.swiglu_backward(dy, gate, up)
+    _exact(dx[..., :I], dg, "grad_input[..., :I] vs swiglu's grad_gate")
+    _exact(dx[..., I:], du, "grad_input[..., I:] vs swiglu's grad_up")
+    _exact(dx, torch.ops.opforge.swiglu_packed_backward(dy.contiguous(), x.contiguous()), "backward vs contiguous copies")
+    assert_matches_reference(dx, _packed_float64_grad(x, dy), _packed_baseline_grad(x, dy), what="grad_input")
+
+
+PACKED_SHAPES = [(2,), (1, 2), (7, 166), (3, 1538), (2, 7168), (10240,), (2, 16400), (2, 3, 14)]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_packed_equals_swiglu_on_halves_and_float64(device, dtype, shape):
+    x = (torch.randn(shape, device=device) * 3).to(dtype)
+    dy = torch.randn(*shape[:-1], shape[-1] // 2, device=device).to(dtype)
+    _check_packed(x, dy)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_packed_autograd_equals_swiglu_on_views_bitwise(device, dtype):
+    # the Hugging Face patch's case: gu = one fused gate/up projection, today swiglu(gu[..., :I], gu[..., I:])
+    # (two gradients, autograd's split backward cats them); packed writes the same grad(gu) in one pass
+    I = 83
+    w = (torch.randn(2, 5, 2 * I, device=device) * 3).to(dtype)
+    dy = torch.randn(2, 5, I, device=device).to(dtype)
+    a = w.clone().requires_grad_()
+    y = opforge.swiglu_packed(a)
+    y.backward(dy)
+    assert y.grad_fn.name() == "opforge::SwigluPackedBackward"
+    b = w.clone().requires_grad_()
+    yb = opforge.swiglu(b[..., :I], b[..., I:])
+    yb.backward(dy)
+    _exact(y.detach(), yb.detach(), "forward")
+    _exact(a.grad, b.grad, "grad(gu)")
+    assert_matches_reference(a.grad, _packed_float64_grad(w, dy), _packed_baseline_grad(w, dy), what="grad(gu)")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("I", [7, 64, 83])
+@pytest.mark.parametrize("layout", ["contiguous", "column_slice", "column_slice_unaligned", "transposed", "expanded",
+                                    "unaligned", "permuted_leading", "row_stride_odd"])
+def test_packed_views(device, dtype, I, layout):
+    # column_slice: the (*, 2I) columns of a wider row (read in place on CUDA; 16-byte aligned when I and the row
+    # are multiples of 8); the others: copied (transposed, expanded, permuted_leading) or read by the scalar kernel
+    def r(*shape):
+        return (torch.randn(*shape, device=device) * 3).to(dtype)
+    x = {
+        "contiguous": lambda: r(6, 2 * I),
+        "column_slice": lambda: r(6, 2 * I + 16)[:, 8:8 + 2 * I],
+        "column_slice_unaligned": lambda: r(2, 3, 2 * I + 5)[..., 3:3 + 2 * I],
+        "transposed": lambda: r(2 * I, 6).t(),
+        "expanded": lambda: r(1, 2 * I).expand(6, 2 * I),
+        "unaligned": lambda: r(6 * 2 * I + 1)[1:].view(6, 2 * I),
+        "permuted_leading": lambda: r(3, 2, 2 * I).transpose(0, 1),
+        "row_stride_odd": lambda: r(6, 2 * I + 1)[:, :2 * I],
+    }[layout]()
+    assert x.shape[-1] == 2 * I and x.is_contiguous() == (layout in ("contiguous", "unaligned"))
+    dy = torch.randn(*x.shape[:-1], I, device=device).to(dtype)
+    _check_packed(x, dy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dy_layout", ["view", "unaligned_view", "transposed", "expanded"])
+def test_packed_backward_grad_output_layouts(device, dtype, dy_layout):
+    I = 64
+    x = (torch.randn(8, 2 * I, device=device) * 3).to(dtype)
+    wide = torch.randn(8, 2 * I, device=device).to(dtype)
+    dy = {"view": lambda: wide[:, I:], "unaligned_view": lambda: wide[:, 3:3 + I],
+          "transposed": lambda: torch.randn(I, 8, device=device).to(dtype).t(),
+          "expanded": lambda: torch.randn(1, I, device=device).to(dtype).expand(8, I)}[dy_layout]()
+    assert not dy.is_contiguous()
+    _check_packed(x, dy)
+
+
+@pytest.mark.parametrize("shape", [(0, 10), (3, 0), (2, 0, 6), (0,)], ids=str)
+def test_packed_zero_size(device, shape):
+    x = torch.randn(shape, device=device, requires_grad=True)
+    y = opforge.swiglu_packed(x)
+    assert y.shape == (*shape[:-1], shape[-1] // 2)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.ops.opforge.swiglu_packed_backward(torch.ones_like(y), x.detach()).shape == x.shape
+
+
+def test_packed_mixed_dtype_grad_output_follows_input(device):
+    x = (torch.randn(4, 18, device=device) * 3).to(torch.bfloat16)
+    dy = torch.randn(4, 9, device=device)
+    dx = torch.ops.opforge.swiglu_packed_backward(dy, x)
+    assert dx.dtype == torch.bfloat16
+    _exact(dx, torch.ops.opforge.swiglu_packed_backward(dy.to(torch.bfloat16), x), "float32 grad_output vs converted")
+    m = torch.ops.opforge.swiglu_packed_backward(dy.to("meta"), x.to("meta"))
+    assert m.dtype == dx.dtype and m.shape == dx.shape and m.stride() == dx.stride()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "column_slice"])
+def test_packed_meta_matches_real(device, layout):
+    x = {"contiguous": torch.randn(3, 5, 12, device=device), "transposed": torch.randn(12, 5, device=device).t(),
+         "column_slice": torch.randn(5, 20, device=device)[:, 4:16]}[layout]
+    y = opforge.swiglu_packed(x)
+    dx = torch.ops.opforge.swiglu_packed_backward(torch.ones_like(y), x)
+    ym = opforge.swiglu_packed(x.to("meta"))
+    dxm = torch.ops.opforge.swiglu_packed_backward(torch.ones_like(y, device="meta"), x.to("meta"))
+    assert (ym.shape, ym.stride(), ym.dtype) == (y.shape, y.stride(), y.dtype)
+    assert (dxm.shape, dxm.stride(), dxm.dtype) == (dx.shape, dx.stride(), dx.dtype)
+
+
+@pytest.mark.parametrize("shape,given", [((3, 5), "5"), ((7,), "7"), ((2, 4, 1), "1")])
+def test_packed_odd_last_dim_raises(device, shape, given):
+    x = torch.randn(shape, device=device)
+    msg = rf"opforge::swiglu_packed: expected input's last dimension to be even .*, but got {given}"
+    with pytest.raises(ValueError, match=msg):
+        opforge.swiglu_packed(x)
+    with pytest.raises(ValueError, match=msg.replace("swiglu_packed:", "swiglu_packed_backward:")):
+        torch.ops.opforge.swiglu_packed_backward(torch.randn(*shape[:-1], 1, device=device), x)
+
+
+def test_packed_double_backward_equals_swiglu_on_halves(device):
+    # second derivatives through swiglu_packed's double backward against swiglu's on the halves (float64)
+    w = torch.randn(3, 2 * 5, device=device, dtype=torch.float64) * 2
+    dy = torch.randn(3, 5, device=device, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(3, 2 * 5, device=device, dtype=torch.float64)
+    out = []
+    for packed in (True, False):
+        x = w.clone().requires_grad_()
+        y = opforge.swiglu_packed(x) if packed else opforge.swiglu(x[:, :5], x[:, 5:])
+        (gx,) = torch.autograd.grad(y, x, dy, create_graph=True)
+        out.append((gx.detach(), *torch.autograd.grad((gx * v).sum(), (x, dy))))
+    for a, b, what in zip(out[0], out[1], ("grad", "d(grad·v)/dx", "d(grad·v)/d(dy)")):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, what=what: f"{what}: {m}")
+
+
+def _ops_in_packed(x, dy):
+    """ATen ops that torch.profiler records during swiglu_packed and swiglu_packed_backward on (x, dy)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opforge.swiglu_packed(x)
+        torch.ops.opforge.swiglu_packed_backward(dy, x)
+    return {e.name for e in prof.events()}
+
+
+def test_packed_profiler_sees_the_fallback_copy(device):
+    # the probe of the next test is live: a transposed input is copied, and the profiler shows it
+    x = torch.randn(32, 8, device=device).t()
+    assert _ops_in_packed(x, torch.randn(8, 16, device=device)) & _COPY_OPS
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU kernels read contiguous copies "
+                    "of the halves and cat the gradient: swiglu_cpu.cpp says why)")
+def test_packed_column_slice_is_read_and_written_in_place_on_cuda():
+    x = torch.randn(2, 9, 2 * 83 + 7, device="cuda").to(torch.bfloat16)[..., 7:]
+    dy = torch.randn(2, 9, 90, device="cuda").to(torch.bfloat16)[..., 7:]
+    assert _ops_in_packed(x, dy) & (_COPY_OPS | {"aten::cat"}) == set()
+
+
+def test_packed_forward_ad_is_refused_naming_the_op():
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        x = fwAD.make_dual(torch.randn(3, 4), torch.randn(3, 4))
+        with pytest.raises(NotImplementedError, match="opforge::swiglu_packed: forward-mode AD is not supported"):
+            opforge.swiglu_packed(x)

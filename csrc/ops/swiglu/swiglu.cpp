@@ -1,4 +1,4 @@
-// swiglu: checker, public C++ API, Meta kernels and autograd.
+// swiglu and swiglu_packed: checkers, public C++ API, Meta kernels and autograd.
 #include "ops/swiglu/swiglu.h"
 
 #include <torch/autograd.h>
@@ -32,6 +32,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> check_swiglu_backward(const at::T
   return {to_input_dtype(grad_output, gate.scalar_type()), G, U};
 }
 
+c10::SymInt check_swiglu_packed(const char* op, const at::Tensor& input) {
+  check_floating(op, "input", input);
+  TORCH_CHECK_VALUE(input.dim() >= 1, "opforge::", op,
+                    ": expected input of shape (*, 2I) (the [gate | up] halves), but got a 0-d tensor");
+  const c10::SymInt& N = input.sym_size(-1);
+  TORCH_CHECK_VALUE(N % 2 == 0, "opforge::", op,
+                    ": expected input's last dimension to be even (2I: the [gate | up] halves), but got ", num_str(N));
+  return N / 2;
+}
+
+c10::SymDimVector swiglu_packed_output_shape(const at::Tensor& input) {
+  c10::SymDimVector shape(input.sym_sizes().begin(), input.sym_sizes().end());
+  shape.back() = shape.back() / 2;
+  return shape;
+}
+
+std::pair<at::Tensor, c10::SymInt> check_swiglu_packed_backward(const at::Tensor& grad_output,
+                                                                const at::Tensor& input) {
+  c10::SymInt I = check_swiglu_packed("swiglu_packed_backward", input);
+  check_floating("swiglu_packed_backward", "grad_output", grad_output);
+  check_same_device("swiglu_packed_backward", "grad_output", grad_output, "input", input);
+  const c10::SymDimVector expected = swiglu_packed_output_shape(input);
+  TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(expected),
+                    "opforge::swiglu_packed_backward: expected grad_output of shape ", shape_str(expected),
+                    " (input's with the last dimension halved), but got ", shape_str(grad_output.sym_sizes()));
+  return {to_input_dtype(grad_output, input.scalar_type()), std::move(I)};
+}
+
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   static auto op = typed_op<decltype(swiglu)>("opforge::swiglu");
   return op.call(gate, up);
@@ -40,6 +68,15 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_output
                                                    const at::Tensor& up) {
   static auto op = typed_op<decltype(swiglu_backward)>("opforge::swiglu_backward");
   return op.call(grad_output, gate, up);
+}
+
+at::Tensor swiglu_packed(const at::Tensor& input) {
+  static auto op = typed_op<decltype(swiglu_packed)>("opforge::swiglu_packed");
+  return op.call(input);
+}
+at::Tensor swiglu_packed_backward(const at::Tensor& grad_output, const at::Tensor& input) {
+  static auto op = typed_op<decltype(swiglu_packed_backward)>("opforge::swiglu_packed_backward");
+  return op.call(grad_output, input);
 }
 
 namespace {
@@ -87,19 +124,60 @@ at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
       gate, up);
 }
 
+// ---- swiglu_packed: swiglu over input = [gate | up] (*, 2I); one gradient, grad_input (*, 2I) ----
+
+at::Tensor swiglu_packed_meta(const at::Tensor& input) {
+  check_swiglu_packed("swiglu_packed", input);
+  return at::empty_symint(swiglu_packed_output_shape(input), input.options());
+}
+
+at::Tensor swiglu_packed_backward_meta(const at::Tensor& grad_output, const at::Tensor& input) {
+  check_swiglu_packed_backward(grad_output, input);
+  return at::empty_symint(input.sym_sizes(), input.options());
+}
+
+// y = silu(input[..., :I]) · input[..., I:]; saves input. One fused pass writes both halves of grad_input.
+variable_list swiglu_packed_backward_fn(const BackwardArgs& a) {
+  return {opforge::swiglu_packed_backward(a.grads[0], a.saved[0])};
+}
+
+// The same in differentiable ATen ops (double backward, torch.func): swiglu_double_backward_fn's math on the halves.
+variable_list swiglu_packed_double_backward_fn(const BackwardArgs& a) {
+  if (!a.needs[0]) return {at::Tensor()};
+  const at::Tensor& input = a.saved[0];
+  const c10::SymInt I = input.sym_size(-1) / 2;
+  const at::Tensor gate = input.narrow_symint(-1, 0, I), up = input.narrow_symint(-1, I, I);
+  const at::Tensor& dy = a.grads[0];
+  const at::Tensor s = at::sigmoid(gate);
+  return {at::cat({dy * up * s * (1 + gate * (1 - s)), dy * at::silu(gate)}, -1)};
+}
+
+at::Tensor swiglu_packed_autograd(const at::Tensor& input) {
+  return autograd_one_output(
+      "swiglu_packed", "opforge::SwigluPackedBackward", swiglu_packed_backward_fn, swiglu_packed_double_backward_fn,
+      [&] { return opforge::swiglu_packed(input); }, [&](OpNode& n, const at::Tensor&) { n.save(input); }, input);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opforge, Meta, m) {
   m.impl("swiglu", &swiglu_meta);
   m.impl("swiglu_backward", &swiglu_backward_meta);
+  m.impl("swiglu_packed", &swiglu_packed_meta);
+  m.impl("swiglu_packed_backward", &swiglu_packed_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   m.impl("swiglu", &swiglu_autograd);
   register_backward_op_autograd(m, "swiglu_backward");
+  m.impl("swiglu_packed", &swiglu_packed_autograd);
+  register_backward_op_autograd(m, "swiglu_packed_backward");
 }
 
-// torch.autocast: as the native ops these mirror (core/autocast.h)
-OPFORGE_AUTOCAST(swiglu, {{"swiglu", AutocastPolicy::kInputDtype}, {"swiglu_backward", AutocastPolicy::kInputDtype}})
+// torch.autocast: as the native ops these mirror (core/autocast.h); swiglu_packed as swiglu
+OPFORGE_AUTOCAST(swiglu, {{"swiglu", AutocastPolicy::kInputDtype},
+                          {"swiglu_backward", AutocastPolicy::kInputDtype},
+                          {"swiglu_packed", AutocastPolicy::kInputDtype},
+                          {"swiglu_packed_backward", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

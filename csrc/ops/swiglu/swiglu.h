@@ -18,4 +18,15 @@ std::pair<at::Tensor, at::Tensor> check_swiglu(const char* op, const at::Tensor&
 std::tuple<at::Tensor, at::Tensor, at::Tensor> check_swiglu_backward(const at::Tensor& grad_output,
                                                                      const at::Tensor& gate, const at::Tensor& up);
 
+/// Validates input of swiglu_packed (`op`: the op named in errors): floating, at least 1-D, last dimension even
+/// (2I). Returns I. Symbolic-shape safe.
+c10::SymInt check_swiglu_packed(const char* op, const at::Tensor& input);
+
+/// input's sizes with the last dimension halved: the shape (*, I) of swiglu_packed's output and grad_output.
+c10::SymDimVector swiglu_packed_output_shape(const at::Tensor& input);
+
+/// Validates (grad_output, input) of swiglu_packed_backward: check_swiglu_packed's rules, grad_output floating,
+/// on input's device, of shape (*, I). Returns (grad_output in input's dtype, I), layouts untouched.
+std::pair<at::Tensor, c10::SymInt> check_swiglu_packed_backward(const at::Tensor& grad_output, const at::Tensor& input);
+
 }  // namespace opforge
