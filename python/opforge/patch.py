@@ -16,7 +16,7 @@ transformers'):
   q/k/v (gate/up) are then column views of the GEMM's output, never copied;
 * RoPE: :func:`opforge.rope` on the q/k views of the fused projection (transformers' rotate-half math
   as a fallback while the op is not built);
-* SwiGLU: :func:`opforge.swiglu` on the gate/up views;
+* SwiGLU: :func:`opforge.swiglu_packed` on the fused gate/up output (its gradient is one tensor: no cat);
 * saved activations (``recompute=True``, eager training): the GEMMs do not keep the two norm outputs and SwiGLU's
   output for backward, which computes them again, bitwise, from what the norms and SwiGLU keep anyway; v is
   copied out of the fused q/k/v output so the attention does not keep that whole output (see :func:`apply`).
@@ -252,6 +252,15 @@ def _proj(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Linear) -> torc
     if _torch_math(owner):
         return TF.linear(x, lin.weight, lin.bias)
     return OF.linear(x, lin.weight, lin.bias)
+
+
+def _swiglu_packed(owner: torch.nn.Module, gu: torch.Tensor) -> torch.Tensor:
+    """swiglu of the fused gate/up output gu (*, 2I): opforge.swiglu_packed (one gradient (*, 2I) in backward, no
+    cat of two halves), or torch math while torch.compile traces (inductor_math)."""
+    if _torch_math(owner):
+        gate, up = gu.chunk(2, dim=-1)
+        return TF.silu(gate) * up
+    return OF.swiglu_packed(gu)
 
 
 def _swiglu(owner: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -605,12 +614,11 @@ def _attention_forward(self, hidden_states, *args, **kwargs):
 
 
 def _mlp_forward(self, x):
-    """down_proj(swiglu(gate, up)) with gate/up as column views of one fused GEMM."""
+    """down_proj(swiglu_packed(gu)) with gu = [gate | up], the output of one fused GEMM."""
     gu = _gemm(self, x, self.gate_up_proj)
-    gate, up = gu.split(self._opforge_sizes, dim=-1)
-    h = _swiglu(self, gate, up)
-    if _recompute_on(self):  # down_proj keeps a recipe (swiglu of the gate/up views swiglu saves), not h
-        return _call_dropping(lambda: self.down_proj(h), h, OF.swiglu, (gate.detach(), up.detach()), "swiglu's output")
+    h = _swiglu_packed(self, gu)
+    if _recompute_on(self):  # down_proj keeps a recipe (swiglu_packed of the gate/up output it saves), not h
+        return _call_dropping(lambda: self.down_proj(h), h, OF.swiglu_packed, (gu.detach(),), "swiglu's output")
     return self.down_proj(h)
 
 
@@ -980,11 +988,11 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             when backward needs them: input_layernorm's output (kept by the q/k/v GEMM; again rms_norm of the
             layer input, which rms_norm keeps anyway), post_attention_layernorm's output (kept by the gate/up GEMM;
             again residual · rstd · weight from what fused_add_rms_norm keeps) and SwiGLU's output (kept by
-            down_proj; again swiglu of the gate/up views SwiGLU keeps); and v is copied out of the fused q/k/v
+            down_proj; again swiglu_packed of the gate/up output it keeps); and v is copied out of the fused q/k/v
             output, which the attention would otherwise keep whole for the view v. Saved per layer, with T tokens,
             hidden size D, intermediate size I, q/k/v widths Dq/Dkv and e bytes per element:
             T·(2·D + I + Dq + Dkv)·e (8192 tokens of a 2048/8192 Llama with 8 KV heads, bf16: 240 MiB a layer).
-            Cost: one rms_norm, one normalisation multiply and one swiglu forward per layer in backward, one copy
+            Cost: one rms_norm, one normalisation pass and one swiglu forward per layer in backward, one copy
             of v in forward. Off (today's graph exactly) while torch.compile traces (Inductor's partitioner decides
             recompute there), under other saved-tensor hooks (activation checkpointing, save_on_cpu) and inside
             torch.func transforms; with no grad (inference, generate) nothing changes. Without opforge.rope, or
@@ -1033,7 +1041,7 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             report.patched.append((name, cls, "opforge decoder layer (rms_norm, fused_add_rms_norm)"))
             report.patched.append((f"{name}.self_attn", type(m.self_attn).__mro__[1].__name__,
                                    "opforge attention (fused q/k/v GEMM, rope)"))
-            report.patched.append((f"{name}.mlp", type(m.mlp).__mro__[1].__name__, "opforge MLP (fused gate/up GEMM, swiglu)"))
+            report.patched.append((f"{name}.mlp", type(m.mlp).__mro__[1].__name__, "opforge MLP (fused gate/up GEMM, swiglu_packed)"))
             done.add(name)
     if loss:
         for name, m in list(model.named_modules()):
