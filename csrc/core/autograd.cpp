@@ -154,7 +154,10 @@ at::Tensor saved_in_place_of(const at::Tensor& derived, const at::Tensor& source
   return tied;
 }
 
-void backward_op_autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+namespace {
+// The body of the lazy-refusal Autograd kernels: redispatch below autograd, then (grad mode on and an input that
+// requires grad) give the outputs a node raising "opforge::<op>: <why>" if differentiated through.
+void lazy_refusal(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack, const char* why) {
   const auto num_args = op.schema().arguments().size();
   std::vector<at::Tensor> differentiable_inputs;
   if (at::GradMode::is_enabled()) {
@@ -176,16 +179,27 @@ void backward_op_autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKey
   if (differentiable_inputs.empty()) return;
   // Lazy refusal: the outputs are differentiable in form only; differentiating through them raises.
   const auto num_returns = op.schema().returns().size();
-  auto node = make_node<torch::autograd::Error>(
-      "opforge::" + op.schema().name().substr(9) +
-          ": double backward is not supported (this backward op is not differentiable); a first-order gradient "
-          "works under create_graph=True and torch.func, but differentiating that gradient again does not",
-      torch::autograd::collect_next_edges(differentiable_inputs));
+  auto node = make_node<torch::autograd::Error>("opforge::" + op.schema().name().substr(9) + ": " + why,
+                                                 torch::autograd::collect_next_edges(differentiable_inputs));
   for (auto& ret : torch::jit::last(*stack, num_returns)) {
     if (!ret.isTensor()) continue;
     at::Tensor t = ret.toTensor();
     if (t.defined() && torch::autograd::isDifferentiableType(t.scalar_type())) torch::autograd::set_history(t, node);
   }
+}
+}  // namespace
+
+void backward_op_autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  lazy_refusal(op, ks, stack,
+               "double backward is not supported (this backward op is not differentiable); a first-order gradient "
+               "works under create_graph=True and torch.func, but differentiating that gradient again does not");
+}
+
+void not_differentiable_autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                                        torch::jit::Stack* stack) {
+  lazy_refusal(op, ks, stack,
+               "this private op is not differentiable (opforge.patch calls it under torch.no_grad to recompute a "
+               "saved activation in backward)");
 }
 
 }  // namespace opforge

@@ -137,6 +137,17 @@ inline void register_backward_op_autograd(torch::Library& m, const char* name) {
   m.impl(name, torch::CppFunction::makeFromBoxedFunction<&backward_op_autograd_kernel>());
 }
 
+/// Boxed Autograd-key kernel of private ops that are not differentiable (_rms_norm_apply): as
+/// backward_op_autograd_kernel, with "opforge::<op>: this private op is not differentiable ..." raised if, and only
+/// if, someone differentiates through the outputs.
+void not_differentiable_autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                                        torch::jit::Stack* stack);
+
+/// Registers `not_differentiable_autograd_kernel` as the Autograd kernel of `name`.
+inline void register_not_differentiable_autograd(torch::Library& m, const char* name) {
+  m.impl(name, torch::CppFunction::makeFromBoxedFunction<&not_differentiable_autograd_kernel>());
+}
+
 /// `derived` (a tensor computed below autograd from `source`, e.g. a fake-quantized weight) as it is to be saved for
 /// backward in `source`'s place: tied to `source` by a node that raises "opforge::<op>: double backward is not
 /// supported ..." if differentiated through. Without the tie a gradient computed from `derived` under

@@ -23,7 +23,7 @@
 //                        1: the rows kernel; 2: the heads kernel where it applies (16-byte vector path,
 //                        32-bit offsets), else as unset (ops/rope/rope_cuda.cu).
 //   OPFORGE_LCE_DW_GROUP 2 (unset, default): linear_cross_entropy on CUDA with 16-bit inputs runs its dW GEMM once per
-//                        this many token chunks (their logit-gradient copies side by side; values < 1 read as 1), so
+//                        this many token chunks (their logit-gradient copies side by side; clamped to 1..64), so
 //                        the fp32 V x H accumulator is passed over N / (group x chunk) times; the chunk budget counts
 //                        the group's copies (ops/linear_cross_entropy/linear_cross_entropy_cuda.cu).
 #pragma once

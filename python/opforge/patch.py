@@ -338,7 +338,26 @@ class _Recipe:
         self.versions = tuple(a._version if isinstance(a, torch.Tensor) else None for a in args)
 
 
+class _Kept:
+    """A tensor a GEMM saved under the recipe hooks and that was kept as it is, with its version counter then:
+    saved-tensor hooks bypass autograd's own check that a saved tensor was not changed in place before backward,
+    so _unpack_recipe makes it (the same error autograd raises)."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t):
+        self.t, self.version = t, t._version
+
+
 def _unpack_recipe(packed):
+    tracing = torch.compiler.is_compiling()  # compiled autograd: versions are not guardable there; eager checks them
+    if isinstance(packed, _Kept):
+        if not tracing and packed.t._version != packed.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{packed.t.dtype}, {list(packed.t.shape)}] is at version {packed.t._version}; expected version "
+                f"{packed.version} instead (saved for backward by a GEMM of an opforge-patched layer)")
+        return packed.t
     if not isinstance(packed, _Recipe):
         return packed
     if packed.stale:
@@ -346,7 +365,7 @@ def _unpack_recipe(packed):
                            f"operation: {packed.what}, saved for backward by the GEMM that read it, was changed in "
                            f"place after it was saved")
     for a, v in zip(packed.args, packed.versions):
-        if v is not None and a._version != v:
+        if not tracing and v is not None and a._version != v:
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"opforge.patch recomputes {packed.what} in backward from a {list(a.shape)} tensor that is at version "
@@ -372,7 +391,7 @@ def _call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
                 and t.layout == torch.strided and t.untyped_storage().data_ptr() == ptr and t._version == version:
             made.append(_Recipe(state[0], state[1], (t.size(), t.stride(), t.storage_offset()), what))
             return made[-1]
-        return t
+        return _Kept(t) if isinstance(t, torch.Tensor) else t
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack_recipe):
@@ -393,9 +412,10 @@ def _norm_from_rstd(z: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -
 
 
 def _pending(m: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]:
-    """The recipe the decoder layer left on ``m`` for its input ``x`` (taken: used once), or None."""
+    """The recipe the decoder layer left on ``m`` for its input ``x`` (taken: used once), or None; None too when x
+    was changed in place since the recipe was made (a forward pre-hook, say: the recipe would give the old value)."""
     p = m.__dict__.pop("_opforge_pending", None)
-    return p[1:] if p is not None and p[0] is x else None
+    return p[1:4] if p is not None and p[0] is x and x._version == p[4] else None
 
 
 def _gemm(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
@@ -553,7 +573,7 @@ def _decoder_layer_forward(self, hidden_states, *args, **kwargs):
     if recompute:  # the q/k/v GEMM keeps a recipe for h, not h (read by _gemm)
         n = self.input_layernorm
         self.self_attn._opforge_pending = (h, OF.rms_norm, (hidden_states.detach(), (h.shape[-1],), n.weight.detach(),
-                                                            _eps(n)), "input_layernorm's output")
+                                                            _eps(n)), "input_layernorm's output", h._version)
     try:
         attn_out = self.self_attn(hidden_states=h, **kwargs)[0]
     finally:
@@ -563,7 +583,7 @@ def _decoder_layer_forward(self, hidden_states, *args, **kwargs):
         h, residual, rstd = torch.ops.opforge._fused_add_rms_norm_forward.default(
             attn_out, hidden_states, [attn_out.shape[-1]], n.weight, _eps(n))
         self.mlp._opforge_pending = (h, _norm_from_rstd, (residual.detach(), rstd, n.weight.detach()),
-                                     "post_attention_layernorm's output")
+                                     "post_attention_layernorm's output", h._version)
     else:
         h, residual = _add_norm(self, n, attn_out, hidden_states)
     try:
@@ -701,7 +721,15 @@ _ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
 
+def _has_module_hooks(m: torch.nn.Module) -> bool:
+    """Forward (pre-)hooks on m: the patched layer calls its norms' and act_fn's math directly, so they would not run."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_backward_hooks", None)
+                or getattr(m, "_backward_pre_hooks", None))
+
+
 def _norm_reason(norm, size: int) -> Optional[str]:
+    if _has_module_hooks(norm):
+        return f"{type(norm).__name__} has hooks (the patched layer computes the norm without calling the module)"
     w = getattr(norm, "weight", None)
     if not isinstance(w, torch.nn.Parameter) or tuple(w.shape) != (size,) or list(norm.children()) \
             or len(list(norm.parameters(recurse=False))) != 1:
@@ -750,6 +778,8 @@ def _decoder_layer_reason(model_counts: Dict[int, int], layer: torch.nn.Module) 
         return reason
     if set(mlp._modules) != {"gate_proj", "up_proj", "down_proj", "act_fn"} or not _is_silu(mlp.act_fn):
         return "MLP is not gate_proj/up_proj/down_proj with a SiLU act_fn"
+    if isinstance(mlp.act_fn, torch.nn.Module) and _has_module_hooks(mlp.act_fn):
+        return "mlp.act_fn has hooks (the patched MLP computes SwiGLU without calling it)"
     reason = _plain_linears(mlp, ("gate_proj", "up_proj", "down_proj"))
     if reason:
         return reason

@@ -321,7 +321,7 @@ void chunk_grads(const at::Tensor& D, const at::Tensor& L, const Problem& p, int
 // chunks, and dW (+)= D_gᵀ · X_g runs once per group, so the fp32 V×H accumulator is read and written N / (G · chunk)
 // times instead of N / chunk (each pass is 2·V·H·4 bytes: 2 GiB at V = 128256, H = 2048, ~0.6 ms on the H200, where
 // 1024- and 2048-row chunks measured 27.2 and 24.8 ms with G = 1). The chunk budget counts the G copies.
-int64_t dw_group() { return std::max<int64_t>(1, knobs::get(knobs::Knob::kLceDwGroup)); }
+int64_t dw_group() { return std::clamp<int64_t>(knobs::get(knobs::Knob::kLceDwGroup), 1, 64); }
 
 // Rows of logit gradient gathered per dW GEMM: G chunks when `grouped` (16-bit inputs whose dW is wanted: D is then a
 // separate buffer), one chunk otherwise (D is the fp32 logits chunk itself, or no dW GEMM runs).

@@ -438,6 +438,7 @@ TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   m.impl("_rms_norm_forward", &rms_norm_forward_autograd);
   m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_autograd);
   register_backward_op_autograd(m, "rms_norm_backward");
+  register_not_differentiable_autograd(m, "_rms_norm_apply");
 }
 
 // torch.autocast: as the native ops these mirror (core/autocast.h)
