@@ -574,22 +574,24 @@ def _decoder_layer_forward(self, hidden_states, *args, **kwargs):
         n = self.input_layernorm
         self.self_attn._opforge_pending = (h, OF.rms_norm, (hidden_states.detach(), (h.shape[-1],), n.weight.detach(),
                                                             _eps(n)), "input_layernorm's output", h._version)
-    try:
+        try:
+            attn_out = self.self_attn(hidden_states=h, **kwargs)[0]
+        finally:
+            self.self_attn.__dict__.pop("_opforge_pending", None)
+    else:  # (also what torch.compile traces: no __dict__ bookkeeping, which Dynamo of torch 2.11 cannot trace)
         attn_out = self.self_attn(hidden_states=h, **kwargs)[0]
-    finally:
-        self.self_attn.__dict__.pop("_opforge_pending", None)
     n = self.post_attention_layernorm
     if recompute:  # the fused op's rstd: the gate/up GEMM keeps a recipe (residual, rstd) for h
         h, residual, rstd = torch.ops.opforge._fused_add_rms_norm_forward.default(
             attn_out, hidden_states, [attn_out.shape[-1]], n.weight, _eps(n))
         self.mlp._opforge_pending = (h, _norm_from_rstd, (residual.detach(), rstd, n.weight.detach()),
                                      "post_attention_layernorm's output", h._version)
-    else:
-        h, residual = _add_norm(self, n, attn_out, hidden_states)
-    try:
-        return residual + self.mlp(h)
-    finally:
-        self.mlp.__dict__.pop("_opforge_pending", None)
+        try:
+            return residual + self.mlp(h)
+        finally:
+            self.mlp.__dict__.pop("_opforge_pending", None)
+    h, residual = _add_norm(self, n, attn_out, hidden_states)
+    return residual + self.mlp(h)
 
 
 def _attention_forward(self, hidden_states, *args, **kwargs):
