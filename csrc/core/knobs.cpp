@@ -21,7 +21,7 @@ struct Entry {
 constexpr Entry kEntries[] = {{"OPFORGE_LINEAR_LT", 1, false},   {"OPFORGE_LINEAR_GEMV", -1, false},
                               {"OPFORGE_LCE_GRAD_IN_FORWARD", 1, false}, {"OPFORGE_GEMV_VARIANT", -1, true},
                               {"OPFORGE_RMS_FWD", -1, true},     {"OPFORGE_RMS_BWD", -1, true},
-                              {"OPFORGE_ROPE_KERNEL", -1, true}, {"OPFORGE_LCE_DW_GROUP", 2, true}};
+                              {"OPFORGE_ROPE_KERNEL", -1, true}, {"OPFORGE_LCE_DW_GROUP", 1, true}};
 constexpr int kCount = sizeof(kEntries) / sizeof(kEntries[0]);
 
 int64_t from_env(const Entry& e) {

@@ -22,10 +22,12 @@
 //                        shared memory (measured faster), else the rows kernel; 0: the per-token kernel;
 //                        1: the rows kernel; 2: the heads kernel where it applies (16-byte vector path,
 //                        32-bit offsets), else as unset (ops/rope/rope_cuda.cu).
-//   OPFORGE_LCE_DW_GROUP 2 (unset, default): linear_cross_entropy on CUDA with 16-bit inputs runs its dW GEMM once per
+//   OPFORGE_LCE_DW_GROUP 1 (unset, default): linear_cross_entropy on CUDA with 16-bit inputs runs its dW GEMM once per
 //                        this many token chunks (their logit-gradient copies side by side; clamped to 1..64), so
 //                        the fp32 V x H accumulator is passed over N / (group x chunk) times; the chunk budget counts
-//                        the group's copies (ops/linear_cross_entropy/linear_cross_entropy_cuda.cu).
+//                        the group's copies (ops/linear_cross_entropy/linear_cross_entropy_cuda.cu). Measured on the
+//                        H200 (benchmarks/lce_chunk_sweep.py, 8192x2048x128256 bf16): group 2 at the same memory
+//                        (768-row chunks) 25.0-27.0 ms against group 1 (1024 rows) 23.7-25.1: no gain, so 1.
 #pragma once
 
 #include <cstdint>

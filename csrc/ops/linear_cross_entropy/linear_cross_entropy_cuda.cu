@@ -34,7 +34,7 @@ namespace {
 using lce::Problem;
 
 // Bytes of logits (fp32 chunk plus its storage-dtype gradient copies, one per chunk of a dW group) one chunk may hold
-// on CUDA: at V = 128256, 768 MiB gives 1024 rows for bf16 with one copy, 768 with two (the default group). Chosen by
+// on CUDA: at V = 128256, 768 MiB gives 1024 rows for bf16 with one copy (the default group), 768 with two. Chosen by
 // measurement (H200, bf16, fwd+bwd, one copy, 8192x4096x128256 / 8192x2048x128256): 320 rows (the earlier 256 MiB) 71.8 / 41.1 ms, 1024 rows 47.4 / 27.2 ms, 2048 rows 48.6 / 24.8 ms,
 // 8192 rows 42.8 / 22.8 ms; peak above the inputs 2.0 / 1.0, 2.0 / 1.25, 2.5 / 2.0, 7.0 / 6.5 GiB (the fp32 dW
 // accumulator, V x H x 4 bytes, sets the floor). Each chunk's fp32 dW accumulation re-reads and re-writes V x H, so
@@ -317,10 +317,12 @@ void chunk_grads(const at::Tensor& D, const at::Tensor& L, const Problem& p, int
   if (db.defined()) db.add_(L.sum(0));
 }
 
-// Chunks per dW GEMM for 16-bit inputs (the knob OPFORGE_LCE_DW_GROUP, default 2): the logit-gradient copy holds G
+// Chunks per dW GEMM for 16-bit inputs (the knob OPFORGE_LCE_DW_GROUP, default 1): the logit-gradient copy holds G
 // chunks, and dW (+)= D_gᵀ · X_g runs once per group, so the fp32 V×H accumulator is read and written N / (G · chunk)
-// times instead of N / chunk (each pass is 2·V·H·4 bytes: 2 GiB at V = 128256, H = 2048, ~0.6 ms on the H200, where
-// 1024- and 2048-row chunks measured 27.2 and 24.8 ms with G = 1). The chunk budget counts the G copies.
+// times instead of N / chunk (each pass is 2·V·H·4 bytes: 2 GiB at V = 128256, H = 2048). The chunk budget counts
+// the G copies, so at equal memory G = 2 means 768-row chunks: measured 25.0-27.0 ms against 23.7-25.1 for G = 1 with
+// 1024 rows (H200, 8192x2048x128256 bf16 fwd+bwd, lce_chunk_sweep.py): the smaller GEMMs cost what the fewer passes
+// save, so the default stays 1.
 int64_t dw_group() { return std::clamp<int64_t>(knobs::get(knobs::Knob::kLceDwGroup), 1, 64); }
 
 // Rows of logit gradient gathered per dW GEMM: G chunks when `grouped` (16-bit inputs whose dW is wanted: D is then a
