@@ -247,8 +247,10 @@ def swiglu_packed(input: Tensor) -> Tensor:
     Numerics: float32 math for float16/bfloat16, one rounding; bitwise equal to :func:`swiglu` on the two halves,
     forward and both halves of the gradient. Backward (``opforge::swiglu_packed_backward``): with s = σ(gate),
     grad_input[..., :I] = dy · up · s · (1 + gate · (1 − s)), grad_input[..., I:] = dy · gate · s, in input's
-    dtype, contiguous. On CUDA row-strided inputs (a column slice of a wider row) are read in place; other
-    layouts, and every CPU input, through a contiguous copy.
+    dtype, contiguous. On CUDA row-strided inputs (a column slice of a wider row) are read in place and both
+    gradient halves are written by one pass; other layouts go through one contiguous copy. On the CPU each half is
+    copied to a contiguous tensor (so the result is bitwise swiglu's) and the gradient is assembled with one cat:
+    the traffic saving is CUDA's.
 
     Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference
     ``F.silu(input[..., :I]) * input[..., I:]``.
