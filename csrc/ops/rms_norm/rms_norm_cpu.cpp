@@ -52,20 +52,17 @@ inline int64_t row_grain(int64_t N) { return std::max<int64_t>(1, 16384 / std::m
 template <typename scalar_t>
 void apply_row(const scalar_t* x, at::opmath_type<scalar_t> rs, const scalar_t* w, scalar_t* y, int64_t N) {
   using IO = VecIO<scalar_t>;
-  using opmath_t = typename IO::opmath_t;
-  using fVec = typename IO::fVec;
-  constexpr int64_t W = IO::kWidth;
-  constexpr int P = IO::kParts;
-  const fVec rv(rs);
+  const typename IO::fVec rv(rs);
   int64_t i = 0;
-  for (; i + W <= N; i += W) {
-    fVec a[P], b[P];
+  for (; i + IO::kWidth <= N; i += IO::kWidth) {
+    typename IO::fVec a[IO::kParts], b[IO::kParts];
     IO::load(x + i, a);
     IO::load(w + i, b);
-    for (int k = 0; k < P; ++k) a[k] = a[k] * rv * b[k];
+    for (int k = 0; k < IO::kParts; ++k) a[k] = a[k] * rv * b[k];
     IO::store(y + i, a);
   }
-  for (; i < N; ++i) y[i] = static_cast<scalar_t>(static_cast<opmath_t>(x[i]) * rs * static_cast<opmath_t>(w[i]));
+  for (; i < N; ++i) y[i] = static_cast<scalar_t>(static_cast<at::opmath_type<scalar_t>>(x[i]) * rs *
+                                                  static_cast<at::opmath_type<scalar_t>>(w[i]));
 }
 
 // One forward row. With r (fused): z = x + r rounded to scalar_t and stored, then normalized.
