@@ -414,6 +414,42 @@ __device__ __forceinline__ void backward_store_dw(O* out, int64_t nvec, int tid,
   }
 }
 
+// One row group's whole pass over its rows (grid-stride from blockIdx.x), shared by variant 0's register path and
+// variants 1, 2: each row's dy, x (and rstd) into g, x (PIPE: the next row's into gn, xn before this row's sum), its
+// dx into dX (when dX), its dweight partial added through dw_at (when dW_partial); at the end the dweight partial
+// into row blockIdx.x of dW_partial [gridDim.x, N]. w_at, wval, dw_at as above; dx_scale(row_sum, rs, dot) gives
+// c = rs³·s/N from this thread's part of s, summing over the row with row_sum. row_sum is taken by value and
+// dx_scale is the kernel's own (its sum before or after rs³): only so is the SASS byte-identical to the inline loops
+// (with row_sum by reference, or one shared order of the sum, the zero-initialisations or the schedule changed).
+template <int NV, int VEC, bool PIPE, typename T, typename V, typename O, typename Sum, typename WAt, typename WVal,
+          typename DwAt, typename DxScale>
+__device__ __forceinline__ void backward_rows(const T* dY, const T* X, const O* rstd, T* dX, O* dW_partial, int64_t M,
+                                              int64_t N, int64_t nvec, int tid, int tpr, Sum row_sum, V* g, V* x,
+                                              V* gn, V* xn, WAt&& w_at, WVal&& wval, DwAt&& dw_at,
+                                              DxScale&& dx_scale) {
+  O rs = 0, rsn = 0;
+  auto load_row = [&](int64_t r, V* gd, V* xd, O& rsd) {
+    backward_load_row<NV>(dY, X, rstd, N, nvec, tid, tpr, r, gd, xd, rsd);
+  };
+  int64_t row = blockIdx.x;
+  if (PIPE && row < M) load_row(row, g, x, rs);
+  for (; row < M; row += gridDim.x) {
+    if constexpr (PIPE) {
+      if (row + gridDim.x < M) load_row(row + gridDim.x, gn, xn, rsn);
+    } else {
+      load_row(row, g, x, rs);
+    }
+    if (dX != nullptr) {
+      const O c = dx_scale(row_sum, rs, backward_dx_dot<NV, VEC, V, O>(g, x, nvec, tid, tpr, w_at, wval));
+      backward_dx_store<NV, VEC, T>(g, x, rs, c, nvec, tid, tpr, dX, row, N, w_at, wval);
+    }
+    if (dW_partial != nullptr) backward_accumulate_dw<NV, VEC>(g, x, rs, nvec, tid, tpr, dw_at);
+    if constexpr (PIPE) backward_advance<NV>(g, x, gn, xn, rs, rsn);
+  }
+  if (dW_partial != nullptr)
+    backward_store_dw<NV, VEC>(dW_partial + static_cast<int64_t>(blockIdx.x) * N, nvec, tid, tpr, dw_at);
+}
+
 // Backward. Per row (rs = rstd[row]):
 //   s = Σ w·dy·x;  dx = rs·w·dy − x·(rs³·s/N);  dw_partial[group] += dy·x·rs
 // One row group per block (blockDim.y == 1); group g = blockIdx.x writes partial row g. PIPE: as in
@@ -440,7 +476,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   if constexpr (MAXV > 0) {
     opmath_t dw[MAXV][VEC];
     V w[MAXV], g[MAXV], x[MAXV], gn[MAXV], xn[MAXV];
-    opmath_t rs = 0, rsn = 0;
 #pragma unroll
     for (int k = 0; k < MAXV; ++k) {
       const int64_t v = tid + static_cast<int64_t>(k) * tpr;
@@ -448,29 +483,13 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) dw[k][j] = 0;
     }
-    auto load_row = [&](int64_t r, V* gd, V* xd, opmath_t& rsd) {
-      backward_load_row<MAXV>(dY, X, rstd, N, nvec, tid, tpr, r, gd, xd, rsd);
-    };
+    auto w_at = [&](int k, int64_t) -> const V& { return w[k]; };
     auto dw_at = [&](int k, int64_t, int j) -> opmath_t& { return dw[k][j]; };
-    int64_t row = blockIdx.x;
-    if (PIPE && row < M) load_row(row, g, x, rs);
-    for (; row < M; row += gridDim.x) {
-      if constexpr (PIPE) {
-        if (row + gridDim.x < M) load_row(row + gridDim.x, gn, xn, rsn);
-      } else {
-        load_row(row, g, x, rs);
-      }
-      if (dX != nullptr) {
-        auto w_at = [&](int k, int64_t) -> const V& { return w[k]; };
-        const opmath_t s = row_sum(backward_dx_dot<MAXV, VEC, V, opmath_t>(g, x, nvec, tid, tpr, w_at, wval));
-        const opmath_t c = rs * rs * rs * s * inv_n;
-        backward_dx_store<MAXV, VEC, T>(g, x, rs, c, nvec, tid, tpr, dX, row, N, w_at, wval);
-      }
-      if (dW_partial != nullptr) backward_accumulate_dw<MAXV, VEC>(g, x, rs, nvec, tid, tpr, dw_at);
-      if constexpr (PIPE) backward_advance<MAXV>(g, x, gn, xn, rs, rsn);
-    }
-    if (dW_partial != nullptr)
-      backward_store_dw<MAXV, VEC>(dW_partial + static_cast<int64_t>(blockIdx.x) * N, nvec, tid, tpr, dw_at);
+    backward_rows<MAXV, VEC, PIPE>(dY, X, rstd, dX, dW_partial, M, N, nvec, tid, tpr, row_sum, g, x, gn, xn, w_at, wval,
+                                   dw_at, [&](RowSum<opmath_t>& sum, opmath_t r, opmath_t dot) {
+                                     const opmath_t s = sum(dot);  // the sum first, then rs³
+                                     return r * r * r * s * inv_n;
+                                   });
   } else {
     // streaming: rows too long for registers; the dweight partial row accumulates in global memory
     // (this block's own row of dW_partial, zero-initialized by the launcher, L2-resident)
@@ -546,7 +565,6 @@ __global__ void __launch_bounds__(1024)
   const V* Wv = reinterpret_cast<const V*>(W);
   const opmath_t inv_n = opmath_t(1) / static_cast<opmath_t>(N);
   V g[NV], x[NV], gn[PIPE ? NV : 1], xn[PIPE ? NV : 1];
-  opmath_t rs = 0, rsn = 0;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int64_t v = tid + static_cast<int64_t>(k) * tpr;
@@ -556,35 +574,17 @@ __global__ void __launch_bounds__(1024)
     }
   }
   // the weight vector v, read where it is used (L1 hits after the first row): no registers held across rows
-  auto wload = [&](int64_t v) {
+  auto w_at = [&](int, int64_t v) {
     V w;
     if (W != nullptr) w = Wv[v];
     return w;
   };
   auto wval = [&](const V& w, int j) { return W != nullptr ? static_cast<opmath_t>(w.val[j]) : opmath_t(1); };
-  auto load_row = [&](int64_t r, V* gd, V* xd, opmath_t& rsd) {
-    backward_load_row<NV>(dY, X, rstd, N, nvec, tid, tpr, r, gd, xd, rsd);
-  };
   auto dw_at = [&](int, int64_t v, int j) -> opmath_t& { return acc[j * nvec + v]; };
-  int64_t row = blockIdx.x;
-  if (PIPE && row < M) load_row(row, g, x, rs);
-  for (; row < M; row += gridDim.x) {
-    if constexpr (PIPE) {
-      if (row + gridDim.x < M) load_row(row + gridDim.x, gn, xn, rsn);
-    } else {
-      load_row(row, g, x, rs);
-    }
-    if (dX != nullptr) {
-      auto w_at = [&](int, int64_t v) { return wload(v); };
-      const opmath_t s = backward_dx_dot<NV, VEC, V, opmath_t>(g, x, nvec, tid, tpr, w_at, wval);
-      const opmath_t c = rs * rs * rs * row_sum(s) * inv_n;
-      backward_dx_store<NV, VEC, T>(g, x, rs, c, nvec, tid, tpr, dX, row, N, w_at, wval);
-    }
-    if (dW_partial != nullptr) backward_accumulate_dw<NV, VEC>(g, x, rs, nvec, tid, tpr, dw_at);
-    if constexpr (PIPE) backward_advance<NV>(g, x, gn, xn, rs, rsn);
-  }
-  if (dW_partial != nullptr)
-    backward_store_dw<NV, VEC>(dW_partial + static_cast<int64_t>(blockIdx.x) * N, nvec, tid, tpr, dw_at);
+  backward_rows<NV, VEC, PIPE>(dY, X, rstd, dX, dW_partial, M, N, nvec, tid, tpr, row_sum, g, x, gn, xn, w_at, wval,
+                               dw_at, [&](RowSum<opmath_t>& sum, opmath_t r, opmath_t dot) {
+                                 return r * r * r * sum(dot) * inv_n;  // rs³ first, then the sum
+                               });
 }
 
 // The backward's variant when the knob is unset (OPFORGE_RMS_BWD = -1), from the same H200 run (forward +
