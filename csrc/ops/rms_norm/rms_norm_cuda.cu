@@ -450,6 +450,22 @@ __device__ __forceinline__ void backward_rows(const T* dY, const T* X, const O* 
     backward_store_dw<NV, VEC>(dW_partial + static_cast<int64_t>(blockIdx.x) * N, nvec, tid, tpr, dw_at);
 }
 
+// A backward thread's view of its rows: thread tid of tpr, nvec vectors a row, the weight W as vectors, 1 / N.
+template <typename T, int VEC>
+struct BackwardThread {
+  int tid, tpr;
+  int64_t nvec;
+  const Vec<T, VEC>* Wv;
+  at::opmath_type<T> inv_n;
+};
+
+template <int VEC, typename T>
+__device__ __forceinline__ BackwardThread<T, VEC> backward_thread(const T* W, int64_t N) {
+  using opmath_t = at::opmath_type<T>;
+  return {static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x), N / VEC,
+          reinterpret_cast<const Vec<T, VEC>*>(W), opmath_t(1) / static_cast<opmath_t>(N)};
+}
+
 // Backward. Per row (rs = rstd[row]):
 //   s = Σ w·dy·x;  dx = rs·w·dy − x·(rs³·s/N);  dw_partial[group] += dy·x·rs
 // One row group per block (blockDim.y == 1); group g = blockIdx.x writes partial row g. PIPE: as in
@@ -467,10 +483,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   using V = Vec<T, VEC>;
   __shared__ opmath_t smem[2][32];
   RowSum<opmath_t> row_sum{smem};
-  const int tid = threadIdx.x, tpr = blockDim.x;
-  const int64_t nvec = N / VEC;
-  const V* Wv = reinterpret_cast<const V*>(W);
-  const opmath_t inv_n = opmath_t(1) / static_cast<opmath_t>(N);
+  const auto [tid, tpr, nvec, Wv, inv_n] = backward_thread<VEC>(W, N);
   auto wval = [&](const V& w, int j) { return W != nullptr ? static_cast<opmath_t>(w.val[j]) : opmath_t(1); };
 
   if constexpr (MAXV > 0) {
@@ -560,10 +573,7 @@ __global__ void __launch_bounds__(1024)
   opmath_t* acc = reinterpret_cast<opmath_t*>(dyn_smem);  // [VEC][nvec] when dW_partial
   __shared__ opmath_t smem[2][32];
   RowSum<opmath_t> row_sum{smem};
-  const int tid = threadIdx.x, tpr = blockDim.x;
-  const int64_t nvec = N / VEC;
-  const V* Wv = reinterpret_cast<const V*>(W);
-  const opmath_t inv_n = opmath_t(1) / static_cast<opmath_t>(N);
+  const auto [tid, tpr, nvec, Wv, inv_n] = backward_thread<VEC>(W, N);
   V g[NV], x[NV], gn[PIPE ? NV : 1], xn[PIPE ? NV : 1];
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
