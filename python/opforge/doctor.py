@@ -375,7 +375,9 @@ def render(facts: dict, diagnoses: List[Diagnosis]) -> str:
         # CUDA archs mean something only for a CUDA build; torch's CMake leaves TORCH_CXX_FLAGS empty on some builds
         + (f", archs {stamp.get('cuda_archs') or '-'}" if str(stamp.get("cuda", "")).upper() not in ("OFF", "0", "FALSE", "")
            else " (a CPU-only build: no CUDA archs)")
-        + f", torch C++ flags {stamp.get('torch_cxx_flags') or '(none recorded)'}",
+        + (f", torch C++ flags {stamp.get('torch_cxx_flags')}" if stamp.get("torch_cxx_flags")
+           else ", torch C++ flags: none (torch's CMake config set no TORCH_CXX_FLAGS for this build; the ABI is"
+                " checked from torch itself)"),
     ]
     if not diagnoses:
         lines.append("\nno problems found")

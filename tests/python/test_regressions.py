@@ -229,3 +229,18 @@ def test_rms_norm_normalized_shape_of_numpy_or_tensor_ints():
     for ns in ({8}, np.array([8.0]), iter([True])):
         with pytest.raises(TypeError, match=r"^opforge::rms_norm: expected normalized_shape"):
             opforge.rms_norm(x, ns)
+
+
+# zero-size column views (a (0, 5) slice of a (0, 10) tensor keeps strides (10, 1) through .contiguous()): the
+# outputs are contiguous, as the Meta kernels and torch's ops give them (the CPU kernels returned the view's strides)
+@pytest.mark.parametrize("op", ["sigmoid", "square", "swiglu", "swiglu_backward", "sigmoid_backward"])
+def test_zero_size_views_give_contiguous_outputs(device, op):
+    base = torch.randn(0, 10, device=device)
+    a, b = base[:, :5], base[:, 5:]
+    fn = {"sigmoid": lambda t: opforge.sigmoid(t), "square": lambda t: opforge.square(t),
+          "swiglu": lambda t: opforge.swiglu(t, b.to(t.device)),
+          "swiglu_backward": lambda t: torch.ops.opforge.swiglu_backward(t, t, b.to(t.device))[0],
+          "sigmoid_backward": lambda t: torch.ops.opforge.sigmoid_backward(t, t)}[op]
+    out, meta = fn(a), fn(a.to("meta"))
+    assert out.shape == meta.shape == (0, 5)
+    assert out.stride() == meta.stride() == (5, 1), (out.stride(), meta.stride())

@@ -13,7 +13,7 @@ using at::vec::Vectorized;
 
 at::Tensor sigmoid_cpu(const at::Tensor& input) {
   const at::Tensor X = elementwise::check_unary("sigmoid", input);  // [n]
-  at::Tensor Y = at::empty_like(X);                                  // [n]
+  at::Tensor Y = at::empty(X.sizes(), X.options());  // [n], contiguous as Meta (also for a zero-size view)
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::sigmoid", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     // y = σ(x) (core/activation.h; its vectorized form in core/vec.h)
@@ -26,7 +26,7 @@ at::Tensor sigmoid_cpu(const at::Tensor& input) {
 
 at::Tensor sigmoid_backward_cpu(const at::Tensor& grad_output, const at::Tensor& output) {
   auto [dY, Y] = elementwise::check_unary_backward("sigmoid_backward", grad_output, output, "output");
-  at::Tensor dX = at::empty_like(dY);
+  at::Tensor dX = at::empty(dY.sizes(), dY.options());
   OPFORGE_DISPATCH_FLOATING(dY.scalar_type(), "opforge::sigmoid_backward", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     // dx = dy · y · (1 − y)
@@ -40,7 +40,7 @@ at::Tensor sigmoid_backward_cpu(const at::Tensor& grad_output, const at::Tensor&
 
 at::Tensor square_cpu(const at::Tensor& input) {
   const at::Tensor X = elementwise::check_unary("square", input);
-  at::Tensor Y = at::empty_like(X);
+  at::Tensor Y = at::empty(X.sizes(), X.options());
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::square", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     // y = x · x
@@ -53,7 +53,7 @@ at::Tensor square_cpu(const at::Tensor& input) {
 
 at::Tensor square_backward_cpu(const at::Tensor& grad_output, const at::Tensor& input) {
   auto [dY, X] = elementwise::check_unary_backward("square_backward", grad_output, input, "input");
-  at::Tensor dX = at::empty_like(dY);
+  at::Tensor dX = at::empty(dY.sizes(), dY.options());
   OPFORGE_DISPATCH_FLOATING(dY.scalar_type(), "opforge::square_backward", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     // dx = 2 · x · dy

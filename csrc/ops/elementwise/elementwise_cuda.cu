@@ -36,7 +36,7 @@ struct SquareAddOp {
 template <typename Op>
 at::Tensor unary_cuda(const char* op_name, const at::Tensor& input, Op op) {
   const at::Tensor X = elementwise::check_unary(op_name, input);
-  at::Tensor Y = at::empty_like(X);
+  at::Tensor Y = at::empty(X.sizes(), X.options());
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::unary_cuda", [&] { launch_unary<scalar_t>(X, Y, op); });
   return Y;
 }
@@ -45,7 +45,7 @@ template <typename Op>
 at::Tensor unary_backward_cuda(const char* op_name, const at::Tensor& grad_output, const at::Tensor& saved,
                                const char* saved_name, Op op) {
   auto [dY, S] = elementwise::check_unary_backward(op_name, grad_output, saved, saved_name);
-  at::Tensor dX = at::empty_like(dY);
+  at::Tensor dX = at::empty(dY.sizes(), dY.options());
   OPFORGE_DISPATCH_FLOATING(dY.scalar_type(), "opforge::unary_backward_cuda", [&] { launch_binary<scalar_t>(dY, S, dY.numel(), dX, op); });
   return dX;
 }

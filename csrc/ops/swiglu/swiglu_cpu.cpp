@@ -54,7 +54,7 @@ void swiglu_backward_flat(const at::Tensor& dY, const at::Tensor& G, const at::T
 at::Tensor swiglu_cpu(const at::Tensor& gate, const at::Tensor& up) {
   auto [Gs, Us] = check_swiglu("swiglu", gate, up);
   const at::Tensor G = Gs.contiguous(), U = Us.contiguous();  // [n], [n]
-  at::Tensor Y = at::empty_like(G);                             // [n]
+  at::Tensor Y = at::empty(G.sizes(), G.options());             // [n], contiguous (a zero-size view keeps its strides through contiguous())
   swiglu_forward_flat(G, U, Y);
   return Y;
 }
@@ -63,8 +63,8 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_cpu(const at::Tensor& grad_ou
                                                        const at::Tensor& up) {
   auto [dYs, Gs, Us] = check_swiglu_backward(grad_output, gate, up);
   const at::Tensor dY = dYs.contiguous(), G = Gs.contiguous(), U = Us.contiguous();  // [n] each, gate's dtype
-  at::Tensor dG = at::empty_like(G);
-  at::Tensor dU = at::empty_like(G);
+  at::Tensor dG = at::empty(G.sizes(), G.options());  // contiguous, as Meta (not a zero-size view's strides)
+  at::Tensor dU = at::empty(G.sizes(), G.options());
   swiglu_backward_flat(dY, G, U, dG, dU);
   return {dG, dU.to(up.scalar_type())};
 }
