@@ -263,12 +263,6 @@ def _swiglu_packed(owner: torch.nn.Module, gu: torch.Tensor) -> torch.Tensor:
     return OF.swiglu_packed(gu)
 
 
-def _swiglu(owner: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if _torch_math(owner):
-        return TF.silu(gate) * up
-    return OF.swiglu(gate, up)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -308,15 +308,15 @@ def configs(quick: bool):
     return [(dt, u) for dt in DTYPES for u in (False, True)]
 
 
-def case_list(quick: bool):
-    """(id, fn, dtype, unaligned) per case; in vendor-safe mode without the 16-bit aligned cases of the families
-    in VENDOR_GEMM_FAMILIES (the control's included: they are known to kill racecheck)."""
+def case_list(quick: bool, vendor_safe: bool = False):
+    """(id, fn, dtype, unaligned) per case; vendor_safe: without the 16-bit aligned cases of the families in
+    VENDOR_GEMM_FAMILIES (the control's included: they are known to kill racecheck) and the VENDOR_SAFE_SKIP ones."""
     out = []
     for name, fn in families(quick):
         for dt, u in configs(quick):
             if dt not in FAMILY_DTYPES.get(name, DTYPES):
                 continue
-            if VENDOR_SAFE and (name in VENDOR_SAFE_SKIP or (name in VENDOR_GEMM_FAMILIES and dt in LOW and not u)):
+            if vendor_safe and (name in VENDOR_SAFE_SKIP or (name in VENDOR_GEMM_FAMILIES and dt in LOW and not u)):
                 continue
             out.append((f"{name}/{str(dt).replace('torch.', '')}/{'unaligned' if u else 'aligned'}", fn, dt, u))
     return out
@@ -419,7 +419,7 @@ def main() -> int:
     args = p.parse_args()
     global VENDOR_SAFE
     VENDOR_SAFE = args.vendor_safe
-    cases = case_list(args.quick)
+    cases = case_list(args.quick, VENDOR_SAFE)
     if args.only is not None:
         sel = [w for w in args.only.split(",") if w]
         chosen = [c for c in cases if any(c[0] == w or (w.endswith("/") and c[0].startswith(w)) for w in sel)]
@@ -438,10 +438,8 @@ def main() -> int:
         print(f"sanitize_driver: unknown case {args.start_after}", file=sys.stderr)
         return 2
     if VENDOR_SAFE:
-        VENDOR_SAFE = False
-        n_all = len(case_list(args.quick))
-        VENDOR_SAFE = True
-        print(f"sanitize_driver: vendor-safe: {n_all - len(case_list(args.quick))} 16-bit cases with vendor GEMMs "
+        n_left_out = len(case_list(args.quick)) - len(case_list(args.quick, True))
+        print(f"sanitize_driver: vendor-safe: {n_left_out} 16-bit cases with vendor GEMMs "
               f"({', '.join(sorted(VENDOR_GEMM_FAMILIES))}) not run", flush=True)
     torch.manual_seed(0)
     if args.coverage:
