@@ -261,15 +261,36 @@ inline int forward_vecs_per_thread(int variant, int64_t nvec) {
   return 0;
 }
 
+// The forward kernels' pointer and eps arguments for problem p (FUSED: with the residual R and the sum Z; w null
+// without a weight), as both launchers pass them.
+template <typename T, bool FUSED>
+struct ForwardArgs {
+  using opmath_t = at::opmath_type<T>;
+  const T* x;
+  const T* r;
+  const T* w;
+  T* y;
+  T* z;
+  opmath_t* rs;
+  opmath_t eps;
+  ForwardArgs(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd)
+      : x(p.X.const_data_ptr<T>()),
+        r(FUSED ? p.R.const_data_ptr<T>() : nullptr),
+        w(p.W.defined() ? p.W.const_data_ptr<T>() : nullptr),
+        y(Y.mutable_data_ptr<T>()),
+        z(FUSED ? Z.mutable_data_ptr<T>() : nullptr),
+        rs(rstd.mutable_data_ptr<opmath_t>()),
+        eps(static_cast<opmath_t>(p.eps)) {}
+};
+
 // Runs forward variant 1..4 (OPFORGE_RMS_FWD, else the chooser) for this problem; false, having
 // launched nothing, when variant 0 is chosen or the chosen variant does not apply (float64, rows too
 // long, more than 2^31 row groups).
 template <typename T, bool FUSED>
-bool launch_forward_variant(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd, bool vec) {
+bool launch_forward_variant(const rmsnorm::Problem& p, const ForwardArgs<T, FUSED>& a, bool vec) {
   if constexpr (std::is_same_v<T, double>) {
     return false;
   } else {
-    using opmath_t = at::opmath_type<T>;
     const int64_t knob = knobs::get(knobs::Knob::kRmsForward);
     const int variant = knob >= 0 ? static_cast<int>(knob) : default_forward_variant(p.X.scalar_type(), p.M, p.N, FUSED);
     if (variant < 1 || variant > 4) return false;
@@ -282,16 +303,11 @@ bool launch_forward_variant(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor
     const int64_t grid = (M + rows_per_block - 1) / rows_per_block;
     if (grid > INT_MAX) return false;
     const bool small = M * N <= INT_MAX;
-    const T* x = p.X.const_data_ptr<T>();
-    const T* r = FUSED ? p.R.const_data_ptr<T>() : nullptr;
-    const T* w = p.W.defined() ? p.W.const_data_ptr<T>() : nullptr;
-    T* y = Y.mutable_data_ptr<T>();
-    T* z = FUSED ? Z.mutable_data_ptr<T>() : nullptr;
-    opmath_t* rs = rstd.mutable_data_ptr<opmath_t>();
-    const opmath_t eps = static_cast<opmath_t>(p.eps);
     const dim3 block(tpr, rows_per_block);
     auto stream = at::cuda::getCurrentCUDAStream();
-    auto go = [&](auto kernel, auto n) { kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(x, r, w, y, z, rs, M, n, eps); };
+    auto go = [&](auto kernel, auto n) {
+      kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(a.x, a.r, a.w, a.y, a.z, a.rs, M, n, a.eps);
+    };
     // NV_ and WEARLY_ as template arguments; Index from the problem's size (vector widths only: the
     // scalar fallback of unaligned or odd rows always takes 64-bit offsets)
     auto run = [&](auto nv_c, auto early_c) {
@@ -612,6 +628,23 @@ inline int default_backward_variant(at::ScalarType dtype, int64_t M, int64_t N) 
   return (N >= 16384 || (N >= 4096 && M >= 8192)) ? 1 : 0;
 }
 
+// The backward kernels' input pointers and dx for problem p (w null without a weight, dx null without dX), as both
+// launchers pass them; the dweight partials pointer is each launcher's own.
+template <typename T>
+struct BackwardArgs {
+  const T* dy;
+  const T* x;
+  const at::opmath_type<T>* rs;
+  const T* w;
+  T* dx;
+  BackwardArgs(const rmsnorm::BackwardProblem& p, at::Tensor& dX)
+      : dy(p.dY.const_data_ptr<T>()),
+        x(p.X.const_data_ptr<T>()),
+        rs(p.rstd.const_data_ptr<at::opmath_type<T>>()),
+        w(p.W.defined() ? p.W.const_data_ptr<T>() : nullptr),
+        dx(dX.defined() ? dX.mutable_data_ptr<T>() : nullptr) {}
+};
+
 // Backward variant 1/2 (OPFORGE_RMS_BWD, else the chooser) into dX and dW (dW: weight's shape and dtype,
 // allocated here); false, having launched nothing, where variant 0 is chosen or this one does not apply
 // (float64, more than 4 · 1024 vectors a row, dweight partial row beyond the SM's shared memory).
@@ -634,11 +667,7 @@ bool launch_backward_variant(const rmsnorm::BackwardProblem& p, at::Tensor& dX, 
     constexpr size_t kStaticSmem = 2 * 32 * sizeof(opmath_t);  // the kernel's RowSum scratch
     if (nv == 0 || smem + kStaticSmem > prop->sharedMemPerBlockOptin) return false;
     const int tpr = static_cast<int>(std::max<int64_t>(32, ((nvec + nv - 1) / nv + 31) / 32 * 32));
-    const T* dy = p.dY.const_data_ptr<T>();
-    const T* x = p.X.const_data_ptr<T>();
-    const opmath_t* rs = p.rstd.const_data_ptr<opmath_t>();
-    const T* w = p.W.defined() ? p.W.const_data_ptr<T>() : nullptr;
-    T* dx = dX.defined() ? dX.mutable_data_ptr<T>() : nullptr;
+    const BackwardArgs<T> a(p, dX);
     at::Tensor partials;
     auto stream = at::cuda::getCurrentCUDAStream();
     auto go = [&](auto kernel) {
@@ -651,7 +680,7 @@ bool launch_backward_variant(const rmsnorm::BackwardProblem& p, at::Tensor& dX, 
       const int64_t grid = std::min<int64_t>(M, num_sms() * std::max(resident, 1));
       if (want_dw) partials = at::empty({grid, N}, p.X.options().dtype(rmsnorm::rstd_dtype(p.X.scalar_type())));
       opmath_t* part = want_dw ? partials.mutable_data_ptr<opmath_t>() : nullptr;
-      kernel<<<static_cast<unsigned>(grid), tpr, smem, stream>>>(dy, x, rs, w, dx, part, M, N);
+      kernel<<<static_cast<unsigned>(grid), tpr, smem, stream>>>(a.dy, a.x, a.rs, a.w, a.dx, part, M, N);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto run = [&](auto kernel_vec, auto kernel_scalar) { vec ? go(kernel_vec) : go(kernel_scalar); };
@@ -679,20 +708,13 @@ int64_t resident_blocks(int threads) {
 // Launcher: device guard, current stream, launch, launch check. M == 0 or N == 0 launch nothing.
 template <typename T, bool FUSED>
 void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd) {
-  using opmath_t = at::opmath_type<T>;
   const int64_t M = p.M, N = p.N;
-  const T* x = p.X.const_data_ptr<T>();
-  const T* r = FUSED ? p.R.const_data_ptr<T>() : nullptr;
-  const T* w = p.W.defined() ? p.W.const_data_ptr<T>() : nullptr;
-  T* y = Y.mutable_data_ptr<T>();
-  T* z = FUSED ? Z.mutable_data_ptr<T>() : nullptr;
-  opmath_t* rs = rstd.mutable_data_ptr<opmath_t>();
-  const opmath_t eps = static_cast<opmath_t>(p.eps);
+  const ForwardArgs<T, FUSED> a(p, Y, Z, rstd);
   constexpr int VEC = cuda::vec_size<T>();
-  const bool vec = N % VEC == 0 && cuda::is_aligned16(x) && cuda::is_aligned16(y) &&
-                   (w == nullptr || cuda::is_aligned16(w)) &&
-                   (!FUSED || (cuda::is_aligned16(r) && cuda::is_aligned16(z)));
-  if (launch_forward_variant<T, FUSED>(p, Y, Z, rstd, vec)) return;
+  const bool vec = N % VEC == 0 && cuda::is_aligned16(a.x) && cuda::is_aligned16(a.y) &&
+                   (a.w == nullptr || cuda::is_aligned16(a.w)) &&
+                   (!FUSED || (cuda::is_aligned16(a.r) && cuda::is_aligned16(a.z)));
+  if (launch_forward_variant<T, FUSED>(p, a, vec)) return;
   const int64_t nvec = vec ? N / VEC : N;
   // Measured on the H200 (2026-11-30, benchmarks/results/rms_norm_variants_cuda.txt): for 4-byte and
   // wider types, pipelining rows and up to 1024 threads per row won (fp32 32768x4096: 3895 vs 3495 GB/s;
@@ -708,7 +730,7 @@ void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at:
     constexpr auto kernel = rms_norm_forward_kernel<T, V_, MAXV_, FUSED, PIPE_>;                         \
     const int64_t grid =                                                                                 \
         std::min<int64_t>(row_groups, num_sms() * resident_blocks<kernel>(map.tpr * rows_per_block));    \
-    kernel<<<grid, block, 0, stream>>>(x, r, w, y, z, rs, M, N, eps);                                    \
+    kernel<<<grid, block, 0, stream>>>(a.x, a.r, a.w, a.y, a.z, a.rs, M, N, a.eps);                      \
   } while (0)
   if (vec) {
     if (map.cached) OPFORGE_RMS_FWD(VEC, kMaxVecsPerThread, kWide);
@@ -815,16 +837,13 @@ template <typename T>
 void launch_backward(const rmsnorm::BackwardProblem& p, at::Tensor& dX, at::Tensor& partials, int64_t grid,
                      const RowMapping& map, bool vec, bool pipe) {
   using opmath_t = at::opmath_type<T>;
-  const T* dy = p.dY.const_data_ptr<T>();
-  const T* x = p.X.const_data_ptr<T>();
-  const opmath_t* rs = p.rstd.const_data_ptr<opmath_t>();
-  const T* w = p.W.defined() ? p.W.const_data_ptr<T>() : nullptr;
-  T* dx = dX.defined() ? dX.mutable_data_ptr<T>() : nullptr;
+  const BackwardArgs<T> a(p, dX);
   opmath_t* part = partials.defined() ? partials.mutable_data_ptr<opmath_t>() : nullptr;
   constexpr int VEC = cuda::vec_size<T>();
   auto stream = at::cuda::getCurrentCUDAStream();
-#define OPFORGE_RMS_BWD(V_, MAXV_, PIPE_)                                                        \
-  rms_norm_backward_kernel<T, V_, MAXV_, PIPE_><<<grid, map.tpr, 0, stream>>>(dy, x, rs, w, dx, part, p.M, p.N)
+#define OPFORGE_RMS_BWD(V_, MAXV_, PIPE_)                                                                       \
+  rms_norm_backward_kernel<T, V_, MAXV_, PIPE_><<<grid, map.tpr, 0, stream>>>(a.dy, a.x, a.rs, a.w, a.dx, part, \
+                                                                           p.M, p.N)
   if (vec) {
     if (map.cached && pipe) OPFORGE_RMS_BWD(VEC, kMaxVecsPerThread, true);
     else if (map.cached) OPFORGE_RMS_BWD(VEC, kMaxVecsPerThread, false);
