@@ -12,11 +12,14 @@
 // token kernel (0, the default where its table fits): the grid is (tokens, head groups); a block takes a
 // token (b, s), builds its table C, S [R] (opmath) in shared memory once, then every thread of the block walks the
 // head rows of q and k of its group. Two barriers per token and the table's global-memory latency before any q/k
-// load keep few bytes in flight: about 0.72 of the copy ceiling on the H200 (README).
+// load keep few bytes in flight: about 0.72 of the copy ceiling on the H200 (README). Tried on 2026-12-01 (stop 21):
+// each thread loading 4 units into registers before the table's barrier raised the bf16 kernel from 56 to 126
+// registers (4 blocks per SM instead of 9) and measured slower (forward 160.8 vs 116.5 us), so it was not kept.
 //
 // heads kernel (2, vector path only, else as unset): per token, each thread owns one unit of the row and a lane of
-// its head rows; it loads the unit's table entries from global memory into registers once, then rotates its rows
-// of q and k: no shared memory, no barrier, 32-bit index arithmetic (rope_heads_kernel says more).
+// its head rows; it issues the loads of its first rows, loads the unit's table entries from global memory into
+// registers, then rotates its rows of q and k: no shared memory, no barrier, 32-bit index arithmetic
+// (rope_heads_kernel says more).
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
@@ -417,9 +420,9 @@ __global__ void __launch_bounds__(kRowThreads) rope_rows_kernel(const Params<sca
 // copied) and a lane ℓ < L. Per token a thread loads only its unit's cos/sin entries, straight from global memory
 // into opmath registers (pair_table / interleaved_table: 16-byte loads where the table row is contiguous and aligned,
 // else strided; or the float64 angles of kPositions), then walks the token's head rows ℓ, ℓ + L, ... of q and then
-// k, kHeadRows at a time: all their 16-byte loads first, then rotate and store. Why: the token kernel stages the
-// table in shared memory behind two barriers per token, so the q/k loads wait for the table's global latency and
-// few bytes are in flight; here there is no shared memory and no barrier, a token's table is read once per lane
+// k, kHeadRows at a time: all their 16-byte loads first (the first batch before the table's loads), then rotate
+// and store. Why: the token kernel stages the table in shared memory behind two barriers per token; here there is
+// no shared memory and no barrier, a token's table is read once per lane
 // (L1/L2 hits after the first), and each thread keeps 2·kHeadRows 16-byte loads in flight. Only for the vector path
 // (last dims contiguous, 16-byte aligned) and when every q/k/output element offset and the token count fit in 31
 // bits: its row and token index arithmetic is 32-bit (heads_applies checks; else the token kernel runs).
@@ -448,6 +451,32 @@ __global__ void __launch_bounds__(kHeadThreads, kHeadMinBlocks) rope_heads_kerne
 
   for (uint32_t t = blockIdx.x * static_cast<uint32_t>(p.TPB) + slot; t < T; t += step) {
     const uint32_t b = t / S, s = t - b * S;
+    // element offsets of this token's rows in q, k and their outputs
+    const uint32_t xt[2] = {b * xs(0, 0) + s * xs(0, 2), b * xs(1, 0) + s * xs(1, 2)};
+    const uint32_t yt[2] = {b * ys(0, 0) + s * ys(0, 2), b * ys(1, 0) + s * ys(1, 2)};
+    auto xrow = [&](int r) -> const scalar_t* {
+      return r < Hq ? p.x[0] + (xt[0] + static_cast<uint32_t>(r) * xs(0, 1))
+                    : p.x[1] + (xt[1] + static_cast<uint32_t>(r - Hq) * xs(1, 1));
+    };
+    auto yrow = [&](int r) -> scalar_t* {
+      return r < Hq ? p.y[0] + (yt[0] + static_cast<uint32_t>(r) * ys(0, 1))
+                    : p.y[1] + (yt[1] + static_cast<uint32_t>(r - Hq) * ys(1, 1));
+    };
+    // this thread's rows r0, r0 + L, ... (kHeadRows of them) loaded at once; the first batch before the table, so
+    // that the table's latency overlaps the rows'
+    Vx xa[kHeadRows], xb[kHeadRows];
+    auto load_rows = [&](int r0) {
+#pragma unroll
+      for (int i = 0; i < kHeadRows; ++i) {
+        const int r = r0 + i * p.L;
+        if (r < rows) {
+          const scalar_t* x = xrow(r);
+          xa[i] = load_row<V>(x, ja, 1);
+          if (paired) xb[i] = load_row<V>(x, jb, 1);
+        }
+      }
+    };
+    load_rows(lane);
     opmath_t Ca[V], Cb[V], Sa[V], Sb[V];  // interleaved: C = Ca, Sn = Sa
     if (rotated) {
       double position = 0.0;
@@ -465,28 +494,8 @@ __global__ void __launch_bounds__(kHeadThreads, kHeadMinBlocks) rope_heads_kerne
         pair_table<kPositions, V>(p, cosr, sinr, position, u, ja, jb, Ca, Cb, Sa, Sb);
       }
     }
-    // element offsets of this token's rows in q, k and their outputs
-    const uint32_t xt[2] = {b * xs(0, 0) + s * xs(0, 2), b * xs(1, 0) + s * xs(1, 2)};
-    const uint32_t yt[2] = {b * ys(0, 0) + s * ys(0, 2), b * ys(1, 0) + s * ys(1, 2)};
-    auto xrow = [&](int r) -> const scalar_t* {
-      return r < Hq ? p.x[0] + (xt[0] + static_cast<uint32_t>(r) * xs(0, 1))
-                    : p.x[1] + (xt[1] + static_cast<uint32_t>(r - Hq) * xs(1, 1));
-    };
-    auto yrow = [&](int r) -> scalar_t* {
-      return r < Hq ? p.y[0] + (yt[0] + static_cast<uint32_t>(r) * ys(0, 1))
-                    : p.y[1] + (yt[1] + static_cast<uint32_t>(r - Hq) * ys(1, 1));
-    };
     for (int r0 = lane; r0 < rows; r0 += kHeadRows * p.L) {
-      Vx xa[kHeadRows], xb[kHeadRows];
-#pragma unroll
-      for (int i = 0; i < kHeadRows; ++i) {
-        const int r = r0 + i * p.L;
-        if (r < rows) {
-          const scalar_t* x = xrow(r);
-          xa[i] = load_row<V>(x, ja, 1);
-          if (paired) xb[i] = load_row<V>(x, jb, 1);
-        }
-      }
+      if (r0 != lane) load_rows(r0);
 #pragma unroll
       for (int i = 0; i < kHeadRows; ++i) {
         const int r = r0 + i * p.L;
@@ -690,7 +699,8 @@ void run_cuda(const rotary::Problem& p) {
   // Kernel: OPFORGE_ROPE_KERNEL 0 the per-token table kernel, 1 the rows kernel, 2 the heads kernel where it
   // applies (else as unset); unset (-1): the per-token kernel wherever its table fits, as it measured faster on
   // the H200 (2026-12-01, bench_rope.py, bf16 4x4096x32/8x128: forward+backward 225 us vs the rows kernel's
-  // 371 us), else the rows kernel. The heads kernel is not yet measured, so not yet chosen by default.
+  // 371 us), else the rows kernel. The heads kernel measured slower there too (stop 21: 251.6 us forward+backward
+  // vs the token kernel's 228.6 at stop 20), so it is not chosen by default.
   const int64_t opmath_bytes = ref.scalar_type() == at::kDouble ? 8 : 4;
   const int64_t choice = knobs::get(knobs::Knob::kRopeKernel);
   const bool table_fits = 2 * p.R * opmath_bytes <= kMaxTableBytes;
