@@ -56,7 +56,9 @@
 #                                     tool stops a command at 600 s)
 #   GPU_CHECK_ALLOWED_SKIPS   regex of skip reasons that do not count as skipped CUDA tests
 #                                     (default: more GPUs, torch >= 2.13's F.linear_cross_entropy, no CUDA)
-#   OPFORGE_GIT_COMMIT        the commit recorded in benchmark CSVs when the tree has no .git
+#   OPFORGE_GIT_COMMIT        the commit recorded in benchmark CSVs; pass it (OPFORGE_GIT_COMMIT=$(git rev-parse --short HEAD)
+#                             on this side): the device copy's .git can be an older snapshot than its working tree (2026-12-01:
+#                             CSVs of a 990ad74 tree said 9f3cf06)
 set -u
 set -o pipefail
 
