@@ -228,4 +228,14 @@ at::Tensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& linea
                                 std::optional<double> softcap = std::nullopt,
                                 std::optional<int64_t> chunk_size = std::nullopt);
 
+/// Gradients of linear_cross_entropy: (grad_input (*, H) input's dtype, grad_linear_weight (V, H) in
+/// linear_weight's dtype, grad_linear_bias (V,) in linear_bias's dtype), entry k only when output_mask[k] (no
+/// V × H buffer at all without grad_linear_weight). grad_output: () for mean/sum, (*) for none (a per-token
+/// weight). stats: the forward's (m, r). The logits are recomputed chunk by chunk; dW and db accumulate in fp32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const at::Tensor& stats, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+    c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+    std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size = std::nullopt);
+
 }  // namespace opforge

@@ -1,4 +1,4 @@
-"""The conformance table: one OpInfo-style entry per public opforge op (issue 9, DESIGN.md §5).
+"""The conformance table: one OpInfo-style entry per public opforge op (issue 9; tolerances: opforge.testing).
 
 ``test_conformance.py`` drives every entry (and the backward ops its gradient calls) through the same
 checks: forward and gradients against the float64 reference of ``opforge.testing`` with the tolerance

@@ -93,10 +93,10 @@ def test_jit_build_with_an_extra_op(tmp_path):
     extra = tmp_path / "cube.cpp"
     extra.write_text(
         '#include <ATen/ATen.h>\n#include <torch/library.h>\n'
-        'TORCH_LIBRARY_FRAGMENT(opforge, m) { m.def("cube(Tensor input) -> Tensor"); }\n'
-        'TORCH_LIBRARY_IMPL(opforge, CPU, m) { m.impl("cube", [](const at::Tensor& x) { return x * x * x; }); }\n')
+        'TORCH_LIBRARY_FRAGMENT(opforge, m) { m.def("example_cube(Tensor input) -> Tensor"); }\n'
+        'TORCH_LIBRARY_IMPL(opforge, CPU, m) { m.impl("example_cube", [](const at::Tensor& x) { return x * x * x; }); }\n')
     code = ("import opforge, torch; x = torch.arange(4.0); "
-            "assert torch.equal(torch.ops.opforge.cube(x), x ** 3); "
+            "assert torch.equal(torch.ops.opforge.example_cube(x), x ** 3); "
             "assert torch.allclose(opforge.sigmoid(x), torch.sigmoid(x)); print(opforge.library_path)")
     r = _python(code, env=_env(OPFORGE_LIBRARY="jit", OPFORGE_JIT_SOURCES=str(extra), PYTHONPATH=str(REPO / "python"),
                                TORCH_EXTENSIONS_DIR=str(REPO / "build" / "jit")), cwd=tmp_path)

@@ -3,27 +3,37 @@
 A schema is public unless its name starts with ``_`` (a private forward) or ends with ``_backward`` (a backward
 op, tested through its forward's conformance entry). For each public op this test wants:
 
-1. a functional wrapper ``opforge.functional.<op>``, listed in its ``__all__`` and exported as ``opforge.<op>``;
-2. a C++ declaration ``<op>(`` in include/opforge/opforge.h;
+1. a functional wrapper ``opforge.functional.<op>`` with a docstring, listed in its ``__all__``, exported as
+   ``opforge.<op>`` and listed in ``opforge.__all__``;
+2. a C++ declaration ``<op>(`` in include/opforge/opforge.h, outside comments (and ``<op>_backward(`` when the
+   library defines that schema);
 3. a float64 reference ``opforge.testing.<op>_reference``, listed in its ``__all__``;
-4. a conformance entry ``OpEntry(name="<op>", ...)`` in tests/python/conformance.py;
+4. a conformance entry ``OpEntry(name="<op>", ...)`` in tests/python/conformance.py (read as text, so that a missing
+   wrapper is reported here rather than as an import error of conformance.py);
 5. a docs entry: docs/ops/<op>.md, or a Markdown heading naming the op (as a word, backticks optional) in a page
    under docs/ops/ (the family's page: "# rms_norm and fused_add_rms_norm" in docs/ops/rms_norm.md covers both);
-6. a benchmark: a benchmarks/bench_*.py that names the op (benchmarks/bench_<op>.py, or the family's script).
+   that page in mkdocs.yml's nav; and a call ``opforge.<op>(`` in README.md's API table;
+6. a benchmark: a benchmarks/bench_*.py whose code (comments and strings aside) calls the op as an attribute
+   (``opforge.<op>``, ``F.<op>``, ``torch.ops.opforge.<op>``).
 
+The schemas are read from the whole text of csrc/library.cpp (an ``m.def(`` may span lines, two may share one), and
+test_loaded_library_matches_library_cpp compares them with the operators the built library registers, so a
+schema defined anywhere else (a TORCH_LIBRARY_FRAGMENT in another file) cannot slip past the checklist.
 Each missing piece is its own failing case whose message says which file to edit and what to add.
 """
 from __future__ import annotations
 
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
+import torch
 
 import opforge
 import opforge.functional
 import opforge.testing
-from conformance import ENTRIES
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ROOT / "csrc" / "library.cpp"
@@ -33,19 +43,37 @@ TESTING = ROOT / "python" / "opforge" / "testing.py"
 CONFORMANCE = ROOT / "tests" / "python" / "conformance.py"
 DOCS = ROOT / "docs" / "ops"
 BENCHMARKS = ROOT / "benchmarks"
+MKDOCS = ROOT / "mkdocs.yml"
+README = ROOT / "README.md"
 GUIDE = "docs/adding_an_op.md"
 
 _DEF = re.compile(r'm\.def\(\s*"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:\.[A-Za-z0-9_]+)?\(')
+# schemas defined outside csrc/library.cpp on purpose: name -> where and why
+OTHER_SCHEMAS = {"_set_knob": "csrc/core/knobs.cpp: the tests' knob setter, not an op"}
 
 
 def schemas():
-    """[(name, line number)] of every m.def in csrc/library.cpp."""
+    """[(name, line number)] of every m.def in csrc/library.cpp (read as one text: across lines, several a line)."""
+    text = LIBRARY.read_text()
+    return [(m.group("name"), text.count("\n", 0, m.start()) + 1) for m in _DEF.finditer(text)]
+
+
+def _strip_cpp_comments(text: str) -> str:
+    return re.sub(r"/\*.*?\*/", " ", re.sub(r"//[^\n]*", "", text), flags=re.S)
+
+
+def _python_code(path: Path) -> str:
+    """The source of `path` without comments and string literals (docstrings included): the code that runs."""
     out = []
-    for i, line in enumerate(LIBRARY.read_text().splitlines(), 1):
-        m = _DEF.search(line)
-        if m:
-            out.append((m.group("name"), i))
-    return out
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type not in (tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)):
+            out.append(tok.string)
+    return " ".join(out)
+
+
+def _entry_names():
+    """Names of the OpEntry(...) of tests/python/conformance.py, read from its text."""
+    return set(re.findall(r'OpEntry\(\s*name\s*=\s*"([A-Za-z_][A-Za-z0-9_]*)"', CONFORMANCE.read_text()))
 
 
 def is_public(name: str) -> bool:
@@ -53,7 +81,8 @@ def is_public(name: str) -> bool:
 
 
 PUBLIC = [(n, line) for n, line in schemas() if is_public(n)]
-CHECKS = ["functional", "cpp_declaration", "reference", "conformance_entry", "docs", "benchmark"]
+CHECKS = ["functional", "cpp_declaration", "reference", "conformance_entry", "docs", "docs_nav", "readme_api",
+          "benchmark"]
 
 # Pieces known to be missing on main, each with the one who adds it. strict: once the piece exists, the xfail
 # turns into a failure, so the entry here is removed with it.
@@ -83,12 +112,25 @@ def _missing(op: str, line: int, check: str):
         if getattr(opforge, op, None) is not f:
             return (f"{where}: opforge.{op} is not the functional wrapper: export it in python/opforge/__init__.py "
                     f"(`from .functional import {op}`). See {GUIDE}, checklist item 5.")
+        if op not in getattr(opforge, "__all__", ()):
+            return (f"{where}: \"{op}\" is not in opforge.__all__ (python/opforge/__init__.py:"
+                    f"{_line_of(ROOT / 'python' / 'opforge' / '__init__.py', r'^__all__')}), so "
+                    f"`from opforge import *` misses it. See {GUIDE}, checklist item 5.")
         if not (f.__doc__ or "").strip():
-            return f"{where}: opforge.functional.{op} has no docstring (DESIGN.md §4). See {GUIDE}, checklist item 5."
+            return (f"{where}: opforge.functional.{op} has no docstring (shapes, dtypes, errors, source). "
+                    f"See {GUIDE}, checklist item 5.")
         return None
     if check == "cpp_declaration":
-        if re.search(rf"\b{op}\s*\(", HEADER.read_text()):
+        code = _strip_cpp_comments(HEADER.read_text())
+        missing = [n for n in (op, f"{op}_backward") if (n == op or n in dict(schemas()))
+                   and not re.search(rf"(?<![A-Za-z0-9_:.]){n}\s*\(", code)]
+        if not missing:
             return None
+        if missing == [f"{op}_backward"]:
+            return (f"{where}: its backward op opforge::{op}_backward has no C++ declaration: add "
+                    f"`/// <its gradients, shapes, dtypes>` and its declaration inside namespace opforge in "
+                    f"{_rel(HEADER)} (outside comments), defined through typed_op next to {op}'s. "
+                    f"See {GUIDE}, checklist item 2.")
         return (f"{where} has no C++ declaration: add `/// <what it computes, shapes, dtypes>` and "
                 f"`at::Tensor {op}(...);` inside namespace opforge in {_rel(HEADER)} (before "
                 f"{_rel(HEADER)}:{_line_of(HEADER, r'}  // namespace opforge')}), defined in csrc/ops/<family>/"
@@ -101,28 +143,51 @@ def _missing(op: str, line: int, check: str):
                 f"op's signature) to {_rel(TESTING)} and list \"{name}\" in its __all__ "
                 f"({_rel(TESTING)}:{_line_of(TESTING, r'^__all__')}). See {GUIDE}, checklist item 6.")
     if check == "conformance_entry":
-        if any(e.name == op for e in ENTRIES):
+        if op in _entry_names():
             return None
         marker = _line_of(CONFORMANCE, r"entries of the ops added in parallel")
         return (f"{where} has no conformance entry: append `ENTRIES.append(OpEntry(name=\"{op}\", op=F.{op}, "
-                f"reference=T.{op}_reference, ...))` with its sample generator and >= 10 bad inputs at the end of "
-                f"{_rel(CONFORMANCE)} (after line {marker}; its docstring shows the block). See {GUIDE}, checklist item 7.")
+                f"reference=T.{op}_reference, ...))` with its sample generator and >= 10 bad inputs in a block of "
+                f"its own at the end of {_rel(CONFORMANCE)} (the section that starts at line {marker}; the file's "
+                f"docstring shows the block), and a strategy in tests/python/test_properties.py's _args (or list it "
+                f"in WITHOUT_STRATEGY there, with why). See {GUIDE}, checklist item 7.")
     if check == "docs":
-        heading = re.compile(rf"^#+ .*(?<![A-Za-z0-9_]){op}(?![A-Za-z0-9_])", re.M)
-        if (DOCS / f"{op}.md").is_file() or (
-                DOCS.is_dir() and any(heading.search(p.read_text()) for p in sorted(DOCS.glob("*.md")))):
+        if _docs_page(op) is not None:
             return None
-        return (f"{where} has no docs entry: add a page docs/ops/{op}.md (or a heading naming {op} in its family's "
-                f"page under docs/ops/, e.g. \"## {op}\") with its formula, shapes, dtypes, gradients, autocast "
-                f"policy and limits. See {GUIDE}, checklist item 8.")
+        return (f"{where} has no docs entry: add a page docs/ops/{op}.md headed `# {op}` (or a heading naming {op} "
+                f"in its family's page under docs/ops/, e.g. \"## {op}\") with its formula, shapes, dtypes, "
+                f"gradients, autocast policy and limits. See {GUIDE}, checklist item 8.")
+    if check == "docs_nav":
+        page = _docs_page(op)
+        if page is None or f"ops/{page.name}" in MKDOCS.read_text():
+            return None  # no page: the docs case says so
+        return (f"{where}: its docs page {_rel(page)} is not in {_rel(MKDOCS)}'s nav: add `      - {page.stem}: "
+                f"ops/{page.name}` under \"Ops\" ({_rel(MKDOCS)}:{_line_of(MKDOCS, r'ops/')}). "
+                f"See {GUIDE}, checklist item 8.")
+    if check == "readme_api":
+        api = README.read_text().split("\n## API", 1)[-1].split("\n## ", 1)[0]
+        if f"opforge.{op}(" in api:
+            return None
+        return (f"{where} is not in README.md's API table: add a row (or, for a family member, a call in its "
+                f"family's row) with `opforge.{op}(...)`, its C++ call, math, dtypes and backends "
+                f"(README.md:{_line_of(README, r'^## API')}). See {GUIDE}, checklist item 8.")
     if check == "benchmark":
-        word = re.compile(rf"\b{op}\b")
-        if any(word.search(p.read_text()) for p in sorted(BENCHMARKS.glob("bench_*.py"))):
+        call = re.compile(rf"\.\s*{op}(?![A-Za-z0-9_])")
+        if any(call.search(_python_code(p)) for p in sorted(BENCHMARKS.glob("bench_*.py"))):
             return None
         return (f"{where} has no benchmark: add benchmarks/bench_{op}.py on benchmarks/common.py (or a case in "
-                f"its family's benchmarks/bench_<family>.py) that times opforge.{op} against torch's "
-                f"composition. See {GUIDE}, checklist item 9.")
+                f"its family's benchmarks/bench_<family>.py) whose code calls opforge.{op} (a name in a comment or "
+                f"string does not count) and times it against torch's composition. See {GUIDE}, checklist item 9.")
     raise ValueError(check)
+
+
+def _docs_page(op: str):
+    """The docs page of `op`: docs/ops/<op>.md with a heading naming it, else the first page under docs/ops/ with a
+    heading naming it (as a word, backticks optional); None when there is none."""
+    heading = re.compile(rf"^#+ .*(?<![A-Za-z0-9_]){op}(?![A-Za-z0-9_])", re.M)
+    own = DOCS / f"{op}.md"
+    pages = ([own] if own.is_file() else []) + sorted(p for p in DOCS.glob("*.md") if p != own)
+    return next((p for p in pages if heading.search(p.read_text())), None)
 
 
 def _params():
@@ -165,11 +230,31 @@ def test_every_backward_op_belongs_to_a_public_op():
                                   f"(name a backward op after its forward: <op>_backward)")
 
 
+def test_backward_ops_are_named_op_backward():
+    for name, line in schemas():
+        for suffix in ("_grad", "_bwd", "_backward_op", "_grad_input"):
+            assert not name.endswith(suffix), (
+                f"csrc/library.cpp:{line}: opforge::{name} looks like a backward op: name it "
+                f"{name[: -len(suffix)]}_backward (PyTorch's naming; the checklist treats every other name as a "
+                f"public op). See {GUIDE}.")
+
+
+def test_loaded_library_matches_library_cpp():
+    loaded = {s.name.split("::", 1)[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("opforge::")}
+    parsed = {n for n, _ in schemas()}
+    extra = sorted(loaded - parsed - set(OTHER_SCHEMAS))
+    assert not extra, (f"the built library registers opforge::{extra} but csrc/library.cpp has no m.def for "
+                       f"{'it' if len(extra) == 1 else 'them'} (as this test reads it): define every schema in "
+                       f"csrc/library.cpp, one `m.def(\"<schema>\")` with a comment line above. See {GUIDE}.")
+    missing = sorted(parsed - loaded)
+    assert not missing, f"csrc/library.cpp defines opforge::{missing}, which the built library does not register"
+
+
 def test_conformance_entries_name_real_ops():
     public = {n for n, _ in PUBLIC}
-    for e in ENTRIES:
-        assert e.name in public, (f"tests/python/conformance.py: entry {e.name!r} is not a public schema of "
-                                  f"csrc/library.cpp")
+    for name in sorted(_entry_names()):
+        assert name in public, (f"tests/python/conformance.py: entry {name!r} is not a public schema of "
+                                f"csrc/library.cpp")
 
 
 def test_references_are_named_after_ops():

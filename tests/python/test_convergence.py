@@ -9,7 +9,7 @@ at lr 3e-3 Adam amplifies rounding faster, 2e-3 by step 300).
 
 bfloat16 (pure bf16 weights and activations, as the H200 benchmark): rounding differences of one bf16 ulp
 (2^-8 relative) per op make the two trajectories drift apart, so they are not compared with each other directly.
-Both are compared with the float32 run instead, by the house rule for tolerances (DESIGN.md §5): the patched
+Both are compared with the float32 run instead, by the house rule for tolerances (opforge.testing): the patched
 bf16 loss may be at most 2x as far from the float32 loss as transformers' own bf16 loss is, plus a floor of
 1% of the loss (one bf16 rounding of the loss curve's scale is 0.4%), at every logged step, and the
 patched bf16 run must end as low as the plain one within that floor.

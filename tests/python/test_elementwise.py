@@ -1,4 +1,4 @@
-"""Tests of the elementwise ops sigmoid, square, square_add and their backward ops (DESIGN.md §5).
+"""Tests of the elementwise ops sigmoid, square, square_add and their backward ops (tolerances: opforge.testing).
 
 Every numeric check follows the tolerance rule of opforge.testing.assert_matches_reference: opforge's
 error against the float64 reference is at most 2x the error of the same PyTorch math in the same dtype

@@ -49,15 +49,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_c
     int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
     std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask = {false, false, false});
 
-/// Gradients of linear_cross_entropy: (grad_input (*, H) input's dtype, grad_linear_weight (V, H) in
-/// linear_weight's dtype, grad_linear_bias (V,) in linear_bias's dtype), entry k only when output_mask[k] (no
-/// V × H buffer at all without grad_linear_weight). grad_output: () for mean/sum, (*) for none (a per-token
-/// weight). stats: the forward's (m, r). The logits are recomputed chunk by chunk; dW and db accumulate in fp32.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const at::Tensor& stats, const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
-    c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
-    std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size = std::nullopt);
+// linear_cross_entropy_backward is declared in include/opforge/opforge.h (public C++ API).
 
 /// The backward of the gradient-in-forward path: (grad_output · grad_input, grad_output · grad_linear_weight,
 /// grad_output · grad_linear_bias) for the defined ones (undefined where the argument is), each in its own dtype.

@@ -1,4 +1,4 @@
-"""The benchmark harness shared by every benchmarks/bench_<op>.py and ``python -m opforge bench`` (DESIGN.md §6).
+"""The benchmark harness shared by every benchmarks/bench_<op>.py and ``python -m opforge bench``.
 
 ``benchmarks/common.py`` is this module (a thin re-export), so ``import common`` in a bench script and
 ``from opforge.bench import harness`` are the same code.
