@@ -8,7 +8,8 @@ profile has one record per kernel (ncu replays a kernel to collect its sections;
 
 Cases: rms_fwd (bf16 32768x4096), rms_fwd_8192 (bf16 16384x8192), fused_fwd (bf16 32768x4096),
 rms_bwd_long (bf16 4096x16384 forward+backward), rms_bwd_fp32 (fp32 16384x8192 forward+backward),
-gemv (bf16 1x4096x4096, no bias), rope (bf16 4x4096, 32 q / 8 kv heads, head dim 128, forward).
+gemv (bf16 1x4096x4096, no bias), rope (bf16 4x4096, 32 q / 8 kv heads, head dim 128, forward; q and k as views of
+(B, S, H, D) projections, as bench_rope.py; until 2026-12-01 stop 21 they were contiguous (B, H, S, D)).
 `--clock-control none` leaves the GPU's clocks alone (the device notes ask for it).
 """
 from __future__ import annotations
@@ -41,8 +42,9 @@ def _gemv():
 
 def _rope():
     B, S, Hq, Hk, D = 4, 4096, 32, 8, 128
-    q = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B, Hk, S, D, device="cuda", dtype=torch.bfloat16)
+    # as bench_rope.py and a Hugging Face attention layer lay them out: (B, S, H, D) projections viewed (B, H, S, D)
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     pos = torch.arange(S, device="cuda", dtype=torch.float32)
     inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
     emb = torch.cat([pos[:, None] * inv[None], pos[:, None] * inv[None]], -1)[None]
