@@ -139,19 +139,9 @@ except ImportError as _e:
 from . import profiling  # noqa: E402,F401  (reads OPFORGE_NVTX once)
 
 from . import functional, nn  # noqa: E402
-from .functional import fused_add_rms_norm, linear, rms_norm, sigmoid, square, square_add, swiglu  # noqa: E402
-from .functional import indexed_linear, linear_cat  # noqa: E402  (linear variants, issue 11)
-from .functional import swiglu_packed  # noqa: E402
-from .functional import rope, rope_from_positions  # noqa: E402
+# Every op of opforge.functional is opforge.<op>: a new op's wrapper, listed in functional.__all__, is exported here
+# without an edit of this file (docs/adding_an_op.md, checklist item 5).
+from .functional import *  # noqa: E402,F401,F403
 
-__all__ = ["cmake_prefix_path", "functional", "fused_add_rms_norm", "library_path", "linear", "nn", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
-__all__ += ["swiglu_packed"]
-
-from .functional import linear_cross_entropy  # noqa: E402  (issue 10)
-__all__ += ["linear_cross_entropy"]
-# fake_quant_linear (csrc/ops/fake_quant_linear)
-from .functional import fake_quant_linear, fake_quantize_weight  # noqa: E402
-
-__all__ += ["fake_quant_linear", "fake_quantize_weight"]
-__all__ += ["indexed_linear", "linear_cat"]  # linear variants (issue 11)
-__all__ += ["rope", "rope_from_positions"]
+__all__ = ["cmake_prefix_path", "functional", "library_path", "nn"] + [
+    name for name in functional.__all__ if name != "LINEAR_ACTIVATIONS"]

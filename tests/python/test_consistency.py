@@ -110,12 +110,13 @@ def _missing(op: str, line: int, check: str):
                     f"{_rel(FUNCTIONAL)} (calling torch.ops.opforge.{op}) and list \"{op}\" in its __all__ "
                     f"({_rel(FUNCTIONAL)}:{_line_of(FUNCTIONAL, r'^__all__')}). See {GUIDE}, checklist item 5.")
         if getattr(opforge, op, None) is not f:
-            return (f"{where}: opforge.{op} is not the functional wrapper: export it in python/opforge/__init__.py "
-                    f"(`from .functional import {op}`). See {GUIDE}, checklist item 5.")
+            return (f"{where}: opforge.{op} is not the functional wrapper opforge.functional.{op}: "
+                    f"python/opforge/__init__.py exports functional.__all__ with `from .functional import *`; "
+                    f"something there rebinds the name. See {GUIDE}, checklist item 5.")
         if op not in getattr(opforge, "__all__", ()):
             return (f"{where}: \"{op}\" is not in opforge.__all__ (python/opforge/__init__.py:"
-                    f"{_line_of(ROOT / 'python' / 'opforge' / '__init__.py', r'^__all__')}), so "
-                    f"`from opforge import *` misses it. See {GUIDE}, checklist item 5.")
+                    f"{_line_of(ROOT / 'python' / 'opforge' / '__init__.py', r'^__all__')} builds it from "
+                    f"functional.__all__), so `from opforge import *` misses it. See {GUIDE}, checklist item 5.")
         if not (f.__doc__ or "").strip():
             return (f"{where}: opforge.functional.{op} has no docstring (shapes, dtypes, errors, source). "
                     f"See {GUIDE}, checklist item 5.")
