@@ -124,5 +124,6 @@ def load(extra_sources: Iterable[str | os.PathLike] = (), verbose: bool = False)
         verbose=verbose,
     )
     if not quiet:
-        print(f"opforge.jit: built and loaded {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(f"opforge.jit: loaded {path} after {time.perf_counter() - t0:.1f} s (sources compiled only where changed "
+              "since the cached build)", file=sys.stderr, flush=True)
     return Path(path)
