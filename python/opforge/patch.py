@@ -343,25 +343,28 @@ class _Kept:
         self.t, self.version = t, t._version
 
 
+def _modified_in_place(detail: str) -> RuntimeError:
+    """autograd's error for a saved tensor changed in place before backward, with what opforge.patch knows of it."""
+    return RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                        f"operation: {detail}")
+
+
 def _unpack_recipe(packed):
     tracing = torch.compiler.is_compiling()  # compiled autograd: versions are not guardable there; eager checks them
     if isinstance(packed, _Kept):
         if not tracing and packed.t._version != packed.version:
-            raise RuntimeError(
-                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            raise _modified_in_place(
                 f"[{packed.t.dtype}, {list(packed.t.shape)}] is at version {packed.t._version}; expected version "
                 f"{packed.version} instead (saved for backward by a GEMM of an opforge-patched layer)")
         return packed.t
     if not isinstance(packed, _Recipe):
         return packed
     if packed.stale:
-        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
-                           f"operation: {packed.what}, saved for backward by the GEMM that read it, was changed in "
-                           f"place after it was saved")
+        raise _modified_in_place(f"{packed.what}, saved for backward by the GEMM that read it, was changed in place "
+                                 f"after it was saved")
     for a, v in zip(packed.args, packed.versions):
         if not tracing and v is not None and a._version != v:
-            raise RuntimeError(
-                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            raise _modified_in_place(
                 f"opforge.patch recomputes {packed.what} in backward from a {list(a.shape)} tensor that is at version "
                 f"{a._version}; expected version {v} instead")
     with torch.no_grad():
@@ -813,7 +816,7 @@ def _patch_decoder_layer(layer: torch.nn.Module, inductor_math: bool, recompute:
     src = inspect.getsource(type(attn).forward) if hasattr(type(attn), "forward") else ""
     sliding = "attr" if hasattr(attn, "sliding_window") else ("config" if "sliding_window" in src else None)
     attn_sizes = _fuse(attn, ["q_proj", "k_proj", "v_proj"], "qkv_proj")
-    mlp_sizes = _fuse(mlp, ["gate_proj", "up_proj"], "gate_up_proj")
+    _fuse(mlp, ["gate_proj", "up_proj"], "gate_up_proj")  # equal halves: swiglu_packed splits them
     attn._opforge_hooks = _register_sd_hooks(attn)
     mlp._opforge_hooks = _register_sd_hooks(mlp)
     _swap_class(layer, "decoder", inductor_math)
@@ -824,7 +827,6 @@ def _patch_decoder_layer(layer: torch.nn.Module, inductor_math: bool, recompute:
     attn._opforge_sliding = sliding
     attn._opforge_attention_functions = mod.ALL_ATTENTION_FUNCTIONS
     attn._opforge_eager_attention = mod.eager_attention_forward
-    mlp._opforge_sizes = mlp_sizes
     for m in (layer, attn, mlp):
         m._opforge_recompute = bool(recompute)
 

@@ -2,7 +2,7 @@
 
 Each ``*_reference`` function is the readable eager version of an opforge op, evaluated in float64.
 
-The tolerance rule (the project's one rule, used by every test): an opforge result in dtype ``d`` passes when its error against the
+The tolerance rule (every test's): an opforge result in dtype ``d`` passes when its error against the
 float64 reference is at most twice the error of the same math done by PyTorch in ``d``, plus one unit
 of ``d``'s rounding (``torch.finfo(d).eps``) to cover results PyTorch happens to get exact. The rule
 is applied twice: to the norm-relative error (a global bound) and to the largest elementwise error

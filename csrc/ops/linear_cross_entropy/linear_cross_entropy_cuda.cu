@@ -35,7 +35,8 @@ using lce::Problem;
 
 // Bytes of logits (fp32 chunk plus its storage-dtype gradient copies, one per chunk of a dW group) one chunk may hold
 // on CUDA: at V = 128256, 768 MiB gives 1024 rows for bf16 with one copy (the default group), 768 with two. Chosen by
-// measurement (H200, bf16, fwd+bwd, one copy, 8192x4096x128256 / 8192x2048x128256): 320 rows (the earlier 256 MiB) 71.8 / 41.1 ms, 1024 rows 47.4 / 27.2 ms, 2048 rows 48.6 / 24.8 ms,
+// measurement (H200, bf16, fwd+bwd, one copy, 8192x4096x128256 / 8192x2048x128256): 320 rows (the earlier 256 MiB)
+// 71.8 / 41.1 ms, 1024 rows 47.4 / 27.2 ms, 2048 rows 48.6 / 24.8 ms,
 // 8192 rows 42.8 / 22.8 ms; peak above the inputs 2.0 / 1.0, 2.0 / 1.25, 2.5 / 2.0, 7.0 / 6.5 GiB (the fp32 dW
 // accumulator, V x H x 4 bytes, sets the floor). Each chunk's fp32 dW accumulation re-reads and re-writes V x H, so
 // fewer, larger chunks amortise it.

@@ -143,14 +143,12 @@ void check_rstd_args(const char* op, const at::Tensor& input, const at::Tensor& 
                      const std::optional<at::Tensor>& weight, const at::Tensor* grad_output) {
   check_floating(op, "input", input);
   check_floating(op, "rstd", rstd);
+  if (grad_output != nullptr) check_same_device(op, "grad_output", *grad_output, "input", input);
+  check_same_device(op, "rstd", rstd, "input", input);
   if (grad_output != nullptr) {
-    check_same_device(op, "grad_output", *grad_output, "input", input);
-    check_same_device(op, "rstd", rstd, "input", input);
     TORCH_CHECK_VALUE(grad_output->sym_sizes().equals(input.sym_sizes()), "opforge::", op,
                       ": expected grad_output of input's shape ", shape_str(input.sym_sizes()), ", but got ",
                       shape_str(grad_output->sym_sizes()));
-  } else {
-    check_same_device(op, "rstd", rstd, "input", input);
   }
   const int64_t nd = input.dim() - rstd.dim();
   TORCH_CHECK_VALUE(nd >= 1 && leading_sizes(input, nd).equals(rstd.sym_sizes()), "opforge::", op,

@@ -768,8 +768,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cuda(
   return rmsnorm::fused_add_rms_norm_forward(forward_cuda, input, residual, normalized_shape, weight, eps);
 }
 
-// _rms_norm_apply: y = x · rstd[row] · w (w null: · 1), the forward kernels' last step with the same operations in the
-// same order (scale_store), so bitwise their output for the same x, rstd and w. One block per row (grid-stride).
+// _rms_norm_apply: y = x · rstd[row] · w (w null: · 1), the forward kernels' last step with the operations and order of
+// their scale_store (written here per element), so bitwise their output for the same x, rstd and w. One block per row
+// (grid-stride); scalar accesses, not yet vectorized or measured alone (it runs once per layer in backward).
 template <typename T>
 __global__ void __launch_bounds__(256) rms_norm_apply_kernel(const T* __restrict__ X,                       // [M, N]
                                                              const at::opmath_type<T>* __restrict__ rstd,  // [M]
