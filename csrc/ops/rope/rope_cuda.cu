@@ -15,6 +15,7 @@
 // load keep few bytes in flight: about 0.72 of the copy ceiling on the H200 (README). Tried on 2026-12-01 (stop 21):
 // each thread loading 4 units into registers before the table's barrier raised the bf16 kernel from 56 to 126
 // registers (4 blocks per SM instead of 9) and measured slower (forward 160.8 vs 116.5 us), so it was not kept.
+// With OPFORGE_ROPE_KERNEL=3 the same kernel runs on a grid of whole waves (launch_token_kernel; unmeasured).
 //
 // heads kernel (2, vector path only, else as unset): per token, each thread owns one unit of the row and a lane of
 // its head rows; it issues the loads of its first rows, loads the unit's table entries from global memory into
@@ -29,8 +30,9 @@
 
 #include "core/check.h"
 #include "core/cuda_utils.cuh"
-#include "core/knobs.h"
 #include "core/dispatch.h"
+#include "core/knobs.h"
+#include "core/row_cuda.cuh"
 #include "ops/rope/rope.h"
 
 namespace opforge {
@@ -581,33 +583,43 @@ Params<scalar_t, trig_t> make_params(const rotary::Problem& p, int64_t T) {
   return P;
 }
 
-template <typename scalar_t, typename trig_t>
-void launch_token(const rotary::Problem& p, int rows, int64_t T) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const Params<scalar_t, trig_t> P = make_params<scalar_t, trig_t>(p, T);
-  const bool positions = p.positions.defined();
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks_x = std::min<int64_t>(T, sms * 32);
+// One token-kernel launch. Grid: `blocks_x` blocks along tokens (each loops over tokens), times `groups` along
+// rows where there are few tokens.
+template <typename scalar_t, typename trig_t, bool kPositions, bool kVec>
+void launch_token_kernel(const Params<scalar_t, trig_t>& P, int rows, int64_t T, size_t smem, bool whole_waves) {
+  constexpr auto kernel = rope_token_kernel<scalar_t, trig_t, kPositions, kVec>;
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const int64_t sms = prop->multiProcessorCount;
+  // Default: SMs x 32 blocks. Whole waves (OPFORGE_ROPE_KERNEL=3): SMs x the blocks resident per SM (the occupancy
+  // calculator, capped by the table's shared memory), so no partial last wave: ncu (stop 21) put up to 25 % of the
+  // default grid's time (3.56 waves at bf16 4x4096x32/8x128) in its partial wave. Unmeasured as of stop 22.
+  int64_t per_sm = 32;
+  if (whole_waves) {
+    const int64_t by_smem =
+        static_cast<int64_t>(prop->sharedMemPerMultiprocessor / (smem + prop->reservedSharedMemPerBlock));
+    per_sm = std::max<int64_t>(1, std::min(cuda::resident_blocks<kernel, kThreads>(kThreads), by_smem));
+  }
+  const int64_t blocks_x = std::min<int64_t>(T, sms * per_sm);
   int64_t groups = 1;
   if (T < sms * 4) groups = std::min<int64_t>({static_cast<int64_t>(rows), (sms * 4 + T - 1) / T, 65535});
   const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(groups));
-  const size_t smem = 2 * static_cast<size_t>(p.R) * sizeof(opmath_t);
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const bool vec = vectorizable(p, cuda::vec_size<scalar_t>());
-  if (positions) {
-    if (vec) {
-      rope_token_kernel<scalar_t, trig_t, true, true><<<grid, kThreads, smem, stream>>>(P);
-    } else {
-      rope_token_kernel<scalar_t, trig_t, true, false><<<grid, kThreads, smem, stream>>>(P);
-    }
-  } else {
-    if (vec) {
-      rope_token_kernel<scalar_t, trig_t, false, true><<<grid, kThreads, smem, stream>>>(P);
-    } else {
-      rope_token_kernel<scalar_t, trig_t, false, false><<<grid, kThreads, smem, stream>>>(P);
-    }
-  }
+  kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(P);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, typename trig_t>
+void launch_token(const rotary::Problem& p, int rows, int64_t T, bool whole_waves) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const Params<scalar_t, trig_t> P = make_params<scalar_t, trig_t>(p, T);
+  const size_t smem = 2 * static_cast<size_t>(p.R) * sizeof(opmath_t);
+  const bool vec = vectorizable(p, cuda::vec_size<scalar_t>());
+  if (p.positions.defined()) {
+    vec ? launch_token_kernel<scalar_t, trig_t, true, true>(P, rows, T, smem, whole_waves)
+        : launch_token_kernel<scalar_t, trig_t, true, false>(P, rows, T, smem, whole_waves);
+  } else {
+    vec ? launch_token_kernel<scalar_t, trig_t, false, true>(P, rows, T, smem, whole_waves)
+        : launch_token_kernel<scalar_t, trig_t, false, false>(P, rows, T, smem, whole_waves);
+  }
 }
 
 template <typename scalar_t, typename trig_t, int V>
@@ -697,7 +709,7 @@ void run_cuda(const rotary::Problem& p) {
               "opforge::rope: expected fewer than 2^30 heads and head_dim below 2^30 on CUDA, but got ",
               num_str(rows), " heads and head_dim ", num_str(p.D));
   // Kernel: OPFORGE_ROPE_KERNEL 0 the per-token table kernel, 1 the rows kernel, 2 the heads kernel where it
-  // applies (else as unset); unset (-1): the per-token kernel wherever its table fits, as it measured faster on
+  // applies (else as unset), 3 the per-token kernel on a grid of whole waves (launch_token_kernel); unset (-1): the per-token kernel wherever its table fits, as it measured faster on
   // the H200 (2026-12-01, bench_rope.py, bf16 4x4096x32/8x128: forward+backward 225 us vs the rows kernel's
   // 371 us), else the rows kernel. The heads kernel measured slower there too (stop 21: 251.6 us forward+backward
   // vs the token kernel's 228.6 at stop 20), so it is not chosen by default.
@@ -716,7 +728,7 @@ void run_cuda(const rotary::Problem& p) {
       using trig_t = decltype(trig);
       if (choice == 2 && launch_heads<scalar_t, trig_t>(p, static_cast<int>(rows), T)) return;
       rows_kernel ? launch_rows<scalar_t, trig_t>(p, static_cast<int>(rows), T)
-                  : launch_token<scalar_t, trig_t>(p, static_cast<int>(rows), T);
+                  : launch_token<scalar_t, trig_t>(p, static_cast<int>(rows), T, choice == 3);
     };
     if (table_in_opmath) {
       launch(opmath_t{});
