@@ -3,7 +3,10 @@ demo model (issue 15's closing evidence; issue 14's "profiler table of one step 
 
 (a) For each variant (hf, liger when importable, opforge; each in its own process) the model of
 benchmarks/bench_hf_llama.py (its ``build_variant``: same configuration options, seed, tokens, AdamW) trains
-``--warmup`` steps, then one profiled step; printed: the step's GPU time by category and the top kernels.
+``--warmup`` steps, then one profiled step; printed: the step's GPU time by category, the top kernels, and (CUDA)
+the step's GPU idle time: its longest gaps between kernels, each with the CPU op that issued the kernel ending it
+and whether the host issued it late (the GPU starved), idle time summed by that op, and the host syncs (CUDA runtime
+calls that wait for the GPU) with the op that made them.
 Categories (first match, on the kernel name, lower-cased; :func:`category`):
 
     opforge kernels   our own kernels (names in namespace ``opforge::``; its GEMMs are cuBLAS's, so GEMM)
@@ -114,6 +117,111 @@ def _bench_args(a: argparse.Namespace) -> argparse.Namespace:
     return b
 
 
+# ---- GPU idle time: where the step's GPU waits ----------------------------------------------------------------
+
+#: CUDA runtime/driver calls that block the host until the GPU catches up (a host sync inside the step)
+SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpy2D",
+              "cudaFree", "cudaMalloc", "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemFree_v2"}
+#: CPU ops that wait for the GPU whatever runtime call they make (.item(), data-dependent shapes)
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::unique", "aten::masked_select")
+
+
+def idle_gaps(kernels, launches, min_us: float = 5.0) -> list:
+    """GPU idle intervals of a step, each attributed to the kernel that ends it.
+
+    kernels: [(start_us, end_us, name, corr)] of every device activity (kernels, memcpys, memsets), any order;
+    launches: {corr: (launch_start_us, op)}: when the host issued activity `corr` and the CPU op that issued it.
+    Returns [(gap_us, gap_start_us, next_name, op, host_late)] for every gap of at least `min_us` between the end of
+    all earlier activities and the next start, longest first; host_late is True when the host issued the next
+    activity after the gap began (the GPU starved: the host was the bottleneck there), False when it was queued
+    in time (a dependency or a device-side wait)."""
+    out, busy_until = [], None
+    for start, end, name, corr in sorted(kernels):
+        if busy_until is not None and start - busy_until >= min_us:
+            launch, op = launches.get(corr, (None, "?"))
+            out.append((start - busy_until, busy_until, name, op, launch is not None and launch > busy_until))
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return sorted(out, key=lambda g: -g[0])
+
+
+def _op_path(e) -> str:
+    """'outermost > innermost' CPU op names of a profiler event (ProfilerStep ranges left out)."""
+    names = []
+    while e is not None:
+        if not e.name.startswith("ProfilerStep"):
+            names.append(e.name)
+        e = e.cpu_parent
+    if not names:
+        return "?"
+    return names[-1] if len(names) == 1 else f"{names[-1]} > {names[0]}"
+
+
+def _gpu_idle(prof, top: int = 12) -> dict:
+    """The profiled step's GPU idle time (from its first to its last device activity), its longest gaps with the CPU
+    op that issued the activity after each, idle time summed by that op, and the host syncs of the step."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    frontend = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
+    runtime = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id > 0}
+    kernels, launches = [], {}
+    for e in events:
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False) \
+                or "annotation" in str(getattr(e, "activity_type", "")).lower() or e.name.startswith(_RANGES):
+            continue
+        kernels.append((e.time_range.start, e.time_range.end, e.name, e.id))
+        call, op = runtime.get(e.id), frontend.get(e.linked_correlation_id)
+        if call is not None:
+            launches[e.id] = (call.time_range.start, _op_path(op) if op is not None else call.name)
+    if not kernels:
+        return {}
+    gaps = idle_gaps(kernels, launches)
+    first = min(k[0] for k in kernels)
+    span = max(k[1] for k in kernels) - first
+    host_start = min((e.time_range.start for e in frontend.values()), default=first)
+    by_op: dict = {}
+    for g in gaps:
+        t, n = by_op.get(g[3], (0.0, 0))
+        by_op[g[3]] = (t + g[0], n + 1)
+    syncs: dict = {}
+    for e in runtime.values():
+        op = frontend.get(e.linked_correlation_id)
+        if e.name in SYNC_CALLS or (op is not None and op.name.startswith(SYNC_OPS)):
+            key = f"{e.name} from {_op_path(op) if op is not None else '?'}"
+            t, n = syncs.get(key, (0.0, 0))
+            syncs[key] = (t + e.time_range.elapsed_us(), n + 1)
+    return {"span_us": span, "idle_us": sum(g[0] for g in gaps), "n_gaps": len(gaps),
+            "lead_us": max(0.0, first - host_start),
+            "host_late_us": sum(g[0] for g in gaps if g[4]),
+            "top": [list(g) for g in gaps[:top]],
+            "by_op": sorted(([k, t, n] for k, (t, n) in by_op.items()), key=lambda r: -r[1])[:top],
+            "syncs": sorted(([k, t, n] for k, (t, n) in syncs.items()), key=lambda r: -r[1])[:top]}
+
+
+def format_idle(idle: dict) -> str:
+    """The GPU idle section of a variant's table (empty without device activities)."""
+    if not idle:
+        return ""
+    lines = [f"  GPU idle: {idle['idle_us'] / 1e3:.2f} ms of the {idle['span_us'] / 1e3:.2f} ms from the step's first to "
+             f"its last kernel, in {idle['n_gaps']} gaps of >= 5 us ({idle['host_late_us'] / 1e3:.2f} ms where the host "
+             f"issued the next kernel after the GPU went idle); the first kernel started {idle['lead_us'] / 1e3:.2f} ms after the "
+             f"step's first CPU op",
+             f"  longest gaps: {'us':>9s}  host late  next kernel / its CPU op"]
+    for us, _, name, op, late in idle["top"]:
+        short = name if len(name) <= 60 else name[:57] + "..."
+        lines.append(f"  {us:22.1f}  {'yes' if late else 'no ':9s}  {short} / {op}")
+    lines.append(f"  idle by the CPU op that ended it: {'us':>9s} {'gaps':>5s}")
+    for op, us, n in idle["by_op"]:
+        lines.append(f"  {us:42.1f} {n:5d}  {op}")
+    if idle["syncs"]:
+        lines.append("  host syncs in the step (CUDA runtime calls that wait for the GPU): us, calls")
+        for key, us, n in idle["syncs"]:
+            lines.append(f"  {us:12.1f} {n:5d}  {key}")
+    else:
+        lines.append("  host syncs in the step: none")
+    return "\n".join(lines)
+
+
 # ---- workers (one process each) ------------------------------------------------------------------------------
 
 def _profile(fn, cuda: bool):
@@ -165,7 +273,8 @@ def _variant_worker(a: argparse.Namespace) -> dict:
     config = (f"layers={b.layers} hidden={b.hidden} heads={b.heads}/{b.kv_heads} vocab={b.vocab} seq={b.seq} "
               f"batch={b.batch} {b.dtype}")
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    return {"variant": a.worker, "kernels": _kernel_times(prof, cuda), "wall_ms": wall * 1e3, "config": config,
+    return {"variant": a.worker, "kernels": _kernel_times(prof, cuda), "idle": _gpu_idle(prof) if cuda else {},
+            "wall_ms": wall * 1e3, "config": config,
             "peak_gib": peak, "report": report}
 
 
@@ -243,7 +352,8 @@ def format_variant(r: dict, top: int, cuda: bool) -> str:
     for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         short = name if len(name) <= 110 else name[:107] + "..."
         lines.append(f"  {t / 1e3:14.3f} {n:6d}  {category(name):16s} {short}")
-    return "\n".join(lines)
+    idle = format_idle(r.get("idle") or {})
+    return "\n".join(lines + ([idle] if idle else []))
 
 
 def main(argv=None) -> int:

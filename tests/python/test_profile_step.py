@@ -60,3 +60,62 @@ def test_profile_step_smoke_cpu(tmp_path):
     assert "demo model (opforge.models.llama.Llama, backend opforge)" in text
     for op in ("opforge::rope", "opforge::rope_backward", "opforge::linear", "opforge::linear_cross_entropy"):
         assert f"\n{op} " in text, op
+
+
+def test_idle_gaps_attributes_each_gap_to_the_next_kernel():
+    """Gaps of >= 5 us between the end of all earlier device activities and the next start, longest first; a kernel
+    nested in an earlier one's time closes no gap; 'host late' when the launch came after the GPU went idle."""
+    kernels = [(50, 60, "c", 3), (0, 10, "a", 1), (12, 20, "b", 2), (52, 58, "d", 4), (70, 80, "e", 5),
+               (90, 95, "f", 6)]
+    launches = {2: (5, "x"), 3: (40, "y"), 5: (61, "z"), 6: (30, "w")}
+    assert profile_step.idle_gaps(kernels, launches) == [
+        (30, 20, "c", "y", True), (10, 60, "e", "z", True), (10, 80, "f", "w", False)]
+    assert profile_step.idle_gaps(kernels, launches, min_us=1)[-1] == (2, 10, "b", "x", False)
+
+
+class _Range:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def elapsed_us(self):
+        return self.end - self.start
+
+
+class _Event:
+    """The FunctionEvent fields _gpu_idle reads."""
+
+    def __init__(self, name, id, linked, device, start, end, parent=None):
+        from torch.autograd import DeviceType
+
+        self.name, self.id, self.linked_correlation_id = name, id, linked
+        self.device_type = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
+        self.time_range, self.cpu_parent, self.is_user_annotation = _Range(start, end), parent, False
+        self.activity_type = "kernel" if device == "cuda" else "cpu_op"
+
+
+def test_gpu_idle_from_profiler_events():
+    """_gpu_idle on a synthetic trace: a linear launches a GEMM, then .item() syncs (cudaMemcpy under
+    aten::_local_scalar_dense) and the next kernel, launched late, ends a 40 us gap attributed to aten::add."""
+    step = _Event("ProfilerStep#3", 100, 0, "cpu", 0, 200)
+    linear = _Event("aten::linear", 1, 0, "cpu", 1, 10, step)
+    mm = _Event("aten::mm", 2, 0, "cpu", 2, 9, linear)
+    item = _Event("aten::item", 3, 0, "cpu", 11, 70, step)
+    dense = _Event("aten::_local_scalar_dense", 4, 0, "cpu", 12, 69, item)
+    add = _Event("aten::add", 5, 0, "cpu", 75, 80, step)
+    events = [step, linear, mm, item, dense, add,
+              _Event("cudaLaunchKernel", 501, 2, "cpu", 3, 4), _Event("nvjet_gemm", 501, 2, "cuda", 5, 35),
+              _Event("cudaMemcpy", 502, 4, "cpu", 13, 68), _Event("Memcpy DtoH", 502, 4, "cuda", 36, 37),
+              _Event("cudaLaunchKernel", 503, 5, "cpu", 76, 77), _Event("add_kernel", 503, 5, "cuda", 77, 80)]
+
+    class Prof:
+        def events(self):
+            return events
+
+    idle = profile_step._gpu_idle(Prof())
+    assert idle["span_us"] == 75 and idle["lead_us"] == 5 and idle["n_gaps"] == 1
+    assert idle["idle_us"] == 40 and idle["host_late_us"] == 40
+    assert idle["top"] == [[40, 37, "add_kernel", "aten::add", True]]
+    assert idle["syncs"] == [["cudaMemcpy from aten::item > aten::_local_scalar_dense", 55, 1]]
+    text = profile_step.format_idle(idle)
+    assert "GPU idle: 0.04 ms of the 0.07 ms" in text and "aten::item > aten::_local_scalar_dense" in text
+    assert profile_step._gpu_idle(type("P", (), {"events": lambda self: events[:6]})()) == {}
