@@ -15,6 +15,8 @@ graph breaks, recompiles and graphs; Inductor's cache is ``build/inductor-cache`
 is set. Weights are initialised on the run's device (``--init-device``, same seed in every variant's process).
 The opforge variants patch with ``patch.apply``'s defaults: in eager, ``recompute=True`` (the norm and SwiGLU
 outputs are computed again in backward instead of kept); under compile Inductor decides what to recompute.
+"opforge-opaque+compile" patches with ``inductor_math=False``: every opforge op (norms, SwiGLU, projections) stays
+in the compiled graph as an opaque op instead of torch math that Inductor fuses with its neighbours.
 
     # the issue's configuration on one GPU (about 10 minutes on an H200, compile included):
     python benchmarks/bench_hf_llama.py
@@ -55,6 +57,7 @@ VARIANTS = {
     "opforge-norecompute": "HF + opforge.patch.apply(recompute=False)",
     "hf+compile": "HF + torch.compile",
     "opforge+compile": "HF + opforge.patch.apply + torch.compile",
+    "opforge-opaque+compile": "HF + opforge.patch.apply(inductor_math=False) + torch.compile",
     "liger+compile": "HF + Liger + torch.compile",
 }
 CSV_COLUMNS = ["date", "device", "device_name", "torch", "commit", "transformers", "liger", "variant", "layers",
@@ -167,7 +170,8 @@ def build_variant(a: argparse.Namespace, variant: str):
         torch.cuda.reset_peak_memory_stats()
     report = None
     if use_opforge:
-        report = str(patch.apply(model, recompute=not variant.startswith("opforge-norecompute")))
+        report = str(patch.apply(model, recompute=not variant.startswith("opforge-norecompute"),
+                                 inductor_math="opaque" not in variant))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=device.startswith("cuda"))
     step_model = model
     if use_compile:
