@@ -22,7 +22,8 @@
 //                        shared memory (measured faster), else the rows kernel; 0: the per-token kernel;
 //                        1: the rows kernel; 2: the heads kernel where it applies (16-byte vector path,
 //                        32-bit offsets), else as unset; 3: the per-token kernel on a grid of whole waves
-//                        (SMs x resident blocks, not SMs x 32) (ops/rope/rope_cuda.cu).
+//                        (SMs x resident blocks, not SMs x 32); 4: the per-token kernel with a register bound
+//                        for 12 blocks per SM on its vector path; 5: both 3 and 4 (ops/rope/rope_cuda.cu).
 //   OPFORGE_LCE_DW_GROUP 1 (unset, default): linear_cross_entropy on CUDA with 16-bit inputs runs its dW GEMM once per
 //                        this many token chunks (their logit-gradient copies side by side; clamped to 1..64), so
 //                        the fp32 V x H accumulator is passed over N / (group x chunk) times; the chunk budget counts

@@ -3,7 +3,7 @@ angle precision, views), values and gradients against the float64 reference and 
 apply_rotary_pos_emb, opcheck, compile, gradcheck (first and second order), torch.func, errors; on CUDA every test
 that takes ``device`` runs with each kernel (the rows kernel, the per-token kernel of OPFORGE_ROPE_KERNEL=0, the
 heads kernel of OPFORGE_ROPE_KERNEL=2, which falls back to the per-token kernel off its vector path, and the
-per-token kernel on a whole-wave grid of OPFORGE_ROPE_KERNEL=3), and the
+per-token kernel with a register bound on a whole-wave grid of OPFORGE_ROPE_KERNEL=5), and the
 kernel-path tests at the end cover each branch of the rows and heads kernels (vector/strided rows and tables, row
 groups and lanes, pass-through dims, the grid-stride loop)."""
 import math
@@ -22,15 +22,16 @@ _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA 
 CUDA_KERNELS = [pytest.param("cuda", marks=_NEEDS_CUDA), pytest.param("cuda-token-kernel", marks=_NEEDS_CUDA),
                 pytest.param("cuda-heads-kernel", marks=_NEEDS_CUDA), pytest.param("cuda-token-waves", marks=_NEEDS_CUDA)]
 # OPFORGE_ROPE_KERNEL of each CUDA parametrization: 1 the rows kernel, 0 the per-token kernel, 2 the heads kernel,
-# 3 the per-token kernel on a grid of whole waves
-KERNEL_KNOB = {"cuda": 1, "cuda-token-kernel": 0, "cuda-heads-kernel": 2, "cuda-token-waves": 3}
+# 5 the per-token kernel with its 12-blocks-per-SM register bound on a grid of whole waves (3 and 4, each alone, run in
+# test_both_cuda_kernels_agree_with_cpu)
+KERNEL_KNOB = {"cuda": 1, "cuda-token-kernel": 0, "cuda-heads-kernel": 2, "cuda-token-waves": 5}
 
 
 @pytest.fixture(params=["cpu"] + CUDA_KERNELS)
 def device(request, knob):
     """conftest's devices, with CUDA four times: the rows kernel (OPFORGE_ROPE_KERNEL=1), the per-token kernel
     (OPFORGE_ROPE_KERNEL=0, the default wherever its table fits), the heads kernel (OPFORGE_ROPE_KERNEL=2) and the
-    per-token kernel on a whole-wave grid (OPFORGE_ROPE_KERNEL=3)."""
+    per-token kernel with a register bound on a whole-wave grid (OPFORGE_ROPE_KERNEL=5)."""
     if request.param in KERNEL_KNOB:
         knob("OPFORGE_ROPE_KERNEL", KERNEL_KNOB[request.param])
     return "cuda" if request.param.startswith("cuda") else request.param
@@ -501,13 +502,13 @@ def test_many_tokens_grid_stride(knob, kernel):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_both_cuda_kernels_agree_with_cpu(knob):
-    """The CUDA kernels (and the whole-wave grid) and the CPU kernel on the benchmark's layout (HF's transposed q, k; (B, S, D) tables)."""
+    """The CUDA kernels (and the token kernel's launch variants 3-5) and the CPU kernel on the benchmark's layout (HF's transposed q, k; (B, S, D) tables)."""
     B, S, Hq, Hk, D = 2, 64, 8, 2, 128
     q = torch.randn(B, S, Hq, D, dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(B, S, Hk, D, dtype=torch.bfloat16).transpose(1, 2)
     cos, sin = _tables(torch.arange(S).expand(B, S), D, torch.bfloat16, "cpu")
     cpu = opforge.rope(q, k, cos, sin)
-    for value in (1, 0, 2, 3):
+    for value in (1, 0, 2, 3, 4, 5):
         knob("OPFORGE_ROPE_KERNEL", value)
         out = opforge.rope(q.cuda(), k.cuda(), cos.cuda(), sin.cuda())
         for a, b in zip(out, cpu):

@@ -15,7 +15,8 @@
 // load keep few bytes in flight: about 0.72 of the copy ceiling on the H200 (README). Tried on 2026-12-01 (stop 21):
 // each thread loading 4 units into registers before the table's barrier raised the bf16 kernel from 56 to 126
 // registers (4 blocks per SM instead of 9) and measured slower (forward 160.8 vs 116.5 us), so it was not kept.
-// With OPFORGE_ROPE_KERNEL=3 the same kernel runs on a grid of whole waves (launch_token_kernel; unmeasured).
+// OPFORGE_ROPE_KERNEL=3 runs the same kernel on a grid of whole waves, 4 with a register bound of 12 blocks per SM
+// (40 registers instead of 56 in bf16, no spill), 5 both (TokenLaunch; unmeasured as of stop 22).
 //
 // heads kernel (2, vector path only, else as unset): per token, each thread owns one unit of the row and a lane of
 // its head rows; it issues the loads of its first rows, loads the unit's table entries from global memory into
@@ -39,6 +40,7 @@ namespace opforge {
 namespace {
 
 constexpr int kThreads = 128;      // token kernel
+constexpr int kTokenMinBlocks = 12;  // token kernel with OPFORGE_ROPE_KERNEL=4 or 5: blocks per SM (16 spills)
 constexpr int kRowThreads = 256;   // rows kernel
 constexpr int kRows = 8;           // rows kernel: most head rows per thread
 constexpr int kHeadThreads = 256;  // heads kernel: most threads per block
@@ -72,8 +74,11 @@ struct Params {
   int TPB;               // tokens per block (blockDim = TPB·U·L)
 };
 
-template <typename scalar_t, typename trig_t, bool kPositions, bool kVec>
-__global__ void __launch_bounds__(kThreads) rope_token_kernel(const Params<scalar_t, trig_t> p) {
+// kMinBlocks: blocks per SM the register budget must allow. 0: none (ptxas -v, sm_90, bf16 vector path: 56
+// registers, 9 blocks per SM; an explicit 1 gives 72); kTokenMinBlocks: 40 registers, no spill without positions,
+// 8 bytes with them.
+template <typename scalar_t, typename trig_t, bool kPositions, bool kVec, int kMinBlocks = 0>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) rope_token_kernel(const Params<scalar_t, trig_t> p) {
   using opmath_t = at::opmath_type<scalar_t>;
   constexpr int V = kVec ? cuda::vec_size<scalar_t>() : 1;
   using Vx = cuda::Vec<scalar_t, V>;
@@ -583,16 +588,22 @@ Params<scalar_t, trig_t> make_params(const rotary::Problem& p, int64_t T) {
   return P;
 }
 
+// How the token kernel runs (OPFORGE_ROPE_KERNEL 0: neither; 3: whole_waves; 4: occupancy; 5: both).
+struct TokenLaunch {
+  bool whole_waves;  // a grid of SMs x resident blocks instead of SMs x 32
+  bool occupancy;    // on the vector path, the kTokenMinBlocks register bound (12 blocks per SM instead of 9)
+};
+
 // One token-kernel launch. Grid: `blocks_x` blocks along tokens (each loops over tokens), times `groups` along
 // rows where there are few tokens.
-template <typename scalar_t, typename trig_t, bool kPositions, bool kVec>
+template <typename scalar_t, typename trig_t, bool kPositions, bool kVec, int kMinBlocks>
 void launch_token_kernel(const Params<scalar_t, trig_t>& P, int rows, int64_t T, size_t smem, bool whole_waves) {
-  constexpr auto kernel = rope_token_kernel<scalar_t, trig_t, kPositions, kVec>;
+  constexpr auto kernel = rope_token_kernel<scalar_t, trig_t, kPositions, kVec, kMinBlocks>;
   const auto* prop = at::cuda::getCurrentDeviceProperties();
   const int64_t sms = prop->multiProcessorCount;
-  // Default: SMs x 32 blocks. Whole waves (OPFORGE_ROPE_KERNEL=3): SMs x the blocks resident per SM (the occupancy
-  // calculator, capped by the table's shared memory), so no partial last wave: ncu (stop 21) put up to 25 % of the
-  // default grid's time (3.56 waves at bf16 4x4096x32/8x128) in its partial wave. Unmeasured as of stop 22.
+  // Default: SMs x 32 blocks. Whole waves: SMs x the blocks resident per SM (the occupancy calculator, capped by the
+  // table's shared memory), so no partial last wave: ncu (stop 21) put up to 25 % of the default grid's time (3.56
+  // waves at bf16 4x4096x32/8x128) in its partial wave. Unmeasured as of stop 22.
   int64_t per_sm = 32;
   if (whole_waves) {
     const int64_t by_smem =
@@ -607,18 +618,25 @@ void launch_token_kernel(const Params<scalar_t, trig_t>& P, int rows, int64_t T,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename scalar_t, typename trig_t, bool kPositions>
+void launch_token_vec(const Params<scalar_t, trig_t>& P, int rows, int64_t T, size_t smem, TokenLaunch how) {
+  how.occupancy ? launch_token_kernel<scalar_t, trig_t, kPositions, true, kTokenMinBlocks>(P, rows, T, smem,
+                                                                                          how.whole_waves)
+                : launch_token_kernel<scalar_t, trig_t, kPositions, true, 0>(P, rows, T, smem, how.whole_waves);
+}
+
 template <typename scalar_t, typename trig_t>
-void launch_token(const rotary::Problem& p, int rows, int64_t T, bool whole_waves) {
+void launch_token(const rotary::Problem& p, int rows, int64_t T, TokenLaunch how) {
   using opmath_t = at::opmath_type<scalar_t>;
   const Params<scalar_t, trig_t> P = make_params<scalar_t, trig_t>(p, T);
   const size_t smem = 2 * static_cast<size_t>(p.R) * sizeof(opmath_t);
   const bool vec = vectorizable(p, cuda::vec_size<scalar_t>());
   if (p.positions.defined()) {
-    vec ? launch_token_kernel<scalar_t, trig_t, true, true>(P, rows, T, smem, whole_waves)
-        : launch_token_kernel<scalar_t, trig_t, true, false>(P, rows, T, smem, whole_waves);
+    vec ? launch_token_vec<scalar_t, trig_t, true>(P, rows, T, smem, how)
+        : launch_token_kernel<scalar_t, trig_t, true, false, 0>(P, rows, T, smem, how.whole_waves);
   } else {
-    vec ? launch_token_kernel<scalar_t, trig_t, false, true>(P, rows, T, smem, whole_waves)
-        : launch_token_kernel<scalar_t, trig_t, false, false>(P, rows, T, smem, whole_waves);
+    vec ? launch_token_vec<scalar_t, trig_t, false>(P, rows, T, smem, how)
+        : launch_token_kernel<scalar_t, trig_t, false, false, 0>(P, rows, T, smem, how.whole_waves);
   }
 }
 
@@ -709,7 +727,8 @@ void run_cuda(const rotary::Problem& p) {
               "opforge::rope: expected fewer than 2^30 heads and head_dim below 2^30 on CUDA, but got ",
               num_str(rows), " heads and head_dim ", num_str(p.D));
   // Kernel: OPFORGE_ROPE_KERNEL 0 the per-token table kernel, 1 the rows kernel, 2 the heads kernel where it
-  // applies (else as unset), 3 the per-token kernel on a grid of whole waves (launch_token_kernel); unset (-1): the per-token kernel wherever its table fits, as it measured faster on
+  // applies (else as unset), 3 the per-token kernel on a grid of whole waves, 4 the per-token kernel with a
+  // register bound for 12 blocks per SM on its vector path, 5 both (TokenLaunch; 3-5 unmeasured as of stop 22); unset (-1): the per-token kernel wherever its table fits, as it measured faster on
   // the H200 (2026-12-01, bench_rope.py, bf16 4x4096x32/8x128: forward+backward 225 us vs the rows kernel's
   // 371 us), else the rows kernel. The heads kernel measured slower there too (stop 21: 251.6 us forward+backward
   // vs the token kernel's 228.6 at stop 20), so it is not chosen by default.
@@ -722,13 +741,14 @@ void run_cuda(const rotary::Problem& p) {
               " with OPFORGE_ROPE_KERNEL=0 (its per-token table lives in shared memory), but got ", num_str(p.R),
               "; unset OPFORGE_ROPE_KERNEL (the rows kernel takes any size) or run this size on the CPU");
   const bool table_in_opmath = p.cos.defined() && p.cos.scalar_type() != ref.scalar_type();
+  const TokenLaunch how{choice == 3 || choice == 5, choice == 4 || choice == 5};
   OPFORGE_DISPATCH_FLOATING(ref.scalar_type(), "opforge::rope", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     auto launch = [&](auto trig) {
       using trig_t = decltype(trig);
       if (choice == 2 && launch_heads<scalar_t, trig_t>(p, static_cast<int>(rows), T)) return;
       rows_kernel ? launch_rows<scalar_t, trig_t>(p, static_cast<int>(rows), T)
-                  : launch_token<scalar_t, trig_t>(p, static_cast<int>(rows), T, choice == 3);
+                  : launch_token<scalar_t, trig_t>(p, static_cast<int>(rows), T, how);
     };
     if (table_in_opmath) {
       launch(opmath_t{});
