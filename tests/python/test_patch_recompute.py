@@ -290,6 +290,9 @@ def test_norm_from_rstd_is_the_fused_kernels_output(device, dtype, shape):
         x4 = x.reshape(M, 2, N // 2)
         y4, rstd4 = torch.ops.opforge._rms_norm_forward.default(x4, [2, N // 2], w.reshape(2, N // 2), 1e-6)
         assert torch.equal(torch.ops.opforge._rms_norm_apply(x4, rstd4, w.reshape(2, N // 2)), y4)
+    # an input at an odd storage offset (contiguous but not 16-byte aligned: the CUDA kernel's scalar path)
+    xo = torch.empty(M * N + 1, device=device, dtype=dtype)[1:].view(M, N).copy_(x)
+    assert torch.equal(torch.ops.opforge._rms_norm_apply(xo, rstd2, w), y2)
 
 
 def test_rms_norm_apply_checks_and_meta(device):

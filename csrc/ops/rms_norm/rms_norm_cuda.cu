@@ -770,20 +770,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cuda(
 
 // _rms_norm_apply: y = x · rstd[row] · w (w null: · 1), the forward kernels' last step with the operations and order of
 // their scale_store (written here per element), so bitwise their output for the same x, rstd and w. One block per row
-// (grid-stride); scalar accesses, not yet vectorized or measured alone (it runs once per layer in backward).
-template <typename T>
+// (grid-stride), VEC elements per access: 16 bytes where X, W and Y are 16-byte aligned and N is a multiple of it,
+// else 1 (not measured alone: it runs once per layer in backward).
+template <typename T, int VEC>
 __global__ void __launch_bounds__(256) rms_norm_apply_kernel(const T* __restrict__ X,                       // [M, N]
                                                              const at::opmath_type<T>* __restrict__ rstd,  // [M]
                                                              const T* __restrict__ W,                      // [N]/null
                                                              T* __restrict__ Y, int64_t M, int64_t N) {
   using opmath_t = at::opmath_type<T>;
+  using Vx = cuda::Vec<T, VEC>;
+  const int64_t nvec = N / VEC;
   for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
     const opmath_t rs = rstd[m];
-    const T* x = X + m * N;
-    T* y = Y + m * N;
-    for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
-      const opmath_t wj = W != nullptr ? static_cast<opmath_t>(W[n]) : opmath_t(1);
-      y[n] = static_cast<T>(static_cast<opmath_t>(x[n]) * rs * wj);
+    const Vx* x = reinterpret_cast<const Vx*>(X + m * N);
+    Vx* y = reinterpret_cast<Vx*>(Y + m * N);
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const Vx a = x[v];
+      Vx w;
+      if (W != nullptr) w = reinterpret_cast<const Vx*>(W)[v];
+      Vx o;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const opmath_t wj = W != nullptr ? static_cast<opmath_t>(w.val[j]) : opmath_t(1);
+        o.val[j] = static_cast<T>(static_cast<opmath_t>(a.val[j]) * rs * wj);
+      }
+      y[v] = o;
     }
   }
 }
@@ -794,10 +805,20 @@ at::Tensor rms_norm_apply_cuda(const at::Tensor& input, const at::Tensor& rstd, 
   at::Tensor Y = at::empty(input.sizes(), p.X.options());
   if (p.M == 0 || p.N == 0) return Y;
   OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::_rms_norm_apply", [&] {
+    constexpr int VEC = cuda::vec_size<scalar_t>();
+    const scalar_t* x = p.X.const_data_ptr<scalar_t>();
+    const scalar_t* w = p.W.defined() ? p.W.const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* y = Y.mutable_data_ptr<scalar_t>();
+    const bool vec = p.N % VEC == 0 && cuda::is_aligned16(x) && cuda::is_aligned16(y) &&
+                     (w == nullptr || cuda::is_aligned16(w));
     const int64_t grid = std::min<int64_t>(p.M, 65535);
-    rms_norm_apply_kernel<scalar_t><<<grid, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
-        p.X.const_data_ptr<scalar_t>(), p.rstd.const_data_ptr<at::opmath_type<scalar_t>>(),
-        p.W.defined() ? p.W.const_data_ptr<scalar_t>() : nullptr, Y.mutable_data_ptr<scalar_t>(), p.M, p.N);
+    const auto* rs = p.rstd.const_data_ptr<at::opmath_type<scalar_t>>();
+    auto stream = at::cuda::getCurrentCUDAStream();
+    if (vec) {
+      rms_norm_apply_kernel<scalar_t, VEC><<<grid, 256, 0, stream>>>(x, rs, w, y, p.M, p.N);
+    } else {
+      rms_norm_apply_kernel<scalar_t, 1><<<grid, 256, 0, stream>>>(x, rs, w, y, p.M, p.N);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return Y;
