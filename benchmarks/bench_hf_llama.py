@@ -15,6 +15,8 @@ graph breaks, recompiles and graphs; Inductor's cache is ``build/inductor-cache`
 is set. Weights are initialised on the run's device (``--init-device``, same seed in every variant's process).
 The opforge variants patch with ``patch.apply``'s defaults: in eager, ``recompute=True`` (the norm and SwiGLU
 outputs are computed again in backward instead of kept); under compile Inductor decides what to recompute.
+The "+compile-ro" variants compile with ``mode="reduce-overhead"`` (CUDA graphs through cudagraph trees: no
+per-kernel launch cost on the host; ``torch.compiler.cudagraph_mark_step_begin()`` before each step).
 "opforge-opaque+compile" patches with ``inductor_math=False``: every opforge op (norms, SwiGLU, projections) stays
 in the compiled graph as an opaque op instead of torch math that Inductor fuses with its neighbours.
 
@@ -58,8 +60,13 @@ VARIANTS = {
     "hf+compile": "HF + torch.compile",
     "opforge+compile": "HF + opforge.patch.apply + torch.compile",
     "opforge-opaque+compile": "HF + opforge.patch.apply(inductor_math=False) + torch.compile",
+    "hf+compile-ro": "HF + torch.compile(mode=\"reduce-overhead\")",
+    "opforge+compile-ro": "HF + opforge.patch.apply + torch.compile(mode=\"reduce-overhead\")",
     "liger+compile": "HF + Liger + torch.compile",
 }
+#: the variants of a run without --variants: issue 15's table and liger+compile (the opaque and "-ro" ones are
+#: experiments, run by name)
+DEFAULT_VARIANTS = ["hf", "liger", "opforge", "opforge-norecompute", "hf+compile", "opforge+compile", "liger+compile"]
 CSV_COLUMNS = ["date", "device", "device_name", "torch", "commit", "transformers", "liger", "variant", "layers",
                "hidden", "intermediate", "heads", "kv_heads", "vocab", "seq", "batch", "dtype", "steps", "tokens_per_s",
                "ms_per_step", "peak_mem_gib", "first_loss", "last_loss", "max_rel_loss_diff_vs_hf", "status"]
@@ -111,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.init_device is None:
         a.init_device = a.device
     if a.variants is None:
-        a.variants = ",".join(VARIANTS)
+        a.variants = ",".join(DEFAULT_VARIANTS)
     a.variant_list = [v.strip() for v in a.variants.split(",") if v.strip()]
     bad = [v for v in a.variant_list if v not in VARIANTS]
     if bad:
@@ -147,7 +154,8 @@ def build_variant(a: argparse.Namespace, variant: str):
     import transformers
 
     device, dtype = a.device, getattr(torch, a.dtype)
-    use_liger, use_opforge, use_compile = "liger" in variant, "opforge" in variant, variant.endswith("+compile")
+    use_liger, use_opforge, use_compile = "liger" in variant, "opforge" in variant, "+compile" in variant
+    mode = "reduce-overhead" if variant.endswith("+compile-ro") else None  # CUDA graphs (cudagraph trees)
     if use_liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama  # ImportError: variant n/a
 
@@ -176,10 +184,10 @@ def build_variant(a: argparse.Namespace, variant: str):
     step_model = model
     if use_compile:
         if a.compile_scope == "model":
-            step_model = torch.compile(model)
+            step_model = torch.compile(model, mode=mode)
         else:
             for layer in model.model.layers:
-                layer.compile(fullgraph=True)
+                layer.compile(fullgraph=True, mode=mode)
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, a.vocab, (a.warmup + a.steps, a.batch, a.seq), generator=g)
 
@@ -188,6 +196,8 @@ def build_variant(a: argparse.Namespace, variant: str):
             torch.cuda.synchronize()
 
     def step(i):
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the graphs' earlier outputs may be reused
         ids = tokens[i].to(device, non_blocking=True)
         loss = step_model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
@@ -237,7 +247,7 @@ def run_variant(a: argparse.Namespace) -> dict:
     out = {"variant": variant, "ms_per_step": ms, "tokens_per_s": a.batch * a.seq / (ms / 1e3),
            "peak_mem_gib": _peak_memory_gib(device), "losses": losses, "warmup_s": t_compile, "report": report,
            "status": "ok"}
-    if variant.endswith("+compile"):
+    if "+compile" in variant:
         out["dynamo"] = dynamo_stats()
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
