@@ -7,6 +7,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -18,19 +19,37 @@ namespace {
 
 using at::vec::Vectorized;
 
-// Fills C, S [R] (opmath) for token (b, s): from the cos/sin tables, or from θ_p = pos · base^(−2p/R) in float64.
+// base^(−2i/R) for i < R/2 (float64): the frequencies of rope_from_positions, the same for every token.
+std::vector<double> inv_freq(const rotary::Problem& p) {
+  std::vector<double> f(p.positions.defined() ? p.R / 2 : 0);
+  for (size_t i = 0; i < f.size(); ++i)
+    f[i] = std::pow(p.base, -2.0 * static_cast<double>(i) / static_cast<double>(p.R));
+  return f;
+}
+
+// Fills C, S [R] (opmath) for token (b, s): from the cos/sin tables, or from θ_i = pos · freq[i] in float64
+// (freq: inv_freq(p); cos/sin through at::vec, Sleef's 1-ulp float64 functions on AVX2; work: R doubles).
 template <typename opmath_t, typename trig_t>
-void fill_table(const rotary::Problem& p, int64_t b, int64_t s, opmath_t* C, opmath_t* S) {
+void fill_table(const rotary::Problem& p, const double* freq, double* work, int64_t b, int64_t s, opmath_t* C,
+                opmath_t* S) {
   const int64_t R = p.R;
   if (p.positions.defined()) {
+    using Vd = Vectorized<double>;
     const int64_t* pos = p.positions.const_data_ptr<int64_t>();
     const int64_t pb = p.positions.size(0) == 1 ? 0 : b;
     const double position = static_cast<double>(pos[pb * p.positions.stride(0) + s * p.positions.stride(1)]);
-    for (int64_t i = 0; i < R / 2; ++i) {
+    const int64_t h = R / 2;
+    double *cw = work, *sw = work + h;
+    for (int64_t i = 0; i < h; i += Vd::size()) {
+      const int n = static_cast<int>(std::min<int64_t>(Vd::size(), h - i));  // a partial vector at the tail
+      const Vd theta = Vd(position) * Vd::loadu(freq + i, n);
+      theta.cos().store(cw + i, n);
+      theta.sin().store(sw + i, n);
+    }
+    for (int64_t i = 0; i < h; ++i) {
       int64_t a, bb;
       rotary::pair_dims(i, R, p.interleaved, a, bb);
-      const double theta = position * std::pow(p.base, -2.0 * static_cast<double>(i) / static_cast<double>(R));
-      const opmath_t c = static_cast<opmath_t>(std::cos(theta)), sn = static_cast<opmath_t>(std::sin(theta));
+      const opmath_t c = static_cast<opmath_t>(cw[i]), sn = static_cast<opmath_t>(sw[i]);
       rotary::table_pair(c, sn, c, sn, p.backward, C[a], C[bb], S[a], S[bb]);
     }
     return;
@@ -99,12 +118,14 @@ void rope_cpu_kernel(const rotary::Problem& p) {
   for (int i = 0; i < 2; ++i) rows += p.x[i].defined() ? p.x[i].size(1) : 0;
   if (T == 0 || rows == 0) return;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, rows * D));
+  const std::vector<double> freq = inv_freq(p);
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     std::vector<opmath_t> buf(4 * R);
+    std::vector<double> work(freq.empty() ? 0 : R);
     opmath_t *C = buf.data(), *S = C + R, *X = S + R, *Y = X + R;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / p.S, s = t % p.S;
-      fill_table<opmath_t, trig_t>(p, b, s, C, S);
+      fill_table<opmath_t, trig_t>(p, freq.data(), work.data(), b, s, C, S);
       for (int i = 0; i < 2; ++i) {
         if (!p.x[i].defined()) continue;
         const at::Tensor &x = p.x[i], &y = p.y[i];
