@@ -80,7 +80,7 @@ def gather_facts() -> dict:
     """Everything :func:`diagnose` needs, read from this machine (imports torch; loads opforge if it can).
 
     Returns:
-        A JSON-serializable dict: ``python``, ``torch`` (version, cuda, cudnn, cxx11_abi, arch_list,
+        A JSON-serializable dict: ``python``, ``torch`` (version, cuda, cudnn, cxx11_abi, openmp, arch_list,
         cuda_available, device_count), ``driver`` (version, cuda: the newest CUDA the driver supports),
         ``devices`` (name, capability "9.0"), ``nvcc`` (path_on_path, cuda_home, cuda_home_nvcc, version,
         cuda_home_version), ``library`` (path, exists, stamp, loaded, error, ops, cpu_kernels_missing,
@@ -103,6 +103,7 @@ def gather_facts() -> dict:
         pass
     facts["torch"] = dict(version=torch.__version__, cuda=torch.version.cuda, cudnn=cudnn,
                           cxx11_abi=bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)),
+                          openmp=bool(torch.backends.openmp.is_available()),
                           arch_list=torch.cuda.get_arch_list() if cuda_available else [],
                           cuda_available=cuda_available, device_count=count)
     facts["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
@@ -243,6 +244,14 @@ def _check_library(f: dict) -> List[Diagnosis]:
             "std::string and std::list differ between the two ABIs: the library fails to load with an "
             "\"undefined symbol\" naming std::__cxx11, or crashes.",
             "pip install --no-build-isolation --force-reinstall --no-deps .   # the build takes the flag from torch's CMake config"))
+    stamp = lib.get("stamp") or {}
+    if lib.get("loaded") and stamp and f["torch"].get("openmp") and stamp.get("openmp", "OFF") != "ON":
+        out.append(Diagnosis(
+            "cpu-kernels-one-thread", "warning", "the library was built without OpenMP; this torch's threads are OpenMP's",
+            "torch's at::parallel_for is an OpenMP loop that runs serially in code compiled without -fopenmp, so "
+            "opforge's CPU kernels use one thread whatever torch.set_num_threads says (libraries built before "
+            "2026-12-01's fix have no 'openmp=' in their stamp).",
+            "pip install --no-build-isolation --force-reinstall --no-deps .   # CMake finds OpenMP and uses it"))
     if lib.get("cpu_kernels_missing"):
         out.append(Diagnosis("op-without-cpu-kernel", "warning",
                              f"{len(lib['cpu_kernels_missing'])} op(s) have no CPU kernel: "

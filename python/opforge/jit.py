@@ -99,13 +99,17 @@ def load(extra_sources: Iterable[str | os.PathLike] = (), verbose: bool = False)
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         cflags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     ldflags: list[str] = []
+    if torch.backends.openmp.is_available():
+        # as CMakeLists.txt: torch's at::parallel_for is an OpenMP loop, serial when compiled without -fopenmp
+        cflags.append("-fopenmp")
+        ldflags.append("-fopenmp")
     cuda_flags: list[str] = []
     with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
     if with_cuda:
         sources += sorted(csrc.glob("core/*.cu")) + sorted(csrc.glob("ops/*/*.cu"))
         cflags.append("-DOPFORGE_WITH_CUDA=1")
         cuda_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DOPFORGE_WITH_CUDA=1"]
-        ldflags = ["-lcublas", "-lcublasLt"]
+        ldflags += ["-lcublas", "-lcublasLt"]
     quiet = os.environ.get("OPFORGE_JIT_VERBOSE", "").strip() == "0"
     if not quiet:
         print(f"opforge.jit: building {len(sources) + len(extra)} source files ({'CPU + CUDA' if with_cuda else 'CPU'}) "

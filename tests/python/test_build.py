@@ -113,3 +113,17 @@ def test_doctor_lists_ops(tmp_path):
     assert str(opforge.library_path) in r.stdout
     assert "opforge::sigmoid" in r.stdout and "CPU" in r.stdout
     assert torch.__version__ in r.stdout
+
+
+def test_library_is_compiled_with_openmp_when_torch_is():
+    """torch's at::parallel_for is an OpenMP loop (ATen/ParallelOpenMP.h) that runs serially in code compiled
+    without -fopenmp: the loaded library's stamp must say openmp=ON and the library must call into OpenMP's runtime
+    (GOMP_parallel among its dynamic symbols) whenever this torch uses OpenMP."""
+    if not torch.backends.openmp.is_available():
+        pytest.skip("this torch does not use OpenMP for its intra-op threads")
+    lib = Path(opforge.library_path)
+    stamp = lib.parent / "opforge_build.txt"
+    if not stamp.exists():
+        pytest.skip(f"no build stamp beside {lib} (a JIT build)")
+    assert "openmp=ON" in stamp.read_text().splitlines(), stamp.read_text()
+    assert b"GOMP_parallel" in lib.read_bytes(), f"{lib} makes no OpenMP call: its CPU kernels run on one thread"

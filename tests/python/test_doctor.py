@@ -12,7 +12,7 @@ from opforge import doctor
 
 HEALTHY_GPU = {
     "python": "3.12.0",
-    "torch": dict(version="2.11.0+cu128", cuda="12.8", cudnn=91002, cxx11_abi=True, arch_list=["sm_90"],
+    "torch": dict(version="2.11.0+cu128", cuda="12.8", cudnn=91002, cxx11_abi=True, openmp=True, arch_list=["sm_90"],
                   cuda_available=True, device_count=1),
     "driver": dict(nvidia_smi="/usr/bin/nvidia-smi", version="570.86", cuda="12.8", gpus=1),
     "devices": [dict(name="NVIDIA H200", capability="9.0")],
@@ -20,19 +20,20 @@ HEALTHY_GPU = {
                  cuda_home_nvcc="/usr/local/cuda/bin/nvcc", cuda_home_version="12.8"),
     "library": dict(path="/site/opforge/lib/libopforge.so", exists=True, loaded=True, error=None, ops=16,
                     cpu_kernels_missing=[], has_cuda_kernels=True,
-                    stamp=dict(torch="2.11.0", cuda="ON", avx2="ON", torch_cxx_flags="-D_GLIBCXX_USE_CXX11_ABI=1",
+                    stamp=dict(torch="2.11.0", cuda="ON", avx2="ON", openmp="ON", torch_cxx_flags="-D_GLIBCXX_USE_CXX11_ABI=1",
                                cuda_archs="8.0;9.0+PTX")),
     "cpu_capability": "AVX2",
 }
 HEALTHY_CPU = {
     "python": "3.11.7",
-    "torch": dict(version="2.13.0+cpu", cuda=None, cudnn=None, cxx11_abi=True, arch_list=[], cuda_available=False,
+    "torch": dict(version="2.13.0+cpu", cuda=None, cudnn=None, cxx11_abi=True, openmp=True, arch_list=[],
+                  cuda_available=False,
                   device_count=0),
     "driver": dict(nvidia_smi=None, version=None, cuda=None, gpus=0),
     "devices": [],
     "nvcc": dict(path_on_path=None, version=None, cuda_home=None, cuda_home_nvcc=None, cuda_home_version=None),
     "library": dict(path="/x/libopforge.so", exists=True, loaded=True, error=None, ops=16, cpu_kernels_missing=[],
-                    has_cuda_kernels=False, stamp=dict(torch="2.13.0", cuda="OFF", avx2="ON")),
+                    has_cuda_kernels=False, stamp=dict(torch="2.13.0", cuda="OFF", avx2="ON", openmp="ON")),
     "cpu_capability": "AVX2",
 }
 
@@ -69,6 +70,20 @@ def test_healthy_install_has_no_problem(base):
 def test_library_stamped_for_another_torch():
     d = only(facts(HEALTHY_GPU, library__stamp__torch="2.10.0"), "torch-mismatch")
     assert "2.10.0" in d.title and "2.11.0+cu128" in d.title and "pip install --no-build-isolation" in d.fix
+
+
+@pytest.mark.parametrize("stamp_openmp", ["OFF", None])
+def test_library_without_openmp_runs_cpu_kernels_on_one_thread(stamp_openmp):
+    """A library compiled without -fopenmp (or stamped before the 'openmp=' line existed) under an OpenMP torch: its
+    at::parallel_for loops run serially; a torch without OpenMP (another threading backend) is not flagged."""
+    f = facts(HEALTHY_CPU)
+    if stamp_openmp is None:
+        del f["library"]["stamp"]["openmp"]
+    else:
+        f["library"]["stamp"]["openmp"] = stamp_openmp
+    assert "cpu-kernels-one-thread" in ids(f)
+    assert [d.severity for d in doctor.diagnose(f) if d.id == "cpu-kernels-one-thread"] == ["warning"]
+    assert "cpu-kernels-one-thread" not in ids(facts(f, torch__openmp=False))
 
 
 def test_abi_mismatch():
