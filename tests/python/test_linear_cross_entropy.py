@@ -637,22 +637,7 @@ def test_opcheck_grad_in_forward(device, mask):
 
 # ---- the knob OPFORGE_LCE_DW_ACCUM=1: dW and db accumulated in the 16-bit parameter dtype ----------------------
 
-_ACCUM = "OPFORGE_LCE_DW_ACCUM"
-
-
-@pytest.fixture
-def knobs():
-    """set_knob(name, value) for the test; every knob it set is restored to its earlier value afterwards (also when
-    the test fails), so no test leaks a knob into the next."""
-    saved = {}
-
-    def set_knob(name, value):
-        prev = torch.ops.opforge._set_knob(name, value)
-        saved.setdefault(name, prev)
-
-    yield set_knob
-    for name, prev in saved.items():
-        torch.ops.opforge._set_knob(name, prev)
+_ACCUM = "OPFORGE_LCE_DW_ACCUM"  # set through conftest's knob fixture: restored after each test
 
 
 def _accum_factor(k):
@@ -698,7 +683,7 @@ _PATHS = [("mean", "forward"), ("mean", "recompute"), ("sum", "forward"), ("sum"
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("chunk", [48, 16, 7])  # k = 1, 3, 7 chunks of N = 48 tokens (the last one partial at 7)
 @pytest.mark.parametrize("reduction,path", _PATHS)
-def test_dw_accum_matches_float64(device, knobs, dtype, chunk, reduction, path):
+def test_dw_accum_matches_float64(device, knob, dtype, chunk, reduction, path):
     """OPFORGE_LCE_DW_ACCUM=1: grad_linear_weight and grad_linear_bias in the parameters' 16-bit dtype against
     float64 by the rule with _accum_factor(k) (loss and grad_input by the plain rule), with a bias, ignored tokens
     (ignore_index 5), every reduction, both autograd paths; the loss and grad_input are bit-identical to the knob's
@@ -708,12 +693,12 @@ def test_dw_accum_matches_float64(device, knobs, dtype, chunk, reduction, path):
     t[t == -100] = 5
     gw = torch.rand(N, device=device).to(dtype) if reduction == "none" else None
     kw = dict(reduction=reduction, chunk_size=chunk, ignore_index=5, grad_weights=gw)
-    knobs(_KNOB, 0 if path == "recompute" else 1)
-    knobs(_ACCUM, 1)
+    knob(_KNOB, 0 if path == "recompute" else 1)
+    knob(_ACCUM, 1)
     k = math.ceil(N / chunk)
     (on, _) = _check_all(x, w, b, t, param_factor=_accum_factor(k), **kw)
     assert on[2].dtype == dtype and on[3].dtype == dtype
-    knobs(_ACCUM, 0)
+    knob(_ACCUM, 0)
     off = _grads(_ours(x, w, t), x, w, b, **kw)
     assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
     if k > 1:
@@ -723,30 +708,30 @@ def test_dw_accum_matches_float64(device, knobs, dtype, chunk, reduction, path):
 @pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("chunk", [2, 3, 5])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_dw_accum_with_dw_groups(device, knobs, group, chunk, reduction):
+def test_dw_accum_with_dw_groups(device, knob, group, chunk, reduction):
     """OPFORGE_LCE_DW_ACCUM=1 with OPFORGE_LCE_DW_GROUP (CUDA: one 16-bit dW GEMM per group of chunks, beta = 0 on the
     first; full and partial groups of N = 11 tokens): the rule with _accum_factor(chunk count) (a bound for the
     fewer roundings of a group too), both paths ("mean": gradient in forward, "none": recompute)."""
     x, w, b, t = _data(11, 24, 70, torch.bfloat16, device, bias=True, ignore_frac=0.2, scale=2.0)
     gw = torch.rand(11, device=device).to(torch.bfloat16) if reduction == "none" else None
-    knobs("OPFORGE_LCE_DW_GROUP", group)
-    knobs(_ACCUM, 1)
+    knob("OPFORGE_LCE_DW_GROUP", group)
+    knob(_ACCUM, 1)
     _check_all(x, w, b, t, reduction=reduction, chunk_size=chunk, grad_weights=gw,
                param_factor=_accum_factor(math.ceil(11 / chunk)))
 
 
 @pytest.mark.parametrize("reduction,path", [("mean", "forward"), ("sum", "recompute"), ("none", "recompute")])
-def test_dw_accum_rounds_once_per_chunk(device, knobs, reduction, path):
+def test_dw_accum_rounds_once_per_chunk(device, knob, reduction, path):
     """The knob's dW is the 16-bit accumulation, one rounding per chunk: 8 chunks' result is close to the emulation
     _emulate_accum (from the float64 logit gradient) — at most a quarter of the knob-0 result's distance from it
     (float32 accumulation, one rounding at the end) — not merely within the tolerance of the right answer."""
     N, H, V, chunk = 256, 64, 300, 32
     x, w, b, t = _data(N, H, V, torch.bfloat16, device, bias=True, ignore_frac=0.1)
     gw = torch.rand(N, device=device).to(torch.bfloat16) if reduction == "none" else None
-    knobs(_KNOB, 0 if path == "recompute" else 1)
-    knobs(_ACCUM, 1)
+    knob(_KNOB, 0 if path == "recompute" else 1)
+    knob(_ACCUM, 1)
     on = _grads(_ours(x, w, t), x, w, b, reduction=reduction, chunk_size=chunk, grad_weights=gw)[2]
-    knobs(_ACCUM, 0)
+    knob(_ACCUM, 0)
     off = _grads(_ours(x, w, t), x, w, b, reduction=reduction, chunk_size=chunk, grad_weights=gw)[2]
     emu = _emulate_accum(_logit_grad64(x, w, b, t, gw, reduction=reduction), x, chunk, torch.bfloat16)
     e_on, e_off = relative_error(on, emu), relative_error(off, emu)
@@ -778,7 +763,7 @@ def test_dw_accum_tolerance_detects_broken_accumulation(device, chunk):
 
 @pytest.mark.parametrize("case", ["float32", "float64", "bf16 input, fp32 weight", "fp32 input, bf16 weight"])
 @pytest.mark.parametrize("path", ["forward", "recompute"])
-def test_dw_accum_leaves_other_dtypes_unchanged(device, knobs, case, path):
+def test_dw_accum_leaves_other_dtypes_unchanged(device, knob, case, path):
     """OPFORGE_LCE_DW_ACCUM=1 applies only where input and the parameter share a 16-bit dtype: float32/float64
     (already accumulated in their own dtype) and mixed dtypes give bit-identical results with the knob 1 and 0."""
     xd, wd = {"float32": (torch.float32,) * 2, "float64": (torch.float64,) * 2,
@@ -786,10 +771,10 @@ def test_dw_accum_leaves_other_dtypes_unchanged(device, knobs, case, path):
               "fp32 input, bf16 weight": (torch.float32, torch.bfloat16)}[case]
     x, w, b, t = _data(40, 16, 50, wd, device, bias=True, ignore_frac=0.2)
     x = x.to(xd)
-    knobs(_KNOB, 0 if path == "recompute" else 1)
+    knob(_KNOB, 0 if path == "recompute" else 1)
     res = []
     for accum in (1, 0):
-        knobs(_ACCUM, accum)
+        knob(_ACCUM, accum)
         res.append(_grads(_ours(x, w, t), x, w, b, chunk_size=8))
     for name, a, r in zip(["loss", "grad_input", "grad_linear_weight", "grad_linear_bias"], *res):
         assert a.dtype == r.dtype and torch.equal(a, r), name
@@ -797,15 +782,15 @@ def test_dw_accum_leaves_other_dtypes_unchanged(device, knobs, case, path):
 
 
 @pytest.mark.parametrize("path", ["forward", "recompute"])
-def test_dw_accum_off_is_float32_accumulation(device, knobs, path):
+def test_dw_accum_off_is_float32_accumulation(device, knob, path):
     """OPFORGE_LCE_DW_ACCUM=0 keeps today's bf16 weight gradient: float32 accumulation across chunks, one rounding at
     the end. On CPU, where the 16-bit path computes in float32 throughout, that is bit for bit the float32 call's
     gradients rounded to bfloat16 (CUDA's dW GEMM reads a bf16 logit gradient: no float32 twin to compare with)."""
     if device == "cuda":
         pytest.skip("CPU's bit-exact float32 twin; on CUDA the other knob tests cover the knob's 0")
     x, w, b, t = _data(64, 16, 50, torch.bfloat16, device, bias=True, ignore_frac=0.2)
-    knobs(_KNOB, 0 if path == "recompute" else 1)
-    knobs(_ACCUM, 0)
+    knob(_KNOB, 0 if path == "recompute" else 1)
+    knob(_ACCUM, 0)
     low = _grads(_ours(x, w, t), x, w, b, chunk_size=8)
     f32 = _grads(_ours(x, w, t), x.float(), w.float(), b.float(), chunk_size=8)
     assert low[2].dtype == torch.bfloat16 and torch.equal(low[2], f32[2].bfloat16())
@@ -829,7 +814,7 @@ def test_dw_accum_knob_from_environment():
 
 
 @pytest.mark.parametrize("path", ["forward", "recompute"])
-def test_dw_accum_allocates_no_float32_weight_buffer(device, knobs, path):
+def test_dw_accum_allocates_no_float32_weight_buffer(device, knob, path):
     """CUDA, bf16: with OPFORGE_LCE_DW_ACCUM=1 the pass that computes dW (the forward on the gradient-in-forward path,
     the backward on the recompute path) peaks at least V × H × 2 bytes below the knob's 0 (a bf16 V×H buffer instead
     of the float32 one); a float32 V×H buffer anywhere in it would remove that difference."""
@@ -839,10 +824,10 @@ def test_dw_accum_allocates_no_float32_weight_buffer(device, knobs, path):
     x, w, _, t = _data(N, H, V, torch.bfloat16, device)
     x.requires_grad_()
     w.requires_grad_()
-    knobs(_KNOB, 0 if path == "recompute" else 1)
+    knob(_KNOB, 0 if path == "recompute" else 1)
     peaks = {}
     for accum in (0, 1):
-        knobs(_ACCUM, accum)
+        knob(_ACCUM, accum)
         x.grad = w.grad = None
         torch.cuda.synchronize()
         if path == "forward":
