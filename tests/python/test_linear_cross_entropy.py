@@ -816,8 +816,9 @@ def test_dw_accum_knob_from_environment():
 @pytest.mark.parametrize("path", ["forward", "recompute"])
 def test_dw_accum_allocates_no_float32_weight_buffer(device, knob, path):
     """CUDA, bf16: with OPFORGE_LCE_DW_ACCUM=1 the pass that computes dW (the forward on the gradient-in-forward path,
-    the backward on the recompute path) peaks at least V × H × 2 bytes below the knob's 0 (a bf16 V×H buffer instead
-    of the float32 one); a float32 V×H buffer anywhere in it would remove that difference."""
+    the backward on the recompute path) peaks below the knob's 0 by the difference of a float32 and a bf16 V×H buffer
+    (V × H × 2 bytes, 8 MiB here, at the chunk loop's peak; asserted: at least half of it, a margin for the caching
+    allocator's block rounding); a float32 V×H buffer anywhere in the knob's pass would make its peak the higher."""
     if device != "cuda":
         pytest.skip("CUDA memory counters")
     N, H, V = 2048, 512, 8192
@@ -843,4 +844,4 @@ def test_dw_accum_allocates_no_float32_weight_buffer(device, knob, path):
         torch.cuda.synchronize()
         peaks[accum] = torch.cuda.max_memory_allocated() - base
         del loss
-    assert peaks[0] - peaks[1] >= V * H * 2, peaks
+    assert peaks[0] - peaks[1] >= V * H, peaks
