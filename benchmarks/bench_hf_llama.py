@@ -24,6 +24,8 @@ in the compiled graph as an opaque op instead of torch math that Inductor fuses 
     python benchmarks/bench_hf_llama.py
     # smaller / other shapes:
     python benchmarks/bench_hf_llama.py --layers 4 --vocab 32000 --seq 1024 --batch 2 --steps 10
+    # the lm_head's dW accumulated in bf16 (knob OPFORGE_LCE_DW_ACCUM=1 in the variant's process), against opforge:
+    python benchmarks/bench_hf_llama.py --variants hf,opforge,opforge-dwbf16,opforge-dwbf16-c2048
     # a profile (torch.profiler table of one step) of some variants:
     python benchmarks/bench_hf_llama.py --variants opforge,liger --profile
     # CPU smoke run (tiny config, 3 steps, no compile variants; used by tests/python/test_hf_llama.py):
@@ -57,6 +59,8 @@ VARIANTS = {
     "liger": "HF + Liger (apply_liger_kernel_to_llama)",
     "opforge": "HF + opforge.patch.apply",
     "opforge-norecompute": "HF + opforge.patch.apply(recompute=False)",
+    "opforge-dwbf16": "HF + opforge.patch.apply, OPFORGE_LCE_DW_ACCUM=1",
+    "opforge-dwbf16-c2048": "HF + opforge.patch.apply, OPFORGE_LCE_DW_ACCUM=1, OPFORGE_LCE_CHUNK_SIZE=2048",
     "hf+compile": "HF + torch.compile",
     "opforge+compile": "HF + opforge.patch.apply + torch.compile",
     "opforge-opaque+compile": "HF + opforge.patch.apply(inductor_math=False) + torch.compile",
@@ -64,9 +68,15 @@ VARIANTS = {
     "opforge+compile-ro": "HF + opforge.patch.apply + torch.compile(mode=\"reduce-overhead\")",
     "liger+compile": "HF + Liger + torch.compile",
 }
-#: the variants of a run without --variants: issue 15's table and liger+compile (the opaque and "-ro" ones are
-#: experiments, run by name)
+#: the variants of a run without --variants: issue 15's table and liger+compile (the opaque, "-ro" and "-dwbf16" ones
+#: are experiments, run by name)
 DEFAULT_VARIANTS = ["hf", "liger", "opforge", "opforge-norecompute", "hf+compile", "opforge+compile", "liger+compile"]
+# Environment variables of a variant's own process (read once there by opforge's knobs and chunk-size resolution):
+# the lm_head's dW accumulated in bf16 (no fp32 V x H accumulator), and that with 2048-token loss chunks.
+VARIANT_ENV = {
+    "opforge-dwbf16": {"OPFORGE_LCE_DW_ACCUM": "1"},
+    "opforge-dwbf16-c2048": {"OPFORGE_LCE_DW_ACCUM": "1", "OPFORGE_LCE_CHUNK_SIZE": "2048"},
+}
 CSV_COLUMNS = ["date", "device", "device_name", "torch", "commit", "transformers", "liger", "variant", "layers",
                "hidden", "intermediate", "heads", "kv_heads", "vocab", "seq", "batch", "dtype", "steps", "tokens_per_s",
                "ms_per_step", "peak_mem_gib", "first_loss", "last_loss", "max_rel_loss_diff_vs_hf", "status"]
@@ -246,7 +256,7 @@ def run_variant(a: argparse.Namespace) -> dict:
     ms = statistics.median(times) * 1e3
     out = {"variant": variant, "ms_per_step": ms, "tokens_per_s": a.batch * a.seq / (ms / 1e3),
            "peak_mem_gib": _peak_memory_gib(device), "losses": losses, "warmup_s": t_compile, "report": report,
-           "status": "ok"}
+           "status": "ok", "env": {k: os.environ.get(k) for k in VARIANT_ENV.get(variant, {})}}
     if "+compile" in variant:
         out["dynamo"] = dynamo_stats()
     if a.profile:
@@ -265,12 +275,13 @@ def run_variant(a: argparse.Namespace) -> dict:
 
 def spawn_worker(script: Path, worker: str, argv: list, timeout: float) -> dict:
     """Runs ``python script --worker <worker> --json <tmp> *argv`` (python/ on PYTHONPATH, Inductor's cache per
-    checkout) and returns the JSON it wrote, or {"variant": worker, "status": why not} (timeout, a failure's last
-    line, "n/a (liger_kernel not installed)"). Shared with benchmarks/profile_step.py."""
+    checkout, the variant's VARIANT_ENV added to the environment) and returns the JSON it wrote, or {"variant": worker,
+    "status": why not} (timeout, a failure's last line, "n/a (liger_kernel not installed)"). Shared with
+    benchmarks/profile_step.py."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "out.json"
         cmd = [sys.executable, str(script), "--worker", worker, "--json", str(path), *argv]
-        env = dict(os.environ)
+        env = dict(os.environ, **VARIANT_ENV.get(worker, {}))
         env["PYTHONPATH"] = os.pathsep.join([str(common.REPO_ROOT / "python"), env.get("PYTHONPATH", "")])
         # Inductor's cache per checkout (as tests/python/conftest.py): a second run skips most compilation
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(common.REPO_ROOT / "build" / "inductor-cache"))
@@ -382,6 +393,9 @@ def main(argv=None) -> list:
         print(f"| {VARIANTS[row['variant']]} | {row['tokens_per_s']:,.0f} | {ratio:.2f}x | {row['ms_per_step']:.1f} | "
               f"{row['peak_mem_gib']:.2f} GiB | {row['first_loss']:.4f} | {row['last_loss']:.4f} | "
               f"{row['max_rel_loss_diff_vs_hf']:.1e}{flag} |")
+    for r in results:
+        if r.get("env"):  # what the variant's own process saw of VARIANT_ENV
+            print(f"\n{r['variant']}: env " + " ".join(f"{k}={v}" for k, v in r["env"].items()))
     for r in results:
         if r.get("report"):
             print(f"\n{r['variant']}: {r['report']}")

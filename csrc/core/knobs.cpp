@@ -21,7 +21,8 @@ struct Entry {
 constexpr Entry kEntries[] = {{"OPFORGE_LINEAR_LT", 1, false},   {"OPFORGE_LINEAR_GEMV", -1, false},
                               {"OPFORGE_LCE_GRAD_IN_FORWARD", 1, false}, {"OPFORGE_GEMV_VARIANT", -1, true},
                               {"OPFORGE_RMS_FWD", -1, true},     {"OPFORGE_RMS_BWD", -1, true},
-                              {"OPFORGE_ROPE_KERNEL", -1, true}, {"OPFORGE_LCE_DW_GROUP", 1, true}};
+                              {"OPFORGE_ROPE_KERNEL", -1, true}, {"OPFORGE_LCE_DW_GROUP", 1, true},
+                              {"OPFORGE_LCE_DW_ACCUM", 0, true}};
 constexpr int kCount = sizeof(kEntries) / sizeof(kEntries[0]);
 
 int64_t from_env(const Entry& e) {
@@ -39,7 +40,7 @@ int64_t from_env(const Entry& e) {
 std::atomic<int64_t>& slot(Knob k) {
   static std::atomic<int64_t> slots[kCount] = {from_env(kEntries[0]), from_env(kEntries[1]), from_env(kEntries[2]),
                                                from_env(kEntries[3]), from_env(kEntries[4]), from_env(kEntries[5]),
-                                               from_env(kEntries[6]), from_env(kEntries[7])};
+                                               from_env(kEntries[6]), from_env(kEntries[7]), from_env(kEntries[8])};
   return slots[static_cast<int>(k)];
 }
 
@@ -49,7 +50,7 @@ int64_t set_knob_op(c10::string_view name, int64_t value) {
   }
   TORCH_CHECK_VALUE(false, "opforge::_set_knob: expected OPFORGE_LINEAR_LT, OPFORGE_LINEAR_GEMV, "
                     "OPFORGE_LCE_GRAD_IN_FORWARD, OPFORGE_GEMV_VARIANT, OPFORGE_RMS_FWD, OPFORGE_RMS_BWD, "
-                    "OPFORGE_ROPE_KERNEL or OPFORGE_LCE_DW_GROUP, but got ",
+                    "OPFORGE_ROPE_KERNEL, OPFORGE_LCE_DW_GROUP or OPFORGE_LCE_DW_ACCUM, but got ",
                     std::string(name));
   return 0;
 }

@@ -30,6 +30,13 @@
 //                        the group's copies (ops/linear_cross_entropy/linear_cross_entropy_cuda.cu). Measured on the
 //                        H200 (benchmarks/lce_chunk_sweep.py, 8192x2048x128256 bf16): group 2 at the same memory
 //                        (768-row chunks) 25.0-27.0 ms against group 1 (1024 rows) 23.7-25.1: no gain, so 1.
+//   OPFORGE_LCE_DW_ACCUM 0 (unset, default, or any value but 1): linear_cross_entropy accumulates dW (and db) across
+//                        token chunks in float32 and casts to the parameter's dtype at the end; 1: where input and
+//                        linear_weight (linear_bias) share one 16-bit dtype, it accumulates in that dtype directly
+//                        (the chunk's GEMM adds into the returned 16-bit gradient with beta = 1, fp32 math inside the
+//                        GEMM, one rounding per dW GEMM; no fp32 V x H buffer, no final cast; Liger-Kernel's default).
+//                        Read when the chunk loop starts (the forward on the gradient-in-forward path, the backward on
+//                        the recompute path) (ops/linear_cross_entropy/linear_cross_entropy.cpp, make_problem).
 #pragma once
 
 #include <cstdint>
@@ -38,7 +45,8 @@ namespace opforge {
 namespace knobs {
 
 enum class Knob : int {
-  kLinearLt, kLinearGemv, kLceGradInForward, kGemvVariant, kRmsForward, kRmsBackward, kRopeKernel, kLceDwGroup
+  kLinearLt, kLinearGemv, kLceGradInForward, kGemvVariant, kRmsForward, kRmsBackward, kRopeKernel, kLceDwGroup,
+  kLceDwAccum
 };
 
 /// The knob's current value.

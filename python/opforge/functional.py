@@ -422,7 +422,9 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     Numerics: logits per chunk from a GEMM with float32 output (float64 for float64 input); the row max is
     subtracted before any exponent and kept apart from log Σ exp (so a common logit offset of 1e8 in float32
     still gives log V); every sum (logsumexp, the loss, the weight and bias gradients across chunks) accumulates
-    in float32. ``"mean"`` with every target ignored gives NaN and zero gradients, as ``F.cross_entropy``.
+    in float32 (the knob ``OPFORGE_LCE_DW_ACCUM=1``: the weight and bias gradients of float16/bfloat16 parameters
+    of input's dtype accumulate in that dtype, one rounding per chunk, as Liger-Kernel's default; no float32 V x H
+    buffer). ``"mean"`` with every target ignored gives NaN and zero gradients, as ``F.cross_entropy``.
     Gradients: for ``"mean"`` and ``"sum"`` they are computed in the forward's chunk loop (3 GEMMs in all; only
     for inputs that require grad) and backward scales them by the scalar grad_output; for ``"none"`` they are
     recomputed in backward (one more logits GEMM per chunk) with the given per-token grad_output, so per-token

@@ -379,3 +379,23 @@ def test_bench_hf_llama_smoke(tmp_path):
     assert float(rows[1]["max_rel_loss_diff_vs_hf"]) <= 1e-4, rows  # fp32: the same losses to rounding
     assert float(rows[0]["tokens_per_s"]) > 0 and float(rows[1]["peak_mem_gib"]) > 0
     assert "HF + opforge.patch.apply" in p.stdout
+
+
+def test_bench_hf_llama_variant_environment(tmp_path):
+    """bench_hf_llama's opforge-dwbf16-c2048 variant runs (CPU smoke config) with its VARIANT_ENV in its own process:
+    the worker reports OPFORGE_LCE_DW_ACCUM=1 and OPFORGE_LCE_CHUNK_SIZE=2048; every VARIANT_ENV key is a variant."""
+    import re
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hf_llama.py"
+    sys.path.insert(0, str(script.parent))
+    import bench_hf_llama
+
+    assert set(bench_hf_llama.VARIANT_ENV) <= set(bench_hf_llama.VARIANTS)
+    env = {k: v for k, v in os.environ.items() if k not in ("OPFORGE_LCE_DW_ACCUM", "OPFORGE_LCE_CHUNK_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.run([sys.executable, str(script), "--smoke", "--no-save", "--variants", "opforge-dwbf16-c2048"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "opforge-dwbf16-c2048: env OPFORGE_LCE_DW_ACCUM=1 OPFORGE_LCE_CHUNK_SIZE=2048" in p.stdout, p.stdout
+    assert re.search(r"^\s+opforge-dwbf16-c2048\s+ok\b", p.stdout, re.M), p.stdout  # the worker's status

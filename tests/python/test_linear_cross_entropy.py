@@ -43,8 +43,10 @@ def _ref(x, w, t, dtype=torch.float64):
     return f
 
 
-def _check_all(x, w, b, t, **kw):
-    """ours vs float64 with the tolerance rule (baseline: the same eager math in the input's dtype)."""
+def _check_all(x, w, b, t, *, param_factor=2.0, **kw):
+    """ours vs float64 with the tolerance rule (baseline: the same eager math in the input's dtype); param_factor:
+    the rule's factor for grad_linear_weight and grad_linear_bias (2, the rule's own, unless they accumulate in a
+    16-bit dtype: _accum_factor)."""
     ours = _grads(_ours(x, w, t), x, w, b, **kw)
     ref = _grads(_ref(x, w, t), x, w, b, **kw)
     base = _grads(_ref(x, w, t, x.dtype), x, w, b, **kw)
@@ -52,7 +54,9 @@ def _check_all(x, w, b, t, **kw):
         if r is None:
             assert o is None, name
             continue
-        assert_matches_reference(o, r.to(o.dtype) if o.dtype == torch.float64 else r, bl.to(o.dtype), what=name)
+        factor = param_factor if name in ("grad_linear_weight", "grad_linear_bias") else 2.0
+        assert_matches_reference(o, r.to(o.dtype) if o.dtype == torch.float64 else r, bl.to(o.dtype), what=name,
+                                 factor=factor)
     return ours, ref
 
 
@@ -629,3 +633,215 @@ def test_opcheck_grad_in_forward(device, mask):
     _, _, gi, gw, gb = torch.ops.opforge._linear_cross_entropy_forward(x, w, t, b, grad_mask=mask)
     torch.library.opcheck(torch.ops.opforge._linear_cross_entropy_scale_grads.default,
                           (torch.tensor(1.5, device=device), gi, gw, gb))
+
+
+# ---- the knob OPFORGE_LCE_DW_ACCUM=1: dW and db accumulated in the 16-bit parameter dtype ----------------------
+
+_ACCUM = "OPFORGE_LCE_DW_ACCUM"  # set through conftest's knob fixture: restored after each test
+
+
+def _accum_factor(k):
+    """The tolerance rule's factor for a parameter gradient accumulated in its 16-bit dtype over k chunks: 2 × k.
+
+    Derivation: the rule's baseline (the eager math in the 16-bit dtype) rounds dW once, at the end of its one GEMM;
+    the knob rounds the accumulator once per dW GEMM, at most k times (fewer with OPFORGE_LCE_DW_GROUP > 1), each
+    rounding off by at most half an ulp of the partial sum, whose magnitude is that of dW. So the error is at most
+    the float32 accumulation's (within the rule's 2 × baseline) plus k roundings of the size of the baseline's one:
+    2 + k ≤ 2k times the baseline's error for k ≥ 2 (k = 1 is the rule itself). Linear in k, the worst case (the
+    roundings' errors add up with one sign); independent roundings would give √k. The bound still fails every wrong
+    accumulation of test_dw_accum_tolerance_detects_broken_accumulation."""
+    return 2.0 * k
+
+
+def _logit_grad64(x, w, b, t, gw=None, **kw):
+    """The float64 reference's gradient of the loss (weighted by gw for "none") with respect to the raw logits
+    x · wᵀ + b, [N, V] (from linear_cross_entropy_reference on the logits with an identity weight)."""
+    L = (x.double() @ w.double().t() + (0 if b is None else b.double())).detach().requires_grad_()
+    eye = torch.eye(w.shape[0], dtype=torch.float64, device=x.device)
+    loss = linear_cross_entropy_reference(L, eye, t, **kw)
+    (dL,) = torch.autograd.grad(loss if gw is None else (loss * gw.double()).sum(), L)
+    return dL
+
+
+def _emulate_accum(dL, x, chunk, dtype, chunks=None):
+    """dW accumulated as OPFORGE_LCE_DW_ACCUM=1 does, from the logit gradient dL [N, V]: per chunk c (those of
+    `chunks`, default all, in that order) dW = round(dW + round(dL_c)ᵀ · X_c) with float32 math, one rounding to
+    `dtype` per chunk (the dW GEMM reads the logit gradient in the storage dtype)."""
+    N = x.shape[0]
+    starts = list(range(0, N, chunk))
+    acc = torch.zeros(dL.shape[1], x.shape[1], dtype=dtype, device=x.device)
+    for i in (range(len(starts)) if chunks is None else chunks):
+        s0 = starts[i]
+        D, X = dL[s0:s0 + chunk].to(dtype).float(), x[s0:s0 + chunk].float()
+        acc = (acc.float() + D.t() @ X).to(dtype)
+    return acc
+
+
+_PATHS = [("mean", "forward"), ("mean", "recompute"), ("sum", "forward"), ("sum", "recompute"), ("none", "recompute")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunk", [48, 16, 7])  # k = 1, 3, 7 chunks of N = 48 tokens (the last one partial at 7)
+@pytest.mark.parametrize("reduction,path", _PATHS)
+def test_dw_accum_matches_float64(device, knob, dtype, chunk, reduction, path):
+    """OPFORGE_LCE_DW_ACCUM=1: grad_linear_weight and grad_linear_bias in the parameters' 16-bit dtype against
+    float64 by the rule with _accum_factor(k) (loss and grad_input by the plain rule), with a bias, ignored tokens
+    (ignore_index 5), every reduction, both autograd paths; the loss and grad_input are bit-identical to the knob's
+    0 (it changes only the parameter gradients), the parameter gradients are not (for k > 1: the knob took effect)."""
+    N = 48
+    x, w, b, t = _data(N, 24, 83, dtype, device, bias=True, ignore_frac=0.2, scale=2.0)
+    t[t == -100] = 5
+    gw = torch.rand(N, device=device).to(dtype) if reduction == "none" else None
+    kw = dict(reduction=reduction, chunk_size=chunk, ignore_index=5, grad_weights=gw)
+    knob(_KNOB, 0 if path == "recompute" else 1)
+    knob(_ACCUM, 1)
+    k = math.ceil(N / chunk)
+    (on, _) = _check_all(x, w, b, t, param_factor=_accum_factor(k), **kw)
+    assert on[2].dtype == dtype and on[3].dtype == dtype
+    knob(_ACCUM, 0)
+    off = _grads(_ours(x, w, t), x, w, b, **kw)
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+    if k > 1:
+        assert not torch.equal(on[2], off[2])
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("chunk", [2, 3, 5])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_dw_accum_with_dw_groups(device, knob, group, chunk, reduction):
+    """OPFORGE_LCE_DW_ACCUM=1 with OPFORGE_LCE_DW_GROUP (CUDA: one 16-bit dW GEMM per group of chunks, beta = 0 on the
+    first; full and partial groups of N = 11 tokens): the rule with _accum_factor(chunk count) (a bound for the
+    fewer roundings of a group too), both paths ("mean": gradient in forward, "none": recompute)."""
+    x, w, b, t = _data(11, 24, 70, torch.bfloat16, device, bias=True, ignore_frac=0.2, scale=2.0)
+    gw = torch.rand(11, device=device).to(torch.bfloat16) if reduction == "none" else None
+    knob("OPFORGE_LCE_DW_GROUP", group)
+    knob(_ACCUM, 1)
+    _check_all(x, w, b, t, reduction=reduction, chunk_size=chunk, grad_weights=gw,
+               param_factor=_accum_factor(math.ceil(11 / chunk)))
+
+
+@pytest.mark.parametrize("reduction,path", [("mean", "forward"), ("sum", "recompute"), ("none", "recompute")])
+def test_dw_accum_rounds_once_per_chunk(device, knob, reduction, path):
+    """The knob's dW is the 16-bit accumulation, one rounding per chunk: 8 chunks' result is close to the emulation
+    _emulate_accum (from the float64 logit gradient) — at most a quarter of the knob-0 result's distance from it
+    (float32 accumulation, one rounding at the end) — not merely within the tolerance of the right answer."""
+    N, H, V, chunk = 256, 64, 300, 32
+    x, w, b, t = _data(N, H, V, torch.bfloat16, device, bias=True, ignore_frac=0.1)
+    gw = torch.rand(N, device=device).to(torch.bfloat16) if reduction == "none" else None
+    knob(_KNOB, 0 if path == "recompute" else 1)
+    knob(_ACCUM, 1)
+    on = _grads(_ours(x, w, t), x, w, b, reduction=reduction, chunk_size=chunk, grad_weights=gw)[2]
+    knob(_ACCUM, 0)
+    off = _grads(_ours(x, w, t), x, w, b, reduction=reduction, chunk_size=chunk, grad_weights=gw)[2]
+    emu = _emulate_accum(_logit_grad64(x, w, b, t, gw, reduction=reduction), x, chunk, torch.bfloat16)
+    e_on, e_off = relative_error(on, emu), relative_error(off, emu)
+    assert e_off > 0 and e_on <= 0.25 * e_off, (e_on, e_off)
+
+
+@pytest.mark.parametrize("chunk", [16, 7])
+def test_dw_accum_tolerance_detects_broken_accumulation(device, chunk):
+    """The rule of test_dw_accum_matches_float64 (factor _accum_factor(k)) can fail: on its problem ("mean"), the
+    emulated correct 16-bit accumulation passes, and each broken one fails it: the last chunk dropped, every chunk
+    overwriting instead of adding (beta = 0 throughout), the first chunk added twice."""
+    N = 48
+    x, w, b, t = _data(N, 24, 83, torch.bfloat16, device, bias=True, ignore_frac=0.2, scale=2.0)
+    t[t == -100] = 5
+    kw = dict(reduction="mean", ignore_index=5)
+    k = math.ceil(N / chunk)
+    ref = _grads(_ref(x, w, t), x, w, b, **kw)[2]
+    base = _grads(_ref(x, w, t, torch.bfloat16), x, w, b, **kw)[2].to(torch.bfloat16)
+    dL = _logit_grad64(x, w, b, t, **kw)
+
+    def check(dw):
+        assert_matches_reference(dw, ref, base, what="grad_linear_weight", factor=_accum_factor(k))
+
+    check(_emulate_accum(dL, x, chunk, torch.bfloat16))
+    for broken in ([*range(k - 1)], [k - 1], [0, *range(k)]):
+        with pytest.raises(AssertionError):
+            check(_emulate_accum(dL, x, chunk, torch.bfloat16, chunks=broken))
+
+
+@pytest.mark.parametrize("case", ["float32", "float64", "bf16 input, fp32 weight", "fp32 input, bf16 weight"])
+@pytest.mark.parametrize("path", ["forward", "recompute"])
+def test_dw_accum_leaves_other_dtypes_unchanged(device, knob, case, path):
+    """OPFORGE_LCE_DW_ACCUM=1 applies only where input and the parameter share a 16-bit dtype: float32/float64
+    (already accumulated in their own dtype) and mixed dtypes give bit-identical results with the knob 1 and 0."""
+    xd, wd = {"float32": (torch.float32,) * 2, "float64": (torch.float64,) * 2,
+              "bf16 input, fp32 weight": (torch.bfloat16, torch.float32),
+              "fp32 input, bf16 weight": (torch.float32, torch.bfloat16)}[case]
+    x, w, b, t = _data(40, 16, 50, wd, device, bias=True, ignore_frac=0.2)
+    x = x.to(xd)
+    knob(_KNOB, 0 if path == "recompute" else 1)
+    res = []
+    for accum in (1, 0):
+        knob(_ACCUM, accum)
+        res.append(_grads(_ours(x, w, t), x, w, b, chunk_size=8))
+    for name, a, r in zip(["loss", "grad_input", "grad_linear_weight", "grad_linear_bias"], *res):
+        assert a.dtype == r.dtype and torch.equal(a, r), name
+    assert res[0][2].dtype == wd
+
+
+@pytest.mark.parametrize("path", ["forward", "recompute"])
+def test_dw_accum_off_is_float32_accumulation(device, knob, path):
+    """OPFORGE_LCE_DW_ACCUM=0 keeps today's bf16 weight gradient: float32 accumulation across chunks, one rounding at
+    the end. On CPU, where the 16-bit path computes in float32 throughout, that is bit for bit the float32 call's
+    gradients rounded to bfloat16 (CUDA's dW GEMM reads a bf16 logit gradient: no float32 twin to compare with)."""
+    if device == "cuda":
+        pytest.skip("CPU's bit-exact float32 twin; on CUDA the other knob tests cover the knob's 0")
+    x, w, b, t = _data(64, 16, 50, torch.bfloat16, device, bias=True, ignore_frac=0.2)
+    knob(_KNOB, 0 if path == "recompute" else 1)
+    knob(_ACCUM, 0)
+    low = _grads(_ours(x, w, t), x, w, b, chunk_size=8)
+    f32 = _grads(_ours(x, w, t), x.float(), w.float(), b.float(), chunk_size=8)
+    assert low[2].dtype == torch.bfloat16 and torch.equal(low[2], f32[2].bfloat16())
+    assert torch.equal(low[3], f32[3].bfloat16()) and torch.equal(low[0], f32[0])
+
+
+def test_dw_accum_knob_from_environment():
+    """The knob is read from OPFORGE_LCE_DW_ACCUM once per process: 0 when unset, 1 when set to "1"."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import torch, opforge; print(torch.ops.opforge._set_knob('OPFORGE_LCE_DW_ACCUM', 0))"
+    for value, expect in ((None, "0"), ("1", "1")):
+        env = {k: v for k, v in os.environ.items() if k != _ACCUM}
+        if value is not None:
+            env[_ACCUM] = value
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert p.stdout.strip().splitlines()[-1] == expect, (value, p.stdout)
+
+
+@pytest.mark.parametrize("path", ["forward", "recompute"])
+def test_dw_accum_allocates_no_float32_weight_buffer(device, knob, path):
+    """CUDA, bf16: with OPFORGE_LCE_DW_ACCUM=1 the pass that computes dW (the forward on the gradient-in-forward path,
+    the backward on the recompute path) peaks below the knob's 0 by the difference of a float32 and a bf16 V×H buffer
+    (V × H × 2 bytes, 8 MiB here, at the chunk loop's peak; asserted: at least half of it, a margin for the caching
+    allocator's block rounding); a float32 V×H buffer anywhere in the knob's pass would make its peak the higher."""
+    if device != "cuda":
+        pytest.skip("CUDA memory counters")
+    N, H, V = 2048, 512, 8192
+    x, w, _, t = _data(N, H, V, torch.bfloat16, device)
+    x.requires_grad_()
+    w.requires_grad_()
+    knob(_KNOB, 0 if path == "recompute" else 1)
+    peaks = {}
+    for accum in (0, 1):
+        knob(_ACCUM, accum)
+        x.grad = w.grad = None
+        torch.cuda.synchronize()
+        if path == "forward":
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = opforge.linear_cross_entropy(x, w, t, chunk_size=512)
+        else:
+            loss = opforge.linear_cross_entropy(x, w, t, chunk_size=512)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss.backward()
+        torch.cuda.synchronize()
+        peaks[accum] = torch.cuda.max_memory_allocated() - base
+        del loss
+    assert peaks[0] - peaks[1] >= V * H, peaks

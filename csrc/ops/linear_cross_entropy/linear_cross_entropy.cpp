@@ -155,6 +155,11 @@ int64_t resolve_chunk(std::optional<int64_t> chunk_size, int64_t N, int64_t V, i
   return std::max<int64_t>(1, std::min(rows, std::max<int64_t>(N, 1)));
 }
 
+bool accumulate_in_param_dtype(at::ScalarType param, at::ScalarType input) {
+  return param == input && (param == at::kHalf || param == at::kBFloat16) &&
+         knobs::get(knobs::Knob::kLceDwAccum) == 1;
+}
+
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                      Reduction reduction, int64_t ignore_index, double label_smoothing, double z_loss,
@@ -175,6 +180,8 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   p.label_smoothing = label_smoothing;
   p.z_loss = z_loss;
   p.softcap = softcap.value_or(0.0);
+  p.dw_dtype = accumulate_in_param_dtype(linear_weight.scalar_type(), dtype) ? dtype : acc;
+  p.db_dtype = p.b.defined() && accumulate_in_param_dtype(linear_bias->scalar_type(), dtype) ? dtype : acc;
   return p;
 }
 
@@ -200,15 +207,16 @@ at::Tensor reduce_loss(const Problem& p, const at::Tensor& token_loss, const at:
 }
 
 GradBuffers::GradBuffers(const Problem& p, std::array<bool, 3> mask, bool zero_dw) {
-  const auto acc = p.X.options().dtype(acc_dtype(p.X.scalar_type()));
+  const auto wo = p.X.options().dtype(p.dw_dtype);
   if (mask[0]) dX = at::empty({p.N, p.H}, p.X.options());
-  if (mask[1]) dW = zero_dw ? at::zeros({p.V, p.H}, acc) : at::empty({p.V, p.H}, acc);
-  if (mask[2] && p.b.defined()) db = at::zeros({p.V}, acc);
+  if (mask[1]) dW = zero_dw ? at::zeros({p.V, p.H}, wo) : at::empty({p.V, p.H}, wo);
+  if (mask[2] && p.b.defined()) db = at::zeros({p.V}, p.X.options().dtype(p.db_dtype));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> GradBuffers::finish(
     const at::Tensor& input, const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias) const {
   return {dX.defined() ? dX.view(input.sizes()) : at::Tensor(),
+          // no copy where the buffer already is in the parameter's dtype (OPFORGE_LCE_DW_ACCUM=1, float32/float64)
           dW.defined() ? dW.to(linear_weight.scalar_type()) : at::Tensor(),
           db.defined() ? db.to(linear_bias->scalar_type()) : at::Tensor()};
 }

@@ -11,7 +11,9 @@
 // logits [chunk, V] (fp32) exists at a time. Per chunk: logits = X_c · Wᵀ (a GEMM, fp32 out), then one row kernel
 // computes (m, r) and the loss of every row (forward), or the logit gradient in place (backward, with the
 // saved (m, r)), which then feeds dX_c = dZ_c · W and dW += dZ_cᵀ · X_c (fp32 accumulator across chunks) and
-// db += Σ_rows dZ_c (fp32).
+// db += Σ_rows dZ_c (fp32). With the knob OPFORGE_LCE_DW_ACCUM=1 and 16-bit parameters of input's dtype, dW and db
+// accumulate in that dtype instead (Problem::dw_dtype / db_dtype): the dW GEMM adds into the 16-bit gradient with
+// beta = 1 (fp32 math inside, one rounding per GEMM), no fp32 V x H buffer, no final cast.
 //
 // Two autograd paths (linear_cross_entropy.cpp, docs/ops/linear_cross_entropy.md):
 //   gradient in forward (reduction "mean" / "sum", the default): the forward's chunk loop also computes the logit
@@ -91,6 +93,10 @@ at::ScalarType acc_dtype(at::ScalarType input_dtype);
 int64_t resolve_chunk(std::optional<int64_t> chunk_size, int64_t N, int64_t V, int64_t budget_bytes,
                       int64_t bytes_per_logit);
 
+/// Whether a parameter of dtype `param` accumulates its gradient across chunks in its own dtype for input of dtype
+/// `input`: the knob OPFORGE_LCE_DW_ACCUM is 1, `param` is float16/bfloat16 and equals `input`.
+bool accumulate_in_param_dtype(at::ScalarType param, at::ScalarType input);
+
 /// The canonical problem the kernels see.
 struct Problem {
   at::Tensor X;   // [N, H] contiguous, input's dtype
@@ -102,6 +108,9 @@ struct Problem {
   Reduction reduction;
   int64_t ignore_index;
   double label_smoothing, z_loss, softcap;  // softcap 0: none
+  // dtypes of the dW and db accumulators across chunks: the acc dtype, or with the knob OPFORGE_LCE_DW_ACCUM=1 the
+  // parameter's own dtype where it is 16-bit and equals input's (the GEMMs then add into the returned gradient)
+  at::ScalarType dw_dtype = at::kFloat, db_dtype = at::kFloat;
 };
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
@@ -117,9 +126,9 @@ at::Tensor mean_denominator(const Problem& p);
 /// (float32; float64 for float64), for 16-bit input too.
 at::Tensor reduce_loss(const Problem& p, const at::Tensor& token_loss, const at::Tensor& target);
 
-/// The gradient buffers of a chunk loop (CPU and CUDA): dX [N, H] in input's dtype, dW [V, H] and db [V] in the
-/// acc dtype, each allocated only when its mask entry is set (db only with a bias). db starts at zero; dW too
-/// with `zero_dw` (a loop that adds every chunk), else uninitialised (the first chunk's GEMM writes it).
+/// The gradient buffers of a chunk loop (CPU and CUDA): dX [N, H] in input's dtype, dW [V, H] in p.dw_dtype and
+/// db [V] in p.db_dtype, each allocated only when its mask entry is set (db only with a bias). db starts at zero; dW
+/// too with `zero_dw` (a loop that adds every chunk), else uninitialised (the first chunk's GEMM writes it).
 struct GradBuffers {
   at::Tensor dX, dW, db;
   GradBuffers(const Problem& p, std::array<bool, 3> mask, bool zero_dw);

@@ -161,7 +161,9 @@ int64_t row_grain(int64_t V) { return std::max<int64_t>(1, at::internal::GRAIN_S
 
 // The chunk's gradient GEMMs from its logit gradient L = dZ_c [c, V] (acc dtype) for the rows [s0, s0 + c):
 // dX_c = dZ_c · W, dW += dZ_cᵀ · X_c, db += Σ_rows dZ_c (fp32 accumulators); each only where its buffer is.
-void chunk_grads(const at::Tensor& L, const at::Tensor& Xc, const at::Tensor& Wf, int64_t s0,
+// A 16-bit dW (OPFORGE_LCE_DW_ACCUM=1) is added to by a GEMM in its own dtype, as on CUDA: dZ_c rounded to it, X_c
+// as stored (p.X), fp32 math and one rounding of dW + dZ_cᵀ · X_c; a 16-bit db adds the fp32 column sum, one rounding.
+void chunk_grads(const at::Tensor& L, const at::Tensor& Xc, const at::Tensor& Wf, const Problem& p, int64_t s0,
                  const lce::GradBuffers& g) {
   if (g.dX.defined()) {
     at::Tensor dXc = g.dX.narrow(0, s0, L.size(0));
@@ -171,7 +173,13 @@ void chunk_grads(const at::Tensor& L, const at::Tensor& Xc, const at::Tensor& Wf
       dXc.copy_(at::mm(L, Wf));
     }
   }
-  if (g.dW.defined()) g.dW.addmm_(L.t(), Xc);
+  if (g.dW.defined()) {
+    if (g.dW.scalar_type() == L.scalar_type()) {
+      g.dW.addmm_(L.t(), Xc);
+    } else {
+      g.dW.addmm_(L.to(g.dW.scalar_type()).t(), p.X.narrow(0, s0, L.size(0)));
+    }
+  }
   if (g.db.defined()) g.db.add_(L.sum(0));
 }
 
@@ -193,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   const bool need_grad = need.any();
   at::Tensor token_loss = at::empty({p.N}, p.X.options().dtype(acc));  // [N]
   at::Tensor stats = at::empty({p.N, 2}, p.X.options().dtype(acc));    // [N, 2]
-  lce::GradBuffers grads(p, grad_mask, /*zero_dw=*/true);  // dX [N, H]; dW [V, H], db [V] fp32 (zeroed)
+  lce::GradBuffers grads(p, grad_mask, /*zero_dw=*/true);  // dX [N, H]; dW [V, H], db [V] (zeroed)
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCpuChunkBudget, at::elementSize(acc));
   AT_DISPATCH_FLOATING_TYPES(acc, "opforge::linear_cross_entropy", [&] {
     using acc_t = scalar_t;
@@ -219,13 +227,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
         }
       });
       if (!need_grad) continue;
-      chunk_grads(L, Xc, Wf, s0, grads);
+      chunk_grads(L, Xc, Wf, p, s0, grads);
     }
   });
   return lce::forward_outputs(p, token_loss, stats, grads, input, linear_weight, target, linear_bias);
 }
 
-// grads: dX [N, H]; dW [V, H], db [V] fp32 (zeroed)
+// grads: dX [N, H]; dW [V, H], db [V] zeroed, fp32 (or the 16-bit parameter dtype: OPFORGE_LCE_DW_ACCUM=1)
 void backward_cpu(const Problem& p, const at::Tensor& grad_output, const at::Tensor& stats, const lce::GradNeeds& need,
                   std::optional<int64_t> chunk_size, const lce::GradBuffers& grads) {
   check_targets(p, "linear_cross_entropy_backward");
@@ -255,7 +263,7 @@ void backward_cpu(const Problem& p, const at::Tensor& grad_output, const at::Ten
             backward_row(Lp + i * p.V, T[row], q, st[2 * row], st[2 * row + 1], g[g_stride * row]);
           }
         });
-        chunk_grads(L, Xc, Wf, s0, grads);
+        chunk_grads(L, Xc, Wf, p, s0, grads);
       }
     });
   }

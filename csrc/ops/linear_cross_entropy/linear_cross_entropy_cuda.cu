@@ -11,6 +11,10 @@
 // once per chunk; dW += dZ_gᵀ · X_g into a float32 accumulator with beta = 1, once per group of kDwGroup chunks, whose
 // gradient copies are kept side by side), and stays in fp32 in place only where it is read again (float32/float64
 // inputs, whose gradient GEMMs read it, one chunk per dW GEMM; the bias gradient's fp32 column sum).
+// With the knob OPFORGE_LCE_DW_ACCUM=1 and 16-bit parameters of input's dtype, dW and db are the 16-bit gradient
+// buffers themselves (lce::Problem::dw_dtype / db_dtype): the same dW GEMM writes its 16-bit D with beta = 0 on the
+// first group and adds with beta = 1 after (fp32 math inside cuBLAS, one rounding per GEMM), so no fp32 V x H
+// accumulator exists and no final cast runs.
 // A target outside [0, V) that is not ignore_index is never read: its token gets a NaN loss and NaN gradients.
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -363,7 +367,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   const bool write_acc = !low || need.db;  // the fp32 gradient is read again (fp32 GEMMs, the bias column sum)
   at::Tensor token_loss = at::empty({p.N}, p.X.options().dtype(acc));                 // [N]
   at::Tensor stats = at::empty({p.N, 2}, p.X.options().dtype(acc));                   // [N, 2]
-  // dX [N, H]; dW [V, H] fp32 (the first chunk's GEMM writes it); db [V] fp32
+  // dX [N, H]; dW [V, H] fp32 or p.dw_dtype (the first chunk's GEMM writes it); db [V] fp32 or p.db_dtype
   const lce::GradBuffers grads(p, grad_mask, /*zero_dw=*/false);
   const int64_t group = need_grad && low && need.dw ? dw_group() : 1;  // chunks per dW GEMM
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
@@ -423,8 +427,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   return lce::forward_outputs(p, token_loss, stats, grads, input, linear_weight, target, linear_bias);
 }
 
-// grads: dX [N, H]; dW: float32 accumulator [V, H] (the gradient buffer itself for float32/float64 weights), not
-// zeroed; db [V]
+// grads: dX [N, H]; dW: float32 accumulator [V, H] (the gradient buffer itself for float32/float64 weights, and for
+// 16-bit ones with OPFORGE_LCE_DW_ACCUM=1), not zeroed; db [V]
 void backward_cuda(const Problem& p, const at::Tensor& grad_output, const at::Tensor& stats, const lce::GradNeeds& need,
                    std::optional<int64_t> chunk_size, const lce::GradBuffers& grads) {
   const auto dtype = p.X.scalar_type();
