@@ -39,7 +39,7 @@
 namespace opforge {
 namespace {
 
-constexpr int kThreads = 128;      // token kernel
+constexpr int kThreads = 128;        // token kernel
 constexpr int kTokenMinBlocks = 12;  // token kernel with OPFORGE_ROPE_KERNEL=4 or 5: blocks per SM (16 spills)
 constexpr int kRowThreads = 256;   // rows kernel
 constexpr int kRows = 8;           // rows kernel: most head rows per thread
@@ -728,10 +728,11 @@ void run_cuda(const rotary::Problem& p) {
               num_str(rows), " heads and head_dim ", num_str(p.D));
   // Kernel: OPFORGE_ROPE_KERNEL 0 the per-token table kernel, 1 the rows kernel, 2 the heads kernel where it
   // applies (else as unset), 3 the per-token kernel on a grid of whole waves, 4 the per-token kernel with a
-  // register bound for 12 blocks per SM on its vector path, 5 both (TokenLaunch; 3-5 unmeasured as of stop 22); unset (-1): the per-token kernel wherever its table fits, as it measured faster on
-  // the H200 (2026-12-01, bench_rope.py, bf16 4x4096x32/8x128: forward+backward 225 us vs the rows kernel's
-  // 371 us), else the rows kernel. The heads kernel measured slower there too (stop 21: 251.6 us forward+backward
-  // vs the token kernel's 228.6 at stop 20), so it is not chosen by default.
+  // register bound for 12 blocks per SM on its vector path, 5 both (TokenLaunch; 3-5 unmeasured as of stop 22);
+  // unset (-1): the per-token kernel wherever its table fits, as it measured faster on the H200 (2026-12-01,
+  // bench_rope.py, bf16 4x4096x32/8x128: forward+backward 225 us vs the rows kernel's 371 us), else the rows kernel.
+  // The heads kernel measured slower there too (stop 21: 251.6 us forward+backward vs the token kernel's 228.6 at
+  // stop 20), so it is not chosen by default.
   const int64_t opmath_bytes = ref.scalar_type() == at::kDouble ? 8 : 4;
   const int64_t choice = knobs::get(knobs::Knob::kRopeKernel);
   const bool table_fits = 2 * p.R * opmath_bytes <= kMaxTableBytes;
