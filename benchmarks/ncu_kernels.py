@@ -1,8 +1,8 @@
 """One launch of each opforge kernel that issue 13 asks about, for Nsight Compute (`ncu`) to read its counters.
 
 Each case runs its op once on the shapes of the rms_norm / small-M linear / rope results tables (README,
-docs/results_history.md), so the
-profile has one record per kernel (ncu replays a kernel to collect its sections; timing here means nothing):
+docs/results_history.md), so the profile has one record per kernel (ncu replays a kernel to collect its sections;
+timing here means nothing):
 
     ncu --clock-control none --kernel-name regex:opforge --section SpeedOfLight --section Occupancy \\
         --section LaunchStats --section MemoryWorkloadAnalysis python benchmarks/ncu_kernels.py [--cases a,b]
