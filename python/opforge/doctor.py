@@ -103,7 +103,7 @@ def gather_facts() -> dict:
         pass
     facts["torch"] = dict(version=torch.__version__, cuda=torch.version.cuda, cudnn=cudnn,
                           cxx11_abi=bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)),
-                          openmp=bool(torch.backends.openmp.is_available()),
+                          openmp=bool(torch.backends.openmp.is_available()), threads=torch.get_num_threads(),
                           arch_list=torch.cuda.get_arch_list() if cuda_available else [],
                           cuda_available=cuda_available, device_count=count)
     facts["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
@@ -387,6 +387,9 @@ def render(facts: dict, diagnoses: List[Diagnosis]) -> str:
         + (f", torch C++ flags {stamp.get('torch_cxx_flags')}" if stamp.get("torch_cxx_flags")
            else ", torch C++ flags: none (torch's CMake config set no TORCH_CXX_FLAGS for this build; the ABI is"
                 " checked from torch itself)"),
+        f"CPU threads    library built with OpenMP: "
+        f"{stamp.get('openmp', 'unknown (stamped before the openmp= line: its CPU kernels use one thread)')}; "
+        f"torch {'uses OpenMP' if t.get('openmp') else 'does not use OpenMP'}, {t.get('threads', '?')} intra-op threads",
     ]
     if not diagnoses:
         lines.append("\nno problems found")
