@@ -782,12 +782,12 @@ def test_dw_accum_leaves_other_dtypes_unchanged(device, knob, case, path):
 
 
 @pytest.mark.parametrize("path", ["forward", "recompute"])
-def test_dw_accum_off_is_float32_accumulation(device, knob, path):
+def test_dw_accum_off_is_float32_accumulation(knob, path):
     """OPFORGE_LCE_DW_ACCUM=0 keeps today's bf16 weight gradient: float32 accumulation across chunks, one rounding at
     the end. On CPU, where the 16-bit path computes in float32 throughout, that is bit for bit the float32 call's
-    gradients rounded to bfloat16 (CUDA's dW GEMM reads a bf16 logit gradient: no float32 twin to compare with)."""
-    if device == "cuda":
-        pytest.skip("CPU's bit-exact float32 twin; on CUDA the other knob tests cover the knob's 0")
+    gradients rounded to bfloat16 (CPU only: CUDA's dW GEMM reads a bf16 logit gradient, so it has no float32 twin;
+    the other knob tests cover its knob 0)."""
+    device = "cpu"
     x, w, b, t = _data(64, 16, 50, torch.bfloat16, device, bias=True, ignore_frac=0.2)
     knob(_KNOB, 0 if path == "recompute" else 1)
     knob(_ACCUM, 0)
