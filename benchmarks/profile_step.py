@@ -162,15 +162,19 @@ def _gpu_idle(prof, top: int = 12) -> dict:
     from torch.autograd import DeviceType
 
     events = prof.events()
-    frontend = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
-    runtime = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id > 0}
+
+    def linked(e):  # FunctionEvent.linked_correlation_id is newer than torch 2.11: without it, no attribution
+        return getattr(e, "linked_correlation_id", None)
+
+    frontend = {e.id: e for e in events if e.device_type == DeviceType.CPU and linked(e) == 0}
+    runtime = {e.id: e for e in events if e.device_type == DeviceType.CPU and (linked(e) or 0) > 0}
     kernels, launches = [], {}
     for e in events:
         if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False) \
                 or "annotation" in str(getattr(e, "activity_type", "")).lower() or e.name.startswith(_RANGES):
             continue
         kernels.append((e.time_range.start, e.time_range.end, e.name, e.id))
-        call, op = runtime.get(e.id), frontend.get(e.linked_correlation_id)
+        call, op = runtime.get(e.id), frontend.get(linked(e))
         if call is not None:
             launches[e.id] = (call.time_range.start, _op_path(op) if op is not None else call.name)
     if not kernels:
@@ -185,7 +189,7 @@ def _gpu_idle(prof, top: int = 12) -> dict:
         by_op[g[3]] = (t + g[0], n + 1)
     syncs: dict = {}
     for e in runtime.values():
-        op = frontend.get(e.linked_correlation_id)
+        op = frontend.get(linked(e))
         if e.name in SYNC_CALLS or (op is not None and op.name.startswith(SYNC_OPS)):
             key = f"{e.name} from {_op_path(op) if op is not None else '?'}"
             t, n = syncs.get(key, (0.0, 0))

@@ -19,7 +19,8 @@
 //                        (ops/linear_cross_entropy/linear_cross_entropy.cpp; read when the forward runs, so a
 //                        compiled graph keeps the path it was traced with).
 //   OPFORGE_ROPE_KERNEL  -1 (unset, default): rope's per-token table kernel on CUDA where its table fits in
-//                        shared memory (measured faster), else the rows kernel; 0: the per-token kernel;
+//                        shared memory (measured faster), with its 12-blocks-per-SM register bound on the vector
+//                        path (as 4), else the rows kernel; 0: the per-token kernel without the bound;
 //                        1: the rows kernel; 2: the heads kernel where it applies (16-byte vector path,
 //                        32-bit offsets), else as unset; 3: the per-token kernel on a grid of whole waves
 //                        (SMs x resident blocks, not SMs x 32); 4: the per-token kernel with a register bound
