@@ -5,28 +5,21 @@ until the library was compiled with OpenMP). Median of 15 calls, bf16, torch.sig
 """
 import subprocess
 import sys
-import time
 
 import torch
 
 
 def measure(threads: int) -> str:
     import opforge
+    from opforge.bench import harness
 
     torch.set_num_threads(threads)
     x = torch.randn(4096, 4096, dtype=torch.bfloat16)
     w = torch.randn(4096, dtype=torch.bfloat16)
     g = torch.randn(4096, 8192, dtype=torch.bfloat16)
 
-    def t(f, n=15):
-        for _ in range(3):
-            f()
-        ts = []
-        for _ in range(n):
-            a = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - a)
-        return sorted(ts)[n // 2] * 1e3
+    def t(f):  # ms: the harness's CPU timer (median wall time)
+        return harness.time_cpu(f, warmup=3, reps=15) / 1e3
 
     return (f"threads {threads}: rms_norm bf16 4096x4096 {t(lambda: opforge.rms_norm(x, 4096, w)):.2f} ms; "
             f"swiglu_packed bf16 4096x8192 {t(lambda: opforge.swiglu_packed(g)):.2f} ms; "

@@ -813,14 +813,14 @@ def test_dw_accum_knob_from_environment():
         assert p.stdout.strip().splitlines()[-1] == expect, (value, p.stdout)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA memory counters)")
 @pytest.mark.parametrize("path", ["forward", "recompute"])
-def test_dw_accum_allocates_no_float32_weight_buffer(device, knob, path):
+def test_dw_accum_allocates_no_float32_weight_buffer(knob, path):
     """CUDA, bf16: with OPFORGE_LCE_DW_ACCUM=1 the pass that computes dW (the forward on the gradient-in-forward path,
     the backward on the recompute path) peaks below the knob's 0 by the difference of a float32 and a bf16 V×H buffer
     (V × H × 2 bytes, 8 MiB here, at the chunk loop's peak; asserted: at least half of it, a margin for the caching
     allocator's block rounding); a float32 V×H buffer anywhere in the knob's pass would make its peak the higher."""
-    if device != "cuda":
-        pytest.skip("CUDA memory counters")
+    device = "cuda"
     N, H, V = 2048, 512, 8192
     x, w, _, t = _data(N, H, V, torch.bfloat16, device)
     x.requires_grad_()
