@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE))
 import bench_hf_llama  # noqa: E402
 import common  # noqa: E402
 
-VARIANTS = ["hf", "liger", "opforge"]
+VARIANTS = ["hf", "liger", "opforge"]  # the default set; any of bench_hf_llama.VARIANTS is accepted (e.g. "opforge+compile")
 CATEGORIES = ["GEMM", "attention", "copies/casts", "softmax/CE", "norms", "elementwise", "optimizer",
               "opforge kernels", "other"]
 # (category, pattern on the lower-cased kernel or op name), first match wins
@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the profiled one")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated variants of bench_hf_llama.py (default {','.join(VARIANTS)})")
     p.add_argument("--top", type=int, default=15, help="kernels listed per variant")
     p.add_argument("--no-demo", action="store_true", help="skip (b), the demo model's table")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -97,9 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.smoke:
         a.device, a.warmup = "cpu", 1
     a.variant_list = [v.strip() for v in a.variants.split(",") if v.strip()]
-    bad = [v for v in a.variant_list if v not in VARIANTS]
+    bad = [v for v in a.variant_list if v not in bench_hf_llama.VARIANTS]
     if bad:
-        p.error(f"unknown variant(s) {bad}; choose from {VARIANTS}")
+        p.error(f"unknown variant(s) {bad}; choose from {list(bench_hf_llama.VARIANTS)}")
     if a.out is None:
         a.out = common.RESULTS_DIR / f"profile_step_{'cuda' if a.device.startswith('cuda') else 'cpu'}.txt"
     return a
