@@ -224,9 +224,11 @@ def test_compile_decoder_layer_fullgraph_no_graph_breaks():
     torch._dynamo.reset()
 
 
-def test_compile_per_layer_one_graph_no_recompiles():
+@pytest.mark.parametrize("inductor_math", [False, True])
+def test_compile_per_layer_one_graph_no_recompiles(inductor_math):
     """Every patched decoder layer compiled (fullgraph=True), two training steps with use_cache=False (as
-    benchmarks/bench_hf_llama.py trains): one graph shared by all layers, no graph break, no recompile. (With
+    benchmarks/bench_hf_llama.py trains): one graph shared by all layers, no graph break, no recompile, with the
+    opforge ops opaque (the default) and as torch math (inductor_math=True). (With
     transformers' default use_cache=True the cache object's per-layer state recompiles once per layer, patched or
     not; the benchmark prints these counters for its +compile variants.)"""
     import torch._dynamo
@@ -237,7 +239,7 @@ def test_compile_per_layer_one_graph_no_recompiles():
     guard_failures.clear()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 3})).float()
-    patch.apply(model)
+    patch.apply(model, inductor_math=inductor_math)
     for layer in model.model.layers:
         layer.compile(fullgraph=True, backend="aot_eager")
     opt = torch.optim.AdamW(model.parameters())
@@ -252,12 +254,14 @@ def test_compile_per_layer_one_graph_no_recompiles():
     torch._dynamo.reset()
 
 
-def test_compile_inductor_layer_matches_eager():
-    """Inductor on one patched decoder layer (inductor_math: the norms/SwiGLU/GEMMs as torch math) equals eager."""
+@pytest.mark.parametrize("inductor_math", [False, True])
+def test_compile_inductor_layer_matches_eager(inductor_math):
+    """Inductor on one patched decoder layer equals eager, with opforge's ops opaque in the graph (the default) and
+    with the norms/SwiGLU/GEMMs as torch math (inductor_math=True)."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    _, model, _ = _patched()
+    _, model, _ = _patched(inductor_math=inductor_math)
     layer = model.model.layers[0]
     x = torch.randn(2, 8, 64, requires_grad=True)
     pos = torch.arange(8).unsqueeze(0)
