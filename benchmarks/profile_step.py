@@ -1,7 +1,8 @@
 """Where one training step's GPU time goes: torch.profiler of a Hugging Face Llama (HF, Liger, opforge) and of the
 demo model (issue 15's closing evidence; issue 14's "profiler table of one step of the demo model").
 
-(a) For each variant (hf, liger when importable, opforge; each in its own process) the model of
+(a) For each variant (default hf, liger when importable, opforge; ``--variants`` takes any of bench_hf_llama.py's,
+e.g. ``hf+compile,opforge+compile``; each in its own process) the model of
 benchmarks/bench_hf_llama.py (its ``build_variant``: same configuration options, seed, tokens, AdamW) trains
 ``--warmup`` steps, then one profiled step; printed: the step's GPU time by category, the top kernels, and (CUDA)
 the step's GPU idle time: its longest gaps between kernels, each with the CPU op that issued the kernel ending it
@@ -26,6 +27,7 @@ with the time of the kernels under it.
 
     python benchmarks/profile_step.py                     # CUDA, bench_hf_llama's default configuration
     python benchmarks/profile_step.py --layers 8          # quicker
+    python benchmarks/profile_step.py --variants hf+compile,opforge+compile --no-demo --out benchmarks/results/profile_step_compile_cuda.txt
     python benchmarks/profile_step.py --smoke             # CPU, tiny configuration (tests/python/test_profile_step.py)
 
 Output: printed and written to ``--out`` (default benchmarks/results/profile_step_<cuda|cpu>.txt).
