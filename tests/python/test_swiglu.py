@@ -423,6 +423,15 @@ def test_cpu_strided_views_equal_contiguous_copies_bitwise(dtype, T, I):
     want = _cpu_swiglu_results(*(v.contiguous() for v in views))
     for what, a, b in zip(("y", "grad_gate", "grad_up", "packed y", "packed grad_input"), got, want):
         _exact(a, b, what)
+    # and swiglu on flat 1-D copies (one row of T·I: rows and their tails fall elsewhere)
+    gate, up, dy, _, dyp = views
+    flat = [t.contiguous().view(-1) for t in (gate, up, dy, dyp)]
+    y = opforge.swiglu(flat[0], flat[1]).view(T, I)
+    dg, du = (t.view(T, I) for t in torch.ops.opforge.swiglu_backward(flat[2], flat[0], flat[1]))
+    dgp, dup = (t.view(T, I) for t in torch.ops.opforge.swiglu_backward(flat[3], flat[0], flat[1]))
+    for what, a, b in [("y", got[0], y), ("grad_gate", got[1], dg), ("grad_up", got[2], du), ("packed y", got[3], y),
+                       ("packed grad_input", got[4], torch.cat([dgp, dup], -1))]:
+        _exact(a, b, what + " vs swiglu on flat copies")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
