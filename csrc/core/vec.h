@@ -1,4 +1,9 @@
 // CPU helpers over ATen's at::vec::Vectorized and at::parallel_for.
+//
+// Every map helper evaluates its Vectorized `vop` on full vectors and on the tail through partial loads and
+// stores (Vectorized::loadu(ptr, count), store(ptr, count)), so each output element is the same lane math of its
+// own inputs wherever it falls: its value depends on those inputs only, not on chunking, the thread count,
+// alignment or offset (a view equals its contiguous copy bitwise, one thread equals many).
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -6,6 +11,11 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/irange.h>
+
+#include <algorithm>
+#include <array>
+#include <tuple>
+#include <type_traits>
 
 namespace opforge {
 namespace cpu {
@@ -25,87 +35,130 @@ inline V vec_silu(const V& x) {
 /// Grain size for at::parallel_for over elementwise work: below this many elements, one thread.
 constexpr int64_t kElementwiseGrain = 32768;
 
-/// out[i] = op(a[i]) for i in [0, n): `op` is evaluated in float (fp32 opmath) for float16/bfloat16
-/// and in the storage type for float32/float64. `vop` is the same math on at::vec::Vectorized.
-/// Vectorized over the body, scalar over the tail, parallel over chunks.
-template <typename scalar_t, typename Op, typename VOp>
-void map_unary(const scalar_t* a, scalar_t* out, int64_t n, const Op& op, const VOp& vop) {
+namespace detail {
+
+/// Vectorized<opmath_t> values per Vectorized<scalar_t>: 1 for float32/float64, 2 for float16/bfloat16.
+template <typename scalar_t>
+inline constexpr size_t kParts = std::is_same_v<scalar_t, at::opmath_type<scalar_t>> ? 1 : 2;
+
+/// One Vectorized<scalar_t> worth of elements in opmath vectors.
+template <typename scalar_t>
+using Parts = std::array<at::vec::Vectorized<at::opmath_type<scalar_t>>, kParts<scalar_t>>;
+
+/// The first k (<= Vectorized<scalar_t>::size()) elements at p in opmath; lanes past k are zero.
+template <typename scalar_t>
+inline Parts<scalar_t> load(const scalar_t* p, int64_t k) {
   using Vec = at::vec::Vectorized<scalar_t>;
-  using opmath_t = at::opmath_type<scalar_t>;
-  at::parallel_for(0, n, kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-      for (; i + Vec::size() <= end; i += Vec::size()) vop(Vec::loadu(a + i)).store(out + i);
-    } else {
-      for (; i + Vec::size() <= end; i += Vec::size()) {
-        auto [lo, hi] = at::vec::convert_to_float<scalar_t>(Vec::loadu(a + i));
-        at::vec::convert_from_float<scalar_t>(vop(lo), vop(hi)).store(out + i);
-      }
+  const Vec v = k == Vec::size() ? Vec::loadu(p) : Vec::loadu(p, k);
+  if constexpr (kParts<scalar_t> == 1) {
+    return {v};
+  } else {
+    auto [lo, hi] = at::vec::convert_to_float<scalar_t>(v);
+    return {lo, hi};
+  }
+}
+
+/// Stores the first k (<= Vectorized<scalar_t>::size()) elements of v at p, rounded to scalar_t.
+template <typename scalar_t>
+inline void store(scalar_t* p, int64_t k, const Parts<scalar_t>& v) {
+  using Vec = at::vec::Vectorized<scalar_t>;
+  Vec out;
+  if constexpr (kParts<scalar_t> == 1) {
+    out = v[0];
+  } else {
+    out = at::vec::convert_from_float<scalar_t>(v[0], v[1]);
+  }
+  if (k == Vec::size()) {
+    out.store(p);
+  } else {
+    out.store(p, k);
+  }
+}
+
+/// out[o][i] = vop(in[i]...)[o] for i in [begin, end) on the calling thread: `vop` maps Vectorized<opmath_t>
+/// inputs to std::array<Vectorized<opmath_t>, NOut>; full vectors, then one partial vector for the tail.
+template <typename scalar_t, size_t NOut, typename VOp, typename... In>
+inline void map_range(int64_t begin, int64_t end, const std::array<scalar_t*, NOut>& out, const VOp& vop,
+                      const In*... in) {
+  static_assert((std::is_same_v<In, scalar_t> && ...), "opforge::cpu::map_range: inputs of the outputs' dtype");
+  constexpr int64_t W = at::vec::Vectorized<scalar_t>::size();
+  const auto step = [&](int64_t i, int64_t k) {
+    const auto x = std::make_tuple(load(in + i, k)...);
+    std::array<Parts<scalar_t>, NOut> y;
+    for (size_t p = 0; p < kParts<scalar_t>; ++p) {
+      const auto r = std::apply([&](const auto&... xs) { return vop(xs[p]...); }, x);
+      for (size_t o = 0; o < NOut; ++o) y[o][p] = r[o];
     }
-    for (; i < end; ++i) out[i] = static_cast<scalar_t>(op(static_cast<opmath_t>(a[i])));
+    for (size_t o = 0; o < NOut; ++o) store(out[o] + i, k, y[o]);
+  };
+  int64_t i = begin;
+  for (; i + W <= end; i += W) step(i, W);
+  if (i < end) step(i, end - i);
+}
+
+}  // namespace detail
+
+/// out[i] = vop(a[i]) for i in [0, n), parallel over chunks. `vop` maps Vectorized<opmath_t> to itself:
+/// fp32 opmath for float16/bfloat16, the storage type for float32/float64.
+template <typename scalar_t, typename VOp>
+void map_unary(const scalar_t* a, scalar_t* out, int64_t n, const VOp& vop) {
+  at::parallel_for(0, n, kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    detail::map_range<scalar_t, 1>(
+        begin, end, {out}, [&](const auto& x) { return std::array{vop(x)}; }, a);
   });
 }
 
-/// out[i] = op(a[i], b[i]) for i in [begin, end) on the calling thread, with map_unary's conventions.
-template <typename scalar_t, typename Op, typename VOp>
+/// out[i] = vop(a[i], b[i]) for i in [begin, end) on the calling thread, with map_unary's conventions.
+template <typename scalar_t, typename VOp>
 void map_binary_range(const scalar_t* a, const scalar_t* b, scalar_t* out, int64_t begin, int64_t end,
-                      const Op& op, const VOp& vop) {
-  using Vec = at::vec::Vectorized<scalar_t>;
-  using opmath_t = at::opmath_type<scalar_t>;
-  int64_t i = begin;
-  if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-    for (; i + Vec::size() <= end; i += Vec::size()) vop(Vec::loadu(a + i), Vec::loadu(b + i)).store(out + i);
-  } else {
-    for (; i + Vec::size() <= end; i += Vec::size()) {
-      auto [a0, a1] = at::vec::convert_to_float<scalar_t>(Vec::loadu(a + i));
-      auto [b0, b1] = at::vec::convert_to_float<scalar_t>(Vec::loadu(b + i));
-      at::vec::convert_from_float<scalar_t>(vop(a0, b0), vop(a1, b1)).store(out + i);
-    }
-  }
-  for (; i < end; ++i) out[i] = static_cast<scalar_t>(op(static_cast<opmath_t>(a[i]), static_cast<opmath_t>(b[i])));
+                      const VOp& vop) {
+  detail::map_range<scalar_t, 1>(
+      begin, end, {out}, [&](const auto& x, const auto& y) { return std::array{vop(x, y)}; }, a, b);
 }
 
-/// out[i] = op(a[i], b[i]) for i in [0, n), parallel over chunks.
-template <typename scalar_t, typename Op, typename VOp>
-void map_binary(const scalar_t* a, const scalar_t* b, scalar_t* out, int64_t n, const Op& op, const VOp& vop) {
+/// out[i] = vop(a[i], b[i]) for i in [0, n), parallel over chunks.
+template <typename scalar_t, typename VOp>
+void map_binary(const scalar_t* a, const scalar_t* b, scalar_t* out, int64_t n, const VOp& vop) {
   at::parallel_for(0, n, kElementwiseGrain,
-                   [&](int64_t begin, int64_t end) { map_binary_range(a, b, out, begin, end, op, vop); });
+                   [&](int64_t begin, int64_t end) { map_binary_range(a, b, out, begin, end, vop); });
 }
 
-/// (out0[i], out1[i]) = op(a[i], b[i], c[i]) for i in [0, n), parallel over chunks. `op(a, b, c, o0&, o1&)`
-/// is scalar opmath; `vop` the same on Vectorized<opmath_t>.
-template <typename scalar_t, typename Op, typename VOp>
+/// (out0[i], out1[i]) = vop(a[i], b[i], c[i]) for i in [begin, end) on the calling thread:
+/// `vop(a, b, c, o0&, o1&)` on Vectorized<opmath_t>, map_unary's conventions.
+template <typename scalar_t, typename VOp>
+void map3_to2_range(const scalar_t* a, const scalar_t* b, const scalar_t* c, scalar_t* out0, scalar_t* out1,
+                    int64_t begin, int64_t end, const VOp& vop) {
+  detail::map_range<scalar_t, 2>(
+      begin, end, {out0, out1},
+      [&](const auto& x, const auto& y, const auto& z) {
+        std::array<std::decay_t<decltype(x)>, 2> o;
+        vop(x, y, z, o[0], o[1]);
+        return o;
+      },
+      a, b, c);
+}
+
+/// (out0[i], out1[i]) = vop(a[i], b[i], c[i]) for i in [0, n), parallel over chunks (map3_to2_range's vop).
+template <typename scalar_t, typename VOp>
 void map3_to2(const scalar_t* a, const scalar_t* b, const scalar_t* c, scalar_t* out0, scalar_t* out1, int64_t n,
-              const Op& op, const VOp& vop) {
-  using Vec = at::vec::Vectorized<scalar_t>;
-  using opmath_t = at::opmath_type<scalar_t>;
-  at::parallel_for(0, n, kElementwiseGrain, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-      for (; i + Vec::size() <= end; i += Vec::size()) {
-        Vec o0, o1;
-        vop(Vec::loadu(a + i), Vec::loadu(b + i), Vec::loadu(c + i), o0, o1);
-        o0.store(out0 + i);
-        o1.store(out1 + i);
-      }
-    } else {
-      using FVec = at::vec::Vectorized<opmath_t>;
-      for (; i + Vec::size() <= end; i += Vec::size()) {
-        auto [a0, a1] = at::vec::convert_to_float<scalar_t>(Vec::loadu(a + i));
-        auto [b0, b1] = at::vec::convert_to_float<scalar_t>(Vec::loadu(b + i));
-        auto [c0, c1] = at::vec::convert_to_float<scalar_t>(Vec::loadu(c + i));
-        FVec p0, p1, q0, q1;
-        vop(a0, b0, c0, p0, p1);
-        vop(a1, b1, c1, q0, q1);
-        at::vec::convert_from_float<scalar_t>(p0, q0).store(out0 + i);
-        at::vec::convert_from_float<scalar_t>(p1, q1).store(out1 + i);
-      }
-    }
-    for (; i < end; ++i) {
-      opmath_t o0, o1;
-      op(static_cast<opmath_t>(a[i]), static_cast<opmath_t>(b[i]), static_cast<opmath_t>(c[i]), o0, o1);
-      out0[i] = static_cast<scalar_t>(o0);
-      out1[i] = static_cast<scalar_t>(o1);
+              const VOp& vop) {
+  at::parallel_for(0, n, kElementwiseGrain,
+                   [&](int64_t begin, int64_t end) { map3_to2_range(a, b, c, out0, out1, begin, end, vop); });
+}
+
+/// f(r, c0, c1) over the row segments [c0, c1) of a rows × cols index space, parallel over chunks of
+/// rows · cols (a chunk may begin or end inside a row): for kernels that read or write rows through strides.
+template <typename F>
+void parallel_rows(int64_t rows, int64_t cols, const F& f) {
+  if (rows <= 0 || cols <= 0) return;
+  at::parallel_for(0, rows * cols, kElementwiseGrain, [&](int64_t begin, int64_t end) {
+    int64_t r = begin / cols, c = begin - r * cols;
+    while (begin < end) {
+      const int64_t c1 = std::min(cols, c + (end - begin));
+      f(r, c, c1);
+      begin += c1 - c;
+      ++r;
+      c = 0;
     }
   });
 }

@@ -248,9 +248,8 @@ def swiglu_packed(input: Tensor) -> Tensor:
     forward and both halves of the gradient. Backward (``opforge::swiglu_packed_backward``): with s = σ(gate),
     grad_input[..., :I] = dy · up · s · (1 + gate · (1 − s)), grad_input[..., I:] = dy · gate · s, in input's
     dtype, contiguous. On CUDA row-strided inputs (a column slice of a wider row) are read in place and both
-    gradient halves are written by one pass; other layouts go through one contiguous copy. On the CPU each half is
-    copied to a contiguous tensor (so the result is bitwise swiglu's) and the gradient is assembled with one cat:
-    the traffic saving is CUDA's.
+    gradient halves are written by one pass; other layouts go through one contiguous copy. On the CPU any input
+    whose last dimension has stride 1 is read in place and both gradient halves are written by one pass too.
 
     Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference
     ``F.silu(input[..., :I]) * input[..., I:]``.

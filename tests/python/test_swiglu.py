@@ -147,10 +147,7 @@ def test_profiler_sees_the_fallback_copy(device):
     assert _copy_ops_in_swiglu(gate, up, torch.randn(8, 16, device=device))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU kernels read contiguous copies: "
-                    "swiglu_cpu.cpp says why)")
-def test_column_views_are_read_in_place_on_cuda():
-    device = "cuda"
+def test_column_views_are_read_in_place(device):
     gate, up = _column_views((2, 9), 83, device, torch.bfloat16)
     dy = torch.randn(2, 9, 90, device=device).to(torch.bfloat16)[..., 7:]
     assert _copy_ops_in_swiglu(gate, up, dy) == set()
@@ -380,12 +377,80 @@ def test_packed_profiler_sees_the_fallback_copy(device):
     assert _ops_in_packed(x, torch.randn(8, 16, device=device)) & _COPY_OPS
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU kernels read contiguous copies "
-                    "of the halves and cat the gradient: swiglu_cpu.cpp says why)")
-def test_packed_column_slice_is_read_and_written_in_place_on_cuda():
-    x = torch.randn(2, 9, 2 * 83 + 7, device="cuda").to(torch.bfloat16)[..., 7:]
-    dy = torch.randn(2, 9, 90, device="cuda").to(torch.bfloat16)[..., 7:]
+def test_packed_column_slice_is_read_and_written_in_place(device):
+    x = torch.randn(2, 9, 2 * 83 + 7, device=device).to(torch.bfloat16)[..., 7:]
+    dy = torch.randn(2, 9, 90, device=device).to(torch.bfloat16)[..., 7:]
     assert _ops_in_packed(x, dy) & (_COPY_OPS | {"aten::cat"}) == set()
+
+
+def test_cpu_reads_any_layout_with_unit_last_stride_in_place():
+    # permuted leading dims (no single row stride) and expanded rows: read in place on CPU, row by row
+    fused = (torch.randn(3, 2, 2 * 83) * 3).transpose(0, 1)  # [2, 3, 166], leading dims permuted
+    dy = torch.randn(3, 2, 83).transpose(0, 1)
+    assert _copy_ops_in_swiglu(fused[..., :83], torch.randn(1, 1, 83).expand(2, 3, 83), dy) == set()
+    assert _ops_in_packed(fused, dy) & (_COPY_OPS | {"aten::cat"}) == set()
+    _check_views_against_float64_and_copies(fused[..., :83], fused[..., 83:], dy)
+    _check_packed(fused, dy)
+
+
+# ---- CPU: each element's value depends on its inputs only (core/vec.h's partial-vector tails), not on rows, chunks,
+# threads, alignment or offset. Every row of 1031 ends in a partial vector; 257 x 1031 is more than 8 chunks of
+# at::parallel_for's grain (32768), so 2..8 threads split it at 28 places, most of them inside a vector. (With scalar
+# tails, whose exp differs from Vectorized's in the last bit for ~4% of fp32 inputs, both tests failed.)
+
+
+def _cpu_swiglu_results(gate, up, dy, x, dyp):
+    """swiglu, swiglu_backward, swiglu_packed and swiglu_packed_backward on the given tensors, as one list."""
+    return [opforge.swiglu(gate, up), *torch.ops.opforge.swiglu_backward(dy, gate, up), opforge.swiglu_packed(x),
+            torch.ops.opforge.swiglu_packed_backward(dyp, x)]
+
+
+def _cpu_strided_inputs(T, I, dtype):
+    """gate/up as the column halves of a (T, 2I) view whose rows start 3 elements into a wider row (off vector
+    alignment), dy a view offset by 5; x the packed (T, 2I) view itself, dyp a view offset by 1."""
+    fused = (torch.randn(T, 2 * I + 3) * 3).to(dtype)[:, 3:]
+    dy = torch.randn(T, I + 5).to(dtype)[:, 5:]
+    dyp = torch.randn(T, I + 1).to(dtype)[:, 1:]
+    return fused[:, :I], fused[:, I:], dy, fused, dyp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T,I", [(37, 1031), (101, 1031)])
+def test_cpu_strided_views_equal_contiguous_copies_bitwise(dtype, T, I):
+    views = _cpu_strided_inputs(T, I, dtype)
+    assert not any(v.is_contiguous() for v in views)
+    got = _cpu_swiglu_results(*views)
+    want = _cpu_swiglu_results(*(v.contiguous() for v in views))
+    for what, a, b in zip(("y", "grad_gate", "grad_up", "packed y", "packed grad_input"), got, want):
+        _exact(a, b, what)
+    # and swiglu on flat 1-D copies (one row of T·I: rows and their tails fall elsewhere)
+    gate, up, dy, _, dyp = views
+    flat = [t.contiguous().view(-1) for t in (gate, up, dy, dyp)]
+    y = opforge.swiglu(flat[0], flat[1]).view(T, I)
+    dg, du = (t.view(T, I) for t in torch.ops.opforge.swiglu_backward(flat[2], flat[0], flat[1]))
+    dgp, dup = (t.view(T, I) for t in torch.ops.opforge.swiglu_backward(flat[3], flat[0], flat[1]))
+    for what, a, b in [("y", got[0], y), ("grad_gate", got[1], dg), ("grad_up", got[2], du), ("packed y", got[3], y),
+                       ("packed grad_input", got[4], torch.cat([dgp, dup], -1))]:
+        _exact(a, b, what + " vs swiglu on flat copies")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "views"])
+def test_cpu_results_bitwise_equal_across_thread_counts(dtype, contiguous):
+    inputs = _cpu_strided_inputs(257, 1031, dtype)
+    if contiguous:
+        inputs = tuple(v.contiguous() for v in inputs)
+    n = torch.get_num_threads()
+    try:
+        results = []
+        for threads in range(1, 9):
+            torch.set_num_threads(threads)
+            results.append(_cpu_swiglu_results(*inputs))
+    finally:
+        torch.set_num_threads(n)
+    for threads, res in zip(range(2, 9), results[1:]):
+        for what, a, b in zip(("y", "grad_gate", "grad_up", "packed y", "packed grad_input"), res, results[0]):
+            _exact(a, b, f"{what}, {threads} threads vs 1")
 
 
 def test_packed_forward_ad_is_refused_naming_the_op():

@@ -1,7 +1,6 @@
-// CPU kernels of the elementwise ops: at::vec::Vectorized bodies, scalar tails, at::parallel_for.
+// CPU kernels of the elementwise ops: the Vectorized maps of core/vec.h (partial-vector tails), at::parallel_for.
 #include <torch/library.h>
 
-#include "core/activation.h"
 #include "core/dispatch.h"
 #include "core/vec.h"
 #include "ops/elementwise/elementwise.h"
@@ -19,7 +18,7 @@ at::Tensor sigmoid_cpu(const at::Tensor& input) {
     // y = σ(x) (core/activation.h; its vectorized form in core/vec.h)
     cpu::map_unary(
         X.const_data_ptr<scalar_t>(), Y.mutable_data_ptr<scalar_t>(), X.numel(),
-        [](opmath_t x) { return act::sigmoid(x); }, [](Vectorized<opmath_t> x) { return cpu::vec_sigmoid(x); });
+        [](Vectorized<opmath_t> x) { return cpu::vec_sigmoid(x); });
   });
   return Y;
 }
@@ -32,7 +31,6 @@ at::Tensor sigmoid_backward_cpu(const at::Tensor& grad_output, const at::Tensor&
     // dx = dy · y · (1 − y)
     cpu::map_binary(
         dY.const_data_ptr<scalar_t>(), Y.const_data_ptr<scalar_t>(), dX.mutable_data_ptr<scalar_t>(), dY.numel(),
-        [](opmath_t dy, opmath_t y) { return act::backward<Activation::kSigmoid>(dy, y); },
         [](Vectorized<opmath_t> dy, Vectorized<opmath_t> y) { return dy * y * (Vectorized<opmath_t>(1) - y); });
   });
   return dX;
@@ -45,7 +43,7 @@ at::Tensor square_cpu(const at::Tensor& input) {
     using opmath_t = at::opmath_type<scalar_t>;
     // y = x · x
     cpu::map_unary(
-        X.const_data_ptr<scalar_t>(), Y.mutable_data_ptr<scalar_t>(), X.numel(), [](opmath_t x) { return x * x; },
+        X.const_data_ptr<scalar_t>(), Y.mutable_data_ptr<scalar_t>(), X.numel(),
         [](Vectorized<opmath_t> x) { return x * x; });
   });
   return Y;
@@ -59,7 +57,6 @@ at::Tensor square_backward_cpu(const at::Tensor& grad_output, const at::Tensor& 
     // dx = 2 · x · dy
     cpu::map_binary(
         dY.const_data_ptr<scalar_t>(), X.const_data_ptr<scalar_t>(), dX.mutable_data_ptr<scalar_t>(), dY.numel(),
-        [](opmath_t dy, opmath_t x) { return opmath_t(2) * x * dy; },
         [](Vectorized<opmath_t> dy, Vectorized<opmath_t> x) { return Vectorized<opmath_t>(2) * x * dy; });
   });
   return dX;
@@ -73,17 +70,16 @@ at::Tensor square_add_cpu(const at::Tensor& input, const at::Tensor& other) {
   OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::square_add", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     // y[i] = x[i]² + b[i mod period]
-    auto op = [](opmath_t x, opmath_t b) { return x * x + b; };
     auto vop = [](Vectorized<opmath_t> x, Vectorized<opmath_t> b) { return at::vec::fmadd(x, x, b); };
     const scalar_t* x = p.X.const_data_ptr<scalar_t>();
     const scalar_t* b = p.B.const_data_ptr<scalar_t>();
     scalar_t* y = Y.mutable_data_ptr<scalar_t>();
     if (p.period == n) {
-      cpu::map_binary(x, b, y, n, op, vop);
+      cpu::map_binary(x, b, y, n, vop);
     } else {
-      const int64_t period = p.period, rows = n / period;
-      at::parallel_for(0, rows, std::max<int64_t>(1, cpu::kElementwiseGrain / period), [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) cpu::map_binary_range(x + r * period, b, y + r * period, 0, period, op, vop);
+      const int64_t period = p.period;
+      cpu::parallel_rows(n / period, period, [&](int64_t r, int64_t c0, int64_t c1) {
+        cpu::map_binary_range(x + r * period, b, y + r * period, c0, c1, vop);
       });
     }
   });
