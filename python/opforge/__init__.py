@@ -76,6 +76,12 @@ def _load() -> Path:
             "with `cmake -DOPFORGE_CPU_AVX2=OFF` (pip: `pip install --no-build-isolation -C "
             "cmake.define.OPFORGE_CPU_AVX2=OFF .`)."
         )
+    if info.get("avx512") == "ON" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        raise ImportError(
+            f"opforge: {lib} was built with AVX-512 CPU kernels (OPFORGE_CPU_AVX512=ON), but torch reports this CPU "
+            f"as {torch.backends.cpu.get_cpu_capability()} (no AVX-512, or ATEN_CPU_CAPABILITY lowered it); rebuild "
+            "without `-DOPFORGE_CPU_AVX512=ON` (the default AVX2 kernels)."
+        )
     if built_for and _base_version(built_for) != _base_version(torch.__version__):
         raise ImportError(
             f"opforge: {lib} was built for torch {built_for}, but torch {torch.__version__} is "

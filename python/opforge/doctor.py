@@ -226,6 +226,11 @@ def _check_library(f: dict) -> List[Diagnosis]:
                                  f"The library expects a symbol this torch does not export (another torch version or C++ "
                                  f"ABI): {err.splitlines()[0][:300]}",
                                  "pip install --no-build-isolation --force-reinstall --no-deps .   # rebuild against this torch"))
+        elif "AVX-512" in err:
+            out.append(Diagnosis("cpu-avx512", "error", "the library has AVX-512 kernels, torch reports no AVX-512 here",
+                                 "The CPU kernels would stop with an illegal instruction (or ATEN_CPU_CAPABILITY lowered "
+                                 "torch's capability below the library's).",
+                                 "pip install --no-build-isolation .   # the default AVX2 kernels"))
         elif "AVX2" in err:
             out.append(Diagnosis("cpu-avx2", "error", "the library has AVX2/FMA kernels, this CPU has no AVX2",
                                  "The CPU kernels would stop with an illegal instruction.",

@@ -161,6 +161,8 @@ def test_library_without_cuda_kernels_on_a_gpu():
 @pytest.mark.parametrize("error,id_", [
     ("opforge: could not load x.so: undefined symbol: _ZN3c1010Error", "undefined-symbol"),
     ("opforge: x.so was built with AVX2/FMA CPU kernels, but this CPU does not report AVX2", "cpu-avx2"),
+    ("opforge: x.so was built with AVX-512 CPU kernels (OPFORGE_CPU_AVX512=ON), but torch reports this CPU as AVX2",
+     "cpu-avx512"),
     ("opforge: something else", "library-not-loadable")])
 def test_library_not_loadable_says_why(error, id_):
     f = facts(HEALTHY_CPU, library__loaded=False, library__error=error)
@@ -205,3 +207,16 @@ def test_command_explains_a_library_built_for_another_torch(tmp_path):
     p = _doctor_cmd("--json", env_extra={"OPFORGE_LIBRARY": str(lib)})
     assert p.returncode == 1
     assert [d["id"] for d in json.loads(p.stdout)["diagnoses"]] == ["torch-mismatch"]
+
+
+def test_command_explains_an_avx512_library_on_a_cpu_torch_reports_below_avx512(tmp_path):
+    """A library stamped avx512=ON, with torch's capability lowered to AVX2 (ATEN_CPU_CAPABILITY): import refuses
+    it before loading (no illegal instruction), and doctor names the cause."""
+    import torch
+
+    lib = tmp_path / "libopforge.so"
+    lib.write_bytes(b"not a library")
+    (tmp_path / "opforge_build.txt").write_text(f"torch={torch.__version__}\ncuda=OFF\navx2=OFF\navx512=ON\n")
+    p = _doctor_cmd("--json", env_extra={"OPFORGE_LIBRARY": str(lib), "ATEN_CPU_CAPABILITY": "avx2"})
+    assert p.returncode == 1
+    assert [d["id"] for d in json.loads(p.stdout)["diagnoses"]] == ["cpu-avx512"]
