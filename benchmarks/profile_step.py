@@ -196,7 +196,9 @@ def _gpu_idle(prof, top: int = 12) -> dict:
             key = f"{e.name} from {_op_path(op) if op is not None else '?'}"
             t, n = syncs.get(key, (0.0, 0))
             syncs[key] = (t + e.time_range.elapsed_us(), n + 1)
-    return {"span_us": span, "idle_us": sum(g[0] for g in gaps), "n_gaps": len(gaps),
+    # attributed: CPU ops and runtime calls are linked to kernels (torch's linked_correlation_id); without it the
+    # host-late, lead and sync figures are unknown, not zero
+    return {"span_us": span, "idle_us": sum(g[0] for g in gaps), "n_gaps": len(gaps), "attributed": bool(runtime),
             "lead_us": max(0.0, first - host_start),
             "host_late_us": sum(g[0] for g in gaps if g[4]),
             "top": [list(g) for g in gaps[:top]],
@@ -208,14 +210,20 @@ def format_idle(idle: dict) -> str:
     """The GPU idle section of a variant's table (empty without device activities)."""
     if not idle:
         return ""
-    lines = [f"  GPU idle: {idle['idle_us'] / 1e3:.2f} ms of the {idle['span_us'] / 1e3:.2f} ms from the step's first to "
-             f"its last kernel, in {idle['n_gaps']} gaps of >= 5 us ({idle['host_late_us'] / 1e3:.2f} ms where the host "
-             f"issued the next kernel after the GPU went idle); the first kernel started {idle['lead_us'] / 1e3:.2f} ms after the "
-             f"step's first CPU op",
+    attributed = idle.get("attributed", True)
+    head = f"  GPU idle: {idle['idle_us'] / 1e3:.2f} ms of the {idle['span_us'] / 1e3:.2f} ms from the step's first to " \
+           f"its last kernel, in {idle['n_gaps']} gaps of >= 5 us"
+    if attributed:
+        head += (f" ({idle['host_late_us'] / 1e3:.2f} ms where the host issued the next kernel after the GPU went idle); "
+                 f"the first kernel started {idle['lead_us'] / 1e3:.2f} ms after the step's first CPU op")
+    else:
+        head += (" (this torch's profiler events carry no linked_correlation_id: which CPU op issued each kernel, "
+                 "whether the host was late, and the host syncs are unknown, shown as ?/n/a)")
+    lines = [head,
              f"  longest gaps: {'us':>9s}  host late  next kernel / its CPU op"]
     for us, _, name, op, late in idle["top"]:
         short = name if len(name) <= 60 else name[:57] + "..."
-        lines.append(f"  {us:22.1f}  {'yes' if late else 'no ':9s}  {short} / {op}")
+        lines.append(f"  {us:22.1f}  {('yes' if late else 'no ') if attributed else 'n/a':9s}  {short} / {op}")
     lines.append(f"  idle by the CPU op that ended it: {'us':>9s} {'gaps':>5s}")
     for op, us, n in idle["by_op"]:
         lines.append(f"  {us:42.1f} {n:5d}  {op}")
@@ -224,7 +232,7 @@ def format_idle(idle: dict) -> str:
         for key, us, n in idle["syncs"]:
             lines.append(f"  {us:12.1f} {n:5d}  {key}")
     else:
-        lines.append("  host syncs in the step: none")
+        lines.append("  host syncs in the step: " + ("none" if attributed else "n/a"))
     return "\n".join(lines)
 
 

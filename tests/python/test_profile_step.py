@@ -119,3 +119,22 @@ def test_gpu_idle_from_profiler_events():
     text = profile_step.format_idle(idle)
     assert "GPU idle: 0.04 ms of the 0.07 ms" in text and "aten::item > aten::_local_scalar_dense" in text
     assert profile_step._gpu_idle(type("P", (), {"events": lambda self: events[:6]})()) == {}
+
+
+def test_gpu_idle_without_correlation_says_unknown():
+    """Events without linked_correlation_id (torch 2.11's profiler): the gaps are still measured, but host-late,
+    lead and syncs are printed as unknown, not as zeros."""
+    step = _Event("ProfilerStep#3", 100, 0, "cpu", 0, 200)
+    events = [step, _Event("nvjet_gemm", 501, 0, "cuda", 5, 35), _Event("add_kernel", 503, 0, "cuda", 77, 80)]
+    for e in events:
+        del e.linked_correlation_id
+
+    class Prof:
+        def events(self):
+            return events
+
+    idle = profile_step._gpu_idle(Prof())
+    assert idle["n_gaps"] == 1 and idle["idle_us"] == 42 and not idle["attributed"]
+    text = profile_step.format_idle(idle)
+    assert "no linked_correlation_id" in text and "host syncs in the step: n/a" in text and " n/a " in text
+    assert "ms where the host issued" not in text
