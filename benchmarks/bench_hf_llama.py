@@ -85,7 +85,7 @@ CSV_COLUMNS = ["date", "device", "device_name", "torch", "commit", "transformers
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=8192)
@@ -100,8 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--compile-scope", choices=["model", "layers"], default="layers",
-                   help="torch.compile each decoder layer with fullgraph=True (default: one compiled graph shared "
-                        "by all layers), or the whole model")
+                   help="what +compile variants compile: 'layers' (default) compiles each decoder layer with "
+                        "fullgraph=True (identical layers share one graph), 'model' the whole model")
     p.add_argument("--init-device", default=None,
                    help="where the weights are initialised before the cast to --dtype (default: --device; cpu "
                         "takes ~20 s per variant at the default size). Same seed, so every variant starts alike")

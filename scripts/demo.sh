@@ -22,7 +22,7 @@ ob_build_tools
 export CMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
 # pip shows nothing of the build until it ends (a few minutes the first time on 2 cores): say so, and with
 # OPFORGE_BUILD_VERBOSE=1 show the compiler's progress (pip -v)
-echo "demo.sh: building and installing opforge with pip (the first build compiles the C++ library: about 3-5 min on 2 cores, quiet until it ends; OPFORGE_BUILD_VERBOSE=1 shows it)"
+echo "demo.sh: building and installing opforge with pip (the first build compiles the C++ library: about 4.5-6 min on 2 cores, quiet until it ends; OPFORGE_BUILD_VERBOSE=1 shows it)"
 pip_v=(); [ "${OPFORGE_BUILD_VERBOSE:-0}" = 1 ] && pip_v=(-v)
 "$PY" -m pip install "${pip_v[@]}" --no-build-isolation .
 # The commit recorded in --csv rows (the installed package has no .git to ask).

@@ -368,6 +368,17 @@ def diagnose(facts: dict) -> List[Diagnosis]:
 # ------------------------------------------------------------------------------------------------ output
 
 
+def _cpu_isa(stamp: dict) -> str:
+    """The instruction set the library's CPU kernels were compiled for, from its build stamp."""
+    if stamp.get("avx512") == "ON":
+        return "AVX-512 (OPFORGE_CPU_AVX512=ON)"
+    if stamp.get("avx2") == "ON":
+        return "AVX2 + FMA"
+    if "avx2" in stamp:
+        return "baseline x86-64 / non-x86 (no AVX2)"
+    return "unknown (no stamp)"
+
+
 def render(facts: dict, diagnoses: List[Diagnosis]) -> str:
     """The human-readable report: facts first, then each problem with its meaning and fix."""
     t, d, n, lib = facts["torch"], facts["driver"], facts["nvcc"], facts["library"]
@@ -395,6 +406,7 @@ def render(facts: dict, diagnoses: List[Diagnosis]) -> str:
         f"CPU threads    library built with OpenMP: "
         f"{stamp.get('openmp', 'unknown (stamped before the openmp= line: its CPU kernels use one thread)')}; "
         f"torch {'uses OpenMP' if t.get('openmp') else 'does not use OpenMP'}, {t.get('threads', '?')} intra-op threads",
+        f"CPU kernels    {_cpu_isa(stamp)}; torch's CPU capability {facts.get('cpu_capability', '?')}",
     ]
     if not diagnoses:
         lines.append("\nno problems found")

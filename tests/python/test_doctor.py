@@ -180,6 +180,14 @@ def test_render_prints_meaning_and_fix():
     assert "ERROR [torch-mismatch]" in text and "means:" in text and "fix:" in text and "NVIDIA H200 sm_90" in text
 
 
+@pytest.mark.parametrize("stamp,isa", [(dict(avx2="ON"), "AVX2 + FMA"), (dict(avx2="OFF", avx512="ON"), "AVX-512"),
+                                       (dict(avx2="OFF"), "no AVX2")])
+def test_render_names_the_cpu_kernels_instruction_set(stamp, isa):
+    f = facts(HEALTHY_CPU, **{f"library__stamp__{k}": v for k, v in stamp.items()})
+    line = [ln for ln in doctor.render(f, doctor.diagnose(f)).splitlines() if ln.startswith("CPU kernels")]
+    assert len(line) == 1 and isa in line[0] and "AVX2" in line[0].split("capability")[1], line
+
+
 def _doctor_cmd(*argv, env_extra=None):
     env = dict(os.environ, **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "opforge", "doctor", *argv], capture_output=True, text=True,
