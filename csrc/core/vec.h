@@ -138,14 +138,6 @@ void map3_to2_range(const scalar_t* a, const scalar_t* b, const scalar_t* c, sca
       a, b, c);
 }
 
-/// (out0[i], out1[i]) = vop(a[i], b[i], c[i]) for i in [0, n), parallel over chunks (map3_to2_range's vop).
-template <typename scalar_t, typename VOp>
-void map3_to2(const scalar_t* a, const scalar_t* b, const scalar_t* c, scalar_t* out0, scalar_t* out1, int64_t n,
-              const VOp& vop) {
-  at::parallel_for(0, n, kElementwiseGrain,
-                   [&](int64_t begin, int64_t end) { map3_to2_range(a, b, c, out0, out1, begin, end, vop); });
-}
-
 /// f(r, c0, c1) over the row segments [c0, c1) of a rows × cols index space, parallel over chunks of
 /// rows · cols (a chunk may begin or end inside a row): for kernels that read or write rows through strides.
 template <typename F>

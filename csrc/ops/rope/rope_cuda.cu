@@ -12,11 +12,12 @@
 // token kernel (0, the default where its table fits): the grid is (tokens, head groups); a block takes a
 // token (b, s), builds its table C, S [R] (opmath) in shared memory once, then every thread of the block walks the
 // head rows of q and k of its group. Two barriers per token and the table's global-memory latency before any q/k
-// load keep few bytes in flight: about 0.72 of the copy ceiling on the H200 (README). Tried on 2026-12-01 (stop 21):
+// load keep few bytes in flight: 0.85 of the copy ceiling on the H200 with the bound below (README, stop 23). Tried on 2026-12-01 (stop 21):
 // each thread loading 4 units into registers before the table's barrier raised the bf16 kernel from 56 to 126
 // registers (4 blocks per SM instead of 9) and measured slower (forward 160.8 vs 116.5 us), so it was not kept.
 // OPFORGE_ROPE_KERNEL=3 runs the same kernel on a grid of whole waves, 4 with a register bound of 12 blocks per SM
-// (40 registers instead of 56 in bf16, no spill), 5 both (TokenLaunch; unmeasured as of stop 22).
+// (40 registers instead of 56 in bf16, no spill; the default since stop 22, when it measured 181.8 against
+// 225.6 us forward+backward), 5 both (TokenLaunch; the whole-wave grid gained nothing: 226.7 and 200.1 us).
 //
 // heads kernel (2, vector path only, else as unset): per token, each thread owns one unit of the row and a lane of
 // its head rows; it issues the loads of its first rows, loads the unit's table entries from global memory into
@@ -40,12 +41,12 @@ namespace opforge {
 namespace {
 
 constexpr int kThreads = 128;        // token kernel
-constexpr int kTokenMinBlocks = 12;  // token kernel with OPFORGE_ROPE_KERNEL=4 or 5: blocks per SM (16 spills)
-constexpr int kRowThreads = 256;   // rows kernel
-constexpr int kRows = 8;           // rows kernel: most head rows per thread
-constexpr int kHeadThreads = 256;  // heads kernel: most threads per block
-constexpr int kHeadRows = 4;       // heads kernel: head rows a thread loads before it stores
-constexpr int kHeadMinBlocks = 2;  // heads kernel: blocks per SM its register budget must allow (≤ 128 registers)
+constexpr int kTokenMinBlocks = 12;  // token kernel, default and OPFORGE_ROPE_KERNEL=4 or 5: blocks per SM (16 spills)
+constexpr int kRowThreads = 256;     // rows kernel
+constexpr int kRows = 8;             // rows kernel: most head rows per thread
+constexpr int kHeadThreads = 256;    // heads kernel: most threads per block
+constexpr int kHeadRows = 4;         // heads kernel: head rows a thread loads before it stores
+constexpr int kHeadMinBlocks = 2;    // heads kernel: blocks per SM its register budget must allow (≤ 128 registers)
 constexpr int64_t kMaxTableBytes = 48 * 1024;  // static shared-memory limit without opt-in
 
 template <typename scalar_t, typename trig_t>
@@ -728,8 +729,8 @@ void run_cuda(const rotary::Problem& p) {
               num_str(rows), " heads and head_dim ", num_str(p.D));
   // Kernel: OPFORGE_ROPE_KERNEL 0 the per-token table kernel, 1 the rows kernel, 2 the heads kernel where it
   // applies (else as unset), 3 the per-token kernel on a grid of whole waves, 4 the per-token kernel with a
-  // register bound for 12 blocks per SM on its vector path, 5 both (TokenLaunch; 3-5 unmeasured as of stop 22);
-  // unset (-1): the per-token kernel wherever its table fits, as it measured faster on the H200 (2026-12-01,
+  // register bound for 12 blocks per SM on its vector path, 5 both (TokenLaunch; measured at stop 22, below);
+  // unset (-1): the per-token kernel with that bound wherever its table fits, as it measured faster on the H200 (2026-12-01,
   // bench_rope.py, bf16 4x4096x32/8x128: forward+backward 225 us vs the rows kernel's 371 us), else the rows kernel.
   // The heads kernel measured slower there too (stop 21: 251.6 us forward+backward vs the token kernel's 228.6 at
   // stop 20), so it is not chosen by default.
