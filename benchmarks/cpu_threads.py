@@ -2,7 +2,11 @@
 until the library was compiled with OpenMP). Median of 15 calls, bf16, torch.sigmoid beside opforge.sigmoid.
 
     python benchmarks/cpu_threads.py            # prints one line per thread count (1 and 2)
+    python benchmarks/cpu_threads.py --threads 1 --library build/test/libopforge.so --library build/avx512/libopforge.so
+                                                # the same per library (e.g. the AVX2 and the OPFORGE_CPU_AVX512 build)
 """
+import argparse
+import os
 import subprocess
 import sys
 
@@ -27,8 +31,18 @@ def measure(threads: int) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        print(measure(int(sys.argv[1])), flush=True)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, action="append", help="thread counts (default 1 and 2)")
+    p.add_argument("--library", action="append", help="libopforge.so paths, one process each (default: as installed "
+                   "or OPFORGE_LIBRARY)")
+    p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker is not None:
+        print(measure(a.worker), flush=True)
     else:
-        for n in (1, 2):  # one process each: torch's thread pool is sized once per process
-            subprocess.run([sys.executable, __file__, str(n)], check=True)
+        for lib in a.library or [None]:
+            env = dict(os.environ, **({"OPFORGE_LIBRARY": os.path.abspath(lib)} if lib else {}))
+            if lib:
+                print(f"library {lib}", flush=True)
+            for n in a.threads or (1, 2):  # one process each: torch's thread pool is sized once per process
+                subprocess.run([sys.executable, __file__, "--worker", str(n)], check=True, env=env)
