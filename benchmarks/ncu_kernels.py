@@ -10,7 +10,10 @@ timing here means nothing):
 Cases: rms_fwd (bf16 32768x4096), rms_fwd_8192 (bf16 16384x8192), fused_fwd (bf16 32768x4096),
 rms_bwd_long (bf16 4096x16384 forward+backward), rms_bwd_fp32 (fp32 16384x8192 forward+backward),
 gemv (bf16 1x4096x4096, no bias), rope (bf16 4x4096, 32 q / 8 kv heads, head dim 128, forward; q and k as views of
-(B, S, H, D) projections, as bench_rope.py; until 2026-12-01 stop 21 they were contiguous (B, H, S, D)).
+(B, S, H, D) projections, as bench_rope.py; until 2026-12-01 stop 21 they were contiguous (B, H, S, D)), rope_copy
+(q and k of the rope case cloned: the same bytes through torch's copy kernel, bench_rope.py's "copy" row; ncu's
+--kernel-name matches a kernel's base name, so stop 24's `regex:"rope|copy"` did not select the copy, which runs as
+`vectorized_elementwise_kernel`).
 `--clock-control none` leaves the GPU's clocks alone (the device notes ask for it).
 """
 from __future__ import annotations
@@ -41,11 +44,21 @@ def _gemv():
     opforge.linear(x, w)
 
 
-def _rope():
+def _rope_inputs():
     B, S, Hq, Hk, D = 4, 4096, 32, 8, 128
     # as bench_rope.py and a Hugging Face attention layer lay them out: (B, S, H, D) projections viewed (B, H, S, D)
     q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    return q, k, S, D
+
+
+def _rope_copy():
+    q, k, _, _ = _rope_inputs()
+    q.clone(), k.clone()  # bench_rope.py's "copy" row: the same bytes as rope's forward, through torch's copy kernel
+
+
+def _rope():
+    q, k, S, D = _rope_inputs()
     pos = torch.arange(S, device="cuda", dtype=torch.float32)
     inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
     emb = torch.cat([pos[:, None] * inv[None], pos[:, None] * inv[None]], -1)[None]
@@ -60,6 +73,7 @@ CASES = {
     "rms_bwd_fp32": lambda: _rms(16384, 8192, torch.float32, backward=True),
     "gemv": _gemv,
     "rope": _rope,
+    "rope_copy": _rope_copy,
 }
 
 

@@ -409,7 +409,8 @@ def test_rotary_embedding_module(device):
 # (Hq, Hk, S, D, R, interleaved, layout, table): rows of 16 = 2 groups of 8, 42 = 6 groups of 7, 3 = one short group;
 # layout "hf" is (B, S, H, D).transpose(1, 2), "strided" a non-contiguous last dim (V = 1 path); table "b" a
 # per-batch (B, S, R) table, "1" a shared (1, S, R) one, "offset" a table starting one element past an aligned
-# address (no 16-byte table loads), "f32" float32 tables with low-precision q.
+# address (no 16-byte table loads), "f32" float32 tables with low-precision q. Head dim 1024: long rows (the heads
+# kernel's lanes capped by its block, many units a row in every kernel).
 PATH_CASES = [
     (13, 3, 9, 128, 128, False, "hf", "b"),
     (37, 5, 7, 128, 128, True, "hf", "1"),
@@ -419,6 +420,8 @@ PATH_CASES = [
     (3, 2, 6, 96, 32, True, "strided", "b"),
     (5, 1, 4, 64, 64, False, "strided", "offset"),
     (1, 1, 3, 256, 64, False, "contiguous", "1"),
+    (30, 10, 3, 1024, 1024, False, "hf", "b"),
+    (9, 3, 2, 1024, 512, True, "contiguous", "1"),
 ]
 
 

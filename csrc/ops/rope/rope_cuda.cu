@@ -23,6 +23,19 @@
 // its head rows; it issues the loads of its first rows, loads the unit's table entries from global memory into
 // registers, then rotates its rows of q and k: no shared memory, no barrier, 32-bit index arithmetic
 // (rope_heads_kernel says more).
+//
+// Tried on the H200 on 2026-12-02 (stop 24, bench_rope.py --quick, bf16 4x4096x32/8x128; not kept, rows in
+// benchmarks/results/rope.csv): every other shape measured slower than the token kernel's 93-94 us forward
+// (182 us forward+backward). A flat kernel, one thread per output vector with its partner vector and table vectors
+// read again as L1/L2 hits (40 registers; about 4x the L2 traffic of the data): 141.6 us forward. Per-pair kernels
+// holding a unit's table in registers, one pass of 1-4 rows a thread without a token loop (64-142 registers):
+// 130.9-254.2 us. The same with the table in shared memory, row loads issued before its one barrier (82 registers
+// for 2 rows; bounded to 64: spills): 126.3-182.7 us. The token kernel with its table double-buffered (one barrier a
+// token, the next table's loads in flight; 76 registers): 144.9 us. The token kernel reading its shared table with
+// the two 16-byte halves swizzled by unit (ncu: 49 % of its shared wavefronts are two-way bank conflicts): 102.7 us
+// (the swizzle's selects cost a 24-byte spill at 40 registers). What held: the fewest registers per thread (40, 12
+// blocks a SM) with the table staged once per token; ncu on it (stop 24): 75 % of DRAM peak, 3.63 TB/s, 66 %
+// achieved occupancy, 12.7 of 24.4 cycles between a warp's instructions waiting on global loads.
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
