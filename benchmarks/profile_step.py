@@ -7,7 +7,10 @@ benchmarks/bench_hf_llama.py (its ``build_variant``: same configuration options,
 ``--warmup`` steps, then one profiled step; printed: the step's GPU time by category, the top kernels, and (CUDA)
 the step's GPU idle time: its longest gaps between kernels, each with the CPU op that issued the kernel ending it
 and whether the host issued it late (the GPU starved), idle time summed by that op, and the host syncs (CUDA runtime
-calls that wait for the GPU) with the op that made them.
+calls that wait for the GPU) with the op that made them. Kernels are matched to the runtime calls and CPU ops that
+issued them through torch's ``linked_correlation_id`` where its profiler events have one, else (torch 2.11) through
+the ``correlation`` ids of the profile's chrome trace (:func:`gpu_idle_from_trace`; until stop 24 such runs printed
+the attribution as unknown).
 Categories (first match, on the kernel name, lower-cased; :func:`category`):
 
     opforge kernels   our own kernels (names in namespace ``opforge::``; its GEMMs are cuBLAS's, so GEMM)
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -206,6 +210,79 @@ def _gpu_idle(prof, top: int = 12) -> dict:
             "syncs": sorted(([k, t, n] for k, (t, n) in syncs.items()), key=lambda r: -r[1])[:top]}
 
 
+#: chrome-trace categories (torch.profiler's export_chrome_trace, compared lower-case): device activities, CUDA
+#: runtime / driver calls, CPU ops
+_TRACE_DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
+_TRACE_RUNTIME = ("cuda_runtime", "cuda_driver")
+_TRACE_OPS = ("cpu_op", "operator")
+
+
+def gpu_idle_from_trace(trace: dict, top: int = 12) -> dict:
+    """_gpu_idle's figures from a chrome trace (the dict of torch.profiler's export_chrome_trace JSON), for a torch
+    whose profiler events carry no linked_correlation_id (2.11): a device activity and the runtime call that issued it
+    share ``args.correlation``; the call's CPU op is the innermost CPU op on the same thread whose span contains the
+    call. Times in microseconds. Returns {} when the trace has no device activity."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+    cat = lambda e: str(e.get("cat", "")).lower()  # noqa: E731
+    corr = lambda e: (e.get("args") or {}).get("correlation")  # noqa: E731
+    kernels = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "?"), corr(e))
+               for e in events if cat(e) in _TRACE_DEVICE]
+    if not kernels:
+        return {}
+    # each runtime call's enclosing CPU ops: one sweep per thread, ops pushed in start order, popped once ended
+    by_thread: dict = {}
+    for e in events:
+        c = cat(e)
+        if c in _TRACE_OPS and not str(e.get("name", "")).startswith("ProfilerStep"):
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append((float(e["ts"]), 0, e))
+        elif c in _TRACE_RUNTIME:
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append((float(e["ts"]), 1, e))
+    calls = []  # (call event, its op path, innermost op name)
+    for items in by_thread.values():
+        stack: list = []
+        for ts, kind, e in sorted(items, key=lambda i: (i[0], i[1], -float(i[2].get("dur", 0)))):
+            while stack and float(stack[-1]["ts"]) + float(stack[-1].get("dur", 0)) < ts:
+                stack.pop()
+            if kind == 0:
+                stack.append(e)
+                continue
+            names = [o.get("name", "?") for o in stack]
+            path = "?" if not names else names[0] if len(names) == 1 else f"{names[0]} > {names[-1]}"
+            calls.append((e, path, names[-1] if names else ""))
+    launches = {corr(e): (float(e["ts"]), path if path != "?" else e.get("name", "?")) for e, path, _ in calls
+                if corr(e) is not None}
+    gaps = idle_gaps(kernels, launches)
+    first = min(k[0] for k in kernels)
+    host_start = min((float(e["ts"]) for e in events if cat(e) in _TRACE_OPS), default=first)
+    by_op: dict = {}
+    for g in gaps:
+        t, n = by_op.get(g[3], (0.0, 0))
+        by_op[g[3]] = (t + g[0], n + 1)
+    syncs: dict = {}
+    for e, path, inner in calls:
+        if e.get("name") in SYNC_CALLS or any(o in path for o in SYNC_OPS):
+            key = f"{e.get('name')} from {path}"
+            t, n = syncs.get(key, (0.0, 0))
+            syncs[key] = (t + float(e.get("dur", 0)), n + 1)
+    return {"span_us": max(k[1] for k in kernels) - first, "idle_us": sum(g[0] for g in gaps), "n_gaps": len(gaps),
+            "attributed": bool(launches), "lead_us": max(0.0, first - host_start),
+            "host_late_us": sum(g[0] for g in gaps if g[4]),
+            "top": [list(g) for g in gaps[:top]],
+            "by_op": sorted(([k, t, n] for k, (t, n) in by_op.items()), key=lambda r: -r[1])[:top],
+            "syncs": sorted(([k, t, n] for k, (t, n) in syncs.items()), key=lambda r: -r[1])[:top]}
+
+
+def _chrome_trace(prof) -> dict:
+    """The profile as chrome-trace JSON (through a temporary file: export_chrome_trace writes one)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)
+
+
 def format_idle(idle: dict) -> str:
     """The GPU idle section of a variant's table (empty without device activities)."""
     if not idle:
@@ -287,7 +364,10 @@ def _variant_worker(a: argparse.Namespace) -> dict:
     config = (f"layers={b.layers} hidden={b.hidden} heads={b.heads}/{b.kv_heads} vocab={b.vocab} seq={b.seq} "
               f"batch={b.batch} {b.dtype}")
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    return {"variant": a.worker, "kernels": _kernel_times(prof, cuda), "idle": _gpu_idle(prof) if cuda else {},
+    idle = _gpu_idle(prof) if cuda else {}
+    if idle and not idle.get("attributed", True):  # torch 2.11: no linked_correlation_id; the trace's correlation ids
+        idle = gpu_idle_from_trace(_chrome_trace(prof)) or idle
+    return {"variant": a.worker, "kernels": _kernel_times(prof, cuda), "idle": idle,
             "wall_ms": wall * 1e3, "config": config,
             "peak_gib": peak, "report": report}
 

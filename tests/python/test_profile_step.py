@@ -138,3 +138,48 @@ def test_gpu_idle_without_correlation_says_unknown():
     text = profile_step.format_idle(idle)
     assert "no linked_correlation_id" in text and "host syncs in the step: n/a" in text and " n/a " in text
     assert "ms where the host issued" not in text
+
+
+def _x(cat, name, ts, dur, tid=1, correlation=None):
+    e = {"ph": "X", "cat": cat, "name": name, "pid": 0 if cat in ("kernel", "gpu_memcpy") else 7, "tid": tid,
+         "ts": ts, "dur": dur}
+    if correlation is not None:
+        e["args"] = {"correlation": correlation}
+    return e
+
+
+def test_gpu_idle_from_chrome_trace():
+    """gpu_idle_from_trace, the path for torch 2.11 (no linked_correlation_id): the synthetic step of
+    test_gpu_idle_from_profiler_events as chrome-trace events gives the same figures; a runtime call is attributed to
+    the innermost CPU op around it on its own thread (an op of another thread at the same time does not count)."""
+    trace = {"traceEvents": [
+        _x("user_annotation", "ProfilerStep#3", 0, 200),
+        _x("cpu_op", "aten::linear", 1, 9), _x("cpu_op", "aten::mm", 2, 7),
+        _x("cpu_op", "aten::item", 11, 59), _x("cpu_op", "aten::_local_scalar_dense", 12, 57),
+        _x("cpu_op", "aten::add", 75, 5), _x("cpu_op", "aten::other_thread", 70, 20, tid=2),
+        _x("cuda_runtime", "cudaLaunchKernel", 3, 1, correlation=501), _x("kernel", "nvjet_gemm", 5, 30, correlation=501),
+        _x("cuda_runtime", "cudaMemcpy", 13, 55, correlation=502),
+        _x("gpu_memcpy", "Memcpy DtoH", 36, 1, correlation=502),
+        _x("cuda_runtime", "cudaLaunchKernel", 76, 1, correlation=503),
+        _x("kernel", "add_kernel", 77, 3, correlation=503),
+        {"ph": "s", "cat": "ac2g", "name": "flow", "id": 503, "ts": 76},  # flow events are ignored
+    ]}
+    idle = profile_step.gpu_idle_from_trace(trace)
+    assert idle["span_us"] == 75 and idle["lead_us"] == 4 and idle["n_gaps"] == 1 and idle["attributed"]
+    assert idle["idle_us"] == 40 and idle["host_late_us"] == 40
+    assert idle["top"] == [[40, 37, "add_kernel", "aten::add", True]]
+    assert idle["syncs"] == [["cudaMemcpy from aten::item > aten::_local_scalar_dense", 55, 1]]
+    assert "aten::item > aten::_local_scalar_dense" in profile_step.format_idle(idle)
+    assert profile_step.gpu_idle_from_trace({"traceEvents": trace["traceEvents"][:7]}) == {}
+
+
+def test_chrome_trace_of_a_cpu_profile_parses():
+    """_chrome_trace exports a real profile and reads it back: CPU ops there, no device activity, so no idle figures."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8).add(1)
+    trace = profile_step._chrome_trace(prof)
+    assert any(str(e.get("cat", "")).lower() == "cpu_op" for e in trace["traceEvents"])
+    assert profile_step.gpu_idle_from_trace(trace) == {}
