@@ -210,57 +210,68 @@ def _gpu_idle(prof, top: int = 12) -> dict:
             "syncs": sorted(([k, t, n] for k, (t, n) in syncs.items()), key=lambda r: -r[1])[:top]}
 
 
-#: chrome-trace categories (torch.profiler's export_chrome_trace, compared lower-case): device activities, CUDA
-#: runtime / driver calls, CPU ops
+#: chrome-trace categories (kineto's names, compared lower-case): device activities, CUDA runtime / driver calls,
+#: CPU ops (record_function ranges, kineto's user_annotation, included: they are CPU parents in _gpu_idle's events)
 _TRACE_DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
 _TRACE_RUNTIME = ("cuda_runtime", "cuda_driver")
-_TRACE_OPS = ("cpu_op", "operator")
+_TRACE_OPS = ("cpu_op", "user_annotation", "operator")
 
 
 def gpu_idle_from_trace(trace: dict, top: int = 12) -> dict:
     """_gpu_idle's figures from a chrome trace (the dict of torch.profiler's export_chrome_trace JSON), for a torch
     whose profiler events carry no linked_correlation_id (2.11): a device activity and the runtime call that issued it
-    share ``args.correlation``; the call's CPU op is the innermost CPU op on the same thread whose span contains the
-    call. Times in microseconds. Returns {} when the trace has no device activity."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
-    cat = lambda e: str(e.get("cat", "")).lower()  # noqa: E731
+    share ``args.correlation``; the call's CPU op path is that of the CPU ops (record_function ranges included,
+    ProfilerStep left out) on the same thread (pid, tid) whose span [ts, ts + dur) contains the call's start: an op
+    ending where the call or a sibling starts, or of zero duration, holds neither. Times in microseconds. Returns {}
+    when the trace has no device activity."""
     corr = lambda e: (e.get("args") or {}).get("correlation")  # noqa: E731
-    kernels = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "?"), corr(e))
-               for e in events if cat(e) in _TRACE_DEVICE]
+    # one pass over the events: device activities; per thread (pid, tid), its CPU ops and runtime calls
+    kernels, by_thread, host_start = [], {}, None
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or "ts" not in e:
+            continue
+        c, ts = str(e.get("cat", "")).lower(), float(e["ts"])
+        if c in _TRACE_DEVICE:
+            kernels.append((ts, ts + float(e.get("dur", 0)), e.get("name", "?"), corr(e)))
+            continue
+        if c in _TRACE_OPS:
+            host_start = ts if host_start is None else min(host_start, ts)  # ProfilerStep too
+            if str(e.get("name", "")).startswith("ProfilerStep"):
+                continue
+            kind = 0
+        elif c in _TRACE_RUNTIME:
+            kind = 1
+        else:
+            continue
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append((ts, kind, ts + float(e.get("dur", 0)), e))
     if not kernels:
         return {}
-    # each runtime call's enclosing CPU ops: one sweep per thread, ops pushed in start order, popped once ended
-    by_thread: dict = {}
-    for e in events:
-        c = cat(e)
-        if c in _TRACE_OPS and not str(e.get("name", "")).startswith("ProfilerStep"):
-            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append((float(e["ts"]), 0, e))
-        elif c in _TRACE_RUNTIME:
-            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append((float(e["ts"]), 1, e))
+    # each runtime call's enclosing CPU ops: one sweep per thread in start order (ops before calls at one instant,
+    # longer ops first), keeping the ops not yet ended
     calls = []  # (call event, its op path, innermost op name)
     for items in by_thread.values():
-        stack: list = []
-        for ts, kind, e in sorted(items, key=lambda i: (i[0], i[1], -float(i[2].get("dur", 0)))):
-            while stack and float(stack[-1]["ts"]) + float(stack[-1].get("dur", 0)) < ts:
-                stack.pop()
+        stack: list = []  # (end, name) of the ops open at the sweep's time, outermost first
+        for ts, kind, end, e in sorted(items, key=lambda i: (i[0], i[1], -i[2])):
+            if stack and (stack[-1][0] <= ts or stack[0][0] <= ts):
+                stack = [o for o in stack if o[0] > ts]  # ended ones (any level: spans may nest imperfectly)
             if kind == 0:
-                stack.append(e)
+                stack.append((end, e.get("name", "?")))
                 continue
-            names = [o.get("name", "?") for o in stack]
+            names = [o[1] for o in stack]
             path = "?" if not names else names[0] if len(names) == 1 else f"{names[0]} > {names[-1]}"
             calls.append((e, path, names[-1] if names else ""))
     launches = {corr(e): (float(e["ts"]), path if path != "?" else e.get("name", "?")) for e, path, _ in calls
                 if corr(e) is not None}
     gaps = idle_gaps(kernels, launches)
     first = min(k[0] for k in kernels)
-    host_start = min((float(e["ts"]) for e in events if cat(e) in _TRACE_OPS), default=first)
+    host_start = first if host_start is None else host_start
     by_op: dict = {}
     for g in gaps:
         t, n = by_op.get(g[3], (0.0, 0))
         by_op[g[3]] = (t + g[0], n + 1)
     syncs: dict = {}
     for e, path, inner in calls:
-        if e.get("name") in SYNC_CALLS or any(o in path for o in SYNC_OPS):
+        if e.get("name") in SYNC_CALLS or inner.startswith(SYNC_OPS):
             key = f"{e.get('name')} from {path}"
             t, n = syncs.get(key, (0.0, 0))
             syncs[key] = (t + float(e.get("dur", 0)), n + 1)

@@ -165,7 +165,7 @@ def test_gpu_idle_from_chrome_trace():
         {"ph": "s", "cat": "ac2g", "name": "flow", "id": 503, "ts": 76},  # flow events are ignored
     ]}
     idle = profile_step.gpu_idle_from_trace(trace)
-    assert idle["span_us"] == 75 and idle["lead_us"] == 4 and idle["n_gaps"] == 1 and idle["attributed"]
+    assert idle["span_us"] == 75 and idle["lead_us"] == 5 and idle["n_gaps"] == 1 and idle["attributed"]
     assert idle["idle_us"] == 40 and idle["host_late_us"] == 40
     assert idle["top"] == [[40, 37, "add_kernel", "aten::add", True]]
     assert idle["syncs"] == [["cudaMemcpy from aten::item > aten::_local_scalar_dense", 55, 1]]
@@ -183,3 +183,43 @@ def test_chrome_trace_of_a_cpu_profile_parses():
     trace = profile_step._chrome_trace(prof)
     assert any(str(e.get("cat", "")).lower() == "cpu_op" for e in trace["traceEvents"])
     assert profile_step.gpu_idle_from_trace(trace) == {}
+
+
+def test_gpu_idle_from_trace_op_boundaries():
+    """An op's span is [ts, ts + dur): a runtime call at an op's start is inside it, one at its end is not; an op that
+    ends where its sibling starts is not the sibling's parent; a zero-duration op (or one without dur) holds no
+    call; an outer op that ended (spans nested off by a rounding) is not in the path of a later call."""
+    trace = {"traceEvents": [
+        _x("cpu_op", "aten::a", 0, 10), _x("cpu_op", "aten::b", 10, 10),
+        _x("cuda_runtime", "cudaLaunchKernel", 12, 1, correlation=1), _x("kernel", "k1", 100, 1, correlation=1),
+        _x("cpu_op", "aten::c", 20, 10), _x("cpu_op", "aten::empty", 20, 0),
+        _x("cuda_runtime", "cudaLaunchKernel", 20, 1, correlation=2), _x("kernel", "k2", 110, 1, correlation=2),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::view", "pid": 7, "tid": 1, "ts": 24},  # no dur
+        _x("cuda_runtime", "cudaLaunchKernel", 24, 1, correlation=3), _x("kernel", "k3", 120, 1, correlation=3),
+        _x("cuda_runtime", "cudaLaunchKernel", 30, 1, correlation=4), _x("kernel", "k4", 130, 1, correlation=4),
+        _x("cpu_op", "aten::p", 40, 10), _x("cpu_op", "aten::q", 45, 8),
+        _x("cuda_runtime", "cudaLaunchKernel", 51, 1, correlation=5), _x("kernel", "k5", 140, 1, correlation=5),
+    ]}
+    idle = profile_step.gpu_idle_from_trace(trace)
+    ops = {g[2]: g[3] for g in idle["top"]}
+    assert ops == {"k2": "aten::c", "k3": "aten::c", "k4": "cudaLaunchKernel", "k5": "aten::q"}
+    assert profile_step.gpu_idle_from_trace(trace, top=1)["by_op"][0][0] == "aten::c"
+    idle = profile_step.gpu_idle_from_trace({"traceEvents": trace["traceEvents"][:4] + [_x("kernel", "k0", 50, 1)]})
+    assert idle["top"][0][2:4] == ["k1", "aten::b"]
+
+
+def test_gpu_idle_from_trace_record_function_ranges():
+    """record_function ranges (kineto's user_annotation, e.g. the optimizer's) are CPU ops of the path, as in
+    _gpu_idle (ProfilerStep left out of the path, but the first host event for the lead); a CPU op around a sync op's
+    call does not make it a sync, as in _gpu_idle (the innermost op decides)."""
+    trace = {"traceEvents": [
+        _x("user_annotation", "ProfilerStep#3", 0, 200),
+        _x("cpu_op", "aten::unique", 5, 30), _x("cpu_op", "aten::sort", 6, 10),
+        _x("cuda_runtime", "cudaLaunchKernel", 7, 1, correlation=1), _x("kernel", "sort_kernel", 15, 2, correlation=1),
+        _x("user_annotation", "Optimizer.step#AdamW.step", 40, 50), _x("cpu_op", "aten::_foreach_add_", 41, 10),
+        _x("cuda_runtime", "cudaLaunchKernel", 42, 1, correlation=2),
+        _x("kernel", "multi_tensor_apply", 60, 2, correlation=2),
+    ]}
+    idle = profile_step.gpu_idle_from_trace(trace)
+    assert idle["lead_us"] == 15 and idle["syncs"] == []
+    assert idle["top"] == [[43, 17, "multi_tensor_apply", "Optimizer.step#AdamW.step > aten::_foreach_add_", True]]
