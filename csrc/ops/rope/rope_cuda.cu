@@ -28,8 +28,8 @@
 // benchmarks/results/rope.csv): every other shape measured slower than the token kernel's 93-94 us forward
 // (182 us forward+backward). A flat kernel, one thread per output vector with its partner vector and table vectors
 // read again as L1/L2 hits (40 registers; about 4x the L2 traffic of the data): 141.6 us forward. Per-pair kernels
-// holding a unit's table in registers, one pass of 1-4 rows a thread without a token loop (64-142 registers):
-// 130.9-254.2 us. The same with the table in shared memory, row loads issued before its one barrier (82 registers
+// holding a unit's table in registers, one pass of 1-2 rows a thread without a token loop (66-94 registers; bounded
+// to 48-64, spilling): 130.9-254.2 us. The same with the table in shared memory, row loads issued before its one barrier (82 registers
 // for 2 rows; bounded to 64: spills): 126.3-182.7 us. The token kernel with its table double-buffered (one barrier a
 // token, the next table's loads in flight; 76 registers): 144.9 us. The token kernel reading its shared table with
 // the two 16-byte halves swizzled by unit (ncu: 49 % of its shared wavefronts are two-way bank conflicts): 102.7 us
