@@ -185,25 +185,37 @@ def _gpu_idle(prof, top: int = 12) -> dict:
             launches[e.id] = (call.time_range.start, _op_path(op) if op is not None else call.name)
     if not kernels:
         return {}
+    host_start = min((e.time_range.start for e in frontend.values()), default=None)
+    calls = []
+    for e in runtime.values():
+        op = frontend.get(linked(e))
+        calls.append((e.name, _op_path(op) if op is not None else "?", op.name if op is not None else "",
+                      e.time_range.elapsed_us()))
+    # attributed: CPU ops and runtime calls are linked to kernels (torch's linked_correlation_id); without it the
+    # host-late, lead and sync figures are unknown, not zero
+    return _idle_summary(kernels, launches, host_start, calls, bool(runtime), top)
+
+
+def _idle_summary(kernels, launches, host_start, calls, attributed: bool, top: int) -> dict:
+    """The figures _gpu_idle and gpu_idle_from_trace report, from what each reads out of its profile: kernels and
+    launches as idle_gaps takes them; host_start: the step's first CPU op (µs; None: the first kernel's start);
+    calls: [(runtime call name, its CPU op path, its innermost CPU op's name, duration µs)] of every runtime call,
+    for the host syncs; attributed: whether kernels could be matched to their launches at all."""
     gaps = idle_gaps(kernels, launches)
     first = min(k[0] for k in kernels)
-    span = max(k[1] for k in kernels) - first
-    host_start = min((e.time_range.start for e in frontend.values()), default=first)
+    host_start = first if host_start is None else host_start
     by_op: dict = {}
     for g in gaps:
         t, n = by_op.get(g[3], (0.0, 0))
         by_op[g[3]] = (t + g[0], n + 1)
     syncs: dict = {}
-    for e in runtime.values():
-        op = frontend.get(linked(e))
-        if e.name in SYNC_CALLS or (op is not None and op.name.startswith(SYNC_OPS)):
-            key = f"{e.name} from {_op_path(op) if op is not None else '?'}"
+    for name, path, inner, dur in calls:
+        if name in SYNC_CALLS or inner.startswith(SYNC_OPS):
+            key = f"{name} from {path}"
             t, n = syncs.get(key, (0.0, 0))
-            syncs[key] = (t + e.time_range.elapsed_us(), n + 1)
-    # attributed: CPU ops and runtime calls are linked to kernels (torch's linked_correlation_id); without it the
-    # host-late, lead and sync figures are unknown, not zero
-    return {"span_us": span, "idle_us": sum(g[0] for g in gaps), "n_gaps": len(gaps), "attributed": bool(runtime),
-            "lead_us": max(0.0, first - host_start),
+            syncs[key] = (t + dur, n + 1)
+    return {"span_us": max(k[1] for k in kernels) - first, "idle_us": sum(g[0] for g in gaps), "n_gaps": len(gaps),
+            "attributed": attributed, "lead_us": max(0.0, first - host_start),
             "host_late_us": sum(g[0] for g in gaps if g[4]),
             "top": [list(g) for g in gaps[:top]],
             "by_op": sorted(([k, t, n] for k, (t, n) in by_op.items()), key=lambda r: -r[1])[:top],
@@ -262,25 +274,9 @@ def gpu_idle_from_trace(trace: dict, top: int = 12) -> dict:
             calls.append((e, path, names[-1] if names else ""))
     launches = {corr(e): (float(e["ts"]), path if path != "?" else e.get("name", "?")) for e, path, _ in calls
                 if corr(e) is not None}
-    gaps = idle_gaps(kernels, launches)
-    first = min(k[0] for k in kernels)
-    host_start = first if host_start is None else host_start
-    by_op: dict = {}
-    for g in gaps:
-        t, n = by_op.get(g[3], (0.0, 0))
-        by_op[g[3]] = (t + g[0], n + 1)
-    syncs: dict = {}
-    for e, path, inner in calls:
-        if e.get("name") in SYNC_CALLS or inner.startswith(SYNC_OPS):
-            key = f"{e.get('name')} from {path}"
-            t, n = syncs.get(key, (0.0, 0))
-            syncs[key] = (t + float(e.get("dur", 0)), n + 1)
-    return {"span_us": max(k[1] for k in kernels) - first, "idle_us": sum(g[0] for g in gaps), "n_gaps": len(gaps),
-            "attributed": bool(launches), "lead_us": max(0.0, first - host_start),
-            "host_late_us": sum(g[0] for g in gaps if g[4]),
-            "top": [list(g) for g in gaps[:top]],
-            "by_op": sorted(([k, t, n] for k, (t, n) in by_op.items()), key=lambda r: -r[1])[:top],
-            "syncs": sorted(([k, t, n] for k, (t, n) in syncs.items()), key=lambda r: -r[1])[:top]}
+    return _idle_summary(kernels, launches, host_start,
+                         [(e.get("name"), path, inner, float(e.get("dur", 0))) for e, path, inner in calls],
+                         bool(launches), top)
 
 
 def _chrome_trace(prof) -> dict:
