@@ -3,7 +3,7 @@
 
 #include "test_util.h"
 
-using namespace opforge_test;  // devices, float_dtypes, opts, expect_close, expect_error, ref (test_util.h)
+using namespace opforge_test;  // devices, float_dtypes, opts, gemm_tol, expect_close, expect_error, ref (test_util.h)
 
 TEST(Linear, ForwardMatchesFloat64Reference) {
   for (auto device : devices()) {
@@ -14,10 +14,9 @@ TEST(Linear, ForwardMatchesFloat64Reference) {
       const auto y = opforge::linear(x, w, b);
       EXPECT_EQ(y.sizes(), (std::vector<int64_t>{7, 3, 769}));
       EXPECT_EQ(y.scalar_type(), dtype);
-      // fp32 on CUDA may use TF32 when the caller allowed it; the default tolerance covers full fp32.
-      expect_close(y, ref::linear(x, w, b), dtype == at::kFloat && device.is_cuda() ? at::kHalf : dtype, "linear");
-      expect_close(opforge::linear(x, w), ref::linear(x, w, std::nullopt),
-                   dtype == at::kFloat && device.is_cuda() ? at::kHalf : dtype, "linear without bias");
+      expect_close(y, ref::linear(x, w, b), gemm_tol(dtype, device), "linear");
+      expect_close(opforge::linear(x, w), ref::linear(x, w, std::nullopt), gemm_tol(dtype, device),
+                   "linear without bias");
     }
   }
 }
@@ -69,7 +68,7 @@ TEST(Linear, BackwardEveryRequiresGradCombination) {
           y.backward(g);
           const auto g64 = g.to(at::kDouble).reshape({-1, 11});
           const auto x64 = x.detach().to(at::kDouble).reshape({-1, 37});
-          const auto tol = dtype == at::kFloat && device.is_cuda() ? at::kHalf : dtype;
+          const auto tol = gemm_tol(dtype, device);
           EXPECT_EQ(x.grad().defined(), rx);
           EXPECT_EQ(w.grad().defined(), rw);
           EXPECT_EQ(b.grad().defined(), bool(with_bias && rb));
@@ -127,7 +126,7 @@ TEST(Linear, ActivationForwardAndBackward) {
         const auto z64 = ref::linear(x.detach(), w.detach(), b.detach()).reshape({-1, 11});
         const std::string a = act;
         const auto [y64, dz64] = ref::activation(a, z64, g.reshape({-1, 11}));
-        const auto tol = dtype == at::kFloat && device.is_cuda() ? at::kHalf : dtype;
+        const auto tol = gemm_tol(dtype, device);
         expect_close(y, y64.reshape({5, 4, 11}), tol, a + " output");
         y.backward(g);
         const auto x64 = x.detach().to(at::kDouble).reshape({-1, 37});

@@ -4,7 +4,7 @@
 
 #include "test_util.h"
 
-using namespace opforge_test;  // devices, float_dtypes, opts, expect_close, expect_error, ref (test_util.h)
+using namespace opforge_test;  // devices, float_dtypes, opts, expect_close, expect_error, leaf64, ref (test_util.h)
 
 TEST(RmsNorm, ForwardMatchesFloat64Reference) {
   for (auto device : devices()) {
@@ -26,8 +26,8 @@ TEST(RmsNorm, GradientsThroughAutograd) {
     const auto w = torch::randn({83}, opts(at::kDouble, device)).requires_grad_(true);
     const auto g = torch::randn({5, 83}, opts(at::kDouble, device));
     opforge::rms_norm(x, {83}, w, 1e-5).backward(g);
-    const auto x2 = x.detach().clone().requires_grad_(true);
-    const auto w2 = w.detach().clone().requires_grad_(true);
+    const auto x2 = leaf64(x);
+    const auto w2 = leaf64(w);
     ref::rms_norm(x2, w2, 1e-5).backward(g);
     expect_close(x.grad(), x2.grad(), at::kDouble, "grad_input");
     expect_close(w.grad(), w2.grad(), at::kDouble, "grad_weight");

@@ -3,7 +3,7 @@
 
 #include "test_util.h"
 
-using namespace opforge_test;  // devices, float_dtypes, opts, expect_close, expect_error, ref (test_util.h)
+using namespace opforge_test;  // devices, float_dtypes, opts, expect_close, expect_error, leaf64, ref (test_util.h)
 
 TEST(Swiglu, ForwardAndGradients) {
   for (auto device : devices()) {
@@ -14,8 +14,8 @@ TEST(Swiglu, ForwardAndGradients) {
       const auto g = torch::randn({7, 83}, o);
       const auto y = opforge::swiglu(gate, up);
       // silu(g) · u in float64, and its gradients
-      const auto g64 = gate.detach().to(at::kDouble).requires_grad_(true);
-      const auto u64 = up.detach().to(at::kDouble).requires_grad_(true);
+      const auto g64 = leaf64(gate);
+      const auto u64 = leaf64(up);
       const auto ref = opforge_test::ref::swiglu(g64, u64);
       expect_close(y, ref, dtype, "swiglu");
       y.backward(g);
