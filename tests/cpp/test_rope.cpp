@@ -24,7 +24,7 @@ TEST(Rope, ForwardAndGradientsMatchFloat64Reference) {
       for (bool interleaved : {false, true}) {
         const auto q = heads(Hq, dtype, device).requires_grad_(true);
         const auto k = heads(Hk, dtype, device).requires_grad_(true);
-        // a per-batch table (B, S, R) of one position sequence per row, in float32 (used as such for 16-bit q)
+        // a per-batch table (B, S, R) from random positions, in float32 (used as float32 with 16-bit q)
         const auto pos = torch::randint(0, 4096, {B, S}, opts(at::kLong, device));
         auto [cos64, sin64] = ref::rope_tables(pos, R, 10000.0, interleaved);
         const auto cos = cos64.to(at::kFloat), sin = sin64.to(at::kFloat);

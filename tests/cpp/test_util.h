@@ -2,7 +2,11 @@
 #pragma once
 
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+// the tensor API, autograd and the CUDA query only: <torch/torch.h> (nn, optim, data) costs each test file
+// several seconds of compilation more
+#include <torch/autograd.h>
+#include <torch/cuda.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <functional>
