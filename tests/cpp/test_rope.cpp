@@ -16,6 +16,25 @@ at::Tensor heads(int64_t H, at::ScalarType dtype, torch::Device device) {
   return torch::randn({B, S, H, D}, opts(dtype, device)).transpose(1, 2);
 }
 
+/// Expects (q_out, k_out), computed by opforge from the leaves q and k, to match ref::rope with the float64
+/// tables (cos, sin), and the gradients of q and k for random output gradients to match the reference's
+/// float64 autograd; each within q's dtype's tolerance.
+void expect_matches_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_out,
+                              const at::Tensor& k_out, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                              const std::string& what) {
+  const auto dtype = q.scalar_type();
+  const auto q64 = leaf64(q), k64 = leaf64(k);
+  const auto q_ref = ref::rope(q64, cos, sin, interleaved), k_ref = ref::rope(k64, cos, sin, interleaved);
+  expect_close(q_out, q_ref, dtype, what + " q_out");
+  expect_close(k_out, k_ref, dtype, what + " k_out");
+
+  const auto gq = torch::randn_like(q_out), gk = torch::randn_like(k_out);
+  torch::autograd::backward({q_out, k_out}, {gq, gk});
+  torch::autograd::backward({q_ref, k_ref}, {gq.to(at::kDouble), gk.to(at::kDouble)});
+  expect_close(q.grad(), q64.grad(), dtype, what + " grad_q");
+  expect_close(k.grad(), k64.grad(), dtype, what + " grad_k");
+}
+
 }  // namespace
 
 TEST(Rope, ForwardAndGradientsMatchFloat64Reference) {
@@ -33,16 +52,7 @@ TEST(Rope, ForwardAndGradientsMatchFloat64Reference) {
         auto [q_out, k_out] = opforge::rope(q, k, cos, sin, interleaved);
         EXPECT_EQ(q_out.scalar_type(), dtype);
         EXPECT_EQ(q_out.strides(), q.strides()) << "q_out keeps q's layout";
-        const auto q64 = leaf64(q), k64 = leaf64(k);
-        const auto q_ref = ref::rope(q64, cos, sin, interleaved), k_ref = ref::rope(k64, cos, sin, interleaved);
-        expect_close(q_out, q_ref, dtype, what + " q_out");
-        expect_close(k_out, k_ref, dtype, what + " k_out");
-
-        const auto gq = torch::randn_like(q_out), gk = torch::randn_like(k_out);
-        torch::autograd::backward({q_out, k_out}, {gq, gk});
-        torch::autograd::backward({q_ref, k_ref}, {gq.to(at::kDouble), gk.to(at::kDouble)});
-        expect_close(q.grad(), q64.grad(), dtype, what + " grad_q");
-        expect_close(k.grad(), k64.grad(), dtype, what + " grad_k");
+        expect_matches_reference(q, k, q_out, k_out, cos, sin, interleaved, what);
       }
     }
   }
@@ -62,16 +72,7 @@ TEST(Rope, FromPositionsForwardAndGradientsMatchFloat64Reference) {
         EXPECT_EQ(k_out.scalar_type(), dtype);
         // θ_i = position · base^(−2i/R) in float64, then the rotation of the table form
         auto [cos, sin] = ref::rope_tables(pos, R, base, interleaved);
-        const auto q64 = leaf64(q), k64 = leaf64(k);
-        const auto q_ref = ref::rope(q64, cos, sin, interleaved), k_ref = ref::rope(k64, cos, sin, interleaved);
-        expect_close(q_out, q_ref, dtype, what + " q_out");
-        expect_close(k_out, k_ref, dtype, what + " k_out");
-
-        const auto gq = torch::randn_like(q_out), gk = torch::randn_like(k_out);
-        torch::autograd::backward({q_out, k_out}, {gq, gk});
-        torch::autograd::backward({q_ref, k_ref}, {gq.to(at::kDouble), gk.to(at::kDouble)});
-        expect_close(q.grad(), q64.grad(), dtype, what + " grad_q");
-        expect_close(k.grad(), k64.grad(), dtype, what + " grad_k");
+        expect_matches_reference(q, k, q_out, k_out, cos, sin, interleaved, what);
       }
     }
   }
