@@ -97,9 +97,9 @@ class Row:
         op, shape, dtype: what was measured (shape as ``4096x4096``, dtype as ``bfloat16``).
         impl: who computed it (see :func:`impl_role`). pass_: ``"fwd"`` or ``"fwd+bwd"`` (or a suite's own).
         time_us: the time in µs (NaN for an impl that is n/a). metric, unit: the roofline figure (``GB/s``,
-            ``TFLOP/s``, ...). spread: interquartile range / median of the timing's kept samples (default: the
-            latest timing's; NaN without a time). fallback: why a torch.compile peer ran eagerly ("" when it did not;
-            default: the latest timing's, for a compile peer).
+            ``TFLOP/s``, ...). spread: interquartile range / median of the timing's kept samples (NaN: unknown;
+            :meth:`BenchRun.add` fills in the latest timing's). fallback: why a torch.compile peer ran eagerly ("" when
+            it did not; :meth:`BenchRun.add` fills in the latest timing's for a compile peer).
     """
 
     op: str
@@ -114,10 +114,10 @@ class Row:
     fallback: Optional[str] = None
 
     def __post_init__(self):
-        if self.fallback is None:  # a compile peer's row takes the fallback seen by the timing just before it
-            self.fallback = _State.last_fallback if "compile" in self.impl else ""
+        if self.fallback is None:
+            self.fallback = ""
         if self.spread is None:
-            self.spread = _State.last_spread if not _isnan(self.time_us) else math.nan
+            self.spread = math.nan
 
     @property
     def noisy(self) -> bool:
@@ -1048,9 +1048,13 @@ class BenchRun:
     def add(self, op: str, shape, dtype: torch.dtype, impl: str, pass_: str, time_us: float, metric: float,
             unit: str, spread: Optional[float] = None) -> Row:
         """Append and return one row (shape: a string, or a sequence of ints for :func:`shape_str`; spread: default
-        the latest timing's). A noisy row (:attr:`Row.noisy`) is reported on stderr."""
+        the latest timing's; a compile peer's fallback: the latest timing's). A noisy row (:attr:`Row.noisy`) is
+        reported on stderr."""
+        if spread is None:
+            spread = _State.last_spread if not _isnan(time_us) else math.nan
+        fallback = _State.last_fallback if "compile" in impl else ""  # what the timing just before saw
         row = Row(op, shape if isinstance(shape, str) else shape_str(shape), dtype_str(dtype), impl, pass_, time_us,
-                  metric, unit, spread)
+                  metric, unit, spread, fallback)
         if row.noisy:
             print(f"  [noisy] {op} {pass_} {row.dtype} {row.shape} {impl}: spread {row.spread:.0%} (interquartile "
                   f"range / median) after outliers were dropped and more samples taken", file=sys.stderr)
