@@ -239,13 +239,13 @@ def test_run_family_returns_the_childs_rows(tmp_path, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_failed_graph_capture_leaves_the_cuda_rng_and_later_captures_usable():
     """A step that synchronizes (.item()) invalidates the capture: time_cuda_graph times an eager loop instead, and
-    afterwards random ops on the device and a new capture (with a random op in it) still work. Before the fix, on
-    torch 2.11, the next torch.randn(device="cuda") raised "Offset increment outside graph capture encountered
-    unexpectedly" (the failed capture_end never ran the generator's capture epilogue)."""
+    afterwards random ops on the device and a new capture (with a random op in it) still work. On torch 2.11 a failed
+    capture_end never runs the generator's capture epilogue, and unless the harness resets it the next
+    torch.randn(device="cuda") raises "Offset increment outside graph capture encountered unexpectedly"."""
     x = torch.randn(4096, device="cuda")
     t, method = harness.time_cuda_graph(lambda i: (x * 2).sum().item(), 4, reps=2, warmup=1)
     assert method == "loop" and t > 0
-    y = torch.randn(4096, device="cuda")  # raised before the fix
+    y = torch.randn(4096, device="cuda")  # raises when the generator is left capturing
     assert torch.isfinite(y).all() and y.std().item() > 0.5
     z = torch.empty(4096, device="cuda")
     t2, method2 = harness.time_cuda_graph(lambda i: z.normal_(), 4, reps=2, warmup=1)
