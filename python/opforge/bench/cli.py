@@ -202,7 +202,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="folder of the CSV and PNG files (default: ./opforge_bench in the current directory)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU: torch's intra-op threads (default: torch's, 1 when the load average exceeds the CPUs)")
+                   help="CPU: torch's intra-op threads (default: torch's, at most the CPUs the load average leaves free)")
     p.add_argument("--plot", type=Path, nargs="+", metavar="CSV", default=None,
                    help="redraw the PNG beside each family CSV from its latest run, and exit")
     p.add_argument("--device-kind", choices=["cpu", "cuda"], default=None,

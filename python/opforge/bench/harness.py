@@ -337,17 +337,18 @@ def cpu_load_note() -> str:
 
 def choose_cpu_threads(requested: Optional[int]) -> int:
     """Set torch's intra-op threads for a CPU run and return the count: ``requested`` when given, else torch's own,
-    except on a machine whose load average is above its CPU count, where it is 1 (said on stderr): there each
-    parallel region would wait until all its threads get a CPU, a stall of a scheduler time slice (several ms) in
-    most calls, which no statistic separates from the kernel's time."""
+    lowered to the CPUs other processes leave free (the CPU count less the 1-minute load average, rounded, at least
+    1; said on stderr). A parallel region waits until all its threads get a CPU: with more threads than free CPUs
+    most calls stall for a scheduler time slice (several ms), which no statistic separates from the kernel's time."""
     if requested:
         torch.set_num_threads(requested)
         return requested
     load, cpus = cpu_load()
-    if load > cpus and torch.get_num_threads() > 1:
-        print(f"  [threads] load average {load:.1f} on {cpus} CPUs: timing on 1 intra-op thread instead of "
+    free = max(1, int(cpus - load + 0.5)) if load == load else cpus
+    if torch.get_num_threads() > free:
+        print(f"  [threads] load average {load:.1f} on {cpus} CPUs: timing on {free} intra-op thread(s) instead of "
               f"{torch.get_num_threads()} (--threads N to choose)", file=sys.stderr)
-        torch.set_num_threads(1)
+        torch.set_num_threads(free)
     return torch.get_num_threads()
 
 
@@ -941,7 +942,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     p.add_argument("--no-save", action="store_true", help="print only: no CSV and no PNG")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU: torch's intra-op threads (default: torch's, 1 when the load average exceeds the CPUs)")
+                   help="CPU: torch's intra-op threads (default: torch's, at most the CPUs the load average leaves free)")
     p.add_argument("--out", type=_out_dir, default=None,
                    help=f"folder of the CSV and PNG (default: {RESULTS_DIR})")
     return p
