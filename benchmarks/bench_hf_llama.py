@@ -1,5 +1,5 @@
 """Train-step benchmark of a Hugging Face LlamaForCausalLM: plain, with Liger-Kernel, with opforge.patch.apply,
-each eager and under torch.compile (issue 15's table).
+each eager and under torch.compile.
 
 Each variant runs in its own process (same seed, same initial weights, same random tokens), trains
 ``--warmup`` untimed steps and ``--steps`` timed ones (forward with ``labels``, backward, AdamW step; fused
@@ -18,11 +18,12 @@ outputs are computed again in backward instead of kept); under compile Inductor 
 The "+compile-ro" variants compile with ``mode="reduce-overhead"`` (CUDA graphs through cudagraph trees: no
 per-kernel launch cost on the host; ``torch.compiler.cudagraph_mark_step_begin()`` before each step).
 "opforge-inductor+compile" patches with ``inductor_math=True``: the norms, SwiGLU and projections run as torch math
-Inductor fuses with its neighbours instead of opforge's ops (opaque in the graph; the default since stop 23, when
-the opaque ops measured 2.9 % less GPU time a step; the rows of earlier runs named "opforge-opaque+compile" are
-today's "opforge+compile", and their "opforge+compile" rows are today's "opforge-inductor+compile").
+Inductor fuses with its neighbours instead of opforge's ops (opaque in the graph, the default: they measured 2.9 %
+less GPU time a step, docs/patching.md). In hf_llama.csv, rows with variant "opforge-opaque+compile" are
+"opforge+compile" under its earlier name, and rows of those commits named "opforge+compile" are
+"opforge-inductor+compile".
 
-    # the issue's configuration on one GPU (about 10 minutes on an H200, compile included):
+    # the default configuration on one GPU (about 10 minutes on an H200, compile included):
     python benchmarks/bench_hf_llama.py
     # smaller / other shapes:
     python benchmarks/bench_hf_llama.py --layers 4 --vocab 32000 --seq 1024 --batch 2 --steps 10
@@ -70,8 +71,8 @@ VARIANTS = {
     "opforge+compile-ro": "HF + opforge.patch.apply + torch.compile(mode=\"reduce-overhead\")",
     "liger+compile": "HF + Liger + torch.compile",
 }
-#: the variants of a run without --variants: issue 15's table and liger+compile (the -inductor, "-ro" and "-dwbf16" ones
-#: are experiments, run by name)
+#: the variants of a run without --variants: the model-level table of docs/patching.md (the -inductor, "-ro" and
+#: "-dwbf16" ones are measured by name)
 DEFAULT_VARIANTS = ["hf", "liger", "opforge", "opforge-norecompute", "hf+compile", "opforge+compile", "liger+compile"]
 # Environment variables of a variant's own process (read once there by opforge's knobs and chunk-size resolution):
 # the lm_head's dW accumulated in bf16 (no fp32 V x H accumulator), and that with 2048-token loss chunks.

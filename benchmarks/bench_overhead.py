@@ -1,8 +1,8 @@
-"""Per-call host time of opforge's Python functions against their torch counterparts (issues 4 and 13).
+"""Per-call host time of opforge's Python functions against their torch counterparts.
 
 On small CPU tensors (input 4×8, weight 8×8, bias 8) the kernels cost next to nothing, so the time per call
 is the call overhead: Python, argument parsing, the dispatcher, the autograd node when a gradient is
-needed, the checks and the output allocation. Goal (issue 13): opforge.linear ≤ 1.1× F.linear.
+needed, the checks and the output allocation. Goal: opforge.linear ≤ 1.1× F.linear.
 
 Each variant is a callable and its arguments, called ``--calls`` times back to back by
 ``itertools.starmap`` (C code, no Python frame of the benchmark's own, as a user's ``y = f(x, w, b)``

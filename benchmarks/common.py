@@ -1,5 +1,5 @@
-"""The benchmark harness, now :mod:`opforge.bench.harness`; this file keeps ``import common`` in the
-benchmarks/bench_*.py scripts working (it *is* that module) and ``python benchmarks/common.py --plot <csv>``.
+"""The benchmark harness, :mod:`opforge.bench.harness`, under the name the tools of this folder import: ``import
+common`` puts the source tree's python/ on sys.path when opforge is not importable otherwise, and *is* that module.
 """
 import sys
 from pathlib import Path
@@ -10,6 +10,4 @@ except ImportError:  # running from a source tree: python/ is the package root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
     from opforge.bench import harness as _harness
 
-if __name__ == "__main__":
-    sys.exit(_harness.redraw_main())
 sys.modules[__name__] = _harness

@@ -1,5 +1,5 @@
-"""CPU kernels on one thread and on two: does opforge's at::parallel_for run in parallel? (stop 22: it ran serially
-until the library was compiled with OpenMP). Median of 15 calls, bf16, torch.sigmoid beside opforge.sigmoid.
+"""CPU kernels on one thread and on two: does opforge's at::parallel_for run in parallel? (It runs serially in a
+library compiled without OpenMP.) The harness's CPU timer, bf16, torch.sigmoid beside opforge.sigmoid.
 
     python benchmarks/cpu_threads.py            # prints one line per thread count (1 and 2)
     python benchmarks/cpu_threads.py --threads 1 --library build/test/libopforge.so --library build/avx512/libopforge.so

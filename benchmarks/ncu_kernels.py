@@ -1,7 +1,7 @@
-"""One launch of each opforge kernel that issue 13 asks about, for Nsight Compute (`ncu`) to read its counters.
+"""One launch of each of opforge's memory-bound kernels, for Nsight Compute (`ncu`) to read its counters.
 
-Each case runs its op once on the shapes of the rms_norm / small-M linear / rope results tables (README,
-docs/results_history.md), so the profile has one record per kernel (ncu replays a kernel to collect its sections;
+Each case runs its op once on the shapes of the rms_norm / small-M linear / rope results (README, docs/performance),
+so the profile has one record per kernel (ncu replays a kernel to collect its sections;
 timing here means nothing):
 
     ncu --clock-control none --kernel-name regex:opforge --section SpeedOfLight --section Occupancy \\
@@ -10,11 +10,10 @@ timing here means nothing):
 Cases: rms_fwd (bf16 32768x4096), rms_fwd_8192 (bf16 16384x8192), fused_fwd (bf16 32768x4096),
 rms_bwd_long (bf16 4096x16384 forward+backward), rms_bwd_fp32 (fp32 16384x8192 forward+backward),
 gemv (bf16 1x4096x4096, no bias), rope (bf16 4x4096, 32 q / 8 kv heads, head dim 128, forward; q and k as views of
-(B, S, H, D) projections, as bench_rope.py; until 2026-12-01 stop 21 they were contiguous (B, H, S, D)), rope_copy
-(q and k of the rope case cloned: the same bytes through torch's copy kernel, bench_rope.py's "copy" row; ncu's
---kernel-name matches a kernel's base name, so stop 24's `regex:"rope|copy"` did not select the copy, which runs as
-`vectorized_elementwise_kernel`).
-`--clock-control none` leaves the GPU's clocks alone (the device notes ask for it).
+(B, S, H, D) projections, as the rope suite lays them out), rope_copy (q and k of the rope case cloned: the same
+bytes through torch's copy kernel, the rope suite's "copy" row; ncu's --kernel-name matches a kernel's base name, so
+`regex:"rope|copy"` does not select the copy, which runs as `vectorized_elementwise_kernel`).
+`--clock-control none` leaves the GPU's clocks as they are.
 """
 from __future__ import annotations
 
@@ -46,7 +45,7 @@ def _gemv():
 
 def _rope_inputs():
     B, S, Hq, Hk, D = 4, 4096, 32, 8, 128
-    # as bench_rope.py and a Hugging Face attention layer lay them out: (B, S, H, D) projections viewed (B, H, S, D)
+    # as the rope suite and a Hugging Face attention layer lay them out: (B, S, H, D) projections viewed (B, H, S, D)
     q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     return q, k, S, D
@@ -54,7 +53,7 @@ def _rope_inputs():
 
 def _rope_copy():
     q, k, _, _ = _rope_inputs()
-    q.clone(), k.clone()  # bench_rope.py's "copy" row: the same bytes as rope's forward, through torch's copy kernel
+    q.clone(), k.clone()  # the rope suite's "copy" row: the same bytes as rope's forward, through torch's copy kernel
 
 
 def _rope():

@@ -1,5 +1,5 @@
 """Where one training step's GPU time goes: torch.profiler of a Hugging Face Llama (HF, Liger, opforge) and of the
-demo model (issue 15's closing evidence; issue 14's "profiler table of one step of the demo model").
+demo model.
 
 (a) For each variant (default hf, liger when importable, opforge; ``--variants`` takes any of bench_hf_llama.py's,
 e.g. ``hf+compile,opforge+compile``; each in its own process) the model of
@@ -9,8 +9,7 @@ the step's GPU idle time: its longest gaps between kernels, each with the CPU op
 and whether the host issued it late (the GPU starved), idle time summed by that op, and the host syncs (CUDA runtime
 calls that wait for the GPU) with the op that made them. Kernels are matched to the runtime calls and CPU ops that
 issued them through torch's ``linked_correlation_id`` where its profiler events have one, else (torch 2.11) through
-the ``correlation`` ids of the profile's chrome trace (:func:`gpu_idle_from_trace`; until stop 24 such runs printed
-the attribution as unknown).
+the ``correlation`` ids of the profile's chrome trace (:func:`gpu_idle_from_trace`).
 Categories (first match, on the kernel name, lower-cased; :func:`category`):
 
     opforge kernels   our own kernels (names in namespace ``opforge::``; its GEMMs are cuBLAS's, so GEMM)

@@ -1,4 +1,4 @@
-// Per-call host time of opforge::linear against at::linear from C++ (issue 13, "Host overhead").
+// Per-call host time of opforge::linear against at::linear from C++ (docs/performance/overhead.md).
 //
 // On tiny CPU tensors (input 4x8, weight 8x8, bias 8) the GEMM costs next to nothing, so the time of a call is
 // its overhead: the dispatcher (Autograd key, then CPU), the checks, the output allocation. Each variant runs

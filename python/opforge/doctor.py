@@ -10,6 +10,10 @@ Two steps, kept apart so that tests can simulate every failure:
    installed: exit status 1) or ``"warning"`` (works, with a cost or a risk: exit status 0).
 
 Every diagnosis has an ``id`` (e.g. ``torch-mismatch``); the documentation's troubleshooting page lists them.
+
+The library's state comes from :mod:`opforge._library` (this module imports no other part of opforge): the
+package's own import has already tried to load it, and under ``python -m opforge doctor`` a failure leaves the
+package importable, so that this report can say why.
 """
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
+
+from . import _library
 
 __all__ = ["Diagnosis", "gather_facts", "diagnose", "render", "main", "CHECKS", "parse_archs", "arch_support"]
 
@@ -63,17 +69,6 @@ def _nvcc_version(nvcc: Optional[str]) -> Optional[str]:
     out = _run([nvcc, "--version"])
     m = re.search(r"release (\d+\.\d+)", out or "")
     return m.group(1) if m else None
-
-
-def _read_stamp(lib: Path) -> Dict[str, str]:
-    info: Dict[str, str] = {}
-    stamp = lib.parent / "opforge_build.txt"
-    if stamp.exists():
-        for line in stamp.read_text().splitlines():
-            key, sep, value = line.partition("=")
-            if sep:
-                info[key.strip()] = value.strip()
-    return info
 
 
 def gather_facts() -> dict:
@@ -132,20 +127,20 @@ def gather_facts() -> dict:
 
 
 def _library_facts(torch) -> dict:
-    env = os.environ.get("OPFORGE_LIBRARY")
+    """The library's facts, from :mod:`opforge._library` (the package's loading, already attempted by the import of
+    ``opforge`` that runs before any of its submodules) and torch's dispatcher."""
     lib: dict = dict(path=None, exists=False, stamp={}, loaded=False, error=None, ops=0, cpu_kernels_missing=[],
-                     has_cuda_kernels=False, jit=env == "jit")
+                     has_cuda_kernels=False, jit=os.environ.get("OPFORGE_LIBRARY") == "jit")
     try:
-        import opforge
-    except ImportError as e:  # only when not imported through ``python -m opforge doctor``
-        lib["error"] = str(e)
-        return lib
-    path = getattr(opforge, "library_path", None) or getattr(opforge, "_expected_library_path", None)
+        _library.load_once()
+    except ImportError:
+        pass
+    path = _library.path or _library.expected_path()
     if path is not None:
         path = Path(path)
-        lib.update(path=str(path), exists=path.exists(), stamp=_read_stamp(path))
-    lib["error"] = getattr(opforge, "load_error", None)
-    lib["loaded"] = getattr(opforge, "library_path", None) is not None and lib["error"] is None
+        lib.update(path=str(path), exists=path.exists(), stamp=_library.read_build_info(path))
+    lib["error"] = _library.error
+    lib["loaded"] = _library.path is not None and _library.error is None
     if lib["loaded"]:
         names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("opforge::"))
         has = torch._C._dispatch_has_kernel_for_dispatch_key

@@ -127,3 +127,18 @@ def test_library_is_compiled_with_openmp_when_torch_is():
         pytest.skip(f"no build stamp beside {lib} (a JIT build)")
     assert "openmp=ON" in stamp.read_text().splitlines(), stamp.read_text()
     assert b"GOMP_parallel" in lib.read_bytes(), f"{lib} makes no OpenMP call: its CPU kernels run on one thread"
+
+
+def test_patch_is_an_attribute_after_import_opforge(tmp_path):
+    """`import opforge` then `opforge.patch.apply` works in a fresh interpreter, and the plain import does not import
+    the patching module (nor transformers) until it is used."""
+    code = ("import sys, opforge; assert 'opforge.patch' not in sys.modules and 'transformers' not in sys.modules; "
+            "apply = opforge.patch.apply; assert callable(apply) and callable(opforge.patch.revert); "
+            "assert 'patch' in dir(opforge); import opforge.patch as p; assert p is opforge.patch; print('ok')")
+    env = _env(PYTHONPATH=PACKAGE_PARENT)
+    if os.environ.get("OPFORGE_LIBRARY"):
+        env["OPFORGE_LIBRARY"] = os.environ["OPFORGE_LIBRARY"]
+    r = _python(code, env=env, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    r = _python("import opforge; opforge.no_such_thing", env=env, cwd=tmp_path)
+    assert r.returncode != 0 and "AttributeError" in r.stderr and "no_such_thing" in r.stderr, r.stderr

@@ -13,8 +13,8 @@ op, tested through its forward's conformance entry). For each public op this tes
 5. a docs entry: docs/ops/<op>.md, or a Markdown heading naming the op (as a word, backticks optional) in a page
    under docs/ops/ (the family's page: "# rms_norm and fused_add_rms_norm" in docs/ops/rms_norm.md covers both);
    that page in mkdocs.yml's nav; and a call ``opforge.<op>(`` in README.md's API table;
-6. a benchmark: a benchmarks/bench_*.py whose code (comments and strings aside) calls the op as an attribute
-   (``opforge.<op>``, ``F.<op>``, ``torch.ops.opforge.<op>``).
+6. a benchmark: a suite python/opforge/bench/suites/*.py whose code (comments and strings aside) calls the op as an
+   attribute (``opforge.<op>``, ``F.<op>``, ``torch.ops.opforge.<op>``).
 
 The schemas are read from the whole text of csrc/library.cpp (an ``m.def(`` may span lines, two may share one), and
 test_loaded_library_matches_library_cpp compares them with the operators the built library registers, so a
@@ -42,7 +42,7 @@ FUNCTIONAL = ROOT / "python" / "opforge" / "functional.py"
 TESTING = ROOT / "python" / "opforge" / "testing.py"
 CONFORMANCE = ROOT / "tests" / "python" / "conformance.py"
 DOCS = ROOT / "docs" / "ops"
-BENCHMARKS = ROOT / "benchmarks"
+SUITES = ROOT / "python" / "opforge" / "bench" / "suites"
 MKDOCS = ROOT / "mkdocs.yml"
 README = ROOT / "README.md"
 GUIDE = "docs/adding_an_op.md"
@@ -174,11 +174,11 @@ def _missing(op: str, line: int, check: str):
                 f"(README.md:{_line_of(README, r'^## API')}). See {GUIDE}, checklist item 8.")
     if check == "benchmark":
         call = re.compile(rf"\.\s*{op}(?![A-Za-z0-9_])")
-        if any(call.search(_python_code(p)) for p in sorted(BENCHMARKS.glob("bench_*.py"))):
+        if any(call.search(_python_code(p)) for p in sorted(SUITES.glob("[!_]*.py"))):
             return None
-        return (f"{where} has no benchmark: add benchmarks/bench_{op}.py on benchmarks/common.py (or a case in "
-                f"its family's benchmarks/bench_<family>.py) whose code calls opforge.{op} (a name in a comment or "
-                f"string does not count) and times it against torch's composition. See {GUIDE}, checklist item 9.")
+        return (f"{where} has no benchmark: add a suite python/opforge/bench/suites/{op}.py (and its entry point "
+                f"benchmarks/bench_{op}.py), or a case in its family's suite, whose code calls opforge.{op} (a name "
+                f"in a comment or string does not count) and times it against torch's composition. See {GUIDE}, checklist item 9.")
     raise ValueError(check)
 
 

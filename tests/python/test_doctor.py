@@ -228,3 +228,47 @@ def test_command_explains_an_avx512_library_on_a_cpu_torch_reports_below_avx512(
     p = _doctor_cmd("--json", env_extra={"OPFORGE_LIBRARY": str(lib), "ATEN_CPU_CAPABILITY": "avx2"})
     assert p.returncode == 1
     assert [d["id"] for d in json.loads(p.stdout)["diagnoses"]] == ["cpu-avx512"]
+
+
+def _fresh(code, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("first", ["opforge.doctor", "opforge"])
+def test_import_order_does_not_matter(first):
+    """opforge and opforge.doctor import in either order in a fresh process, and the doctor sees the library the
+    package loaded."""
+    second = "opforge" if first == "opforge.doctor" else "opforge.doctor"
+    p = _fresh(f"import {first}, {second}, opforge.doctor as d, opforge; f = d._library_facts(__import__('torch')); "
+               "assert f['loaded'] and f['ops'] > 0 and f['error'] is None, f; "
+               "assert str(opforge.library_path) == f['path'], (opforge.library_path, f['path']); print('ok')")
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+def _imports_of_opforge(path):
+    """The opforge modules a file imports: ``from . import x`` and ``from .x import y`` as ``x``, ``import opforge``
+    / ``from opforge[.x] import ...`` as ``opforge[.x]``."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found |= {node.module} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "opforge":
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "opforge"}
+    return found
+
+
+def test_the_dependency_goes_one_way():
+    """doctor reads the library's state from opforge._library only, and _library imports no part of opforge but the
+    JIT build: the package's __init__ depends on _library, the doctor on _library, never one on the other."""
+    from pathlib import Path
+
+    package = Path(doctor.__file__).parent
+    assert _imports_of_opforge(package / "doctor.py") == {"_library"}
+    assert _imports_of_opforge(package / "_library.py") <= {"jit"}
+    assert "doctor" not in _imports_of_opforge(package / "__init__.py")
+    assert _imports_of_opforge(package / "jit.py") == set()

@@ -1,7 +1,8 @@
-"""One op family's benchmark in a process of its own: ``python -m opforge.bench._run_family <bench_<family>.py>
-<result.json> [args for its main()...]``, started by ``python -m opforge bench`` (:mod:`opforge.bench.cli`).
+"""One op family's suite in a process of its own: ``python -m opforge.bench._run_family <module> <result.json>
+<command> [args for its main()...]``, started by ``python -m opforge bench`` (:mod:`opforge.bench.cli`).
 
-The family's ``main(args)`` runs here, its output going straight to this process's stdout and stderr; then
+``<module>`` is the suite's module (``opforge.bench.suites.rms_norm``); its ``main(args)`` runs here, its output going
+straight to this process's stdout and stderr, with ``<command>`` as the command line recorded in the CSV rows. Then
 ``<result.json>`` receives ``{"status": int, "error": str, "device_name": str, "rows": [Row fields...]}``: the
 exit status of ``main()`` (1 when it raised), the exception as one line ("" when none), the device's name and the
 rows the harness collected (:attr:`opforge.bench.harness._State.collected`), also those measured before a
@@ -10,7 +11,7 @@ failure. A family therefore cannot leave CUDA, RNG or torch.compile state behind
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import sys
 import traceback
@@ -21,28 +22,19 @@ from typing import List, Optional
 from . import harness
 
 
-def load(path: Path):
-    """Import the bench script at ``path`` as a module (its folder first on sys.path, for ``import common``)."""
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"opforge_bench_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def one_line(e: BaseException) -> str:
     """``<type>: <first line of the message, at most 200 characters>``."""
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def run(path: Path, result: Path, args: List[str]) -> int:
-    """Run the family's ``main(args)``, write ``result`` (see the module's docstring) and return the status."""
+def run(module: str, result: Path, command: str, args: List[str]) -> int:
+    """Run ``module``'s ``main(args)``, write ``result`` (see the module's docstring) and return the status."""
     harness._State.collected = []
+    harness.set_command(command)
     status, error = 0, ""
     try:
-        status = load(path).main(args) or 0
-    except SystemExit as e:  # argparse, or a script calling sys.exit
+        status = importlib.import_module(module).main(args) or 0
+    except SystemExit as e:  # argparse, or a suite calling sys.exit
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException as e:  # noqa: BLE001  (reported to the parent, which goes on with the next family)
         traceback.print_exc()
@@ -59,12 +51,13 @@ def run(path: Path, result: Path, args: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """The command line of the module's docstring; the suite's exit status (2 for a bad command line)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if len(argv) < 2:
-        print("usage: python -m opforge.bench._run_family <bench_<family>.py> <result.json> [args...]",
+    if len(argv) < 3:
+        print("usage: python -m opforge.bench._run_family <module> <result.json> <command> [args...]",
               file=sys.stderr)
         return 2
-    status = run(Path(argv[0]), Path(argv[1]), argv[2:])
+    status = run(argv[0], Path(argv[1]), argv[2], argv[3:])
     sys.stdout.flush()
     sys.stderr.flush()
     return status

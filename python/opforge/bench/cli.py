@@ -1,16 +1,20 @@
 """``python -m opforge bench``: every op family's benchmark on this machine, one table, CSV + PNG.
 
-The op families are the scripts ``benchmarks/bench_<family>.py`` of the source tree (``OPFORGE_BENCHMARKS``
-names another folder); each runs in a process of its own (:mod:`opforge.bench._run_family`, its output streamed
-through) on the shared harness (:mod:`opforge.bench.harness`), with ``--device``, ``--quick`` and ``--out``
-passed on, so no CUDA, RNG or torch.compile state of one family reaches the next, and a family that fails, even
-by a CUDA error that poisons its context or a crash of its process, is reported and the others still run.
-The summary table has one line per (op, shape, dtype, pass): opforge's time and its GB/s or TFLOP/s, then the
-speed-up of opforge over eager PyTorch, torch.compile and each installed peer (a ratio > 1 means opforge is
-faster; "fallback" marks a compile peer that ran eagerly).
+The op families are the suites of the package (:mod:`opforge.bench.suites`, one module a family), so the command
+works wherever opforge is installed. Each runs in a process of its own (:mod:`opforge.bench._run_family`, its output
+streamed through) on the shared harness (:mod:`opforge.bench.harness`), with ``--device``, ``--quick`` and ``--out``
+passed on, so no CUDA, RNG or torch.compile state of one family reaches the next, and a family that fails, even by a
+CUDA error that poisons its context or a crash of its process, is reported and the others still run.
+
+The summary has one table per op and one line per (shape, dtype, pass): opforge's time and its GB/s or TFLOP/s, then
+the speed-up of opforge over each peer that ran beside it (eager PyTorch, torch.compile, Liger-Kernel, ...: a ratio
+> 1 means opforge is faster; "fallback" marks a compile peer that ran eagerly). opforge's own variants (other
+kernels, other activations) and the ceilings (a device copy, a GEMM floor) are in the family's table and CSV, not in
+the summary. A ratio whose timings stayed noisy (spread above harness.NOISY_SPREAD) is marked with ``?``.
 
     python -m opforge bench                       # every family, this machine's default device
     python -m opforge bench --quick --ops rms_norm --out /tmp/b
+    python -m opforge bench --plot benchmarks/results/rms_norm.csv   # redraw a family's plot from its CSV
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -29,26 +34,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import harness
+from . import harness, suites
 
-#: Benchmarks that are not an op family (they measure something else) and are not run by the CLI.
-NOT_OP_FAMILIES = ("overhead", "hf_llama")  # host overhead; the model-level train-step table (its own columns: tokens/s, memory, loss)
-
-
-def benchmarks_dir() -> Optional[Path]:
-    """The folder of the bench_<family>.py scripts: $OPFORGE_BENCHMARKS, else the source tree's benchmarks/,
-    else ./benchmarks; None when none exists (an installed package without its source tree)."""
-    candidates = [os.environ.get("OPFORGE_BENCHMARKS"), harness.REPO_ROOT / "benchmarks", Path.cwd() / "benchmarks"]
-    for c in candidates:
-        if c and (Path(c) / "common.py").exists():
-            return Path(c)
-    return None
-
-
-def discover(folder: Path) -> Dict[str, Path]:
-    """``{family: path}`` for every ``bench_<family>.py`` in ``folder`` that is an op family, sorted by name."""
-    found = {p.stem[len("bench_"):]: p for p in sorted(folder.glob("bench_*.py"))}
-    return {k: v for k, v in found.items() if k not in NOT_OP_FAMILIES}
+#: The package whose modules are the families (``--suites`` names another).
+SUITES = suites.__name__
 
 
 def _child_env() -> Dict[str, str]:
@@ -76,11 +65,12 @@ def _forward(pipe, stream) -> None:
     pipe.close()
 
 
-def run_family(path: Path, args: List[str]) -> Tuple[List[harness.Row], str, str]:
+def run_family(module: str, args: List[str], command: str = "") -> Tuple[List[harness.Row], str, str]:
     """Run one family's ``main(args)`` in a process of its own (:mod:`opforge.bench._run_family`).
 
     Args:
-        path: its ``bench_<family>.py``. args: the arguments of its ``main()``.
+        module: the suite's module (``opforge.bench.suites.rms_norm``). args: the arguments of its ``main()``.
+        command: the command line its CSV rows record (default: the child's own).
     Returns:
         (the rows it measured, also those before a failure; "" when it ran, else why it failed as one line;
         the device's name as the child saw it, "" when unknown).
@@ -91,7 +81,7 @@ def run_family(path: Path, args: List[str]) -> Tuple[List[harness.Row], str, str
     os.close(fd)
     try:
         out_t, err_t = _stream_target(sys.stdout), _stream_target(sys.stderr)
-        proc = subprocess.Popen([sys.executable, "-m", "opforge.bench._run_family", str(path), result, *args],
+        proc = subprocess.Popen([sys.executable, "-m", "opforge.bench._run_family", module, result, command, *args],
                                 env=_child_env(), stdout=out_t, stderr=err_t, text=True)
         threads = [threading.Thread(target=_forward, args=(pipe, stream), daemon=True)
                    for pipe, stream in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)) if pipe is not None]
@@ -132,33 +122,35 @@ def run_family(path: Path, args: List[str]) -> Tuple[List[harness.Row], str, str
 
 
 def summarize(rows: List[harness.Row]) -> List[List[str]]:
-    """One line per (op, shape, dtype, pass): opforge's time and metric, and its speed-up over every other impl.
+    """One line per (op, shape, dtype, pass): opforge's time and metric, and its speed-up over every peer.
 
     Args:
         rows: the harness rows of one or more benchmarks.
     Returns:
-        The table's lines as strings; the first is the header: op, shape, dtype, pass, opforge µs, metric,
-        then ``vs <impl>`` per other impl (``t_impl / t_opforge``; "n/a" where that impl did not run,
-        "+fallback" where a compile peer ran eagerly).
+        The table's lines as strings; the first is the header: op, shape, dtype, pass, opforge µs, metric, then
+        ``vs <impl>`` for each peer (:func:`harness.impl_role`; never opforge's variants nor the ceilings) that ran
+        next to an opforge row: ``t_peer / t_opforge``, "n/a" where that peer did not run, " +fallback" where a
+        compile peer ran eagerly, "?" after a ratio when either timing stayed noisy (:attr:`harness.Row.noisy`).
     """
     groups: Dict[tuple, Dict[str, harness.Row]] = {}
     for r in rows:
         groups.setdefault((r.op, r.shape, r.dtype, r.pass_), {})[r.impl] = r
-    # only the impls that ran next to an opforge row of these rows (one family's peers, not every family's)
-    others = list(dict.fromkeys(r.impl for r in rows if r.impl != "opforge"
-                                and "opforge" in groups[(r.op, r.shape, r.dtype, r.pass_)]))
-    table = [["op", "shape", "dtype", "pass", "opforge us", "opforge metric"] + [f"vs {o}" for o in others]]
+    # only the peers that ran next to an opforge row of these rows (one family's peers, not every family's)
+    peers = list(dict.fromkeys(r.impl for r in rows if harness.impl_role(r.impl) == "peer"
+                               and "opforge" in groups[(r.op, r.shape, r.dtype, r.pass_)]))
+    table = [["op", "shape", "dtype", "pass", "opforge us", "opforge metric"] + [f"vs {o}" for o in peers]]
     for (op, shape, dtype, pass_), impls in groups.items():
         ours = impls.get("opforge")
         if ours is None:
             continue
         line = [op, shape, dtype, pass_, harness._fmt(ours.time_us), f"{harness._fmt(ours.metric)} {ours.unit}"]
-        for o in others:
+        for o in peers:
             peer = impls.get(o)
             if peer is None or math.isnan(peer.time_us) or math.isnan(ours.time_us) or ours.time_us <= 0:
                 line.append("n/a")
             else:
-                line.append(f"{peer.time_us / ours.time_us:.2f}x" + (" +fallback" if peer.fallback else ""))
+                line.append(f"{peer.time_us / ours.time_us:.2f}x" + ("?" if peer.noisy or ours.noisy else "")
+                            + (" +fallback" if peer.fallback else ""))
         table.append(line)
     return table
 
@@ -180,13 +172,26 @@ def print_summary(table: List[List[str]], file=sys.stdout) -> None:
             print("-" * (sum(widths) + 2 * (len(widths) - 1)), file=file)
 
 
+def redraw(paths: List[Path], device_kind: Optional[str]) -> int:
+    """``--plot``: redraw each CSV's PNG from its latest run (:func:`harness.plot_csv`); 0 when every one was drawn."""
+    status = 0
+    for path in paths:
+        png = harness.plot_csv(path, device_kind)
+        if png:
+            print(png)
+        else:
+            status = 1
+    return status
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m opforge bench [--ops a,b] [--quick] [--device d] [--out DIR]``.
+    """``python -m opforge bench [--ops a,b] [--quick] [--device d] [--out DIR] [--plot CSV ...]``.
 
     Returns:
         0 when every selected family ran, 1 when one failed (the others still run), 2 for a bad argument
-        (unknown family, no benchmarks folder, a CUDA device on a machine without one).
+        (unknown family, a CUDA device on a machine without one).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m opforge bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=None, help="comma-separated op families (default: all; --list shows them)")
@@ -196,30 +201,35 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", type=Path, default=Path("opforge_bench"),
                    help="folder of the CSV and PNG files (default: ./opforge_bench in the current directory)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU: torch's intra-op threads (default: torch's, at most the CPUs the load average leaves free)")
+    p.add_argument("--plot", type=Path, nargs="+", metavar="CSV", default=None,
+                   help="redraw the PNG beside each family CSV from its latest run, and exit")
+    p.add_argument("--device-kind", choices=["cpu", "cuda"], default=None,
+                   help="with --plot: the latest run on this kind of device (default: that of the last row)")
+    p.add_argument("--suites", default=SUITES, help=f"the package whose modules are the families (default: {SUITES})")
     args = p.parse_args(argv)
+    if args.plot:
+        return redraw(args.plot, args.device_kind)
+    try:
+        families = suites.families(args.suites)
+    except ImportError as e:
+        print(f"opforge bench: expected --suites to name an importable package, but got {args.suites} ({e})",
+              file=sys.stderr)
+        return 2
+    if args.list:
+        print("\n".join(families))
+        return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"opforge bench: --device {args.device}, but torch {torch.__version__} sees no CUDA device: "
               "use --device cpu (`python -m opforge doctor` explains)", file=sys.stderr)
         return 2
-    folder = benchmarks_dir()
-    if folder is None:
-        print("opforge bench: no benchmarks/ folder (the bench_<family>.py scripts live in the source tree): run "
-              "from an opforge checkout or set OPFORGE_BENCHMARKS=<checkout>/benchmarks", file=sys.stderr)
-        return 2
-    families = discover(folder)
-    # the commit of the checkout the benchmarks come from (an installed package knows none), for every family's
-    # CSV rows and the summary line
-    commit = harness.git_commit(folder.resolve().parent)
-    if commit != "unknown":
-        os.environ.setdefault("OPFORGE_GIT_COMMIT", commit)
-    if args.list:
-        print("\n".join(families))
-        return 0
     selected = [s.strip() for s in args.ops.split(",") if s.strip()] if args.ops else list(families)
     unknown = [s for s in selected if s not in families]
     if unknown:
         print(f"opforge bench: expected --ops from {', '.join(families)}, but got {', '.join(unknown)}", file=sys.stderr)
         return 2
+    command = shlex.join(["python", "-m", "opforge", "bench", *argv])
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -239,8 +249,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"opforge bench: [{i}/{len(selected)}] {family} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
                   flush=True)
         sub = ["--device", args.device, "--out", str(out)] + (["--quick"] if args.quick else []) + \
-              (["--no-compile"] if args.no_compile else [])
-        family_rows, failure, name = run_family(families[family], sub)
+              (["--no-compile"] if args.no_compile else []) + (["--threads", str(args.threads)] if args.threads else [])
+        family_rows, failure, name = run_family(f"{args.suites}.{family}", sub, command)
         rows.extend(family_rows)
         names.append(name)
         if failure:  # one family failing must not lose the others
@@ -258,6 +268,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             if k:
                 print(file=sys.stdout)
             print_summary(table)
+        noisy = [r for r in rows if r.noisy]
+        if noisy:
+            print(f"\n? marks a ratio with a noisy timing: {len(noisy)} of {len(rows)} timings kept a spread above "
+                  f"{harness.NOISY_SPREAD:.0%} (interquartile range / median) after outliers were dropped and more "
+                  "samples taken. The machine is busy: rerun those on a quiet one.")
+    note = "" if args.device.startswith("cuda") else harness.cpu_load_note()
+    if note:
+        print(f"\n{note}")
     print(f"\nCSV and PNG files: {out}")
     for f in failures:
         print(f"FAILED: {f}")
