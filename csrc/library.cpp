@@ -1,6 +1,9 @@
-// Every opforge schema, one commented line each, sorted. Kernels are registered beside each op
-// (csrc/ops/<op>/): CPU and CUDA in <op>_cpu.cpp / <op>_cuda.cu, Meta and Autograd in <op>.cpp.
-// Argument names follow torch.nn.functional.
+// Every opforge schema, one commented line each. Their order means nothing to the dispatcher: the ops of linear,
+// rms_norm, rope, the elementwise family and swiglu come roughly by name (private forward ops first), with
+// fake_quant_linear's block among them; linear_cross_entropy and the linear variants (linear_cat, indexed_linear)
+// follow in blocks of their own, and linear_cross_entropy's _linear_cross_entropy_scale_grads comes last.
+// Kernels are registered beside each op (csrc/ops/<op>/): CPU and CUDA in <op>_cpu.cpp / <op>_cuda.cu, Meta and
+// Autograd in <op>.cpp. Argument names follow torch.nn.functional.
 #include <torch/library.h>
 
 TORCH_LIBRARY(opforge, m) {
@@ -66,7 +69,7 @@ TORCH_LIBRARY(opforge, m) {
   m.def("swiglu_packed(Tensor input) -> Tensor");
   // grad_input (*, 2I) of swiglu_packed, both halves written in one fused pass
   m.def("swiglu_packed_backward(Tensor grad_output, Tensor input) -> Tensor");
-  // ---- linear_cross_entropy (issue 10) ----
+  // ---- linear_cross_entropy (csrc/ops/linear_cross_entropy) ----
   // loss = cross_entropy(cap(input · linear_weightᵀ + linear_bias), target, weight, reduction, ignore_index, label_smoothing)
   // + z_loss · logsumexp² per valid token, cap(x) = softcap · tanh(x / softcap); input (*, H), linear_weight (V, H),
   // target (*) int64; computed in token chunks of chunk_size rows (None: from a memory budget), never all [*, V] logits
@@ -79,7 +82,7 @@ TORCH_LIBRARY(opforge, m) {
   // (grad_input, grad_linear_weight, grad_linear_bias) of linear_cross_entropy, each only if its output_mask entry is
   // set; grad_output () for mean/sum, (*) for none; logits recomputed per chunk from stats; dW, db accumulated in fp32
   m.def("linear_cross_entropy_backward(Tensor grad_output, Tensor input, Tensor linear_weight, Tensor target, Tensor stats, Tensor? linear_bias, Tensor? weight, str reduction, int ignore_index, float label_smoothing, float z_loss, float? softcap, bool[3] output_mask, int? chunk_size=None) -> (Tensor, Tensor, Tensor)");
-  // ---- linear variants (issue 11): linear_cat, indexed_linear ----
+  // ---- linear variants: linear_cat, indexed_linear (csrc/ops/linear_cat, csrc/ops/indexed_linear) ----
   // y = linear(cat(inputs, -1), weight, bias) without the concatenated buffer; inputs (*, K_i) of one leading shape, weight (N, ΣK_i), bias (N,)
   m.def("linear_cat(Tensor[] inputs, Tensor weight, Tensor? bias=None) -> Tensor");
   // (grad_inputs (one per input, an empty list unless output_mask[0]), grad_weight, grad_bias in bias_dtype) of linear_cat
