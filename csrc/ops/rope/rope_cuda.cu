@@ -4,8 +4,8 @@
 //
 // token kernel: the grid is (tokens, head groups); a block takes a token (b, s), builds its table C, S [R] (opmath)
 // in shared memory once, then every thread of the block walks the head rows of q and k of its group. On the vector
-// path it is bound to kTokenMinBlocks blocks per SM (40 registers in bf16, no spill: 12 blocks of 128 threads per SM
-// instead of 9 unbounded). What bounds it: two barriers per token and the table's global-memory latency before any
+// path it is bound to kTokenMinBlocks blocks per SM (40 registers in bf16: 12 blocks of 128 threads per SM instead of
+// 9 unbounded). What bounds it: two barriers per token and the table's global-memory latency before any
 // q/k load keep few bytes in flight; on the H200 (bf16 4x4096x32/8x128) it runs forward+backward in 186 us, 3608
 // GB/s, 0.85 of the 4269 GB/s copy ceiling; ncu: 75 % of DRAM peak, 66 % achieved occupancy, 12.7 of 24.4 cycles
 // between a warp's instructions waiting on global loads. The other kernel shapes measured against it, all slower,
@@ -37,7 +37,7 @@ namespace opforge {
 namespace {
 
 constexpr int kThreads = 128;        // token kernel
-constexpr int kTokenMinBlocks = 12;  // token kernel, vector path: blocks per SM its registers must allow (16 spills)
+constexpr int kTokenMinBlocks = 12;  // token kernel, vector path: blocks per SM its registers must allow (16: spills)
 constexpr int kRowThreads = 256;     // rows kernel
 constexpr int kRows = 8;             // rows kernel: most head rows per thread
 constexpr int64_t kMaxTableBytes = 48 * 1024;  // static shared-memory limit without opt-in
