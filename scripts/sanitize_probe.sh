@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# The sanitizer probe of 2026-12-01 (benchmarks/results/sanitizer/probe_h200.txt), run on the H200 as a step of
-# scripts/gpu_check.sh (GPU_CHECK_RUN='probe: bash scripts/sanitize_probe.sh'): the float32 GEMV table
-# (benchmarks/gemv_variants.py), then side by side racecheck over the torch-only control cases, racecheck quick in
-# the driver's --vendor-safe mode over every family, and initcheck over the control cases and the _grouped_mm path
-# (then the indexed_linear/bfloat16/aligned case; since, its own family grouped_mm_epilogue). Results in
+# A probe of the sanitizers themselves (its H200 results: benchmarks/results/sanitizer/probe_h200.txt), run on the GPU
+# machine as a step of scripts/gpu_check.sh (GPU_CHECK_RUN='probe: bash scripts/sanitize_probe.sh'): side by side
+# racecheck over the torch-only control cases, racecheck quick in the driver's --vendor-safe mode over every family,
+# and initcheck over the control cases and the _grouped_mm path (the driver's family grouped_mm_epilogue). Results in
 # $OUT/probe.tar.gz; at most ~6 minutes.
 P=/tmp/probe; mkdir -p $P/rc_ctl $P/rc_quick $P/ic
-timeout 90 python3 benchmarks/gemv_variants.py --dtypes float32 > $P/gemv.txt 2>&1
 ( OUT=$P/rc_quick SANITIZE_QUICK=1 SANITIZE_RESUMES=8 timeout ${PROBE_CAP:-330} bash scripts/sanitize.sh racecheck > $P/rc_quick.txt 2>&1 ) &
 ( OUT=$P/ic SANITIZE_ONLY=control_torch/bfloat16/aligned,control_torch/float32/aligned,grouped_mm_epilogue/bfloat16/aligned timeout ${PROBE_CAP:-330} bash scripts/sanitize.sh initcheck > $P/ic.txt 2>&1 ) &
 ( OUT=$P/rc_ctl SANITIZE_ONLY=control_torch/ timeout ${PROBE_CAP:-330} bash scripts/sanitize.sh racecheck > $P/rc_ctl.txt 2>&1 ) &

@@ -64,8 +64,8 @@
 //
 // ---- Switches -----------------------------------------------------------------------------------
 //
-// OPFORGE_LINEAR_LT=0 in the environment (read once: core/knobs.h) sends every GEMM to cublasGemmEx;
-// torch.ops.opforge._set_knob("OPFORGE_LINEAR_LT", 0) does so at run time (tests).
+// The test hook linear_lt (core/knobs.h): torch.ops.opforge._set_knob("linear_lt", 0) sends every GEMM to
+// cublasGemmEx, the path of whatever cuBLASLt declines.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -104,7 +104,7 @@ bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, cons
 void gemm_ex(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args = {});
 
 /// True when gemm_lt may run GEMMs whose A and B have dtype `t`: not float64 (cuBLASLt's fp64 epilogue
-/// support is narrow; gemm_ex serves it) and cuBLASLt not switched off (knob OPFORGE_LINEAR_LT).
+/// support is narrow; gemm_ex serves it) and cuBLASLt not switched off (test hook linear_lt).
 bool lt_enabled(at::ScalarType t);
 
 /// Raises unless every dimension fits cuBLAS's int arguments:

@@ -7,63 +7,100 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 
 namespace opforge {
 namespace knobs {
 namespace {
 
-struct Entry {
-  const char* name;  // the environment variable
-  int64_t unset;     // the value when it is not set
-  bool integer;      // true: the variable's value is read as an integer (a variant number)
+// How a user-facing mode's environment variable is read.
+enum class Read {
+  kUnlessZero,  // "0": 0, any other text: 1
+  kInteger,     // an integer; anything else: the default
+  kPositive,    // empty: the default; a positive integer; anything else: an error at get()
+  kNone,        // a test hook: no environment variable
 };
-constexpr Entry kEntries[] = {{"OPFORGE_LINEAR_LT", 1, false},   {"OPFORGE_LINEAR_GEMV", -1, false},
-                              {"OPFORGE_LCE_GRAD_IN_FORWARD", 1, false}, {"OPFORGE_GEMV_VARIANT", -1, true},
-                              {"OPFORGE_RMS_FWD", -1, true},     {"OPFORGE_RMS_BWD", -1, true},
-                              {"OPFORGE_ROPE_KERNEL", -1, true}, {"OPFORGE_LCE_DW_GROUP", 1, true},
-                              {"OPFORGE_LCE_DW_ACCUM", 0, true}};
-constexpr int kCount = sizeof(kEntries) / sizeof(kEntries[0]);
 
-int64_t from_env(const Entry& e) {
-  const char* env = std::getenv(e.name);
-  if (env == nullptr) return e.unset;
-  if (e.integer) {  // a variant number; anything that is not one is the default
+struct Entry {
+  const char* name;  // _set_knob's name: the environment variable of a user-facing mode, the hook's name otherwise
+  int64_t unset;     // the value when the variable is not set (a hook's default)
+  Read read;
+  const char* op;    // the op that reads it (its name starts a kPositive variable's error)
+};
+// In the order of Knob.
+constexpr Entry kEntries[] = {
+    {"OPFORGE_LCE_GRAD_IN_FORWARD", 1, Read::kUnlessZero, "linear_cross_entropy"},
+    {"OPFORGE_LCE_DW_ACCUM", 0, Read::kInteger, "linear_cross_entropy"},
+    {"OPFORGE_LCE_CHUNK_SIZE", 0, Read::kPositive, "linear_cross_entropy"},
+    {"linear_lt", 1, Read::kNone, "linear"},
+    {"linear_gemv", -1, Read::kNone, "linear"},
+    {"rms_norm_forward", -1, Read::kNone, "rms_norm"},
+    {"rms_norm_backward", -1, Read::kNone, "rms_norm_backward"},
+    {"rope_rows_kernel", 0, Read::kNone, "rope"},
+    {"indexed_linear_path", 0, Read::kNone, "indexed_linear"},
+};
+constexpr int kCount = sizeof(kEntries) / sizeof(kEntries[0]);
+static_assert(kCount == static_cast<int>(Knob::kIndexedLinearPath) + 1, "one entry per Knob");
+
+// The value of a kPositive variable whose text is not a positive integer (get() raises the error).
+constexpr int64_t kInvalid = std::numeric_limits<int64_t>::min();
+
+// Every knob's value, each environment variable read once, when the first knob is used.
+struct State {
+  std::atomic<int64_t> value[kCount];
+  std::string text[kCount];  // the variable's text, kept for the error of a kInvalid value
+
+  State() {
+    for (int i = 0; i < kCount; ++i) value[i].store(from_env(i), std::memory_order_relaxed);
+  }
+
+  int64_t from_env(int i) {
+    const Entry& e = kEntries[i];
+    const char* env = e.read == Read::kNone ? nullptr : std::getenv(e.name);
+    if (env == nullptr) return e.unset;
+    text[i] = env;
+    if (e.read == Read::kUnlessZero) return std::strcmp(env, "0") == 0 ? 0 : 1;
+    if (e.read == Read::kPositive && *env == '\0') return e.unset;
     char* end = nullptr;
     const long long v = std::strtoll(env, &end, 10);
-    return (end != env && *end == '\0') ? static_cast<int64_t>(v) : e.unset;
+    const bool number = end != env && *end == '\0';
+    if (e.read == Read::kInteger) return number ? static_cast<int64_t>(v) : e.unset;
+    return number && v >= 1 ? static_cast<int64_t>(v) : kInvalid;
   }
-  if (e.unset == 1) return std::strcmp(env, "0") == 0 ? 0 : 1;  // OPFORGE_LINEAR_LT, _LCE_GRAD_IN_FORWARD: "0" or not
-  return std::strcmp(env, "1") == 0 ? 1 : 0;                     // OPFORGE_LINEAR_GEMV: "1" or not
-}
+};
 
-std::atomic<int64_t>& slot(Knob k) {
-  static std::atomic<int64_t> slots[kCount] = {from_env(kEntries[0]), from_env(kEntries[1]), from_env(kEntries[2]),
-                                               from_env(kEntries[3]), from_env(kEntries[4]), from_env(kEntries[5]),
-                                               from_env(kEntries[6]), from_env(kEntries[7]), from_env(kEntries[8])};
-  return slots[static_cast<int>(k)];
+State& state() {
+  static State s;
+  return s;
 }
 
 int64_t set_knob_op(c10::string_view name, int64_t value) {
+  std::string names;
   for (int i = 0; i < kCount; ++i) {
     if (name == kEntries[i].name) return set(static_cast<Knob>(i), value);
+    names += (i == 0 ? "" : i + 1 == kCount ? " or " : ", ") + std::string(kEntries[i].name);
   }
-  TORCH_CHECK_VALUE(false, "opforge::_set_knob: expected OPFORGE_LINEAR_LT, OPFORGE_LINEAR_GEMV, "
-                    "OPFORGE_LCE_GRAD_IN_FORWARD, OPFORGE_GEMV_VARIANT, OPFORGE_RMS_FWD, OPFORGE_RMS_BWD, "
-                    "OPFORGE_ROPE_KERNEL, OPFORGE_LCE_DW_GROUP or OPFORGE_LCE_DW_ACCUM, but got ",
-                    std::string(name));
+  TORCH_CHECK_VALUE(false, "opforge::_set_knob: expected ", names, ", but got ", std::string(name));
   return 0;
 }
 
 }  // namespace
 
-int64_t get(Knob k) { return slot(k).load(std::memory_order_relaxed); }
+int64_t get(Knob k) {
+  State& s = state();
+  const int i = static_cast<int>(k);
+  const int64_t v = s.value[i].load(std::memory_order_relaxed);
+  TORCH_CHECK_VALUE(v != kInvalid, "opforge::", kEntries[i].op, ": expected ", kEntries[i].name,
+                    " to be a positive integer, but got \"", s.text[i], "\"");
+  return v;
+}
 
-int64_t set(Knob k, int64_t value) { return slot(k).exchange(value); }
+int64_t set(Knob k, int64_t value) { return state().value[static_cast<int>(k)].exchange(value); }
 
 }  // namespace knobs
 
-// Private: a test's or benchmark's switch (no tensors, so a catch-all kernel).
+// Private: the switch of a test, a benchmark or a user-facing mode (no tensors, so a catch-all kernel).
 TORCH_LIBRARY_FRAGMENT(opforge, m) {
   m.def("_set_knob(str name, int value) -> int", &knobs::set_knob_op);
 }

@@ -1,36 +1,12 @@
-// Run-time switches of opforge's kernels, each read from its environment variable ONCE (at first use) and
-// kept in an atomic, so no hot path reads the environment. Tests and benchmarks change them through the
-// private op `torch.ops.opforge._set_knob(name, value) -> previous value`.
+// Run-time switches of opforge's kernels, kept in atomics so that no hot path reads the environment. Two kinds:
 //
-//   OPFORGE_LINEAR_LT    1 (default, or any value but "0"): cuBLASLt GEMMs with fused epilogues;
-//                        0: every GEMM through cublasGemmEx plus separate passes (core/gemm.h).
-//   OPFORGE_LINEAR_GEMV  -1 (unset, default): linear's GEMV kernel for M == 1 only; 1: for 1 ≤ M ≤ 16;
-//                        0: never (ops/linear/linear_cuda.cu). The default chooser is a table per (M, N, K)
-//                        bucket in linear_cuda.cu (gemv_choice).
-//   OPFORGE_GEMV_VARIANT -1 (unset, default): the chooser's GEMV kernel; 0: the warp-per-rows kernel; 1..3: the
-//                        tensor-core kernels of linear_gemv.cuh (1: 16 rows a warp; 2: 32 rows a warp; 3: 16 rows
-//                        a warp, split-K over blocks where the grid is small).
-//   OPFORGE_RMS_FWD      -1 (unset, default): rms_norm's forward chooser; 0: the register-cached grid-stride kernel;
-//                        1..4: the one-CTA-per-row kernels (ops/rms_norm/rms_norm_cuda.cu, forward_variant).
-//   OPFORGE_RMS_BWD      -1 (unset, default): rms_norm's backward chooser; 0: the current kernels; 1, 2: the
-//                        register-cached kernel with dweight partials in shared memory (2: next row pipelined).
+// User-facing modes (numerics or memory): each is an environment variable, read ONCE (at first use; this file is
+// the only place opforge reads the environment), and changeable at run time with the private op
+// `torch.ops.opforge._set_knob("<variable>", value) -> previous value`.
 //   OPFORGE_LCE_GRAD_IN_FORWARD  1 (default, or any value but "0"): linear_cross_entropy with reduction "mean" /
 //                        "sum" computes its gradients in the forward (3 GEMMs); 0: the recompute path (4 GEMMs)
 //                        (ops/linear_cross_entropy/linear_cross_entropy.cpp; read when the forward runs, so a
 //                        compiled graph keeps the path it was traced with).
-//   OPFORGE_ROPE_KERNEL  -1 (unset, default): rope's per-token table kernel on CUDA where its table fits in
-//                        shared memory (measured faster), with its 12-blocks-per-SM register bound on the vector
-//                        path (as 4), else the rows kernel; 0: the per-token kernel without the bound;
-//                        1: the rows kernel; 2: the heads kernel where it applies (16-byte vector path,
-//                        32-bit offsets), else as unset; 3: the per-token kernel on a grid of whole waves
-//                        (SMs x resident blocks, not SMs x 32); 4: the per-token kernel with a register bound
-//                        for 12 blocks per SM on its vector path; 5: both 3 and 4 (ops/rope/rope_cuda.cu).
-//   OPFORGE_LCE_DW_GROUP 1 (unset, default): linear_cross_entropy on CUDA with 16-bit inputs runs its dW GEMM once per
-//                        this many token chunks (their logit-gradient copies side by side; clamped to 1..64), so
-//                        the fp32 V x H accumulator is passed over N / (group x chunk) times; the chunk budget counts
-//                        the group's copies (ops/linear_cross_entropy/linear_cross_entropy_cuda.cu). Measured on the
-//                        H200 (benchmarks/lce_chunk_sweep.py, 8192x2048x128256 bf16): group 2 at the same memory
-//                        (768-row chunks) 25.0-27.0 ms against group 1 (1024 rows) 23.7-25.1: no gain, so 1.
 //   OPFORGE_LCE_DW_ACCUM 0 (unset, default, or any value but 1): linear_cross_entropy accumulates dW (and db) across
 //                        token chunks in float32 and casts to the parameter's dtype at the end; 1: where input and
 //                        linear_weight (linear_bias) share one 16-bit dtype, it accumulates in that dtype directly
@@ -38,6 +14,27 @@
 //                        GEMM, one rounding per dW GEMM; no fp32 V x H buffer, no final cast; Liger-Kernel's default).
 //                        Read when the chunk loop starts (the forward on the gradient-in-forward path, the backward on
 //                        the recompute path) (ops/linear_cross_entropy/linear_cross_entropy.cpp, make_problem).
+//   OPFORGE_LCE_CHUNK_SIZE  0 (unset or empty, default): linear_cross_entropy's token rows per chunk from its memory
+//                        budget; N >= 1: N rows where the call passes no chunk_size (lce::resolve_chunk). Any other
+//                        text is a ValueError at the first call that needs the chunk size.
+//
+// Test hooks: read from no environment variable. Tests, benchmarks and tests/cuda/sanitize_driver.py set them with
+// `torch.ops.opforge._set_knob("<hook>", value)` to reach, on small inputs, every kernel that a chooser picks for some
+// shape class; their default is the chooser's choice, and no user needs them.
+//   linear_lt            1 (default): cuBLASLt GEMMs with fused epilogues; 0: every GEMM through cublasGemmEx plus
+//                        separate passes, the path of whatever cuBLASLt declines (core/gemm.h).
+//   linear_gemv          -1 (default): linear's GEMV kernel where the bucket table picks it (gemv_choice in
+//                        ops/linear/linear_cuda.cu); 1: for every 1 <= M <= 16; 0: never.
+//   rms_norm_forward     -1 (default): rms_norm's forward chooser (default_forward_variant); 0: the register-cached
+//                        grid-stride kernel; 1..4: the one-CTA-per-row kernels (ops/rms_norm/rms_norm_cuda.cu).
+//   rms_norm_backward    -1 (default): rms_norm's backward chooser (default_backward_variant); 0: the register-cached
+//                        grid-stride kernel; 1, 2: the long-row kernel with dweight partials in shared memory (2: the
+//                        next row pipelined).
+//   rope_rows_kernel     0 (default): rope's per-token table kernel where its table fits in shared memory, else the
+//                        rows kernel; 1: the rows kernel always (ops/rope/rope_cuda.cu).
+//   indexed_linear_path  0 (default): by shape; 1: the gather-GEMV; 2: the tiled grouped GEMM; 3: torch's
+//                        _grouped_mm where it applies, else the tiled grouped GEMM
+//                        (ops/indexed_linear/indexed_linear_cuda.cu).
 #pragma once
 
 #include <cstdint>
@@ -46,11 +43,14 @@ namespace opforge {
 namespace knobs {
 
 enum class Knob : int {
-  kLinearLt, kLinearGemv, kLceGradInForward, kGemvVariant, kRmsForward, kRmsBackward, kRopeKernel, kLceDwGroup,
-  kLceDwAccum
+  // user-facing modes (environment variables)
+  kLceGradInForward, kLceDwAccum, kLceChunkSize,
+  // test hooks
+  kLinearLt, kLinearGemv, kRmsForward, kRmsBackward, kRopeRowsKernel, kIndexedLinearPath
 };
 
-/// The knob's current value.
+/// The knob's current value. Throws ValueError for OPFORGE_LCE_CHUNK_SIZE set to text that is not a positive
+/// integer (until _set_knob replaces it).
 int64_t get(Knob k);
 
 /// Sets the knob; returns its previous value.

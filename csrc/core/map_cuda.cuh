@@ -4,7 +4,7 @@
 // [rows, cols] (element i at (i / cols) * row_stride + i % cols: column slices of a wider tensor, as swiglu's
 // gate/up views of a fused projection) without copying; their outputs are contiguous, except through the
 // launch_map3_to2_rows overload with output row strides (the two halves of one gradient buffer, as
-// swiglu_packed_backward writes them). The contiguous kernels above them are left exactly as they were measured.
+// swiglu_packed_backward writes them).
 // Each launcher goes through launch_vec_or_scalar (device guard, current stream, the vector or scalar
 // instantiation, launch check); empty inputs launch nothing.
 #pragma once
@@ -40,10 +40,10 @@ void launch_vec_or_scalar(c10::Device device, int64_t n, bool vectorize, const L
 // The grid-stride walk of map_unary_kernel and map3_to2_kernel: vec(v) for each VEC-wide access v in [0, n / VEC), then
 // tail(i) for each element i in [n / VEC · VEC, n), both strided by the grid's thread count.
 // The bodies must hold no loop of their own (each_lane instead): nvcc unrolls a grid-stride loop whose body calls
-// a function with a loop less than the same loop written inline (sm_90: fp32 and fp64 kernels lost their 4x unroll).
-// map_binary_kernel keeps its loops inline: through this walk, swiglu's SwigluOp instantiations lose the loop's
-// unswitching on period == n (sm_90, bf16: 846 -> 632 instructions, 4 vector loads -> 2; same with the bodies
-// by value or __restrict__), so it stays as measured until an H200 benchmark decides.
+// a function with a loop less than the same loop written inline (sm_90: fp32 and fp64 kernels without their 4x
+// unroll). map_binary_kernel keeps its loops inline: through this walk, swiglu's SwigluOp instantiations lose the
+// loop's unswitching on period == n (sm_90, bf16: 632 instructions instead of 846, 2 vector loads instead of 4; the
+// same with the bodies by value or __restrict__).
 template <int VEC, typename VecBody, typename TailBody>
 __device__ __forceinline__ void map_grid_stride(int64_t n, const VecBody& vec, const TailBody& tail) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;

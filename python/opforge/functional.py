@@ -688,7 +688,6 @@ def indexed_linear(input: Tensor, weight: Tensor, index: Tensor, bias: Optional[
     sorted by expert on the device and run through a grouped GEMM with device-side offsets:
     ``torch._grouped_mm`` for bfloat16 on sm_90 with K, N multiples of 8 (the bias then added after the
     bfloat16 rounding of the product: two roundings), our tiled fp32-accumulating kernel otherwise.
-    ``OPFORGE_INDEXED_LINEAR_PATH=gemv|grouped|grouped_mm`` forces a path.
 
     Source: the batched GEMV of multi-LoRA serving (Punica's BGMV / S-LoRA) and mixture-of-experts grouped
     GEMMs; reference: a loop over experts (``opforge.testing.indexed_linear_reference``).

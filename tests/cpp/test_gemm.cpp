@@ -1,7 +1,7 @@
 // Tests of the GEMM layer (csrc/core/gemm.h) against float64 ATen: every trans combination and dtype,
 // bias and every epilogue, 16-bit products accumulated into an fp32 D over chunks (beta = 1), a column
 // slice as D, batched GEMMs with a broadcast operand, empty problems, the cached plan, and the cuBLASLt and
-// cublasGemmEx paths alike (knob OPFORGE_LINEAR_LT). CUDA only: skipped without a GPU.
+// cublasGemmEx paths alike (the test hook linear_lt of core/knobs.h). CUDA only: skipped without a GPU.
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 

@@ -5,8 +5,8 @@ past an allocation's start (unaligned for 16-byte vector loads), so that the vec
 kernel both run. Every input and gradient is made on the host and copied to the device (a cudaMemcpy, which
 initcheck tracks; initcheck runs without the kernel filter, so the writes of torch's and cuBLAS's kernels, e.g. a
 GEMM output that an activation pass reads, are tracked too: scripts/sanitize.sh). Each family also runs its
-run-time knob and kernel-path variants (core/knobs.h, OPFORGE_INDEXED_LINEAR_PATH), so that every kernel is launched. Values are
-not checked here (the test suite does that); the sanitizer's verdict is the result.
+kernel paths through the test hooks of core/knobs.h, so that every kernel is launched. Values are not checked here
+(the test suite does that); the sanitizer's verdict is the result.
 
 Each case prints ``case <id>: begin`` before and ``case <id>: ok`` after it (flushed), so a log cut short by a
 sanitizer failure names the case it died in, and ``--start-after <id>`` resumes after it. ``--coverage`` runs the
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 ROOT = Path(__file__).resolve().parents[2]
 FILTER = "opforge"  # scripts/sanitize.sh: --kernel-name kns=opforge
 # --vendor-safe (scripts/sanitize.sh sets it for racecheck): the float32 / float64 cases launch no 16-bit vendor GEMM
-# of their own (the bfloat16 GEMV variants of linear's float32 cases run forward only: their backward is cuBLAS;
+# of their own (the bfloat16 GEMV kernel of linear's float32 cases runs forward only: its backward is cuBLAS;
 # indexed_linear's extra bfloat16 _grouped_mm call is left to the bfloat16 cases). Racecheck's process dies inside
 # 16-bit aligned cuBLAS / CUTLASS GEMMs on the H200 (the control cases show it with torch's own ops), which would
 # otherwise take the float32 cases' opforge kernels down with it. The same opforge kernels are launched (the coverage
@@ -70,8 +69,9 @@ def make(shape, dtype, unaligned, requires_grad=True, scale=1.0):
 
 @contextlib.contextmanager
 def knobs(**values):
-    """Sets opforge's run-time knobs (core/knobs.h: OPFORGE_LINEAR_GEMV=1, ...) through _set_knob for the block,
-    restoring the previous values after; a knob set to None is left as it is."""
+    """Sets opforge's run-time knobs (core/knobs.h: test hooks such as linear_gemv=1, user-facing modes such as
+    OPFORGE_LCE_GRAD_IN_FORWARD=0) through _set_knob for the block, restoring the previous values after; a knob set
+    to None is left as it is."""
     saved = []
     try:
         for name, value in values.items():
@@ -83,22 +83,8 @@ def knobs(**values):
             torch.ops.opforge._set_knob(name, old)
 
 
-@contextlib.contextmanager
-def env(name, value):
-    """Sets an environment variable opforge reads on every call (OPFORGE_INDEXED_LINEAR_PATH) for the block;
-    None: unset."""
-    old = os.environ.get(name)
-    try:
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+# the test hook indexed_linear_path's values (core/knobs.h)
+INDEXED_LINEAR_PATH = {None: 0, "gemv": 1, "grouped": 2, "grouped_mm": 3}
 
 
 def host_randint(lo, hi, shape):
@@ -119,9 +105,9 @@ def backward(outs):
 
 def families(quick: bool):
     """(family, callable(dtype, unaligned)) for every op family with CUDA kernels; quick: fewer shapes and
-    activations, every kernel (and each kernel's shared-memory path) still launched. Each family also runs its
-    run-time knob / path variants (core/knobs.h, OPFORGE_INDEXED_LINEAR_PATH) on small shapes, so kernels that
-    only a knob or a path selects are launched (and sanitized) too."""
+    activations, every kernel (and each kernel's shared-memory path) still launched. Each family also forces its
+    kernel paths (the test hooks of core/knobs.h) on small shapes, so kernels that a chooser picks only for large
+    shapes are launched (and sanitized) too."""
     ops = torch.ops.opforge
 
     def control_torch(dt, u):
@@ -150,26 +136,23 @@ def families(quick: bool):
             x, w, b = make((m, k), dt, u), make((n, k), dt, u), make((n,), dt, u)
             for act in acts:
                 backward(opforge.linear(x, w, b, activation=act))
-        with knobs(OPFORGE_LINEAR_LT=0):  # cublasGemmEx plus separate bias / activation passes
+        with knobs(linear_lt=0):  # cublasGemmEx plus separate bias / activation passes
             x, w, b = make((7, 33), dt, u), make((5, 33), dt, u), make((5,), dt, u)
             backward(opforge.linear(x, w, b, activation="gelu"))
-        # the GEMV kernels (linear_gemv.cuh): 16-bit (float32 cases run them in bfloat16), 1 <= M <= 16, K a multiple
-        # of 8; aligned cases launch them, unaligned ones the cuBLAS fallback. Variant -1 (the chooser, forced
-        # on: warp-per-rows), 0 (warp-per-rows), 1..3 (tensor cores; 3 splits K over blocks once K >= 2048 and
-        # launches gemv_splitk_finish).
+        # the GEMV kernel (linear_gemv.cuh) at every M <= 16: 16-bit (float32 cases run it in bfloat16), K a multiple
+        # of 8; aligned cases launch it, unaligned ones the cuBLAS fallback
         gdt = dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
-        for variant in (-1, 0, 1, 2, 3):
-            with knobs(OPFORGE_LINEAR_GEMV=1, OPFORGE_GEMV_VARIANT=variant):
-                for m, k, n in ((1, 64, 24), (3, 2048, 40)):
-                    x, w, b = make((m, k), gdt, u), make((n, k), gdt, u), make((n,), gdt, u)
-                    for act in ("none", "gelu"):
-                        if VENDOR_SAFE and gdt != dt:
-                            with torch.no_grad():
-                                opforge.linear(x, w, b, activation=act)
-                        else:
-                            backward(opforge.linear(x, w, b, activation=act))
-        if dt == torch.float32:  # float32 GEMV (warp-per-rows) too
-            with knobs(OPFORGE_LINEAR_GEMV=1):
+        with knobs(linear_gemv=1):
+            for m, k, n in ((1, 64, 24), (3, 2048, 40)):
+                x, w, b = make((m, k), gdt, u), make((n, k), gdt, u), make((n,), gdt, u)
+                for act in ("none", "gelu"):
+                    if VENDOR_SAFE and gdt != dt:
+                        with torch.no_grad():
+                            opforge.linear(x, w, b, activation=act)
+                    else:
+                        backward(opforge.linear(x, w, b, activation=act))
+        if dt == torch.float32:  # the float32 GEMV too
+            with knobs(linear_gemv=1):
                 x, w, b = make((2, 64), dt, u), make((24, 64), dt, u), make((24,), dt, u)
                 backward(opforge.linear(x, w, b, activation="gelu"))
 
@@ -200,7 +183,7 @@ def families(quick: bool):
                 _, z, rstd = torch.ops.opforge._fused_add_rms_norm_forward(x, r, [n], w)
                 torch.ops.opforge._rms_norm_apply(z, rstd, w)
         # the forced forward (0 grid-stride, 1..4 one CTA per row) and backward (0, 1, 2) kernels
-        for name, variants in (("OPFORGE_RMS_FWD", range(5)), ("OPFORGE_RMS_BWD", range(3))):
+        for name, variants in (("rms_norm_forward", range(5)), ("rms_norm_backward", range(3))):
             for v in variants:
                 with knobs(**{name: v}):
                     for rows, n in ((3, 7), (5, 1000)):
@@ -235,10 +218,9 @@ def families(quick: bool):
             ang = torch.randn(b, s, d // 2)
             cos, sin = torch.cat([ang.cos()] * 2, -1).to("cuda"), torch.cat([ang.sin()] * 2, -1).to("cuda")
             pos = host_randint(0, 4096, (b, s))
-            # OPFORGE_ROPE_KERNEL: unset (the per-token kernel), 0 per-token, 1 the rows kernel, 2 the heads kernel
-            # (vector path only: unaligned cases fall back to the per-token kernel)
-            for kernel in (None, 0, 1, 2):
-                with knobs(OPFORGE_ROPE_KERNEL=kernel):
+            # rope_rows_kernel: 0 the default (the per-token kernel at this size), 1 the rows kernel
+            for kernel in (0, 1):
+                with knobs(rope_rows_kernel=kernel):
                     backward(opforge.rope(q, k, cos, sin))
                     backward(opforge.rope(q, k, cos, sin, interleaved=True))
                     if hasattr(ops, "rope_from_positions"):
@@ -251,7 +233,7 @@ def families(quick: bool):
             backward(opforge.linear_cat(xs, w, b))
             xs3 = [make((2, 3, 8), dt, u), make((2, 3, 0), dt, u), make((2, 3, 9), dt, u)]
             backward(opforge.linear_cat(xs3, make((7, 17), dt, u)))
-            with knobs(OPFORGE_LINEAR_LT=0):  # cublasGemmEx plus separate passes
+            with knobs(linear_lt=0):  # cublasGemmEx plus separate passes
                 backward(opforge.linear_cat(xs, w, b))
         out.append(("linear_cat", linear_cat))
     if hasattr(ops, "indexed_linear"):
@@ -260,7 +242,7 @@ def families(quick: bool):
             # bfloat16 the auto path at T = 300 is _grouped_mm: family grouped_mm_epilogue)
             paths = ("gemv", "grouped") + (() if dt == torch.bfloat16 else (None,))
             for path in paths:
-                with env("OPFORGE_INDEXED_LINEAR_PATH", path):
+                with knobs(indexed_linear_path=INDEXED_LINEAR_PATH[path]):
                     for t in (3, 300):  # the gather-GEMV (T <= 16) and the grouped regime
                         x, w, b = make((t, 32), dt, u), make((4, 24, 32), dt, u), make((4, 24), dt, u)
                         idx = host_randint(-1, 4, (t,))
@@ -272,7 +254,7 @@ def families(quick: bool):
             # stores (control_torch/bfloat16/aligned: torch's own add reads all 960 elements of a _grouped_mm output
             # as uninitialized), so scripts/sanitize.sh reports this family's initcheck findings apart
             for path in (None, "grouped_mm"):
-                with env("OPFORGE_INDEXED_LINEAR_PATH", path):
+                with knobs(indexed_linear_path=INDEXED_LINEAR_PATH[path]):
                     x, w, b = make((300, 32), dt, u), make((4, 24, 32), dt, u), make((4, 24), dt, u)
                     backward(opforge.indexed_linear(x, w, host_randint(-1, 4, (300,)), b))
         out.append(("indexed_linear", indexed_linear))
@@ -291,7 +273,7 @@ def families(quick: bool):
             else:
                 backward(opforge.fake_quant_linear(x, w, b, group_size=32, symmetric=False, act_quant=True))
             backward(opforge.fake_quant_linear(x, w, None, group_size=0))  # per tensor (device min/max)
-            with knobs(OPFORGE_LINEAR_LT=0):
+            with knobs(linear_lt=0):
                 backward(opforge.fake_quant_linear(x, w, b))
             # the quantizer's three team widths: 8 threads (short groups), a warp, the whole block (shared memory)
             for shape, g in (((6, 32), 8), ((3, 640), -1), ((2, 4096), -1)):

@@ -99,8 +99,9 @@ def pytest_runtest_logfinish(nodeid, location):
 
 @pytest.fixture
 def knob():
-    """knob(name, value): sets an opforge run-time switch (read once from the environment at load, e.g.
-    OPFORGE_LINEAR_GEMV, OPFORGE_LINEAR_LT) through torch.ops.opforge._set_knob for this test, restored after."""
+    """knob(name, value): sets an opforge run-time switch (csrc/core/knobs.h: a test hook such as "linear_gemv", or
+    a user-facing mode such as OPFORGE_LCE_DW_ACCUM) through torch.ops.opforge._set_knob for this test, restored
+    after."""
     saved = []
 
     def set_knob(name, value):

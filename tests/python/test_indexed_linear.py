@@ -1,6 +1,7 @@
 """indexed_linear and indexed_linear_backward: values and gradients against float64, index −1, out-of-range
 indices, empty experts, int32 offsets overflow (CUDA), strided banks, opcheck, compile, gradcheck, torch.func,
-errors (issue 11). CUDA cases run every kernel path (OPFORGE_INDEXED_LINEAR_PATH)."""
+errors (cases 1-4: index −1, empty experts, offsets past int32, strided banks). CUDA cases run every kernel path
+(the test hook indexed_linear_path of csrc/core/knobs.h)."""
 import pytest
 import torch
 
@@ -10,17 +11,18 @@ from opforge.testing import assert_matches_reference, experts_present, indexed_l
 from conftest import FLOAT_DTYPES
 
 CUDA_PATHS = ["auto", "gemv", "grouped", "grouped_mm"]
+PATH_HOOK = {"auto": 0, "gemv": 1, "grouped": 2, "grouped_mm": 3}  # the test hook indexed_linear_path's values
 
 
 @pytest.fixture(params=["cpu"] + [pytest.param(("cuda", p), marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA GPU")) for p in CUDA_PATHS], ids=lambda p: p if isinstance(p, str) else f"cuda-{p[1]}")
-def dev(request, monkeypatch):
-    """The device, with the CUDA kernel path forced through the environment (read on every call)."""
+def dev(request, knob):
+    """The device, with the CUDA kernel path forced through the test hook indexed_linear_path."""
     if request.param == "cpu":
         return "cpu"
     _, path = request.param
     if path != "auto":
-        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+        knob("indexed_linear_path", PATH_HOOK[path])
     return "cuda"
 
 
@@ -76,7 +78,7 @@ def test_forward_and_gradients_match_float64(dev, dtype, T, E, N, K, bias):
 
 
 def test_case1_minus_one_rows(dev):
-    """Issue 11 case 1: index −1 gives zero rows, and nothing flows to or from them."""
+    """Case 1: index −1 gives zero rows, and nothing flows to or from them."""
     index = torch.tensor([0, -1, 3, -1, 1, 2, -1, 0])
     x, w, index, b = _make(dev, torch.float64, 8, 4, 6, 5, True, index)
     y = opforge.indexed_linear(x, w, index, b)
@@ -105,9 +107,9 @@ def test_case1_out_of_range_index_is_an_error_on_cpu(bad):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("path", CUDA_PATHS)
-def test_case1_out_of_range_index_is_a_zero_row_on_cuda(path, monkeypatch):
+def test_case1_out_of_range_index_is_a_zero_row_on_cuda(path, knob):
     if path != "auto":
-        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+        knob("indexed_linear_path", PATH_HOOK[path])
     index = torch.tensor([0, -1, 3, -1, 1, 2, 10**6, -2], device="cuda")
     x, w, _, b = _make("cuda", torch.bfloat16, 8, 4, 16, 32)
     y = opforge.indexed_linear(x, w, index, b)
@@ -127,7 +129,7 @@ def test_case1_length_mismatch_is_an_error(dev):
 
 @pytest.mark.parametrize("order", ["sorted", "shuffled"])
 def test_case2_empty_groups(dev, order):
-    """Issue 11 case 2: counts [162, 0, 2577, 446, 0, 83] in bfloat16: experts 1 and 4 get exactly zero gradients."""
+    """Case 2: counts [162, 0, 2577, 446, 0, 83] in bfloat16: experts 1 and 4 get exactly zero gradients."""
     counts = [162, 0, 2577, 446, 0, 83]
     K, N = (2048, 768) if dev == "cuda" else (256, 96)
     index = torch.cat([torch.full((c,), e, dtype=torch.int64) for e, c in enumerate(counts)])
@@ -204,11 +206,11 @@ def test_case3_probe_rows_on_cpu(T):
 # row 87382 starts past it; 174763: T × N passes 2³¹ elements (row 174762 straddles)
 @pytest.mark.parametrize("T", [87381, 87382, 87383, 100000, 174763])
 @pytest.mark.parametrize("path", ["auto", "grouped"])
-def test_case3_past_int32_offsets(T, path, monkeypatch):
-    """Issue 11 case 3: T × N × 2 bytes (and T × N) around 2³¹; rows 0, T − 1 and the rows at each boundary equal
+def test_case3_past_int32_offsets(T, path, knob):
+    """Case 3: T × N × 2 bytes (and T × N) around 2³¹; rows 0, T − 1 and the rows at each boundary equal
     the float64 reference, fwd and bwd (grad_weight, grad_bias from those rows only)."""
     if path != "auto":
-        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+        knob("indexed_linear_path", PATH_HOOK[path])
     E, K, N = 2, 16, 12288
     rows = _boundary_rows(T, [N * 2, N])
     _check_probe_rows("cuda", torch.bfloat16, T, E, N, K, rows, tol=2e-2)
@@ -216,7 +218,7 @@ def test_case3_past_int32_offsets(T, path, monkeypatch):
 
 @pytest.mark.parametrize("layout", ["transposed_bank", "sliced_bank", "sliced_input"])
 def test_case4_strided_banks_and_inputs(dev, layout):
-    """Issue 11 case 4: values and gradients right; the untouched halves' gradients exactly zero."""
+    """Case 4: values and gradients right; the untouched halves' gradients exactly zero."""
     T, E, N, K = 40, 3, 16, 24
     index = torch.randint(-1, E, (T,)).to(dev)
     if layout == "transposed_bank":
@@ -338,10 +340,10 @@ def test_bad_inputs_raise_clear_errors(make, exc, match):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("path", CUDA_PATHS)
-def test_cuda_graph_capture_no_host_sync(path, monkeypatch):
+def test_cuda_graph_capture_no_host_sync(path, knob):
     """Forward and backward ops never synchronise with the host: they capture in a CUDA graph and replay right."""
     if path != "auto":
-        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+        knob("indexed_linear_path", PATH_HOOK[path])
     T = 8 if path in ("auto", "gemv") else 256
     x, w, index, b = _make("cuda", torch.bfloat16, T, 4, 64, 128)
     x, w, b = x.detach(), w.detach(), b.detach()
@@ -422,10 +424,10 @@ def _check_decode(x, w, index, b, dtype):
 @pytest.mark.parametrize("N", GEMV_N)
 @pytest.mark.parametrize("T", [1, 5, 16, 33])
 @pytest.mark.parametrize("bias", [True, False])
-def test_cuda_gemv_decode_shapes_match_float64(dtype, K, N, T, bias, monkeypatch):
+def test_cuda_gemv_decode_shapes_match_float64(dtype, K, N, T, bias, knob):
     """The gather-GEMV (forced for T 33) on shrink / expand shapes incl. odd K and N, with −1 and out-of-range
     indices: values against float64, invalid rows exactly zero."""
-    monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", "gemv")
+    knob("indexed_linear_path", PATH_HOOK["gemv"])
     E = 4
     index = _decode_index(T, E)
     x, w, _, b = _make("cuda", dtype, T, E, N, K, bias, index)
@@ -435,10 +437,10 @@ def test_cuda_gemv_decode_shapes_match_float64(dtype, K, N, T, bias, monkeypatch
 @needs_cuda
 @pytest.mark.parametrize("path", ["auto", "gemv"])
 @pytest.mark.parametrize("K, N", [(4096, 16), (16, 4096), (4097, 17)])
-def test_cuda_decode_every_token_count(path, K, N, monkeypatch):
+def test_cuda_decode_every_token_count(path, K, N, knob):
     """T = 1 .. 33 in bfloat16 with bias (auto: the GEMV up to 16 tokens, the grouped regime after)."""
     if path != "auto":
-        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+        knob("indexed_linear_path", PATH_HOOK[path])
     E = 64
     w = (torch.randn(E, N, K, device="cuda") / K ** 0.5).bfloat16()
     b = torch.randn(E, N, device="cuda").bfloat16()
@@ -450,10 +452,10 @@ def test_cuda_decode_every_token_count(path, K, N, monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("K, N", [(16, 4096), (24, 1), (4096, 16), (4097, 17), (4096, 4096)])
-def test_cuda_gemv_unaligned_views(dtype, K, N, monkeypatch):
+def test_cuda_gemv_unaligned_views(dtype, K, N, knob):
     """Input and bank at an odd storage offset (not 16-byte aligned: element loads) give the right values and the
     same values as aligned copies within the rule."""
-    monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", "gemv")
+    knob("indexed_linear_path", PATH_HOOK["gemv"])
     T, E = 8, 3
     x = torch.randn(T * K + 1, device="cuda").to(dtype)[1:].view(T, K)
     w = (torch.randn(E * N * K + 1, device="cuda") / K ** 0.5).to(dtype)[1:].view(E, N, K)
@@ -468,10 +470,10 @@ def test_cuda_gemv_unaligned_views(dtype, K, N, monkeypatch):
 @pytest.mark.parametrize("path", ["auto", "gemv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T, E, K, N", [(8, 64, 4096, 16), (8, 64, 16, 4096), (3, 5, 4097, 1), (16, 4, 8192, 64)])
-def test_cuda_gemv_deterministic(path, dtype, T, E, K, N, monkeypatch):
+def test_cuda_gemv_deterministic(path, dtype, T, E, K, N, knob):
     """Two calls give the same bits (fixed summation order: no atomics), and so does a third after other work."""
     if path != "auto":
-        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+        knob("indexed_linear_path", PATH_HOOK[path])
     x = torch.randn(T, K, device="cuda").to(dtype)
     w = (torch.randn(E, N, K, device="cuda") / K ** 0.5).to(dtype)
     b = torch.randn(E, N, device="cuda").to(dtype)
@@ -527,12 +529,12 @@ def _at_odd_offset(t):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [5, 33, 300])  # auto: the gather-GEMV, the grouped regime (few and many tokens)
 @pytest.mark.parametrize("unaligned", ["input", "weight", "bias", "grad_output", "all"])
-def test_cuda_unaligned_operands_every_path(path, dtype, T, unaligned, monkeypatch):
+def test_cuda_unaligned_operands_every_path(path, dtype, T, unaligned, knob):
     """An operand at an odd storage offset (a valid contiguous view, not 16-byte aligned) on every path: forward and
     backward against float64 (bfloat16 with K, N multiples of 8 reaches torch's _grouped_mm on sm_90, which needs
     16-byte aligned operands: the sanitizer run's "expected data_ptr to be aligned to 16 bytes")."""
     if path != "auto":
-        monkeypatch.setenv("OPFORGE_INDEXED_LINEAR_PATH", path)
+        knob("indexed_linear_path", PATH_HOOK[path])
     E, N, K = 4, 24, 32
     index = _decode_index(T, E)
     x, w, _, b = _make("cuda", dtype, T, E, N, K, True, index)

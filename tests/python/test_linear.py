@@ -318,7 +318,7 @@ def test_bad_inputs_backward():
         torch.ops.opforge.linear_backward(dy, x[:, :7], W, [True, True, True])
 
 
-# ---- every forward path: the small-M tensor-core GEMV (CUDA, fp16/bf16, M <= 16, K % 8 == 0) and cuBLAS ----
+# ---- every forward path: the small-M GEMV (CUDA, M <= 16, K a multiple of the 16-byte vector) and cuBLAS ----
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("M", [1, 3, 8, 16, 17])
@@ -326,8 +326,8 @@ def test_bad_inputs_backward():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("gemv", ["default", "0"])
 def test_small_batch_paths_match_reference(knob, device, dtype, M, K, N, bias, gemv):
-    # default: M == 1 takes the GEMV kernel on CUDA; OPFORGE_LINEAR_GEMV=0 sends it to cuBLAS(Lt)
-    knob("OPFORGE_LINEAR_GEMV", 0 if gemv == "0" else -1)
+    # default: M == 1 takes the GEMV kernel on CUDA; the test hook linear_gemv = 0 sends it to cuBLAS(Lt)
+    knob("linear_gemv", 0 if gemv == "0" else -1)
     x = torch.randn(M, K, device=device, dtype=dtype)
     w = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
     b = torch.randn(N, device=device, dtype=dtype) if bias else None
@@ -350,7 +350,7 @@ def test_mixed_dtype_weight_grad_accumulates_in_weight_dtype(device):
     assert b.grad.item() == 70000.0
 
 
-# ---- activations (issue 4): y = act(x · Wᵀ + b) -------------------------------------------------------
+# ---- activations: y = act(x · Wᵀ + b) ----------------------------------------------------------------
 
 ACTIVATIONS = ["none", "relu", "gelu", "gelu_tanh", "silu"]
 # M = 1, 3, 16, 17 with K and N not multiples of 8, plus one N % 8 == 0 shape (CUDA: gelu_tanh's AUX epilogue).
@@ -430,8 +430,8 @@ def test_activation_matches_reference(device, activation, dtype, shape, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_activation_gemmex_fallback_matches_reference(knob, activation, dtype, shape, bias):
-    # OPFORGE_LINEAR_LT=0: the cublasGemmEx + elementwise path that serves whatever cuBLASLt declines
-    knob("OPFORGE_LINEAR_LT", 0)
+    # linear_lt = 0: the cublasGemmEx + elementwise path that serves whatever cuBLASLt declines
+    knob("linear_lt", 0)
     check_activation_case("cuda", dtype, shape, activation, bias)
 
 
@@ -625,7 +625,7 @@ def test_nn_linear_activation(device):
         opforge.nn.Linear(4, 4, activation="tanh")
 
 
-# ---- the small-M GEMV kernel at every M <= 16 (CUDA, OPFORGE_LINEAR_GEMV=1) --------------------------------------
+# ---- the small-M GEMV kernel at every M <= 16 (CUDA, the test hook linear_gemv = 1) ------------------------------
 
 @requires_cuda
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
@@ -636,7 +636,7 @@ def test_nn_linear_activation(device):
 def test_gemv_path_matches_reference(knob, activation, dtype, shape, bias):
     # M <= 16 with K % (16 bytes / element) == 0 takes the GEMV kernel (forward, and _linear_forward's
     # pre-activation for the backward); (17, ...) and K = 83 check that the rest still goes to cuBLAS(Lt)
-    knob("OPFORGE_LINEAR_GEMV", 1)
+    knob("linear_gemv", 1)
     check_activation_case("cuda", dtype, shape, activation, bias)
 
 
@@ -646,7 +646,7 @@ def test_gemv_path_matches_reference(knob, activation, dtype, shape, bias):
 def test_cuda_graph_capture_matches_eager(knob, activation, gemv):
     # stream-ordered, no host synchronization: forward + backward capture in a CUDA graph and replay
     if gemv:
-        knob("OPFORGE_LINEAR_GEMV", 1)
+        knob("linear_gemv", 1)
     x, w, b = linear_leaves(4, 64, 136, "cuda", torch.bfloat16)
     dy = torch.randn(4, 136, device="cuda", dtype=torch.bfloat16)
 
@@ -669,10 +669,10 @@ def test_cuda_graph_capture_matches_eager(knob, activation, gemv):
         torch.testing.assert_close(c, e)
 
 
-# ---- issue 13: every GEMV kernel (OPFORGE_GEMV_VARIANT 0..3) at 1 <= M <= 16, bias and activations fused ----------
+# ---- the GEMV kernel at 1 <= M <= 16 over its tiles, N and M tails, bias and activations fused ---------------------
 
-GEMV_VARIANT_SHAPES = [(1, 8, 1), (7, 3584, 83), (16, 5120, 769), (5, 8200, 7), (13, 16384, 17), (9, 1024, 3584),
-                       (2, 768, 8200), (1, 16384, 83)]
+GEMV_SHAPES = [(1, 8, 1), (7, 3584, 83), (16, 5120, 769), (5, 8200, 7), (13, 16384, 17), (9, 1024, 3584),
+               (2, 768, 8200), (1, 16384, 83)]
 
 
 # every activation with a bias; without one, two activations suffice
@@ -681,37 +681,31 @@ GEMV_ACT_BIAS = [(a, True) for a in ACTIVATIONS] + [("none", False), ("gelu", Fa
 
 @requires_cuda
 @pytest.mark.parametrize("activation,bias", GEMV_ACT_BIAS, ids=lambda v: v if isinstance(v, str) else ("bias" if v else "nobias"))
-@pytest.mark.parametrize("shape", GEMV_VARIANT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("variant", [0, 1, 2, 3])
-def test_gemv_variants_match_reference(knob, activation, variant, dtype, shape, bias):
-    # forward (and the pre-activation the backward uses) through GEMV kernel `variant`: 16 or 32 weight rows a
-    # warp, split-K over blocks (variant 3 on the small-N shapes), N and M tails; float32 takes kernel 0 always
-    knob("OPFORGE_LINEAR_GEMV", 1)
-    knob("OPFORGE_GEMV_VARIANT", variant)
+def test_gemv_shapes_match_reference(knob, activation, dtype, shape, bias):
+    # forward (and the pre-activation the backward uses) through the GEMV kernel: each tile of rows of X
+    # (M 1, 2, 4, 8, 16), N not a multiple of a block's rows, K long and short
+    knob("linear_gemv", 1)
     check_activation_case("cuda", dtype, shape, activation, bias)
 
 
 @requires_cuda
 @pytest.mark.parametrize("layout", ["sliced", "batch3d", "weight_t", "input_t"])
-@pytest.mark.parametrize("variant", [1, 2, 3])
-def test_gemv_variants_layouts(knob, layout, variant):
-    knob("OPFORGE_LINEAR_GEMV", 1)
-    knob("OPFORGE_GEMV_VARIANT", variant)
+def test_gemv_layouts(knob, layout):
+    knob("linear_gemv", 1)
     check_activation_case("cuda", torch.bfloat16, (5, 4096, 136), "silu", True, layout)
 
 
 @requires_cuda
-@pytest.mark.parametrize("variant", [1, 2, 3])
 @pytest.mark.parametrize("M", [1, 8, 16])
-def test_gemv_variants_deterministic_and_unaligned_fallback(knob, variant, M):
-    knob("OPFORGE_LINEAR_GEMV", 1)
-    knob("OPFORGE_GEMV_VARIANT", variant)
+def test_gemv_deterministic_and_unaligned_fallback(knob, M):
+    knob("linear_gemv", 1)
     x = torch.randn(M, 16384, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(40, 16384, device="cuda") / 128).to(torch.bfloat16)
     b = torch.randn(40, device="cuda", dtype=torch.bfloat16)
     y1, y2 = opforge.linear(x, w, b, "gelu_tanh"), opforge.linear(x, w, b, "gelu_tanh")
-    assert torch.equal(y1, y2)  # split-K partials are added in a fixed order
+    assert torch.equal(y1, y2)  # each output is one warp's sum in a fixed order
     ref = linear_reference(x.double(), w.double(), b.double(), "gelu_tanh")
     assert_matches_reference(y1, ref, F.gelu(F.linear(x, w, b), approximate="tanh"))
     # an unaligned weight (K % 8 == 0 but the base pointer 2 bytes off) goes to cuBLAS(Lt), still right

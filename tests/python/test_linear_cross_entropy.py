@@ -1,4 +1,4 @@
-"""linear_cross_entropy: values and gradients against float64, the five cases from real bug reports of issue 10,
+"""linear_cross_entropy: values and gradients against float64, the five cases from real bug reports,
 opcheck, torch.compile, gradcheck, torch.func, bad inputs and agreement with torch's F.linear_cross_entropy."""
 import math
 
@@ -108,20 +108,15 @@ def test_chunk_size_does_not_change_the_result(device, chunk):
         torch.testing.assert_close(o, r, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5, 11, 64])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_16bit_chunk_groups(device, chunk, reduction, group):
-    """bfloat16 with N = 11 tokens at chunk sizes that give full and partial dW groups (CUDA gathers the logit
-    gradients of `group` chunks per dW GEMM, the knob OPFORGE_LCE_DW_GROUP): every gradient against float64 by the
-    tolerance rule, at every chunk size, on the gradient-in-forward ("mean") and the recompute ("none") path."""
+def test_16bit_chunk_sizes(device, chunk, reduction):
+    """bfloat16 with N = 11 tokens at chunk sizes that give full and partial last chunks (CUDA runs one dW GEMM per
+    chunk from its bf16 logit gradient): every gradient against float64 by the tolerance rule, at every chunk size, on
+    the gradient-in-forward ("mean") and the recompute ("none") path."""
     x, w, b, t = _data(11, 24, 70, torch.bfloat16, device, bias=True, ignore_frac=0.2, scale=2.0)
     gw = torch.rand(11, device=device).to(torch.bfloat16) if reduction == "none" else None
-    old = torch.ops.opforge._set_knob("OPFORGE_LCE_DW_GROUP", group)
-    try:
-        _check_all(x, w, b, t, reduction=reduction, chunk_size=chunk, grad_weights=gw)
-    finally:
-        torch.ops.opforge._set_knob("OPFORGE_LCE_DW_GROUP", old)
+    _check_all(x, w, b, t, reduction=reduction, chunk_size=chunk, grad_weights=gw)
 
 
 def test_batch_dims_and_non_contiguous(device):
@@ -134,7 +129,7 @@ def test_batch_dims_and_non_contiguous(device):
                                rtol=1e-5, atol=1e-5)
 
 
-# ---- the cases from real bug reports (issue 10) -----------------------------------------------------------
+# ---- the cases from real bug reports ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", LOSS_DTYPES)
 def test_case1_per_token_weighted_none_reduction(device, dtype):
@@ -151,7 +146,7 @@ def test_case1_per_token_weighted_none_reduction(device, dtype):
 
 @pytest.mark.parametrize("dtype", LOSS_DTYPES)
 def test_case1_large(device, dtype):
-    # the issue's size on CUDA; on CPU a smaller one of the same shape of problem (CI's 2 cores)
+    # the bug report's size on CUDA; on CPU a smaller one of the same shape of problem (CI's 2 cores)
     N, H, V, chunk = (4096, 256, 32000, 1000) if device == "cuda" else (768, 64, 5000, 200)
     x, w, b, t = _data(N, H, V, dtype, device, bias=True, ignore_frac=0.1)
     pw = torch.rand(N, device=device).to(dtype) * 4
@@ -644,8 +639,8 @@ def _accum_factor(k):
     """The tolerance rule's factor for a parameter gradient accumulated in its 16-bit dtype over k chunks: 2 × k.
 
     Derivation: the rule's baseline (the eager math in the 16-bit dtype) rounds dW once, at the end of its one GEMM;
-    the knob rounds the accumulator once per dW GEMM, at most k times (fewer with OPFORGE_LCE_DW_GROUP > 1), each
-    rounding off by at most half an ulp of the partial sum, whose magnitude is that of dW. So the error is at most
+    the knob rounds the accumulator once per dW GEMM, k times (one GEMM per chunk), each rounding off by at most
+    half an ulp of the partial sum, whose magnitude is that of dW. So the error is at most
     the float32 accumulation's (within the rule's 2 × baseline) plus k roundings of the size of the baseline's one:
     2 + k ≤ 2k times the baseline's error for k ≥ 2 (k = 1 is the rule itself). Linear in k, the worst case (the
     roundings' errors add up with one sign); independent roundings would give √k. The bound still fails every wrong
@@ -705,16 +700,14 @@ def test_dw_accum_matches_float64(device, knob, dtype, chunk, reduction, path):
         assert not torch.equal(on[2], off[2])
 
 
-@pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("chunk", [2, 3, 5])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_dw_accum_with_dw_groups(device, knob, group, chunk, reduction):
-    """OPFORGE_LCE_DW_ACCUM=1 with OPFORGE_LCE_DW_GROUP (CUDA: one 16-bit dW GEMM per group of chunks, beta = 0 on the
-    first; full and partial groups of N = 11 tokens): the rule with _accum_factor(chunk count) (a bound for the
-    fewer roundings of a group too), both paths ("mean": gradient in forward, "none": recompute)."""
+def test_dw_accum_partial_last_chunk(device, knob, chunk, reduction):
+    """OPFORGE_LCE_DW_ACCUM=1 (CUDA: one 16-bit dW GEMM per chunk, beta = 0 on the first) where N = 11 tokens leave a
+    partial last chunk: the rule with _accum_factor(chunk count), both paths ("mean": gradient in forward, "none":
+    recompute)."""
     x, w, b, t = _data(11, 24, 70, torch.bfloat16, device, bias=True, ignore_frac=0.2, scale=2.0)
     gw = torch.rand(11, device=device).to(torch.bfloat16) if reduction == "none" else None
-    knob("OPFORGE_LCE_DW_GROUP", group)
     knob(_ACCUM, 1)
     _check_all(x, w, b, t, reduction=reduction, chunk_size=chunk, grad_weights=gw,
                param_factor=_accum_factor(math.ceil(11 / chunk)))

@@ -342,7 +342,7 @@ def test_meta_rejects_bad_eps_like_the_real_kernels(eps):
             opforge.fused_add_rms_norm(torch.empty(2, 4, device=dev), torch.empty(2, 4, device=dev), (4,), None, eps)
 
 
-# ---- issue 13: the CUDA kernel variants (knobs OPFORGE_RMS_FWD / OPFORGE_RMS_BWD), each against float64 -----------
+# ---- every CUDA kernel variant a chooser picks (test hooks rms_norm_forward / rms_norm_backward), against float64 --
 
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 VARIANT_SIZES = [1, 7, 83, 769, 3584, 5120, 8200, 16384]
@@ -357,7 +357,7 @@ BWD_VARIANTS = [0, 1, 2]
 def test_forward_variants(knob, variant, dtype, N):
     """Forward and fused forward of each variant: vector widths (N % 8 == 0) and the scalar fallback, warp- and
     block-per-row mappings, enough rows for several waves of blocks."""
-    knob("OPFORGE_RMS_FWD", variant)
+    knob("rms_norm_forward", variant)
     M = 300 if N <= 8200 else 40
     x = torch.randn(M, N, device="cuda", dtype=dtype)
     w = (1 + 0.5 * torch.randn(N, device="cuda")).to(dtype)
@@ -377,7 +377,7 @@ def test_forward_variants(knob, variant, dtype, N):
 @pytest.mark.parametrize("variant", FWD_VARIANTS)
 def test_forward_variants_views_and_no_weight(knob, variant):
     """Strided rows, an unaligned base pointer (scalar path) and no weight, per forward variant."""
-    knob("OPFORGE_RMS_FWD", variant)
+    knob("rms_norm_forward", variant)
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     _check(x, lambda t: t[::2], (4096,), torch.randn(4096, device="cuda", dtype=torch.bfloat16), None)
     flat = torch.randn(33 * 4096 + 1, device="cuda", dtype=torch.bfloat16)
@@ -393,7 +393,7 @@ def test_forward_variants_views_and_no_weight(knob, variant):
 def test_backward_variants(knob, variant, dtype, N):
     """grad_input and grad_weight of each backward variant; M large enough that each block of the
     grid-stride grid visits several rows (the dweight partial accumulates over them)."""
-    knob("OPFORGE_RMS_BWD", variant)
+    knob("rms_norm_backward", variant)
     M = 1500 if N <= 1024 else (400 if N <= 8200 else 200)
     x = torch.randn(M, N, device="cuda", dtype=dtype)
     w = (1 + 0.5 * torch.randn(N, device="cuda")).to(dtype)
@@ -405,7 +405,7 @@ def test_backward_variants(knob, variant, dtype, N):
 @pytest.mark.parametrize("dtype,N", [(torch.bfloat16, 32768), (torch.float32, 16384), (torch.float32, 12288)])
 def test_backward_variants_long_rows(knob, variant, dtype, N):
     """The rows the backward variants are for (4 vectors a thread, 64 KiB of dweight partial in shared memory)."""
-    knob("OPFORGE_RMS_BWD", variant)
+    knob("rms_norm_backward", variant)
     x = torch.randn(300, N, device="cuda", dtype=dtype)
     w = (1 + 0.5 * torch.randn(N, device="cuda")).to(dtype)
     _check(x, _ident, (N,), w, torch.randn_like(x))
@@ -415,7 +415,7 @@ def test_backward_variants_long_rows(knob, variant, dtype, N):
 @pytest.mark.parametrize("variant", BWD_VARIANTS)
 def test_backward_variants_views_masks_and_no_weight(knob, variant):
     """Strided rows, unaligned base (scalar path), no weight, and grad of x or of the weight alone."""
-    knob("OPFORGE_RMS_BWD", variant)
+    knob("rms_norm_backward", variant)
     x = torch.randn(600, 4096, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
     _check(x, lambda t: t[::2], (4096,), torch.randn(4096, device="cuda", dtype=torch.bfloat16), g)
@@ -437,7 +437,7 @@ def test_backward_variants_views_masks_and_no_weight(knob, variant):
 @CUDA_ONLY
 @pytest.mark.parametrize("variant", [1, 2])
 def test_backward_variant_is_deterministic(knob, variant):
-    knob("OPFORGE_RMS_BWD", variant)
+    knob("rms_norm_backward", variant)
     x = torch.randn(3000, 8192, device="cuda", dtype=torch.float32)
     w = torch.randn(8192, device="cuda")
     g = torch.randn_like(x)
@@ -451,7 +451,7 @@ def test_backward_variant_is_deterministic(knob, variant):
 @pytest.mark.parametrize("variant", [1, 2])
 def test_forward_variant_past_2_31_elements(knob, variant):
     """64-bit offsets of the one-CTA-per-row kernels where M · N >= 2^31."""
-    knob("OPFORGE_RMS_FWD", variant)
+    knob("rms_norm_forward", variant)
     M, N = 524289, 4096
     x = torch.randn(M, N, device="cuda", dtype=torch.float16)
     w = torch.randn(N, device="cuda", dtype=torch.float16)

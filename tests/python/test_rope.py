@@ -1,11 +1,9 @@
-"""rope and rope_from_positions (and their backward ops): the four RoPE cases of issue 15 (GQA, partial rotary,
-angle precision, views), values and gradients against the float64 reference and transformers'
-apply_rotary_pos_emb, opcheck, compile, gradcheck (first and second order), torch.func, errors; on CUDA every test
-that takes ``device`` runs with each kernel (the rows kernel, the per-token kernel of OPFORGE_ROPE_KERNEL=0, the
-heads kernel of OPFORGE_ROPE_KERNEL=2, which falls back to the per-token kernel off its vector path, and the
-per-token kernel with a register bound on a whole-wave grid of OPFORGE_ROPE_KERNEL=5), and the
-kernel-path tests at the end cover each branch of the rows and heads kernels (vector/strided rows and tables, row
-groups and lanes, pass-through dims, the grid-stride loop)."""
+"""rope and rope_from_positions (and their backward ops): the four RoPE cases (GQA, partial rotary, angle
+precision, views), values and gradients against the float64 reference and transformers' apply_rotary_pos_emb,
+opcheck, compile, gradcheck (first and second order), torch.func, errors; on CUDA every test that takes ``device``
+runs with each kernel (the default per-token kernel, and the rows kernel through the test hook rope_rows_kernel),
+and the kernel-path tests at the end cover each branch of both kernels (vector/strided rows and tables, row groups,
+pass-through dims, the grid-stride loop, the rows kernel past the token kernel's shared-memory table)."""
 import math
 
 import pytest
@@ -19,21 +17,17 @@ from conformance import rope_baseline as _baseline  # the same math in q's dtype
 
 DTYPES = [torch.float32, torch.bfloat16]
 _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
-CUDA_KERNELS = [pytest.param("cuda", marks=_NEEDS_CUDA), pytest.param("cuda-token-kernel", marks=_NEEDS_CUDA),
-                pytest.param("cuda-heads-kernel", marks=_NEEDS_CUDA), pytest.param("cuda-token-waves", marks=_NEEDS_CUDA)]
-# OPFORGE_ROPE_KERNEL of each CUDA parametrization: 1 the rows kernel, 0 the per-token kernel, 2 the heads kernel,
-# 5 the per-token kernel with its 12-blocks-per-SM register bound on a grid of whole waves (3 and 4, each alone, run in
-# test_both_cuda_kernels_agree_with_cpu)
-KERNEL_KNOB = {"cuda": 1, "cuda-token-kernel": 0, "cuda-heads-kernel": 2, "cuda-token-waves": 5}
+CUDA_KERNELS = [pytest.param("cuda", marks=_NEEDS_CUDA), pytest.param("cuda-rows-kernel", marks=_NEEDS_CUDA)]
+# the test hook rope_rows_kernel of each CUDA parametrization: 0 the default (the per-token kernel wherever its table
+# fits in shared memory), 1 the rows kernel
+KERNEL_KNOB = {"cuda": 0, "cuda-rows-kernel": 1}
 
 
 @pytest.fixture(params=["cpu"] + CUDA_KERNELS)
 def device(request, knob):
-    """conftest's devices, with CUDA four times: the rows kernel (OPFORGE_ROPE_KERNEL=1), the per-token kernel
-    (OPFORGE_ROPE_KERNEL=0, the default wherever its table fits), the heads kernel (OPFORGE_ROPE_KERNEL=2) and the
-    per-token kernel with a register bound on a whole-wave grid (OPFORGE_ROPE_KERNEL=5)."""
+    """conftest's devices, with CUDA twice: the default per-token kernel and the rows kernel (rope_rows_kernel = 1)."""
     if request.param in KERNEL_KNOB:
-        knob("OPFORGE_ROPE_KERNEL", KERNEL_KNOB[request.param])
+        knob("rope_rows_kernel", KERNEL_KNOB[request.param])
     return "cuda" if request.param.startswith("cuda") else request.param
 
 
@@ -409,8 +403,8 @@ def test_rotary_embedding_module(device):
 # (Hq, Hk, S, D, R, interleaved, layout, table): rows of 16 = 2 groups of 8, 42 = 6 groups of 7, 3 = one short group;
 # layout "hf" is (B, S, H, D).transpose(1, 2), "strided" a non-contiguous last dim (V = 1 path); table "b" a
 # per-batch (B, S, R) table, "1" a shared (1, S, R) one, "offset" a table starting one element past an aligned
-# address (no 16-byte table loads), "f32" float32 tables with low-precision q. Head dim 1024: long rows (the heads
-# kernel's lanes capped by its block, many units a row in every kernel).
+# address (no 16-byte table loads), "f32" float32 tables with low-precision q. Head dim 1024: long rows (many units a
+# row in both kernels).
 PATH_CASES = [
     (13, 3, 9, 128, 128, False, "hf", "b"),
     (37, 5, 7, 128, 128, True, "hf", "1"),
@@ -485,7 +479,7 @@ def test_kernel_paths(device, dtype, case):
 def test_many_tokens_grid_stride(knob, kernel):
     """More work items than one grid (132 SMs · 64 blocks · 256 threads on an H200): the grid-stride loop. rope is
     per token, so a few tokens at each end and in the middle are checked against the reference of those tokens."""
-    knob("OPFORGE_ROPE_KERNEL", KERNEL_KNOB[kernel])
+    knob("rope_rows_kernel", KERNEL_KNOB[kernel])
     B, S, Hq, Hk, D = 1, 70000, 32, 8, 128
     q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -505,15 +499,27 @@ def test_many_tokens_grid_stride(knob, kernel):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_both_cuda_kernels_agree_with_cpu(knob):
-    """The CUDA kernels (and the token kernel's launch variants 3-5) and the CPU kernel on the benchmark's layout (HF's transposed q, k; (B, S, D) tables)."""
+    """The two CUDA kernels and the CPU kernel on the benchmark's layout (HF's transposed q, k; (B, S, D) tables)."""
     B, S, Hq, Hk, D = 2, 64, 8, 2, 128
     q = torch.randn(B, S, Hq, D, dtype=torch.bfloat16).transpose(1, 2)
     k = torch.randn(B, S, Hk, D, dtype=torch.bfloat16).transpose(1, 2)
     cos, sin = _tables(torch.arange(S).expand(B, S), D, torch.bfloat16, "cpu")
     cpu = opforge.rope(q, k, cos, sin)
-    for value in (1, 0, 2, 3, 4, 5):
-        knob("OPFORGE_ROPE_KERNEL", value)
+    for value in (0, 1):
+        knob("rope_rows_kernel", value)
         out = opforge.rope(q.cuda(), k.cuda(), cos.cuda(), sin.cuda())
         for a, b in zip(out, cpu):
             # one bf16 rounding of the same fp32 math: at most one ulp apart (fma contraction may differ)
             torch.testing.assert_close(a.cpu().float(), b.float(), rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,R", [(torch.float32, 6160), (torch.bfloat16, 6400), (torch.float64, 3088)])
+def test_rows_kernel_past_the_shared_table(dtype, R):
+    """A rotary_dim whose per-token table (2·R opmath values) exceeds 48 KiB of shared memory runs the rows kernel by
+    default: values and gradients against float64, the dims past R copied."""
+    q = torch.randn(1, 3, 2, R + 16, device="cuda").to(dtype)
+    k = torch.randn(1, 1, 2, R + 16, device="cuda").to(dtype)
+    cos, sin = _tables(torch.arange(2, device="cuda"), R, dtype, "cuda")
+    oq, ok = _check(q, k, cos, sin)
+    assert torch.equal(oq[..., R:], q[..., R:]) and torch.equal(ok[..., R:], k[..., R:])

@@ -3,7 +3,7 @@
 // An index ≥ E or < −1 cannot be seen without a host synchronisation, so on CUDA such a row is treated as −1:
 // its output row is zero and it gets (and gives) no gradient; no out-of-bounds read ever happens.
 //
-// Two regimes, chosen by shape (OPFORGE_INDEXED_LINEAR_PATH=gemv|grouped|grouped_mm forces one, for tests):
+// Two regimes, chosen by shape (the test hook indexed_linear_path of core/knobs.h forces one):
 //   gather-GEMV (T ≤ kGemvMaxTokens: decode, multi-LoRA shrink/expand): one block per (token, tile of outputs);
 //     a team of L lanes computes one output from the selected expert's row of W with 16-byte loads of W and X
 //     (element loads for odd K or unaligned views), L from the row length and the number of outputs: up to the
@@ -17,7 +17,7 @@
 //         (a bank at an address not 16-byte aligned is copied first: _grouped_mm rejects it),
 //         int32 offsets (T < 2³¹), then one kernel that adds the bias, zeroes the −1 rows and scatters back;
 //         dW through _grouped_mm's 2-D × 2-D form, with experts that received no token zeroed afterwards
-//         (older _grouped_mm left their output unwritten);
+//         (some torch versions' _grouped_mm leave their output unwritten);
 //       - otherwise our tiled grouped GEMM (64 × 64 tiles, shared memory, fp32 accumulation) that reads rows
 //         through the permutation and the offsets from device memory; one kernel for forward and grad_input, one
 //         for grad_weight (+ grad_bias) over each expert's rows.
@@ -28,13 +28,12 @@
 
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <tuple>
 
 #include "core/check.h"
 #include "core/cuda_utils.cuh"
 #include "core/dispatch.h"
+#include "core/knobs.h"
 #include "ops/indexed_linear/indexed_linear.h"
 
 namespace opforge {
@@ -42,15 +41,12 @@ namespace {
 
 constexpr int64_t kGemvMaxTokens = 16;
 
-enum class Path { kAuto, kGemv, kGrouped, kGroupedMM };
+// The values of the test hook indexed_linear_path (core/knobs.h).
+enum class Path { kAuto = 0, kGemv = 1, kGrouped = 2, kGroupedMM = 3 };
 
 Path forced_path() {
-  const char* env = std::getenv("OPFORGE_INDEXED_LINEAR_PATH");
-  if (env == nullptr) return Path::kAuto;
-  if (std::strcmp(env, "gemv") == 0) return Path::kGemv;
-  if (std::strcmp(env, "grouped") == 0) return Path::kGrouped;
-  if (std::strcmp(env, "grouped_mm") == 0) return Path::kGroupedMM;
-  return Path::kAuto;
+  const int64_t v = knobs::get(knobs::Knob::kIndexedLinearPath);
+  return v >= 1 && v <= 3 ? static_cast<Path>(v) : Path::kAuto;
 }
 
 // ---- gather-GEMV ---------------------------------------------------------------------------------------
@@ -501,7 +497,7 @@ void scatter_rows(const at::Tensor& Ys, const at::Tensor& bias, const Sorted& s,
 }
 
 /// True when torch's _grouped_mm serves this problem: bfloat16, sm_90, rows 16-byte aligned, T < 2³¹ (its
-/// offsets are int32), not disabled (OPFORGE_INDEXED_LINEAR_PATH=grouped).
+/// offsets are int32), and the path is not forced to another kernel.
 bool grouped_mm_eligible(const indexed_linear_op::IndexedLinearProblem& p, Path path) {
   if (path == Path::kGrouped || path == Path::kGemv) return false;
   if (p.X.scalar_type() != at::kBFloat16) return false;

@@ -9,12 +9,11 @@
 //                          (its leading dimension N must be a multiple of 8); relu needs no z (its output
 //                          decides relu').
 //   gelu, silu             cuBLASLt BIAS (or DEFAULT), then one elementwise pass y = act(z) (fp32 math).
-//   small M                1 ≤ M ≤ 16 by the (M, N, K) bucket table kGemvTable (measured on the H200;
-//                          OPFORGE_LINEAR_GEMV=1: every 1 ≤ M ≤ 16; =0: never): a bandwidth-bound GEMV
-//                          kernel of our own (linear_gemv.cuh: warp-per-rows, or tensor-core for 16-bit
-//                          types, OPFORGE_GEMV_VARIANT) with bias and activation fused (see gemv_choice).
-//   fallback               float64, a problem cuBLASLt finds no algorithm for (alignment, shapes), or
-//                          OPFORGE_LINEAR_LT=0: cublasGemmEx with the bias copied in first and beta = 1,
+//   small M                1 ≤ M ≤ 16 by the (M, N, K) bucket table kGemvTable (measured on the H200): a
+//                          bandwidth-bound GEMV kernel of our own (linear_gemv.cuh: warp-per-rows) with bias
+//                          and activation fused (see use_gemv).
+//   fallback               float64, a problem cuBLASLt finds no algorithm for (alignment, shapes), or the
+//                          test hook linear_lt = 0: cublasGemmEx with the bias copied in first and beta = 1,
 //                          then the elementwise pass for any activation. Every path gives the same values
 //                          within the dtype's rounding.
 // Backward: dZ = dY · act'(Z) in one elementwise pass (fp32 math; dZ = dY for none); dX = dZ · W through
@@ -30,9 +29,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "core/activation.h"
 #include "core/activation_cuda.h"
@@ -64,7 +61,7 @@ bool lt_linear(const linear_op::LinearProblem& p, const at::Tensor& Y, Epilogue 
 /// Z[M, N] = X · Wᵀ + b: cuBLASLt (BIAS or DEFAULT epilogue), else cublasGemmEx with the bias copied
 /// in first and beta = 1. K == 0 gives the bias broadcast (zeros without bias).
 /// float32 with 8 <= M <= 16 goes straight to cublasGemmEx: cuBLASLt's heuristic picks kernels up to 2x slower
-/// there (H200, benchmarks/gemv_variants.py, GB/s of weight, cuBLASLt / cublasGemmEx / F.linear: 16x4096x4096
+/// there (H200, GB/s of weight, docs/performance/kernel_variants.md; cuBLASLt / cublasGemmEx / F.linear: 16x4096x4096
 /// 711 / 1344 / 1349, 16x14336x4096 1320 / 1947 / 1934, 8x4096x1024 394 / 820 / 818; equal at M = 8 4096x4096,
 /// 1429 / 1425 / 1430); the GEMV kernel serves smaller M where it wins (kGemvTable).
 void gemm_bias(const linear_op::LinearProblem& p, const at::Tensor& Z) {
@@ -76,74 +73,52 @@ void gemm_bias(const linear_op::LinearProblem& p, const at::Tensor& Z) {
   gemm::gemm(Z, p.X, p.W, args);
 }
 
-/// The GEMV kernel of each (M, N, K) bucket when OPFORGE_LINEAR_GEMV is unset (-1): -1 is cuBLAS(Lt), 0 the
-/// warp-per-rows kernel, 1..3 the tensor-core kernels (16-bit types only; linear_gemv.cuh). The first row
-/// whose bounds hold wins. The table is the H200's measurements of 2026-12-01 (benchmarks/gemv_variants.py,
-/// benchmarks/results/gemv_variants.csv; GB/s of weight streamed, bf16 / fp32, the GEMV kernel vs cuBLAS(Lt)), each
-/// row with the numbers that put it there. The tensor-core variants 1, 2 lost everywhere; variant 3 (split-K) wins
-/// only where N is small (not chosen yet, see below).
+/// Where the GEMV kernel (linear_gemv.cuh) runs instead of cuBLAS(Lt), per (M, N, K) bucket: the first row whose
+/// bounds hold wins. Each row has the H200 numbers that put it there (GB/s of weight streamed, bf16 / fp32, the
+/// GEMV kernel vs cuBLAS(Lt); the whole table: docs/performance/kernel_variants.md).
 struct GemvBucket {
   int64_t max_m, max_n, max_k;  // the bucket: M <= max_m, N <= max_n, K <= max_k
-  int kernel16;                 // float16/bfloat16: -1 cuBLAS(Lt), else the GEMV variant
-  int kernel32;                 // float32: -1 cuBLAS(Lt) or 0
+  bool gemv16;                  // float16/bfloat16: the GEMV kernel (false: cuBLAS(Lt))
+  bool gemv32;                  // float32: the GEMV kernel (false: cuBLAS(Lt))
 };
 constexpr int64_t kAny = INT64_MAX;
 constexpr GemvBucket kGemvTable[] = {
-    // N <= 1024: the split-K variant 3 measured ahead for bf16 (1x4096x1024: 1268 vs 1100; 16x: 1113 vs 1070) but
-    // is not the default until its default-path tests have run on a GPU (a run cut short left ~15 failures unnamed
-    // that may include it): cuBLAS(Lt) for 16-bit, as before
-    {1, 1024, kAny, -1, -1},   // 1x4096x1024: fp32 cuBLAS 2424 vs 1803
-    {2, 1024, kAny, -1, 0},    // 2x4096x1024: fp32 1266 vs 888
-    {16, 1024, kAny, -1, -1},  // 16x4096x1024: fp32 cuBLAS (M 4: 848 vs 685)
-    {1, 8192, 4096, 0, 0},     // 1x4096x4096: bf16 2907 vs 2541; fp32 3545 vs 2981
-    {1, kAny, 2048, 0, 0},     // 1x2048x128256: bf16 4443 vs 4191; fp32 4412 vs 4177
-    {1, kAny, 4096, -1, 0},    // 1x4096x14336: bf16 cuBLAS 3818 vs 3707; fp32 4108 vs 3793
-    {1, kAny, kAny, -1, -1},   // 1x14336x4096: bf16 cuBLAS 3684 vs 3419; fp32 4133 vs 3899
-    {2, kAny, kAny, -1, 0},    // M 2: fp32 GEMV everywhere measured (4096x4096 3039 vs 2535, 14336x4096 3227 vs 2865)
-    {8, kAny, 2048, -1, 0},    // fp32 M <= 8, K 2048, N 128256: 3515 vs 2250 (M 4: 4143 vs 2991)
-    {16, kAny, kAny, -1, -1},  // the rest of 2 <= M <= 16: cuBLAS(Lt)
+    {1, 1024, kAny, false, false},   // 1x4096x1024: fp32 cuBLAS 2424 vs 1803
+    {2, 1024, kAny, false, true},    // 2x4096x1024: fp32 1266 vs 888
+    {16, 1024, kAny, false, false},  // 16x4096x1024: fp32 cuBLAS (M 4: 848 vs 685)
+    {1, 8192, 4096, true, true},     // 1x4096x4096: bf16 2907 vs 2541; fp32 3545 vs 2981
+    {1, kAny, 2048, true, true},     // 1x2048x128256: bf16 4443 vs 4191; fp32 4412 vs 4177
+    {1, kAny, 4096, false, true},    // 1x4096x14336: bf16 cuBLAS 3818 vs 3707; fp32 4108 vs 3793
+    {1, kAny, kAny, false, false},   // 1x14336x4096: bf16 cuBLAS 3684 vs 3419; fp32 4133 vs 3899
+    {2, kAny, kAny, false, true},    // M 2: fp32 GEMV everywhere measured (4096x4096 3039 vs 2535, 14336x4096 3227 vs 2865)
+    {8, kAny, 2048, false, true},    // fp32 M <= 8, K 2048, N 128256: 3515 vs 2250 (M 4: 4143 vs 2991)
+    {16, kAny, kAny, false, false},  // the rest of 2 <= M <= 16: cuBLAS(Lt)
 };
 
-/// The GEMV kernel for this problem (0 warp-per-rows, 1..3 tensor-core), or -1: cuBLAS(Lt). Knob
-/// OPFORGE_LINEAR_GEMV (core/knobs.h): unset: kGemvTable; "1": a GEMV kernel for every 1 <= M <= 16 (tests,
-/// benchmarks); "0": never. Knob OPFORGE_GEMV_VARIANT (>= 0) forces which GEMV kernel wherever one runs
-/// (tensor-core variants: float16/bfloat16 on sm_80+ only, else the warp-per-rows kernel). Always float32/
-/// float16/bfloat16, K > 0 a multiple of the 16-byte vector, X and W 16-byte aligned (contiguous from the
-/// checker).
-int gemv_choice(const linear_op::LinearProblem& p) {
+/// True when this problem's forward runs the GEMV kernel: kGemvTable, or the test hook linear_gemv (core/knobs.h;
+/// 1: every 1 <= M <= 16, 0: never). Only float32/float16/bfloat16, 1 <= M <= 16, K > 0 a multiple of the 16-byte
+/// vector, X and W 16-byte aligned (contiguous from the checker).
+bool use_gemv(const linear_op::LinearProblem& p) {
   const int64_t mode = knobs::get(knobs::Knob::kLinearGemv);
   const auto t = p.X.scalar_type();
-  if (mode == 0 || t == at::kDouble || p.M < 1 || p.M > 16 || p.K < 1 || p.N < 1) return -1;
+  if (mode == 0 || t == at::kDouble || p.M < 1 || p.M > 16 || p.K < 1 || p.N < 1) return false;
   const int64_t vec = 16 / static_cast<int64_t>(p.X.element_size());
   if (p.K % vec != 0 || !cuda::is_aligned16(p.X.const_data_ptr()) || !cuda::is_aligned16(p.W.const_data_ptr())) {
-    return -1;
+    return false;
   }
-  const bool wide = t == at::kFloat;
-  int kernel = -1;
-  if (mode < 0) {
-    for (const auto& row : kGemvTable) {
-      if (p.M <= row.max_m && p.N <= row.max_n && p.K <= row.max_k) {
-        kernel = wide ? row.kernel32 : row.kernel16;
-        break;
-      }
-    }
-    if (kernel < 0) return -1;
-  } else {
-    kernel = 0;
+  if (mode > 0) return true;
+  for (const auto& row : kGemvTable) {
+    if (p.M <= row.max_m && p.N <= row.max_n && p.K <= row.max_k) return t == at::kFloat ? row.gemv32 : row.gemv16;
   }
-  const int64_t forced = knobs::get(knobs::Knob::kGemvVariant);
-  if (forced >= 0) kernel = static_cast<int>(std::min<int64_t>(forced, 3));
-  if (kernel > 0 && (wide || at::cuda::getCurrentDeviceProperties()->major < 8)) kernel = 0;
-  return kernel;
+  return false;
 }
 
-/// Y[M, N] = act(X · Wᵀ + b) (and Z[M, N] = X · Wᵀ + b when Z is given) through GEMV kernel `kernel`
-/// (gemv_choice).
-void gemv_linear(const linear_op::LinearProblem& p, int kernel, at::Tensor& Y, at::Tensor* Z) {
+/// Y[M, N] = act(X · Wᵀ + b) (and Z[M, N] = X · Wᵀ + b when Z is given) through the GEMV kernel (use_gemv).
+void gemv_linear(const linear_op::LinearProblem& p, at::Tensor& Y, at::Tensor* Z) {
   switch (p.X.scalar_type()) {
-    case at::kFloat: return linear_op::gemv_linear_typed<float>(p, kernel, Y, Z);
-    case at::kHalf: return linear_op::gemv_linear_typed<c10::Half>(p, kernel, Y, Z);
-    case at::kBFloat16: return linear_op::gemv_linear_typed<c10::BFloat16>(p, kernel, Y, Z);
+    case at::kFloat: return linear_op::gemv_linear_typed<float>(p, Y, Z);
+    case at::kHalf: return linear_op::gemv_linear_typed<c10::Half>(p, Y, Z);
+    case at::kBFloat16: return linear_op::gemv_linear_typed<c10::BFloat16>(p, Y, Z);
     default: TORCH_INTERNAL_ASSERT(false, "opforge::linear: the GEMV kernel has no ", p.X.scalar_type(), " path");
   }
 }
@@ -155,9 +130,9 @@ std::pair<at::Tensor, at::Tensor> forward(const linear_op::LinearProblem& p, boo
   at::Tensor Z;                                   // [M, N] when keep_z
   if (keep_z) Z = at::empty({p.M, p.N}, options);
   if (Y.numel() == 0) return {Y, Z};
-  // 0. opt-in: small M through the GEMV kernel, everything fused
-  if (const int kernel = gemv_choice(p); kernel >= 0) {
-    gemv_linear(p, kernel, Y, keep_z ? &Z : nullptr);
+  // 0. small M through the GEMV kernel where it measured ahead, everything fused
+  if (use_gemv(p)) {
+    gemv_linear(p, Y, keep_z ? &Z : nullptr);
     return {Y, Z};
   }
   // 1. the activation in the GEMM's epilogue, where cuBLASLt has it

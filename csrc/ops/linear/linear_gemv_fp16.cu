@@ -4,7 +4,7 @@
 namespace opforge {
 namespace linear_op {
 
-template void gemv_linear_typed<c10::Half>(const LinearProblem& p, int kernel, at::Tensor& Y, at::Tensor* Z);
+template void gemv_linear_typed<c10::Half>(const LinearProblem& p, at::Tensor& Y, at::Tensor* Z);
 
 }  // namespace linear_op
 }  // namespace opforge

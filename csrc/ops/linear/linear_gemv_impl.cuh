@@ -2,8 +2,6 @@
 // linear_gemv_fp32.cu, linear_gemv_fp16.cu and linear_gemv_bf16.cu, each instantiating it for one type.
 #pragma once
 
-#include <type_traits>
-
 #include "core/activation.h"
 #include "core/activation_cuda.h"
 #include "ops/linear/linear_gemv.cuh"
@@ -13,22 +11,16 @@ namespace opforge {
 namespace linear_op {
 
 template <typename scalar_t>
-void gemv_linear_typed(const LinearProblem& p, int kernel, at::Tensor& Y, at::Tensor* Z) {
+void gemv_linear_typed(const LinearProblem& p, at::Tensor& Y, at::Tensor* Z) {
   const scalar_t* b = p.b.defined() ? p.b.const_data_ptr<scalar_t>() : nullptr;
   scalar_t* z = Z != nullptr ? Z->mutable_data_ptr<scalar_t>() : nullptr;
   const scalar_t* x = p.X.const_data_ptr<scalar_t>();
   const scalar_t* w = p.W.const_data_ptr<scalar_t>();
   scalar_t* y = Y.mutable_data_ptr<scalar_t>();
   const int M = static_cast<int>(p.M);
-  auto run = [&](auto act) {
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      cuda::launch_gemv<scalar_t>(x, w, b, y, z, M, p.K, p.N, act);
-    } else {
-      if (kernel > 0) cuda::launch_gemv_mma<scalar_t>(kernel, x, w, b, y, z, M, p.K, p.N, act);
-      else cuda::launch_gemv<scalar_t>(x, w, b, y, z, M, p.K, p.N, act);
-    }
-  };
-  with_activation(p.act, [&](auto a) { run(act::Value<decltype(a)::value>{}); });
+  with_activation(p.act, [&](auto a) {
+    cuda::launch_gemv<scalar_t>(x, w, b, y, z, M, p.K, p.N, act::Value<decltype(a)::value>{});
+  });
 }
 
 }  // namespace linear_op

@@ -1,6 +1,6 @@
-// The GEMV path of linear's CUDA forward, compiled as one translation unit per dtype (linear_gemv_<dtype>.cu):
-// the GEMV kernels' instantiations (every activation, every tile and variant) were most of linear_cuda.cu's compile
-// time, the longest of the build; split, they compile in parallel.
+// The GEMV path of linear's CUDA forward, compiled as one translation unit per dtype (linear_gemv_<dtype>.cu): the
+// GEMV kernel's instantiations (every activation and tile) would be most of linear_cuda.cu's compile time; split,
+// they compile in parallel.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,13 +10,12 @@
 namespace opforge {
 namespace linear_op {
 
-/// Y[M, N] = act(X · Wᵀ + b), and Z[M, N] = X · Wᵀ + b when Z is given, of problem p through GEMV kernel `kernel`
-/// (0: the warp-per-rows kernel; 1..3: the tensor-core kernels, 16-bit types only; linear_cuda.cu's gemv_choice
-/// picks it). scalar_t is p.X's type: float, c10::Half or c10::BFloat16 (the explicit instantiations of
-/// linear_gemv_fp32.cu / _fp16.cu / _bf16.cu). X, W 16-byte aligned, K a multiple of the 16-byte vector, 1 <= M <= 16.
-/// Runs on the current stream; no host synchronisation.
+/// Y[M, N] = act(X · Wᵀ + b), and Z[M, N] = X · Wᵀ + b when Z is given, of problem p through the GEMV kernel of
+/// linear_gemv.cuh (linear_cuda.cu's use_gemv decides where). scalar_t is p.X's type: float, c10::Half or
+/// c10::BFloat16 (the explicit instantiations of linear_gemv_fp32.cu / _fp16.cu / _bf16.cu). X, W 16-byte aligned,
+/// K a multiple of the 16-byte vector, 1 <= M <= 16. Runs on the current stream; no host synchronisation.
 template <typename scalar_t>
-void gemv_linear_typed(const LinearProblem& p, int kernel, at::Tensor& Y, at::Tensor* Z);
+void gemv_linear_typed(const LinearProblem& p, at::Tensor& Y, at::Tensor* Z);
 
 }  // namespace linear_op
 }  // namespace opforge

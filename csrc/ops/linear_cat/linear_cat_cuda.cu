@@ -8,7 +8,7 @@
 //   float16/bfloat16 row block by row block, the pieces' rows are copied side by side into a bounded buffer
 //                    Xc[R, K] (R = block_rows(M, K): ≤ 32 MiB, so the block is mostly still in L2 for its GEMM), and one GEMM
 //                    Y[r0 : r0 + R] = Xc · Wᵀ + b (bias in the epilogue) sums every piece's partial products in
-//                    its fp32 accumulator and rounds once, exactly as cat + linear does (issue 11), while the
+//                    its fp32 accumulator and rounds once, exactly as cat + linear does, while the
 //                    concatenated input never exists whole and nothing of it is saved for backward. (Measured on
 //                    the H200 at 8192×(2048+2048)×4096 bf16: summing per-piece GEMMs in an fp32 buffer and
 //                    rounding it in a separate pass took 608 µs against cat + F.linear's 386 µs.)

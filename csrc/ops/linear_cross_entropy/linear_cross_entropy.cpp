@@ -132,20 +132,10 @@ Reduction check_backward_args(const at::Tensor& grad_output, const at::Tensor& i
 
 int64_t resolve_chunk(std::optional<int64_t> chunk_size, int64_t N, int64_t V, int64_t budget_bytes,
                       int64_t bytes_per_logit) {
-  static const int64_t env_chunk = [] {
-    const char* s = std::getenv("OPFORGE_LCE_CHUNK_SIZE");
-    if (s == nullptr || *s == '\0') return int64_t{0};
-    char* end = nullptr;
-    const long long v = std::strtoll(s, &end, 10);
-    TORCH_CHECK_VALUE(end != s && *end == '\0' && v >= 1,
-                      "opforge::linear_cross_entropy: expected OPFORGE_LCE_CHUNK_SIZE to be a positive integer, "
-                      "but got \"", s, "\"");
-    return static_cast<int64_t>(v);
-  }();
   int64_t rows;
   if (chunk_size.has_value()) {
     rows = *chunk_size;
-  } else if (env_chunk > 0) {
+  } else if (const int64_t env_chunk = knobs::get(knobs::Knob::kLceChunkSize); env_chunk > 0) {
     rows = env_chunk;
   } else {
     rows = budget_bytes / std::max<int64_t>(1, V * bytes_per_logit);

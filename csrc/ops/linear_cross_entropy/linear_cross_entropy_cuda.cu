@@ -7,13 +7,14 @@
 //   forward with grad  the loss and (m, r), then, from the same row, the logit gradient of the loss (grad_output = 1,
 //                      the reduction's scale folded in): the gradient-in-forward path, 3 GEMMs per chunk in all;
 //   backward           the logit gradient from the saved (m, r) and the given grad_output (the recompute path).
-// The logit gradient goes to the storage dtype for the two gradient GEMMs (dX_c = dZ_c · W in the storage dtype,
-// once per chunk; dW += dZ_gᵀ · X_g into a float32 accumulator with beta = 1, once per group of kDwGroup chunks, whose
-// gradient copies are kept side by side), and stays in fp32 in place only where it is read again (float32/float64
-// inputs, whose gradient GEMMs read it, one chunk per dW GEMM; the bias gradient's fp32 column sum).
+// The logit gradient goes to the storage dtype for the two gradient GEMMs (dX_c = dZ_c · W and dW += dZ_cᵀ · X_c into
+// a float32 accumulator, beta = 0 on the first chunk and 1 after, both once per chunk), and stays in fp32 in place
+// only where it is read again (float32/float64 inputs, whose gradient GEMMs read it; the bias gradient's fp32 column
+// sum). One dW GEMM per chunk re-reads and re-writes the V x H accumulator each chunk; gathering several chunks'
+// gradients per dW GEMM measured no faster at equal memory (docs/performance/kernel_variants.md).
 // With the knob OPFORGE_LCE_DW_ACCUM=1 and 16-bit parameters of input's dtype, dW and db are the 16-bit gradient
 // buffers themselves (lce::Problem::dw_dtype / db_dtype): the same dW GEMM writes its 16-bit D with beta = 0 on the
-// first group and adds with beta = 1 after (fp32 math inside cuBLAS, one rounding per GEMM), so no fp32 V x H
+// first chunk and adds with beta = 1 after (fp32 math inside cuBLAS, one rounding per GEMM), so no fp32 V x H
 // accumulator exists and no final cast runs.
 // A target outside [0, V) that is not ignore_index is never read: its token gets a NaN loss and NaN gradients.
 #include <ATen/OpMathType.h>
@@ -29,7 +30,6 @@
 #include "core/cuda_utils.cuh"
 #include "core/dispatch.h"
 #include "core/gemm.h"
-#include "core/knobs.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 namespace opforge {
@@ -37,13 +37,12 @@ namespace {
 
 using lce::Problem;
 
-// Bytes of logits (fp32 chunk plus its storage-dtype gradient copies, one per chunk of a dW group) one chunk may hold
-// on CUDA: at V = 128256, 768 MiB gives 1024 rows for bf16 with one copy (the default group), 768 with two. Chosen by
-// measurement (H200, bf16, fwd+bwd, one copy, 8192x4096x128256 / 8192x2048x128256): 320 rows (the earlier 256 MiB)
-// 71.8 / 41.1 ms, 1024 rows 47.4 / 27.2 ms, 2048 rows 48.6 / 24.8 ms,
-// 8192 rows 42.8 / 22.8 ms; peak above the inputs 2.0 / 1.0, 2.0 / 1.25, 2.5 / 2.0, 7.0 / 6.5 GiB (the fp32 dW
-// accumulator, V x H x 4 bytes, sets the floor). Each chunk's fp32 dW accumulation re-reads and re-writes V x H, so
-// fewer, larger chunks amortise it.
+// Bytes of logits (the fp32 chunk plus, for 16-bit inputs, its storage-dtype gradient copy) one chunk may hold on
+// CUDA: at V = 128256, 768 MiB gives 1024 rows for bf16. Chosen by measurement (H200, bf16, fwd+bwd,
+// 8192x4096x128256 / 8192x2048x128256): 320 rows (a 256 MiB budget) 71.8 / 41.1 ms, 1024 rows 47.4 / 27.2 ms, 2048
+// rows 48.6 / 24.8 ms, 8192 rows 42.8 / 22.8 ms; peak above the inputs 2.0 / 1.0, 2.0 / 1.25, 2.5 / 2.0, 7.0 / 6.5
+// GiB (the fp32 dW accumulator, V x H x 4 bytes, sets the floor). Each chunk's fp32 dW accumulation re-reads and
+// re-writes V x H, so fewer, larger chunks amortise it; 768 MiB keeps the peak near the floor.
 constexpr int64_t kCudaChunkBudget = int64_t{768} << 20;
 constexpr int kThreads = 512;
 
@@ -322,34 +321,15 @@ void chunk_grads(const at::Tensor& D, const at::Tensor& L, const Problem& p, int
   if (db.defined()) db.add_(L.sum(0));
 }
 
-// Chunks per dW GEMM for 16-bit inputs (the knob OPFORGE_LCE_DW_GROUP, default 1): the logit-gradient copy holds G
-// chunks, and dW (+)= D_gᵀ · X_g runs once per group, so the fp32 V×H accumulator is read and written N / (G · chunk)
-// times instead of N / chunk (each pass is 2·V·H·4 bytes: 2 GiB at V = 128256, H = 2048). The chunk budget counts
-// the G copies, so at equal memory G = 2 means 768-row chunks: measured 25.0-27.0 ms against 23.7-25.1 for G = 1 with
-// 1024 rows (H200, 8192x2048x128256 bf16 fwd+bwd, lce_chunk_sweep.py): the smaller GEMMs cost what the fewer passes
-// save, so the default stays 1.
-int64_t dw_group() { return std::clamp<int64_t>(knobs::get(knobs::Knob::kLceDwGroup), 1, 64); }
-
-// Rows of logit gradient gathered per dW GEMM: G chunks when `grouped` (16-bit inputs whose dW is wanted: D is then a
-// separate buffer), one chunk otherwise (D is the fp32 logits chunk itself, or no dW GEMM runs).
-int64_t dw_group_rows(bool grouped, int64_t chunk, int64_t group) { return grouped ? group * chunk : chunk; }
-
-// After the chunk [s0, s0 + c): once a group of `group_rows` rows (or the last chunk) is complete, dW (+)= Dgᵀ · X_g
-// for the group's rows [g0, s0 + c), where Dg holds them from its row 0 (beta = 0 for the first group: dW need not
-// be zeroed).
-void group_dw(const at::Tensor& Dg, const Problem& p, int64_t s0, int64_t c, int64_t group_rows,
-              const at::Tensor& dW) {
-  const int64_t g0 = s0 - s0 % group_rows;
-  const int64_t end = s0 + c;
-  if (!dW.defined() || (end != p.N && end - g0 < group_rows)) return;
+// dW (+)= D_cᵀ · X_c for the chunk [s0, s0 + c) from its logit gradient D [c, V] (beta = 0 for the first chunk: dW
+// need not be zeroed).
+void chunk_dw(const at::Tensor& D, const Problem& p, int64_t s0, const at::Tensor& dW) {
+  if (!dW.defined()) return;
   gemm::GemmArgs args;
   args.trans_a = true;
-  args.beta = g0 == 0 ? 0.0 : 1.0;
-  gemm::gemm(dW, Dg.narrow(0, 0, end - g0), p.X.narrow(0, g0, end - g0), args);
+  args.beta = s0 == 0 ? 0.0 : 1.0;
+  gemm::gemm(dW, D, p.X.narrow(0, s0, D.size(0)), args);
 }
-
-// The row of the group buffer where the chunk starting at s0 goes.
-int64_t group_offset(int64_t s0, int64_t group_rows) { return s0 % group_rows; }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forward_cuda(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
@@ -369,9 +349,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   at::Tensor stats = at::empty({p.N, 2}, p.X.options().dtype(acc));                   // [N, 2]
   // dX [N, H]; dW [V, H] fp32 or p.dw_dtype (the first chunk's GEMM writes it); db [V] fp32 or p.db_dtype
   const lce::GradBuffers grads(p, grad_mask, /*zero_dw=*/false);
-  const int64_t group = need_grad && low && need.dw ? dw_group() : 1;  // chunks per dW GEMM
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
-                                           at::elementSize(acc) + (need_grad && low ? group * at::elementSize(dtype) : 0));
+                                           at::elementSize(acc) + (need_grad && low ? at::elementSize(dtype) : 0));
   check_cuda_dims(p, chunk);
   if (need.dw && p.N == 0) grads.dW.zero_();
   if (p.N > 0) {
@@ -379,9 +358,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
     const at::Tensor G = need_grad ? lce::unit_grad_scale(p) : at::Tensor();  // [1] on the device: no sync
     const int64_t rows = std::min(chunk, p.N);
     at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));                       // [chunk, V]
-    const int64_t group_rows = dw_group_rows(low && need.dw, chunk, group);
-    // the logit gradient in the storage dtype, one dW group of chunks [group, V]
-    at::Tensor dlow = need_grad && low ? at::empty({std::min(group_rows, p.N), p.V}, p.X.options()) : at::Tensor();
+    // the logit gradient in the storage dtype [chunk, V]
+    at::Tensor dlow = need_grad && low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();
     auto stream = at::cuda::getCurrentCUDAStream();
     OPFORGE_DISPATCH_FLOATING(dtype, "opforge::linear_cross_entropy", [&] {
       using acc_t = at::opmath_type<scalar_t>;
@@ -409,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           continue;
         }
-        at::Tensor D = low ? dlow.narrow(0, group_offset(s0, group_rows), c) : L;  // dZ_c in the storage dtype
+        at::Tensor D = low ? dlow.narrow(0, 0, c) : L;  // dZ_c in the storage dtype
         out_t* op = low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
         if (vec) {
           lce_forward_rows<acc_t, out_t, true, true>
@@ -420,7 +398,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         chunk_grads(D, L, p, s0, grads.dX, grads.db);
-        group_dw(low ? dlow : L, p, s0, c, group_rows, grads.dW);
+        chunk_dw(D, p, s0, grads.dW);
       }
     });
   }
@@ -435,9 +413,8 @@ void backward_cuda(const Problem& p, const at::Tensor& grad_output, const at::Te
   const auto acc = lce::acc_dtype(dtype);
   const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
   const bool write_acc = !low || need.db;
-  const int64_t group = low && need.dw ? dw_group() : 1;  // chunks per dW GEMM
   const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
-                                           at::elementSize(acc) + (low ? group * at::elementSize(dtype) : 0));
+                                           at::elementSize(acc) + (low ? at::elementSize(dtype) : 0));
   check_cuda_dims(p, chunk);
   if (need.dw && p.N == 0) grads.dW.zero_();
   if (need.any() && p.N > 0) {
@@ -447,8 +424,7 @@ void backward_cuda(const Problem& p, const at::Tensor& grad_output, const at::Te
     const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
     const int64_t rows = std::min(chunk, p.N);
     at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));        // [chunk, V] fp32
-    const int64_t group_rows = dw_group_rows(low && need.dw, chunk, group);
-    at::Tensor dlow = low ? at::empty({std::min(group_rows, p.N), p.V}, p.X.options()) : at::Tensor();  // [group, V]
+    at::Tensor dlow = low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();  // [chunk, V]
     auto stream = at::cuda::getCurrentCUDAStream();
     OPFORGE_DISPATCH_FLOATING(dtype, "opforge::linear_cross_entropy_backward", [&] {
       using acc_t = at::opmath_type<scalar_t>;
@@ -460,7 +436,7 @@ void backward_cuda(const Problem& p, const at::Tensor& grad_output, const at::Te
         const at::Tensor Xc = p.X.narrow(0, s0, c);  // [c, H]
         at::Tensor L = logits.narrow(0, 0, c);       // [c, V]
         logits_gemm(L, Xc, p);
-        at::Tensor D = low ? dlow.narrow(0, group_offset(s0, group_rows), c) : L;  // dZ_c in the storage dtype
+        at::Tensor D = low ? dlow.narrow(0, 0, c) : L;  // dZ_c in the storage dtype
         out_t* op = low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
         const int64_t* T = p.T.const_data_ptr<int64_t>() + s0;
         const acc_t* sp = S.const_data_ptr<acc_t>() + 2 * s0;
@@ -474,7 +450,7 @@ void backward_cuda(const Problem& p, const at::Tensor& grad_output, const at::Te
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         chunk_grads(D, L, p, s0, grads.dX, grads.db);
-        group_dw(low ? dlow : L, p, s0, c, group_rows, grads.dW);
+        chunk_dw(D, p, s0, grads.dW);
       }
     });
   }

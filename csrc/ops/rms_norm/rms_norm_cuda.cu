@@ -38,8 +38,8 @@ using cuda::RowSum;
 using cuda::Vec;
 using cuda::num_sms;
 
-// MAXV of the register-cached kernels: vectors a thread keeps in registers (H200, 2026-11-29: 2 beat 4
-// on 13 of 15 bf16 cases)
+// MAXV of the register-cached kernels: vectors a thread keeps in registers (2 rather than 4: fewer registers, more
+// resident blocks; 4 measured slower on 13 of 15 bf16 shapes on the H200)
 constexpr int kMaxVecsPerThread = 2;
 constexpr int kWarpRows = 4;          // rows per block in the warp-per-row mapping
 constexpr int kMaxThreads = 512;      // backward: threads per row at most (launch bound: up to 128 registers)
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kMaxThreadsFwd)
   }
 }
 
-// ---- forward variants 1..4 (knob OPFORGE_RMS_FWD; variant 0 is the kernel above) --------------------------
+// ---- forward variants 1..4 (default_forward_variant picks them; variant 0 is the kernel above) --------------
 //
 // One CTA per row (rows of at most 32·NV vectors: one warp per row, 8 rows a block), a plain grid of
 // row groups (no grid-stride loop: the block scheduler fills the SMs as blocks finish, as a Triton
@@ -236,8 +236,8 @@ __global__ void __launch_bounds__(1024)
 
 constexpr int kRowKernelMaxThreads = 1024;
 
-// The forward's variant when the knob is unset (OPFORGE_RMS_FWD = -1), from the H200 measurements in
-// benchmarks/results/rms_norm_variants.csv (benchmarks/rms_norm_variants.py, 2026-12-01, GB/s at
+// The forward's variant per shape class (the test hook rms_norm_forward of core/knobs.h overrides it), from the
+// H200 measurements of docs/performance/kernel_variants.md (GB/s at
 // 32768x4096 / 16384x8192 / 4096x8192 / 65536x1024 / 4096x16384): 16-bit plain: variant 1 (3987 / 4046 / 3561 /
 // 3836 / 3677; variant 0 3515 / 3289 / 2715 / 3600 / 2998), variant 4 for rows of 16384+ (3786); 16-bit fused:
 // variant 2 (4087 / 4061 / 3755 / 4071 / 3854); fp32 plain: variant 4 (4063 / 4162 / 3826 / 4082 / 3653); fp32
@@ -283,7 +283,7 @@ struct ForwardArgs {
         eps(static_cast<opmath_t>(p.eps)) {}
 };
 
-// Runs forward variant 1..4 (OPFORGE_RMS_FWD, else the chooser) for this problem; false, having
+// Runs forward variant 1..4 (the chooser, or the test hook rms_norm_forward) for this problem; false, having
 // launched nothing, when variant 0 is chosen or the chosen variant does not apply (float64, rows too
 // long, more than 2^31 row groups).
 template <typename T, bool FUSED>
@@ -333,10 +333,10 @@ bool launch_forward_variant(const rmsnorm::Problem& p, const ForwardArgs<T, FUSE
 }
 
 // The backward kernels' shared per-thread row steps (variant 0's register path and variants 1, 2). A thread owns
-// the NV vectors v = tid + k·tpr (k < NV) of a row that lie below nvec; O is opmath_t. Written as free functions
-// with the loops the kernels had inline: the sm_90 SASS of every instantiation is byte-identical to the inline code
-// (a struct-with-lambda version was not, nor was one dx step taking the row pointer: the dx step is two functions,
-// the dot before the block sum and the store after it, and the store computes the row pointer itself).
+// the NV vectors v = tid + k·tpr (k < NV) of a row that lie below nvec; O is opmath_t. Free functions of this shape
+// compile to the same sm_90 SASS as the loops written inline in each kernel (a struct with lambdas does not, nor
+// does one dx step taking the row pointer: so the dx step is two functions, the dot before the block sum and the
+// store after it, and the store computes the row pointer itself).
 
 // Row r's dy and x vectors into gd, xd and its rstd into rsd.
 template <int NV, typename V, typename T, typename O>
@@ -564,7 +564,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// ---- backward variants 1, 2 (knob OPFORGE_RMS_BWD; variant 0 is the kernel above) --------------------------
+// ---- backward variants 1, 2 (default_backward_variant picks them; variant 0 is the kernel above) -----------
 //
 // For rows too long for variant 0's registers (bf16 N >= 16384 streams there, re-reading the row from L2
 // and adding its dweight partial into global memory row by row): up to 1024 threads per row, each thread
@@ -613,8 +613,8 @@ __global__ void __launch_bounds__(1024)
                                });
 }
 
-// The backward's variant when the knob is unset (OPFORGE_RMS_BWD = -1), from the same H200 run (forward +
-// backward GB/s): 16-bit, variant 1 for rows of 16384+ (4096x16384: 2854 vs variant 0's 1275) and for many rows of
+// The backward's variant per shape class (the test hook rms_norm_backward overrides it), from the same H200
+// measurements (forward + backward GB/s): 16-bit, variant 1 for rows of 16384+ (4096x16384: 2854 vs variant 0's 1275) and for many rows of
 // 4096+ (16384x8192: 3281 vs 2822; 32768x4096: 3428 vs 3226), variant 0 elsewhere (65536x1024: 3470 vs 3325;
 // 4096x8192: 1480 vs 1430); fp32, variant 1 for rows of 16384+ (3284 vs 2039) and 32768x4096 (3986 vs 3944),
 // variant 2 for rows of 8192 up to 16384 (16384x8192: 3909 vs 2400; 4096x8192: 3579 vs 2195).
@@ -645,7 +645,7 @@ struct BackwardArgs {
         dx(dX.defined() ? dX.mutable_data_ptr<T>() : nullptr) {}
 };
 
-// Backward variant 1/2 (OPFORGE_RMS_BWD, else the chooser) into dX and dW (dW: weight's shape and dtype,
+// Backward variant 1/2 (the chooser, or the test hook rms_norm_backward) into dX and dW (dW: weight's shape and dtype,
 // allocated here); false, having launched nothing, where variant 0 is chosen or this one does not apply
 // (float64, more than 4 · 1024 vectors a row, dweight partial row beyond the SM's shared memory).
 template <typename T>
@@ -716,16 +716,16 @@ void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at:
                    (!FUSED || (cuda::is_aligned16(a.r) && cuda::is_aligned16(a.z)));
   if (launch_forward_variant<T, FUSED>(p, a, vec)) return;
   const int64_t nvec = vec ? N / VEC : N;
-  // Measured on the H200 (2026-11-30, benchmarks/results/rms_norm_variants_cuda.txt): for 4-byte and
-  // wider types, pipelining rows and up to 1024 threads per row won (fp32 32768x4096: 3895 vs 3495 GB/s;
-  // 16384x8192: 3886 vs 3427); for 2-byte types both lost a little (bf16 32768x4096: 3396 vs 3518).
+  // For 4-byte and wider types, rows pipelined and up to 1024 threads per row (H200, fp32 32768x4096: 3895 against
+  // 3495 GB/s without; 16384x8192: 3886 against 3427); 2-byte types run neither (bf16 32768x4096: 3518 against 3396
+  // with both).
   constexpr bool kWide = sizeof(T) >= 4;
   const RowMapping map = choose_mapping(nvec, kWide ? kMaxThreadsFwd : kMaxThreads);
   const int rows_per_block = map.tpr == 32 ? kWarpRows : 1;
   const dim3 block(map.tpr, rows_per_block);
   const int64_t row_groups = (M + rows_per_block - 1) / rows_per_block;
   auto stream = at::cuda::getCurrentCUDAStream();
-#define OPFORGE_RMS_FWD(V_, MAXV_, PIPE_)                                                                \
+#define OPFORGE_RMS_FORWARD_LAUNCH(V_, MAXV_, PIPE_)                                                     \
   do {                                                                                                   \
     constexpr auto kernel = rms_norm_forward_kernel<T, V_, MAXV_, FUSED, PIPE_>;                         \
     const int64_t grid =                                                                                 \
@@ -733,13 +733,13 @@ void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at:
     kernel<<<grid, block, 0, stream>>>(a.x, a.r, a.w, a.y, a.z, a.rs, M, N, a.eps);                      \
   } while (0)
   if (vec) {
-    if (map.cached) OPFORGE_RMS_FWD(VEC, kMaxVecsPerThread, kWide);
-    else OPFORGE_RMS_FWD(VEC, 0, false);
+    if (map.cached) OPFORGE_RMS_FORWARD_LAUNCH(VEC, kMaxVecsPerThread, kWide);
+    else OPFORGE_RMS_FORWARD_LAUNCH(VEC, 0, false);
   } else {
-    if (map.cached) OPFORGE_RMS_FWD(1, kMaxVecsPerThread, kWide);
-    else OPFORGE_RMS_FWD(1, 0, false);
+    if (map.cached) OPFORGE_RMS_FORWARD_LAUNCH(1, kMaxVecsPerThread, kWide);
+    else OPFORGE_RMS_FORWARD_LAUNCH(1, 0, false);
   }
-#undef OPFORGE_RMS_FWD
+#undef OPFORGE_RMS_FORWARD_LAUNCH
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -826,9 +826,9 @@ at::Tensor rms_norm_apply_cuda(const at::Tensor& input, const at::Tensor& rstd, 
 
 // The backward's launch plan: the kernel variant and the blocks resident per SM. Pipelining (PIPE) is
 // chosen when only one block of the plain kernel fits on an SM: then nothing else hides the load
-// latency across the row's barrier (H200, 2026-11-30, bf16 4096x8192 forward+backward: 2303 vs 1048
-// GB/s); with more resident blocks the extra registers cost more than they gain (bf16 65536x1024:
-// 3207 vs 3467 GB/s).
+// latency across the row's barrier (H200, bf16 4096x8192 forward+backward: 2303 against 1048 GB/s
+// without); with more resident blocks the extra registers cost more than they gain (bf16 65536x1024:
+// 3207 with against 3467 GB/s without).
 struct BackwardPlan {
   bool pipe;
   int64_t resident;
@@ -863,19 +863,19 @@ void launch_backward(const rmsnorm::BackwardProblem& p, at::Tensor& dX, at::Tens
   opmath_t* part = partials.defined() ? partials.mutable_data_ptr<opmath_t>() : nullptr;
   constexpr int VEC = cuda::vec_size<T>();
   auto stream = at::cuda::getCurrentCUDAStream();
-#define OPFORGE_RMS_BWD(V_, MAXV_, PIPE_)                                                                       \
+#define OPFORGE_RMS_BACKWARD_LAUNCH(V_, MAXV_, PIPE_)                                                           \
   rms_norm_backward_kernel<T, V_, MAXV_, PIPE_><<<grid, map.tpr, 0, stream>>>(a.dy, a.x, a.rs, a.w, a.dx, part, \
                                                                            p.M, p.N)
   if (vec) {
-    if (map.cached && pipe) OPFORGE_RMS_BWD(VEC, kMaxVecsPerThread, true);
-    else if (map.cached) OPFORGE_RMS_BWD(VEC, kMaxVecsPerThread, false);
-    else OPFORGE_RMS_BWD(VEC, 0, false);
+    if (map.cached && pipe) OPFORGE_RMS_BACKWARD_LAUNCH(VEC, kMaxVecsPerThread, true);
+    else if (map.cached) OPFORGE_RMS_BACKWARD_LAUNCH(VEC, kMaxVecsPerThread, false);
+    else OPFORGE_RMS_BACKWARD_LAUNCH(VEC, 0, false);
   } else {
-    if (map.cached && pipe) OPFORGE_RMS_BWD(1, kMaxVecsPerThread, true);
-    else if (map.cached) OPFORGE_RMS_BWD(1, kMaxVecsPerThread, false);
-    else OPFORGE_RMS_BWD(1, 0, false);
+    if (map.cached && pipe) OPFORGE_RMS_BACKWARD_LAUNCH(1, kMaxVecsPerThread, true);
+    else if (map.cached) OPFORGE_RMS_BACKWARD_LAUNCH(1, kMaxVecsPerThread, false);
+    else OPFORGE_RMS_BACKWARD_LAUNCH(1, 0, false);
   }
-#undef OPFORGE_RMS_BWD
+#undef OPFORGE_RMS_BACKWARD_LAUNCH
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -1,41 +1,24 @@
-// CUDA kernels of rope: one launch for q and k, three kernels chosen by the knob OPFORGE_ROPE_KERNEL (core/knobs.h;
-// unset: the token kernel where its table fits in shared memory, else the rows kernel; see run_cuda).
+// CUDA kernels of rope: one launch for q and k, by one of two kernels (run_cuda): the token kernel wherever its
+// table fits in shared memory, else the rows kernel (the test hook rope_rows_kernel of core/knobs.h forces the rows
+// kernel, so tests reach it at small sizes).
 //
-// rows kernel (1): a flat grid over (token, group of up to kRows head rows, unit), unit fastest. A unit
-// is V = 16/sizeof(scalar) dims of a row (a rotate-half unit: the V dims at j and their partners at j + R/2; an
+// token kernel: the grid is (tokens, head groups); a block takes a token (b, s), builds its table C, S [R] (opmath)
+// in shared memory once, then every thread of the block walks the head rows of q and k of its group. On the vector
+// path it is bound to kTokenMinBlocks blocks per SM (40 registers in bf16: 12 blocks of 128 threads per SM instead of
+// 9 unbounded). What bounds it: two barriers per token and the table's global-memory latency before any
+// q/k load keep few bytes in flight; on the H200 (bf16 4x4096x32/8x128) it runs forward+backward in 186 us, 3608
+// GB/s, 0.85 of the 4269 GB/s copy ceiling; ncu: 75 % of DRAM peak, 66 % achieved occupancy, 12.7 of 24.4 cycles
+// between a warp's instructions waiting on global loads. The other kernel shapes measured against it, all slower,
+// are in docs/performance/kernel_variants.md.
+//
+// rows kernel: a flat grid over (token, group of up to kRows head rows, unit), unit fastest. A unit is
+// V = 16/sizeof(scalar) dims of a row (a rotate-half unit: the V dims at j and their partners at j + R/2; an
 // interleaved unit: V dims holding V/2 pairs; past R: V dims copied). A thread loads its unit's table entries once
 // (from cos/sin, 16-byte loads where the table's last dim is contiguous and aligned, else strided; or sin/cos of
 // the angles in float64), issues the 16-byte loads of all its rows at once, then computes and stores them: no
-// shared memory, no barrier, 32-bit index arithmetic while the problem fits. Rows whose last dim is not contiguous
-// and 16-byte aligned (transposed views, zero-stride gradients) take the same kernel with V = 1 (strided scalars).
-//
-// token kernel (0, the default where its table fits): the grid is (tokens, head groups); a block takes a
-// token (b, s), builds its table C, S [R] (opmath) in shared memory once, then every thread of the block walks the
-// head rows of q and k of its group. Two barriers per token and the table's global-memory latency before any q/k
-// load keep few bytes in flight: 0.85 of the copy ceiling on the H200 with the bound below (README, stop 23). Tried on 2026-12-01 (stop 21):
-// each thread loading 4 units into registers before the table's barrier raised the bf16 kernel from 56 to 126
-// registers (4 blocks per SM instead of 9) and measured slower (forward 160.8 vs 116.5 us), so it was not kept.
-// OPFORGE_ROPE_KERNEL=3 runs the same kernel on a grid of whole waves, 4 with a register bound of 12 blocks per SM
-// (40 registers instead of 56 in bf16, no spill; the default since stop 22, when it measured 181.8 against
-// 225.6 us forward+backward), 5 both (TokenLaunch; the whole-wave grid gained nothing: 226.7 and 200.1 us).
-//
-// heads kernel (2, vector path only, else as unset): per token, each thread owns one unit of the row and a lane of
-// its head rows; it issues the loads of its first rows, loads the unit's table entries from global memory into
-// registers, then rotates its rows of q and k: no shared memory, no barrier, 32-bit index arithmetic
-// (rope_heads_kernel says more).
-//
-// Tried on the H200 on 2026-12-02 (stop 24, bench_rope.py --quick, bf16 4x4096x32/8x128; not kept, rows in
-// benchmarks/results/rope.csv): every other shape measured slower than the token kernel's 93-94 us forward
-// (182 us forward+backward). A flat kernel, one thread per output vector with its partner vector and table vectors
-// read again as L1/L2 hits (40 registers; about 4x the L2 traffic of the data): 141.6 us forward. Per-pair kernels
-// holding a unit's table in registers, one pass of 1-2 rows a thread without a token loop (66-94 registers; bounded
-// to 48-64, spilling): 130.9-254.2 us. The same with the table in shared memory, row loads issued before its one barrier (82 registers
-// for 2 rows; bounded to 64: spills): 126.3-182.7 us. The token kernel with its table double-buffered (one barrier a
-// token, the next table's loads in flight; 76 registers): 144.9 us. The token kernel reading its shared table with
-// the two 16-byte halves swizzled by unit (ncu: 49 % of its shared wavefronts are two-way bank conflicts): 102.7 us
-// (the swizzle's selects cost a 24-byte spill at 40 registers). What held: the fewest registers per thread (40, 12
-// blocks a SM) with the table staged once per token; ncu on it (stop 24): 75 % of DRAM peak, 3.63 TB/s, 66 %
-// achieved occupancy, 12.7 of 24.4 cycles between a warp's instructions waiting on global loads.
+// shared memory, no barrier, 32-bit index arithmetic while the problem fits. It takes any rotary_dim (1.9x the token
+// kernel's time at the shape above). Rows whose last dim is not contiguous and 16-byte aligned (transposed views,
+// zero-stride gradients) take either kernel with V = 1 (strided scalars).
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
@@ -54,12 +37,9 @@ namespace opforge {
 namespace {
 
 constexpr int kThreads = 128;        // token kernel
-constexpr int kTokenMinBlocks = 12;  // token kernel, default and OPFORGE_ROPE_KERNEL=4 or 5: blocks per SM (16 spills)
+constexpr int kTokenMinBlocks = 12;  // token kernel, vector path: blocks per SM its registers must allow (16: spills)
 constexpr int kRowThreads = 256;     // rows kernel
 constexpr int kRows = 8;             // rows kernel: most head rows per thread
-constexpr int kHeadThreads = 256;    // heads kernel: most threads per block
-constexpr int kHeadRows = 4;         // heads kernel: head rows a thread loads before it stores
-constexpr int kHeadMinBlocks = 2;    // heads kernel: blocks per SM its register budget must allow (≤ 128 registers)
 constexpr int64_t kMaxTableBytes = 48 * 1024;  // static shared-memory limit without opt-in
 
 template <typename scalar_t, typename trig_t>
@@ -81,17 +61,14 @@ struct Params {
   int U, Urot;           // units per row, of which rotated (the rest copied)
   int G, K;              // row groups per token, rows per group (the last group may have fewer)
   int64_t items;         // T · G · U
-  bool table_vec;        // cos/sin rows contiguous and 16-byte aligned: 16-byte table loads (also heads kernel)
+  bool table_vec;        // cos/sin rows contiguous and 16-byte aligned: 16-byte table loads
   double log2_base;
-  // heads kernel only (with U, Urot, table_vec, log2_base)
-  int L;                 // row lanes per token: a token's U·L threads take its rows lane, lane + L, ...
-  int TPB;               // tokens per block (blockDim = TPB·U·L)
 };
 
-// kMinBlocks: blocks per SM the register budget must allow. 0: none (ptxas -v, sm_90, bf16 vector path: 56
-// registers, 9 blocks per SM; an explicit 1 gives 72); kTokenMinBlocks: 40 registers, no spill without positions,
-// 8 bytes with them.
-template <typename scalar_t, typename trig_t, bool kPositions, bool kVec, int kMinBlocks = 0>
+// The token kernel. kMinBlocks: blocks per SM the register budget must allow: kTokenMinBlocks on the vector path
+// (ptxas, sm_90, bf16: 40 registers, no spill without positions, 8 bytes with them; unbounded it takes 56, 9 blocks
+// per SM), 0 (no bound) on the strided path.
+template <typename scalar_t, typename trig_t, bool kPositions, bool kVec, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) rope_token_kernel(const Params<scalar_t, trig_t> p) {
   using opmath_t = at::opmath_type<scalar_t>;
   constexpr int V = kVec ? cuda::vec_size<scalar_t>() : 1;
@@ -433,111 +410,6 @@ __global__ void __launch_bounds__(kRowThreads) rope_rows_kernel(const Params<sca
   }
 }
 
-// ---- heads kernel ----------------------------------------------------------------------------------------------
-
-// rope_heads_kernel (OPFORGE_ROPE_KERNEL=2): a token's rotation with its table in registers. A block takes TPB tokens
-// at a time (grid-stride); a token's U·L threads each own a fixed unit u of the row (V = 16/sizeof(scalar) dims: a
-// rotate-half pair unit (dims u·V.. with partners u·V + R/2..), an interleaved unit of V/2 pairs, or V dims past R,
-// copied) and a lane ℓ < L. Per token a thread loads only its unit's cos/sin entries, straight from global memory
-// into opmath registers (pair_table / interleaved_table: 16-byte loads where the table row is contiguous and aligned,
-// else strided; or the float64 angles of kPositions), then walks the token's head rows ℓ, ℓ + L, ... of q and then
-// k, kHeadRows at a time: all their 16-byte loads first (the first batch before the table's loads), then rotate
-// and store. Why: the token kernel stages the table in shared memory behind two barriers per token; here there is
-// no shared memory and no barrier, a token's table is read once per lane
-// (L1/L2 hits after the first), and each thread keeps 2·kHeadRows 16-byte loads in flight. Only for the vector path
-// (last dims contiguous, 16-byte aligned) and when every q/k/output element offset and the token count fit in 31
-// bits: its row and token index arithmetic is 32-bit (heads_applies checks; else the token kernel runs).
-template <typename scalar_t, typename trig_t, bool kPositions>
-__global__ void __launch_bounds__(kHeadThreads, kHeadMinBlocks) rope_heads_kernel(const Params<scalar_t, trig_t> p) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  constexpr int V = cuda::vec_size<scalar_t>();
-  using Vx = cuda::Vec<scalar_t, V>;
-  const int per_token = p.U * p.L;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int slot = tid / per_token;  // this thread's token of the block's TPB
-  const int lane = (tid - slot * per_token) / p.U;
-  const int u = tid - slot * per_token - lane * p.U;
-  const int Hq = p.H[0], rows = p.H[0] + p.H[1];
-  const bool rotated = u < p.Urot;
-  const bool paired = rotated && !p.interleaved;  // rotate-half: a second vector at ja + R/2
-  // this thread's dims: from ja (rotated unit or copied unit), and its partners from jb (rotate-half)
-  const uint32_t ja = rotated ? static_cast<uint32_t>(u) * V : static_cast<uint32_t>(p.R + (u - p.Urot) * V);
-  const uint32_t jb = ja + static_cast<uint32_t>(p.R / 2);
-  const uint32_t S = static_cast<uint32_t>(p.S), T = static_cast<uint32_t>(p.T);
-  // 32-bit strides (read from the parameters where used, no registers held): offsets_fit_int32 checked that every
-  // element offset of q, k and the outputs fits in 31 bits
-  auto xs = [&](int w, int d) { return static_cast<uint32_t>(p.xs[w][d]); };
-  auto ys = [&](int w, int d) { return static_cast<uint32_t>(p.ys[w][d]); };
-  const uint32_t step = gridDim.x * static_cast<uint32_t>(p.TPB);
-
-  for (uint32_t t = blockIdx.x * static_cast<uint32_t>(p.TPB) + slot; t < T; t += step) {
-    const uint32_t b = t / S, s = t - b * S;
-    // element offsets of this token's rows in q, k and their outputs
-    const uint32_t xt[2] = {b * xs(0, 0) + s * xs(0, 2), b * xs(1, 0) + s * xs(1, 2)};
-    const uint32_t yt[2] = {b * ys(0, 0) + s * ys(0, 2), b * ys(1, 0) + s * ys(1, 2)};
-    auto xrow = [&](int r) -> const scalar_t* {
-      return r < Hq ? p.x[0] + (xt[0] + static_cast<uint32_t>(r) * xs(0, 1))
-                    : p.x[1] + (xt[1] + static_cast<uint32_t>(r - Hq) * xs(1, 1));
-    };
-    auto yrow = [&](int r) -> scalar_t* {
-      return r < Hq ? p.y[0] + (yt[0] + static_cast<uint32_t>(r) * ys(0, 1))
-                    : p.y[1] + (yt[1] + static_cast<uint32_t>(r - Hq) * ys(1, 1));
-    };
-    // this thread's rows r0, r0 + L, ... (kHeadRows of them) loaded at once; the first batch before the table, so
-    // that the table's latency overlaps the rows'
-    Vx xa[kHeadRows], xb[kHeadRows];
-    auto load_rows = [&](int r0) {
-#pragma unroll
-      for (int i = 0; i < kHeadRows; ++i) {
-        const int r = r0 + i * p.L;
-        if (r < rows) {
-          const scalar_t* x = xrow(r);
-          xa[i] = load_row<V>(x, ja, 1);
-          if (paired) xb[i] = load_row<V>(x, jb, 1);
-        }
-      }
-    };
-    load_rows(lane);
-    opmath_t Ca[V], Cb[V], Sa[V], Sb[V];  // interleaved: C = Ca, Sn = Sa
-    if (rotated) {
-      double position = 0.0;
-      const trig_t* cosr = nullptr;
-      const trig_t* sinr = nullptr;
-      if constexpr (kPositions) {
-        position = static_cast<double>(p.pos[static_cast<int64_t>(b) * p.ps[0] + static_cast<int64_t>(s) * p.ps[1]]);
-      } else {
-        cosr = p.cos + static_cast<int64_t>(b) * p.cs[0] + static_cast<int64_t>(s) * p.cs[1];
-        sinr = p.sin + static_cast<int64_t>(b) * p.ss[0] + static_cast<int64_t>(s) * p.ss[1];
-      }
-      if (p.interleaved) {
-        interleaved_table<kPositions, V>(p, cosr, sinr, position, u, ja, Ca, Sa);
-      } else {
-        pair_table<kPositions, V>(p, cosr, sinr, position, u, ja, jb, Ca, Cb, Sa, Sb);
-      }
-    }
-    for (int r0 = lane; r0 < rows; r0 += kHeadRows * p.L) {
-      if (r0 != lane) load_rows(r0);
-#pragma unroll
-      for (int i = 0; i < kHeadRows; ++i) {
-        const int r = r0 + i * p.L;
-        if (r < rows) {
-          scalar_t* y = yrow(r);
-          if (paired) {
-            Vx ya, yb;
-            rotate_pair(xa[i], xb[i], Ca, Cb, Sa, Sb, ya, yb);
-            store_row<V>(y, ja, 1, ya);
-            store_row<V>(y, jb, 1, yb);
-          } else if (rotated) {
-            store_row<V>(y, ja, 1, rotate_interleaved(xa[i], Ca, Sa));
-          } else {  // dims past R: copied bit-identical
-            store_row<V>(y, ja, 1, xa[i]);
-          }
-        }
-      }
-    }
-  }
-}
-
 // ---- launch ----------------------------------------------------------------------------------------------------
 
 // True when every defined row of x and y can move as aligned V-element vectors.
@@ -602,29 +474,13 @@ Params<scalar_t, trig_t> make_params(const rotary::Problem& p, int64_t T) {
   return P;
 }
 
-// How the token kernel runs (OPFORGE_ROPE_KERNEL 0: neither; 3: whole_waves; 4: occupancy; 5: both).
-struct TokenLaunch {
-  bool whole_waves;  // a grid of SMs x resident blocks instead of SMs x 32
-  bool occupancy;    // on the vector path, the kTokenMinBlocks register bound (12 blocks per SM instead of 9)
-};
-
-// One token-kernel launch. Grid: `blocks_x` blocks along tokens (each loops over tokens), times `groups` along
-// rows where there are few tokens.
+// One token-kernel launch. Grid: SMs x 32 blocks along tokens (each loops over tokens), times `groups` along rows
+// where there are few tokens.
 template <typename scalar_t, typename trig_t, bool kPositions, bool kVec, int kMinBlocks>
-void launch_token_kernel(const Params<scalar_t, trig_t>& P, int rows, int64_t T, size_t smem, bool whole_waves) {
+void launch_token_kernel(const Params<scalar_t, trig_t>& P, int rows, int64_t T, size_t smem) {
   constexpr auto kernel = rope_token_kernel<scalar_t, trig_t, kPositions, kVec, kMinBlocks>;
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  const int64_t sms = prop->multiProcessorCount;
-  // Default: SMs x 32 blocks. Whole waves: SMs x the blocks resident per SM (the occupancy calculator, capped by the
-  // table's shared memory), so no partial last wave: ncu (stop 21) put up to 25 % of the default grid's time (3.56
-  // waves at bf16 4x4096x32/8x128) in its partial wave. Unmeasured as of stop 22.
-  int64_t per_sm = 32;
-  if (whole_waves) {
-    const int64_t by_smem =
-        static_cast<int64_t>(prop->sharedMemPerMultiprocessor / (smem + prop->reservedSharedMemPerBlock));
-    per_sm = std::max<int64_t>(1, std::min(cuda::resident_blocks<kernel, kThreads>(kThreads), by_smem));
-  }
-  const int64_t blocks_x = std::min<int64_t>(T, sms * per_sm);
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t blocks_x = std::min<int64_t>(T, sms * 32);
   int64_t groups = 1;
   if (T < sms * 4) groups = std::min<int64_t>({static_cast<int64_t>(rows), (sms * 4 + T - 1) / T, 65535});
   const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(groups));
@@ -632,25 +488,18 @@ void launch_token_kernel(const Params<scalar_t, trig_t>& P, int rows, int64_t T,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename scalar_t, typename trig_t, bool kPositions>
-void launch_token_vec(const Params<scalar_t, trig_t>& P, int rows, int64_t T, size_t smem, TokenLaunch how) {
-  how.occupancy ? launch_token_kernel<scalar_t, trig_t, kPositions, true, kTokenMinBlocks>(P, rows, T, smem,
-                                                                                          how.whole_waves)
-                : launch_token_kernel<scalar_t, trig_t, kPositions, true, 0>(P, rows, T, smem, how.whole_waves);
-}
-
 template <typename scalar_t, typename trig_t>
-void launch_token(const rotary::Problem& p, int rows, int64_t T, TokenLaunch how) {
+void launch_token(const rotary::Problem& p, int rows, int64_t T) {
   using opmath_t = at::opmath_type<scalar_t>;
   const Params<scalar_t, trig_t> P = make_params<scalar_t, trig_t>(p, T);
   const size_t smem = 2 * static_cast<size_t>(p.R) * sizeof(opmath_t);
   const bool vec = vectorizable(p, cuda::vec_size<scalar_t>());
   if (p.positions.defined()) {
-    vec ? launch_token_vec<scalar_t, trig_t, true>(P, rows, T, smem, how)
-        : launch_token_kernel<scalar_t, trig_t, true, false, 0>(P, rows, T, smem, how.whole_waves);
+    vec ? launch_token_kernel<scalar_t, trig_t, true, true, kTokenMinBlocks>(P, rows, T, smem)
+        : launch_token_kernel<scalar_t, trig_t, true, false, 0>(P, rows, T, smem);
   } else {
-    vec ? launch_token_vec<scalar_t, trig_t, false>(P, rows, T, smem, how)
-        : launch_token_kernel<scalar_t, trig_t, false, false, 0>(P, rows, T, smem, how.whole_waves);
+    vec ? launch_token_kernel<scalar_t, trig_t, false, true, kTokenMinBlocks>(P, rows, T, smem)
+        : launch_token_kernel<scalar_t, trig_t, false, false, 0>(P, rows, T, smem);
   }
 }
 
@@ -685,51 +534,6 @@ void launch_rows(const rotary::Problem& p, int rows, int64_t T) {
   }
 }
 
-// True when the heads kernel's 32-bit index arithmetic cannot overflow: every element offset of q, k and their
-// outputs ((size − 1)·stride summed over dims) and the token count (plus a grid's token stride) below 2^31.
-bool offsets_fit_int32(const rotary::Problem& p, int64_t T) {
-  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  if (T > kMax / 2) return false;
-  for (int i = 0; i < 2; ++i) {
-    if (!p.x[i].defined()) continue;
-    for (const at::Tensor* t : {&p.x[i], &p.y[i]}) {
-      int64_t extent = 0;
-      for (int d = 0; d < 4; ++d) {
-        if (t->size(d) == 0) return false;  // no elements: nothing to index (run_cuda returns before), be safe
-        extent += (t->size(d) - 1) * t->stride(d);
-      }
-      if (extent >= kMax) return false;
-    }
-  }
-  return true;
-}
-
-// Launches the heads kernel where it applies (vector path, 32-bit offsets, a row's units within one block); returns
-// false (nothing launched) otherwise, for the caller to run the token kernel.
-template <typename scalar_t, typename trig_t>
-bool launch_heads(const rotary::Problem& p, int rows, int64_t T) {
-  constexpr int V = cuda::vec_size<scalar_t>();
-  if (!vectorizable(p, V) || !offsets_fit_int32(p, T)) return false;
-  Params<scalar_t, trig_t> P = make_params<scalar_t, trig_t>(p, T);
-  P.Urot = static_cast<int>(p.interleaved ? p.R / V : (p.R / 2) / V);
-  P.U = P.Urot + static_cast<int>((p.D - p.R) / V);
-  if (P.U <= 0 || P.U > kHeadThreads) return false;
-  P.L = std::max(1, std::min((rows + kHeadRows - 1) / kHeadRows, kHeadThreads / P.U));
-  P.TPB = std::max(1, kHeadThreads / (P.U * P.L));
-  P.table_vec = p.cos.defined() && table_vectorizable(p, p.cos.element_size());
-  const int threads = P.TPB * P.U * P.L;
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((T + P.TPB - 1) / P.TPB, sms * 32));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  if (p.positions.defined()) {
-    rope_heads_kernel<scalar_t, trig_t, true><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(P);
-  } else {
-    rope_heads_kernel<scalar_t, trig_t, false><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(P);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return true;
-}
-
 void run_cuda(const rotary::Problem& p) {
   const at::Tensor& ref = p.x[0].defined() ? p.x[0] : p.x[1];
   c10::cuda::CUDAGuard guard(ref.device());
@@ -740,32 +544,18 @@ void run_cuda(const rotary::Problem& p) {
   TORCH_CHECK(rows <= std::numeric_limits<int>::max() / 2 && p.D <= std::numeric_limits<int>::max() / 2,
               "opforge::rope: expected fewer than 2^30 heads and head_dim below 2^30 on CUDA, but got ",
               num_str(rows), " heads and head_dim ", num_str(p.D));
-  // Kernel: OPFORGE_ROPE_KERNEL 0 the per-token table kernel, 1 the rows kernel, 2 the heads kernel where it
-  // applies (else as unset), 3 the per-token kernel on a grid of whole waves, 4 the per-token kernel with a
-  // register bound for 12 blocks per SM on its vector path, 5 both (TokenLaunch; measured at stop 22, below);
-  // unset (-1): the per-token kernel with that bound wherever its table fits, as it measured faster on the H200 (2026-12-01,
-  // bench_rope.py, bf16 4x4096x32/8x128: forward+backward 225 us vs the rows kernel's 371 us), else the rows kernel.
-  // The heads kernel measured slower there too (stop 21: 251.6 us forward+backward vs the token kernel's 228.6 at
-  // stop 20), so it is not chosen by default.
+  // The token kernel wherever its table fits in shared memory (H200, bf16 4x4096x32/8x128: forward+backward 182 us
+  // against the rows kernel's 348), else the rows kernel, which takes any rotary_dim.
   const int64_t opmath_bytes = ref.scalar_type() == at::kDouble ? 8 : 4;
-  const int64_t choice = knobs::get(knobs::Knob::kRopeKernel);
   const bool table_fits = 2 * p.R * opmath_bytes <= kMaxTableBytes;
-  const bool rows_kernel = choice == 1 || (choice != 0 && !table_fits);
-  TORCH_CHECK(rows_kernel || table_fits, "opforge::rope: expected rotary_dim of at most ",
-              num_str(kMaxTableBytes / (2 * opmath_bytes)), " on CUDA for ", ref.scalar_type(),
-              " with OPFORGE_ROPE_KERNEL=0 (its per-token table lives in shared memory), but got ", num_str(p.R),
-              "; unset OPFORGE_ROPE_KERNEL (the rows kernel takes any size) or run this size on the CPU");
+  const bool rows_kernel = !table_fits || knobs::get(knobs::Knob::kRopeRowsKernel) != 0;
   const bool table_in_opmath = p.cos.defined() && p.cos.scalar_type() != ref.scalar_type();
-  // The token kernel's register bound (12 blocks per SM) by default: H200, stop 22, bench_rope.py --quick, bf16
-  // 4x4096x32/8x128: forward+backward 181.8 us against 225.6 unbounded (knob 0); the whole-wave grid lost (200.1).
-  const TokenLaunch how{choice == 3 || choice == 5, choice == -1 || choice == 4 || choice == 5};
   OPFORGE_DISPATCH_FLOATING(ref.scalar_type(), "opforge::rope", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     auto launch = [&](auto trig) {
       using trig_t = decltype(trig);
-      if (choice == 2 && launch_heads<scalar_t, trig_t>(p, static_cast<int>(rows), T)) return;
       rows_kernel ? launch_rows<scalar_t, trig_t>(p, static_cast<int>(rows), T)
-                  : launch_token<scalar_t, trig_t>(p, static_cast<int>(rows), T, how);
+                  : launch_token<scalar_t, trig_t>(p, static_cast<int>(rows), T);
     };
     if (table_in_opmath) {
       launch(opmath_t{});

@@ -67,13 +67,13 @@ def ours_linear_gelu_tanh(x, w, b):
 
 
 def ours_linear_gemv(x, w, b):
-    """opforge.linear through the small-M GEMV kernel at any M <= 16 (OPFORGE_LINEAR_GEMV=1 for this call;
+    """opforge.linear through the small-M GEMV kernel at any M <= 16 (the test hook linear_gemv = 1 for this call;
     by default it serves M == 1 only)."""
-    old = torch.ops.opforge._set_knob("OPFORGE_LINEAR_GEMV", 1)
+    old = torch.ops.opforge._set_knob("linear_gemv", 1)
     try:
         return opforge.linear(x, w, b)
     finally:
-        torch.ops.opforge._set_knob("OPFORGE_LINEAR_GEMV", old)
+        torch.ops.opforge._set_knob("linear_gemv", old)
 
 
 def weight_copies(wbytes: int, cuda: bool) -> int:

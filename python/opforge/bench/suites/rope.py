@@ -10,11 +10,8 @@ Metric: GB/s by the minimal-bytes rule: q and k read and written once each way
 (cos/sin, read once per token, are not counted). Goal (H200, (4, 4096, 32 q heads, 8 kv heads, 128) bf16):
 forward+backward ≥ 0.9 × the copy ceiling (4269 GB/s measured on 2026-12-01).
 
-On CUDA, "opforge" is the default kernel (the per-token kernel where its table fits), "opforge token kernel" the
-per-token kernel (OPFORGE_ROPE_KERNEL=0), "opforge rows kernel" the rows kernel (OPFORGE_ROPE_KERNEL=1) and "opforge
-heads kernel" the heads kernel (OPFORGE_ROPE_KERNEL=2), "opforge token kernel, whole waves" the per-token kernel on
-a grid of whole waves (OPFORGE_ROPE_KERNEL=3), "..., 12 blocks/SM" with a register bound for 12 blocks per SM (4) and
-both (5), timed in the same run. "opforge rope_from_positions" is
+On CUDA, "opforge" is the default kernel (the per-token kernel where its table fits), "opforge rows kernel" the rows
+kernel (the test hook rope_rows_kernel = 1), timed in the same run. "opforge rope_from_positions" is
 the same rotation with the angles computed in the kernel from position_ids (arange(S), made once per shape), no
 cos/sin tensors. Before timing, opforge.rope's output is checked against opforge.testing's float64 reference.
 
@@ -97,10 +94,7 @@ def impls(device: str, use_compile: bool) -> dict:
 
 
 # impl -> (knob, value) set while that impl is timed (forward and backward), restored after
-KNOBS = {"opforge token kernel": ("OPFORGE_ROPE_KERNEL", 0), "opforge rows kernel": ("OPFORGE_ROPE_KERNEL", 1),
-         "opforge heads kernel": ("OPFORGE_ROPE_KERNEL", 2), "opforge token kernel, whole waves": ("OPFORGE_ROPE_KERNEL", 3),
-         "opforge token kernel, 12 blocks/SM": ("OPFORGE_ROPE_KERNEL", 4),
-         "opforge token kernel, 12 blocks/SM, whole waves": ("OPFORGE_ROPE_KERNEL", 5)}
+KNOBS = {"opforge rows kernel": ("rope_rows_kernel", 1)}
 
 
 def _timed(impl: str, time_it):
