@@ -242,6 +242,20 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 __all__ += ["FakeQuantLinear"]
 
 
+def _check_fake_quant_settings(in_features: int, weight_bits: int, group_size: int) -> None:
+    """Raises ValueError for the settings opforge::fake_quant_linear's checker refuses, in its words, so that a
+    FakeQuantLinear fails where it is built rather than at its first forward."""
+    prefix = "opforge.nn.FakeQuantLinear: expected"
+    if not 2 <= weight_bits <= 8:
+        raise ValueError(f"{prefix} weight_bits in [2, 8], but got {weight_bits}")
+    if group_size < -1:
+        raise ValueError(f"{prefix} group_size to be -1 (per channel), 0 (per tensor) or a positive divisor of "
+                         f"in_features, but got {group_size}")
+    if group_size > 0 and in_features % group_size != 0:
+        raise ValueError(f"{prefix} group_size to divide in_features {in_features} (groups run along K; -1 for per "
+                         f"channel, 0 for per tensor), but got {group_size}")
+
+
 class FakeQuantLinear(torch.nn.Linear):
     """y = fq_a(x) · fq_w(weight)ᵀ + bias through :func:`opforge.functional.fake_quant_linear` (QAT).
 
@@ -261,9 +275,7 @@ class FakeQuantLinear(torch.nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  weight_bits: int = 4, group_size: int = 32, symmetric: bool = True, act_quant: bool = True):
-        if int(group_size) > 0 and in_features % int(group_size) != 0:
-            raise ValueError(f"opforge.nn.FakeQuantLinear: expected group_size to divide in_features {in_features} "
-                             f"(or -1 per channel, 0 per tensor), but got {group_size}")
+        _check_fake_quant_settings(in_features, int(weight_bits), int(group_size))
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.weight_bits = int(weight_bits)
         self.group_size = int(group_size)
