@@ -637,9 +637,9 @@ def test_asymmetric_near_float32_max_through_fake_quant_linear(device):
 @pytest.mark.parametrize("group_size", [-1, 0, 32, 256])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_nan_and_extreme_ranges_cpu_equals_cuda(dtype, group_size, symmetric):
-    """With NaN, ±inf and ±3e38 weights the NaN pattern and every non-NaN bit agree between CPU and CUDA (NaN payloads may differ: the CPU keeps
-    its operand's, the GPU writes the canonical one); the vectorized, team-of-8, warp and block paths all run
-    (group lengths 32, 256, 512 and K 1024)."""
+    """With NaN, ±inf and ±3e38 weights the NaN pattern and every non-NaN bit agree between CPU and CUDA (NaN
+    payloads may differ: the CPU keeps its operand's, the GPU writes the canonical one); the vectorized, team-of-8,
+    warp and block paths all run (group lengths 32, 256, 512 and K 1024)."""
     torch.manual_seed(5)
     w = torch.randn(16, 1024)
     w[3, 100] = float("nan")
