@@ -28,9 +28,11 @@ def _commit() -> str:
 
 
 def _device_name(device: torch.device) -> str:
+    """The device as the banner and the CSV name it: the GPU's name, or ``cpu (N threads)`` (``1 thread``)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"cpu ({n} thread{'' if n == 1 else 's'})"
 
 
 def write_csv(path: Path, rows: List[dict]) -> None:
