@@ -1,5 +1,5 @@
-"""``python -m opforge demo`` / ``python -m opforge.demo``: the command line, the training run and the
-``--report`` throughput mode (see :mod:`opforge.demo` for what the demo shows)."""
+"""`python -m opforge demo` / `python -m opforge.demo`: the command line, the training run and the
+`--report` throughput mode (see `opforge.demo` for what the demo shows)."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +21,7 @@ from .report import _commit, _device_name, _fmt_mem, plot, print_table, unique_p
 from .train import Dist, Result, Trainer, _threads, check_agreement, init_distributed, train_lockstep, trainers_warmup, unwrap
 
 def run(args) -> dict:
-    """Train both models as ``args`` says (see :func:`build_parser`); returns the results as a dict."""
+    """Train both models as `args` says (see `build_parser`); returns the results as a dict."""
     t_start = time.perf_counter()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -294,7 +294,7 @@ def parse_args(argv=None, prog: str = "python -m opforge demo"):
 
 
 def cuda_unavailable_message(device: str) -> Optional[str]:
-    """One line saying why ``device`` (e.g. "cuda", "cuda:1") cannot be used here, or None when it can.
+    """One line saying why `device` (e.g. "cuda", "cuda:1") cannot be used here, or None when it can.
 
     Args:
         device: a torch device string.
@@ -316,10 +316,10 @@ def cuda_unavailable_message(device: str) -> Optional[str]:
 
 
 def main(argv=None, prog: str = "python -m opforge demo") -> int:
-    """Entry point of ``python -m opforge demo``.
+    """Entry point of `python -m opforge demo`.
 
     Returns:
-        The exit status: 0 when the run passed, 1 if the loss curves disagree (or a ``--report`` run failed),
+        The exit status: 0 when the run passed, 1 if the loss curves disagree (or a `--report` run failed),
         2 for a device this machine does not have (one line on stderr says why).
     """
     args = parse_args(argv, prog)

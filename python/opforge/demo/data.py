@@ -1,6 +1,6 @@
 """The demo's data: the bundled public-domain text as byte-level tokens, and a fixed, seeded batch order.
 
-Lewis Carroll's *Alice's Adventures in Wonderland* (``opforge/data/alice.txt``, see ``NOTICE``), one token per
+Lewis Carroll's *Alice's Adventures in Wonderland* (`opforge/data/alice.txt`, see `NOTICE`), one token per
 byte (vocabulary 256).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ def load_text(path: Path = DATA_FILE) -> torch.Tensor:
 
 @dataclass
 class Batches:
-    """Fixed, seeded data order: ``train[i]`` are the global batch's start offsets at step i."""
+    """Fixed, seeded data order: `train[i]` are the global batch's start offsets at step i."""
 
     tokens: torch.Tensor
     train_offsets: torch.Tensor  # [steps, B]

@@ -1,5 +1,5 @@
 """The demo's model: named sizes, the Llama configuration built from the command line, identical initial
-weights for every backend, and a CPU memory estimate (:class:`opforge.models.llama.Llama` is the model)."""
+weights for every backend, and a CPU memory estimate (`opforge.models.llama.Llama` is the model)."""
 from __future__ import annotations
 
 from typing import Dict
@@ -10,7 +10,7 @@ from ..models.llama import Llama, LlamaConfig
 
 
 #: Named sizes: model shape and run length. "small" is the CPU default (about two minutes on 2 cores),
-#: "medium" the CUDA default, "h200" the GPU throughput shape of ``--report`` (keeps an H200 busy: GEMMs of
+#: "medium" the CUDA default, "h200" the GPU throughput shape of `--report` (keeps an H200 busy: GEMMs of
 #: 16,384 x 2048 x 5504).
 SIZES: Dict[str, dict] = {
     "tiny": dict(d_model=64, layers=2, heads=4, seq=64, batch=8, steps=20, lr=3e-3),
@@ -23,7 +23,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside a DDP wrapper (``model.module``), or ``model`` itself."""
+    """The model inside a DDP wrapper (`model.module`), or `model` itself."""
     return getattr(model, "module", model)
 
 
@@ -33,8 +33,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def estimate_cpu_memory(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer_states: int = 2) -> int:
     """Bytes of the training step's peak, estimated without an allocator hook: parameters + gradients +
-    ``optimizer_states`` optimizer tensors per parameter (AdamW: 2) + the distinct storages saved for
-    backward by one forward (counted with ``torch.autograd.graph.saved_tensors_hooks``)."""
+    `optimizer_states` optimizer tensors per parameter (AdamW: 2) + the distinct storages saved for
+    backward by one forward (counted with `torch.autograd.graph.saved_tensors_hooks`)."""
     params = sum(_nbytes(p) for p in model.parameters())
     seen: Dict[int, int] = {}
 

@@ -28,7 +28,7 @@ def _commit() -> str:
 
 
 def _device_name(device: torch.device) -> str:
-    """The device as the banner and the CSV name it: the GPU's name, or ``cpu (N threads)`` (``1 thread``)."""
+    """The device as the banner and the CSV name it: the GPU's name, or `cpu (N threads)` (`1 thread`)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     n = torch.get_num_threads()
@@ -46,7 +46,7 @@ def write_csv(path: Path, rows: List[dict]) -> None:
 
 
 def plot(path: Path, results: List[Result], title: str) -> bool:
-    """Draws the results' loss curves into the PNG ``path``; False (and a note) when matplotlib is missing."""
+    """Draws the results' loss curves into the PNG `path`; False (and a note) when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -87,7 +87,7 @@ def print_table(rows: List[List[str]], header: List[str]) -> None:
 
 
 def unique_path(path: Path) -> Path:
-    """``path`` if no file has that name yet, else the first free ``<stem>-2<suffix>``, ``-3``, ...
+    """`path` if no file has that name yet, else the first free `<stem>-2<suffix>`, `-3`, ...
 
     Args:
         path: the wanted file name.

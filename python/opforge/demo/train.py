@@ -1,9 +1,9 @@
-"""The demo's training loop: distributed set-up (DDP, FSDP2), one :class:`Trainer` per model run in
+"""The demo's training loop: distributed set-up (DDP, FSDP2), one `Trainer` per model run in
 lock-step, the learning-rate schedule, evaluation, and the loss-agreement rule.
 
-Tolerances (see the :mod:`opforge.demo` docstring for their justification):
-``FP32_REL_TOL`` (every logged loss, fp32), ``BF16_REL_TOL`` (every logged loss, bf16) and
-``BF16_FINAL_REL_TOL`` (final validation loss, bf16).
+Tolerances (see the `opforge.demo` docstring for their justification):
+`FP32_REL_TOL` (every logged loss, fp32), `BF16_REL_TOL` (every logged loss, bf16) and
+`BF16_FINAL_REL_TOL` (final validation loss, bf16).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class Result:
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
-    """Linear warm-up for ``warmup`` steps, then cosine decay to lr/10 at the last step."""
+    """Linear warm-up for `warmup` steps, then cosine decay to lr/10 at the last step."""
     if step < warmup:
         return lr * (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup - 1)
@@ -138,13 +138,13 @@ def evaluate(loss_fn, batches: Batches, device, d: Dist) -> float:
 
 
 class Trainer:
-    """One model, its optimizer and its record; :meth:`step` runs one timed training step.
+    """One model, its optimizer and its record; `step` runs one timed training step.
 
     Several trainers run in lock-step (step i of every model, then step i+1), so a change in the machine's
     load (a shared CPU) affects every model alike; each step is timed on its own (CUDA: synchronized).
-    Memory: CUDA, the largest ``max_memory_allocated`` growth within one of this model's steps plus what
+    Memory: CUDA, the largest `max_memory_allocated` growth within one of this model's steps plus what
     the model holds between steps (parameters and optimizer state), so models sharing the GPU do not
-    count each other; CPU, :func:`estimate_cpu_memory`.
+    count each other; CPU, `estimate_cpu_memory`.
     """
 
     def __init__(self, backend: str, cfg: LlamaConfig, state: dict, batches: Batches, args, device: torch.device,
@@ -234,7 +234,7 @@ class Trainer:
 
 def train_lockstep(trainers: List[Trainer], steps: int, eval_every: int = 0, progress: bool = True,
                    record: bool = True, desc: str = "training") -> List[Result]:
-    """Train every trainer for ``steps`` steps in lock-step; evaluate every ``eval_every`` steps and at the end."""
+    """Train every trainer for `steps` steps in lock-step; evaluate every `eval_every` steps and at the end."""
     bar = None
     if progress and trainers and trainers[0].d.main:
         try:
@@ -297,7 +297,7 @@ def check_agreement(a: Result, b: Result, dtype_name: str) -> dict:
 
 
 def trainers_warmup(args) -> int:
-    """Untimed warm-up steps of a run of ``args.steps`` steps (see :class:`Trainer`)."""
+    """Untimed warm-up steps of a run of `args.steps` steps (see `Trainer`)."""
     return min(3, args.steps // 4)
 
 

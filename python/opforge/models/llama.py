@@ -1,29 +1,29 @@
 """A small Llama-style decoder-only language model, buildable from opforge ops or from torch.nn.
 
-Both backends have the same modules, parameter names and shapes, so one ``state_dict`` loads into
+Both backends have the same modules, parameter names and shapes, so one `state_dict` loads into
 either and the two train the same function from the same weights; only the kernels differ:
 
 ====================  =======================================  =====================================
 piece                 backend="opforge"                        backend="torch"
 ====================  =======================================  =====================================
-q/k/v projections     one GEMM (``qkv_proj``, opforge.linear)   one GEMM (``qkv_proj``, F.linear)
-o_proj, down_proj     :class:`opforge.nn.Linear`               :class:`torch.nn.Linear`
-norms                 :class:`opforge.nn.FusedAddRMSNorm`      ``x + residual``, :class:`torch.nn.RMSNorm`
+q/k/v projections     one GEMM (`qkv_proj`, opforge.linear)   one GEMM (`qkv_proj`, F.linear)
+o_proj, down_proj     `opforge.nn.Linear`               `torch.nn.Linear`
+norms                 `opforge.nn.FusedAddRMSNorm`      `x + residual`, `torch.nn.RMSNorm`
                       (residual add and norm in one op)
-MLP                   one gate/up GEMM (``gate_up_proj``),     one gate/up GEMM, ``F.silu(g) * u``
-                      :func:`opforge.swiglu` on its views
-RoPE                  :func:`opforge.rope` on the q/k views    rotate-half RoPE (torch ops)
+MLP                   one gate/up GEMM (`gate_up_proj`),     one gate/up GEMM, `F.silu(g) * u`
+                      `opforge.swiglu` on its views
+RoPE                  `opforge.rope` on the q/k views    rotate-half RoPE (torch ops)
                       (rotate-half torch ops if not built)
-loss                  :func:`opforge.linear_cross_entropy`     ``F.cross_entropy`` of fp32 logits
+loss                  `opforge.linear_cross_entropy`     `F.cross_entropy` of fp32 logits
                       (logits never materialised)
-attention             ``F.scaled_dot_product_attention(is_causal=True)`` (both)
-embedding             :class:`torch.nn.Embedding` (both)
+attention             `F.scaled_dot_product_attention(is_causal=True)` (both)
+embedding             `torch.nn.Embedding` (both)
 ====================  =======================================  =====================================
 
 q/k/v and gate/up are stored fused (one weight each) in both backends, so their state_dicts stay identical.
 
 Source: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"; Su et al. 2021,
-"RoFormer" (rotary position embedding); Hugging Face transformers' ``modeling_llama.py`` (module names).
+"RoFormer" (rotary position embedding); Hugging Face transformers' `modeling_llama.py` (module names).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ BACKENDS = ("opforge", "torch")
 
 @dataclass
 class LlamaConfig:
-    """Shape of a :class:`Llama` model.
+    """Shape of a `Llama` model.
 
     Args:
         vocab_size: V, number of token ids (256 for byte-level text). Default: 256.
@@ -164,14 +164,14 @@ class Attention(torch.nn.Module):
     """Causal multi-head (or grouped-query) self-attention with RoPE.
 
     y = o_proj(softmax(q·kᵀ/√H + causal mask)·v), [q, k, v] = qkv_proj(x) (one GEMM; q, k, v are column views
-    of its output), q and k rotated by RoPE (:func:`opforge.rope` with backend="opforge" when built); the softmax product is ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` (flash or
+    of its output), q and k rotated by RoPE (`opforge.rope` with backend="opforge" when built); the softmax product is `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` (flash or
     memory-efficient kernels where the device has them).
 
     Args:
-        config: the model's :class:`LlamaConfig`.
+        config: the model's `LlamaConfig`.
         backend: "opforge" or "torch": which Linear and RoPE the attention uses.
 
-    Parameters: ``qkv_proj.weight`` ((heads + 2·kv_heads)·H, D), ``o_proj.weight`` (D, heads·H).
+    Parameters: `qkv_proj.weight` ((heads + 2·kv_heads)·H, D), `o_proj.weight` (D, heads·H).
 
     Shape: x (B, T, D), cos/sin (T, H) -> (B, T, D).
     """
@@ -210,11 +210,11 @@ class FusedGatedMLP(torch.nn.Module):
     Args:
         hidden_size: D.
         intermediate_size: F.
-        backend: "opforge" (opforge.nn.Linear, :func:`opforge.swiglu` on the two column views of the fused
-            output) or "torch" (torch.nn.Linear, ``F.silu(g) * u``).
+        backend: "opforge" (opforge.nn.Linear, `opforge.swiglu` on the two column views of the fused
+            output) or "torch" (torch.nn.Linear, `F.silu(g) * u`).
         bias: biases on the projections. Default: False.
 
-    Parameters: ``gate_up_proj.weight`` (2F, D) (gate rows first, then up), ``down_proj.weight`` (D, F).
+    Parameters: `gate_up_proj.weight` (2F, D) (gate rows first, then up), `down_proj.weight` (D, F).
 
     Shape: (*, D) -> (*, D).
     """
@@ -237,11 +237,11 @@ class FusedGatedMLP(torch.nn.Module):
 
 
 class AddRMSNorm(torch.nn.RMSNorm):
-    """(rms_norm(x + residual), x + residual) from torch ops: :class:`torch.nn.RMSNorm` (same
-    constructor, ``weight`` (D,) and state_dict) whose forward also takes the residual stream; the
-    torch.nn twin of :class:`opforge.nn.FusedAddRMSNorm`.
+    """(rms_norm(x + residual), x + residual) from torch ops: `torch.nn.RMSNorm` (same
+    constructor, `weight` (D,) and state_dict) whose forward also takes the residual stream; the
+    torch.nn twin of `opforge.nn.FusedAddRMSNorm`.
 
-    Shape: x, residual (*, D) -> (output, residual_out), each (*, D). ``residual=None`` means no add.
+    Shape: x, residual (*, D) -> (output, residual_out), each (*, D). `residual=None` means no add.
     """
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
@@ -270,13 +270,13 @@ def _add_norm(backend: str, config: LlamaConfig, **kw) -> torch.nn.Module:
 class Block(torch.nn.Module):
     """One pre-norm decoder block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
 
-    The residual adds are folded into the next norm (vLLM's layout): ``forward(x, residual)`` receives
+    The residual adds are folded into the next norm (vLLM's layout): `forward(x, residual)` receives
     the previous block's MLP output and the running residual stream, and returns its own MLP output
-    and the updated stream, so every add+norm pair is one :func:`opforge.functional.fused_add_rms_norm`
+    and the updated stream, so every add+norm pair is one `opforge.functional.fused_add_rms_norm`
     with backend="opforge".
 
     Args:
-        config: the model's :class:`LlamaConfig`.
+        config: the model's `LlamaConfig`.
         backend: "opforge" or "torch".
 
     Shape: x, residual (B, T, D) -> (mlp_out, residual), each (B, T, D); residual=None for the first block.
@@ -301,18 +301,18 @@ class Llama(torch.nn.Module):
     """logits = lm_head(norm(blocks(embed(tokens)))): a Llama-style decoder-only language model.
 
     Args:
-        config: :class:`LlamaConfig`.
+        config: `LlamaConfig`.
         backend: "opforge" (opforge.nn.Linear, FusedAddRMSNorm, swiglu, rope, linear_cross_entropy) or
             "torch" (torch.nn.Linear, torch.nn.RMSNorm, F.silu(g)·u, rotate-half RoPE, F.cross_entropy).
             Default: "opforge".
         device, dtype: factory keyword arguments for the parameters (all parameters share one dtype;
             activations run in it).
 
-    Parameters (identical names and shapes for both backends): ``embed.weight`` (V, D);
-    ``layers.{i}.attn_norm.weight`` (D,); ``layers.{i}.attn.qkv_proj.weight`` (D + 2·kv_heads·H, D) (q, k, v
-    rows); ``layers.{i}.attn.o_proj.weight`` (D, D); ``layers.{i}.mlp_norm.weight`` (D,);
-    ``layers.{i}.mlp.gate_up_proj.weight`` (2F, D) (gate, up rows); ``layers.{i}.mlp.down_proj.weight`` (D, F);
-    ``norm.weight`` (D,); ``lm_head.weight`` (V, D). No biases.
+    Parameters (identical names and shapes for both backends): `embed.weight` (V, D);
+    `layers.{i}.attn_norm.weight` (D,); `layers.{i}.attn.qkv_proj.weight` (D + 2·kv_heads·H, D) (q, k, v
+    rows); `layers.{i}.attn.o_proj.weight` (D, D); `layers.{i}.mlp_norm.weight` (D,);
+    `layers.{i}.mlp.gate_up_proj.weight` (2F, D) (gate, up rows); `layers.{i}.mlp.down_proj.weight` (D, F);
+    `norm.weight` (D,); `lm_head.weight` (V, D). No biases.
 
     Shape: tokens (B, T) int64 with T ≤ config.max_seq_len -> logits (B, T, V) in the parameters' dtype.
 
@@ -373,7 +373,7 @@ class Llama(torch.nn.Module):
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy in float32: tokens, targets (B, T) int64 -> scalar float32.
 
-        backend="opforge": :func:`opforge.linear_cross_entropy` of the hidden states and lm_head's weight (the
+        backend="opforge": `opforge.linear_cross_entropy` of the hidden states and lm_head's weight (the
         (B·T, V) logits are never materialised) when the build has it; otherwise, and for backend="torch",
         F.cross_entropy of the float32 logits.
         """
