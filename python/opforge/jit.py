@@ -13,10 +13,11 @@ a second one would register the `opforge` namespace twice). `my_op.cpp` adds its
 and may include `opforge/opforge.h` and the `core/*.h` helpers.
 
 Environment (read by `import opforge`):
-    OPFORGE_LIBRARY=jit: build and load with `load` instead of the installed library.
-    OPFORGE_JIT_SOURCES: extra `.cpp`/`.cu` files, separated by `os.pathsep` (`:`).
-    OPFORGE_JIT_VERBOSE=1: show the compiler's commands and output (by default one line before the build
-        and one after it, with the seconds it took, go to stderr; OPFORGE_JIT_VERBOSE=0 silences them).
+
+- `OPFORGE_LIBRARY=jit`: build and load with `load` instead of the installed library.
+- `OPFORGE_JIT_SOURCES`: extra `.cpp`/`.cu` files, separated by `os.pathsep` (`:`).
+- `OPFORGE_JIT_VERBOSE=1`: show the compiler's commands and output (by default one line before the build
+  and one after it, with the seconds it took, go to stderr; `OPFORGE_JIT_VERBOSE=0` silences them).
 
 The build is cached by torch (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`): an
 unchanged source tree loads in about a second; the first build compiles every `csrc` file (minutes
@@ -41,6 +42,9 @@ NAME = "opforge_jit"
 def source_dir() -> Path:
     """The opforge source checkout this package sits in (`<root>/python/opforge` -> `<root>`).
 
+    Returns:
+        Path of the checkout: `OPFORGE_SOURCE_DIR` if set, else the folder two levels above this package.
+
     Raises:
         RuntimeError: this copy of the package is installed (no `csrc` beside it); set
             `OPFORGE_SOURCE_DIR` to a checkout, or run with `PYTHONPATH=<checkout>/python`.
@@ -64,10 +68,10 @@ def load(extra_sources: Iterable[str | os.PathLike] = (), verbose: bool = False)
     """Compile every opforge source (+ `extra_sources`) into one library and load it into `torch.ops`.
 
     Args:
-        extra_sources: paths of extra `.cpp` (or `.cu`, with a CUDA torch) files compiled into the
-            same library, e.g. a new op's schema (`TORCH_LIBRARY_FRAGMENT(opforge, m)`) and kernels.
-            Default: none.
-        verbose: print the build commands and compiler output. Default: False.
+        extra_sources: iterable of str or os.PathLike. Extra `.cpp` (or `.cu`, with a CUDA torch) files
+            compiled into the same library, e.g. a new op's schema (`TORCH_LIBRARY_FRAGMENT(opforge, m)`) and
+            kernels. Default: none.
+        verbose: bool. Print the build commands and compiler output. Default: False.
 
     Returns:
         Path of the loaded shared library.

@@ -260,8 +260,8 @@ def _proj(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Linear) -> torc
 
 
 def _swiglu_packed(owner: torch.nn.Module, gu: torch.Tensor) -> torch.Tensor:
-    """swiglu of the fused gate/up output gu (*, 2I): opforge.swiglu_packed (one gradient (*, 2I) in backward, no
-    cat of two halves), or torch math while torch.compile traces (inductor_math)."""
+    """swiglu of the fused gate/up output gu `(*, 2I)`: `opforge.swiglu_packed` (one gradient `(*, 2I)` in
+    backward, no cat of two halves), or torch math while torch.compile traces (inductor_math)."""
     if _torch_math(owner):
         gate, up = gu.chunk(2, dim=-1)
         return TF.silu(gate) * up
@@ -274,7 +274,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """RoPE (rotate-half) of q (B, Hq, S, D) and k (B, Hk, S, D) with transformers' cos/sin (B, S, R)."""
+    """RoPE (rotate-half) of q `(B, Hq, S, D)` and k `(B, Hk, S, D)` with transformers' cos/sin `(B, S, R)`."""
     rotary_dim = cos.shape[-1]
     if _ROPE is not None:
         return _ROPE(q, k, cos, sin, rotary_dim=None if rotary_dim == q.shape[-1] else rotary_dim)
@@ -438,7 +438,7 @@ class FusedProjectionSlice(torch.nn.Module):
     in-place writes reach it); calling it computes y = x · weightᵀ + bias for this slice alone. The patched
     forwards never call it: they run the fused GEMM once and take column views of its output.
 
-    Shape: (*, in_features) -> (*, out_features).
+    Shape: `(*, in_features)` -> `(*, out_features)`.
     """
 
     def __init__(self, fused: torch.nn.Linear, start: int, stop: int):
@@ -997,7 +997,14 @@ def _apply_modules(model: torch.nn.Module, report: PatchReport, done: set, *, li
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    """True when `apply` changed `model` (or one of its submodules) and `revert` has not undone it."""
+    """True when `apply` changed `model` (or one of its submodules) and `revert` has not undone it.
+
+    Args:
+        model: torch.nn.Module. The model to look at.
+
+    Returns:
+        bool.
+    """
     return any(_is_patched_class(m) or "_opforge_swapped" in m.__dict__ for m in model.modules())
 
 
@@ -1007,17 +1014,17 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
     """Patch `model` in place to run on opforge ops (see the module docstring); `revert` undoes it.
 
     Args:
-        model: a torch.nn.Module, typically a transformers `LlamaForCausalLM` (Mistral, Qwen2, Qwen3 ...),
+        model: torch.nn.Module. Typically a transformers `LlamaForCausalLM` (Mistral, Qwen2, Qwen3 ...),
             with its weights loaded (patch after `from_pretrained`, before building the optimizer and
             before wrapping in DDP/FSDP or compiling).
-        decoder: patch Llama-family decoder layers (fused add+norm, fused q/k/v and gate/up GEMMs, RoPE,
+        decoder: bool. Patch Llama-family decoder layers (fused add+norm, fused q/k/v and gate/up GEMMs, RoPE,
             SwiGLU). Default: True.
-        loss: with `labels`, compute a `*ForCausalLM`'s loss by opforge.linear_cross_entropy (logits not
+        loss: bool. With `labels`, compute a `*ForCausalLM`'s loss by opforge.linear_cross_entropy (logits not
             materialised; `outputs.logits` is None). Default: True.
-        inductor_math: while torch.compile traces, run the norms, SwiGLU and projections of the patched
+        inductor_math: bool. While torch.compile traces, run the norms, SwiGLU and projections of the patched
             layers as torch math, so Inductor fuses them with their neighbours. Default: False (opforge's ops
             stay opaque in the graph: 2.9 % less GPU time a step on the H200, see the module docstring).
-        recompute: selective activation recomputation in the patched decoder layers (eager training only): the
+        recompute: bool. Selective activation recomputation in the patched decoder layers (eager training only): the
             GEMMs' inputs that are cheap to compute again are not kept for backward but computed again, bitwise,
             when backward needs them: input_layernorm's output (kept by the q/k/v GEMM; again rms_norm of the
             layer input, which rms_norm keeps anyway), post_attention_layernorm's output (kept by the gate/up GEMM;
@@ -1035,14 +1042,14 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             GEMM keeps its own low-precision copy of a norm's output, so the norms' share is not saved there.
             Without opforge.rope, or with q/k norms (Qwen3), v is not copied (q/k keep the fused output anyway).
             Default: True.
-        linear: swap the remaining plain torch.nn.Linear modules for opforge.nn.Linear. Default: True.
-        rms_norm: swap the remaining Llama-style RMSNorm modules for opforge.nn.RMSNorm. Default: True.
-        mlp: swap the remaining SiLU-gated MLPs for opforge.nn.GatedMLP. Default: True.
-        check: for a `*ForCausalLM` with real weights, run a forward on 2×7 random tokens before and after
+        linear: bool. Swap the remaining plain torch.nn.Linear modules for opforge.nn.Linear. Default: True.
+        rms_norm: bool. Swap the remaining Llama-style RMSNorm modules for opforge.nn.RMSNorm. Default: True.
+        mlp: bool. Swap the remaining SiLU-gated MLPs for opforge.nn.GatedMLP. Default: True.
+        check: bool. For a `*ForCausalLM` with real weights, run a forward on 2×7 random tokens before and after
             patching (eval mode, no grad); if the logits differ by more than 1e-4 (float32/64) or 5e-2
             (16-bit) of their largest magnitude, undo everything and report why. Default: True.
-        strict: raise instead of warning when some module could not be patched. Default: False.
-        verbose: print the report. Default: False.
+        strict: bool. Raise instead of warning when some module could not be patched. Default: False.
+        verbose: bool. Print the report. Default: False.
 
     Returns:
         `PatchReport`: the patched modules and those left unchanged, with the reason.
@@ -1138,11 +1145,14 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
 
 
 def revert(model: torch.nn.Module) -> int:
-    """Undo `apply` on `model`, in place: transformers' classes and forwards come back, the fused
-    projections are split back into the original `torch.nn.Linear` modules (their original `Parameter`
-    objects, holding the current values), swapped modules are put back holding the current parameters.
+    """Undo `apply` on `model`, in place: transformers' classes and forwards come back.
 
-    Build a new optimizer afterwards (the fused parameters are gone).
+    The fused projections are split back into the original `torch.nn.Linear` modules (their original
+    `Parameter` objects, holding the current values), swapped modules are put back holding the current
+    parameters. Build a new optimizer afterwards (the fused parameters are gone).
+
+    Args:
+        model: torch.nn.Module. A model `apply` patched (anything else is left as it is).
 
     Returns:
         int: the number of modules restored (0 when `model` was not patched).

@@ -206,7 +206,7 @@ def relative_error(actual: Tensor, reference: Tensor) -> float:
 
 
 def gemm_error_bound(input: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """K · u · (|input| · |weight|ᵀ), u = eps(dtype) / 2: bounds the rounding error of input · weightᵀ in `dtype`.
+    """K · u · (|input| · |weight|ᵀ), u = eps(dtype) / 2: bounds the rounding error of input·weightᵀ in `dtype`.
 
     It holds for any summation order (Higham, "Accuracy and Stability of Numerical Algorithms", §3.5, γ_K ≈ K·u
     to first order). A correct GEMM always meets it; an indexing or accumulation bug misses it by orders of
