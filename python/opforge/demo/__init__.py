@@ -14,9 +14,9 @@ the same order with the same optimizer and learning-rate schedule, so their loss
   validation 3.6e-3; the bounds leave about 6x of room for other sizes, devices and kernels.
 
 Measured for fp32 on the CPU default (`--size small`: 450 steps, lr 1.5e-3, gradient clipping 1.0):
-largest difference 3.3e-6 (9.5e-7 at 200 steps). Training is chaotic at higher learning rates: at lr 3e-3 without clipping
-the curves drift to 1.5e-3 apart (each still converging to the same loss), which is why the default
-clips the gradient norm and keeps the peak learning rate at 1.5e-3.
+largest difference 3.3e-6 (9.5e-7 at 200 steps). Training is chaotic at higher learning rates: at lr 3e-3
+without clipping the curves drift to 1.5e-3 apart (each still converging to the same loss), which is why the
+default clips the gradient norm and keeps the peak learning rate at 1.5e-3.
 
 Ends with a table (final train/validation loss, tokens/s and their ratio, peak memory), a PNG of the
 two loss curves, a CSV row per model (`--csv`) and a sample of text
@@ -33,8 +33,8 @@ tokens/s of opforge eager and compiled against torch.nn eager and compiled, bf16
 8 layers, sequence 2048, batch 8: 16,384 tokens a step), 20 steps of which the first 3 (compilation,
 allocator and GEMM-algorithm warm-up) are not timed. Prints a table, appends one row per run to
 `<out>/llama_report_cuda.csv` (GPU name, torch version, commit; the recorded runs pass
-`--out benchmarks/results`) and draws the four runs' loss curves in a PNG beside it. `python -m opforge llama` is the same command as
-`demo`.
+`--out benchmarks/results`) and draws the four runs' loss curves in a PNG beside it. `python -m opforge llama`
+is the same command as `demo`.
 
 Distributed: run under `torchrun --nproc_per_node=N -m opforge.demo --parallel ddp|fsdp`; every rank
 takes an equal slice of the same global batch (gloo on CPU, nccl on CUDA; FSDP2 is
