@@ -5,7 +5,8 @@
 #   ob_pip pytest tqdm sklearn=scikit-learn   # module[=requirement]: pip-installs the ones not importable
 #   ob_build_tools                    # CMake >= 3.26 and ninja (from PyPI when missing or older)
 #   ob_gtest                          # GoogleTest headers (apt-get, as root)
-#   ob_apt ccache g++                 # system packages whose command is missing (apt-get, as root)
+#   ob_apt ccache g++                 # system packages whose command is missing (apt-get, as root; it names
+#                                     # them first, and without root prints the sudo command and fails)
 #
 # Everything goes into the Python of $PYTHON (default python3): a virtual environment when one is active
 # (recommended: python3 -m venv .venv && . .venv/bin/activate), else the system's. ob_build_tools puts that
@@ -73,9 +74,11 @@ ob_apt() {  # command names (or a path for a header); installs the Debian packag
   done
   [ ${#pkgs[@]} -gt 0 ] || return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "bootstrap: installing the system packages ${pkgs[*]} with apt-get (system packages need root; running as root)" >&2
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
   else
-    echo "bootstrap: missing ${pkgs[*]}: install them (Debian/Ubuntu: sudo apt-get install ${pkgs[*]})" >&2
+    echo "bootstrap: missing the system packages ${pkgs[*]}; installing them needs root: run" \
+         "sudo apt-get install ${pkgs[*]} (Debian/Ubuntu), then this script again" >&2
     return 1
   fi
 }

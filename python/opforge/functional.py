@@ -1,9 +1,9 @@
 """Functional API: one typed function per opforge operator.
 
-Each function calls ``torch.ops.opforge.<op>``; the checks, kernels and gradients live in C++.
+Each function calls `torch.ops.opforge.<op>`; the checks, kernels and gradients live in C++.
 
 Mixed-dtype policy (the same on CPU, CUDA and Meta): the output, and all computation, take the dtype
-of ``input``. A parameter of another floating dtype (``weight``, ``bias``, ``other``) is converted to
+of `input`. A parameter of another floating dtype (`weight`, `bias`, `other`) is converted to
 input's dtype once on entry, and its gradient is returned in the parameter's own dtype. float16 and
 bfloat16 are computed in float32 (loads and stores in the storage dtype).
 
@@ -20,10 +20,10 @@ from torch import Tensor
 
 __all__ = ["LINEAR_ACTIVATIONS", "fused_add_rms_norm", "linear", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
 __all__ += ["swiglu_packed"]
-__all__ += ["linear_cat", "indexed_linear"]  # linear variants (issue 11)
+__all__ += ["linear_cat", "indexed_linear"]  # linear variants
 
 
-#: The activations of :func:`linear`, by name.
+#: The activations of `linear`, by name.
 LINEAR_ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
 # The wrappers' bodies (docs/performance/overhead.md measures each layer, in instructions per call): the C++ op
@@ -38,7 +38,7 @@ _is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.comp
 
 # Bound once, at import: the wrappers read module globals (no attribute lookups per call).
 def _bind(name: str):
-    """(OpOverload, its C++ callable ``_op``) of ``torch.ops.opforge.<name>.default``."""
+    """(OpOverload, its C++ callable `_op`) of `torch.ops.opforge.<name>.default`."""
     op = getattr(torch.ops.opforge, name).default
     return op, op._op
 
@@ -55,52 +55,56 @@ _fused_add_rms_norm_op, _fused_add_rms_norm_call = _bind("fused_add_rms_norm")
 
 
 def _missing_tensor(op: str, **args) -> None:
-    """Raises the op's own error for a None where it needs a tensor. Called only after the dispatcher failed
-    (no argument was a tensor, so it could pick no kernel and its message names no op): the fast path pays
-    nothing (an exception handler costs nothing until it runs). Returns if no argument is None."""
+    """Raises the op's own error for a None where it needs a tensor.
+
+    Called only after the dispatcher failed (no argument was a tensor, so it could pick no kernel and its message
+    names no op): the fast path pays nothing (an exception handler costs nothing until it runs). Returns if no
+    argument is None.
+    """
     for name, value in args.items():
         if value is None:
             raise ValueError(f"opforge::{op}: expected {name} to be a tensor, but got None") from None
 
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
-    """y = act(input · weightᵀ + bias); with ``activation="none"`` exactly :func:`torch.nn.functional.linear`.
+    """y = act(input · weightᵀ + bias); with `activation="none"` exactly `torch.nn.functional.linear`.
 
     Args:
-        input: (*, K) float64, float32, float16 or bfloat16. Any batch dims (M = prod(*) rows, may be 0),
-            any strides.
-        weight: (N, K) floating, any strides. Converted to input's dtype if it differs; its gradient
-            comes back in weight's own dtype.
-        bias: (N,) floating, or None (no bias). Converted like weight; its gradient comes back in bias's
-            dtype. Default: None.
-        activation: str. Applied to z = input · weightᵀ + bias: ``"none"`` (y = z), ``"relu"``
-            (max(z, 0)), ``"gelu"`` (z · Φ(z), the erf form, ``F.gelu(z)``), ``"gelu_tanh"`` (the tanh
-            approximation, ``F.gelu(z, approximate="tanh")``) or ``"silu"`` (z · σ(z)). Default: "none".
+        input: `(*, K)` float64, float32, float16 or bfloat16. The rows: any batch dims (M = prod of the batch
+            dims, may be 0), any strides.
+        weight: `(N, K)` floating, any strides. The weight; converted to input's dtype if it differs, its
+            gradient comes back in weight's own dtype.
+        bias: `(N,)` floating, or None. The bias; converted like weight, its gradient comes back in bias's
+            dtype. Default: None (no bias).
+        activation: str. Applied to z = input · weightᵀ + bias: `"none"` (y = z), `"relu"` (max(z, 0)),
+            `"gelu"` (z · Φ(z), the erf form, `F.gelu(z)`), `"gelu_tanh"` (the tanh approximation,
+            `F.gelu(z, approximate="tanh")`) or `"silu"` (z · σ(z)). Default: `"none"`.
 
     Returns:
-        (*, N) contiguous tensor in input's dtype. With K = 0, z is the bias broadcast (zeros without
-        bias); with M = 0 the weight and bias gradients are zeros.
+        `(*, N)` contiguous tensor in input's dtype. With K = 0, z is the bias broadcast (zeros without
+            bias); with M = 0 the weight and bias gradients are zeros.
 
     Raises:
         ValueError: input of rank 0; weight not 2-D; input's last dim != weight's in_features K;
-            bias not of shape (N,); an activation not in ``LINEAR_ACTIVATIONS`` (the message lists them
+            bias not of shape `(N,)`; an activation not in `LINEAR_ACTIVATIONS` (the message lists them
             and names the given one).
         TypeError: any tensor with an integer, bool or complex dtype.
         RuntimeError: tensors on different devices (the message names both); on CUDA, M, K or N above
-            2**31 - 1 (cuBLAS takes int dimensions). Double backward (``create_graph=True``, ``gradgradcheck``,
-            ``torch.func`` transforms nested) is supported: the backward is itself differentiable.
+            2**31 - 1 (cuBLAS takes int dimensions).
 
     Numerics: CPU through ATen's GEMM (at::addmm / at::mm) and ATen's activation functions. CUDA through
     cuBLASLt with the bias, relu and gelu_tanh fused into the GEMM's epilogue (gelu and silu: one
     elementwise pass after it, in float32 math), falling back to cublasGemmEx where cuBLASLt declines
     (float64, unusual alignments); float16/bfloat16 accumulate in float32, float32 uses TF32 only when
-    ``torch.backends.cuda.matmul.allow_tf32`` is set. Backward: dz = dy · act'(z) in float32 math, from
+    `torch.backends.cuda.matmul.allow_tf32` is set. Backward: dz = dy · act'(z) in float32 math, from
     the pre-activation z kept by the forward only when a gradient is needed (relu keeps nothing extra: its
     output decides); grad_bias is the sum of dz over all rows, accumulated in float32 (float64 for
     float64) and rounded once to bias's dtype (on CUDA fused into the grad_weight GEMM, cuBLASLt BGRADB).
+    Double backward (`create_graph=True`, `gradgradcheck`, nested `torch.func` transforms) is supported:
+    the backward is itself differentiable.
 
-    Source: torch.nn.functional.linear and torch.nn.functional.relu / gelu / silu; gradients
-    dX = dZ·W, dW = dZᵀ·X, db = Σ_rows dZ (``torch.ops.opforge.linear_backward``).
+    Source: `torch.nn.functional.linear` and `torch.nn.functional.relu` / `gelu` / `silu`; gradients
+    dX = dZ·W, dW = dZᵀ·X, db = Σ_rows dZ (`torch.ops.opforge.linear_backward`).
     """
     if _is_dynamo_compiling():
         return _linear_op(input, weight, bias, activation)
@@ -114,10 +118,10 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
 
 
 def sigmoid(input: Tensor) -> Tensor:
-    """y = 1 / (1 + exp(−input)), elementwise, as :func:`torch.sigmoid`.
+    """y = 1 / (1 + exp(−input)), elementwise, as `torch.sigmoid`.
 
     Args:
-        input: (*) float64, float32, float16 or bfloat16, any strides.
+        input: `(*)` float64, float32, float16 or bfloat16, any strides. The values.
 
     Returns:
         Tensor of input's shape and dtype, contiguous.
@@ -126,10 +130,10 @@ def sigmoid(input: Tensor) -> Tensor:
         TypeError: integer, bool or complex input.
 
     Numerics: computed in float32 for float16/bfloat16 and rounded once, so the result equals
-    ``torch.sigmoid(input.float()).to(input.dtype)``. Saturates to exactly 0 (input → −inf) and
+    `torch.sigmoid(input.float()).to(input.dtype)`. Saturates to exactly 0 (input → −inf) and
     exactly 1 (input → +inf), never NaN for non-NaN input. Gradient: dy · y · (1 − y), from the saved output.
 
-    Source: the logistic function; reference torch.sigmoid.
+    Source: the logistic function; reference `torch.sigmoid`.
     """
     if _is_dynamo_compiling():
         return _sigmoid_op(input)
@@ -144,7 +148,7 @@ def square(input: Tensor) -> Tensor:
     """y = input², elementwise.
 
     Args:
-        input: (*) float64, float32, float16 or bfloat16, any strides.
+        input: `(*)` float64, float32, float16 or bfloat16, any strides. The values.
 
     Returns:
         Tensor of input's shape and dtype.
@@ -154,7 +158,7 @@ def square(input: Tensor) -> Tensor:
 
     Numerics: float32 math for float16/bfloat16. Gradient: 2 · input · dy.
 
-    Source: torch.square.
+    Source: `torch.square`.
     """
     if _is_dynamo_compiling():
         return _square_op(input)
@@ -166,16 +170,16 @@ def square(input: Tensor) -> Tensor:
 
 
 def square_add(input: Tensor, other: Tensor) -> Tensor:
-    """y = input² + other, with ``other`` broadcastable to input's shape.
+    """y = input² + other, with `other` broadcastable to input's shape.
 
     Args:
-        input: (*) float64, float32, float16 or bfloat16, any strides.
-        other: any shape that broadcasts to input's shape (e.g. (N,) for input (M, N), or a scalar
-            tensor); converted to input's dtype if it differs.
+        input: `(*)` float64, float32, float16 or bfloat16, any strides. The squared term.
+        other: any shape that broadcasts to input's (e.g. `(N,)` for input `(M, N)`, or a scalar tensor),
+            floating. The added term; converted to input's dtype if it differs.
 
     Returns:
         Tensor of input's shape and dtype (the output never takes other's shape: other must broadcast
-        to input, not the reverse).
+            to input, not the reverse).
 
     Raises:
         ValueError: other does not broadcast to input's shape.
@@ -185,7 +189,7 @@ def square_add(input: Tensor, other: Tensor) -> Tensor:
     Numerics: float32 math for float16/bfloat16 (one rounding). Gradients: 2 · input · dy for input;
     dy summed over the broadcast dims for other (float32 accumulation), in other's dtype.
 
-    Source: the seeds' elementwise example, y = x² + b.
+    Source: the elementwise example op y = x² + b.
     """
     if _is_dynamo_compiling():
         return _square_add_op(input, other)
@@ -200,8 +204,8 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """y = silu(gate) · up = gate · σ(gate) · up, elementwise: the gated activation of Llama-style MLPs.
 
     Args:
-        gate: (*) float64, float32, float16 or bfloat16, any strides. The pre-activation x·W_gateᵀ.
-        up: (*) of gate's shape, floating; converted to gate's dtype if it differs. The value x·W_upᵀ.
+        gate: `(*)` float64, float32, float16 or bfloat16, any strides. The pre-activation x·W_gateᵀ.
+        up: `(*)` of gate's shape, floating. The value x·W_upᵀ; converted to gate's dtype if it differs.
 
     Returns:
         Tensor of gate's shape and dtype.
@@ -212,9 +216,10 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
         RuntimeError: gate and up on different devices.
 
     Numerics: float32 math for float16/bfloat16, one rounding. Backward is one fused pass: with
-    s = σ(gate), grad_gate = dy · up · s · (1 + gate · (1 − s)), grad_up = dy · gate · s (grad_up in up's dtype).
+    s = σ(gate), grad_gate = dy · up · s · (1 + gate · (1 − s)), grad_up = dy · gate · s (grad_up in up's
+    dtype).
 
-    Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference F.silu(gate) * up.
+    Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference `F.silu(gate) * up`.
     """
     if _is_dynamo_compiling():
         return _swiglu_op(gate, up)
@@ -226,33 +231,33 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 
 def swiglu_packed(input: Tensor) -> Tensor:
-    """y = silu(input[..., :I]) · input[..., I:]: :func:`swiglu` over one packed ``[gate | up]`` tensor.
+    """y = silu(input[..., :I]) · input[..., I:]: `swiglu` over one packed `[gate | up]` tensor.
 
-    The output of a fused gate/up projection (one GEMM, ``(*, 2I)``) goes in as it is; the gradient comes back as
-    one ``(*, 2I)`` tensor written by one fused pass, where ``swiglu(gu[..., :I], gu[..., I:])`` returns two
+    The output of a fused gate/up projection (one GEMM, `(*, 2I)`) goes in as it is; the gradient comes back as
+    one `(*, 2I)` tensor written by one fused pass, where `swiglu(gu[..., :I], gu[..., I:])` returns two
     gradients that autograd then concatenates.
 
     Args:
-        input: (*, 2I) float64, float32, float16 or bfloat16, any strides; at least 1-D, last dimension even.
-            gate = input[..., :I] (the pre-activation x·W_gateᵀ), up = input[..., I:] (x·W_upᵀ).
+        input: `(*, 2I)` float64, float32, float16 or bfloat16, any strides; at least 1-D, last dimension even.
+            gate = `input[..., :I]` (the pre-activation x·W_gateᵀ), up = `input[..., I:]` (x·W_upᵀ).
 
     Returns:
-        Tensor (*, I) of input's dtype, contiguous.
+        Tensor `(*, I)` of input's dtype, contiguous.
 
     Raises:
         ValueError: input None or 0-d, or its last dimension odd
-            ("opforge::swiglu_packed: expected input's last dimension to be even ..., but got 7").
+            (`opforge::swiglu_packed: expected input's last dimension to be even ..., but got 7`).
         TypeError: an integer, bool or complex input.
 
-    Numerics: float32 math for float16/bfloat16, one rounding; bitwise equal to :func:`swiglu` on the two halves,
-    forward and both halves of the gradient. Backward (``opforge::swiglu_packed_backward``): with s = σ(gate),
+    Numerics: float32 math for float16/bfloat16, one rounding; bitwise equal to `swiglu` on the two halves,
+    forward and both halves of the gradient. Backward (`opforge::swiglu_packed_backward`): with s = σ(gate),
     grad_input[..., :I] = dy · up · s · (1 + gate · (1 − s)), grad_input[..., I:] = dy · gate · s, in input's
     dtype, contiguous. On CUDA row-strided inputs (a column slice of a wider row) are read in place and both
     gradient halves are written by one pass; other layouts go through one contiguous copy. On the CPU any input
     whose last dimension has stride 1 is read in place and both gradient halves are written by one pass too.
 
     Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference
-    ``F.silu(input[..., :I]) * input[..., I:]``.
+    `F.silu(input[..., :I]) * input[..., I:]`.
     """
     if _is_dynamo_compiling():
         return _swiglu_packed_op(input)
@@ -267,6 +272,7 @@ _Shape = Union[int, Sequence[int], torch.Size]
 
 
 def _as_shape(normalized_shape: _Shape, op: str = "rms_norm") -> list:
+    """normalized_shape as a list of ints (or SymInts); TypeError naming `op` for anything else."""
     if isinstance(normalized_shape, (int, torch.SymInt)):
         return [normalized_shape]
     if isinstance(normalized_shape, (list, tuple)):
@@ -285,18 +291,19 @@ def _as_shape(normalized_shape: _Shape, op: str = "rms_norm") -> list:
 
 def rms_norm(input: Tensor, normalized_shape: _Shape, weight: Optional[Tensor] = None,
              eps: Optional[float] = None) -> Tensor:
-    """y = input / sqrt(mean(input², over the normalized dims) + eps) · weight, as :func:`torch.nn.functional.rms_norm`.
+    """y = input / sqrt(mean(input², over the normalized dims) + eps) · weight, as `torch.nn.functional.rms_norm`.
 
     Args:
-        input: (*, *normalized_shape) float64, float32, float16 or bfloat16. Any strides.
-        normalized_shape: the trailing dims normalized over, e.g. ``(N,)`` or ``N``; at least one dim.
-        weight: (*normalized_shape) floating, or None (no scale). Converted to input's dtype if it
-            differs. Default: None.
-        eps: added to the mean square before the square root. Default: None, meaning the machine
-            epsilon of the compute type: ``torch.finfo(torch.float32).eps`` (1.19e-07) for float32,
-            float16 and bfloat16 input, ``torch.finfo(torch.float64).eps`` for float64. This is what
-            torch.nn.functional.rms_norm computes (ATen uses the epsilon of its float32 compute type;
-            torch's docs say ``finfo(input.dtype).eps``, which would be 60000x larger for bfloat16),
+        input: `(*, *normalized_shape)` float64, float32, float16 or bfloat16, any strides. The values.
+        normalized_shape: int or sequence of ints. The trailing dims normalized over, e.g. `(N,)` or `N`; at
+            least one dim.
+        weight: `(*normalized_shape)` floating, or None. The scale; converted to input's dtype if it differs.
+            Default: None (no scale).
+        eps: float or None. Added to the mean square before the square root. Default: None, meaning the machine
+            epsilon of the compute type: `torch.finfo(torch.float32).eps` (1.19e-07) for float32,
+            float16 and bfloat16 input, `torch.finfo(torch.float64).eps` for float64. This is what
+            `torch.nn.functional.rms_norm` computes (ATen uses the epsilon of its float32 compute type;
+            torch's docs say `finfo(input.dtype).eps`, which would be 60000x larger for bfloat16),
             so a model moved from torch to opforge keeps its (default) eps.
 
     Returns:
@@ -305,7 +312,7 @@ def rms_norm(input: Tensor, normalized_shape: _Shape, weight: Optional[Tensor] =
     Raises:
         ValueError: normalized_shape empty or not equal to input's trailing dims; weight's shape not
             normalized_shape; eps < 0.
-        TypeError: integer, bool or complex input or weight.
+        TypeError: integer, bool or complex input or weight; normalized_shape not an int or a sequence of ints.
         RuntimeError: input and weight on different devices.
 
     Numerics: loads and stores in the storage dtype; the mean square, the scaling and the gradient
@@ -317,7 +324,7 @@ def rms_norm(input: Tensor, normalized_shape: _Shape, weight: Optional[Tensor] =
     dx = rstd·(w·dy) − x·rstd³·mean(w·dy·x), dw = Σ_rows dy·x·rstd.
 
     Source: B. Zhang and R. Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019;
-    reference torch.nn.functional.rms_norm.
+    reference `torch.nn.functional.rms_norm`.
     """
     if _is_dynamo_compiling():
         return _rms_norm_op(input, _as_shape(normalized_shape), weight, eps)
@@ -328,31 +335,32 @@ def fused_add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: _Shape
                        eps: Optional[float] = None) -> Tuple[Tensor, Tensor]:
     """residual_out = input + residual; output = rms_norm(residual_out, normalized_shape, weight, eps), in one pass.
 
-    The pre-norm transformer step ``h = x + h; y = norm(h)``: one read of input and residual, one
+    The pre-norm transformer step `h = x + h; y = norm(h)`: one read of input and residual, one
     write of output and residual_out, instead of three passes for an add followed by a norm.
 
     Args:
-        input: (*, *normalized_shape) float64, float32, float16 or bfloat16. Any strides.
-        residual: input's shape, floating; converted to input's dtype if it differs.
-        normalized_shape: the trailing dims normalized over, e.g. ``(N,)`` or ``N``.
-        weight: (*normalized_shape) floating, or None. Converted to input's dtype. Default: None.
-        eps: as in :func:`rms_norm`. Default: None (float32's machine epsilon; float64's for float64).
+        input: `(*, *normalized_shape)` float64, float32, float16 or bfloat16, any strides. The new values.
+        residual: input's shape, floating. The residual stream; converted to input's dtype if it differs.
+        normalized_shape: int or sequence of ints. The trailing dims normalized over, e.g. `(N,)` or `N`.
+        weight: `(*normalized_shape)` floating, or None. The scale; converted to input's dtype. Default: None.
+        eps: float or None. As in `rms_norm`. Default: None (float32's machine
+            epsilon; float64's for float64).
 
     Returns:
         (output, residual_out): both of input's shape and dtype. residual_out is input + residual
-        rounded to input's dtype, and output is exactly rms_norm of that stored residual_out.
+            rounded to input's dtype, and output is exactly rms_norm of that stored residual_out.
 
     Raises:
-        ValueError: as :func:`rms_norm`, and residual's shape differs from input's.
+        ValueError: as `rms_norm`, and residual's shape differs from input's.
         TypeError: non-floating input, residual or weight.
         RuntimeError: tensors on different devices.
 
     Numerics: the add and the norm are computed in float32 (float64 for float64 input). Gradients:
     input and residual both receive rms_norm's input gradient plus residual_out's gradient (each in
-    its own dtype); weight's gradient as in :func:`rms_norm`.
+    its own dtype); weight's gradient as in `rms_norm`.
 
     Source: B. Zhang and R. Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019; the fused
-    residual form as in vLLM's ``fused_add_rms_norm``.
+    residual form as in vLLM's `fused_add_rms_norm`.
     """
     shape = _as_shape(normalized_shape, "fused_add_rms_norm")
     if _is_dynamo_compiling():
@@ -364,7 +372,7 @@ def fused_add_rms_norm(input: Tensor, residual: Tensor, normalized_shape: _Shape
         raise
 
 
-# ---- linear_cross_entropy (issue 10) -----------------------------------------------------------------------
+# ---- linear_cross_entropy ----------------------------------------------------------------------------------
 
 __all__ += ["linear_cross_entropy"]
 
@@ -375,61 +383,61 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                          weight: Optional[Tensor] = None, reduction: str = "mean", ignore_index: int = -100,
                          label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
                          chunk_size: Optional[int] = None) -> Tensor:
-    """loss = cross_entropy(cap(input · linear_weightᵀ + linear_bias), target) + z_loss · logsumexp², never
-    materialising the (*, V) logits.
+    """loss = cross_entropy(cap(input · linear_weightᵀ + linear_bias), target) + z_loss · lse², without logits.
 
-    The argument names and meanings of :func:`torch.nn.functional.linear_cross_entropy` (class-index targets),
-    plus ``z_loss`` (PaLM) and ``softcap`` (Gemma 2). Per token i with target t (z = the capped logits,
-    lse = logsumexp_j z_j, w = class weights, ε = label_smoothing)::
+    The argument names and meanings of `torch.nn.functional.linear_cross_entropy` (class-index targets),
+    plus `z_loss` (PaLM) and `softcap` (Gemma 2); the `(*, V)` logits are never materialised. Per token i with
+    target t (z = the capped logits, lse = logsumexp_j z_j, w = class weights, ε = label_smoothing):
 
-        loss_i = (1 − ε) · w_t · (lse − z_t) + ε / V · Σ_j w_j · (lse − z_j) + z_loss · lse²   (0 if t == ignore_index)
+        loss_i = (1 − ε) · w_t · (lse − z_t) + ε / V · Σ_j w_j · (lse − z_j) + z_loss · lse²
+        loss_i = 0                                                       where t == ignore_index
 
     Args:
-        input: (*, H) float32, float16, bfloat16 or float64 hidden states; any strides.
-        linear_weight: (V, H) floating, the lm_head weight; converted to input's dtype, its gradient comes back
-            in its own dtype. With ``requires_grad=False`` no (V, H) gradient buffer is allocated.
-        target: (*) int64 class indices in [0, V), or ``ignore_index``.
-        linear_bias: (V,) floating or None. Default: None.
-        weight: (V,) floating class weights (as ``F.cross_entropy``'s ``weight``) or None; receives no gradient.
+        input: `(*, H)` float32, float16, bfloat16 or float64, any strides. The hidden states.
+        linear_weight: `(V, H)` floating. The lm_head weight; converted to input's dtype, its gradient comes back
+            in its own dtype. With `requires_grad=False` no `(V, H)` gradient buffer is allocated.
+        target: `(*)` int64. Class indices in [0, V), or `ignore_index`.
+        linear_bias: `(V,)` floating or None. The lm_head bias. Default: None.
+        weight: `(V,)` floating or None. Class weights (as `F.cross_entropy`'s `weight`); receives no gradient.
             Default: None.
-        reduction: ``"mean"`` (Σ loss_i / Σ_{valid i} w_{t_i}), ``"sum"`` or ``"none"``. Default: "mean".
-        ignore_index: target value that contributes neither loss nor gradient. Default: -100.
-        label_smoothing: ε in [0, 1], as ``F.cross_entropy``. Default: 0.0.
-        z_loss: coefficient ≥ 0 of lse² per valid token. Default: 0.0.
-        softcap: c > 0 caps the logits to c · tanh(logits / c) before the loss, or None. Default: None.
-        chunk_size: tokens per chunk (at most ``chunk_size × V`` float32 logits exist at a time). None: the
-            environment variable ``OPFORGE_LCE_CHUNK_SIZE`` (read once per process) if set, else a memory budget
-            (768 MiB of logits plus their 16-bit gradient copy on CUDA, 32 MiB on CPU), rounded down to a multiple
-            of 64 tokens. Default: None.
+        reduction: str. `"mean"` (Σ loss_i / Σ_{valid i} w_{t_i}), `"sum"` or `"none"`. Default: `"mean"`.
+        ignore_index: int. Target value that contributes neither loss nor gradient. Default: -100.
+        label_smoothing: float. ε in [0, 1], as `F.cross_entropy`. Default: 0.0.
+        z_loss: float. Coefficient ≥ 0 of lse² per valid token. Default: 0.0.
+        softcap: float or None. c > 0 caps the logits to c · tanh(logits / c) before the loss. Default: None.
+        chunk_size: int or None. Tokens per chunk (at most `chunk_size × V` float32 logits exist at a time).
+            Default: None: the environment variable `OPFORGE_LCE_CHUNK_SIZE` (read once per process) if set,
+            else a memory budget (768 MiB of logits plus their 16-bit gradient copy on CUDA, 32 MiB on CPU),
+            rounded down to a multiple of 64 tokens.
 
     Returns:
-        () for ``"mean"``/``"sum"``, (*) for ``"none"``, in float32 (float64 for float64 input): the dtype the loss
-        is computed in, also for float16/bfloat16 input (as Liger-Kernel's fused loss and transformers'
-        causal-LM loss return it; torch's ``F.linear_cross_entropy`` returns the input's dtype, one rounding of that
-        value). Under ``torch.autocast`` input, linear_weight and linear_bias go to the autocast dtype as for
-        ``F.linear``; the loss is float32 all the same.
+        `()` for `"mean"`/`"sum"`, `(*)` for `"none"`, in float32 (float64 for float64 input): the dtype the loss
+            is computed in, also for float16/bfloat16 input (as Liger-Kernel's fused loss and transformers'
+            causal-LM loss return it; torch's `F.linear_cross_entropy` returns the input's dtype, one rounding of
+            that value). Under `torch.autocast` input, linear_weight and linear_bias go to the autocast dtype as
+            for `F.linear`; the loss is float32 all the same.
 
     Raises:
         ValueError: input of rank 0; linear_weight not 2-D or without rows; input's H != linear_weight's H;
-            target not of input's leading shape; linear_bias/weight not (V,); label_smoothing outside [0, 1];
+            target not of input's leading shape; linear_bias/weight not `(V,)`; label_smoothing outside [0, 1];
             z_loss negative or not finite; softcap ≤ 0; chunk_size < 1; an unknown reduction.
         TypeError: non-floating input/linear_weight/linear_bias/weight; target not int64.
-        IndexError: (CPU) a target outside [0, V) that is not ignore_index. On CUDA nothing is read out of bounds:
-            such a token gets a NaN loss and NaN gradients (no host synchronisation to raise).
+        IndexError: (CPU) a target outside [0, V) that is not ignore_index. On CUDA nothing is read out of
+            bounds: such a token gets a NaN loss and NaN gradients (no host synchronisation to raise).
         RuntimeError: tensors on different devices; double backward.
 
     Numerics: logits per chunk from a GEMM with float32 output (float64 for float64 input); the row max is
     subtracted before any exponent and kept apart from log Σ exp (so a common logit offset of 1e8 in float32
     still gives log V); every sum (logsumexp, the loss, the weight and bias gradients across chunks) accumulates
-    in float32 (the knob ``OPFORGE_LCE_DW_ACCUM=1``: the weight and bias gradients of float16/bfloat16 parameters
+    in float32 (the knob `OPFORGE_LCE_DW_ACCUM=1`: the weight and bias gradients of float16/bfloat16 parameters
     of input's dtype accumulate in that dtype, one rounding per chunk, as Liger-Kernel's default; no float32 V x H
-    buffer). ``"mean"`` with every target ignored gives NaN and zero gradients, as ``F.cross_entropy``.
-    Gradients: for ``"mean"`` and ``"sum"`` they are computed in the forward's chunk loop (3 GEMMs in all; only
-    for inputs that require grad) and backward scales them by the scalar grad_output; for ``"none"`` they are
+    buffer). `"mean"` with every target ignored gives NaN and zero gradients, as `F.cross_entropy`.
+    Gradients: for `"mean"` and `"sum"` they are computed in the forward's chunk loop (3 GEMMs in all; only
+    for inputs that require grad) and backward scales them by the scalar grad_output; for `"none"` they are
     recomputed in backward (one more logits GEMM per chunk) with the given per-token grad_output, so per-token
-    weights are exact. The knob ``OPFORGE_LCE_GRAD_IN_FORWARD=0`` forces the recompute path for every reduction.
+    weights are exact. The knob `OPFORGE_LCE_GRAD_IN_FORWARD=0` forces the recompute path for every reduction.
 
-    Source: torch.nn.functional.linear_cross_entropy / cross_entropy; z-loss: Chowdhery et al. 2022 (PaLM);
+    Source: `torch.nn.functional.linear_cross_entropy` / `cross_entropy`; z-loss: Chowdhery et al. 2022 (PaLM);
     softcap: Gemma 2 (Team Gemma 2024); chunking: Liger-Kernel's fused linear cross-entropy, Wijmans et al. 2024
     ("Cut Your Losses in Large-Vocabulary Language Models").
     """
@@ -448,57 +456,63 @@ def fake_quant_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = No
                       group_size: int = -1, symmetric: bool = True, act_quant: bool = False) -> Tensor:
     """y = fq_a(input) · fq_w(weight)ᵀ + bias: a linear layer for quantization-aware training (QAT).
 
-    ``fq_w`` fake-quantizes the weight (rounds it to ``weight_bits``-bit signed integers on a grid and back),
-    ``fq_a`` with ``act_quant`` each row (token) of the input to int8 (dynamic, asymmetric); the GEMM then runs
-    on the fake-quantized tensors, in input's dtype, as :func:`linear`.
+    `fq_w` fake-quantizes the weight (rounds it to `weight_bits`-bit signed integers on a grid and back),
+    `fq_a` with `act_quant` each row (token) of the input to int8 (dynamic, asymmetric); the GEMM then runs
+    on the fake-quantized tensors, in input's dtype, as `linear`.
 
     Args:
-        input: (*, K) float64, float32, float16 or bfloat16. Any batch dims (M = prod(*) rows), any strides.
-        weight: (N, K) floating. Quantized in its own precision (bfloat16/float16 upcast to float32 first), then
+        input: `(*, K)` float64, float32, float16 or bfloat16, any strides. The rows: any batch dims
+            (M = prod of the batch dims).
+        weight: `(N, K)` floating. Quantized in its own precision (bfloat16/float16 upcast to float32 first), then
             converted to input's dtype for the GEMM; its gradient comes back in weight's dtype.
-        bias: (N,) floating or None; converted to input's dtype, never quantized. Default: None.
-        weight_bits: int in [2, 8]: the integer range [−2^(b−1), 2^(b−1) − 1] (4: [−8, 7]). Default: 4.
-        group_size: −1: one scale per output channel (row of weight); 0: one for the whole weight; g > 0: one
+        bias: `(N,)` floating or None. Converted to input's dtype, never quantized. Default: None.
+        weight_bits: int in [2, 8]. The integer range [−2^(b−1), 2^(b−1) − 1] (4: [−8, 7]). Default: 4.
+        group_size: int. −1: one scale per output channel (row of weight); 0: one for the whole weight; g > 0: one
             per group of g consecutive columns of each row (a divisor of K, e.g. 32, 64, 128, 256). Default: −1.
-        symmetric: True: zero point 0, scale = max|w| / ((qmax − qmin) / 2); False: scale =
+        symmetric: bool. True: zero point 0, scale = max|w| / ((qmax − qmin) / 2); False: scale =
             (max(w, 0) − min(w, 0)) / (qmax − qmin), integer zero point = clamp(qmin − round(min(w, 0) / scale)).
             Default: True.
-        act_quant: fake-quantize each input row to int8 [−128, 127] with its own asymmetric scale and zero
+        act_quant: bool. Fake-quantize each input row to int8 [−128, 127] with its own asymmetric scale and zero
             point (torchao's per-token dynamic activation quantization). Default: False.
 
     Returns:
-        (*, N) contiguous tensor in input's dtype.
+        `(*, N)` contiguous tensor in input's dtype.
 
     Raises:
-        ValueError: linear's shape errors (weight not 2-D, K mismatch, bias not (N,), input of rank 0);
+        ValueError: linear's shape errors (weight not 2-D, K mismatch, bias not `(N,)`, input of rank 0);
             weight_bits outside [2, 8]; group_size < −1 or not dividing K (the message names K and the group size).
         TypeError: a tensor of an integer, bool or complex dtype.
-        RuntimeError: tensors on different devices; double backward (``create_graph=True`` then differentiating
+        RuntimeError: tensors on different devices; double backward (`create_graph=True` then differentiating
             the gradients); forward-mode AD.
 
-    Numerics: bit-identical to ``torch.fake_quantize_per_channel_affine`` / ``_per_tensor_affine`` given the same
-    scales and zero points (q = round_half_even(x · (1/scale)) + zp with 1/scale in float32, clamp to
-    [qmin, qmax], (q − zp) · scale), with scales and zero points chosen as ``torch.ao.quantization``'s
-    MinMaxObserver and torchao's ``choose_qparams_affine`` do, in float32 with eps = float32's machine epsilon
-    (an all-zero or tiny group gets scale eps: finite outputs and gradients). CPU and CUDA share the scalar
-    code and give the same bits.
+    Numerics: q = round_half_even(x · (1/scale)) + zp with 1/scale in float32, clamp to [qmin, qmax],
+    (q − zp) · scale, with scales and zero points chosen as `torch.ao.quantization`'s MinMaxObserver and
+    torchao's `choose_qparams_affine` do, in float32 with eps = float32's machine epsilon (an all-zero or tiny
+    group gets scale eps: finite outputs and gradients). Given the same scales and zero points the values are
+    bit-identical to `torch.fake_quantize_per_channel_affine` for every dtype and grouping, and to
+    `torch.fake_quantize_per_tensor_affine` for float32, float16 and bfloat16 weights. For a float64 weight with
+    one scale (`group_size=0`) torch's per-tensor kernel rounds its result to float32: it equals opforge's values
+    (the per-channel kernel's, with one channel) rounded to float32, less than one float32 ulp from them. CPU and
+    CUDA share the scalar code and give the same bits.
 
     NaN and extreme ranges: a NaN is never hidden. A weight group (channel, group of columns, or the whole tensor
     per tensor) or, with act_quant, a token containing NaN gets scale NaN and zero point 0: all of its
     fake-quantized values are NaN and its in-range mask false, as torch's MinMaxObserver + fake_quantize give. So
     the output columns (rows) it feeds are NaN, the input gradient those columns reach is NaN, and the weight
-    gradient of that group is 0 (masked, as torch's). Asymmetric groups spanning more than float32's range
-    (hi − lo overflowing, e.g. ±3e38) get scale hi/(qmax − qmin) − lo/(qmax − qmin) and stay finite where
-    torch's scale would be inf and its output NaN; elsewhere the scale is torch's bit for bit.
+    gradient of that group is 0 (masked, as torch's). A group holding ±inf gets scale inf and every value of it
+    NaN, the infinite entry too (mask false there, true for the finite entries; torch gives −inf for the
+    infinite entry of a symmetric group). Asymmetric groups spanning more than float32's range (hi − lo
+    overflowing, e.g. ±3e38) get scale hi/(qmax − qmin) − lo/(qmax − qmin) and stay finite where torch's scale
+    would be inf and its output NaN; elsewhere the scale is torch's bit for bit.
 
     Gradients (straight-through estimator, scales as constants):
     grad_input = (grad · fq_w(W)) ⊙ [input in range], grad_weight = (gradᵀ · fq_a(input)) ⊙ [weight in range],
-    grad_bias = Σ_rows grad (float32 accumulation). Under ``torch.autocast`` the input and bias are cast to the
+    grad_bias = Σ_rows grad (float32 accumulation). Under `torch.autocast` the input and bias are cast to the
     autocast dtype and the weight is quantized in its own (e.g. float32 master) precision.
 
     Source: Jacob et al. 2018, "Quantization and Training of Neural Networks for Efficient Integer-Arithmetic-Only
-    Inference" (fake quantization, STE); torchao's QAT ``Int8DynActInt4WeightQATQuantizer`` /
-    ``IntxFakeQuantizeConfig`` (the same math composed from PyTorch ops); ``opforge.nn.FakeQuantLinear.convert``
+    Inference" (fake quantization, STE); torchao's QAT `Int8DynActInt4WeightQATQuantizer` /
+    `IntxFakeQuantizeConfig` (the same math composed from PyTorch ops); `opforge.nn.FakeQuantLinear.convert`
     exports the integers in torchao's layout.
     """
     try:
@@ -511,59 +525,60 @@ def fake_quant_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = No
 
 def fake_quantize_weight(weight: Tensor, bits: int = 4, group_size: int = -1,
                          symmetric: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(fq_w(weight), in-range mask, scale, zero_point): the weight fake-quantization of :func:`fake_quant_linear`.
+    """(fq_w(weight), in-range mask, scale, zero_point): the weight fake-quantization of `fake_quant_linear`.
 
     Args:
-        weight: (N, K) floating, any strides.
-        bits: int in [2, 8]. Default: 4.
-        group_size: −1 per channel, 0 per tensor, g > 0 (dividing K) per group of g columns. Default: −1.
-        symmetric: as in :func:`fake_quant_linear`. Default: True.
+        weight: `(N, K)` floating, any strides. The weight to quantize.
+        bits: int in [2, 8]. The integer range [−2^(b−1), 2^(b−1) − 1]. Default: 4.
+        group_size: int. −1 per channel, 0 per tensor, g > 0 (dividing K) per group of g columns. Default: −1.
+        symmetric: bool. As in `fake_quant_linear`. Default: True.
 
     Returns:
-        output (N, K) in weight's dtype; mask (N, K) bool (the integer was within [qmin, qmax] before clamping);
-        scale float32 and zero_point int32, both of shape (1, 1) per tensor, (N, 1) per channel, (N, K // g) per
-        group. The integers are clamp(round(weight.float() · (1 / scale)) + zero_point, qmin, qmax).
+        (output, mask, scale, zero_point): output `(N, K)` in weight's dtype; mask `(N, K)` bool (the integer
+            was within [qmin, qmax] before clamping); scale float32 and zero_point int32, both of shape `(1, 1)`
+            per tensor, `(N, 1)` per channel, `(N, K // g)` per group. The integers are
+            clamp(round(weight.float() · (1 / scale)) + zero_point, qmin, qmax).
 
     Raises:
         ValueError: weight not 2-D; bits outside [2, 8]; group_size < −1 or not dividing K.
         TypeError: a non-floating weight.
 
-    NaN: a group containing NaN gets scale NaN and zero_point 0, all of its outputs NaN and its mask false; an
-    asymmetric group whose hi − lo overflows float32 gets a finite scale (see :func:`fake_quant_linear`).
+    NaN and infinities: a group containing NaN gets scale NaN and zero_point 0, all of its outputs NaN and its
+    mask false; a group holding ±inf gets scale inf and all of its outputs NaN; an asymmetric group whose
+    hi − lo overflows float32 gets a finite scale (see `fake_quant_linear`).
 
-    Not differentiable (its outputs carry no autograd history); :func:`fake_quant_linear` is.
+    Not differentiable (its outputs carry no autograd history); `fake_quant_linear` is.
     """
     try:
         return torch.ops.opforge.fake_quantize_weight(weight, bits, group_size, symmetric)
     except NotImplementedError:
         _missing_tensor("fake_quantize_weight", weight=weight)
         raise
-# ---- linear variants (issue 11): linear_cat, indexed_linear -----------------------------------------------
+# ---- linear variants: linear_cat, indexed_linear ----------------------------------------------------------
 
 def linear_cat(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """y = linear(cat(inputs, -1), weight, bias) = Σ_i inputs[i] · weight[:, k_i : k_i + K_i]ᵀ + bias, without
-    the concatenated buffer.
+    """y = linear(cat(inputs, -1), weight, bias) = Σ_i inputs[i] · weight[:, k_i : k_i + K_i]ᵀ + bias, no cat.
 
-    Neither the forward nor the backward materialises ``torch.cat(inputs, -1)``: each piece is multiplied by
-    its column slice of ``weight`` (read in place), and autograd saves the pieces themselves, not their
+    Neither the forward nor the backward materialises `torch.cat(inputs, -1)`: each piece is multiplied by
+    its column slice of `weight` (read in place), and autograd saves the pieces themselves, not their
     concatenation. Each piece gets its own gradient; the weight gradient is written slice by slice into one
     tensor.
 
     Args:
-        inputs: sequence of P ≥ 1 tensors (*, K_i), float64, float32, float16 or bfloat16, all of one dtype and
-            one leading shape (*) (M = prod(*) rows, may be 0); K_i may be 0; any strides.
-        weight: (N, ΣK_i) floating. Converted to the inputs' dtype if it differs; its gradient comes back in
+        inputs: sequence of P ≥ 1 tensors `(*, K_i)`, float64, float32, float16 or bfloat16, all of one dtype and
+            one leading shape (M = prod of the leading dims, may be 0); K_i may be 0; any strides. The pieces.
+        weight: `(N, ΣK_i)` floating. Converted to the inputs' dtype if it differs; its gradient comes back in
             weight's own dtype.
-        bias: (N,) floating, or None. Converted like weight; its gradient comes back in bias's dtype.
+        bias: `(N,)` floating, or None. Converted like weight; its gradient comes back in bias's dtype.
             Default: None.
 
     Returns:
-        (*, N) contiguous tensor in the inputs' dtype.
+        `(*, N)` contiguous tensor in the inputs' dtype.
 
     Raises:
         ValueError: an empty sequence; a 0-dim piece; pieces with different leading dims; weight not 2-D;
-            ΣK_i != weight's in_features; bias not of shape (N,).
-        TypeError: a non-floating tensor; pieces of different dtypes.
+            ΣK_i != weight's in_features; bias not of shape `(N,)`.
+        TypeError: inputs not a sequence of tensors; a non-floating tensor; pieces of different dtypes.
         RuntimeError: tensors on different devices; on CUDA, M, N or a K_i above 2**31 - 1.
 
     Numerics: one rounding. The pieces' products are summed in float32 (float64 for float64) together with
@@ -573,8 +588,8 @@ def linear_cat(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor] 
     float32 buffer with beta = 1 (16-bit A, B; float32 C; at most 2**24 floats, row block by row block), then
     one rounding pass; float32/float64 accumulate in the output itself. grad_bias sums in float32.
 
-    Source: torch.nn.functional.linear over torch.cat; gradients dX_i = dY·W_i, dW[:, k_i:k_i+K_i] = dYᵀ·X_i,
-    db = Σ_rows dY (``torch.ops.opforge.linear_cat_backward``).
+    Source: `torch.nn.functional.linear` over `torch.cat`; gradients dX_i = dY·W_i,
+    dW[:, k_i:k_i+K_i] = dYᵀ·X_i, db = Σ_rows dY (`torch.ops.opforge.linear_cat_backward`).
     """
     if inputs is None or isinstance(inputs, (Tensor, str, bytes)):  # list(tensor) would split it into its rows
         raise TypeError(f"opforge::linear_cat: expected inputs to be a sequence of tensors (the pieces of the "
@@ -660,22 +675,22 @@ def indexed_linear(input: Tensor, weight: Tensor, index: Tensor, bias: Optional[
     The per-token (mixture-of-experts, multi-LoRA) linear layer, differentiable in input, weight and bias.
 
     Args:
-        input: (T, K) float64, float32, float16 or bfloat16, any strides.
-        weight: (E, N, K) floating: E weights (out_features N, in_features K). Any strides (a transposed
-            ``(E, K, N)`` bank's ``.transpose(1, 2)`` or a slice ``w13[:, :N]`` work; a non-contiguous bank is
+        input: `(T, K)` float64, float32, float16 or bfloat16, any strides. The tokens.
+        weight: `(E, N, K)` floating. E weights (out_features N, in_features K), any strides (a transposed
+            `(E, K, N)` bank's `.transpose(1, 2)` or a slice `w13[:, :N]` work; a non-contiguous bank is
             copied once). Converted to input's dtype if it differs; its gradient comes back in its own dtype.
-        index: (T,) int64. index[t] in [0, E) picks weight[index[t]]; −1 means "no weight": row t of the
+        index: `(T,)` int64. index[t] in [0, E) picks weight[index[t]]; −1 means "no weight": row t of the
             output is exactly zero and input[t] gets a zero gradient.
-        bias: (E, N) floating, or None. Default: None.
+        bias: `(E, N)` floating, or None. One bias per weight. Default: None.
 
     Returns:
-        (T, N) contiguous tensor in input's dtype.
+        `(T, N)` contiguous tensor in input's dtype.
 
     Raises:
         IndexError: (CPU) an index ≥ E or < −1. On CUDA, where checking would need a host synchronisation,
             such a row is treated as −1 (zero output, no gradient); nothing out of bounds is ever read.
         ValueError: input not 2-D, weight not 3-D, index not 1-D or not of length T, K mismatch, bias not
-            (E, N).
+            `(E, N)`.
         TypeError: a non-floating input/weight/bias; index not int64.
         RuntimeError: tensors on different devices.
 
@@ -686,11 +701,11 @@ def indexed_linear(input: Tensor, weight: Tensor, index: Tensor, bias: Optional[
     one ATen GEMM per expert. CUDA, two regimes by shape, no host synchronisation (CUDA-graph capturable):
     T ≤ 16 a gather-GEMV (one block per token, the selected rows of the bank streamed once); more tokens are
     sorted by expert on the device and run through a grouped GEMM with device-side offsets:
-    ``torch._grouped_mm`` for bfloat16 on sm_90 with K, N multiples of 8 (the bias then added after the
+    `torch._grouped_mm` for bfloat16 on sm_90 with K, N multiples of 8 (the bias then added after the
     bfloat16 rounding of the product: two roundings), our tiled fp32-accumulating kernel otherwise.
 
     Source: the batched GEMV of multi-LoRA serving (Punica's BGMV / S-LoRA) and mixture-of-experts grouped
-    GEMMs; reference: a loop over experts (``opforge.testing.indexed_linear_reference``).
+    GEMMs; reference: a loop over experts (`opforge.testing.indexed_linear_reference`).
     """
     try:
         return torch.ops.opforge.indexed_linear(input, weight, index, bias)
@@ -705,41 +720,42 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = 
          rotary_dim: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """(q_out, k_out) = (x·cos + rotate(x)·sin for x in q, k) on the first rotary_dim dims: rotary position embedding.
 
-    The drop-in for Hugging Face's ``q, k = apply_rotary_pos_emb(q, k, cos, sin)`` (q, k after the
-    ``transpose(1, 2)``, cos/sin from the model's rotary embedding): one kernel for q and k, no ``cat``.
+    The drop-in for Hugging Face's `q, k = apply_rotary_pos_emb(q, k, cos, sin)` (q, k after the
+    `transpose(1, 2)`, cos/sin from the model's rotary embedding): one kernel for q and k, no `cat`.
 
     Args:
-        q: (B, Hq, S, D) float64, float32, float16 or bfloat16, any strides (e.g. a transposed view of a fused
-            QKV projection). D even.
-        k: (B, Hk, S, D) of q's dtype, device, B, S and D; Hk may differ from Hq (GQA, MQA).
-        cos: (S, R), (B or 1, S, R) or (B or 1, 1, S, R), floating, any strides; R = rotary_dim. As transformers
+        q: `(B, Hq, S, D)` float64, float32, float16 or bfloat16, any strides (e.g. a transposed view of a fused
+            QKV projection); D even. The queries.
+        k: `(B, Hk, S, D)` of q's dtype, device, B, S and D; Hk may differ from Hq (GQA, MQA). The keys.
+        cos: `(S, R)`, `(B or 1, S, R)` or `(B or 1, 1, S, R)` floating, any strides; R = rotary_dim. As transformers
             passes it: one value per rotary dim, i.e. the R/2 frequencies with the halves duplicated (rotate-half)
             or each repeated twice (interleaved). A float32 table with float16/bfloat16 q is used as float32;
             another dtype is converted to float32 (float64 for float64 q).
-        sin: as cos, of cos's shape.
-        interleaved: False (default): rotate-half (Llama, GPT-NeoX, HF ``rotate_half``): dim i pairs with
-            i + R/2, ``rotate(x) = cat(−x[R/2:R], x[:R/2])``. True: GPT-J's interleaved pairs (2i, 2i + 1),
-            ``rotate(x)[2i] = −x[2i+1], rotate(x)[2i+1] = x[2i]``.
-        rotary_dim: R, the leading dims that rotate; even, ≤ D. Dims R..D−1 are copied bit-identical (partial
-            rotary: Phi, GPT-NeoX, ChatGLM). Default: None, meaning cos.size(-1).
+        sin: cos's shape, floating. As cos.
+        interleaved: bool. False: rotate-half (Llama, GPT-NeoX, HF `rotate_half`): dim i pairs with
+            i + R/2, `rotate(x) = cat(−x[R/2:R], x[:R/2])`. True: GPT-J's interleaved pairs (2i, 2i + 1),
+            `rotate(x)[2i] = −x[2i+1], rotate(x)[2i+1] = x[2i]`. Default: False.
+        rotary_dim: int or None. R, the leading dims that rotate; even, ≤ D. Dims R..D−1 are copied bit-identical
+            (partial rotary: Phi, GPT-NeoX, ChatGLM). Default: None, meaning `cos.size(-1)`.
 
     Returns:
         (q_out, k_out) of q's and k's shape and dtype, each with its input's strides where the input is dense
-        (e.g. HF's transposed q keeps its (B, S, H, D) memory), contiguous otherwise. New tensors (never in place).
+            (e.g. HF's transposed q keeps its `(B, S, H, D)` memory), contiguous otherwise. New tensors (never in
+            place).
 
     Raises:
         ValueError: q or k not 4-D; q, k of different batch, seq or head_dim; odd head_dim; cos/sin of
             different shapes or not matching q's (batch, seq); rotary_dim odd, ≤ 0, > head_dim or ≠ cos.size(-1).
         TypeError: non-floating tensors; q and k of different dtypes.
-        RuntimeError: tensors on different devices; on CUDA a rotary_dim above 6144 (3072 for float64);
-            cos or sin requiring grad (NotImplementedError: no gradient for the tables).
+        RuntimeError: tensors on different devices; on CUDA a rotary_dim above 6144 (3072 for float64).
+        NotImplementedError: cos or sin requiring grad (no gradient for the tables).
 
     Numerics: float32 math (float64 for float64), one rounding per output: y[j] = x[j]·cos[j] + x[partner]·(±sin[j]),
-    exactly HF's formula evaluated in float32. Backward (``rope_backward``) is its transpose, the rotation by −θ;
+    exactly HF's formula evaluated in float32. Backward (`rope_backward`) is its transpose, the rotation by −θ;
     it is again differentiable (double backward is rope itself). cos and sin get no gradient.
 
     Source: Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding";
-    ``transformers.models.llama.modeling_llama.apply_rotary_pos_emb`` (reference: ``opforge.testing.rope_reference``).
+    `transformers.models.llama.modeling_llama.apply_rotary_pos_emb` (reference: `opforge.testing.rope_reference`).
     """
     try:
         return torch.ops.opforge.rope(q, k, cos, sin, interleaved=interleaved,
@@ -751,32 +767,32 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = 
 
 def rope_from_positions(q: Tensor, k: Tensor, position_ids: Tensor, base: float = 10000.0, *,
                         interleaved: bool = False, rotary_dim: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """:func:`rope` with θ_i = position_ids · base^(−2i/R), i < R/2, computed inside the kernel (no cos/sin tensors).
+    """rope with θ_i = position_ids · base^(−2i/R), i < R/2, computed inside the kernel (no cos/sin tensors).
 
     Args:
-        q: (B, Hq, S, D) floating, any strides; D even.
-        k: (B, Hk, S, D) of q's dtype, device, B, S and D.
-        position_ids: (S,) or (B or 1, S), any integer dtype: the position of each token.
-        base: the RoPE base (θ in Llama's config: 10000, 500000 for Llama 3). Default: 10000.
-        interleaved: as in :func:`rope`. Default: False.
-        rotary_dim: R, even, ≤ D; dims past R are copied. Default: None, meaning D.
+        q: `(B, Hq, S, D)` floating, any strides; D even. The queries.
+        k: `(B, Hk, S, D)` of q's dtype, device, B, S and D. The keys.
+        position_ids: `(S,)` or `(B or 1, S)`, any integer dtype. The position of each token.
+        base: float. The RoPE base (θ in Llama's config: 10000, 500000 for Llama 3). Default: 10000.
+        interleaved: bool. As in `rope`. Default: False.
+        rotary_dim: int or None. R, even, ≤ D; dims past R are copied. Default: None, meaning D.
 
     Returns:
-        (q_out, k_out) as :func:`rope`.
+        (q_out, k_out) as `rope`.
 
     Raises:
-        ValueError: as :func:`rope`; position_ids not of shape (S,) or (B or 1, S); base ≤ 0 or not finite.
+        ValueError: as `rope`; position_ids not of shape `(S,)` or `(B or 1, S)`; base ≤ 0 or not finite.
         TypeError: non-floating q/k; position_ids not of an integer dtype.
         RuntimeError: tensors on different devices.
 
     Numerics: inv_freq, the angle and its cos/sin in float64, rounded once to float32 (exact to float32's
     rounding at any position: at position 2**20 a float32 angle would be off by up to 0.06 rad, a bfloat16
-    cos/sin table by whole radians); the rotation in float32. This is the default ("rope_type": "default") RoPE;
-    scaled variants (llama3, yarn, dynamic) change the frequencies: pass their cos/sin to :func:`rope`.
+    cos/sin table by whole radians); the rotation in float32. This is the default (`"rope_type": "default"`)
+    RoPE; scaled variants (llama3, yarn, dynamic) change the frequencies: pass their cos/sin to `rope`.
     Transformers computes inv_freq and the angle in float32 and rounds cos/sin to the model dtype, so its
     result differs from this (more accurate) one by that rounding.
 
-    Source: Su et al. 2021 (RoFormer); transformers' ``LlamaRotaryEmbedding`` (default rope type).
+    Source: Su et al. 2021 (RoFormer); transformers' `LlamaRotaryEmbedding` (default rope type).
     """
     try:
         return torch.ops.opforge.rope_from_positions(q, k, position_ids, base, interleaved=interleaved,

@@ -1,25 +1,26 @@
 """Just-in-time build: opforge's C++ (and CUDA) sources compiled by torch.utils.cpp_extension at import.
 
-The third way to build opforge, next to ``pip install --no-build-isolation .`` and CMake: no install
-step, for prototyping an op in a minute from a source checkout. Select it before ``import opforge``::
+The third way to build opforge, next to `pip install --no-build-isolation .` and CMake: no install
+step, for prototyping an op in a minute from a source checkout. Select it before `import opforge`:
 
     OPFORGE_LIBRARY=jit OPFORGE_JIT_SOURCES=my_op.cpp PYTHONPATH=python python -c \\
         "import opforge, torch; print(torch.ops.opforge.my_op)"
 
-``import opforge`` then calls :func:`load` instead of loading the installed ``libopforge.so``: the
+`import opforge` then calls `load` instead of loading the installed `libopforge.so`: the
 JIT library *replaces* the installed one for the whole process (a process holds one opforge library;
-a second one would register the ``opforge`` namespace twice). ``my_op.cpp`` adds its schema with
-``TORCH_LIBRARY_FRAGMENT(opforge, m)`` and its kernels with ``TORCH_LIBRARY_IMPL(opforge, CPU, m)``,
-and may include ``opforge/opforge.h`` and the ``core/*.h`` helpers.
+a second one would register the `opforge` namespace twice). `my_op.cpp` adds its schema with
+`TORCH_LIBRARY_FRAGMENT(opforge, m)` and its kernels with `TORCH_LIBRARY_IMPL(opforge, CPU, m)`,
+and may include `opforge/opforge.h` and the `core/*.h` helpers.
 
-Environment (read by ``import opforge``):
-    OPFORGE_LIBRARY=jit: build and load with :func:`load` instead of the installed library.
-    OPFORGE_JIT_SOURCES: extra ``.cpp``/``.cu`` files, separated by ``os.pathsep`` (``:``).
-    OPFORGE_JIT_VERBOSE=1: show the compiler's commands and output (by default one line before the build
-        and one after it, with the seconds it took, go to stderr; OPFORGE_JIT_VERBOSE=0 silences them).
+Environment (read by `import opforge`):
 
-The build is cached by torch (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): an
-unchanged source tree loads in about a second; the first build compiles every ``csrc`` file (minutes
+- `OPFORGE_LIBRARY=jit`: build and load with `load` instead of the installed library.
+- `OPFORGE_JIT_SOURCES`: extra `.cpp`/`.cu` files, separated by `os.pathsep` (`:`).
+- `OPFORGE_JIT_VERBOSE=1`: show the compiler's commands and output (by default one line before the build
+  and one after it, with the seconds it took, go to stderr; `OPFORGE_JIT_VERBOSE=0` silences them).
+
+The build is cached by torch (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`): an
+unchanged source tree loads in about a second; the first build compiles every `csrc` file (minutes
 on a small machine).
 """
 from __future__ import annotations
@@ -34,16 +35,19 @@ import torch
 
 __all__ = ["load", "source_dir"]
 
-#: Name of the JIT-built library (``<TORCH_EXTENSIONS_DIR>/opforge_jit/opforge_jit.so``).
+#: Name of the JIT-built library (`<TORCH_EXTENSIONS_DIR>/opforge_jit/opforge_jit.so`).
 NAME = "opforge_jit"
 
 
 def source_dir() -> Path:
-    """The opforge source checkout this package sits in (``<root>/python/opforge`` -> ``<root>``).
+    """The opforge source checkout this package sits in (`<root>/python/opforge` -> `<root>`).
+
+    Returns:
+        Path of the checkout: `OPFORGE_SOURCE_DIR` if set, else the folder two levels above this package.
 
     Raises:
-        RuntimeError: this copy of the package is installed (no ``csrc`` beside it); set
-            ``OPFORGE_SOURCE_DIR`` to a checkout, or run with ``PYTHONPATH=<checkout>/python``.
+        RuntimeError: this copy of the package is installed (no `csrc` beside it); set
+            `OPFORGE_SOURCE_DIR` to a checkout, or run with `PYTHONPATH=<checkout>/python`.
     """
     root = Path(os.environ.get("OPFORGE_SOURCE_DIR") or Path(__file__).resolve().parents[2])
     if not (root / "csrc" / "library.cpp").exists():
@@ -61,24 +65,24 @@ def _opforge_loaded() -> bool:
 
 
 def load(extra_sources: Iterable[str | os.PathLike] = (), verbose: bool = False) -> Path:
-    """Compile every opforge source (+ ``extra_sources``) into one library and load it into ``torch.ops``.
+    """Compile every opforge source (+ `extra_sources`) into one library and load it into `torch.ops`.
 
     Args:
-        extra_sources: paths of extra ``.cpp`` (or ``.cu``, with a CUDA torch) files compiled into the
-            same library, e.g. a new op's schema (``TORCH_LIBRARY_FRAGMENT(opforge, m)``) and kernels.
-            Default: none.
-        verbose: print the build commands and compiler output. Default: False.
+        extra_sources: iterable of str or os.PathLike. Extra `.cpp` (or `.cu`, with a CUDA torch) files
+            compiled into the same library, e.g. a new op's schema (`TORCH_LIBRARY_FRAGMENT(opforge, m)`) and
+            kernels. Default: none.
+        verbose: bool. Print the build commands and compiler output. Default: False.
 
     Returns:
         Path of the loaded shared library.
 
     Raises:
         RuntimeError: an opforge library is already loaded in this process (select the JIT build with
-            ``OPFORGE_LIBRARY=jit`` before ``import opforge``); no source checkout; or a compile error
+            `OPFORGE_LIBRARY=jit` before `import opforge`); no source checkout; or a compile error
             (the compiler's message follows).
 
-    The CUDA sources (``csrc/ops/*/*.cu``) are included when torch is a CUDA build and a CUDA toolkit
-    is found (``CUDA_HOME``). CPU kernels get the same AVX2 flags as the CMake build when the CPU has them.
+    The CUDA sources (`csrc/ops/*/*.cu`) are included when torch is a CUDA build and a CUDA toolkit
+    is found (`CUDA_HOME`). CPU kernels get the same AVX2 flags as the CMake build when the CPU has them.
     """
     if _opforge_loaded():
         raise RuntimeError(

@@ -1,7 +1,7 @@
-"""Drop-in ``torch.nn`` modules built on opforge operators.
+"""Drop-in `torch.nn` modules built on opforge operators.
 
-Each module mirrors its ``torch.nn`` counterpart: same constructor arguments, same parameters and
-``state_dict`` keys, same initialisation, so a ``torch.nn`` state_dict loads unchanged.
+Each module mirrors its `torch.nn` counterpart: same constructor arguments, same parameters and
+`state_dict` keys, same initialisation, so a `torch.nn` state_dict loads unchanged.
 """
 from __future__ import annotations
 
@@ -13,32 +13,31 @@ import torch
 from . import functional as F
 
 __all__ = ["FusedAddRMSNorm", "GatedMLP", "Linear", "RMSNorm", "Sigmoid"]
-__all__ += ["IndexedLinear"]  # linear variants (issue 11)
+__all__ += ["IndexedLinear"]  # linear variants
 
 
 class Linear(torch.nn.Linear):
-    """y = act(x · weightᵀ + bias) through :func:`opforge.functional.linear`.
+    """y = act(x · weightᵀ + bias) through `opforge.functional.linear`.
 
-    Drop-in for :class:`torch.nn.Linear` (it subclasses it, so constructor, ``weight`` (out_features,
-    in_features), ``bias`` (out_features,), initialisation, ``state_dict`` keys and ``isinstance``
-    checks are torch's). The optional keyword-only ``activation`` fuses an activation into the layer;
-    it is not part of the state_dict.
+    Drop-in for `torch.nn.Linear` (it subclasses it, so constructor, `weight` `(out_features, in_features)`,
+    `bias` `(out_features,)`, initialisation, `state_dict` keys and `isinstance` checks are torch's). The
+    optional keyword-only `activation` fuses an activation into the layer; it is not part of the state_dict.
 
     Args:
-        in_features: K, size of each input sample.
-        out_features: N, size of each output sample.
-        bias: learn an additive bias. Default: True.
-        device: factory keyword argument for the parameters. (torch.device or None).
-        dtype: factory keyword argument for the parameters. (torch.dtype or None).
-        activation: keyword-only, one of ``opforge.functional.LINEAR_ACTIVATIONS`` ("none", "relu",
-            "gelu", "gelu_tanh", "silu"). Default: "none" (torch.nn.Linear's math).
+        in_features: int. K, the size of each input sample.
+        out_features: int. N, the size of each output sample.
+        bias: bool. Learn an additive bias. Default: True.
+        device: torch.device or None. Factory keyword argument for the parameters. Default: None.
+        dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
+        activation: str, keyword-only. One of `opforge.functional.LINEAR_ACTIVATIONS` (`"none"`, `"relu"`,
+            `"gelu"`, `"gelu_tanh"`, `"silu"`). Default: `"none"` (torch.nn.Linear's math).
 
-    Shape: input (*, K) -> output (*, N).
+    Shape: input `(*, K)` -> output `(*, N)`.
 
-    Raises: ValueError at construction for an unknown activation; otherwise as
-    :func:`opforge.functional.linear`.
+    Raises:
+        ValueError: at construction, an unknown activation; in forward, as `opforge.functional.linear`.
 
-    Source: torch.nn.Linear.
+    Source: `torch.nn.Linear`.
     """
 
     activation: str = "none"  # (a class default too: modules pickled before the attribute existed load)
@@ -60,11 +59,14 @@ class Linear(torch.nn.Linear):
 
 
 class Sigmoid(torch.nn.Module):
-    """y = 1 / (1 + exp(−x)) through :func:`opforge.functional.sigmoid`; drop-in for torch.nn.Sigmoid.
+    """y = 1 / (1 + exp(−x)), elementwise; drop-in for `torch.nn.Sigmoid`.
 
-    Shape: input (*) -> output (*), same dtype.
+    Computed by `opforge.functional.sigmoid`.
 
-    Raises: TypeError for non-floating input.
+    Shape: input `(*)` -> output `(*)`, same dtype.
+
+    Raises:
+        TypeError: non-floating input.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -74,18 +76,18 @@ class Sigmoid(torch.nn.Module):
 class GatedMLP(torch.nn.Module):
     """y = down(silu(gate(x)) · up(x)): the SwiGLU feed-forward block of Llama-style transformers.
 
-    Built from opforge ops: three :class:`Linear` projections and :func:`opforge.functional.swiglu`.
-    Parameter names (``gate_proj``, ``up_proj``, ``down_proj``, no bias by default) follow Hugging Face's
-    LlamaMLP, so its state_dict loads unchanged.
+    Built from opforge ops: three `Linear` projections and
+    `opforge.functional.swiglu`. Parameter names (`gate_proj`, `up_proj`,
+    `down_proj`, no bias by default) follow Hugging Face's LlamaMLP, so its state_dict loads unchanged.
 
     Args:
-        hidden_size: D, size of the model's hidden state.
-        intermediate_size: F, size of the gated hidden layer.
-        bias: add biases to the three projections. Default: False.
-        device: factory keyword argument for the parameters. (torch.device or None).
-        dtype: factory keyword argument for the parameters. (torch.dtype or None).
+        hidden_size: int. D, the size of the model's hidden state.
+        intermediate_size: int. F, the size of the gated hidden layer.
+        bias: bool. Add biases to the three projections. Default: False.
+        device: torch.device or None. Factory keyword argument for the parameters. Default: None.
+        dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
 
-    Shape: input (*, D) -> output (*, D).
+    Shape: input `(*, D)` -> output `(*, D)`.
 
     Source: Shazeer 2020, "GLU Variants Improve Transformer"; Touvron et al. 2023 (LLaMA).
     """
@@ -102,26 +104,27 @@ class GatedMLP(torch.nn.Module):
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """y = x / sqrt(mean(x², over the last len(normalized_shape) dims) + eps) · weight, through
-    :func:`opforge.functional.rms_norm`.
+    """y = x / sqrt(mean(x², over the last len(normalized_shape) dims) + eps) · weight, as `torch.nn.RMSNorm`.
 
-    Drop-in for :class:`torch.nn.RMSNorm` (it subclasses it: constructor, ``weight`` (*normalized_shape)
-    initialised to ones, ``eps``, ``state_dict`` keys and ``isinstance`` checks are torch's).
+    Computed by `opforge.functional.rms_norm`. Drop-in for `torch.nn.RMSNorm`
+    (it subclasses it: constructor, `weight` `(*normalized_shape)` initialised to ones, `eps`, `state_dict`
+    keys and `isinstance` checks are torch's).
 
-    Constructor arguments (torch.nn.RMSNorm's own ``__init__``, inherited):
+    Constructor arguments (`torch.nn.RMSNorm`'s own `__init__`, inherited):
 
-        normalized_shape: int or tuple, the trailing dims to normalize over, e.g. hidden size N.
-        eps: added to the mean square. Default: None (float32's machine epsilon, float64's for
-            float64 input; what torch.nn.RMSNorm computes).
-        elementwise_affine: learn a per-element ``weight``. Default: True.
-        device: factory keyword argument for the weight. (torch.device or None).
-        dtype: factory keyword argument for the weight. (torch.dtype or None).
+    - `normalized_shape`: int or tuple. The trailing dims to normalize over, e.g. the hidden size N.
+    - `eps`: float or None. Added to the mean square. Default: None (float32's machine epsilon, float64's for
+      float64 input; what torch.nn.RMSNorm computes).
+    - `elementwise_affine`: bool. Learn a per-element `weight`. Default: True.
+    - `device`: torch.device or None. Factory keyword argument for the weight. Default: None.
+    - `dtype`: torch.dtype or None. Factory keyword argument for the weight. Default: None.
 
-    Shape: input (*, *normalized_shape) -> output of the same shape, in input's dtype.
+    Shape: input `(*, *normalized_shape)` -> output of the same shape, in input's dtype.
 
-    Raises: as :func:`opforge.functional.rms_norm`.
+    Raises:
+        ValueError: in forward, as `opforge.functional.rms_norm`.
 
-    Source: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; torch.nn.RMSNorm.
+    Source: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; `torch.nn.RMSNorm`.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,22 +132,23 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 class FusedAddRMSNorm(torch.nn.Module):
-    """(output, residual_out) = (rms_norm(x + residual), x + residual) through
-    :func:`opforge.functional.fused_add_rms_norm`: the pre-norm transformer step in one pass.
+    """(output, residual_out) = (rms_norm(x + residual), x + residual): the pre-norm transformer step in one pass.
 
-    Same constructor, parameter (``weight``) and ``state_dict`` as :class:`torch.nn.RMSNorm`, so an
-    RMSNorm's state_dict loads unchanged; not a subclass of it, since ``forward`` takes two tensors.
+    Computed by `opforge.functional.fused_add_rms_norm`. Same
+    constructor, parameter (`weight`) and `state_dict` as `torch.nn.RMSNorm`, so an RMSNorm's state_dict loads
+    unchanged; not a subclass of it, since `forward` takes two tensors.
 
     Args:
-        normalized_shape: int or tuple, the trailing dims to normalize over.
-        eps: as :class:`RMSNorm`. Default: None.
-        elementwise_affine: learn a per-element ``weight`` (initialised to ones). Default: True.
-        device: factory keyword argument for the weight. (torch.device or None).
-        dtype: factory keyword argument for the weight. (torch.dtype or None).
+        normalized_shape: int or tuple. The trailing dims to normalize over.
+        eps: float or None. As in `RMSNorm`. Default: None.
+        elementwise_affine: bool. Learn a per-element `weight` (initialised to ones). Default: True.
+        device: torch.device or None. Factory keyword argument for the weight. Default: None.
+        dtype: torch.dtype or None. Factory keyword argument for the weight. Default: None.
 
-    Shape: x and residual (*, *normalized_shape) -> output and residual_out of the same shape, in x's dtype.
+    Shape: x and residual `(*, *normalized_shape)` -> output and residual_out of the same shape, in x's dtype.
 
-    Raises: as :func:`opforge.functional.fused_add_rms_norm`.
+    Raises:
+        ValueError: in forward, as `opforge.functional.fused_add_rms_norm`.
 
     Source: Zhang & Sennrich 2019; the fused residual form of vLLM's fused_add_rms_norm.
     """
@@ -174,38 +178,40 @@ class FusedAddRMSNorm(torch.nn.Module):
         return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)
 
 
-# ---- LinearCrossEntropyLoss (issue 10) ---------------------------------------------------------------------
+# ---- LinearCrossEntropyLoss -------------------------------------------------------------------------------
 
 __all__ += ["LinearCrossEntropyLoss"]
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
-    """loss = cross_entropy(input · linear.weightᵀ + linear.bias, target) (+ z_loss · lse², softcap) through
-    :func:`opforge.functional.linear_cross_entropy`: the lm_head and the loss in one op, without the logits.
+    """loss = cross_entropy(input · linear.weightᵀ + linear.bias, target) (+ z_loss · lse², softcap), no logits.
 
-    Mirrors :class:`torch.nn.LinearCrossEntropyLoss` (torch ≥ 2.13, class-index targets, ``out_features=()``):
-    an inner ``linear`` (:class:`torch.nn.Linear`, ``in_features`` → ``num_classes``) and the class ``weight``
-    buffer, so its ``state_dict`` keys (``weight``, ``linear.weight``, ``linear.bias``) load unchanged.
+    The lm_head and the loss in one op,
+    `opforge.functional.linear_cross_entropy`. Mirrors
+    `torch.nn.LinearCrossEntropyLoss` (torch ≥ 2.13, class-index targets, `out_features=()`): an inner `linear`
+    (`torch.nn.Linear`, `in_features` → `num_classes`) and the class `weight` buffer, so its `state_dict` keys
+    (`weight`, `linear.weight`, `linear.bias`) load unchanged.
 
     Args:
-        in_features: H, size of each input sample.
-        num_classes: V, the vocabulary size.
-        bias: the inner linear learns a bias. Default: False.
-        device: factory keyword argument for the inner linear. (torch.device or None).
-        dtype: factory keyword argument for the inner linear. (torch.dtype or None).
-        reduction: "mean", "sum" or "none". Default: "mean".
-        weight: (V,) class weights or None (a buffer). Default: None.
-        ignore_index: target value to ignore. Default: -100 (torch's module maps its None to -100 too).
-        label_smoothing: in [0, 1]. Default: 0.0.
-        z_loss: coefficient of lse² per valid token (PaLM). Default: 0.0.
-        softcap: logit soft cap c (logits → c · tanh(logits / c), Gemma 2), or None. Default: None.
-        chunk_size: tokens per chunk, or None (see the functional). Default: None.
+        in_features: int. H, the size of each input sample.
+        num_classes: int. V, the vocabulary size.
+        bias: bool. The inner linear learns a bias. Default: False.
+        device: torch.device or None. Factory keyword argument for the inner linear. Default: None.
+        dtype: torch.dtype or None. Factory keyword argument for the inner linear. Default: None.
+        reduction: str. `"mean"`, `"sum"` or `"none"`. Default: `"mean"`.
+        weight: `(V,)` floating or None. Class weights (a buffer). Default: None.
+        ignore_index: int or None. Target value to ignore; None means -100, as torch's module. Default: -100.
+        label_smoothing: float in [0, 1]. Default: 0.0.
+        z_loss: float. Coefficient of lse² per valid token (PaLM). Default: 0.0.
+        softcap: float or None. Logit soft cap c (logits → c · tanh(logits / c), Gemma 2). Default: None.
+        chunk_size: int or None. Tokens per chunk (see the functional). Default: None.
 
-    Shape: input (*, H), target (*) int64 -> () for mean/sum, (*) for none.
+    Shape: input `(*, H)`, target `(*)` int64 -> `()` for mean/sum, `(*)` for none.
 
-    Raises: as :func:`opforge.functional.linear_cross_entropy`.
+    Raises:
+        ValueError: in forward, as `opforge.functional.linear_cross_entropy` (also TypeError, IndexError).
 
-    Source: torch.nn.LinearCrossEntropyLoss.
+    Source: `torch.nn.LinearCrossEntropyLoss`.
     """
 
     def __init__(self, in_features: int, num_classes: int, *, bias: bool = False, device=None, dtype=None,
@@ -242,28 +248,50 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 __all__ += ["FakeQuantLinear"]
 
 
-class FakeQuantLinear(torch.nn.Linear):
-    """y = fq_a(x) · fq_w(weight)ᵀ + bias through :func:`opforge.functional.fake_quant_linear` (QAT).
+def _check_fake_quant_settings(in_features: int, weight_bits: int, group_size: int) -> None:
+    """Raises ValueError for the settings opforge::fake_quant_linear's checker refuses, in its words, so that a
+    FakeQuantLinear fails where it is built rather than at its first forward."""
+    prefix = "opforge.nn.FakeQuantLinear: expected"
+    if not 2 <= weight_bits <= 8:
+        raise ValueError(f"{prefix} weight_bits in [2, 8], but got {weight_bits}")
+    if group_size < -1:
+        raise ValueError(f"{prefix} group_size to be -1 (per channel), 0 (per tensor) or a positive divisor of "
+                         f"in_features, but got {group_size}")
+    if group_size > 0 and in_features % group_size != 0:
+        raise ValueError(f"{prefix} group_size to divide in_features {in_features} (groups run along K; -1 for per "
+                         f"channel, 0 for per tensor), but got {group_size}")
 
-    Drop-in for :class:`torch.nn.Linear` (a subclass: same parameters, initialisation and ``state_dict`` keys);
-    the quantization settings are keyword-only and not part of the state_dict.
+
+class FakeQuantLinear(torch.nn.Linear):
+    """y = fq_a(x) · fq_w(weight)ᵀ + bias: a linear layer for quantization-aware training (QAT).
+
+    Computed by `opforge.functional.fake_quant_linear`. Drop-in for
+    `torch.nn.Linear` (a subclass: same parameters, initialisation and `state_dict` keys); the quantization
+    settings are keyword-only and not part of the state_dict.
 
     Args:
-        in_features: K. out_features: N. bias: learn an additive bias. Default: True.
-        device: factory keyword argument for the parameters. (torch.device or None).
-        dtype: factory keyword argument for the parameters. (torch.dtype or None).
-        weight_bits: 2..8. Default: 4. group_size: −1 per channel, 0 per tensor, g > 0 (dividing K) per group.
-            Default: 32 (torchao's Int8DynActInt4Weight default). symmetric: Default: True.
-        act_quant: per-token asymmetric int8 fake-quantization of the input. Default: True (8da4w).
+        in_features: int. K, the size of each input sample.
+        out_features: int. N, the size of each output sample.
+        bias: bool. Learn an additive bias. Default: True.
+        device: torch.device or None. Factory keyword argument for the parameters. Default: None.
+        dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
+        weight_bits: int in [2, 8]. The weight's integer range [−2^(b−1), 2^(b−1) − 1]. Default: 4.
+        group_size: int. −1 per channel, 0 per tensor, g > 0 (dividing K) per group of g columns. Default: 32
+            (torchao's Int8DynActInt4Weight default).
+        symmetric: bool. Symmetric weight quantization (zero point 0). Default: True.
+        act_quant: bool. Per-token asymmetric int8 fake-quantization of the input. Default: True (8da4w).
 
-    Shapes: input (*, K) -> output (*, N) in input's dtype.
+    Shape: input `(*, K)` -> output `(*, N)` in input's dtype.
+
+    Raises:
+        ValueError: at construction (and in `from_linear`), weight_bits outside [2, 8], group_size < −1 or a
+            group_size that does not divide in_features, in the words of the op's own check; in forward, as
+            `opforge.functional.fake_quant_linear`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  weight_bits: int = 4, group_size: int = 32, symmetric: bool = True, act_quant: bool = True):
-        if int(group_size) > 0 and in_features % int(group_size) != 0:
-            raise ValueError(f"opforge.nn.FakeQuantLinear: expected group_size to divide in_features {in_features} "
-                             f"(or -1 per channel, 0 per tensor), but got {group_size}")
+        _check_fake_quant_settings(in_features, int(weight_bits), int(group_size))
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.weight_bits = int(weight_bits)
         self.group_size = int(group_size)
@@ -273,7 +301,21 @@ class FakeQuantLinear(torch.nn.Linear):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, *, weight_bits: int = 4, group_size: int = 32,
                     symmetric: bool = True, act_quant: bool = True) -> "FakeQuantLinear":
-        """A FakeQuantLinear sharing ``linear``'s weight and bias Parameters (optimizer state stays valid)."""
+        """A FakeQuantLinear sharing `linear`'s weight and bias Parameters (optimizer state stays valid).
+
+        Args:
+            linear: torch.nn.Linear. The layer whose Parameters the new module holds.
+            weight_bits: int in [2, 8]. As in the constructor. Default: 4.
+            group_size: int. As in the constructor. Default: 32.
+            symmetric: bool. As in the constructor. Default: True.
+            act_quant: bool. As in the constructor. Default: True.
+
+        Returns:
+            The new FakeQuantLinear.
+
+        Raises:
+            ValueError: settings the constructor refuses.
+        """
         module = cls(linear.in_features, linear.out_features, bias=False, device="meta", weight_bits=weight_bits,
                      group_size=group_size, symmetric=symmetric, act_quant=act_quant)
         module.weight = linear.weight
@@ -286,17 +328,18 @@ class FakeQuantLinear(torch.nn.Linear):
 
     @torch.no_grad()
     def convert(self) -> dict:
-        """The trained weight as integers, scales and zero points, in torchao's ``Int8DynActInt4WeightLinear``
-        buffer layout (``torchao.quantization.linear_quant_modules``; also the per-group (1, g) layout of
-        ``IntxFakeQuantizeConfig`` / ``Int8DynamicActivationIntxWeightConfig``).
+        """The trained weight as integers, scales and zero points, in torchao's `Int8DynActInt4WeightLinear` layout.
+
+        The buffer layout of `torchao.quantization.linear_quant_modules`; also the per-group `(1, g)` layout of
+        `IntxFakeQuantizeConfig` / `Int8DynamicActivationIntxWeightConfig`.
 
         Returns:
-            dict with ``weight``: (N, K) int8, the integers q in [−2^(b−1), 2^(b−1) − 1] (unpacked, one per
-            byte); ``scales``: (N, K // g) float32 ((N, 1) per channel, (1, 1) per tensor); ``zeros``: scales'
-            shape, float32 holding the integer zero points (0 when symmetric); ``bias``: (N,) or None (a copy in
-            its dtype); and the settings ``group_size`` (K for per channel), ``weight_bits``, ``symmetric``,
-            ``act_quant``. Dequantized, (weight − zeros) · scales (each scale repeated over its g columns) equals
-            the forward's fq_w(weight) in float32 bit for bit.
+            dict with `weight`: `(N, K)` int8, the integers q in [−2^(b−1), 2^(b−1) − 1] (unpacked, one per
+                byte); `scales`: `(N, K // g)` float32 (`(N, 1)` per channel, `(1, 1)` per tensor); `zeros`: scales'
+                shape, float32 holding the integer zero points (0 when symmetric); `bias`: `(N,)` or None (a copy in
+                its dtype); and the settings `group_size` (K for per channel), `weight_bits`, `symmetric`,
+                `act_quant`. Dequantized, (weight − zeros) · scales (each scale repeated over its g columns) equals
+                the forward's fq_w(weight) in float32 bit for bit.
         """
         fq, _, scale, zero_point = F.fake_quantize_weight(self.weight, self.weight_bits, self.group_size,
                                                           self.symmetric)
@@ -329,27 +372,29 @@ class FakeQuantLinear(torch.nn.Linear):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, weight_bits={self.weight_bits}, group_size={self.group_size}, "
                 f"symmetric={self.symmetric}, act_quant={self.act_quant}")
-# ---- linear variants (issue 11) -------------------------------------------------------------------------
+# ---- linear variants ------------------------------------------------------------------------------------
 
 class IndexedLinear(torch.nn.Module):
-    """y[t] = x[t] · weight[index[t]]ᵀ + bias[index[t]] through :func:`opforge.functional.indexed_linear`.
+    """y[t] = x[t] · weight[index[t]]ᵀ + bias[index[t]]: a bank of `num_experts` linear layers, one per token.
 
-    A bank of ``num_experts`` linear layers; each token picks one by ``index`` (−1: none, a zero row).
+    Computed by `opforge.functional.indexed_linear`; each token picks one
+    layer by `index` (−1: none, a zero row).
 
     Args:
-        in_features: K.
-        out_features: N.
-        num_experts: E.
-        bias: learn a per-expert bias (E, N). Default: True.
-        device: factory keyword argument for the parameters. (torch.device or None).
-        dtype: factory keyword argument for the parameters. (torch.dtype or None).
+        in_features: int. K, the size of each input sample.
+        out_features: int. N, the size of each output sample.
+        num_experts: int. E, the number of layers in the bank.
+        bias: bool. Learn a per-expert bias `(E, N)`. Default: True.
+        device: torch.device or None. Factory keyword argument for the parameters. Default: None.
+        dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
 
-    Parameters: ``weight`` (E, N, K) and ``bias`` (E, N), each expert initialised as torch.nn.Linear
+    Parameters: `weight` `(E, N, K)` and `bias` `(E, N)`, each expert initialised as torch.nn.Linear
     initialises its weight and bias (uniform in ±1/√K).
 
-    Shape: input (T, K), index (T,) int64 -> output (T, N).
+    Shape: input `(T, K)`, index `(T,)` int64 -> output `(T, N)`.
 
-    Raises: as :func:`opforge.functional.indexed_linear`.
+    Raises:
+        ValueError: in forward, as `opforge.functional.indexed_linear` (also TypeError, IndexError).
     """
 
     def __init__(self, in_features: int, out_features: int, num_experts: int, bias: bool = True, device=None,
@@ -378,17 +423,19 @@ __all__ += ["RotaryEmbedding"]
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """(q_out, k_out) = rotary position embedding of q and k at ``position_ids``, through
-    :func:`opforge.functional.rope_from_positions` (θ_i = position · base^(−2i/R), computed in the kernel).
+    """(q_out, k_out) = rotary position embedding of q and k at `position_ids`, θ_i = position · base^(−2i/R).
+
+    Computed in the kernel by `opforge.functional.rope_from_positions`.
+    No parameters or buffers (nothing in the state_dict).
 
     Args:
-        head_dim: D, the last dim of q and k (even).
-        base: the RoPE base (``rope_theta``). Default: 10000.
-        rotary_dim: R, the leading dims that rotate (even, ≤ D). Default: None, meaning head_dim.
-        interleaved: GPT-J's pairs (2i, 2i + 1) instead of rotate-half's (i, i + R/2). Default: False.
+        head_dim: int. D, the last dim of q and k (even).
+        base: float. The RoPE base (`rope_theta`). Default: 10000.
+        rotary_dim: int or None. R, the leading dims that rotate (even, ≤ D). Default: None, meaning head_dim.
+        interleaved: bool. GPT-J's pairs (2i, 2i + 1) instead of rotate-half's (i, i + R/2). Default: False.
 
-    Shape: q (B, Hq, S, D), k (B, Hk, S, D), position_ids (S,) or (B or 1, S) -> (q_out, k_out) of q's and k's shapes.
-    No parameters or buffers (nothing in the state_dict).
+    Shape: q `(B, Hq, S, D)`, k `(B, Hk, S, D)`, position_ids `(S,)` or `(B or 1, S)` -> (q_out, k_out) of q's and
+    k's shapes.
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0, rotary_dim: Optional[int] = None,
@@ -400,8 +447,20 @@ class RotaryEmbedding(torch.nn.Module):
         self.interleaved = interleaved
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(q_out, k_out) of :func:`opforge.rope_from_positions`. Raises ValueError when q's or k's last dim is not
-        this module's head_dim (the op alone would rotate the first rotary_dim dims of any head size)."""
+        """(q_out, k_out) of `opforge.functional.rope_from_positions` at `position_ids`.
+
+        Args:
+            q: `(B, Hq, S, D)` floating, D = head_dim. The queries.
+            k: `(B, Hk, S, D)` of q's dtype. The keys.
+            position_ids: `(S,)` or `(B or 1, S)`, any integer dtype. The position of each token.
+
+        Returns:
+            (q_out, k_out) of q's and k's shapes and dtype.
+
+        Raises:
+            ValueError: q's or k's last dim is not this module's head_dim (the op alone would rotate the first
+                rotary_dim dims of any head size); otherwise as `opforge.functional.rope_from_positions`.
+        """
         for name, t in (("q", q), ("k", k)):
             if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] != self.head_dim:
                 raise ValueError(f"opforge.nn.RotaryEmbedding: expected {name}'s last dim to be head_dim "

@@ -1,63 +1,63 @@
 """Patch an existing model (a Hugging Face transformers Llama, Mistral, Qwen2 or Qwen3) to run on opforge ops.
 
-``opforge.patch.apply(model)`` changes ``model`` in place and returns a :class:`PatchReport`;
-``opforge.patch.revert(model)`` undoes it. Two levels:
+`opforge.patch.apply(model)` changes `model` in place and returns a `PatchReport`;
+`opforge.patch.revert(model)` undoes it. Two levels:
 
-**Decoder layers of the Llama family** (a layer with ``self_attn`` (q/k/v/o_proj, optional per-head
-q_norm/k_norm), a SiLU-gated ``mlp`` and Llama-style ``input_layernorm``/``post_attention_layernorm``):
-the layer, its attention and its MLP get an opforge ``forward`` (their class is swapped for a subclass,
-so ``isinstance`` checks still hold; signature, keyword arguments, return type and KV-cache handling are
+**Decoder layers of the Llama family** (a layer with `self_attn` (q/k/v/o_proj, optional per-head
+q_norm/k_norm), a SiLU-gated `mlp` and Llama-style `input_layernorm`/`post_attention_layernorm`):
+the layer, its attention and its MLP get an opforge `forward` (their class is swapped for a subclass,
+so `isinstance` checks still hold; signature, keyword arguments, return type and KV-cache handling are
 transformers'):
 
-* input norm: :func:`opforge.rms_norm`; the residual add after attention and the post-attention norm:
-  one :func:`opforge.fused_add_rms_norm`;
+* input norm: `opforge.rms_norm`; the residual add after attention and the post-attention norm:
+  one `opforge.fused_add_rms_norm`;
 * q/k/v projections as **one GEMM** and gate/up as **one GEMM**: the three (two) weights are concatenated
-  once, at patch time, into one ``Parameter`` (``self_attn.qkv_proj.weight``, ``mlp.gate_up_proj.weight``);
+  once, at patch time, into one `Parameter` (`self_attn.qkv_proj.weight`, `mlp.gate_up_proj.weight`);
   q/k/v (gate/up) are then column views of the GEMM's output, never copied;
-* RoPE: :func:`opforge.rope` on the q/k views of the fused projection (transformers' rotate-half math
+* RoPE: `opforge.rope` on the q/k views of the fused projection (transformers' rotate-half math
   as a fallback while the op is not built);
-* SwiGLU: :func:`opforge.swiglu_packed` on the fused gate/up output (its gradient is one tensor: no cat);
-* saved activations (``recompute=True``, eager training): the GEMMs do not keep the two norm outputs and SwiGLU's
+* SwiGLU: `opforge.swiglu_packed` on the fused gate/up output (its gradient is one tensor: no cat);
+* saved activations (`recompute=True`, eager training): the GEMMs do not keep the two norm outputs and SwiGLU's
   output for backward, which computes them again, bitwise, from what the norms and SwiGLU keep anyway; v is
-  copied out of the fused q/k/v output so the attention does not keep that whole output (see :func:`apply`).
+  copied out of the fused q/k/v output so the attention does not keep that whole output (see `apply`).
 
-**The loss** of a ``*ForCausalLM`` whose ``loss_function`` is transformers' ``ForCausalLMLoss``: with
-``labels``, the loss is :func:`opforge.linear_cross_entropy` of the final hidden states and
-``lm_head.weight`` (labels shifted by one, ``ignore_index`` −100, ``shift_labels`` and
-``num_items_in_batch`` as transformers), so the (tokens × vocab) logits are never materialised, and
-**``outputs.logits`` is None**. Without ``labels`` (inference, ``generate()``) the forward is transformers'
-own and ``outputs.logits`` are the usual logits.
+**The loss** of a `*ForCausalLM` whose `loss_function` is transformers' `ForCausalLMLoss`: with
+`labels`, the loss is `opforge.linear_cross_entropy` of the final hidden states and
+`lm_head.weight` (labels shifted by one, `ignore_index` −100, `shift_labels` and
+`num_items_in_batch` as transformers), so the (tokens × vocab) logits are never materialised, and
+**`outputs.logits` is None**. Without `labels` (inference, `generate()`) the forward is transformers'
+own and `outputs.logits` are the usual logits.
 
-**The final norm** (with the decoder layers patched and ``inductor_math=True``): a Llama-style RMSNorm outside
-the layers keeps its module and gets a forward that is :func:`opforge.rms_norm` in eager and torch math
-under compile (so Inductor fuses the last residual add into it). With the default ``inductor_math=False`` it
+**The final norm** (with the decoder layers patched and `inductor_math=True`): a Llama-style RMSNorm outside
+the layers keeps its module and gets a forward that is `opforge.rms_norm` in eager and torch math
+under compile (so Inductor fuses the last residual add into it). With the default `inductor_math=False` it
 is swapped like the norms below.
 
-**Everything else** (any model): Llama-style RMSNorms, SiLU-gated MLPs and plain ``torch.nn.Linear``
-modules outside the patched layers are swapped for :class:`opforge.nn.RMSNorm`,
-:class:`opforge.nn.GatedMLP` and :class:`opforge.nn.Linear` holding the same ``Parameter`` objects; a
+**Everything else** (any model): Llama-style RMSNorms, SiLU-gated MLPs and plain `torch.nn.Linear`
+modules outside the patched layers are swapped for `opforge.nn.RMSNorm`,
+`opforge.nn.GatedMLP` and `opforge.nn.Linear` holding the same `Parameter` objects; a
 module whose math differs (Gemma's x·(1 + weight) norm, a GELU MLP, GPT-2's Conv1D) is left alone and
 reported.
 
-Parameters, state_dict, optimizer (the trade-off of the fused projections): ``model.state_dict()`` has
-exactly transformers' keys (``...self_attn.q_proj.weight`` etc.; a state-dict hook splits the fused
-weights, as contiguous copies so that safetensors/``save_pretrained`` see no shared storage) and
-``load_state_dict``/``from``-checkpoint loading accept transformers' keys (a load pre-hook concatenates
-them). ``model.parameters()``/``named_parameters()`` show the fused ``qkv_proj.weight`` and
-``gate_up_proj.weight`` instead of the separate ones, so **build the optimizer after patching**; its
-state is per fused parameter (Adam's moments of q, k and v are rows of one tensor). ``q_proj`` etc. stay
-reachable as parameter-less modules whose ``weight`` is a view of the fused one (reads and in-place
-writes go to it). Tied weights (``lm_head`` and ``embed_tokens``) are untouched. ``revert`` puts back the
-original ``torch.nn.Linear`` modules, with their original ``Parameter`` objects holding the current values.
+Parameters, state_dict, optimizer (the trade-off of the fused projections): `model.state_dict()` has
+exactly transformers' keys (`...self_attn.q_proj.weight` etc.; a state-dict hook splits the fused
+weights, as contiguous copies so that safetensors/`save_pretrained` see no shared storage) and
+`load_state_dict`/`from`-checkpoint loading accept transformers' keys (a load pre-hook concatenates
+them). `model.parameters()`/`named_parameters()` show the fused `qkv_proj.weight` and
+`gate_up_proj.weight` instead of the separate ones, so **build the optimizer after patching**; its
+state is per fused parameter (Adam's moments of q, k and v are rows of one tensor). `q_proj` etc. stay
+reachable as parameter-less modules whose `weight` is a view of the fused one (reads and in-place
+writes go to it). Tied weights (`lm_head` and `embed_tokens`) are untouched. `revert` puts back the
+original `torch.nn.Linear` modules, with their original `Parameter` objects holding the current values.
 
-torch.compile: by default (``inductor_math=False``) every opforge op stays in the compiled graph as one
-custom op (no graph break); Inductor compiles what is around them. ``inductor_math=True`` runs the norms,
+torch.compile: by default (`inductor_math=False`) every opforge op stays in the compiled graph as one
+custom op (no graph break); Inductor compiles what is around them. `inductor_math=True` runs the norms,
 SwiGLU and the projections as torch math while Dynamo traces, so Inductor fuses them with their neighbours;
 the fused projections, RoPE and the fused loss stay. Measured on the H200 (benchmarks/bench_hf_llama.py's
 Llama, docs/patching.md): the opaque ops give 2.9 % less GPU time a step (120.1 against 123.7 ms) and 0.7–1.4 %
 more tokens/s in three runs: Inductor's SwiGLU backward of the packed projection writes the two halves'
-gradients and then a ``cat`` (5.2 ms a step), where opforge's kernel writes both halves in place. Nothing in the patched forwards
-breaks a graph (``torch.compile(layer, fullgraph=True)`` works per decoder layer).
+gradients and then a `cat` (5.2 ms a step), where opforge's kernel writes both halves in place. Nothing in the patched forwards
+breaks a graph (`torch.compile(layer, fullgraph=True)` works per decoder layer).
 
 Numerics: in float32 the patched model matches the original to rounding. In bfloat16/float16, opforge's
 RMSNorm multiplies by the weight before rounding to the input dtype (transformers rounds first), the
@@ -84,7 +84,7 @@ __all__ = ["PatchReport", "apply", "revert", "is_patched"]
 
 @dataclass
 class PatchReport:
-    """What :func:`apply` did.
+    """What `apply` did.
 
     Attributes:
         patched: (qualified name, old class name, new class name / what) for each module patched.
@@ -260,8 +260,8 @@ def _proj(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Linear) -> torc
 
 
 def _swiglu_packed(owner: torch.nn.Module, gu: torch.Tensor) -> torch.Tensor:
-    """swiglu of the fused gate/up output gu (*, 2I): opforge.swiglu_packed (one gradient (*, 2I) in backward, no
-    cat of two halves), or torch math while torch.compile traces (inductor_math)."""
+    """swiglu of the fused gate/up output gu `(*, 2I)`: `opforge.swiglu_packed` (one gradient `(*, 2I)` in
+    backward, no cat of two halves), or torch math while torch.compile traces (inductor_math)."""
     if _torch_math(owner):
         gate, up = gu.chunk(2, dim=-1)
         return TF.silu(gate) * up
@@ -274,7 +274,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """RoPE (rotate-half) of q (B, Hq, S, D) and k (B, Hk, S, D) with transformers' cos/sin (B, S, R)."""
+    """RoPE (rotate-half) of q `(B, Hq, S, D)` and k `(B, Hk, S, D)` with transformers' cos/sin `(B, S, R)`."""
     rotary_dim = cos.shape[-1]
     if _ROPE is not None:
         return _ROPE(q, k, cos, sin, rotary_dim=None if rotary_dim == q.shape[-1] else rotary_dim)
@@ -297,7 +297,7 @@ def _linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.T
 # so the tensor is freed after the forward and computed again, bitwise, when the backward needs it.
 
 def _recompute_on(owner: torch.nn.Module) -> bool:
-    """True when ``owner`` (patched with recompute=True) may drop a saved activation now: eager autograd records
+    """True when `owner` (patched with recompute=True) may drop a saved activation now: eager autograd records
     (grad mode on), no other saved-tensor hooks are active (activation checkpointing, save_on_cpu, user hooks),
     and neither torch.compile/export traces (Inductor's partitioner decides recompute there) nor a torch.func
     transform runs (those refuse saved-tensor hooks)."""
@@ -325,8 +325,8 @@ def _recordable(t: torch.Tensor) -> bool:
 
 
 class _Recipe:
-    """What a dropped saved tensor leaves in the autograd graph: ``fn(*args)`` gives the full tensor again (bitwise
-    the forward's), whose (size, stride, offset) view is the tensor that was saved. ``versions``: the version
+    """What a dropped saved tensor leaves in the autograd graph: `fn(*args)` gives the full tensor again (bitwise
+    the forward's), whose (size, stride, offset) view is the tensor that was saved. `versions`: the version
     counters of the tensor arguments when the forward ran (an in-place change since then is an error, as for
     any saved tensor)."""
 
@@ -378,8 +378,8 @@ def _unpack_recipe(packed):
 
 
 def _call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
-    """``call()``, with every tensor it saves for backward that is a view of ``target`` (same storage and dtype)
-    replaced by a :class:`_Recipe` ``fn(*args)`` (args: tensors saved anyway, detached, and constants)."""
+    """`call()`, with every tensor it saves for backward that is a view of `target` (same storage and dtype)
+    replaced by a `_Recipe` `fn(*args)` (args: tensors saved anyway, detached, and constants)."""
     if not _recordable(target) or target.storage_offset() != 0 or not target.is_contiguous() \
             or target.untyped_storage().nbytes() != target.numel() * target.element_size():
         return call()
@@ -408,13 +408,13 @@ def _call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
 
 def _norm_from_rstd(z: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rms_norm's output from its input z and the rstd its forward computed: the private op
-    ``_rms_norm_apply`` (z · rstd · weight in float32, float64 for float64, rounded once: the forward kernels' last
+    `_rms_norm_apply` (z · rstd · weight in float32, float64 for float64, rounded once: the forward kernels' last
     step, one pass), so bitwise the forward's output."""
     return torch.ops.opforge._rms_norm_apply.default(z, rstd, weight)
 
 
 def _pending(m: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]:
-    """The recipe the decoder layer left on ``m`` for its input ``x`` (taken: used once), or None; None too when x
+    """The recipe the decoder layer left on `m` for its input `x` (taken: used once), or None; None too when x
     was changed in place since the recipe was made (a forward pre-hook, say: the recipe would give the old value)."""
     p = m.__dict__.pop("_opforge_pending", None)
     return p[1:4] if p is not None and p[0] is x and x._version == p[4] else None
@@ -432,13 +432,13 @@ def _gemm(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Linear) -> torc
 # Fused projections.
 
 class FusedProjectionSlice(torch.nn.Module):
-    """Rows [start, stop) of a fused projection, standing where ``q_proj`` (``k_proj``, ...) was.
+    """Rows [start, stop) of a fused projection, standing where `q_proj` (`k_proj`, ...) was.
 
-    Holds no parameter: ``weight``/``bias`` are views of the fused :class:`torch.nn.Linear`'s (reads and
+    Holds no parameter: `weight`/`bias` are views of the fused `torch.nn.Linear`'s (reads and
     in-place writes reach it); calling it computes y = x · weightᵀ + bias for this slice alone. The patched
     forwards never call it: they run the fused GEMM once and take column views of its output.
 
-    Shape: (*, in_features) -> (*, out_features).
+    Shape: `(*, in_features)` -> `(*, out_features)`.
     """
 
     def __init__(self, fused: torch.nn.Linear, start: int, stop: int):
@@ -761,7 +761,7 @@ def _plain_linears(m: torch.nn.Module, names) -> Optional[str]:
 
 
 def _decoder_layer_reason(model_counts: Dict[int, int], layer: torch.nn.Module) -> Optional[str]:
-    """None if ``layer`` is a Llama-family decoder layer this patch reproduces exactly, else why not."""
+    """None if `layer` is a Llama-family decoder layer this patch reproduces exactly, else why not."""
     if set(layer._modules) != _LAYER_CHILDREN:
         return f"submodules {sorted(layer._modules)} are not the Llama family's {sorted(_LAYER_CHILDREN)}"
     ann = inspect.signature(type(layer).forward).return_annotation
@@ -894,7 +894,7 @@ def _probe_logits(model: torch.nn.Module) -> Optional[torch.Tensor]:
 
 
 def _set(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
-    """Replace submodule ``name`` by ``new``, remembering the old module on its parent for revert."""
+    """Replace submodule `name` by `new`, remembering the old module on its parent for revert."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     swapped = parent.__dict__.setdefault("_opforge_swapped", {})
@@ -997,27 +997,34 @@ def _apply_modules(model: torch.nn.Module, report: PatchReport, done: set, *, li
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    """True when :func:`apply` changed ``model`` (or one of its submodules) and :func:`revert` has not undone it."""
+    """True when `apply` changed `model` (or one of its submodules) and `revert` has not undone it.
+
+    Args:
+        model: torch.nn.Module. The model to look at.
+
+    Returns:
+        bool.
+    """
     return any(_is_patched_class(m) or "_opforge_swapped" in m.__dict__ for m in model.modules())
 
 
 def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, inductor_math: bool = False,
           recompute: bool = True, linear: bool = True, rms_norm: bool = True, mlp: bool = True, check: bool = True,
           strict: bool = False, verbose: bool = False) -> PatchReport:
-    """Patch ``model`` in place to run on opforge ops (see the module docstring); :func:`revert` undoes it.
+    """Patch `model` in place to run on opforge ops (see the module docstring); `revert` undoes it.
 
     Args:
-        model: a torch.nn.Module, typically a transformers ``LlamaForCausalLM`` (Mistral, Qwen2, Qwen3 ...),
-            with its weights loaded (patch after ``from_pretrained``, before building the optimizer and
+        model: torch.nn.Module. Typically a transformers `LlamaForCausalLM` (Mistral, Qwen2, Qwen3 ...),
+            with its weights loaded (patch after `from_pretrained`, before building the optimizer and
             before wrapping in DDP/FSDP or compiling).
-        decoder: patch Llama-family decoder layers (fused add+norm, fused q/k/v and gate/up GEMMs, RoPE,
+        decoder: bool. Patch Llama-family decoder layers (fused add+norm, fused q/k/v and gate/up GEMMs, RoPE,
             SwiGLU). Default: True.
-        loss: with ``labels``, compute a ``*ForCausalLM``'s loss by opforge.linear_cross_entropy (logits not
-            materialised; ``outputs.logits`` is None). Default: True.
-        inductor_math: while torch.compile traces, run the norms, SwiGLU and projections of the patched
+        loss: bool. With `labels`, compute a `*ForCausalLM`'s loss by opforge.linear_cross_entropy (logits not
+            materialised; `outputs.logits` is None). Default: True.
+        inductor_math: bool. While torch.compile traces, run the norms, SwiGLU and projections of the patched
             layers as torch math, so Inductor fuses them with their neighbours. Default: False (opforge's ops
             stay opaque in the graph: 2.9 % less GPU time a step on the H200, see the module docstring).
-        recompute: selective activation recomputation in the patched decoder layers (eager training only): the
+        recompute: bool. Selective activation recomputation in the patched decoder layers (eager training only): the
             GEMMs' inputs that are cheap to compute again are not kept for backward but computed again, bitwise,
             when backward needs them: input_layernorm's output (kept by the q/k/v GEMM; again rms_norm of the
             layer input, which rms_norm keeps anyway), post_attention_layernorm's output (kept by the gate/up GEMM;
@@ -1035,17 +1042,17 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             GEMM keeps its own low-precision copy of a norm's output, so the norms' share is not saved there.
             Without opforge.rope, or with q/k norms (Qwen3), v is not copied (q/k keep the fused output anyway).
             Default: True.
-        linear: swap the remaining plain torch.nn.Linear modules for opforge.nn.Linear. Default: True.
-        rms_norm: swap the remaining Llama-style RMSNorm modules for opforge.nn.RMSNorm. Default: True.
-        mlp: swap the remaining SiLU-gated MLPs for opforge.nn.GatedMLP. Default: True.
-        check: for a ``*ForCausalLM`` with real weights, run a forward on 2×7 random tokens before and after
+        linear: bool. Swap the remaining plain torch.nn.Linear modules for opforge.nn.Linear. Default: True.
+        rms_norm: bool. Swap the remaining Llama-style RMSNorm modules for opforge.nn.RMSNorm. Default: True.
+        mlp: bool. Swap the remaining SiLU-gated MLPs for opforge.nn.GatedMLP. Default: True.
+        check: bool. For a `*ForCausalLM` with real weights, run a forward on 2×7 random tokens before and after
             patching (eval mode, no grad); if the logits differ by more than 1e-4 (float32/64) or 5e-2
             (16-bit) of their largest magnitude, undo everything and report why. Default: True.
-        strict: raise instead of warning when some module could not be patched. Default: False.
-        verbose: print the report. Default: False.
+        strict: bool. Raise instead of warning when some module could not be patched. Default: False.
+        verbose: bool. Print the report. Default: False.
 
     Returns:
-        :class:`PatchReport`: the patched modules and those left unchanged, with the reason.
+        `PatchReport`: the patched modules and those left unchanged, with the reason.
 
     Raises:
         TypeError: model is not a torch.nn.Module.
@@ -1138,14 +1145,17 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
 
 
 def revert(model: torch.nn.Module) -> int:
-    """Undo :func:`apply` on ``model``, in place: transformers' classes and forwards come back, the fused
-    projections are split back into the original ``torch.nn.Linear`` modules (their original ``Parameter``
-    objects, holding the current values), swapped modules are put back holding the current parameters.
+    """Undo `apply` on `model`, in place: transformers' classes and forwards come back.
 
-    Build a new optimizer afterwards (the fused parameters are gone).
+    The fused projections are split back into the original `torch.nn.Linear` modules (their original
+    `Parameter` objects, holding the current values), swapped modules are put back holding the current
+    parameters. Build a new optimizer afterwards (the fused parameters are gone).
+
+    Args:
+        model: torch.nn.Module. A model `apply` patched (anything else is left as it is).
 
     Returns:
-        int: the number of modules restored (0 when ``model`` was not patched).
+        int: the number of modules restored (0 when `model` was not patched).
 
     Raises:
         TypeError: model is not a torch.nn.Module.

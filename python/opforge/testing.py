@@ -1,17 +1,17 @@
 """Float64 references and the tolerance rule, shared by the tests and the benchmarks.
 
-Each ``*_reference`` function is the readable eager version of an opforge op, evaluated in float64.
+Each `*_reference` function is the readable eager version of an opforge op, evaluated in float64.
 
-The tolerance rule (every test's): an opforge result in dtype ``d`` passes when its error against the
-float64 reference is at most twice the error of the same math done by PyTorch in ``d``, plus one unit
-of ``d``'s rounding (``torch.finfo(d).eps``) to cover results PyTorch happens to get exact. The rule
+The tolerance rule (every test's): an opforge result in dtype `d` passes when its error against the
+float64 reference is at most twice the error of the same math done by PyTorch in `d`, plus one unit
+of `d`'s rounding (`torch.finfo(d).eps`) to cover results PyTorch happens to get exact. The rule
 is applied twice: to the norm-relative error (a global bound) and to the largest elementwise error
 (so one wrong element among millions cannot hide).
 
 float64 results are the exception: there the "same math in d" *is* the float64 reference, so its
 error is zero by construction and a correct kernel that rounds differently (an fma, another order of
 products) would fail. A float64 result instead passes when every element is within
-``FLOAT64_TOLERANCE`` × max(1, max |reference|) of the reference.
+`FLOAT64_TOLERANCE` × max(1, max |reference|) of the reference.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ __all__ = [
     "gemm_error_bound",
     "FLOAT64_TOLERANCE",
 ]
-__all__ += ["linear_cat_reference", "indexed_linear_reference", "experts_present"]  # linear variants (issue 11)
+__all__ += ["linear_cat_reference", "indexed_linear_reference", "experts_present"]  # linear variants
 __all__ += ["linear_leaves"]
 
 #: Elementwise bound for float64 results, relative to max(1, the reference's largest magnitude).
@@ -43,10 +43,20 @@ FLOAT64_TOLERANCE = 1e-12
 
 
 def linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "none") -> Tensor:
-    """act(input · weightᵀ + bias) in float64. input (*, K), weight (N, K), bias (N,) -> (*, N) float64.
+    """act(input · weightᵀ + bias) in float64.
 
-    activation: "none", "relu", "gelu" (erf form), "gelu_tanh" (tanh approximation) or "silu", as
-    torch.nn.functional computes them.
+    Args:
+        input: `(*, K)` floating. The rows.
+        weight: `(N, K)` floating. The weight.
+        bias: `(N,)` floating or None. The bias. Default: None.
+        activation: str. `"none"`, `"relu"`, `"gelu"` (erf form), `"gelu_tanh"` (tanh approximation) or
+            `"silu"`, as `torch.nn.functional` computes them. Default: `"none"`.
+
+    Returns:
+        `(*, N)` float64.
+
+    Raises:
+        ValueError: an unknown activation.
     """
     y = input.double() @ weight.double().t()
     if bias is not None:
@@ -55,13 +65,34 @@ def linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = Non
 
 
 def linear_leaves(M: int, K: int, N: int, device, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
-    """(input [M, K], weight [N, K], bias [N]): standard-normal leaf tensors that require grad, drawn in that order,
-    the problem of a linear-family test."""
+    """(input, weight, bias): standard-normal leaf tensors that require grad, the problem of a linear-family test.
+
+    Args:
+        M: int. Rows of input.
+        K: int. in_features.
+        N: int. out_features.
+        device: torch.device or str. Where the tensors live.
+        dtype: torch.dtype. Their dtype. Default: float32.
+
+    Returns:
+        input `(M, K)`, weight `(N, K)`, bias `(N,)`, drawn in that order from the current generator.
+    """
     return tuple(torch.randn(*shape, device=device, dtype=dtype, requires_grad=True) for shape in ((M, K), (N, K), (N,)))
 
 
 def activation_reference(z: Tensor, activation: str) -> Tensor:
-    """The activation of opforge.linear applied to z, through torch.nn.functional (z's dtype and shape)."""
+    """act(z): the activation of `opforge.linear` through `torch.nn.functional`.
+
+    Args:
+        z: `(*)` floating. The pre-activation.
+        activation: str. `"none"`, `"relu"`, `"gelu"`, `"gelu_tanh"` or `"silu"`.
+
+    Returns:
+        Tensor of z's shape and dtype.
+
+    Raises:
+        ValueError: an unknown activation.
+    """
     if activation == "none":
         return z
     if activation == "relu":
@@ -79,8 +110,15 @@ def rms_norm_reference(input: Tensor, normalized_shape, weight: Optional[Tensor]
                        eps: Optional[float] = None) -> Tensor:
     """input / sqrt(mean(input², over the trailing len(normalized_shape) dims) + eps) · weight in float64.
 
-    eps=None: float32's machine epsilon for float32/float16/bfloat16 input, float64's for float64 (as
-    torch.nn.functional.rms_norm computes). Returns input's shape, float64.
+    Args:
+        input: `(*, *normalized_shape)` floating. The values.
+        normalized_shape: int or sequence of ints. The trailing dims normalized over.
+        weight: `(*normalized_shape)` floating or None. The scale. Default: None.
+        eps: float or None. Default: None: float32's machine epsilon for float32/float16/bfloat16 input,
+            float64's for float64 (as `torch.nn.functional.rms_norm` computes).
+
+    Returns:
+        float64 tensor of input's shape.
     """
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
@@ -97,6 +135,16 @@ def fused_add_rms_norm_reference(input: Tensor, residual: Tensor, normalized_sha
     """(rms_norm_reference(input + residual), input + residual), both float64.
 
     The sum is taken in float64 (not rounded to input's dtype first), so it is the exact math.
+
+    Args:
+        input: `(*, *normalized_shape)` floating. The new values.
+        residual: input's shape, floating. The residual stream.
+        normalized_shape: int or sequence of ints. The trailing dims normalized over.
+        weight: `(*normalized_shape)` floating or None. The scale. Default: None.
+        eps: float or None. As in `rms_norm_reference`. Default: None.
+
+    Returns:
+        (output, residual_out): float64 tensors of input's shape.
     """
     z = input.double() + residual.double()
     if eps is None:
@@ -105,22 +153,52 @@ def fused_add_rms_norm_reference(input: Tensor, residual: Tensor, normalized_sha
 
 
 def sigmoid_reference(input: Tensor) -> Tensor:
-    """1 / (1 + exp(−input)) in float64, any shape."""
+    """1 / (1 + exp(−input)) in float64.
+
+    Args:
+        input: `(*)` floating. The values.
+
+    Returns:
+        float64 tensor of input's shape.
+    """
     return torch.sigmoid(input.double())
 
 
 def square_reference(input: Tensor) -> Tensor:
-    """input² in float64, any shape."""
+    """input² in float64.
+
+    Args:
+        input: `(*)` floating. The values.
+
+    Returns:
+        float64 tensor of input's shape.
+    """
     return input.double() ** 2
 
 
 def square_add_reference(input: Tensor, other: Tensor) -> Tensor:
-    """input² + other (broadcast) in float64; input's shape."""
+    """input² + other in float64.
+
+    Args:
+        input: `(*)` floating. The squared term.
+        other: any shape that broadcasts to input's, floating. The added term.
+
+    Returns:
+        float64 tensor of input's shape.
+    """
     return input.double() ** 2 + other.double()
 
 
 def relative_error(actual: Tensor, reference: Tensor) -> float:
-    """‖actual − reference‖₂ / ‖reference‖₂ in float64 (absolute error when the reference is all zeros)."""
+    """‖actual − reference‖₂ / ‖reference‖₂ in float64 (absolute error when the reference is all zeros).
+
+    Args:
+        actual: `(*)` floating. The result to judge.
+        reference: actual's shape, floating. The reference.
+
+    Returns:
+        float.
+    """
     a, r = actual.double(), reference.double()
     num = torch.linalg.vector_norm(a - r).item()
     den = torch.linalg.vector_norm(r).item()
@@ -128,10 +206,20 @@ def relative_error(actual: Tensor, reference: Tensor) -> float:
 
 
 def gemm_error_bound(input: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """Elementwise bound on the rounding error of input · weightᵀ computed in ``dtype`` with any summation
-    order: K · u · (|input| · |weight|ᵀ), u = eps(dtype) / 2 (Higham, "Accuracy and Stability of Numerical
-    Algorithms", §3.5, γ_K ≈ K·u to first order). Float64, shape (*, N). A correct GEMM always meets it; an
-    indexing or accumulation bug misses it by orders of magnitude."""
+    """K · u · (|input| · |weight|ᵀ), u = eps(dtype) / 2: bounds the rounding error of input·weightᵀ in `dtype`.
+
+    It holds for any summation order (Higham, "Accuracy and Stability of Numerical Algorithms", §3.5, γ_K ≈ K·u
+    to first order). A correct GEMM always meets it; an indexing or accumulation bug misses it by orders of
+    magnitude.
+
+    Args:
+        input: `(*, K)` floating. The rows.
+        weight: `(N, K)` floating. The weight.
+        dtype: torch.dtype. The dtype the product is computed in.
+
+    Returns:
+        `(*, N)` float64, elementwise.
+    """
     u = torch.finfo(dtype).eps / 2
     K = input.shape[-1]
     return K * u * (input.detach().double().abs() @ weight.detach().double().abs().t())
@@ -139,22 +227,22 @@ def gemm_error_bound(input: Tensor, weight: Tensor, dtype: torch.dtype) -> Tenso
 
 def assert_matches_reference(actual: Tensor, reference: Tensor, baseline: Tensor, *, what: str = "output",
                              factor: float = 2.0, bound: Optional[Tensor] = None) -> None:
-    """Assert the tolerance rule for ``actual`` (opforge, dtype d) against ``reference`` (float64).
+    """Asserts the tolerance rule for `actual` (opforge, dtype d) against `reference` (float64).
 
     Args:
-        actual: opforge's result.
-        reference: the float64 reference of the same math.
-        baseline: PyTorch's result of the same math in ``actual``'s dtype (the achievable error).
-        what: name used in the failure message.
-        factor: allowed ratio to the baseline's error. Default 2.
-        bound: optional elementwise a-priori error bound (e.g. gemm_error_bound): an element within it
-            passes even when PyTorch's own result happens to be more accurate (a different, equally
-            valid summation order).
+        actual: `(*)` floating. opforge's result.
+        reference: actual's shape, float64. The float64 reference of the same math.
+        baseline: actual's shape and dtype. PyTorch's result of the same math in d (the achievable error).
+        what: str. Name used in the failure message. Default: `"output"`.
+        factor: float. Allowed ratio to the baseline's error. Default: 2.0.
+        bound: broadcastable to actual's shape, floating, or None. An elementwise a-priori error bound (e.g.
+            `gemm_error_bound`): an element within it passes even when PyTorch's own result happens to be more
+            accurate (a different, equally valid summation order). Default: None.
 
     Raises:
         AssertionError: shape/dtype mismatch, non-finite where the reference is finite, or an error
-            above ``factor`` × baseline error + eps(d) (norm-relative or elementwise-max); for
-            float64, an element further than ``FLOAT64_TOLERANCE`` × max(1, max |reference|) from the reference.
+            above `factor` × baseline error + eps(d) (norm-relative or elementwise-max); for
+            float64, an element further than `FLOAT64_TOLERANCE` × max(1, max |reference|) from the reference.
     """
     assert actual.shape == reference.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(reference.shape)}"
     assert actual.dtype == baseline.dtype, f"{what}: dtype {actual.dtype} != {baseline.dtype}"
@@ -188,18 +276,33 @@ def assert_matches_reference(actual: Tensor, reference: Tensor, baseline: Tensor
 
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) · up in float64, gate's shape."""
+    """silu(gate) · up in float64.
+
+    Args:
+        gate: `(*)` floating. The pre-activation.
+        up: gate's shape, floating. The value.
+
+    Returns:
+        float64 tensor of gate's shape.
+    """
     g = gate.double()
     return g * torch.sigmoid(g) * up.double()
 
 
 def swiglu_packed_reference(input: Tensor) -> Tensor:
-    """silu(gate) · up in float64 with gate, up = input[..., :I], input[..., I:]; shape (*, I)."""
+    """silu(input[..., :I]) · input[..., I:] in float64.
+
+    Args:
+        input: `(*, 2I)` floating. gate and up side by side.
+
+    Returns:
+        `(*, I)` float64.
+    """
     gate, up = input.double().chunk(2, dim=-1)
     return swiglu_reference(gate, up)
 
 
-# ---- linear_cross_entropy (issue 10) -----------------------------------------------------------------------
+# ---- linear_cross_entropy ----------------------------------------------------------------------------------
 
 __all__ += ["linear_cross_entropy_reference"]
 
@@ -209,12 +312,29 @@ def linear_cross_entropy_reference(input: Tensor, linear_weight: Tensor, target:
                                    reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
                                    z_loss: float = 0.0, softcap: Optional[float] = None,
                                    compute_dtype: torch.dtype = torch.float64) -> Tensor:
-    """opforge.linear_cross_entropy in float64 (or ``compute_dtype``: the same math in another dtype, the
-    baseline of the tolerance rule), from the full logits (differentiable: gradients by autograd).
+    """`opforge.linear_cross_entropy` from the full logits, in float64 or `compute_dtype` (differentiable).
 
-    logits = cap(input · linear_weightᵀ + linear_bias); loss = F.cross_entropy(logits, target, weight,
-    ignore_index, label_smoothing, reduction) + z_loss · Σ_valid lse² (divided like the cross-entropy sum:
-    by Σ_valid weight[t] for mean). Returns float64 of the loss's shape."""
+    logits = cap(input · linear_weightᵀ + linear_bias); loss = `F.cross_entropy(logits, target, weight,
+    ignore_index, label_smoothing, reduction)` + z_loss · Σ_valid lse² (divided like the cross-entropy sum:
+    by Σ_valid weight[t] for mean). Gradients by autograd.
+
+    Args:
+        input: `(*, H)` floating. The hidden states.
+        linear_weight: `(V, H)` floating. The lm_head weight.
+        target: `(*)` int64. Class indices, or ignore_index.
+        linear_bias: `(V,)` floating or None. Default: None.
+        weight: `(V,)` floating or None. Class weights. Default: None.
+        reduction: str. `"mean"`, `"sum"` or `"none"`. Default: `"mean"`.
+        ignore_index: int. Default: -100.
+        label_smoothing: float. Default: 0.0.
+        z_loss: float. Default: 0.0.
+        softcap: float or None. Default: None.
+        compute_dtype: torch.dtype. float64 for the reference, another dtype for the same math in it (the
+            baseline of the tolerance rule). Default: float64.
+
+    Returns:
+        The loss in compute_dtype: `()` for mean/sum, target's shape for none.
+    """
     cd = compute_dtype
     z = input.to(cd) @ linear_weight.to(cd).t()
     if linear_bias is not None:
@@ -243,8 +363,18 @@ __all__ += ["fake_quant_qparams_reference", "fake_quantize_weight_reference", "f
 
 
 def fake_quant_qparams_reference(mn: Tensor, mx: Tensor, qmin: int, qmax: int, symmetric: bool):
-    """(scale float32, zero_point int32) from float32 min/max tensors, as torch.ao.quantization's MinMaxObserver
-    and torchao's choose_qparams_affine compute them (eps = float32's machine epsilon)."""
+    """(scale, zero_point) from min/max, as torch's MinMaxObserver and torchao's `choose_qparams_affine` compute them.
+
+    Args:
+        mn: `(G,)` floating (converted to float32). Each group's minimum.
+        mx: `(G,)` floating (converted to float32). Each group's maximum.
+        qmin: int. The smallest integer.
+        qmax: int. The largest integer.
+        symmetric: bool. Zero point 0 and scale = max(−lo, hi) / ((qmax − qmin) / 2), else the asymmetric pair.
+
+    Returns:
+        scale `(G,)` float32 (at least float32's machine epsilon) and zero_point `(G,)` int32.
+    """
     mn, mx = mn.float(), mx.float()
     zero = torch.zeros_like(mn)
     lo, hi = torch.minimum(mn, zero), torch.maximum(mx, zero)
@@ -261,7 +391,7 @@ def fake_quant_qparams_reference(mn: Tensor, mx: Tensor, qmin: int, qmax: int, s
 
 
 def _fq_mask(x: Tensor, fq) -> Tensor:
-    """torch's own straight-through mask of the fake-quantize function ``fq`` at x: d(sum fq(x))/dx != 0."""
+    """torch's own straight-through mask of the fake-quantize function `fq` at x: d(sum fq(x))/dx != 0."""
     xr = x.detach().requires_grad_(True)
     with torch.enable_grad():
         (g,) = torch.autograd.grad(fq(xr).sum(), xr)
@@ -269,9 +399,21 @@ def _fq_mask(x: Tensor, fq) -> Tensor:
 
 
 def fake_quantize_weight_reference(weight: Tensor, bits: int = 4, group_size: int = -1, symmetric: bool = True):
-    """(fq_w in weight's dtype, mask bool, scale, zero_point) through torch.fake_quantize_per_tensor_affine /
-    torch.fake_quantize_per_channel_affine on the weight upcast to float32 (float64 stays float64).
-    weight (N, K); group_size −1 per channel, 0 per tensor, g per group of g columns."""
+    """(fq_w, mask, scale, zero_point) through `torch.fake_quantize_per_tensor_affine` / `_per_channel_affine`.
+
+    The weight is upcast to float32 (float64 stays float64). A float64 weight per tensor goes through the
+    per-channel function with one channel: torch's per-tensor kernel rounds a float64 result to float32.
+
+    Args:
+        weight: `(N, K)` floating. The weight.
+        bits: int in [2, 8]. Default: 4.
+        group_size: int. −1 per channel, 0 per tensor, g per group of g columns. Default: −1.
+        symmetric: bool. Default: True.
+
+    Returns:
+        fq_w `(N, K)` in weight's dtype, mask `(N, K)` bool, scale float32 and zero_point int32 of shape `(1, 1)`,
+            `(N, 1)` or `(N, K // g)`.
+    """
     qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     N, K = weight.shape
     w = weight.detach().double() if weight.dtype == torch.float64 else weight.detach().float()
@@ -305,8 +447,16 @@ def fake_quantize_weight_reference(weight: Tensor, bits: int = 4, group_size: in
 
 
 def fake_quantize_per_token_reference(input: Tensor):
-    """(fq_a(input) in input's dtype, mask bool): each row over the last dim fake-quantized to int8 [−128, 127],
-    asymmetric, through torch.fake_quantize_per_channel_affine (axis 0 of the flattened rows)."""
+    """(fq_a(input), mask): each row over the last dim fake-quantized to int8 [−128, 127], asymmetric.
+
+    Through `torch.fake_quantize_per_channel_affine` (axis 0 of the flattened rows).
+
+    Args:
+        input: `(*, K)` floating. The tokens.
+
+    Returns:
+        fq_a in input's dtype and shape, mask bool of input's shape.
+    """
     K = input.shape[-1]
     x = input.detach().reshape(-1, K)
     x = x.double() if input.dtype == torch.float64 else x.float()
@@ -319,29 +469,69 @@ def fake_quantize_per_token_reference(input: Tensor):
 
 def fake_quant_linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, weight_bits: int = 4,
                                 group_size: int = -1, symmetric: bool = True, act_quant: bool = False) -> Tensor:
-    """fq_a(input) · fq_w(weight)ᵀ + bias in float64, the fake quantization done by torch's fake_quantize
-    functions (fake_quantize_weight_reference, fake_quantize_per_token_reference); fq_w converted to input's dtype
-    first, as the op's GEMM sees it. (*, N) float64."""
+    """fq_a(input) · fq_w(weight)ᵀ + bias in float64, the fake quantization done by torch's fake_quantize functions.
+
+    fq_w (`fake_quantize_weight_reference`) is converted to input's dtype first, as the op's GEMM sees it; fq_a
+    is `fake_quantize_per_token_reference`.
+
+    Args:
+        input: `(*, K)` floating. The rows.
+        weight: `(N, K)` floating. The weight.
+        bias: `(N,)` floating or None. Default: None.
+        weight_bits: int. Default: 4.
+        group_size: int. Default: −1.
+        symmetric: bool. Default: True.
+        act_quant: bool. Default: False.
+
+    Returns:
+        `(*, N)` float64.
+    """
     wq = fake_quantize_weight_reference(weight, weight_bits, group_size, symmetric)[0].to(input.dtype)
     xq = fake_quantize_per_token_reference(input)[0] if act_quant else input.detach()
     return linear_reference(xq, wq, bias)
-# ---- linear variants (issue 11) -----------------------------------------------------------------------------
+# ---- linear variants ----------------------------------------------------------------------------------------
 
 def linear_cat_reference(inputs, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """linear(cat(inputs, -1), weight, bias) in float64. inputs: (*, K_i) each -> (*, N) float64."""
+    """linear(cat(inputs, -1), weight, bias) in float64.
+
+    Args:
+        inputs: sequence of `(*, K_i)` floating tensors. The pieces.
+        weight: `(N, ΣK_i)` floating. The weight.
+        bias: `(N,)` floating or None. Default: None.
+
+    Returns:
+        `(*, N)` float64.
+    """
     x = torch.cat([t.double() for t in inputs], -1)
     y = x @ weight.double().t()
     return y + bias.double() if bias is not None else y
 
 
 def experts_present(index: Tensor, E: int) -> list:
-    """The distinct values of ``index`` in [0, E), ascending (one host synchronisation, not one per expert)."""
+    """The distinct values of `index` in [0, E), ascending (one host synchronisation, not one per expert).
+
+    Args:
+        index: `(T,)` int64. The experts chosen per token (−1: none).
+        E: int. The number of experts.
+
+    Returns:
+        list of int.
+    """
     return index[(index >= 0) & (index < E)].unique().tolist()
 
 
 def indexed_linear_reference(input: Tensor, weight: Tensor, index: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """y[t] = input[t] · weight[index[t]]ᵀ + bias[index[t]] in float64, a loop over experts; rows with index −1
-    are zero. input (T, K), weight (E, N, K), index (T,), bias (E, N) -> (T, N) float64. Differentiable."""
+    """y[t] = input[t] · weight[index[t]]ᵀ + bias[index[t]] in float64, a loop over experts (differentiable).
+
+    Args:
+        input: `(T, K)` floating. The tokens.
+        weight: `(E, N, K)` floating. The bank.
+        index: `(T,)` int64. The expert of each token; rows with index −1 are zero.
+        bias: `(E, N)` floating or None. Default: None.
+
+    Returns:
+        `(T, N)` float64, connected to every input (zero gradients even where no row selects a weight).
+    """
     x, w = input.double(), weight.double()
     # zeros connected to every input (zero gradients even when no row selects a weight)
     y = x.new_zeros(x.shape[0], w.shape[1]) + 0 * (x.sum() + w.sum() + (bias.double().sum() if bias is not None else 0))
@@ -360,9 +550,16 @@ def rope_cos_sin_reference(position_ids: Tensor, rotary_dim: int, base: float = 
                            interleaved: bool = False) -> tuple[Tensor, Tensor]:
     """cos, sin tables in float64 as transformers builds them: θ_i = position · base^(−2i/R), i < R/2.
 
-    position_ids (S,) or (B, S) -> cos, sin of shape (*position_ids.shape, R): rotate-half layout
-    [θ_0 … θ_{R/2−1}, θ_0 … θ_{R/2−1}] (transformers' ``cat((freqs, freqs), -1)``), or, interleaved,
-    [θ_0, θ_0, θ_1, θ_1, …] (GPT-J's ``repeat_interleave(…, 2)``).
+    Args:
+        position_ids: `(S,)` or `(B, S)` integer. The positions.
+        rotary_dim: int. R, even.
+        base: float. The RoPE base. Default: 10000.
+        interleaved: bool. GPT-J's layout [θ_0, θ_0, θ_1, θ_1, …] (`repeat_interleave(…, 2)`) instead of
+            rotate-half's [θ_0 … θ_{R/2−1}, θ_0 … θ_{R/2−1}] (transformers' `cat((freqs, freqs), -1)`).
+            Default: False.
+
+    Returns:
+        cos, sin: float64 of shape `(*position_ids.shape, R)`.
     """
     R = rotary_dim
     inv_freq = torch.tensor(float(base), dtype=torch.float64) ** (
@@ -383,10 +580,18 @@ def _rotate(x: Tensor, interleaved: bool) -> Tensor:
 
 def rope_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
                    rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """(q_out, k_out) of opforge.rope in float64: x[..., :R]·cos + rotate(x[..., :R])·sin, x[..., R:] unchanged.
+    """(q_out, k_out) of `opforge.rope` in float64: x[..., :R]·cos + rotate(x[..., :R])·sin, x[..., R:] unchanged.
 
-    q (B, Hq, S, D), k (B, Hk, S, D); cos, sin (S, R), (B or 1, S, R) or (B or 1, 1, S, R), broadcast over heads.
-    Differentiable in q and k (float64 autograd).
+    Args:
+        q: `(B, Hq, S, D)` floating. The queries.
+        k: `(B, Hk, S, D)` floating. The keys.
+        cos: `(S, R)`, `(B or 1, S, R)` or `(B or 1, 1, S, R)` floating, broadcast over heads.
+        sin: cos's shape, floating.
+        interleaved: bool. GPT-J's pairs instead of rotate-half's. Default: False.
+        rotary_dim: int or None. R. Default: None, meaning `cos.size(-1)`.
+
+    Returns:
+        (q_out, k_out) float64 of q's and k's shapes, differentiable in q and k.
     """
     c, s = cos.double(), sin.double()
     if c.dim() == 2:
@@ -405,7 +610,19 @@ def rope_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleave
 
 def rope_from_positions_reference(q: Tensor, k: Tensor, position_ids: Tensor, base: float = 10000.0, *,
                                   interleaved: bool = False, rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """(q_out, k_out) of opforge.rope_from_positions in float64 (rope_reference on rope_cos_sin_reference's tables)."""
+    """(q_out, k_out) of `opforge.rope_from_positions` in float64: `rope_reference` on `rope_cos_sin_reference`.
+
+    Args:
+        q: `(B, Hq, S, D)` floating. The queries.
+        k: `(B, Hk, S, D)` floating. The keys.
+        position_ids: `(S,)` or `(B, S)` integer. The positions.
+        base: float. The RoPE base. Default: 10000.
+        interleaved: bool. Default: False.
+        rotary_dim: int or None. R. Default: None, meaning D.
+
+    Returns:
+        (q_out, k_out) float64 of q's and k's shapes.
+    """
     R = q.shape[-1] if rotary_dim is None else rotary_dim
     cos, sin = rope_cos_sin_reference(position_ids, R, base, interleaved=interleaved)
     return rope_reference(q, k, cos, sin, interleaved=interleaved, rotary_dim=R)

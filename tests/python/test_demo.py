@@ -123,6 +123,15 @@ def test_python_m_opforge_demo_is_the_llama_job(command, tmp_path):
     assert not (tmp_path / "benchmarks").exists()
 
 
+def test_device_name_counts_threads_in_words():
+    from opforge.demo.report import _device_name
+
+    with demo._threads(1):
+        assert _device_name(torch.device("cpu")) == "cpu (1 thread)"
+    with demo._threads(2):
+        assert _device_name(torch.device("cpu")) == "cpu (2 threads)"
+
+
 def test_unique_path(tmp_path):
     assert demo.unique_path(tmp_path / "a.png") == tmp_path / "a.png"
     (tmp_path / "a.png").write_bytes(b"x")

@@ -1,6 +1,8 @@
 """fake_quant_linear, its backward and fake_quantize_weight: bit-identity with torch.fake_quantize_*, values and
-straight-through gradients against float64, the issue's cases (group sizes, rounding, zero/tiny groups), opcheck,
-compile, torch.func, FakeQuantLinear and its torchao-layout convert(), errors."""
+straight-through gradients against float64, group sizes, rounding, zero/tiny groups, NaN and infinite weights,
+opcheck, compile, torch.func, FakeQuantLinear (its argument checks and its torchao-layout convert()), errors."""
+import math
+
 import pytest
 import torch
 
@@ -60,7 +62,27 @@ def test_per_token_activation_quantization_is_torchs_bit_for_bit(device, dtype, 
     _equal_bits(xm, r_xm, "input mask")
 
 
-# ---- the issue's cases ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_float64_per_tensor_is_the_per_channel_kernel_not_the_per_tensor_one(device, symmetric):
+    """float64 weights with one scale (group_size=0): opforge's values are those of
+    torch.fake_quantize_per_channel_affine with one channel (the product in float64, as for every other grouping);
+    torch.fake_quantize_per_tensor_affine rounds a float64 result to float32, so it equals opforge's values rounded
+    to float32 and differs from them by less than one float32 ulp."""
+    torch.manual_seed(0)  # a scale with more than 20 significant bits: many products (q − zp) · scale are inexact in float32
+    w = torch.randn(32, 64, dtype=torch.float64)
+    out, mask, scale, zp = opforge.fake_quantize_weight(w.to(device), 4, 0, symmetric)
+    out, scale, zp = out.cpu(), scale.cpu(), zp.cpu()
+    per_channel = torch.fake_quantize_per_channel_affine(w.reshape(1, -1), scale.reshape(1), zp.reshape(1), 0, -8, 7)
+    _equal_bits(out, per_channel.reshape(w.shape), "float64 per tensor vs the per-channel kernel")
+    per_tensor = torch.fake_quantize_per_tensor_affine(w, scale.item(), int(zp.item()), -8, 7)
+    _equal_bits(out.float().double(), per_tensor, "float64 per tensor rounded to float32 vs the per-tensor kernel")
+    differ = out != per_tensor
+    assert differ.any(), "no element where the two torch kernels differ: the case pins nothing"
+    ulp = torch.finfo(torch.float32).eps * per_tensor.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    assert ((out - per_tensor).abs() < ulp).all()
+
+
+# ---- group sizes, rounding, zero and tiny groups ----------------------------------------------------------------
 
 def _blocked_weight(device):
     torch.manual_seed(11)
@@ -70,7 +92,7 @@ def _blocked_weight(device):
     return w
 
 
-def test_case1_group_size_is_honoured(device):
+def test_group_size_is_honoured(device):
     w = _blocked_weight(device)
     x = torch.randn(5, 256, device=device)
     results = {}
@@ -110,7 +132,7 @@ def _weight_with_scale(target, x, device):
     raise AssertionError("no weight with that scale found")
 
 
-def test_case2_rounding_multiplies_by_the_float32_reciprocal(device):
+def test_rounding_multiplies_by_the_float32_reciprocal(device):
     x = torch.tensor(2.119995355606079, dtype=torch.float32).item()
     s = 0.32615312933921814
     torch_value = torch.fake_quantize_per_tensor_affine(torch.tensor([x]), s, 0, -8, 7)
@@ -124,7 +146,7 @@ def test_case2_rounding_multiplies_by_the_float32_reciprocal(device):
         assert out[0, 0].item() == pytest.approx(2.283072, abs=1e-6)
 
 
-def test_case2_ties_round_half_to_even(device):
+def test_ties_round_half_to_even(device):
     ties = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5]
     w = torch.tensor([ties + [127.5, 0.0]], device=device)  # int8 symmetric: scale = 127.5 / 127.5 = 1
     out, mask, scale, _ = opforge.fake_quantize_weight(w, 8, -1, True)
@@ -135,7 +157,7 @@ def test_case2_ties_round_half_to_even(device):
         w.cpu(), torch.ones(1), torch.zeros(1, dtype=torch.int32), 0, -128, 127), rtol=0, atol=0)
 
 
-def test_case2_bfloat16_weight_is_upcast_before_quantizing(device):
+def test_bfloat16_weight_is_upcast_before_quantizing(device):
     w = (torch.randn(8, 64, device=device) * 3).bfloat16()
     out = opforge.fake_quantize_weight(w, 4, 32, True)[0]
     w32 = w.float()
@@ -147,7 +169,7 @@ def test_case2_bfloat16_weight_is_upcast_before_quantizing(device):
 
 @pytest.mark.parametrize("value", [0.0, 1e-30, torch.finfo(torch.float32).tiny, -torch.finfo(torch.float32).tiny])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_case3_zero_and_tiny_groups_stay_finite(device, value, symmetric):
+def test_zero_and_tiny_groups_stay_finite(device, value, symmetric):
     w = torch.randn(4, 64, device=device)
     w[1] = value  # a whole row (every group of it) of zeros or tiny values
     w[2, :32] = value
@@ -405,7 +427,33 @@ def test_fake_quant_linear_module_and_torchao_layout(device):
     assert "group_size=0" in repr(m)
 
 
-# ---- NaN propagates, extreme ranges stay finite (issue 11, reliability) -------------------------------------------
+@pytest.mark.parametrize("kw", [dict(weight_bits=1), dict(weight_bits=9), dict(group_size=-3), dict(group_size=-2),
+                                dict(group_size=48)])
+def test_fake_quant_linear_module_checks_its_settings_at_construction(kw):
+    """weight_bits outside [2, 8], group_size < -1 and a group_size not dividing in_features raise at construction
+    (and in from_linear), with the words of the op's own check after the module's name."""
+    x, w = torch.randn(2, 64), torch.randn(4, 64)
+    with pytest.raises(ValueError) as op_error:
+        opforge.fake_quant_linear(x, w, **kw)
+    op_words = str(op_error.value).split(": ", 1)[1]
+    assert str(op_error.value).startswith("opforge::fake_quant_linear: ")
+    with pytest.raises(ValueError) as module_error:
+        opforge.nn.FakeQuantLinear(64, 4, **kw)
+    assert str(module_error.value) == f"opforge.nn.FakeQuantLinear: {op_words}"
+    with pytest.raises(ValueError, match=r"^opforge\.nn\.FakeQuantLinear: expected "):
+        opforge.nn.FakeQuantLinear.from_linear(torch.nn.Linear(64, 4), **kw)
+
+
+def test_fake_quant_linear_module_accepts_every_valid_setting():
+    x = torch.randn(3, 64)
+    for bits in (2, 8):
+        for gs in (-1, 0, 1, 64):
+            m = opforge.nn.FakeQuantLinear(64, 4, weight_bits=bits, group_size=gs)
+            _equal_bits(m(x), opforge.fake_quant_linear(x, m.weight, m.bias, weight_bits=bits, group_size=gs,
+                                                        act_quant=True), f"bits {bits}, group_size {gs}")
+
+
+# ---- NaN propagates, extreme ranges stay finite ------------------------------------------------------------------
 
 def _nan_group(group_size, shape, at):
     """Bool mask (N, K) of the quantization group containing element `at`."""
@@ -494,6 +542,49 @@ def test_nan_in_an_input_row_with_act_quant(device):
     _equal_bits(y[[0, 2, 3]], y2[[0, 2, 3]], "rows without NaN")
 
 
+@pytest.mark.parametrize("group_size", [-1, 0, 32])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_infinite_weight_gives_nan_for_its_whole_group(device, group_size, symmetric, value, dtype):
+    """A group holding ±inf gets scale inf: every fake-quantized value of it is NaN, the infinite entry included
+    (torch's observer + fake_quantize give −inf there in a symmetric group: its NaN integer converts to qmin), the
+    finite entries keep mask True, the infinite one has mask False; the other groups are torch's bits."""
+    torch.manual_seed(7)
+    shape, at = (8, 64), (3, 37)
+    clean = torch.randn(shape, dtype=torch.float32).to(dtype)
+    w = clean.clone()
+    w[at] = value
+    group = _nan_group(group_size, shape, at)
+    out, mask, scale, zp = (t.cpu() for t in opforge.fake_quantize_weight(w.to(device), 4, group_size, symmetric))
+    assert torch.isnan(out[group]).all()
+    assert not mask[at] and mask[group].sum() == group.sum() - 1
+    infinite = torch.isinf(scale)
+    assert infinite.sum() == 1 and (scale[infinite] > 0).all() and torch.isfinite(scale[~infinite]).all()
+    if symmetric:
+        assert (zp == 0).all()
+    r_out, r_mask, r_scale, r_zp = fake_quantize_weight_reference(clean, 4, group_size, symmetric)
+    _assert_same_where_finite(out, r_out, ~group, "output outside the infinite group")
+    assert torch.equal(mask[~group], r_mask[~group])
+    _assert_same_where_finite(scale, r_scale, ~infinite, "scale of the other groups")
+    assert torch.equal(zp[~infinite], r_zp[~infinite])
+    if symmetric:  # the documented difference: torch's fake_quantize turns the infinite entry into qmin · inf
+        assert torch.fake_quantize_per_tensor_affine(torch.tensor([0.5, value]), float("inf"), 0, -8, 7)[1] == -math.inf
+    y = opforge.fake_quant_linear(torch.randn(2, 64, device=device, dtype=dtype), w.to(device), None,
+                                  group_size=group_size, symmetric=symmetric).cpu()
+    assert torch.isnan(y[:, at[0]]).all()
+
+
+def test_float64_weight_beyond_float32_range_gives_nan_for_its_group(device):
+    """A float64 weight of 1e39 makes its group's float32 scale inf: the whole group is NaN, its finite entries
+    keep mask True."""
+    w = torch.randn(4, 16, dtype=torch.float64)
+    w[1, 3] = 1e39
+    out, mask, scale, _ = (t.cpu() for t in opforge.fake_quantize_weight(w.to(device), 4, -1, True))
+    assert torch.isnan(out[1]).all() and torch.isinf(scale[1]).all()
+    assert mask[1].all() and not torch.isnan(out[[0, 2, 3]]).any()
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("group_size", [-1, 0, 16])
 def test_asymmetric_range_near_float32_max_stays_finite(device, bits, group_size):
@@ -546,13 +637,15 @@ def test_asymmetric_near_float32_max_through_fake_quant_linear(device):
 @pytest.mark.parametrize("group_size", [-1, 0, 32, 256])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_nan_and_extreme_ranges_cpu_equals_cuda(dtype, group_size, symmetric):
-    """The NaN pattern and every non-NaN bit agree between CPU and CUDA (NaN payloads may differ: the CPU keeps
-    its operand's, the GPU writes the canonical one); the vectorized, team-of-8, warp and block paths all run
-    (group lengths 32, 256, 512 and K 1024)."""
+    """With NaN, ±inf and ±3e38 weights the NaN pattern and every non-NaN bit agree between CPU and CUDA (NaN
+    payloads may differ: the CPU keeps its operand's, the GPU writes the canonical one); the vectorized, team-of-8,
+    warp and block paths all run (group lengths 32, 256, 512 and K 1024)."""
     torch.manual_seed(5)
     w = torch.randn(16, 1024)
     w[3, 100] = float("nan")
     w[7, 0] = float("nan")
+    w[11, 600] = float("inf")  # its group's scale is inf and all of it NaN
+    w[13, 5] = float("-inf")
     if dtype != torch.float16:
         w[9] = torch.linspace(-3e38, 3e38, 1024)
     w = w.to(dtype)

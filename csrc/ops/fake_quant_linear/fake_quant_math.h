@@ -11,6 +11,8 @@
 //   q   = round(x · inv_scale) + zero_point,  inv_scale = 1 / scale (fp32)          round half to even
 //   y   = (clamp(q, qmin, qmax) − zero_point) · scale;  in_range = qmin ≤ q ≤ qmax
 //   a group containing NaN: min/max propagate it, scale = NaN, zero_point = 0, every y NaN, in_range false
+//   a group containing ±inf: scale = inf, inv_scale = 0, every y NaN (the clamp keeps the NaN q of an infinite x,
+//                       where torch's integer conversion turns it into qmin and gives −inf); finite x keep in_range
 //
 // eps = float32's machine epsilon (2^−23). x · inv_scale is computed in C: float for float32/float16/bfloat16
 // inputs (upcast before the product), double for float64 (as ATen multiplies a double by the float inv_scale).
@@ -87,7 +89,7 @@ inline T host_mul(T a, T b) {
   return a * b;
 }
 
-/// min / max that ignore a NaN operand (C's fmin / fmax): the clamps of fake_quantize_value, as ATen's.
+/// min / max that ignore a NaN operand (C's fmin / fmax): the clamps of choose_qparams, as the observers'.
 OPFORGE_FQ_BINARY(fmin_f, fminf, fmin, std::fmin)
 OPFORGE_FQ_BINARY(fmax_f, fmaxf, fmax, std::fmax)
 /// min / max that propagate NaN (a NaN operand wins, as torch.aminmax): the group reductions, so that a group
@@ -165,13 +167,18 @@ OPFORGE_HD inline QParams choose_qparams(C mn, C mx, int qmin, int qmax, bool sy
 
 /// The fake-quantized value of x (compute type C: float, or double for float64) and whether its integer
 /// q = round(x · inv_scale) + zero_point lies in [qmin, qmax] (the straight-through estimator's mask).
-/// A NaN x with a finite scale would give (qmin − zero_point) · scale and in_range = false (as ATen's CPU kernel
-/// on x86); with the NaN-propagating reductions a NaN x always comes with scale = NaN, so y is NaN.
+///
+/// The clamp keeps a NaN q (a comparison with NaN is false, so neither bound replaces it): q is NaN only for a
+/// group whose scale is NaN (it holds a NaN) or inf (it holds ±inf, inv_scale = 0, and inf · 0 is NaN), and such
+/// a group's every y is then NaN with in_range false for the NaN q. ATen's kernels convert q to an integer first,
+/// which turns a NaN into qmin, so torch gives (qmin − zero_point) · inf = −inf for an infinite x of a symmetric
+/// group (and of an asymmetric group holding −inf, whose zero point torch's observer makes qmax). For a finite q this clamp is exactly fmin(fmax(q, qmin), qmax): no finite y changes.
 template <typename C>
 OPFORGE_HD inline C fake_quantize_value(C x, const QParams& p, int qmin, int qmax, bool& in_range) {
   const C q = round_even(mul_rn(x, static_cast<C>(p.inv_scale))) + static_cast<C>(p.zero_point);
-  in_range = q >= static_cast<C>(qmin) && q <= static_cast<C>(qmax);
-  const C qc = fmin_f(fmax_f(q, static_cast<C>(qmin)), static_cast<C>(qmax));
+  const C lo = static_cast<C>(qmin), hi = static_cast<C>(qmax);
+  in_range = q >= lo && q <= hi;
+  const C qc = q < lo ? lo : (q > hi ? hi : q);
   return mul_rn(qc - static_cast<C>(p.zero_point), static_cast<C>(p.scale));
 }
 

@@ -1,4 +1,4 @@
-"""``python -m opforge.demo`` (and ``torchrun -m opforge.demo --parallel ddp|fsdp``): the demo's command line."""
+"""`python -m opforge.demo` (and `torchrun -m opforge.demo --parallel ddp|fsdp`): the demo's command line."""
 import sys
 
 from .cli import main

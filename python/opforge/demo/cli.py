@@ -1,5 +1,5 @@
-"""``python -m opforge demo`` / ``python -m opforge.demo``: the command line, the training run and the
-``--report`` throughput mode (see :mod:`opforge.demo` for what the demo shows)."""
+"""`python -m opforge demo` / `python -m opforge.demo`: the command line, the training run and the
+`--report` throughput mode (see `opforge.demo` for what the demo shows)."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +21,23 @@ from .report import _commit, _device_name, _fmt_mem, plot, print_table, unique_p
 from .train import Dist, Result, Trainer, _threads, check_agreement, init_distributed, train_lockstep, trainers_warmup, unwrap
 
 def run(args) -> dict:
-    """Train both models as ``args`` says (see :func:`build_parser`); returns the results as a dict."""
+    """Trains the opforge and the torch.nn model side by side as `args` says, and reports the run.
+
+    Prints the banner, the progress, the table, the agreement, the loss-curve PNG's path and a sample (unless
+    `--quiet`); writes the CSV and JSON asked for. Under `--parallel ddp|fsdp` every rank trains its slice and
+    rank 0 reports.
+
+    Args:
+        args: argparse.Namespace from `parse_args`.
+
+    Returns:
+        dict with `config`, `args`, `world`, `results` (per backend: losses, tokens/s, peak memory, seconds),
+            `agreement` (`check_agreement` of the two runs, when both ran), `sample` and `wall_seconds`.
+
+    Raises:
+        ValueError: `--batch` not divisible by the world size.
+        RuntimeError: `--parallel` without torchrun.
+    """
     t_start = time.perf_counter()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -75,6 +91,7 @@ def run(args) -> dict:
 
 
 def _report_training(out: dict, results: Dict[str, Result], args, device, d: Dist, sample: Optional[str]) -> None:
+    """Prints the table, agreement, plot path and sample of a training run; writes its CSV and JSON."""
     mem_label = ("cuda: max_memory_allocated growth in a step + params + AdamW state" if device.type == "cuda"
                  else "cpu estimate: params+grads+AdamW state+saved activations")
     rows = []
@@ -120,8 +137,20 @@ def _report_training(out: dict, results: Dict[str, Result], args, device, d: Dis
 
 
 def report(args) -> dict:
-    """Throughput mode: tokens/s of each (backend, eager|compiled) pair, from short timed training runs of the
-    same model on the same batches; prints a table, appends CSV rows and draws the loss curves."""
+    """Throughput mode: tokens/s of each (backend, eager|compiled) pair from short timed training runs.
+
+    The same model on the same batches for every pair; prints a table, appends CSV rows and draws the loss curves.
+
+    Args:
+        args: argparse.Namespace from `parse_args` with `--report`.
+
+    Returns:
+        dict with `results` (one per run), `failures` (runs that raised, with the reason) and `agreement`
+            (opforge against torch.nn, eager and compiled).
+
+    Raises:
+        SystemExit: a device other than CUDA (without the hidden `--allow-cpu-report`).
+    """
     device = torch.device(args.device)
     if device.type != "cuda" and not args.allow_cpu_report:
         raise SystemExit("opforge demo --report: needs a CUDA device (pass --device cuda), or --allow-cpu-report to try it on the CPU")
@@ -210,6 +239,14 @@ def report(args) -> dict:
 
 
 def build_parser(prog: str = "python -m opforge demo") -> argparse.ArgumentParser:
+    """The demo's argument parser (`--help` lists the sizes and examples).
+
+    Args:
+        prog: str. The program name in the usage line. Default: `"python -m opforge demo"`.
+
+    Returns:
+        argparse.ArgumentParser.
+    """
     sizes = "\n".join(f"  {k:7s} " + ", ".join(f"{a}={v}" for a, v in kv.items()) for k, kv in SIZES.items())
     p = argparse.ArgumentParser(prog=prog, description=_DEMO_DOC.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -262,6 +299,19 @@ def build_parser(prog: str = "python -m opforge demo") -> argparse.ArgumentParse
 
 
 def parse_args(argv=None, prog: str = "python -m opforge demo"):
+    """The command line, with every default filled in from the device, `--size` and `--report`.
+
+    Args:
+        argv: list of str or None. The arguments; None: `sys.argv[1:]`. Default: None.
+        prog: str. The program name in messages. Default: `"python -m opforge demo"`.
+
+    Returns:
+        argparse.Namespace with the size's fields, dtype, threads, backends and modes as lists, and the plot and
+            CSV paths resolved.
+
+    Raises:
+        SystemExit: an unknown `--modes` or `--backends` entry (or argparse's own errors).
+    """
     args = build_parser(prog).parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -294,10 +344,11 @@ def parse_args(argv=None, prog: str = "python -m opforge demo"):
 
 
 def cuda_unavailable_message(device: str) -> Optional[str]:
-    """One line saying why ``device`` (e.g. "cuda", "cuda:1") cannot be used here, or None when it can.
+    """One line saying why `device` (e.g. "cuda", "cuda:1") cannot be used here, or None when it can.
 
     Args:
-        device: a torch device string.
+        device: str. A torch device string.
+
     Returns:
         None for a usable device; else the reason and what to do, in one line.
     """
@@ -316,11 +367,15 @@ def cuda_unavailable_message(device: str) -> Optional[str]:
 
 
 def main(argv=None, prog: str = "python -m opforge demo") -> int:
-    """Entry point of ``python -m opforge demo``.
+    """Entry point of `python -m opforge demo`.
+
+    Args:
+        argv: list of str or None. The arguments; None: `sys.argv[1:]`. Default: None.
+        prog: str. The program name in messages. Default: `"python -m opforge demo"`.
 
     Returns:
-        The exit status: 0 when the run passed, 1 if the loss curves disagree (or a ``--report`` run failed),
-        2 for a device this machine does not have (one line on stderr says why).
+        The exit status: 0 when the run passed, 1 if the loss curves disagree (or a `--report` run failed),
+            2 for a device this machine does not have (one line on stderr says why).
     """
     args = parse_args(argv, prog)
     reason = cuda_unavailable_message(args.device)

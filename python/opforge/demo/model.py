@@ -1,5 +1,6 @@
 """The demo's model: named sizes, the Llama configuration built from the command line, identical initial
-weights for every backend, and a CPU memory estimate (:class:`opforge.models.llama.Llama` is the model)."""
+weights for every backend, and a CPU memory estimate (`opforge.models.llama.Llama` is the model).
+"""
 from __future__ import annotations
 
 from typing import Dict
@@ -10,7 +11,7 @@ from ..models.llama import Llama, LlamaConfig
 
 
 #: Named sizes: model shape and run length. "small" is the CPU default (about two minutes on 2 cores),
-#: "medium" the CUDA default, "h200" the GPU throughput shape of ``--report`` (keeps an H200 busy: GEMMs of
+#: "medium" the CUDA default, "h200" the GPU throughput shape of `--report` (keeps an H200 busy: GEMMs of
 #: 16,384 x 2048 x 5504).
 SIZES: Dict[str, dict] = {
     "tiny": dict(d_model=64, layers=2, heads=4, seq=64, batch=8, steps=20, lr=3e-3),
@@ -23,7 +24,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside a DDP wrapper (``model.module``), or ``model`` itself."""
+    """The model inside a DDP wrapper (`model.module`), or `model` itself.
+
+    Args:
+        model: torch.nn.Module. A model, possibly wrapped.
+
+    Returns:
+        torch.nn.Module.
+    """
     return getattr(model, "module", model)
 
 
@@ -32,9 +40,20 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def estimate_cpu_memory(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer_states: int = 2) -> int:
-    """Bytes of the training step's peak, estimated without an allocator hook: parameters + gradients +
-    ``optimizer_states`` optimizer tensors per parameter (AdamW: 2) + the distinct storages saved for
-    backward by one forward (counted with ``torch.autograd.graph.saved_tensors_hooks``)."""
+    """Bytes of the training step's peak, estimated without an allocator hook.
+
+    Parameters + gradients + `optimizer_states` optimizer tensors per parameter (AdamW: 2) + the distinct
+    storages saved for backward by one forward (counted with `torch.autograd.graph.saved_tensors_hooks`).
+
+    Args:
+        model: torch.nn.Module. The model (its `loss(x, y)` if it has one, else `model(x)`, runs once).
+        x: `(B, T)` int64. Input tokens.
+        y: `(B, T)` int64. Targets.
+        optimizer_states: int. Optimizer tensors per parameter. Default: 2.
+
+    Returns:
+        int, bytes.
+    """
     params = sum(_nbytes(p) for p in model.parameters())
     seen: Dict[int, int] = {}
 
@@ -53,11 +72,13 @@ def estimate_cpu_memory(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
 
 
 def _config(args) -> LlamaConfig:
+    """The LlamaConfig of the command line's sizes (byte vocabulary, 256)."""
     return LlamaConfig(vocab_size=256, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                        max_seq_len=args.seq)
 
 
 def _initial_state(cfg: LlamaConfig, seed: int) -> dict:
+    """The initial weights every backend loads: a torch-backend Llama made after seeding, on the CPU."""
     torch.manual_seed(seed)
     ref = Llama(cfg, backend="torch", device="cpu")
     return {k: v.clone() for k, v in ref.state_dict().items()}

@@ -13,6 +13,7 @@ import torch
 from .train import Result
 
 def _fmt_mem(n: int) -> str:
+    """n bytes in MiB, e.g. `53.5 MiB`."""
     return f"{n / 2**20:,.1f} MiB"
 
 
@@ -28,12 +29,20 @@ def _commit() -> str:
 
 
 def _device_name(device: torch.device) -> str:
+    """The device as the banner and the CSV name it: the GPU's name, or `cpu (N threads)` (`1 thread`)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"cpu ({n} thread{'' if n == 1 else 's'})"
 
 
 def write_csv(path: Path, rows: List[dict]) -> None:
+    """Appends `rows` to the CSV at `path` (its header first when the file is new).
+
+    Args:
+        path: Path. The CSV; its folder is made if needed.
+        rows: list of dict. One row each, all with the same keys (the columns).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists()
     with path.open("a", newline="") as f:
@@ -44,7 +53,16 @@ def write_csv(path: Path, rows: List[dict]) -> None:
 
 
 def plot(path: Path, results: List[Result], title: str) -> bool:
-    """Draws the results' loss curves into the PNG ``path``; False (and a note) when matplotlib is missing."""
+    """Draws the results' loss curves (train every step, validation at its steps) into the PNG `path`.
+
+    Args:
+        path: Path. The PNG; its folder is made if needed.
+        results: list of Result. The runs.
+        title: str. The plot's title.
+
+    Returns:
+        bool: False (and a note on stderr) when matplotlib is not installed.
+    """
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -74,6 +92,12 @@ def plot(path: Path, results: List[Result], title: str) -> bool:
 
 
 def print_table(rows: List[List[str]], header: List[str]) -> None:
+    """Prints `rows` under `header` in left-aligned columns.
+
+    Args:
+        rows: list of lists of str. The cells.
+        header: list of str. The column names.
+    """
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
     print(line)
@@ -85,10 +109,11 @@ def print_table(rows: List[List[str]], header: List[str]) -> None:
 
 
 def unique_path(path: Path) -> Path:
-    """``path`` if no file has that name yet, else the first free ``<stem>-2<suffix>``, ``-3``, ...
+    """`path` if no file has that name yet, else the first free `<stem>-2<suffix>`, `-3`, ...
 
     Args:
-        path: the wanted file name.
+        path: Path. The wanted file name.
+
     Returns:
         A path in the same folder that does not exist yet (so a new run never replaces an older file).
     """

@@ -1,9 +1,9 @@
-"""The demo's training loop: distributed set-up (DDP, FSDP2), one :class:`Trainer` per model run in
+"""The demo's training loop: distributed set-up (DDP, FSDP2), one `Trainer` per model run in
 lock-step, the learning-rate schedule, evaluation, and the loss-agreement rule.
 
-Tolerances (see the :mod:`opforge.demo` docstring for their justification):
-``FP32_REL_TOL`` (every logged loss, fp32), ``BF16_REL_TOL`` (every logged loss, bf16) and
-``BF16_FINAL_REL_TOL`` (final validation loss, bf16).
+Tolerances (see the `opforge.demo` docstring for their justification):
+`FP32_REL_TOL` (every logged loss, fp32), `BF16_REL_TOL` (every logged loss, bf16) and
+`BF16_FINAL_REL_TOL` (final validation loss, bf16).
 """
 from __future__ import annotations
 
@@ -31,6 +31,14 @@ BF16_FINAL_REL_TOL = 2e-2
 
 @dataclass
 class Dist:
+    """The run's distributed set-up: `"none"`, `"ddp"` or `"fsdp"`, this process's rank and the world size.
+
+    Attributes:
+        parallel: str. `"none"`, `"ddp"` or `"fsdp"`.
+        rank: int. This process's rank.
+        world: int. The number of processes.
+        local_rank: int. This process's rank on its machine (its GPU).
+    """
     parallel: str = "none"
     rank: int = 0
     world: int = 1
@@ -38,20 +46,37 @@ class Dist:
 
     @property
     def on(self) -> bool:
+        """True under DDP or FSDP."""
         return self.parallel != "none"
 
     @property
     def main(self) -> bool:
+        """True on rank 0, the one that reports."""
         return self.rank == 0
 
     def slice(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's equal share of the global batch (rows)."""
+        """This rank's equal share of the global batch (rows).
+
+        Args:
+            x: `(B, ...)` tensor. The global batch's rows, B divisible by the world size.
+
+        Returns:
+            `(B / world, ...)`: a view.
+        """
         if not self.on:
             return x
         n = x.shape[0] // self.world
         return x[self.rank * n:(self.rank + 1) * n]
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of `value` over the ranks (all-reduce), or `value` itself without a process group.
+
+        Args:
+            value: tensor. This rank's value.
+
+        Returns:
+            tensor of value's shape, detached.
+        """
         if not self.on:
             return value
         import torch.distributed as dist
@@ -61,6 +86,18 @@ class Dist:
 
 
 def init_distributed(parallel: str, device_type: str) -> Dist:
+    """Starts the process group for `--parallel` (nccl on CUDA, gloo on the CPU) from torchrun's environment.
+
+    Args:
+        parallel: str. `"none"`, `"ddp"` or `"fsdp"`.
+        device_type: str. `"cuda"` or `"cpu"`.
+
+    Returns:
+        Dist.
+
+    Raises:
+        RuntimeError: `--parallel` without torchrun (no `RANK` in the environment).
+    """
     if parallel == "none":
         return Dist()
     import torch.distributed as dist
@@ -78,6 +115,15 @@ def init_distributed(parallel: str, device_type: str) -> Dist:
 
 
 def wrap_parallel(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
+    """The model wrapped for `d`: DistributedDataParallel, or FSDP2's `fully_shard` on every block and the root.
+
+    Args:
+        model: Llama. The model.
+        d: Dist. The set-up.
+
+    Returns:
+        torch.nn.Module: the wrapper (DDP), or model itself (FSDP2 shards in place; none: unchanged).
+    """
     if d.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         dev = next(model.parameters()).device
@@ -98,6 +144,18 @@ def wrap_parallel(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
 
 @dataclass
 class Result:
+    """One model's record of a run.
+
+    Attributes:
+        backend: str. `"opforge"` or `"torch"`.
+        compiled: bool. Whether the model ran under torch.compile.
+        train_loss: list of float. The training loss of every step.
+        val_steps: list of int. The steps after which validation ran.
+        val_loss: list of float. The validation losses at those steps.
+        tokens_per_s: float. Tokens per second over the timed steps.
+        peak_mem: int. Peak memory, bytes (see `Trainer`).
+        seconds: float. Time of the timed steps.
+    """
     backend: str
     compiled: bool
     train_loss: List[float] = field(default_factory=list)
@@ -109,7 +167,17 @@ class Result:
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
-    """Linear warm-up for ``warmup`` steps, then cosine decay to lr/10 at the last step."""
+    """Linear warm-up for `warmup` steps, then cosine decay to lr/10 at the last step.
+
+    Args:
+        step: int. The step, from 0.
+        steps: int. The run's steps.
+        lr: float. The peak learning rate.
+        warmup: int. Warm-up steps (at least 1).
+
+    Returns:
+        float: the learning rate of `step`.
+    """
     if step < warmup:
         return lr * (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup - 1)
@@ -130,6 +198,17 @@ def _loss_fn(forward):
 
 @torch.no_grad()
 def evaluate(loss_fn, batches: Batches, device, d: Dist) -> float:
+    """The mean validation loss over the batches' validation offsets (averaged over the ranks).
+
+    Args:
+        loss_fn: callable (x, y) -> scalar loss tensor.
+        batches: Batches. The data.
+        device: torch.device. Where the batches go.
+        d: Dist. The set-up.
+
+    Returns:
+        float.
+    """
     total = torch.zeros((), device=device)
     for offs in batches.val_offsets:
         x, y = batches.get(d.slice(offs), device)
@@ -138,13 +217,25 @@ def evaluate(loss_fn, batches: Batches, device, d: Dist) -> float:
 
 
 class Trainer:
-    """One model, its optimizer and its record; :meth:`step` runs one timed training step.
+    """One model, its optimizer and its record; `step` runs one timed training step.
 
     Several trainers run in lock-step (step i of every model, then step i+1), so a change in the machine's
     load (a shared CPU) affects every model alike; each step is timed on its own (CUDA: synchronized).
-    Memory: CUDA, the largest ``max_memory_allocated`` growth within one of this model's steps plus what
+    Memory: CUDA, the largest `max_memory_allocated` growth within one of this model's steps plus what
     the model holds between steps (parameters and optimizer state), so models sharing the GPU do not
-    count each other; CPU, :func:`estimate_cpu_memory`.
+    count each other; CPU, `estimate_cpu_memory`.
+
+    Args:
+        backend: str. `"opforge"` or `"torch"`.
+        cfg: LlamaConfig. The model's shape.
+        state: dict. The initial state_dict (the same for every trainer).
+        batches: Batches. The data order.
+        args: argparse.Namespace. The command line (lr, clip, compile scope).
+        device: torch.device. Where the model trains.
+        dtype: torch.dtype. Parameter and activation dtype.
+        d: Dist. The distributed set-up.
+        steps: int. The run's steps (for the learning-rate schedule and the timed share).
+        compiled: bool. Run the model under torch.compile.
     """
 
     def __init__(self, backend: str, cfg: LlamaConfig, state: dict, batches: Batches, args, device: torch.device,
@@ -187,6 +278,16 @@ class Trainer:
         return n
 
     def step(self, i: int, record: bool = True) -> Optional[float]:
+        """Runs and times one training step (learning rate, forward, backward, clipping, AdamW).
+
+        Args:
+            i: int. The step.
+            record: bool. Read the loss now (one host synchronisation) and log it; False keeps it on the device
+                until `finish`. Default: True.
+
+        Returns:
+            float or None: the loss (averaged over the ranks) when recorded.
+        """
         dev = self.device
         for group in self.opt.param_groups:
             group["lr"] = lr_at(i, self.steps, self.args.lr, self.lr_warmup)
@@ -216,11 +317,24 @@ class Trainer:
         return None
 
     def evaluate(self, i: int) -> float:
+        """Evaluates after step i and logs it.
+
+        Args:
+            i: int. The step just run.
+
+        Returns:
+            float: the validation loss.
+        """
         self.res.val_steps.append(i + 1)
         self.res.val_loss.append(evaluate(self.loss_fn, self.batches, self.device, self.d))
         return self.res.val_loss[-1]
 
     def finish(self) -> Result:
+        """The run's Result: the losses kept on the device, tokens/s over the timed steps, peak memory.
+
+        Returns:
+            Result.
+        """
         r = self.res
         if self.pending:  # losses kept on the device during timed runs: read once, at the end
             r.train_loss.extend(float(self.d.mean(v)) for v in self.pending)
@@ -234,7 +348,19 @@ class Trainer:
 
 def train_lockstep(trainers: List[Trainer], steps: int, eval_every: int = 0, progress: bool = True,
                    record: bool = True, desc: str = "training") -> List[Result]:
-    """Train every trainer for ``steps`` steps in lock-step; evaluate every ``eval_every`` steps and at the end."""
+    """Trains every trainer for `steps` steps in lock-step; evaluates every `eval_every` steps and at the end.
+
+    Args:
+        trainers: list of Trainer. The models.
+        steps: int. Steps each.
+        eval_every: int. Steps between evaluations; 0: none. Default: 0.
+        progress: bool. A progress bar (tqdm, or a line every 10 %) on rank 0. Default: True.
+        record: bool. Read every step's loss at once (else at the end). Default: True.
+        desc: str. The progress bar's label. Default: `"training"`.
+
+    Returns:
+        list of Result, in trainers' order.
+    """
     bar = None
     if progress and trainers and trainers[0].d.main:
         try:
@@ -281,7 +407,17 @@ class _PlainBar:
 
 
 def check_agreement(a: Result, b: Result, dtype_name: str) -> dict:
-    """Compare two runs' logged losses by the demo's rule; returns {"ok", "max_rel", "rule"}."""
+    """Compares two runs' logged losses by the demo's rule (`FP32_REL_TOL`, or the two bf16 bounds).
+
+    Args:
+        a: Result. The opforge run.
+        b: Result. The torch.nn run (the denominator of the relative differences).
+        dtype_name: str. `"fp32"` or `"bf16"`.
+
+    Returns:
+        dict with `ok` (bool: within the rule and the same number of logged losses), `max_rel` (the largest
+            relative difference) and `rule` (the rule in words).
+    """
     pairs = list(zip(a.train_loss, b.train_loss)) + list(zip(a.val_loss, b.val_loss))
     rel = [abs(p - q) / max(abs(q), 1e-12) for p, q in pairs]
     max_rel = max(rel) if rel else 0.0
@@ -297,7 +433,14 @@ def check_agreement(a: Result, b: Result, dtype_name: str) -> dict:
 
 
 def trainers_warmup(args) -> int:
-    """Untimed warm-up steps of a run of ``args.steps`` steps (see :class:`Trainer`)."""
+    """Untimed warm-up steps of a run of `args.steps` steps (see `Trainer`).
+
+    Args:
+        args: argparse.Namespace with `steps`.
+
+    Returns:
+        int: min(3, steps // 4).
+    """
     return min(3, args.steps // 4)
 
 

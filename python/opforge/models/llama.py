@@ -1,29 +1,23 @@
 """A small Llama-style decoder-only language model, buildable from opforge ops or from torch.nn.
 
-Both backends have the same modules, parameter names and shapes, so one ``state_dict`` loads into
+Both backends have the same modules, parameter names and shapes, so one `state_dict` loads into
 either and the two train the same function from the same weights; only the kernels differ:
 
-====================  =======================================  =====================================
-piece                 backend="opforge"                        backend="torch"
-====================  =======================================  =====================================
-q/k/v projections     one GEMM (``qkv_proj``, opforge.linear)   one GEMM (``qkv_proj``, F.linear)
-o_proj, down_proj     :class:`opforge.nn.Linear`               :class:`torch.nn.Linear`
-norms                 :class:`opforge.nn.FusedAddRMSNorm`      ``x + residual``, :class:`torch.nn.RMSNorm`
-                      (residual add and norm in one op)
-MLP                   one gate/up GEMM (``gate_up_proj``),     one gate/up GEMM, ``F.silu(g) * u``
-                      :func:`opforge.swiglu` on its views
-RoPE                  :func:`opforge.rope` on the q/k views    rotate-half RoPE (torch ops)
-                      (rotate-half torch ops if not built)
-loss                  :func:`opforge.linear_cross_entropy`     ``F.cross_entropy`` of fp32 logits
-                      (logits never materialised)
-attention             ``F.scaled_dot_product_attention(is_causal=True)`` (both)
-embedding             :class:`torch.nn.Embedding` (both)
-====================  =======================================  =====================================
+| piece | backend="opforge" | backend="torch" |
+| --- | --- | --- |
+| q/k/v projections | one GEMM (`qkv_proj`, `opforge.linear`) | one GEMM (`qkv_proj`, `F.linear`) |
+| o_proj, down_proj | `opforge.nn.Linear` | `torch.nn.Linear` |
+| norms | `opforge.nn.FusedAddRMSNorm` (residual add and norm in one op) | `x + residual`, `torch.nn.RMSNorm` |
+| MLP | one gate/up GEMM (`gate_up_proj`), `opforge.swiglu` on its views | one gate/up GEMM, `F.silu(g) * u` |
+| RoPE | `opforge.rope` on the q/k views (rotate-half torch ops if not built) | rotate-half RoPE (torch ops) |
+| loss | `opforge.linear_cross_entropy` (logits never materialised) | `F.cross_entropy` of fp32 logits |
+| attention | `F.scaled_dot_product_attention(is_causal=True)` | the same |
+| embedding | `torch.nn.Embedding` | the same |
 
 q/k/v and gate/up are stored fused (one weight each) in both backends, so their state_dicts stay identical.
 
 Source: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"; Su et al. 2021,
-"RoFormer" (rotary position embedding); Hugging Face transformers' ``modeling_llama.py`` (module names).
+"RoFormer" (rotary position embedding); Hugging Face transformers' `modeling_llama.py` (module names).
 """
 from __future__ import annotations
 
@@ -42,21 +36,25 @@ BACKENDS = ("opforge", "torch")
 
 @dataclass
 class LlamaConfig:
-    """Shape of a :class:`Llama` model.
+    """Shape of a `Llama` model.
 
     Args:
-        vocab_size: V, number of token ids (256 for byte-level text). Default: 256.
-        d_model: D, hidden size. Default: 128.
-        n_layers: number of decoder blocks. Default: 4.
-        n_heads: attention heads; D must be divisible by it. Default: 4.
-        n_kv_heads: key/value heads (grouped-query attention); None means n_heads. Default: None.
-        d_ff: F, gated MLP hidden size; None means 8/3·D rounded up to a multiple of 64 (Llama's rule).
-            Default: None.
-        max_seq_len: longest sequence the RoPE tables cover, in tokens. Default: 2048.
-        rope_theta: RoPE base. Default: 10000.0.
-        eps: RMSNorm epsilon, added to the mean square. Default: 1e-5.
-        init_std: standard deviation of the normal initialisation of embeddings and linear weights.
+        vocab_size: int. V, the number of token ids (256 for byte-level text). Default: 256.
+        d_model: int. D, the hidden size. Default: 128.
+        n_layers: int. The number of decoder blocks. Default: 4.
+        n_heads: int. Attention heads; D must be divisible by it, with an even head dim D / n_heads. Default: 4.
+        n_kv_heads: int or None. Key/value heads (grouped-query attention), dividing n_heads. Default: None,
+            meaning n_heads.
+        d_ff: int or None. F, the gated MLP's hidden size. Default: None, meaning 8/3·D rounded up to a multiple of
+            64 (Llama's rule).
+        max_seq_len: int. The longest sequence the RoPE tables cover, in tokens. Default: 2048.
+        rope_theta: float. The RoPE base. Default: 10000.0.
+        eps: float. RMSNorm epsilon, added to the mean square. Default: 1e-5.
+        init_std: float. Standard deviation of the normal initialisation of embeddings and linear weights.
             Default: 0.02.
+
+    Raises:
+        ValueError: d_model not divisible by n_heads, n_heads not by n_kv_heads, or an odd head dim.
     """
 
     vocab_size: int = 256
@@ -84,16 +82,26 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
+        """H = d_model / n_heads, the size of one attention head."""
         return self.d_model // self.n_heads
 
     def num_parameters(self) -> int:
-        """Number of parameters of the model this config builds."""
+        """The number of parameters of the model this config builds.
+
+        Returns:
+            int: embedding, blocks, final norm and lm_head.
+        """
         D, F, V, hd = self.d_model, self.d_ff, self.vocab_size, self.head_dim
         attn = D * D * 2 + 2 * D * self.n_kv_heads * hd
         block = attn + 3 * D * F + 2 * D
         return V * D * 2 + self.n_layers * block + D
 
     def to_dict(self) -> dict:
+        """The fields as a dict (for JSON records).
+
+        Returns:
+            dict of field name to value.
+        """
         return asdict(self)
 
 
@@ -111,15 +119,16 @@ def _linear(backend: str, in_features: int, out_features: int, bias: bool = Fals
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, device=None) -> Tuple[Tensor, Tensor]:
-    """cos, sin of RoPE angles t·θ^(−2i/head_dim), each (seq_len, head_dim) float32 (halves repeated).
+    """cos, sin of the RoPE angles t·θ^(−2i/head_dim), in the rotate-half layout of Hugging Face's Llama.
 
     Args:
-        seq_len: T, positions 0..T−1.
-        head_dim: H, even.
-        theta: base. Default: 10000.0.
+        seq_len: int. T, the positions 0..T−1.
+        head_dim: int. H, even.
+        theta: float. The base. Default: 10000.0.
+        device: torch.device or None. Where the tables are made. Default: None.
 
     Returns:
-        (cos, sin), each (T, H) float32, in the rotate-half layout of Hugging Face's Llama.
+        (cos, sin), each `(T, H)` float32 (the H/2 frequencies repeated), computed in float64.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
     t = torch.arange(seq_len, dtype=torch.float64, device=device)
@@ -132,11 +141,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x·cos + rotate_half(x)·sin, with rotate_half(x) = cat(−x₂, x₁) over the last dim.
 
     Args:
-        x: (B, heads, T, H) any floating dtype.
-        cos, sin: (T, H), cast to x's dtype.
+        x: `(B, heads, T, H)` floating. Queries or keys.
+        cos: `(T, H)` floating, cast to x's dtype.
+        sin: `(T, H)` floating, cast to x's dtype.
 
     Returns:
-        (B, heads, T, H) in x's dtype.
+        `(B, heads, T, H)` in x's dtype.
     """
     cos = cos.to(x.dtype)
     sin = sin.to(x.dtype)
@@ -161,19 +171,22 @@ def _lce_op():
 
 
 class Attention(torch.nn.Module):
-    """Causal multi-head (or grouped-query) self-attention with RoPE.
+    """y = o_proj(softmax(q·kᵀ/√H + mask)·v): causal multi-head (or grouped-query) self-attention with RoPE.
 
-    y = o_proj(softmax(q·kᵀ/√H + causal mask)·v), [q, k, v] = qkv_proj(x) (one GEMM; q, k, v are column views
-    of its output), q and k rotated by RoPE (:func:`opforge.rope` with backend="opforge" when built); the softmax product is ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` (flash or
-    memory-efficient kernels where the device has them).
+    [q, k, v] = qkv_proj(x) (one GEMM; q, k, v are column views of its output), q and k rotated by RoPE
+    (`opforge.rope` with backend="opforge" when built); the softmax product is
+    `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` (flash or memory-efficient kernels where the
+    device has them).
 
     Args:
-        config: the model's :class:`LlamaConfig`.
-        backend: "opforge" or "torch": which Linear and RoPE the attention uses.
+        config: LlamaConfig. The model's shape.
+        backend: str. `"opforge"` or `"torch"`: which Linear and RoPE the attention uses.
+        device: torch.device or None. Factory keyword argument for the parameters. Default: None.
+        dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
 
-    Parameters: ``qkv_proj.weight`` ((heads + 2·kv_heads)·H, D), ``o_proj.weight`` (D, heads·H).
+    Parameters: `qkv_proj.weight` `((heads + 2·kv_heads)·H, D)`, `o_proj.weight` `(D, heads·H)`.
 
-    Shape: x (B, T, D), cos/sin (T, H) -> (B, T, D).
+    Shape: x `(B, T, D)`, cos/sin `(T, H)` -> `(B, T, D)`.
     """
 
     def __init__(self, config: LlamaConfig, backend: str, device=None, dtype=None):
@@ -187,6 +200,16 @@ class Attention(torch.nn.Module):
         self.o_proj = _linear(backend, config.n_heads * hd, D, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The attention of x.
+
+        Args:
+            x: `(B, T, D)` floating. The normed hidden states.
+            cos: `(T, H)` float32. RoPE table.
+            sin: `(T, H)` float32. RoPE table.
+
+        Returns:
+            `(B, T, D)` in x's dtype.
+        """
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # column views of the fused GEMM's output
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
@@ -208,15 +231,17 @@ class FusedGatedMLP(torch.nn.Module):
     """y = down_proj(silu(g) · u), [g, u] = gate_up_proj(x): the SwiGLU MLP with gate and up as one GEMM.
 
     Args:
-        hidden_size: D.
-        intermediate_size: F.
-        backend: "opforge" (opforge.nn.Linear, :func:`opforge.swiglu` on the two column views of the fused
-            output) or "torch" (torch.nn.Linear, ``F.silu(g) * u``).
-        bias: biases on the projections. Default: False.
+        hidden_size: int. D.
+        intermediate_size: int. F.
+        backend: str. `"opforge"` (`opforge.nn.Linear`, `opforge.swiglu` on the two column views of the fused
+            output) or `"torch"` (`torch.nn.Linear`, `F.silu(g) * u`).
+        bias: bool. Biases on the projections. Default: False.
+        device: torch.device or None. Factory keyword argument for the parameters. Default: None.
+        dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
 
-    Parameters: ``gate_up_proj.weight`` (2F, D) (gate rows first, then up), ``down_proj.weight`` (D, F).
+    Parameters: `gate_up_proj.weight` `(2F, D)` (gate rows first, then up), `down_proj.weight` `(D, F)`.
 
-    Shape: (*, D) -> (*, D).
+    Shape: `(*, D)` -> `(*, D)`.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, backend: str, bias: bool = False, device=None,
@@ -229,6 +254,14 @@ class FusedGatedMLP(torch.nn.Module):
         self.down_proj = _linear(backend, intermediate_size, hidden_size, bias=bias, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
+        """down_proj(silu(g) · u) of x.
+
+        Args:
+            x: `(*, D)` floating. The normed hidden states.
+
+        Returns:
+            `(*, D)` in x's dtype.
+        """
         g, u = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         if self.backend == "opforge":
             from .. import functional as OF
@@ -237,14 +270,24 @@ class FusedGatedMLP(torch.nn.Module):
 
 
 class AddRMSNorm(torch.nn.RMSNorm):
-    """(rms_norm(x + residual), x + residual) from torch ops: :class:`torch.nn.RMSNorm` (same
-    constructor, ``weight`` (D,) and state_dict) whose forward also takes the residual stream; the
-    torch.nn twin of :class:`opforge.nn.FusedAddRMSNorm`.
+    """(rms_norm(x + residual), x + residual) from torch ops: the torch.nn twin of `opforge.nn.FusedAddRMSNorm`.
 
-    Shape: x, residual (*, D) -> (output, residual_out), each (*, D). ``residual=None`` means no add.
+    A `torch.nn.RMSNorm` (same constructor, `weight` `(D,)` and state_dict) whose forward also takes the residual
+    stream.
+
+    Shape: x, residual `(*, D)` -> (output, residual_out), each `(*, D)`. `residual=None` means no add.
     """
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """(rms_norm(x + residual), x + residual).
+
+        Args:
+            x: `(*, D)` floating. The new values.
+            residual: `(*, D)` floating or None. The residual stream; None: no add. Default: None.
+
+        Returns:
+            (output, residual_out), each `(*, D)`.
+        """
         if residual is not None:
             x = x + residual
         return super().forward(x), x
@@ -270,16 +313,18 @@ def _add_norm(backend: str, config: LlamaConfig, **kw) -> torch.nn.Module:
 class Block(torch.nn.Module):
     """One pre-norm decoder block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
 
-    The residual adds are folded into the next norm (vLLM's layout): ``forward(x, residual)`` receives
+    The residual adds are folded into the next norm (vLLM's layout): `forward(x, residual)` receives
     the previous block's MLP output and the running residual stream, and returns its own MLP output
-    and the updated stream, so every add+norm pair is one :func:`opforge.functional.fused_add_rms_norm`
+    and the updated stream, so every add+norm pair is one `opforge.functional.fused_add_rms_norm`
     with backend="opforge".
 
     Args:
-        config: the model's :class:`LlamaConfig`.
-        backend: "opforge" or "torch".
+        config: LlamaConfig. The model's shape.
+        backend: str. `"opforge"` or `"torch"`.
+        device: torch.device or None. Factory keyword argument for the parameters. Default: None.
+        dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
 
-    Shape: x, residual (B, T, D) -> (mlp_out, residual), each (B, T, D); residual=None for the first block.
+    Shape: x, residual `(B, T, D)` -> (mlp_out, residual), each `(B, T, D)`; residual=None for the first block.
     """
 
     def __init__(self, config: LlamaConfig, backend: str, device=None, dtype=None):
@@ -291,6 +336,17 @@ class Block(torch.nn.Module):
         self.mlp = FusedGatedMLP(config.d_model, config.d_ff, backend, **kw)
 
     def forward(self, x: Tensor, residual: Optional[Tensor], cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
+        """(mlp_out, residual) of this block.
+
+        Args:
+            x: `(B, T, D)` floating. The previous block's MLP output (the embeddings for the first block).
+            residual: `(B, T, D)` floating or None. The residual stream; None for the first block.
+            cos: `(T, H)` float32. RoPE table.
+            sin: `(T, H)` float32. RoPE table.
+
+        Returns:
+            (mlp_out, residual), each `(B, T, D)`.
+        """
         h, residual = _add_and_norm(self.attn_norm, x, residual)
         a = self.attn(h, cos, sin)
         h, residual = self.mlp_norm(a, residual)
@@ -301,23 +357,24 @@ class Llama(torch.nn.Module):
     """logits = lm_head(norm(blocks(embed(tokens)))): a Llama-style decoder-only language model.
 
     Args:
-        config: :class:`LlamaConfig`.
-        backend: "opforge" (opforge.nn.Linear, FusedAddRMSNorm, swiglu, rope, linear_cross_entropy) or
-            "torch" (torch.nn.Linear, torch.nn.RMSNorm, F.silu(g)·u, rotate-half RoPE, F.cross_entropy).
-            Default: "opforge".
-        device, dtype: factory keyword arguments for the parameters (all parameters share one dtype;
-            activations run in it).
+        config: LlamaConfig. The model's shape.
+        backend: str. `"opforge"` (`opforge.nn.Linear`, FusedAddRMSNorm, swiglu, rope, linear_cross_entropy) or
+            `"torch"` (`torch.nn.Linear`, `torch.nn.RMSNorm`, `F.silu(g)·u`, rotate-half RoPE, `F.cross_entropy`).
+            Default: `"opforge"`.
+        device: torch.device or None. Factory keyword argument for the parameters. Default: None.
+        dtype: torch.dtype or None. Factory keyword argument for the parameters (all parameters share one
+            dtype; activations run in it). Default: None.
 
-    Parameters (identical names and shapes for both backends): ``embed.weight`` (V, D);
-    ``layers.{i}.attn_norm.weight`` (D,); ``layers.{i}.attn.qkv_proj.weight`` (D + 2·kv_heads·H, D) (q, k, v
-    rows); ``layers.{i}.attn.o_proj.weight`` (D, D); ``layers.{i}.mlp_norm.weight`` (D,);
-    ``layers.{i}.mlp.gate_up_proj.weight`` (2F, D) (gate, up rows); ``layers.{i}.mlp.down_proj.weight`` (D, F);
-    ``norm.weight`` (D,); ``lm_head.weight`` (V, D). No biases.
+    Parameters (identical names and shapes for both backends): `embed.weight` `(V, D)`;
+    `layers.{i}.attn_norm.weight` `(D,)`; `layers.{i}.attn.qkv_proj.weight` `(D + 2·kv_heads·H, D)` (q, k, v
+    rows); `layers.{i}.attn.o_proj.weight` `(D, D)`; `layers.{i}.mlp_norm.weight` `(D,)`;
+    `layers.{i}.mlp.gate_up_proj.weight` `(2F, D)` (gate, up rows); `layers.{i}.mlp.down_proj.weight` `(D, F)`;
+    `norm.weight` `(D,)`; `lm_head.weight` `(V, D)`. No biases.
 
-    Shape: tokens (B, T) int64 with T ≤ config.max_seq_len -> logits (B, T, V) in the parameters' dtype.
+    Shape: tokens `(B, T)` int64 with T ≤ config.max_seq_len -> logits `(B, T, V)` in the parameters' dtype.
 
     Raises:
-        ValueError: unknown backend; T > config.max_seq_len.
+        ValueError: unknown backend; T > config.max_seq_len (in forward).
 
     Numerics: RoPE tables in float32, cast to the activation dtype; norms accumulate in float32.
     Initialisation: embeddings and linear weights ~ N(0, init_std²), output projections (o_proj,
@@ -355,7 +412,17 @@ class Llama(torch.nn.Module):
                 p.normal_(0.0, std)
 
     def hidden(self, tokens: Tensor) -> Tensor:
-        """The final normed hidden states (B, T, D) that lm_head maps to logits."""
+        """The final normed hidden states, which lm_head maps to logits.
+
+        Args:
+            tokens: `(B, T)` int64. Token ids, T ≤ config.max_seq_len.
+
+        Returns:
+            `(B, T, D)` in the parameters' dtype.
+
+        Raises:
+            ValueError: T > config.max_seq_len.
+        """
         T = tokens.shape[-1]
         if T > self.config.max_seq_len:
             raise ValueError(f"Llama: expected at most {self.config.max_seq_len} tokens, but got {T}")
@@ -368,14 +435,29 @@ class Llama(torch.nn.Module):
         return h
 
     def forward(self, tokens: Tensor) -> Tensor:
+        """logits = lm_head(hidden(tokens)).
+
+        Args:
+            tokens: `(B, T)` int64. Token ids, T ≤ config.max_seq_len.
+
+        Returns:
+            `(B, T, V)` in the parameters' dtype.
+        """
         return self.lm_head(self.hidden(tokens))
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy in float32: tokens, targets (B, T) int64 -> scalar float32.
+        """Mean next-token cross-entropy in float32.
 
-        backend="opforge": :func:`opforge.linear_cross_entropy` of the hidden states and lm_head's weight (the
-        (B·T, V) logits are never materialised) when the build has it; otherwise, and for backend="torch",
-        F.cross_entropy of the float32 logits.
+        backend="opforge": `opforge.linear_cross_entropy` of the hidden states and lm_head's weight (the `(B·T, V)`
+        logits are never materialised) when the build has it; otherwise, and for backend="torch",
+        `F.cross_entropy` of the float32 logits.
+
+        Args:
+            tokens: `(B, T)` int64. The inputs.
+            targets: `(B, T)` int64. The next token of each position.
+
+        Returns:
+            `()` float32.
         """
         lce = _lce_op() if self.backend == "opforge" else None
         if lce is not None:
@@ -387,9 +469,17 @@ class Llama(torch.nn.Module):
     @torch.no_grad()
     def generate(self, prompt: Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: Optional[int] = 20,
                  generator: Optional[torch.Generator] = None) -> Tensor:
-        """Sample max_new_tokens tokens after prompt (1-D int64); returns prompt + sample, 1-D int64.
+        """Samples max_new_tokens tokens after prompt (recomputes the window of the last max_seq_len tokens each time).
 
-        Recomputes the window of the last max_seq_len tokens for each new token (no KV cache).
+        Args:
+            prompt: `(P,)` int64. The start of the text.
+            max_new_tokens: int. How many tokens to add.
+            temperature: float. Divides the logits (at least 1e-6). Default: 0.8.
+            top_k: int or None. Sample among the k most likely tokens; None: all. Default: 20.
+            generator: torch.Generator or None. The RNG of the sampling. Default: None.
+
+        Returns:
+            `(P + max_new_tokens,)` int64: prompt, then the sample.
         """
         seq = prompt.clone()
         for _ in range(max_new_tokens):
