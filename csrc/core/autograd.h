@@ -1,13 +1,18 @@
-// The one autograd pattern of opforge (docs/adding_an_op.md, "Autograd").
+// The one autograd pattern of opforge (docs/adding_an_op.md, "The autograd pattern").
 //
-// Every differentiable op registers an Autograd-key kernel that
-//   1. returns straight to the kernel below autograd when no input needs a gradient (no node, nothing saved);
-//   2. otherwise runs the forward below autograd (the public op, or its private `_<op>_forward` that also
-//      returns saved statistics), and records one `OpNode` as grad_fn of the differentiable outputs, with
-//      edges to the differentiable inputs, the tensors backward needs (SavedVariable) and its non-tensor
-//      attributes (IValues);
-//   3. the node's backward calls `<op>_backward` through the dispatcher with a mask from the edges that need
-//      a gradient (nothing nobody asked for is computed).
+// Every differentiable op registers an Autograd-key kernel whose body is one call of `autograd_op` (below):
+//   1. forward-mode AD is refused, naming the op (check_no_forward_ad);
+//   2. the op's forward runs below autograd and returns any number of tensors: the op's outputs and, where the
+//      backward needs them, statistics only the private `_<op>_forward` returns (rms_norm's rstd). The forward is
+//      told whether a node will be recorded, so without gradients it runs the public kernel (nothing extra kept);
+//   3. when grad mode is on and an input requires grad, one `OpNode` is recorded as grad_fn of the differentiable
+//      outputs, with edges to the inputs. Each output is declared differentiable, differentiable in a subset of
+//      the inputs (fused_add_rms_norm's residual_out = input + residual does not depend on weight, so it requires
+//      grad only when input or residual does), or not differentiable (statistics, masks: no history);
+//   4. a save callback stores what backward needs: tensors (OpNode::save, SavedVariable) and non-tensor attributes
+//      (OpNode::attr, IValues).
+// The node's backward calls `<op>_backward` through the dispatcher with a mask from the edges that need a gradient
+// (nothing nobody asked for is computed).
 //
 // Why a Node subclass and not torch::autograd::Function (measured, benchmarks/bench_overhead.py): the Function
 // machinery (context dictionary, output wrapping, forward-AD hooks) costs several microseconds a call; and a
@@ -32,9 +37,12 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <initializer_list>
 #include <optional>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace opforge {
@@ -53,7 +61,7 @@ struct BackwardArgs {
 };
 using BackwardFn = variable_list (*)(const BackwardArgs&);
 
-/// The backward node of every opforge op. Built by `record_node`; holds saved tensors and attributes and routes
+/// The backward node of every opforge op. Built by `autograd_op`; holds saved tensors and attributes and routes
 /// backward to `backward` (normally one dispatcher call of `<op>_backward`).
 struct OpNode final : public torch::autograd::Node {
   /// `name`: the node's name as autograd shows it ("opforge::LinearBackward"); a string literal.
@@ -77,9 +85,6 @@ struct OpNode final : public torch::autograd::Node {
                                  torch::dynamo::autograd::SwapSavedVariables& saved) override;
 
  private:
-  variable_list run(const variable_list& grads, const std::vector<at::Tensor>& saved,
-                    const std::vector<bool>& needs) const;
-
   const char* name_;
   BackwardFn backward_;
   BackwardFn double_backward_;
@@ -89,7 +94,7 @@ struct OpNode final : public torch::autograd::Node {
 };
 
 /// A new autograd node: c10::intrusive_ptr where torch's Node is an intrusive_ptr_target (torch >= 2.13),
-/// std::shared_ptr before (torch 2.11 on the GPU machine).
+/// std::shared_ptr in older releases (torch 2.11).
 template <typename NodeT, typename... Args>
 auto make_node(Args&&... args) {
   if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, torch::autograd::Node>) {
@@ -99,31 +104,20 @@ auto make_node(Args&&... args) {
   }
 }
 
-/// True when grad mode is on and any of `tensors` (at::Tensor or std::optional<at::Tensor>) requires grad.
-template <typename... Tensors>
-inline bool any_requires_grad(const Tensors&... tensors) {
-  auto rg = [](const auto& t) -> bool {
-    if constexpr (std::is_same_v<std::decay_t<decltype(t)>, at::Tensor>) {
-      return t.defined() && t.requires_grad();
-    } else {
-      return t.has_value() && t->defined() && t->requires_grad();
-    }
-  };
-  return at::GradMode::is_enabled() && (rg(tensors) || ...);
+/// True when `t` is defined and requires grad; for a list, when one of its tensors does.
+inline bool requires_grad_of(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+inline bool requires_grad_of(const std::optional<at::Tensor>& t) { return t.has_value() && requires_grad_of(*t); }
+inline bool requires_grad_of(at::TensorList ts) {
+  for (const auto& t : ts)
+    if (requires_grad_of(t)) return true;
+  return false;
 }
 
-/// A new OpNode whose input edges are `inputs` (at::Tensor or std::optional<at::Tensor>, in the order the
-/// backward returns their gradients; an undefined one gets an empty edge), made grad_fn of each defined
-/// tensor in `outputs` in order (output i of the node is the i-th of them).
-template <typename... Inputs>
-auto record_node(const char* name, BackwardFn backward, BackwardFn double_backward,
-                 std::initializer_list<at::Tensor*> outputs, const Inputs&... inputs) {
-  auto node = make_node<OpNode>(name, backward, double_backward);
-  node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
-  for (at::Tensor* out : outputs) {
-    if (out->defined()) torch::autograd::set_history(*out, node);
-  }
-  return node;
+/// True when grad mode is on and any of `tensors` (at::Tensor, std::optional<at::Tensor> or a TensorList)
+/// requires grad.
+template <typename... Tensors>
+inline bool any_requires_grad(const Tensors&... tensors) {
+  return at::GradMode::is_enabled() && (requires_grad_of(tensors) || ...);
 }
 
 /// Boxed Autograd-key kernel of the `*_backward` ops: redispatches below autograd; when grad mode is on and an
@@ -158,9 +152,15 @@ at::Tensor saved_in_place_of(const at::Tensor& derived, const at::Tensor& source
 /// True when `t` carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp).
 inline bool has_fw_grad(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
 inline bool has_fw_grad(const std::optional<at::Tensor>& t) { return t.has_value() && has_fw_grad(*t); }
+inline bool has_fw_grad(at::TensorList ts) {
+  for (const auto& t : ts)
+    if (has_fw_grad(t)) return true;
+  return false;
+}
 
 /// Raises NotImplementedError "opforge::<op>: forward-mode AD is not supported; use reverse mode (backward)"
-/// when any of `tensors` carries a forward-mode tangent (torch names no op in its own message).
+/// when any of `tensors` (at::Tensor, std::optional<at::Tensor> or a TensorList) carries a forward-mode tangent
+/// (torch names no op in its own message).
 template <typename... Tensors>
 inline void check_no_forward_ad(const char* op, const Tensors&... tensors) {
   TORCH_CHECK_NOT_IMPLEMENTED(!(has_fw_grad(tensors) || ...), "opforge::", op,
@@ -168,41 +168,97 @@ inline void check_no_forward_ad(const char* op, const Tensors&... tensors) {
                               "jacrev)");
 }
 
-/// The Autograd kernel of a one-output op whose node's edges are `inputs` (steps 1-2 of the pattern above): raises
-/// on forward-mode AD in `inputs`, runs `forward()` below autograd and, when grad mode is on and one of `inputs`
-/// requires grad, records node `name` (backward, double_backward) as the output's grad_fn and calls
-/// `save(node, output)` to save what backward needs (OpNode::save, OpNode::attr). Returns the output.
-template <typename Forward, typename Save, typename... Inputs>
-at::Tensor autograd_one_output(const char* op, const char* name, BackwardFn backward, BackwardFn double_backward,
-                               Forward&& forward, Save&& save, const Inputs&... inputs) {
-  check_no_forward_ad(op, inputs...);
-  at::Tensor output;
-  {
+/// The node an Autograd kernel records. `op`: the op's name in error messages ("fused_add_rms_norm"); `node`: the
+/// node's name as autograd shows it ("opforge::FusedAddRMSNormBackward"), a string literal; `backward`: the
+/// first-order backward; `double_backward`: the same math in differentiable ATen ops, or nullptr (differentiating
+/// the backward's outputs then raises, lazily).
+struct NodeSpec {
+  const char* op;
+  const char* node;
+  BackwardFn backward;
+  BackwardFn double_backward;
+};
+
+/// How one tensor an Autograd kernel's forward returns relates to autograd: a bit mask of the inputs it is
+/// differentiable in (bit i: the i-th of `autograd_op`'s `inputs`).
+using Differentiability = uint32_t;
+/// Differentiable in every input: the output gets the node as grad_fn whenever one is recorded.
+inline constexpr Differentiability kDifferentiable = ~Differentiability{0};
+/// Not differentiable (a statistic, a mask): no history, and not an output of the node.
+inline constexpr Differentiability kNotDifferentiable = 0;
+/// Differentiable in the inputs at `positions` only (0-based, in `autograd_op`'s `inputs`): the output gets the
+/// node as grad_fn when one of them requires grad, and otherwise stays without history (its slot of the node then
+/// receives no gradient).
+constexpr Differentiability differentiable_in(std::initializer_list<int> positions) {
+  Differentiability d = 0;
+  for (const int i : positions) d |= Differentiability{1} << i;
+  return d;
+}
+
+namespace detail {
+// Gives `out` its slot among the node's outputs (one slot per output that is not kNotDifferentiable, in order):
+// the node becomes its grad_fn when it is defined and differentiable in an input that requires grad (`requiring`:
+// one bit per input); otherwise the slot is taken without history, so later outputs keep their slot numbers.
+template <typename NodePtr>
+void set_output_history(const NodePtr& node, const at::Tensor& out, Differentiability d, Differentiability requiring) {
+  if (d == kNotDifferentiable) return;
+  if (out.defined() && (d & requiring) != 0) {
+    torch::autograd::set_history(out, node);
+  } else {
+    node->add_input_metadata(torch::autograd::Node::undefined_input());
+  }
+}
+}  // namespace detail
+
+/// The body of every Autograd-key kernel (steps 1-4 of the pattern above).
+///   spec:    the op's name and its node's (NodeSpec).
+///   outputs: one Differentiability per tensor `forward` returns, in order ({kDifferentiable} for one output).
+///   forward: `forward(bool grad)` -> at::Tensor or std::tuple<at::Tensor, ...>, run below autograd; `grad` says
+///            whether a node will be recorded (the forward then may return more, through the private
+///            `_<op>_forward`: a statistic the backward needs).
+///   save:    `save(OpNode& node, const R& result)`, R what `forward` returned; called, outside the below-autograd
+///            guard, only when the node was recorded, after the outputs got their history: saves what backward
+///            needs (OpNode::save, OpNode::attr).
+///   inputs:  the node's input edges, in the order its backward returns their gradients: at::Tensor,
+///            std::optional<at::Tensor> (an absent one gets an empty edge) or a TensorList (one edge per tensor).
+/// The node is recorded when grad mode is on and one of `inputs` requires grad. Raises NotImplementedError
+/// "opforge::<op>: forward-mode AD is not supported ..." when one of `inputs` carries a forward-mode tangent.
+/// Returns what `forward` returned.
+template <size_t N, typename Forward, typename Save, typename... Inputs>
+auto autograd_op(const NodeSpec& spec, const Differentiability (&outputs)[N], Forward&& forward, Save&& save,
+                 const Inputs&... inputs) {
+  static_assert(sizeof...(Inputs) <= 32, "opforge::autograd_op: at most 32 inputs (one bit each)");
+  check_no_forward_ad(spec.op, inputs...);
+  Differentiability requiring = 0;  // bit i: the i-th input requires grad
+  if (at::GradMode::is_enabled()) {
+    int i = 0;
+    ((requiring |= static_cast<Differentiability>(requires_grad_of(inputs)) << i++), ...);
+  }
+  const bool grad = requiring != 0;
+  auto result = [&] {
     at::AutoDispatchBelowADInplaceOrView guard;
-    output = forward();
+    return forward(grad);
+  }();
+  if (grad) {
+    auto node = make_node<OpNode>(spec.node, spec.backward, spec.double_backward);
+    node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
+    using Result = decltype(result);
+    if constexpr (std::is_same_v<Result, at::Tensor>) {
+      static_assert(N == 1, "opforge::autograd_op: a forward returning one tensor takes one Differentiability");
+      detail::set_output_history(node, result, outputs[0], requiring);
+    } else {
+      static_assert(std::tuple_size_v<Result> == N,
+                    "opforge::autograd_op: one Differentiability per tensor the forward returns");
+      std::apply(
+          [&](const auto&... outs) {
+            size_t k = 0;
+            (detail::set_output_history(node, outs, outputs[k++], requiring), ...);
+          },
+          result);
+    }
+    save(*node, std::as_const(result));
   }
-  if (any_requires_grad(inputs...)) {
-    auto node = record_node(name, backward, double_backward, {&output}, inputs...);
-    save(*node, output);
-  }
-  return output;
+  return result;
 }
 
 }  // namespace opforge
-
-/// Registers the Meta and Autograd kernels of an op family made of a public op `OP`, its private
-/// `_OP_forward` (the forward that also returns what backward saves) and `OP_backward`, with the house names:
-///   Meta:     _OP_forward -> OP_forward_meta,     OP -> OP_meta,     OP_backward -> OP_backward_meta
-///   Autograd: _OP_forward -> OP_forward_autograd, OP -> OP_autograd, OP_backward -> backward_op_autograd_kernel
-/// Use at namespace scope where those functions are visible, e.g. OPFORGE_FORWARD_OP_FAMILY(linear).
-#define OPFORGE_FORWARD_OP_FAMILY(OP)                                  \
-  TORCH_LIBRARY_IMPL(opforge, Meta, m) {                              \
-    m.impl("_" #OP "_forward", &OP##_forward_meta);                   \
-    m.impl(#OP, &OP##_meta);                                          \
-    m.impl(#OP "_backward", &OP##_backward_meta);                     \
-  }                                                                   \
-  TORCH_LIBRARY_IMPL(opforge, Autograd, m) {                          \
-    m.impl("_" #OP "_forward", &OP##_forward_autograd);               \
-    m.impl(#OP, &OP##_autograd);                                      \
-    opforge::register_backward_op_autograd(m, #OP "_backward");       \
-  }

@@ -155,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_weight(
                                                                                 int64_t group_size = -1,
                                                                                 bool symmetric = true);
 // ---- end fake_quant_linear ----
-// ---- linear variants (issue 11): linear_cat, indexed_linear ----
+// ---- linear variants: linear_cat, indexed_linear ----
 
 /// y = linear(cat(inputs, -1), weight, bias) without the concatenated buffer (nor saving it for backward).
 /// inputs: P ≥ 1 tensors (*, K_i) of one dtype and one leading shape (*) (K_i may be 0); weight (N, ΣK_i),

@@ -216,6 +216,39 @@ def test_fused_grad_only_residual_out(device):
     assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(r.grad, torch.ones_like(r))
 
 
+@pytest.mark.parametrize("private", [False, True])
+@pytest.mark.parametrize("needs", ["w", "x", "r", "xr", "xw", "rw", "xrw"])
+def test_fused_residual_out_requires_grad_as_torch_add(device, needs, private):
+    """residual_out = input + residual requires grad exactly when torch's input + residual does (not when only the
+    weight does); output whenever any input does; every gradient asked for matches float64 (`needs`: the inputs of
+    x, r, w that require grad; `private`: the private forward op, which also returns rstd)."""
+    torch.manual_seed(0)
+    x, r, w = (torch.randn(*s, device=device).requires_grad_(n in needs)
+               for s, n in (((4, 64), "x"), ((4, 64), "r"), ((64,), "w")))
+    if private:
+        out, res, _ = torch.ops.opforge._fused_add_rms_norm_forward(x, r, [64], w, 1e-6)
+    else:
+        out, res = opforge.fused_add_rms_norm(x, r, (64,), w, 1e-6)
+    assert out.requires_grad
+    assert res.requires_grad == (x + r).requires_grad == ("x" in needs or "r" in needs)
+    g, g_res = torch.randn_like(out), torch.randn_like(res)
+
+    def grads(x0, r0, w0, fn):
+        leaves = [t for t in (x0, r0, w0) if t.requires_grad]
+        o, z = fn(x0, r0, w0)
+        outs, gs = ([o, z], [g, g_res]) if z.requires_grad else ([o], [g])
+        return torch.autograd.grad(outs, leaves, [t.to(o.dtype) for t in gs])
+
+    actual = grads(x, r, w, lambda *_: (out, res))
+    ref = grads(*(t.detach().double().requires_grad_(t.requires_grad) for t in (x, r, w)),
+                lambda a, b, c: fused_add_rms_norm_reference(a, b, 64, c, eps=1e-6))
+    base = grads(*(t.detach().clone().requires_grad_(t.requires_grad) for t in (x, r, w)),
+                 lambda a, b, c: (TF.rms_norm(a + b, (64,), c, 1e-6), a + b))
+    names = [n for t, n in zip((x, r, w), ("grad_input", "grad_residual", "grad_weight")) if t.requires_grad]
+    for a, e, b, name in zip(actual, ref, base, names, strict=True):
+        assert_matches_reference(a, e, b, what=name)
+
+
 # ---- dweight accumulation --------------------------------------------------------------------
 
 

@@ -254,6 +254,25 @@ def test_only_requested_gradient(device):
     assert gk is None and gq.shape == q.shape
 
 
+@pytest.mark.parametrize("given", ["q", "k"])
+def test_backward_ops_with_one_gradient_are_differentiable(device, given):
+    """rope_backward and rope_from_positions_backward with one of the two incoming gradients None: the gradient they
+    return is differentiable in the one given (gradcheck and gradgradcheck in float64; its backward is rope's)."""
+    q, k, cos, sin = _small(device)
+    pos = torch.tensor([[0, 3, 9, 700, 2], [1, 1, 1, 1, 1]], device=device)
+    i = 0 if given == "q" else 1
+    g = (q, k)[i].detach().requires_grad_()
+
+    def pair(g):
+        return (g, None) if given == "q" else (None, g)
+
+    ops = [lambda g: torch.ops.opforge.rope_backward(*pair(g), cos, sin)[i],
+           lambda g: torch.ops.opforge.rope_from_positions_backward(*pair(g), pos, 500.0, rotary_dim=6)[i]]
+    for fn in ops:
+        assert torch.autograd.gradcheck(fn, (g,))
+        assert torch.autograd.gradgradcheck(fn, (g,))
+
+
 def test_torch_func_grad(device):
     q, k, cos, sin = _small(device)
 

@@ -108,8 +108,8 @@ std::tuple<at::Tensor, at::Tensor> square_add_backward_composite(const at::Tenso
   elementwise::check_square_add_args(input, other);
   check_floating("square_add_backward", "grad_output", grad_output);
   check_same_device("square_add_backward", "grad_output", grad_output, "input", input);
-  // Fix: grad_output's shape was only checked inside square_backward (mask[0]); with mask [false, true]
-  // a grad_output of the wrong shape was silently summed to other's shape (or failed in at::sum_to).
+  // grad_output's shape is checked here for both masks: square_backward checks it only when mask[0] is set, and
+  // with mask [false, true] a grad_output of the wrong shape would be summed to other's shape unchecked.
   TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(input.sym_sizes()),
                     "opforge::square_add_backward: expected grad_output of input's shape ",
                     shape_str(input.sym_sizes()), ", but got ", shape_str(grad_output.sym_sizes()));
@@ -178,13 +178,13 @@ variable_list square_add_double_backward_fn(const BackwardArgs& a) {
   return {2 * a.saved[0] * g, grad_other};
 }
 
-// The autograd wrapper of a one-input op (sigmoid, square): runs `forward` below autograd and, when input requires
-// grad, records node `node` with backward / double_backward, saving the output (save_output) or the input.
+// The Autograd kernel of a one-input op (sigmoid, square): records node `node` with backward / double_backward,
+// saving the output (save_output) or the input.
 at::Tensor unary_autograd(const char* op, const char* node, at::Tensor (*forward)(const at::Tensor&),
                           BackwardFn backward, BackwardFn double_backward, bool save_output,
                           const at::Tensor& input) {
-  return autograd_one_output(
-      op, node, backward, double_backward, [&] { return forward(input); },
+  return autograd_op(
+      {op, node, backward, double_backward}, {kDifferentiable}, [&](bool) { return forward(input); },
       [&](OpNode& n, const at::Tensor& output) {
         if (save_output) n.save(output, /*is_output=*/true);
         else n.save(input);
@@ -201,9 +201,9 @@ at::Tensor square_autograd(const at::Tensor& input) {
                         square_double_backward_fn, /*save_output=*/false, input);
 }
 at::Tensor square_add_autograd(const at::Tensor& input, const at::Tensor& other) {
-  return autograd_one_output(
-      "square_add", "opforge::SquareAddBackward", square_add_backward_fn, square_add_double_backward_fn,
-      [&] { return opforge::square_add(input, other); },
+  return autograd_op(
+      {"square_add", "opforge::SquareAddBackward", square_add_backward_fn, square_add_double_backward_fn},
+      {kDifferentiable}, [&](bool) { return opforge::square_add(input, other); },
       [&](OpNode& n, const at::Tensor&) {
         n.save(input);
         n.save(at::empty({}, other.options()).expand_symint(other.sym_sizes()));

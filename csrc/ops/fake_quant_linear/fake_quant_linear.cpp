@@ -2,8 +2,6 @@
 // kernels, autograd and autocast.
 #include "ops/fake_quant_linear/fake_quant_linear.h"
 
-#include <ATen/autocast_mode.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -243,55 +241,55 @@ variable_list fake_quant_linear_backward_fn(const BackwardArgs& a) {
   return {grad_input, grad_weight, grad_bias};
 }
 
-void record_fake_quant_linear_node(const at::Tensor& input, const at::Tensor& weight,
-                                   const std::optional<at::Tensor>& bias, bool act_quant, at::Tensor& Y,
-                                   const at::Tensor& Wq, const at::Tensor& Wm, const at::Tensor& Xq,
-                                   const at::Tensor& Xm) {
-  auto node = record_node("opforge::FakeQuantLinearBackward", fake_quant_linear_backward_fn, nullptr, {&Y}, input,
-                          weight, bias);
-  // fq_a(input) and fq_w(weight) stand in for input and weight: tied to them (core/autograd.h)
-  node->save(act_quant ? saved_in_place_of(Xq, input, "fake_quant_linear") : input);
-  node->save(saved_in_place_of(Wq, weight, "fake_quant_linear"));
-  node->save(Wm);
-  node->save(act_quant ? Xm : at::Tensor());
-  node->attr(static_cast<int64_t>(weight.scalar_type()));
-  node->attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
+using FakeQuantLinearForward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// fake_quant_linear's and _fake_quant_linear_forward's Autograd kernel: `forward(grad)` returns
+// _fake_quant_linear_forward's (output, weight_fq, weight_mask, input_fq, input_mask); only the output is
+// differentiable.
+template <typename Forward>
+FakeQuantLinearForward fake_quant_linear_recorded(const char* op, const at::Tensor& input, const at::Tensor& weight,
+                                                  const std::optional<at::Tensor>& bias, bool act_quant,
+                                                  Forward&& forward) {
+  return autograd_op(
+      {op, "opforge::FakeQuantLinearBackward", fake_quant_linear_backward_fn, nullptr},
+      {kDifferentiable, kNotDifferentiable, kNotDifferentiable, kNotDifferentiable, kNotDifferentiable}, forward,
+      [&](OpNode& n, const FakeQuantLinearForward& out) {
+        const auto& [Y, Wq, Wm, Xq, Xm] = out;
+        // fq_a(input) and fq_w(weight) stand in for input and weight: tied to them (core/autograd.h)
+        n.save(act_quant ? saved_in_place_of(Xq, input, "fake_quant_linear") : input);
+        n.save(saved_in_place_of(Wq, weight, "fake_quant_linear"));
+        n.save(Wm);
+        n.save(act_quant ? Xm : at::Tensor());
+        n.attr(static_cast<int64_t>(weight.scalar_type()));
+        n.attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
+      },
+      input, weight, bias);
 }
 
+// fake_quant_linear: without gradients the public kernel alone (no masks kept), with them the private forward.
 at::Tensor fake_quant_linear_autograd(const at::Tensor& input, const at::Tensor& weight,
                                       const std::optional<at::Tensor>& bias, int64_t weight_bits, int64_t group_size,
                                       bool symmetric, bool act_quant) {
-  check_no_forward_ad("fake_quant_linear", input, weight, bias);
-  if (!any_requires_grad(input, weight, bias)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return opforge::fake_quant_linear(input, weight, bias, weight_bits, group_size, symmetric, act_quant);
-  }
-  at::Tensor Y, Wq, Wm, Xq, Xm;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(Y, Wq, Wm, Xq, Xm) =
-        opforge::_fake_quant_linear_forward(input, weight, bias, weight_bits, group_size, symmetric, act_quant);
-  }
-  record_fake_quant_linear_node(input, weight, bias, act_quant, Y, Wq, Wm, Xq, Xm);
-  return Y;
+  return std::get<0>(
+      fake_quant_linear_recorded("fake_quant_linear", input, weight, bias, act_quant, [&](bool grad) {
+        if (!grad) {
+          return FakeQuantLinearForward{
+              opforge::fake_quant_linear(input, weight, bias, weight_bits, group_size, symmetric, act_quant), {}, {},
+              {}, {}};
+        }
+        return opforge::_fake_quant_linear_forward(input, weight, bias, weight_bits, group_size, symmetric,
+                                                   act_quant);
+      }));
 }
 
 // _fake_quant_linear_forward called directly: the output differentiable as fake_quant_linear's, the saved
 // tensors not (they get no history).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quant_linear_forward_autograd(
-    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t weight_bits,
-    int64_t group_size, bool symmetric, bool act_quant) {
-  check_no_forward_ad("_fake_quant_linear_forward", input, weight, bias);
-  at::Tensor Y, Wq, Wm, Xq, Xm;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(Y, Wq, Wm, Xq, Xm) =
-        opforge::_fake_quant_linear_forward(input, weight, bias, weight_bits, group_size, symmetric, act_quant);
-  }
-  if (any_requires_grad(input, weight, bias)) {
-    record_fake_quant_linear_node(input, weight, bias, act_quant, Y, Wq, Wm, Xq, Xm);
-  }
-  return {Y, Wq, Wm, Xq, Xm};
+FakeQuantLinearForward fake_quant_linear_forward_autograd(const at::Tensor& input, const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>& bias, int64_t weight_bits,
+                                                          int64_t group_size, bool symmetric, bool act_quant) {
+  return fake_quant_linear_recorded("_fake_quant_linear_forward", input, weight, bias, act_quant, [&](bool) {
+    return opforge::_fake_quant_linear_forward(input, weight, bias, weight_bits, group_size, symmetric, act_quant);
+  });
 }
 
 // fake_quantize_weight is not differentiable (its outputs carry no history; fake_quant_linear is the
@@ -305,51 +303,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_weight_
   return opforge::fake_quantize_weight(weight, bits, group_size, symmetric);
 }
 
-// ---- Autocast: input and bias to the autocast dtype, the weight left as it is (it is quantized from its own
-// precision, e.g. float32 master weights, and fq_w is then converted to input's dtype: what torchao's QAT does
-// under autocast, where the fake quantization of the float32 weight happens before F.linear casts).
-
-template <c10::DeviceType D>
-at::Tensor fake_quant_linear_autocast(const at::Tensor& input, const at::Tensor& weight,
-                                      const std::optional<at::Tensor>& bias, int64_t weight_bits, int64_t group_size,
-                                      bool symmetric, bool act_quant) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  const auto to = at::autocast::get_autocast_dtype(D);
-  std::optional<at::Tensor> b;
-  if (bias.has_value() && bias->defined()) b = at::autocast::cached_cast(to, *bias, D);
-  return opforge::fake_quant_linear(at::autocast::cached_cast(to, input, D), weight, b, weight_bits, group_size,
-                                    symmetric, act_quant);
-}
-
-template <c10::DeviceType D>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quant_linear_forward_autocast(
-    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t weight_bits,
-    int64_t group_size, bool symmetric, bool act_quant) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  const auto to = at::autocast::get_autocast_dtype(D);
-  std::optional<at::Tensor> b;
-  if (bias.has_value() && bias->defined()) b = at::autocast::cached_cast(to, *bias, D);
-  return opforge::_fake_quant_linear_forward(at::autocast::cached_cast(to, input, D), weight, b, weight_bits,
-                                             group_size, symmetric, act_quant);
-}
-
 }  // namespace
 
-OPFORGE_FORWARD_OP_FAMILY(fake_quant_linear)
-
-TORCH_LIBRARY_IMPL(opforge, Meta, m) { m.impl("fake_quantize_weight", &fake_quantize_weight_meta); }
-TORCH_LIBRARY_IMPL(opforge, Autograd, m) { m.impl("fake_quantize_weight", &fake_quantize_weight_autograd); }
-
-TORCH_LIBRARY_IMPL(opforge, AutocastCPU, m) {
-  m.impl("fake_quant_linear", &fake_quant_linear_autocast<c10::DeviceType::CPU>);
-  m.impl("_fake_quant_linear_forward", &fake_quant_linear_forward_autocast<c10::DeviceType::CPU>);
+TORCH_LIBRARY_IMPL(opforge, Meta, m) {
+  m.impl("fake_quant_linear", &fake_quant_linear_meta);
+  m.impl("_fake_quant_linear_forward", &fake_quant_linear_forward_meta);
+  m.impl("fake_quant_linear_backward", &fake_quant_linear_backward_meta);
+  m.impl("fake_quantize_weight", &fake_quantize_weight_meta);
 }
-TORCH_LIBRARY_IMPL(opforge, AutocastCUDA, m) {
-  m.impl("fake_quant_linear", &fake_quant_linear_autocast<c10::DeviceType::CUDA>);
-  m.impl("_fake_quant_linear_forward", &fake_quant_linear_forward_autocast<c10::DeviceType::CUDA>);
+
+TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
+  m.impl("fake_quant_linear", &fake_quant_linear_autograd);
+  m.impl("_fake_quant_linear_forward", &fake_quant_linear_forward_autograd);
+  register_backward_op_autograd(m, "fake_quant_linear_backward");
+  m.impl("fake_quantize_weight", &fake_quantize_weight_autograd);
 }
-// The backward and the weight quantizer keep their dtypes (core/autocast.h).
-OPFORGE_AUTOCAST(fake_quant_linear, {{"fake_quant_linear_backward", AutocastPolicy::kInputDtype},
-                                     {"fake_quantize_weight", AutocastPolicy::kInputDtype}})
+
+// torch.autocast (core/autocast.h): input and bias to the autocast dtype, the weight left as it is (it is quantized
+// from its own precision, e.g. float32 master weights, and fq_w is then converted to input's dtype: what torchao's
+// QAT does under autocast, where the fake quantization of the float32 weight happens before F.linear casts). The
+// backward and the weight quantizer keep their dtypes.
+OPFORGE_AUTOCAST(fake_quant_linear,
+                 {{"fake_quant_linear", AutocastPolicy::kLowerPrecision, {"input", "bias"}},
+                  {"_fake_quant_linear_forward", AutocastPolicy::kLowerPrecision, {"input", "bias"}},
+                  {"fake_quant_linear_backward", AutocastPolicy::kInputDtype},
+                  {"fake_quantize_weight", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

@@ -163,9 +163,10 @@ variable_list indexed_linear_double_backward_fn(const BackwardArgs& a) {
 
 at::Tensor indexed_linear_autograd(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
                                    const std::optional<at::Tensor>& bias) {
-  return autograd_one_output(
-      "indexed_linear", "opforge::IndexedLinearBackward", indexed_linear_backward_fn,
-      indexed_linear_double_backward_fn, [&] { return opforge::indexed_linear(input, weight, index, bias); },
+  return autograd_op(
+      {"indexed_linear", "opforge::IndexedLinearBackward", indexed_linear_backward_fn,
+       indexed_linear_double_backward_fn},
+      {kDifferentiable}, [&](bool) { return opforge::indexed_linear(input, weight, index, bias); },
       [&](OpNode& n, const at::Tensor&) {
         n.save(input);
         n.save(weight);

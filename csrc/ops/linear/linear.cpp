@@ -233,47 +233,40 @@ variable_list linear_double_backward_fn(const BackwardArgs& a) {
   return {grad_input, grad_weight, grad_bias};
 }
 
-bool needs_grad(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  return any_requires_grad(input, weight, bias);
+// Saves what linear's node needs: input, weight, bias, z, activation, bias dtype.
+void save_linear(OpNode& n, const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                 Activation act, const at::Tensor& z) {
+  n.save(input);
+  n.save(weight);
+  n.save(bias);
+  n.save(z);
+  n.attr(static_cast<int64_t>(act));
+  n.attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
 }
 
-/// Makes Y's grad_fn linear's node holding input, weight, bias and Z.
-void record_linear_node(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                        Activation act, at::Tensor& Y, const at::Tensor& Z) {
-  auto node = record_node("opforge::LinearBackward", linear_backward_fn, linear_double_backward_fn, {&Y}, input,
-                          weight, bias);
-  node->save(input);
-  node->save(weight);
-  node->save(bias);
-  node->save(Z);
-  node->attr(static_cast<int64_t>(act));
-  node->attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
-}
-
+// linear: the forward returns (output, pre-activation to save): without gradients the public kernel alone (no
+// node, no pre-activation kept); with them the private `_linear_forward` for gelu, gelu_tanh and silu, whose
+// derivatives read z.
 at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            c10::string_view activation) {
-  check_no_forward_ad("linear", input, weight, bias);
-  // Nothing to differentiate: straight to the kernel, no graph node and no pre-activation kept.
-  if (!needs_grad(input, weight, bias)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return opforge::linear(input, weight, bias, activation);
-  }
-  const auto act = parse_activation("linear", activation);
-  at::Tensor Y, Z;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    if (act == Activation::kNone || act == Activation::kReLU) {
-      Y = opforge::linear(input, weight, bias, activation);
-    } else {
-      std::tie(Y, Z) = opforge::_linear_forward(input, weight, bias, activation);
-    }
-  }
-  // relu'(z) = [z > 0] = [y > 0]: the output serves as the pre-activation. Saved detached (no grad_fn, so
-  // no reference cycle through the node; the version counter is shared, so an in-place change of the
-  // output before backward still raises).
-  if (act == Activation::kReLU) Z = Y.detach();
-  record_linear_node(input, weight, bias, act, Y, Z);
-  return Y;
+  Activation act = Activation::kNone;
+  return std::get<0>(autograd_op(
+      {"linear", "opforge::LinearBackward", linear_backward_fn, linear_double_backward_fn},
+      {kDifferentiable, kNotDifferentiable},
+      [&](bool grad) -> std::tuple<at::Tensor, at::Tensor> {
+        if (grad) act = parse_activation("linear", activation);
+        if (!grad || act == Activation::kNone || act == Activation::kReLU)
+          return {opforge::linear(input, weight, bias, activation), at::Tensor()};
+        return opforge::_linear_forward(input, weight, bias, activation);
+      },
+      [&](OpNode& n, const std::tuple<at::Tensor, at::Tensor>& out) {
+        // relu'(z) = [z > 0] = [y > 0]: the output serves as the pre-activation. Saved detached (no grad_fn, so
+        // no reference cycle through the node; the version counter is shared, so an in-place change of the
+        // output before backward still raises).
+        const auto& [y, z] = out;
+        save_linear(n, input, weight, bias, act, act == Activation::kReLU ? y.detach() : z);
+      },
+      input, weight, bias));
 }
 
 // _linear_forward called directly: (output, pre_activation); the output differentiable as linear's, the
@@ -281,22 +274,30 @@ at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, co
 std::tuple<at::Tensor, at::Tensor> linear_forward_autograd(const at::Tensor& input, const at::Tensor& weight,
                                                            const std::optional<at::Tensor>& bias,
                                                            c10::string_view activation) {
-  check_no_forward_ad("_linear_forward", input, weight, bias);
-  at::Tensor Y, Z;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(Y, Z) = opforge::_linear_forward(input, weight, bias, activation);
-  }
-  if (needs_grad(input, weight, bias)) {
-    const auto act = parse_activation("_linear_forward", activation);
-    record_linear_node(input, weight, bias, act, Y, act == Activation::kNone ? at::Tensor() : Z);
-  }
-  return {Y, Z};
+  return autograd_op(
+      {"_linear_forward", "opforge::LinearBackward", linear_backward_fn, linear_double_backward_fn},
+      {kDifferentiable, kNotDifferentiable},
+      [&](bool) { return opforge::_linear_forward(input, weight, bias, activation); },
+      [&](OpNode& n, const std::tuple<at::Tensor, at::Tensor>& out) {
+        const auto act = parse_activation("_linear_forward", activation);
+        save_linear(n, input, weight, bias, act, act == Activation::kNone ? at::Tensor() : std::get<1>(out));
+      },
+      input, weight, bias);
 }
 
 }  // namespace
 
-OPFORGE_FORWARD_OP_FAMILY(linear)
+TORCH_LIBRARY_IMPL(opforge, Meta, m) {
+  m.impl("linear", &linear_meta);
+  m.impl("_linear_forward", &linear_forward_meta);
+  m.impl("linear_backward", &linear_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
+  m.impl("linear", &linear_autograd);
+  m.impl("_linear_forward", &linear_forward_autograd);
+  register_backward_op_autograd(m, "linear_backward");
+}
 
 // torch.autocast: as the native ops these mirror (core/autocast.h)
 OPFORGE_AUTOCAST(linear, {{"linear", AutocastPolicy::kLowerPrecision}, {"_linear_forward", AutocastPolicy::kLowerPrecision}, {"linear_backward", AutocastPolicy::kInputDtype}})

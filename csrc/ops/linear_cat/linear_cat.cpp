@@ -198,23 +198,16 @@ variable_list linear_cat_double_backward_fn(const BackwardArgs& a) {
 
 at::Tensor linear_cat_autograd(at::TensorList inputs, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias) {
-  for (const auto& x : inputs) check_no_forward_ad("linear_cat", x);
-  check_no_forward_ad("linear_cat", weight, bias);
-  bool needs = any_requires_grad(weight, bias);
-  for (const auto& x : inputs) needs = needs || any_requires_grad(x);
-  at::Tensor Y;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    Y = opforge::linear_cat(inputs, weight, bias);
-  }
-  if (!needs) return Y;
-  auto node = record_node("opforge::LinearCatBackward", linear_cat_backward_fn, linear_cat_double_backward_fn, {&Y},
-                          inputs, weight, bias);
-  for (const auto& x : inputs) node->save(x);
-  node->save(weight);
-  node->attr(static_cast<int64_t>(inputs.size()));
-  node->attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
-  return Y;
+  return autograd_op(
+      {"linear_cat", "opforge::LinearCatBackward", linear_cat_backward_fn, linear_cat_double_backward_fn},
+      {kDifferentiable}, [&](bool) { return opforge::linear_cat(inputs, weight, bias); },
+      [&](OpNode& n, const at::Tensor&) {
+        for (const auto& x : inputs) n.save(x);
+        n.save(weight);
+        n.attr(static_cast<int64_t>(inputs.size()));
+        n.attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
+      },
+      inputs, weight, bias);
 }
 
 }  // namespace

@@ -13,10 +13,7 @@
 //   _linear_cross_entropy_scale_grads  CompositeExplicitAutograd (a multiply); double backward refused lazily.
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
-#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/core/stack.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
@@ -379,15 +376,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_met
 
 // ---- Autograd: save what backward needs, redispatch below autograd, route backward to the op ---------
 
-// The recompute path's node. Saved: input, linear_weight, target, stats, linear_bias (or undefined), weight (or undefined).
-// Attributes: reduction (int), ignore_index, label_smoothing, z_loss, softcap (double, 0 = none),
-// chunk_size (int, 0 = default). Edges: 0 input, 1 linear_weight, 2 linear_bias (the class weights get none).
-variable_list lce_backward_fn(const BackwardArgs& a) {
+// One node, two forms, told apart by what was saved (docs in linear_cross_entropy.h, "Two autograd paths").
+//
+// Recompute: saved input, linear_weight, target, stats, linear_bias (or undefined), weight (or undefined);
+// attributes reduction (int), ignore_index, label_smoothing, z_loss, softcap (double, 0 = none), chunk_size (int,
+// 0 = default). The backward op recomputes the logits with grad_output.
+variable_list lce_recompute_backward(const BackwardArgs& a) {
   const at::Tensor &bias = a.saved[4], &cw = a.saved[5];
   const auto reduction = static_cast<lce::Reduction>(a.attrs[0].toInt());
   const double softcap = a.attrs[4].toDouble();
   const int64_t chunk = a.attrs[5].toInt();
-  if (!a.grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
   auto [gi, gw, gb] = opforge::linear_cross_entropy_backward(
       a.grads[0], a.saved[0], a.saved[1], a.saved[2], a.saved[3],
       bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
@@ -398,31 +396,9 @@ variable_list lce_backward_fn(const BackwardArgs& a) {
   return {gi, gw, gb};
 }
 
-void record_lce(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-                const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
-                c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
-                std::optional<double> softcap, std::optional<int64_t> chunk_size, at::Tensor& loss,
-                const at::Tensor& stats) {
-  auto node = record_node("opforge::LinearCrossEntropyBackward", lce_backward_fn, nullptr, {&loss}, input,
-                          linear_weight, linear_bias);
-  node->save(input);
-  node->save(linear_weight);
-  node->save(target);
-  node->save(stats);
-  node->save(linear_bias);
-  node->save(weight);
-  node->attr(static_cast<int64_t>(lce::parse_reduction("linear_cross_entropy", reduction)));
-  node->attr(ignore_index);
-  node->attr(label_smoothing);
-  node->attr(z_loss);
-  node->attr(softcap.value_or(0.0));
-  node->attr(chunk_size.value_or(0));
-}
-
-// The gradient-in-forward path's node. Saved: grad_input, grad_linear_weight, grad_linear_bias (each undefined
-// where its input needs no gradient). Edges as the recompute node. The backward scales them by grad_output.
-variable_list lce_saved_grads_backward_fn(const BackwardArgs& a) {
-  if (!a.grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+// Gradient in forward: saved grad_input, grad_linear_weight, grad_linear_bias (each undefined where its input
+// needs no gradient), no attributes. The backward scales them by grad_output.
+variable_list lce_saved_grads_backward(const BackwardArgs& a) {
   auto pick = [&](int k) -> std::optional<at::Tensor> {
     return a.needs[k] && a.saved[k].defined() ? std::optional<at::Tensor>(a.saved[k]) : std::nullopt;
   };
@@ -430,16 +406,41 @@ variable_list lce_saved_grads_backward_fn(const BackwardArgs& a) {
   return {gi, gw, gb};
 }
 
+// Edges: 0 input, 1 linear_weight, 2 linear_bias (the class weights get none).
+variable_list lce_backward_fn(const BackwardArgs& a) {
+  if (!a.grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+  return a.attrs.empty() ? lce_saved_grads_backward(a) : lce_recompute_backward(a);
+}
+
+void save_recompute(OpNode& n, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+                    c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+                    std::optional<double> softcap, std::optional<int64_t> chunk_size, const at::Tensor& stats) {
+  n.save(input);
+  n.save(linear_weight);
+  n.save(target);
+  n.save(stats);
+  n.save(linear_bias);
+  n.save(weight);
+  n.attr(static_cast<int64_t>(lce::parse_reduction("linear_cross_entropy", reduction)));
+  n.attr(ignore_index);
+  n.attr(label_smoothing);
+  n.attr(z_loss);
+  n.attr(softcap.value_or(0.0));
+  n.attr(chunk_size.value_or(0));
+}
+
 // The gradients computed in the forward depend on the inputs in a way this op does not differentiate: give them a
 // history that raises if someone differentiates through them (a double backward; torch.func.grad of grad, where
 // the outer level sees the private forward's gradient outputs), so the scale op's outputs carry the usual lazy
 // "double backward is not supported" refusal instead of a silently zero second derivative. Only when grad mode is
 // on and an input requires grad (otherwise no graph can reach them).
-void mark_not_differentiable(at::Tensor& gi, at::Tensor& gw, at::Tensor& gb, const at::Tensor& input,
-                             const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias) {
+void mark_not_differentiable(const at::Tensor& gi, const at::Tensor& gw, const at::Tensor& gb,
+                             const at::Tensor& input, const at::Tensor& linear_weight,
+                             const std::optional<at::Tensor>& linear_bias) {
   if (!any_requires_grad(input, linear_weight, linear_bias)) return;
   std::vector<at::Tensor> diff;
-  for (at::Tensor* t : {&gi, &gw, &gb})
+  for (const at::Tensor* t : {&gi, &gw, &gb})
     if (t->defined() && torch::autograd::isDifferentiableType(t->scalar_type())) diff.push_back(*t);
   if (diff.empty()) return;
   auto err = make_node<torch::autograd::Error>(
@@ -447,7 +448,7 @@ void mark_not_differentiable(at::Tensor& gi, at::Tensor& gw, at::Tensor& gb, con
       "not differentiable); a first-order gradient works under create_graph=True and torch.func, but "
       "differentiating that gradient again does not",
       torch::autograd::collect_next_edges(input, linear_weight, linear_bias));
-  for (at::Tensor& t : diff) torch::autograd::set_history(t, err);
+  for (const at::Tensor& t : diff) torch::autograd::set_history(t, err);
 }
 
 // Whether the gradient-in-forward path serves a call that needs gradients: reduction "mean" or "sum" (a scalar
@@ -456,101 +457,82 @@ bool grad_in_forward(lce::Reduction r) {
   return r != lce::Reduction::kNone && knobs::get(knobs::Knob::kLceGradInForward) != 0;
 }
 
+// As F.cross_entropy: the class weights are not differentiable (never a silently missing gradient).
+void check_class_weights(const char* op, const std::optional<at::Tensor>& weight) {
+  TORCH_CHECK(!any_requires_grad(weight), "opforge::", op, ": expected weight (the class weights) not to require "
+              "grad (the loss is not differentiable with respect to them), but it does; pass weight.detach()");
+}
+
+using LceForward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// Of the forward's (loss, stats, grad_input, grad_linear_weight, grad_linear_bias) only the loss is differentiable.
+constexpr Differentiability kLceOutputs[] = {kDifferentiable, kNotDifferentiable, kNotDifferentiable,
+                                             kNotDifferentiable, kNotDifferentiable};
+
 at::Tensor linear_cross_entropy_autograd(const at::Tensor& input, const at::Tensor& linear_weight,
                                          const at::Tensor& target, const std::optional<at::Tensor>& linear_bias,
                                          const std::optional<at::Tensor>& weight, c10::string_view reduction,
                                          int64_t ignore_index, double label_smoothing, double z_loss,
                                          std::optional<double> softcap, std::optional<int64_t> chunk_size) {
-  check_no_forward_ad("linear_cross_entropy", input, linear_weight, linear_bias);
-  // as F.cross_entropy: the class weights are not differentiable (never a silently missing gradient)
-  TORCH_CHECK(!any_requires_grad(weight), "opforge::linear_cross_entropy: expected weight (the class weights) not to require "
-              "grad (the loss is not differentiable with respect to them), but it does; pass weight.detach()");
-  const bool grad = any_requires_grad(input, linear_weight, linear_bias);
-  if (!grad) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return opforge::linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
-                                         label_smoothing, z_loss, softcap, chunk_size);
-  }
-  const auto red = lce::parse_reduction("linear_cross_entropy", reduction);
-  if (!grad_in_forward(red)) {
-    at::Tensor loss, stats;
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(loss, stats, std::ignore, std::ignore, std::ignore) = opforge::_linear_cross_entropy_forward(
-          input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
-          softcap, chunk_size);
-    }
-    record_lce(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
-               softcap, chunk_size, loss, stats);
-    return loss;
-  }
-  // gradient in forward: only the gradients of inputs that require grad are computed (a frozen lm_head gets no
-  // V x H buffer at all)
-  auto rg = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
-  const bool has_bias = linear_bias.has_value() && linear_bias->defined();
-  const std::array<bool, 3> mask = {rg(input), rg(linear_weight), has_bias && rg(*linear_bias)};
-  at::Tensor loss, gi, gw, gb;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(loss, std::ignore, gi, gw, gb) = opforge::_linear_cross_entropy_forward(
-        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
-        chunk_size, mask);
-  }
-  mark_not_differentiable(gi, gw, gb, input, linear_weight, linear_bias);
-  auto node = record_node("opforge::LinearCrossEntropyBackward", lce_saved_grads_backward_fn, nullptr, {&loss}, input,
-                          linear_weight, linear_bias);
-  node->save(gi);
-  node->save(gw);
-  node->save(gb);
-  return loss;
+  bool saved_grads = false;  // the path taken: gradient in forward, or recompute
+  return std::get<0>(autograd_op(
+      {"linear_cross_entropy", "opforge::LinearCrossEntropyBackward", lce_backward_fn, nullptr}, kLceOutputs,
+      [&](bool grad) -> LceForward {
+        check_class_weights("linear_cross_entropy", weight);
+        if (!grad) {
+          return {opforge::linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
+                                                ignore_index, label_smoothing, z_loss, softcap, chunk_size),
+                  {}, {}, {}, {}};
+        }
+        saved_grads = grad_in_forward(lce::parse_reduction("linear_cross_entropy", reduction));
+        // gradient in forward: only the gradients of inputs that require grad are computed (a frozen lm_head gets
+        // no V x H buffer at all); recompute: none
+        const std::array<bool, 3> mask = {saved_grads && requires_grad_of(input),
+                                          saved_grads && requires_grad_of(linear_weight),
+                                          saved_grads && requires_grad_of(linear_bias)};
+        return opforge::_linear_cross_entropy_forward(input, linear_weight, target, linear_bias, weight, reduction,
+                                                      ignore_index, label_smoothing, z_loss, softcap, chunk_size,
+                                                      mask);
+      },
+      [&](OpNode& n, const LceForward& out) {
+        const auto& [loss, stats, gi, gw, gb] = out;
+        if (!saved_grads) {
+          save_recompute(n, input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                         label_smoothing, z_loss, softcap, chunk_size, stats);
+          return;
+        }
+        mark_not_differentiable(gi, gw, gb, input, linear_weight, linear_bias);
+        n.save(gi);
+        n.save(gw);
+        n.save(gb);
+      },
+      input, linear_weight, linear_bias));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_forward_autograd(
-    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
-    int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
-    std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask) {
-  check_no_forward_ad("_linear_cross_entropy_forward", input, linear_weight, linear_bias);
-  // as F.cross_entropy: the class weights are not differentiable (never a silently missing gradient)
-  TORCH_CHECK(!any_requires_grad(weight), "opforge::_linear_cross_entropy_forward: expected weight (the class weights) not to require "
-              "grad (the loss is not differentiable with respect to them), but it does; pass weight.detach()");
-  const bool grad = any_requires_grad(input, linear_weight, linear_bias);
-  at::Tensor loss, stats, gi, gw, gb;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(loss, stats, gi, gw, gb) = opforge::_linear_cross_entropy_forward(
-        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
-        chunk_size, grad_mask);
-  }
-  // the loss differentiates through the recompute node; stats is not differentiable; differentiating the
-  // gradients raises
-  if (grad) {
-    record_lce(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss,
-               softcap, chunk_size, loss, stats);
-    mark_not_differentiable(gi, gw, gb, input, linear_weight, linear_bias);
-  }
-  return {loss, stats, gi, gw, gb};
-}
-
-// ---- autocast: the GEMM inputs (input, linear_weight, linear_bias) in the autocast dtype, as torch's linear;
-// the class weights untouched; the loss in float32 (every 16-bit call returns it so), as torch's cross_entropy
-// under autocast ------------------------------------------------------------------------------------------------
-
-void lce_autocast_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  const auto device = ks.has(c10::DispatchKey::AutocastCUDA) ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
-  const auto to = at::autocast::get_autocast_dtype(device);
-  const auto n = op.schema().arguments().size();
-  const size_t base = stack->size() - n;
-  for (size_t k : {size_t{0}, size_t{1}, size_t{3}}) {  // input, linear_weight, linear_bias
-    c10::IValue& arg = (*stack)[base + k];
-    if (!arg.isTensor()) continue;
-    const at::Tensor& t = arg.toTensor();
-    if (t.defined() && at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kDouble)
-      arg = at::autocast::cached_cast(to, t, device);
-  }
-  // the loss comes back in float32 from the kernels themselves (reduce_loss), at float32 precision
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  op.callBoxed(stack);
+// _linear_cross_entropy_forward called directly: the loss differentiates through the recompute form; stats is not
+// differentiable; differentiating the gradients it returns raises.
+LceForward linear_cross_entropy_forward_autograd(const at::Tensor& input, const at::Tensor& linear_weight,
+                                                 const at::Tensor& target,
+                                                 const std::optional<at::Tensor>& linear_bias,
+                                                 const std::optional<at::Tensor>& weight, c10::string_view reduction,
+                                                 int64_t ignore_index, double label_smoothing, double z_loss,
+                                                 std::optional<double> softcap, std::optional<int64_t> chunk_size,
+                                                 std::array<bool, 3> grad_mask) {
+  return autograd_op(
+      {"_linear_cross_entropy_forward", "opforge::LinearCrossEntropyBackward", lce_backward_fn, nullptr},
+      kLceOutputs,
+      [&](bool) {
+        check_class_weights("_linear_cross_entropy_forward", weight);
+        return opforge::_linear_cross_entropy_forward(input, linear_weight, target, linear_bias, weight, reduction,
+                                                      ignore_index, label_smoothing, z_loss, softcap, chunk_size,
+                                                      grad_mask);
+      },
+      [&](OpNode& n, const LceForward& out) {
+        const auto& [loss, stats, gi, gw, gb] = out;
+        save_recompute(n, input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
+                       z_loss, softcap, chunk_size, stats);
+        mark_not_differentiable(gi, gw, gb, input, linear_weight, linear_bias);
+      },
+      input, linear_weight, linear_bias);
 }
 
 }  // namespace
@@ -572,16 +554,14 @@ TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   register_backward_op_autograd(m, "_linear_cross_entropy_scale_grads");
 }
 
-TORCH_LIBRARY_IMPL(opforge, AutocastCPU, m) {
-  m.impl("linear_cross_entropy", torch::CppFunction::makeFromBoxedFunction<&lce_autocast_kernel>());
-  m.impl("_linear_cross_entropy_forward", torch::CppFunction::makeFromBoxedFunction<&lce_autocast_kernel>());
-}
-TORCH_LIBRARY_IMPL(opforge, AutocastCUDA, m) {
-  m.impl("linear_cross_entropy", torch::CppFunction::makeFromBoxedFunction<&lce_autocast_kernel>());
-  m.impl("_linear_cross_entropy_forward", torch::CppFunction::makeFromBoxedFunction<&lce_autocast_kernel>());
-}
-// the backward runs in the dtypes autograd hands it (core/autocast.h)
-OPFORGE_AUTOCAST(linear_cross_entropy, {{"linear_cross_entropy_backward", AutocastPolicy::kInputDtype},
-                                        {"_linear_cross_entropy_scale_grads", AutocastPolicy::kInputDtype}})
+// torch.autocast (core/autocast.h): the GEMM operands in the autocast dtype, as torch's linear; the class weights
+// untouched; the loss in float32 (the kernels return every 16-bit call's loss so, at float32 precision), as torch's
+// cross_entropy under autocast. The backward runs in the dtypes autograd hands it.
+OPFORGE_AUTOCAST(linear_cross_entropy,
+                 {{"linear_cross_entropy", AutocastPolicy::kLowerPrecision, {"input", "linear_weight", "linear_bias"}},
+                  {"_linear_cross_entropy_forward", AutocastPolicy::kLowerPrecision,
+                   {"input", "linear_weight", "linear_bias"}},
+                  {"linear_cross_entropy_backward", AutocastPolicy::kInputDtype},
+                  {"_linear_cross_entropy_scale_grads", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

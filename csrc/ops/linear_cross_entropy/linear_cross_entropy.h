@@ -1,5 +1,5 @@
 // linear_cross_entropy: the language-model loss cross_entropy(input · linear_weightᵀ + linear_bias, target)
-// without materialising the [N, V] logits (issue 10).
+// without materialising the [N, V] logits.
 //
 //   z[i, j]  = cap(input[i] · linear_weight[j] + linear_bias[j]),  cap(x) = softcap · tanh(x / softcap) (or x)
 //   m[i]     = max_j z[i, j];  r[i] = log Σ_j exp(z[i, j] − m[i]);  lse[i] = m[i] + r[i]

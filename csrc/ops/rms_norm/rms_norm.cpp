@@ -2,10 +2,13 @@
 //
 // Op structure (schemas in csrc/library.cpp):
 //   _rms_norm_forward, _fused_add_rms_norm_forward   CPU/CUDA/Meta kernels; also return rstd [*] (fp32)
-//                                                    for the backward; Autograd = the Functions below.
-//   rms_norm, fused_add_rms_norm                     CompositeImplicitAutograd: the forward op without
+//                                                    for the backward.
+//   rms_norm, fused_add_rms_norm                     CompositeExplicitAutograd: the forward op without
 //                                                    its rstd, so they have exactly one kernel each.
 //   rms_norm_backward                                CPU/CUDA/Meta kernels; not differentiable.
+//   _rms_norm_apply                                  CPU/CUDA/Meta kernels; not differentiable (opforge.patch's
+//                                                    recompute of a saved activation).
+// The four forward ops have the Autograd kernels below (one node each, core/autograd.h).
 #include "ops/rms_norm/rms_norm.h"
 
 #include <ATen/OpMathType.h>
@@ -346,74 +349,81 @@ variable_list fused_add_rms_norm_backward_fn(const BackwardArgs& a) {
   return {grad_input, grad_residual, grad_weight};
 }
 
-// Records rms_norm's node on `output`.
-void record_rms_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight, at::Tensor& output,
-                     const at::Tensor& rstd) {
-  auto node = record_node("opforge::RMSNormBackward", rms_norm_backward_fn, nullptr, {&output}, input, weight);
-  node->save(input);
-  node->save(weight);
-  node->save(rstd);
+// rms_norm's and _rms_norm_forward's Autograd kernel: `forward(grad)` returns (output, rstd), rstd only when grad
+// (the public op's kernel has none to return).
+template <typename Forward>
+std::tuple<at::Tensor, at::Tensor> rms_norm_recorded(const char* op, const at::Tensor& input,
+                                                     const std::optional<at::Tensor>& weight, Forward&& forward) {
+  return autograd_op(
+      {op, "opforge::RMSNormBackward", rms_norm_backward_fn, nullptr}, {kDifferentiable, kNotDifferentiable}, forward,
+      [&](OpNode& n, const std::tuple<at::Tensor, at::Tensor>& out) {
+        n.save(input);
+        n.save(weight);
+        n.save(std::get<1>(out));  // rstd
+      },
+      input, weight);
 }
 
-// Records fused_add_rms_norm's node on (output, residual_out).
-void record_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual,
-                               const std::optional<at::Tensor>& weight, at::Tensor& output, at::Tensor& residual_out,
-                               const at::Tensor& rstd) {
-  auto node = record_node("opforge::FusedAddRMSNormBackward", fused_add_rms_norm_backward_fn, nullptr,
-                          {&output, &residual_out}, input, residual, weight);
-  node->save(residual_out, /*is_output=*/true);
-  node->save(weight);
-  node->save(rstd);
-  node->attr(static_cast<int64_t>(input.scalar_type()));
-  node->attr(static_cast<int64_t>(residual.scalar_type()));
+// fused_add_rms_norm's and _fused_add_rms_norm_forward's: `forward(grad)` returns (output, residual_out, rstd).
+// residual_out = input + residual is differentiable in input and residual only: with only weight requiring grad it
+// has no history (requires_grad False, as torch's input + residual).
+template <typename Forward>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_recorded(const char* op, const at::Tensor& input,
+                                                                           const at::Tensor& residual,
+                                                                           const std::optional<at::Tensor>& weight,
+                                                                           Forward&& forward) {
+  return autograd_op(
+      {op, "opforge::FusedAddRMSNormBackward", fused_add_rms_norm_backward_fn, nullptr},
+      {kDifferentiable, differentiable_in({0, 1}), kNotDifferentiable}, forward,
+      [&](OpNode& n, const std::tuple<at::Tensor, at::Tensor, at::Tensor>& out) {
+        const auto& [output, residual_out, rstd] = out;
+        n.save(residual_out, /*is_output=*/true);
+        n.save(weight);
+        n.save(rstd);
+        n.attr(static_cast<int64_t>(input.scalar_type()));
+        n.attr(static_cast<int64_t>(residual.scalar_type()));
+      },
+      input, residual, weight);
 }
 
+// rms_norm: without gradients the public kernel (no rstd kept), with them the private forward.
 at::Tensor rms_norm_autograd(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                              const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  check_no_forward_ad("rms_norm", input, weight);
-  at::AutoDispatchBelowADInplaceOrView guard;
-  if (!any_requires_grad(input, weight)) return rms_norm_op(input, normalized_shape, weight, eps);
-  auto [output, rstd] = opforge::_rms_norm_forward(input, normalized_shape, weight, eps);
-  record_rms_norm(input, weight, output, rstd);
-  return output;
+  return std::get<0>(rms_norm_recorded("rms_norm", input, weight, [&](bool grad) -> std::tuple<at::Tensor, at::Tensor> {
+    if (!grad) return {rms_norm_op(input, normalized_shape, weight, eps), at::Tensor()};
+    return opforge::_rms_norm_forward(input, normalized_shape, weight, eps);
+  }));
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward_autograd(const at::Tensor& input,
                                                              c10::SymIntArrayRef normalized_shape,
                                                              const std::optional<at::Tensor>& weight,
                                                              std::optional<double> eps) {
-  check_no_forward_ad("_rms_norm_forward", input, weight);
-  const bool grad = any_requires_grad(input, weight);
-  at::AutoDispatchBelowADInplaceOrView guard;
-  auto [output, rstd] = opforge::_rms_norm_forward(input, normalized_shape, weight, eps);
-  if (grad) record_rms_norm(input, weight, output, rstd);
-  return {output, rstd};
+  return rms_norm_recorded("_rms_norm_forward", input, weight,
+                           [&](bool) { return opforge::_rms_norm_forward(input, normalized_shape, weight, eps); });
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_autograd(const at::Tensor& input, const at::Tensor& residual,
                                                                c10::SymIntArrayRef normalized_shape,
                                                                const std::optional<at::Tensor>& weight,
                                                                std::optional<double> eps) {
-  check_no_forward_ad("fused_add_rms_norm", input, residual, weight);
-  const bool grad = any_requires_grad(input, residual, weight);
-  at::AutoDispatchBelowADInplaceOrView guard;
-  if (!grad) return fused_add_rms_norm_op(input, residual, normalized_shape, weight, eps);
-  auto [output, residual_out, rstd] =
-      opforge::_fused_add_rms_norm_forward(input, residual, normalized_shape, weight, eps);
-  record_fused_add_rms_norm(input, residual, weight, output, residual_out, rstd);
-  return {output, residual_out};
+  auto [output, residual_out, rstd] = fused_add_rms_norm_recorded(
+      "fused_add_rms_norm", input, residual, weight, [&](bool grad) -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
+        if (!grad) {
+          auto [o, r] = fused_add_rms_norm_op(input, residual, normalized_shape, weight, eps);
+          return {std::move(o), std::move(r), at::Tensor()};
+        }
+        return opforge::_fused_add_rms_norm_forward(input, residual, normalized_shape, weight, eps);
+      });
+  return {std::move(output), std::move(residual_out)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_autograd(
     const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  check_no_forward_ad("_fused_add_rms_norm_forward", input, residual, weight);
-  const bool grad = any_requires_grad(input, residual, weight);
-  at::AutoDispatchBelowADInplaceOrView guard;
-  auto [output, residual_out, rstd] =
-      opforge::_fused_add_rms_norm_forward(input, residual, normalized_shape, weight, eps);
-  if (grad) record_fused_add_rms_norm(input, residual, weight, output, residual_out, rstd);
-  return {output, residual_out, rstd};
+  return fused_add_rms_norm_recorded("_fused_add_rms_norm_forward", input, residual, weight, [&](bool) {
+    return opforge::_fused_add_rms_norm_forward(input, residual, normalized_shape, weight, eps);
+  });
 }
 
 }  // namespace

@@ -274,35 +274,27 @@ void check_table_no_grad(const char* op, const at::Tensor& cos, const at::Tensor
                               "requires_grad (e.g. cos.detach())");
 }
 
-template <typename Node>
-void finish_table_node(Node& node, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
-                       int64_t rotary_dim) {
-  node->save(cos);
-  node->save(sin);
-  node->attr(interleaved);
-  node->attr(rotary_dim);
-}
-
-// The autograd wrapper of a table op (rope, rope_backward) of two tensors a, b (q and k, or the two incoming
-// gradients): runs forward() below autograd and, when a or b requires grad, records node `node` (backward is
-// also its own double backward) with the table and the attributes.
+// The Autograd kernel of a table op (rope, rope_backward) of two tensors a, b (q and k, or the two incoming
+// gradients): records node `node` (backward is also its own double backward) with the table and the attributes.
+// cos and sin are refused with a forward-mode tangent or requiring grad, before the forward runs.
 template <typename A, typename Forward>
 std::tuple<at::Tensor, at::Tensor> table_autograd(const char* op, const char* node, BackwardFn backward, const A& a,
                                                   const A& b, const at::Tensor& cos, const at::Tensor& sin,
                                                   bool interleaved, int64_t rotary_dim, Forward&& forward) {
-  check_no_forward_ad(op, a, b, cos, sin);
-  check_table_no_grad(op, cos, sin);
-  const bool grad = any_requires_grad(a, b);
-  at::Tensor ya, yb;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(ya, yb) = forward();
-  }
-  if (grad) {
-    auto n = record_node(node, backward, backward, {&ya, &yb}, a, b);
-    finish_table_node(n, cos, sin, interleaved, rotary_dim);
-  }
-  return {ya, yb};
+  check_no_forward_ad(op, cos, sin);
+  return autograd_op(
+      {op, node, backward, backward}, {kDifferentiable, kDifferentiable},
+      [&](bool) {
+        check_table_no_grad(op, cos, sin);
+        return forward();
+      },
+      [&](OpNode& n, const std::tuple<at::Tensor, at::Tensor>&) {
+        n.save(cos);
+        n.save(sin);
+        n.attr(interleaved);
+        n.attr(rotary_dim);
+      },
+      a, b);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
@@ -321,50 +313,42 @@ std::tuple<at::Tensor, at::Tensor> rope_backward_autograd(const std::optional<at
                         });
 }
 
-template <typename Node>
-void finish_positions_node(Node& node, const at::Tensor& position_ids, double base, bool interleaved,
-                           int64_t rotary_dim) {
-  node->save(position_ids);
-  node->attr(base);
-  node->attr(interleaved);
-  node->attr(rotary_dim);
+// The Autograd kernel of a positions op (rope_from_positions, rope_from_positions_backward) of two tensors a, b:
+// records node `node` (backward is also its own double backward) with position_ids and the attributes.
+template <typename A, typename Forward>
+std::tuple<at::Tensor, at::Tensor> positions_autograd(const char* op, const char* node, BackwardFn backward,
+                                                      const A& a, const A& b, const at::Tensor& position_ids,
+                                                      double base, bool interleaved, int64_t rotary_dim,
+                                                      Forward&& forward) {
+  return autograd_op(
+      {op, node, backward, backward}, {kDifferentiable, kDifferentiable}, [&](bool) { return forward(); },
+      [&](OpNode& n, const std::tuple<at::Tensor, at::Tensor>&) {
+        n.save(position_ids);
+        n.attr(base);
+        n.attr(interleaved);
+        n.attr(rotary_dim);
+      },
+      a, b);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_from_positions_autograd(const at::Tensor& q, const at::Tensor& k,
                                                                 const at::Tensor& position_ids, double base,
                                                                 bool interleaved, int64_t rotary_dim) {
-  check_no_forward_ad("rope_from_positions", q, k);
-  const bool grad = any_requires_grad(q, k);
-  at::Tensor yq, yk;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(yq, yk) = opforge::rope_from_positions(q, k, position_ids, base, interleaved, rotary_dim);
-  }
-  if (grad) {
-    auto node = record_node("opforge::RopeFromPositionsBackward", rope_from_positions_backward_fn,
-                            rope_from_positions_backward_fn, {&yq, &yk}, q, k);
-    finish_positions_node(node, position_ids, base, interleaved, rotary_dim);
-  }
-  return {yq, yk};
+  return positions_autograd("rope_from_positions", "opforge::RopeFromPositionsBackward",
+                            rope_from_positions_backward_fn, q, k, position_ids, base, interleaved, rotary_dim, [&] {
+                              return opforge::rope_from_positions(q, k, position_ids, base, interleaved, rotary_dim);
+                            });
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_from_positions_backward_autograd(
     const std::optional<at::Tensor>& grad_q_out, const std::optional<at::Tensor>& grad_k_out,
     const at::Tensor& position_ids, double base, bool interleaved, int64_t rotary_dim) {
-  check_no_forward_ad("rope_from_positions_backward", grad_q_out, grad_k_out);
-  const bool grad = any_requires_grad(grad_q_out, grad_k_out);
-  at::Tensor gq, gk;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(gq, gk) =
-        opforge::rope_from_positions_backward(grad_q_out, grad_k_out, position_ids, base, interleaved, rotary_dim);
-  }
-  if (grad) {
-    auto node = record_node("opforge::RopeFromPositionsBackwardBackward", rope_from_positions_backward_backward_fn,
-                            rope_from_positions_backward_backward_fn, {&gq, &gk}, grad_q_out, grad_k_out);
-    finish_positions_node(node, position_ids, base, interleaved, rotary_dim);
-  }
-  return {gq, gk};
+  return positions_autograd("rope_from_positions_backward", "opforge::RopeFromPositionsBackwardBackward",
+                            rope_from_positions_backward_backward_fn, grad_q_out, grad_k_out, position_ids, base,
+                            interleaved, rotary_dim, [&] {
+                              return opforge::rope_from_positions_backward(grad_q_out, grad_k_out, position_ids, base,
+                                                                           interleaved, rotary_dim);
+                            });
 }
 
 }  // namespace

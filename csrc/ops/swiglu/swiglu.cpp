@@ -114,9 +114,9 @@ variable_list swiglu_double_backward_fn(const BackwardArgs& a) {
 }
 
 at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
-  return autograd_one_output(
-      "swiglu", "opforge::SwigluBackward", swiglu_backward_fn, swiglu_double_backward_fn,
-      [&] { return opforge::swiglu(gate, up); },
+  return autograd_op(
+      {"swiglu", "opforge::SwigluBackward", swiglu_backward_fn, swiglu_double_backward_fn}, {kDifferentiable},
+      [&](bool) { return opforge::swiglu(gate, up); },
       [&](OpNode& n, const at::Tensor&) {
         n.save(gate);
         n.save(up);
@@ -153,9 +153,10 @@ variable_list swiglu_packed_double_backward_fn(const BackwardArgs& a) {
 }
 
 at::Tensor swiglu_packed_autograd(const at::Tensor& input) {
-  return autograd_one_output(
-      "swiglu_packed", "opforge::SwigluPackedBackward", swiglu_packed_backward_fn, swiglu_packed_double_backward_fn,
-      [&] { return opforge::swiglu_packed(input); }, [&](OpNode& n, const at::Tensor&) { n.save(input); }, input);
+  return autograd_op(
+      {"swiglu_packed", "opforge::SwigluPackedBackward", swiglu_packed_backward_fn, swiglu_packed_double_backward_fn},
+      {kDifferentiable}, [&](bool) { return opforge::swiglu_packed(input); },
+      [&](OpNode& n, const at::Tensor&) { n.save(input); }, input);
 }
 
 }  // namespace
