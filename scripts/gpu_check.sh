@@ -6,7 +6,7 @@
 #   GPU_CHECK_BENCH="elementwise rms_norm" bash scripts/gpu_check.sh
 #   GPU_CHECK_NO_CUDA=1 GPU_CHECK_JOBS=1 bash scripts/gpu_check.sh      # CPU-only dry run of the flow
 #   scripts/multi_gpu_check.sh and scripts/llama_report.sh are this script with other settings.
-#   The whole CUDA suite when build + suite pass one device call's 600 s: two calls on the same warm machine (the
+#   The whole CUDA suite in two runs on the same machine when build + suite would pass a 600 s limit (the
 #   second reuses build/gpu, about 40 s), each half of the tests (tests/python/conftest.py's --shard K/N):
 #     GPU_CHECK_PYTEST_ARGS='-n 16 --cuda-only --shard 1/2 tests/python' bash scripts/gpu_check.sh
 #     GPU_CHECK_PYTEST_ARGS='-n 16 --cuda-only --shard 2/2 tests/python' bash scripts/gpu_check.sh   (within 30 s)

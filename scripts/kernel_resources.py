@@ -1,8 +1,8 @@
 """Registers, spills and stack frame of every kernel in one CUDA source file, from ptxas, on a machine without a GPU.
 
-A kernel variant's occupancy is decided by its registers per thread; on rope (stop 24) every candidate kernel that
-needed more registers than the one it meant to replace measured slower on the H200, which a local compile could
-have said before a device call. This recompiles one object of the CUDA build in build/cuda (configured by
+A kernel variant's occupancy is decided by its registers per thread; on rope every candidate kernel that
+needed more registers than the one it meant to replace measured slower on the H200, which a local compile tells
+before any GPU time is spent. This recompiles one object of the CUDA build in build/cuda (configured by
 ``bash scripts/cuda_compile_check.sh``; its TORCH_CUDA_ARCH_LIST, 9.0 by default) with ``-Xptxas -v`` into a
 temporary folder (the build's own object and dependency file are left alone) and prints one line per kernel:
 registers, spill stores and loads (bytes), stack frame (bytes), the demangled name (``c++filt`` when installed), and,

@@ -1,4 +1,4 @@
-"""The conformance table: one OpInfo-style entry per public opforge op (issue 9; tolerances: opforge.testing).
+"""The conformance table: one OpInfo-style entry per public opforge op (tolerances: opforge.testing).
 
 ``test_conformance.py`` drives every entry (and the backward ops its gradient calls) through the same
 checks: forward and gradients against the float64 reference of ``opforge.testing`` with the tolerance
@@ -1118,7 +1118,7 @@ def _fql_native(input, weight, bias=None, **kwargs):
 def _fql_quantized(input, weight, dtype, weight_bits=4, group_size=-1, symmetric=True, act_quant=False):
     """(fq_a(input), its mask, fq_w(weight) in input's dtype, its mask) by torch's fake_quantize functions
     (opforge.testing), on the args rounded back to the sample's dtype: bit-identical to the op's."""
-    # torch's fake_quantize functions on the CPU: the spec (issue 11). Their CUDA kernels differ for float64
+    # torch's fake_quantize functions on the CPU: the spec. Their CUDA kernels differ for float64
     # (H200, torch 2.11: the float64 product is not the CPU's), which opforge's CUDA kernel does not follow.
     dev = input.device
     wq, wm = T.fake_quantize_weight_reference(weight.detach().cpu().to(dtype), weight_bits, group_size, symmetric)[:2]
@@ -1227,7 +1227,7 @@ def _fqw_reference_for(dtype):
 
 
 def _exact_check(what, ours, ref, base, args, gouts, **kwargs):
-    """Bit-exact: the fake quantization is torch's fake_quantize's, bit for bit (issue 11); the mask, scales and
+    """Bit-exact: the fake quantization is torch's fake_quantize's, bit for bit; the mask, scales and
     zero points too."""
     assert ours.dtype == base.dtype, f"{what}: dtype {ours.dtype}, torch's {base.dtype}"
     torch.testing.assert_close(ours.cpu(), ref.to(ours.dtype).cpu(), rtol=0, atol=0, msg=lambda m: f"{what}: {m}")

@@ -1,4 +1,4 @@
-"""torch.autocast (issue 12 item 1): each op follows the policy of the native op it mirrors -- linear the lower
+"""torch.autocast: each op follows the policy of the native op it mirrors -- linear the lower
 precision list (as torch's linear), the norms and elementwise ops their input dtype -- identically in eager,
 torch.compile and FakeTensor/Meta, and gradients come back in each parameter's dtype, as with torch's modules.
 The per-op check of every conformance entry is test_conformance.py::test_autocast; here the cases of the issue."""

@@ -1,4 +1,4 @@
-"""Compiled autograd (issue 12 item 2): a backward compiled over a graph whose forward ran eagerly (regional
+"""Compiled autograd: a backward compiled over a graph whose forward ran eagerly (regional
 compilation, a Dynamo fallback) works through opforge's nodes as through torch's own modules. The per-op check of
 every conformance entry is test_conformance.py::test_compiled_autograd; here a model-level case against torch."""
 import torch

@@ -1,5 +1,5 @@
 """The conformance suite: every entry of conformance.ENTRIES (one per public op) and the backward and private
-ops its gradient calls, through the same checks (issue 9 item 3, issue 12; tolerances: opforge.testing).
+ops its gradient calls, through the same checks (tolerances: opforge.testing).
 
 Op-specific cases (bug reports, big tensors, CUDA graphs, mixed dtypes, activations) stay in test_<op>.py.
 """

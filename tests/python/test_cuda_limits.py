@@ -1,4 +1,4 @@
-"""CUDA limits (issue 12): tensors past 2**31 elements and past 65535 rows for every op, and an out-of-memory
+"""CUDA limits: tensors past 2**31 elements and past 65535 rows for every op, and an out-of-memory
 inside an op. CUDA only (they skip cleanly without a GPU); the large cases need ~40 GiB of device memory.
 
 Each large case checks the rows around the boundaries (0, 65535, 65536, the last) of the forward and of the
@@ -111,7 +111,7 @@ def test_out_of_memory_inside_an_op_is_clean():
     torch.testing.assert_close(opforge.sigmoid(x), torch.sigmoid(x))
 
 
-# ---- the linear variants, linear_cross_entropy and rope past 65535 rows and 2**31 elements (issue 12) ------------
+# ---- the linear variants, linear_cross_entropy and rope past 65535 rows and 2**31 elements ------------
 # Each case makes one tensor of just over 2**31 elements (about 4.3 GB in bfloat16, some 10-20 GB per case with the
 # outputs and gradients) and checks the first rows, rows 65535 and 65536, the rows holding element 2**31 and the last
 # row against float64 references computed on those rows alone; memory is freed after each case.

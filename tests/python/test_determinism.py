@@ -1,4 +1,4 @@
-"""Determinism (issue 12 item 4): every opforge kernel is deterministic -- no atomics, reductions in a fixed order
+"""Determinism: every opforge kernel is deterministic -- no atomics, reductions in a fixed order
 over a fixed partition -- so results are bitwise the same from run to run, for any ``torch.set_num_threads`` on CPU,
 and under ``torch.use_deterministic_algorithms(True)`` (which opforge honours by having nothing to switch: no op
 raises or changes its result there). Compared with torch's own ops in the same setup."""

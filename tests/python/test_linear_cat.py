@@ -1,5 +1,5 @@
 """linear_cat and linear_cat_backward: values and gradients against float64, one rounding, degenerate pieces,
-no concatenated buffer saved, mixed dtypes, errors (issue 11). opcheck, torch.compile, gradcheck and gradgradcheck,
+no concatenated buffer saved, mixed dtypes, errors. opcheck, torch.compile, gradcheck and gradgradcheck,
 torch.func and autocast: its entry in conformance.py (test_conformance.py)."""
 import pytest
 import torch
@@ -62,7 +62,7 @@ def test_forward_and_gradients_match_float64(device, dtype, lead, widths, N, bia
 
 @pytest.mark.parametrize("widths", [(2048, 2048), (1000, 24, 3072)])
 def test_one_rounding_bfloat16(device, widths):
-    """Issue 11: the pieces' products are summed in fp32, rounded once: error ≤ 1.2× one GEMM's error."""
+    """The pieces' products are summed in fp32, rounded once: error ≤ 1.2× one GEMM's error."""
     torch.manual_seed(0)
     M, N = 512, 1024
     xs = [torch.randn(M, k, device=device).bfloat16() for k in widths]

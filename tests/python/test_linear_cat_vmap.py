@@ -1,4 +1,4 @@
-"""torch.func.vmap over linear_cat (issue 12 item 3): functorch has no batching fallback for an op with a Tensor[]
+"""torch.func.vmap over linear_cat: functorch has no batching fallback for an op with a Tensor[]
 argument, so linear_cat and linear_cat_backward carry their own rules (python/opforge/functional.py). Per-sample
 gradients (vmap(grad(...))), jacrev, batched weights and batch dims other than 0 equal torch's own cat + linear."""
 import pytest

@@ -1,4 +1,4 @@
-"""Memory (issue 12): host RSS (and CUDA allocated bytes) stay flat over many forward+backward calls of every op.
+"""Memory: host RSS (and CUDA allocated bytes) stay flat over many forward+backward calls of every op.
 CI runs a short soak; OPFORGE_MEMORY_CALLS=20000 runs the issue's (marked slow when set above the default)."""
 import functools
 import gc

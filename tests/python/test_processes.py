@@ -1,4 +1,4 @@
-"""Processes (issue 12): DataLoader workers started by fork, spawn and forkserver call opforge ops (the library
+"""Processes: DataLoader workers started by fork, spawn and forkserver call opforge ops (the library
 loaded again, or inherited, in each worker) and return the values the parent computes."""
 import multiprocessing
 

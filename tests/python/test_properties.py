@@ -1,4 +1,4 @@
-"""Hypothesis property tests (issue 12): every op against its float64 reference under the tolerance rule, over
+"""Hypothesis property tests: every op against its float64 reference under the tolerance rule, over
 drawn shapes (0, 1 and odd sizes), layouts (contiguous, transposed, sliced, expanded), dtypes and value scales
 1e-4..1e4 (and eps for the norms), forward and gradients. Bounded for CI: OPFORGE_HYPOTHESIS_EXAMPLES examples per op
 (default 12), no deadline, derandomized (the same examples every run; set OPFORGE_HYPOTHESIS_RANDOM=1 to explore)."""

@@ -143,7 +143,7 @@ def test_forward_ad_error_names_op(op):
             FORWARD_AD_CASES[op](x)
 
 
-# ---- a second adversarial pass (2026-12-01, stop 19) -------------------------------------------------------
+# ---- hostile inputs: views, dtypes, bad arguments ---------------------------------------------------------
 
 NONE_CASES = {
     "sigmoid": (lambda: opforge.sigmoid(None), "input"),

@@ -1,4 +1,4 @@
-"""Thread safety (issue 12): N Python threads calling every op (forward + backward) at once give exactly the serial
+"""Thread safety: N Python threads calling every op (forward + backward) at once give exactly the serial
 results; on CUDA each thread runs on its own stream. OPFORGE_THREAD_CALLS sets the calls per thread (default 20; the
 issue's soak is 1000)."""
 import os

@@ -1,4 +1,4 @@
-"""torch.func (issue 12 item 3): grad, vjp, per-sample gradients (vmap(grad)) and jacrev through opforge ops equal
+"""torch.func: grad, vjp, per-sample gradients (vmap(grad)) and jacrev through opforge ops equal
 torch's own composition; forward-mode transforms (jvp, jacfwd, hessian) raise an error naming the op. The per-op
 check of every conformance entry is test_conformance.py::test_torch_func; here the model-level cases."""
 import pytest
