@@ -12,9 +12,9 @@ Raises:
 Environment:
     OPFORGE_LIBRARY: path of a ``libopforge.so`` to load instead of the installed one (e.g. a CMake
         build tree's ``build/libopforge.so``), or ``jit`` to compile this source checkout with
-        torch.utils.cpp_extension at import (see :mod:`opforge.jit`; OPFORGE_JIT_SOURCES adds files,
+        torch.utils.cpp_extension at import (see `opforge.jit`; OPFORGE_JIT_SOURCES adds files,
         OPFORGE_JIT_VERBOSE=1 shows the compiler's output).
-    OPFORGE_NVTX=1: emit NVTX ranges for every op (read once, at import; see :mod:`opforge.profiling`).
+    OPFORGE_NVTX=1: emit NVTX ranges for every op (read once, at import; see `opforge.profiling`).
 
 Warns (``UserWarning``) when this copy of the package, imported from a source tree, shadows an installed
 opforge (both paths are named): the code you run is then not the code pip installed.
@@ -22,7 +22,7 @@ opforge (both paths are named): the code you run is then not the code pip instal
 ``opforge.patch`` (Hugging Face model patching) is imported on first use: ``import opforge`` then
 ``opforge.patch.apply(model)`` works, and a plain ``import opforge`` does not import it.
 
-Loading lives in :mod:`opforge._library`, which :mod:`opforge.doctor` reads too; under ``python -m opforge doctor``
+Loading lives in `opforge._library`, which `opforge.doctor` reads too; under ``python -m opforge doctor``
 a library that does not load leaves the package importable without its operators, for the doctor to explain why.
 """
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Finding, checking and loading ``libopforge.so``, the native library that registers ``torch.ops.opforge.*``.
 
 A leaf module: it imports torch and the standard library only, never the rest of opforge, so that both
-``opforge/__init__.py`` (which loads the library through it) and :mod:`opforge.doctor` (which reports what happened)
+``opforge/__init__.py`` (which loads the library through it) and `opforge.doctor` (which reports what happened)
 depend on it and not on each other.
 
 Environment:
     OPFORGE_LIBRARY: path of a ``libopforge.so`` to load instead of the installed one (e.g. a CMake build tree's
         ``build/libopforge.so``), or ``jit`` to compile this source checkout with torch.utils.cpp_extension
-        (see :mod:`opforge.jit`; OPFORGE_JIT_SOURCES adds files, OPFORGE_JIT_VERBOSE=1 shows the compiler's output).
+        (see `opforge.jit`; OPFORGE_JIT_SOURCES adds files, OPFORGE_JIT_VERBOSE=1 shows the compiler's output).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
-#: Where the library was loaded from, once :func:`load_once` succeeded.
+#: Where the library was loaded from, once `load_once` succeeded.
 path: Optional[Path] = None
-#: Why loading failed (the ImportError's message), once :func:`load_once` failed.
+#: Why loading failed (the ImportError's message), once `load_once` failed.
 error: Optional[str] = None
 _attempted = False
 
@@ -56,7 +56,7 @@ def read_build_info(lib: Path) -> Dict[str, str]:
 
 
 def load() -> Path:
-    """Check the library against this torch and CPU, then load it into torch (no state kept: see :func:`load_once`).
+    """Check the library against this torch and CPU, then load it into torch (no state kept: see `load_once`).
 
     Returns:
         The path loaded (the JIT build's, with ``OPFORGE_LIBRARY=jit``).
@@ -106,11 +106,11 @@ def load() -> Path:
 
 
 def load_once() -> Path:
-    """:func:`load` the first time (recording :data:`path` or :data:`error`); later calls return the same path, or
+    """`load` the first time (recording `path` or `error`); later calls return the same path, or
     raise the same ImportError again.
 
     Raises:
-        ImportError: as :func:`load`.
+        ImportError: as `load`.
     """
     global path, error, _attempted
     if not _attempted:

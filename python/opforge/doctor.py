@@ -2,16 +2,16 @@
 
 Two steps, kept apart so that tests can simulate every failure:
 
-1. :func:`gather_facts` asks the machine: torch and its CUDA / cuDNN, the driver, nvcc (on ``PATH`` and in
+1. `gather_facts` asks the machine: torch and its CUDA / cuDNN, the driver, nvcc (on ``PATH`` and in
    ``CUDA_HOME``), torch's C++11 ABI flag, the opforge library (path, build stamp ``opforge_build.txt``,
    loaded or not and why), the visible devices and their compute capability. It returns a plain dict.
-2. :func:`diagnose` is a pure function of that dict: it returns a list of :class:`Diagnosis`, each with
+2. `diagnose` is a pure function of that dict: it returns a list of `Diagnosis`, each with
    what it means and the command that fixes it. ``severity`` is ``"error"`` (opforge cannot work as
    installed: exit status 1) or ``"warning"`` (works, with a cost or a risk: exit status 0).
 
 Every diagnosis has an ``id`` (e.g. ``torch-mismatch``); the documentation's troubleshooting page lists them.
 
-The library's state comes from :mod:`opforge._library` (this module imports no other part of opforge): the
+The library's state comes from `opforge._library` (this module imports no other part of opforge): the
 package's own import has already tried to load it, and under ``python -m opforge doctor`` a failure leaves the
 package importable, so that this report can say why.
 """
@@ -72,7 +72,7 @@ def _nvcc_version(nvcc: Optional[str]) -> Optional[str]:
 
 
 def gather_facts() -> dict:
-    """Everything :func:`diagnose` needs, read from this machine (imports torch; loads opforge if it can).
+    """Everything `diagnose` needs, read from this machine (imports torch; loads opforge if it can).
 
     Returns:
         A JSON-serializable dict: ``python``, ``torch`` (version, cuda, cudnn, cxx11_abi, openmp, arch_list,
@@ -127,7 +127,7 @@ def gather_facts() -> dict:
 
 
 def _library_facts(torch) -> dict:
-    """The library's facts, from :mod:`opforge._library` (the package's loading, already attempted by the import of
+    """The library's facts, from `opforge._library` (the package's loading, already attempted by the import of
     ``opforge`` that runs before any of its submodules) and torch's dispatcher."""
     lib: dict = dict(path=None, exists=False, stamp={}, loaded=False, error=None, ops=0, cpu_kernels_missing=[],
                      has_cuda_kernels=False, jit=os.environ.get("OPFORGE_LIBRARY") == "jit")
@@ -185,7 +185,7 @@ def parse_archs(text: str) -> List[tuple]:
 
 
 def arch_support(archs: List[tuple], capability: str) -> str:
-    """How a library built for ``archs`` (from :func:`parse_archs`) runs on a device of ``capability`` ("9.0").
+    """How a library built for ``archs`` (from `parse_archs`) runs on a device of ``capability`` ("9.0").
 
     Returns:
         ``"native"`` (a kernel image for this device's major with a minor <= the device's),
@@ -343,12 +343,12 @@ def _check_nvcc(f: dict) -> List[Diagnosis]:
     return out
 
 
-#: The checks :func:`diagnose` runs, in order; each is a pure function of the facts dict.
+#: The checks `diagnose` runs, in order; each is a pure function of the facts dict.
 CHECKS: List[Callable[[dict], List[Diagnosis]]] = [_check_library, _check_cuda, _check_nvcc]
 
 
 def diagnose(facts: dict) -> List[Diagnosis]:
-    """Every problem found in ``facts`` (the dict of :func:`gather_facts`, or a simulated one).
+    """Every problem found in ``facts`` (the dict of `gather_facts`, or a simulated one).
 
     Args:
         facts: the machine's facts. Missing keys count as "unknown" and trigger nothing.

@@ -1,11 +1,11 @@
 """One op family's suite in a process of its own: ``python -m opforge.bench._run_family <module> <result.json>
-<command> [args for its main()...]``, started by ``python -m opforge bench`` (:mod:`opforge.bench.cli`).
+<command> [args for its main()...]``, started by ``python -m opforge bench`` (`opforge.bench.cli`).
 
 ``<module>`` is the suite's module (``opforge.bench.suites.rms_norm``); its ``main(args)`` runs here, its output going
 straight to this process's stdout and stderr, with ``<command>`` as the command line recorded in the CSV rows. Then
 ``<result.json>`` receives ``{"status": int, "error": str, "device_name": str, "rows": [Row fields...]}``: the
 exit status of ``main()`` (1 when it raised), the exception as one line ("" when none), the device's name and the
-rows the harness collected (:attr:`opforge.bench.harness._State.collected`), also those measured before a
+rows the harness collected (`opforge.bench.harness._State.collected`), also those measured before a
 failure. A family therefore cannot leave CUDA, RNG or torch.compile state behind for the next one, and a crash
 (even one that poisons the CUDA context or kills the process) loses only that family.
 """

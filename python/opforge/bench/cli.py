@@ -1,8 +1,8 @@
 """``python -m opforge bench``: every op family's benchmark on this machine, one table, CSV + PNG.
 
-The op families are the suites of the package (:mod:`opforge.bench.suites`, one module a family), so the command
-works wherever opforge is installed. Each runs in a process of its own (:mod:`opforge.bench._run_family`, its output
-streamed through) on the shared harness (:mod:`opforge.bench.harness`), with ``--device``, ``--quick`` and ``--out``
+The op families are the suites of the package (`opforge.bench.suites`, one module a family), so the command
+works wherever opforge is installed. Each runs in a process of its own (`opforge.bench._run_family`, its output
+streamed through) on the shared harness (`opforge.bench.harness`), with ``--device``, ``--quick`` and ``--out``
 passed on, so no CUDA, RNG or torch.compile state of one family reaches the next, and a family that fails, even by a
 CUDA error that poisons its context or a crash of its process, is reported and the others still run.
 
@@ -66,7 +66,7 @@ def _forward(pipe, stream) -> None:
 
 
 def run_family(module: str, args: List[str], command: str = "") -> Tuple[List[harness.Row], str, str]:
-    """Run one family's ``main(args)`` in a process of its own (:mod:`opforge.bench._run_family`).
+    """Run one family's ``main(args)`` in a process of its own (`opforge.bench._run_family`).
 
     Args:
         module: the suite's module (``opforge.bench.suites.rms_norm``). args: the arguments of its ``main()``.
@@ -128,9 +128,9 @@ def summarize(rows: List[harness.Row]) -> List[List[str]]:
         rows: the harness rows of one or more benchmarks.
     Returns:
         The table's lines as strings; the first is the header: op, shape, dtype, pass, opforge µs, metric, then
-        ``vs <impl>`` for each peer (:func:`harness.impl_role`; never opforge's variants nor the ceilings) that ran
+        ``vs <impl>`` for each peer (`harness.impl_role`; never opforge's variants nor the ceilings) that ran
         next to an opforge row: ``t_peer / t_opforge``, "n/a" where that peer did not run, " +fallback" where a
-        compile peer ran eagerly, "?" after a ratio when either timing stayed noisy (:attr:`harness.Row.noisy`).
+        compile peer ran eagerly, "?" after a ratio when either timing stayed noisy (`harness.Row.noisy`).
     """
     groups: Dict[tuple, Dict[str, harness.Row]] = {}
     for r in rows:
@@ -156,7 +156,7 @@ def summarize(rows: List[harness.Row]) -> List[List[str]]:
 
 
 def summarize_by_op(rows: List[harness.Row]) -> List[List[List[str]]]:
-    """:func:`summarize` per op (rows of one ``op`` value each, in the order they came): one table each, with
+    """`summarize` per op (rows of one ``op`` value each, in the order they came): one table each, with
     only the peers that op was measured against, so a run of every family stays readable."""
     ops = list(dict.fromkeys(r.op for r in rows))
     tables = [summarize([r for r in rows if r.op == op]) for op in ops]
@@ -164,7 +164,7 @@ def summarize_by_op(rows: List[harness.Row]) -> List[List[List[str]]]:
 
 
 def print_summary(table: List[List[str]], file=sys.stdout) -> None:
-    """Print :func:`summarize`'s lines as aligned columns."""
+    """Print `summarize`'s lines as aligned columns."""
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for k, row in enumerate(table):
         print("  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))), file=file)
@@ -173,7 +173,7 @@ def print_summary(table: List[List[str]], file=sys.stdout) -> None:
 
 
 def redraw(paths: List[Path], device_kind: Optional[str]) -> int:
-    """``--plot``: redraw each CSV's PNG from its latest run (:func:`harness.plot_csv`); 0 when every one was drawn."""
+    """``--plot``: redraw each CSV's PNG from its latest run (`harness.plot_csv`); 0 when every one was drawn."""
     status = 0
     for path in paths:
         png = harness.plot_csv(path, device_kind)

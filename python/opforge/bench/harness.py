@@ -1,27 +1,27 @@
 """The benchmark harness of ``python -m opforge bench``: timing, records, CSV and plots.
 
-Every op family's suite (:mod:`opforge.bench.suites`) runs on it; ``benchmarks/bench_<family>.py`` are entry points
+Every op family's suite (`opforge.bench.suites`) runs on it; ``benchmarks/bench_<family>.py`` are entry points
 over those suites, and ``benchmarks/common.py`` is this module under another name, for the other tools there.
 
 - Timing: on CUDA, CUDA events around each repetition after a warm-up, with the L2 cache flushed (a 256 MB buffer
   written) before every repetition. On the CPU, time.perf_counter around blocks of back-to-back calls, each block
-  about :data:`CPU_BLOCK_S` long, enough blocks to span :data:`CPU_SPAN_S` (within :data:`CPU_MAX_SPAN_S`), the
-  garbage collector paused. Either way the samples go through :func:`robust_median`: the samples outside Tukey's
+  about `CPU_BLOCK_S` long, enough blocks to span `CPU_SPAN_S` (within `CPU_MAX_SPAN_S`), the
+  garbage collector paused. Either way the samples go through `robust_median`: the samples outside Tukey's
   fences (1.5 interquartile ranges beyond the quartiles) are dropped, the median of the others is the time and
-  their interquartile range over that median is its spread. While the spread stays above :data:`NOISY_SPREAD`,
-  up to :data:`EXTRA_ROUNDS` more rounds of samples are taken; a row whose spread is still above it is printed
+  their interquartile range over that median is its spread. While the spread stays above `NOISY_SPREAD`,
+  up to `EXTRA_ROUNDS` more rounds of samples are taken; a row whose spread is still above it is printed
   with a warning and marked in the summary (a loaded machine: the ratio is not to be trusted).
 - Each measurement is a Row (op, shape, dtype, impl, pass, time_us, metric, unit, spread, fallback): GB/s by the
   minimal-bytes rule for memory-bound ops, TFLOP/s for GEMMs.
 - Impls: ``opforge`` is the op under test; other names starting with ``opforge`` are opforge's own variants (another
   kernel, another activation), ``copy`` and names ending in ``(floor)`` are ceilings measured in the same run; every
-  other impl is a peer (:func:`impl_role`). The summary compares ``opforge`` with the peers only.
-- Results append to ``<out>/<family>.csv``, one schema for every family (:data:`CONTEXT_COLUMNS` +
-  :data:`ROW_COLUMNS`: date, commit, device, device name, torch version and the command, then the figures); the plot
+  other impl is a peer (`impl_role`). The summary compares ``opforge`` with the peers only.
+- Results append to ``<out>/<family>.csv``, one schema for every family (`CONTEXT_COLUMNS` +
+  `ROW_COLUMNS`: date, commit, device, device name, torch version and the command, then the figures); the plot
   ``<out>/<family>_<cpu|cuda>.png`` (matplotlib, Agg) is then redrawn from that CSV's latest run. ``<out>`` is
   ``--out`` (``python -m opforge bench``: ./opforge_bench), else benchmarks/results of the source tree when a suite
   runs from one.
-- Peers load optionally: torch.compile'd functions (:class:`CompiledPeer`: one compiled function per shape, dtype
+- Peers load optionally: torch.compile'd functions (`CompiledPeer`: one compiled function per shape, dtype
   and grad mode, so Dynamo's recompile limit is never reached; a peer that falls back to eager says so in the
   ``fallback`` column), Liger-Kernel when importable (None otherwise, reported as "n/a").
 
@@ -61,12 +61,12 @@ RESULTS_DIR = (SOURCE_TREE / "benchmarks" / "results") if SOURCE_TREE is not Non
 
 #: A measurement whose spread (interquartile range / median of the samples kept) stays above this is noisy.
 NOISY_SPREAD = 0.25
-#: Rounds of samples taken after the first while the spread stays above :data:`NOISY_SPREAD`.
+#: Rounds of samples taken after the first while the spread stays above `NOISY_SPREAD`.
 EXTRA_ROUNDS = 2
 #: CPU timing: the length of one timed block of back-to-back calls (s).
 CPU_BLOCK_S = 2e-4
-#: CPU timing: the blocks of one round span at least this long (s), within :data:`CPU_MIN_BLOCKS` to
-#: :data:`CPU_MAX_BLOCKS` blocks, so that a stall of a loaded machine (8-16 ms) hits a few blocks, not the median.
+#: CPU timing: the blocks of one round span at least this long (s), within `CPU_MIN_BLOCKS` to
+#: `CPU_MAX_BLOCKS` blocks, so that a stall of a loaded machine (8-16 ms) hits a few blocks, not the median.
 CPU_SPAN_S = 0.1
 #: CPU timing: a round takes no more than this long (s), unless the suite's repetitions ask for more.
 CPU_MAX_SPAN_S = 0.5
@@ -95,11 +95,11 @@ class Row:
 
     Attributes:
         op, shape, dtype: what was measured (shape as ``4096x4096``, dtype as ``bfloat16``).
-        impl: who computed it (see :func:`impl_role`). pass_: ``"fwd"`` or ``"fwd+bwd"`` (or a suite's own).
+        impl: who computed it (see `impl_role`). pass_: ``"fwd"`` or ``"fwd+bwd"`` (or a suite's own).
         time_us: the time in µs (NaN for an impl that is n/a). metric, unit: the roofline figure (``GB/s``,
             ``TFLOP/s``, ...). spread: interquartile range / median of the timing's kept samples (NaN: unknown;
-            :meth:`BenchRun.add` fills in the latest timing's). fallback: why a torch.compile peer ran eagerly ("" when
-            it did not; :meth:`BenchRun.add` fills in the latest timing's for a compile peer).
+            `BenchRun.add` fills in the latest timing's). fallback: why a torch.compile peer ran eagerly ("" when
+            it did not; `BenchRun.add` fills in the latest timing's for a compile peer).
     """
 
     op: str
@@ -121,7 +121,7 @@ class Row:
 
     @property
     def noisy(self) -> bool:
-        """Whether the timing's spread stayed above :data:`NOISY_SPREAD`."""
+        """Whether the timing's spread stayed above `NOISY_SPREAD`."""
         return not _isnan(self.spread) and self.spread > NOISY_SPREAD
 
 
@@ -165,7 +165,7 @@ def linear_flops(M: int, K: int, N: int, pass_: str) -> int:
 
 
 def method_note(method: str) -> str:
-    """`` [loop]`` for a progress line when :func:`time_cuda_graph` fell back to a timed loop, else ``""``."""
+    """`` [loop]`` for a progress line when `time_cuda_graph` fell back to a timed loop, else ``""``."""
     return f" [{method}]" if method == "loop" else ""
 
 
@@ -196,7 +196,7 @@ def nbytes(*tensors_or_specs) -> int:
 
 @dataclass
 class Timing:
-    """The summary of one timing's samples (:func:`robust_median`).
+    """The summary of one timing's samples (`robust_median`).
 
     Attributes:
         median: the median of the kept samples (the samples' unit). spread: their interquartile range / median
@@ -210,7 +210,7 @@ class Timing:
 
     @property
     def noisy(self) -> bool:
-        """Whether the spread is above :data:`NOISY_SPREAD`."""
+        """Whether the spread is above `NOISY_SPREAD`."""
         return self.spread > NOISY_SPREAD
 
 
@@ -231,7 +231,7 @@ def robust_median(samples: Sequence[float]) -> Timing:
     Args:
         samples: at least one time (any unit).
     Returns:
-        A :class:`Timing`.
+        A `Timing`.
     Raises:
         ValueError: when ``samples`` is empty.
     """
@@ -248,13 +248,13 @@ def robust_median(samples: Sequence[float]) -> Timing:
 
 
 def measure(take: Callable[[], List[float]], rounds: Optional[int] = None) -> Timing:
-    """:func:`robust_median` of the samples of ``take()``, with more rounds of ``take()`` (at most ``rounds``, default
-    :data:`EXTRA_ROUNDS`) while the spread stays above :data:`NOISY_SPREAD`; the spread is recorded for the next Row.
+    """`robust_median` of the samples of ``take()``, with more rounds of ``take()`` (at most ``rounds``, default
+    `EXTRA_ROUNDS`) while the spread stays above `NOISY_SPREAD`; the spread is recorded for the next Row.
 
     Args:
         take: one round of timing: returns a list of samples.
     Returns:
-        The :class:`Timing` of all the rounds' samples together.
+        The `Timing` of all the rounds' samples together.
     """
     samples = list(take())
     t = robust_median(samples)
@@ -268,7 +268,7 @@ def measure(take: Callable[[], List[float]], rounds: Optional[int] = None) -> Ti
 
 
 def last_spread() -> float:
-    """The spread of the latest timing (:func:`measure`)."""
+    """The spread of the latest timing (`measure`)."""
     return _State.last_spread
 
 
@@ -292,7 +292,7 @@ _commits: dict = {}
 
 
 def git_commit(root: Optional[Path] = None) -> str:
-    """Short commit of the source tree at ``root`` (default: :data:`SOURCE_TREE`), with ``-dirty`` after it when
+    """Short commit of the source tree at ``root`` (default: `SOURCE_TREE`), with ``-dirty`` after it when
     tracked files have local changes.
 
     Returns:
@@ -354,7 +354,7 @@ def choose_cpu_threads(requested: Optional[int]) -> int:
 
 def command_line() -> str:
     """The command that runs this benchmark, for the CSV's ``command`` column: the one ``python -m opforge bench``
-    recorded (:func:`set_command`), else ``python <script> <args>`` of this process (the script's path relative to
+    recorded (`set_command`), else ``python <script> <args>`` of this process (the script's path relative to
     the source tree when it lies inside it)."""
     if _State.command:
         return _State.command
@@ -368,7 +368,7 @@ def command_line() -> str:
 
 
 def set_command(command: Optional[str]) -> None:
-    """Record ``command`` as the command line of this run's CSV rows (None: :func:`command_line`'s default)."""
+    """Record ``command`` as the command line of this run's CSV rows (None: `command_line`'s default)."""
     _State.command = command
 
 
@@ -387,7 +387,7 @@ def flush_l2(device: str) -> None:
 
 def time_cuda(fn: Callable[[], object], *, warmup: int = 10, reps: int = 50, flush: bool = True) -> float:
     """Time of fn() in microseconds: CUDA events on the current stream around each of ``reps`` repetitions after
-    ``warmup`` calls, the L2 flushed before each (outside the timed interval); the :func:`measure` of those samples
+    ``warmup`` calls, the L2 flushed before each (outside the timed interval); the `measure` of those samples
     (outliers dropped, more rounds while the spread is large)."""
     _State.last_fallback = ""
     device = f"cuda:{torch.cuda.current_device()}"
@@ -459,7 +459,7 @@ def time_cuda_graph(fn: Callable[[int], object], calls: int, *, reps: int = 10, 
 
     ``fn(i)`` for i in 0..calls-1 runs back to back inside one CUDA graph (captured once, after a warm-up
     on the capture stream); the graph is replayed ``reps`` times with CUDA events around each replay, and the
-    :func:`measure` of the replay times divided by ``calls`` is returned with method "graph". Host launch cost is out
+    `measure` of the replay times divided by ``calls`` is returned with method "graph". Host launch cost is out
     of the measurement, which a single-call timing at small sizes would mostly measure. Where capture
     fails (an op that synchronizes, for example), events around a loop of ``calls`` back-to-back eager
     calls instead, method "loop". Vary the operands with i (e.g. rotate weight copies whose total size
@@ -512,11 +512,11 @@ def time_cuda_graph(fn: Callable[[int], object], calls: int, *, reps: int = 10, 
 
 
 def cpu_blocks(call_s: float, reps: int) -> tuple:
-    """(calls per block, blocks per round) of :func:`time_cpu` for a call of ``call_s`` seconds.
+    """(calls per block, blocks per round) of `time_cpu` for a call of ``call_s`` seconds.
 
-    A block is about :data:`CPU_BLOCK_S` of back-to-back calls (one call when a call is longer); a round has enough
-    blocks to span :data:`CPU_SPAN_S` (at least :data:`CPU_MIN_BLOCKS`, at most :data:`CPU_MAX_BLOCKS`), no more
-    than fit in :data:`CPU_MAX_SPAN_S` (but at least 3), and never fewer than ``reps``.
+    A block is about `CPU_BLOCK_S` of back-to-back calls (one call when a call is longer); a round has enough
+    blocks to span `CPU_SPAN_S` (at least `CPU_MIN_BLOCKS`, at most `CPU_MAX_BLOCKS`), no more
+    than fit in `CPU_MAX_SPAN_S` (but at least 3), and never fewer than ``reps``.
     """
     calls = max(1, min(10_000, round(CPU_BLOCK_S / call_s))) if call_s > 0 else 10_000
     block_s = max(call_s * calls, 1e-9)
@@ -529,8 +529,8 @@ def time_cpu(fn: Callable[[], object], *, warmup: int = 3, reps: int = 20) -> fl
     """Wall time of one fn() call in microseconds (time.perf_counter), made robust for a loaded machine.
 
     After ``warmup`` calls (at least one, which sizes the blocks), rounds of timed blocks of back-to-back calls
-    (:func:`cpu_blocks`: at least ``reps`` blocks a round) with the garbage collector paused; the time is the
-    :func:`measure` of the per-call times of the blocks: outliers dropped, more rounds while the spread is large.
+    (`cpu_blocks`: at least ``reps`` blocks a round) with the garbage collector paused; the time is the
+    `measure` of the per-call times of the blocks: outliers dropped, more rounds while the spread is large.
     """
     _State.last_fallback = ""
     call_s = math.inf
@@ -591,13 +591,13 @@ def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
 def check_reference(what: str, actual: torch.Tensor, reference: torch.Tensor, baseline: torch.Tensor,
                     bound: Optional[torch.Tensor] = None) -> None:
     """opforge's output against opforge.testing's float64 reference, by the tests' tolerance rule
-    (:func:`opforge.testing.assert_matches_reference`: at most 2 × the error of PyTorch's ``baseline`` of the same
+    (`opforge.testing.assert_matches_reference`: at most 2 × the error of PyTorch's ``baseline`` of the same
     math in the same dtype, or within ``bound`` elementwise): a benchmark of a wrong kernel is void.
 
     Args:
         what: the case, for the message (``rms_norm bfloat16 512x1024``). actual: opforge's output. reference: the
             float64 reference. baseline: PyTorch's output in actual's dtype. bound: optional elementwise error bound
-            (e.g. :func:`opforge.testing.gemm_error_bound` for a GEMM).
+            (e.g. `opforge.testing.gemm_error_bound` for a GEMM).
     Raises:
         RuntimeError: ``opforge bench: expected <what> to match ...``, when it does not.
     """
@@ -663,7 +663,7 @@ class CompiledPeer:
 
 
 def compiled(fn: Callable, **kwargs) -> Optional[Callable]:
-    """A :class:`CompiledPeer` of ``fn`` (one compiled copy per shape, dtype and grad mode), or None when
+    """A `CompiledPeer` of ``fn`` (one compiled copy per shape, dtype and grad mode), or None when
     torch.compile is unavailable here. A recompile-limit hit raises (``fail_on_recompile_limit_hit``)
     instead of silently running eager code, so it shows up as a fallback."""
     try:
@@ -754,16 +754,16 @@ SCHEMA = CONTEXT_COLUMNS + ROW_COLUMNS
 def write_csv(rows: Iterable[Row], name: str, device: str, results_dir: Optional[Path] = None) -> Path:
     """Append ``rows`` to ``<results_dir>/<name>.csv``, the family's one CSV (header written when the file is new).
 
-    Every row gets this run's context: date, commit (:func:`git_commit`), device kind, device name, torch version and
-    the command (:func:`command_line`).
+    Every row gets this run's context: date, commit (`git_commit`), device kind, device name, torch version and
+    the command (`command_line`).
 
     Args:
         rows: the measurements. name: the family (``rms_norm``). device: ``cpu`` or ``cuda[:i]``.
-        results_dir: the folder (default: ``--out`` of this run, else :data:`RESULTS_DIR`).
+        results_dir: the folder (default: ``--out`` of this run, else `RESULTS_DIR`).
     Returns:
         The CSV's path.
     Raises:
-        ValueError: when the file exists with columns that :data:`SCHEMA` lacks (another tool's CSV): nothing is
+        ValueError: when the file exists with columns that `SCHEMA` lacks (another tool's CSV): nothing is
             written. A file whose columns are all in the schema (an older version of it) is first rewritten with
             the schema's header, its rows keeping their values (the new columns empty).
     """
@@ -805,7 +805,7 @@ def row_dict(r: Row) -> dict:
 
 
 def _write_rows(path: Path, records: Sequence[dict]) -> None:
-    """Rewrite ``path`` with :data:`SCHEMA`'s header and ``records`` (missing columns empty)."""
+    """Rewrite ``path`` with `SCHEMA`'s header and ``records`` (missing columns empty)."""
     tmp = path.with_suffix(".csv.tmp")
     with tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=SCHEMA)
@@ -835,7 +835,7 @@ def _float(text: Optional[str]) -> float:
 
 
 def rows_of(records: Iterable[dict]) -> List[Row]:
-    """CSV records (:func:`read_csv`) back as :class:`Row` objects."""
+    """CSV records (`read_csv`) back as `Row` objects."""
     return [Row(d["op"], d["shape"], d["dtype"], d["impl"], d["pass"], _float(d["time_us"]), _float(d["metric"]),
                 d["unit"], _float(d.get("spread")), d.get("fallback") or "") for d in records]
 
@@ -911,7 +911,7 @@ def plot(rows: Sequence[Row], name: str, device: str, results_dir: Optional[Path
 
 
 def plot_csv(csv_path: Path, device_kind: Optional[str] = None) -> Optional[Path]:
-    """Redraw ``<name>_<kind>.png`` beside a family's CSV from its latest run (:func:`latest_run`).
+    """Redraw ``<name>_<kind>.png`` beside a family's CSV from its latest run (`latest_run`).
 
     Returns:
         The PNG's path, or None (with a message) when the CSV has no such run or matplotlib is not installed.
@@ -967,7 +967,7 @@ def finish(rows: list[Row], name: str, device: str, save: bool = True, out: Opti
     Args:
         rows: the family's measurements. name: the family (CSV ``<name>.csv``). device: ``cpu``/``cuda``.
         save: write the CSV and PNG. out: their folder (default: the ``--out`` of ``python -m opforge bench``,
-            else :data:`RESULTS_DIR`).
+            else `RESULTS_DIR`).
     """
     _State.collected.extend(rows)
     if out is not None:
@@ -996,9 +996,9 @@ def finish(rows: list[Row], name: str, device: str, save: bool = True, out: Opti
 
 @dataclass
 class BenchRun:
-    """One run of a family's suite: its command line (:func:`parser`) resolved once, the rows it measures, and the
+    """One run of a family's suite: its command line (`parser`) resolved once, the rows it measures, and the
     steps every suite repeats (timing with the run's warm-up and repetitions, a row, a printed line, releasing
-    CUDA memory between shapes, the final table, CSV and PNG). Made by :func:`start`."""
+    CUDA memory between shapes, the final table, CSV and PNG). Made by `start`."""
 
     name: str
     args: argparse.Namespace
@@ -1026,15 +1026,15 @@ class BenchRun:
         return list(quick) if quick is not None else list(full[:1])
 
     def time(self, step: Callable[[], object], no_grad: bool = False) -> float:
-        """:func:`time_fn` of ``step`` with the run's warm-up and repetitions (under torch.no_grad() if asked)."""
+        """`time_fn` of ``step`` with the run's warm-up and repetitions (under torch.no_grad() if asked)."""
         if no_grad:
             with torch.no_grad():
                 return time_fn(step, self.device, warmup=self.warmup, reps=self.reps)
         return time_fn(step, self.device, warmup=self.warmup, reps=self.reps)
 
     def time_graphed(self, impl: str, step: Callable[[int], object], calls: int) -> tuple[float, str]:
-        """(µs per call, method): on CUDA :func:`time_cuda_graph` of ``step(i)`` for i < calls, on the CPU
-        :func:`time_cpu` of ``step(0)``, with the run's warm-up and repetitions. NaN (and a line on stderr naming
+        """(µs per call, method): on CUDA `time_cuda_graph` of ``step(i)`` for i < calls, on the CPU
+        `time_cpu` of ``step(0)``, with the run's warm-up and repetitions. NaN (and a line on stderr naming
         ``impl``) when it raises: one peer failing on one shape must not end the run."""
         try:
             if self.cuda:
@@ -1048,8 +1048,8 @@ class BenchRun:
 
     def add(self, op: str, shape, dtype: torch.dtype, impl: str, pass_: str, time_us: float, metric: float,
             unit: str, spread: Optional[float] = None) -> Row:
-        """Append and return one row (shape: a string, or a sequence of ints for :func:`shape_str`; spread: default
-        the latest timing's; a compile peer's fallback: the latest timing's). A noisy row (:attr:`Row.noisy`) is
+        """Append and return one row (shape: a string, or a sequence of ints for `shape_str`; spread: default
+        the latest timing's; a compile peer's fallback: the latest timing's). A noisy row (`Row.noisy`) is
         reported on stderr."""
         if spread is None:
             spread = _State.last_spread if not _isnan(time_us) else math.nan
@@ -1068,8 +1068,8 @@ class BenchRun:
         print(f"  {label}: " + sep.join(parts), flush=True)
 
     def say_case(self, op: str, pass_: str, dtype: torch.dtype, shape, parts: Iterable[str], sep: str = "; ") -> None:
-        """:meth:`say` for one case: the label ``<op> <pass> <dtype> <shape>`` (shape: a string, or a sequence of
-        ints for :func:`shape_str`)."""
+        """`say` for one case: the label ``<op> <pass> <dtype> <shape>`` (shape: a string, or a sequence of
+        ints for `shape_str`)."""
         self.say(f"{op} {pass_} {dtype_str(dtype)} {shape if isinstance(shape, str) else shape_str(shape)}", parts, sep)
 
     def release(self) -> None:
@@ -1078,7 +1078,7 @@ class BenchRun:
             torch.cuda.empty_cache()
 
     def finish(self) -> int:
-        """:func:`finish` of the rows (table; CSV and PNG unless ``--no-save``); main()'s exit status 0."""
+        """`finish` of the rows (table; CSV and PNG unless ``--no-save``); main()'s exit status 0."""
         finish(self.rows, self.name, self.device, save=not self.args.no_save)
         return 0
 
@@ -1096,7 +1096,7 @@ def start(name: str, doc: str, argv=None, *, dtypes: DtypeDefault, warmup: tuple
         dtypes: the dtypes without ``--dtypes``: a list, or ``f(cuda, quick)`` returning one.
         warmup: (CUDA, CPU) warm-up calls without ``--warmup``.
         reps: ((CUDA quick, CUDA), (CPU quick, CPU)) repetitions without ``--reps``.
-        arg_parser: :func:`parser` with the suite's own arguments added (default: :func:`parser` itself).
+        arg_parser: `parser` with the suite's own arguments added (default: `parser` itself).
     """
     args = (arg_parser or parser(doc)).parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -1109,5 +1109,5 @@ def start(name: str, doc: str, argv=None, *, dtypes: DtypeDefault, warmup: tuple
 
 
 def cuda_or_cpu(cuda_dtypes: Sequence[torch.dtype], cpu_dtypes: Sequence[torch.dtype]) -> Callable:
-    """A ``dtypes`` default of :func:`start`: one list on CUDA, another on the CPU."""
+    """A ``dtypes`` default of `start`: one list on CUDA, another on the CPU."""
     return lambda cuda, quick: cuda_dtypes if cuda else cpu_dtypes

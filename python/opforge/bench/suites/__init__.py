@@ -1,8 +1,8 @@
 """The op families' benchmark suites: one module a family (``rms_norm``, ``linear``, ...), each with
-``main(argv) -> int`` on :mod:`opforge.bench.harness`, run by ``python -m opforge bench`` (one process a family) and
+``main(argv) -> int`` on `opforge.bench.harness`, run by ``python -m opforge bench`` (one process a family) and
 by the entry points ``benchmarks/bench_<family>.py`` of the source tree.
 
-A new family is a new module here: :func:`families` finds it by its name (modules whose name starts with ``_`` are
+A new family is a new module here: `families` finds it by its name (modules whose name starts with ``_`` are
 not families).
 """
 from __future__ import annotations

@@ -37,7 +37,7 @@ def composed_rms_norm(x, w):
 
 
 def composed_add_rms_norm(x, r, w):
-    """x + r, then :func:`composed_rms_norm`: (normalized, the sum)."""
+    """x + r, then `composed_rms_norm`: (normalized, the sum)."""
     z = x + r
     return composed_rms_norm(z, w), z
 
@@ -55,7 +55,7 @@ def liger_functions():
 
 
 def check_against_reference(x, r, w) -> None:
-    """opforge's outputs against opforge.testing's float64 references (:func:`harness.check_reference`), with the
+    """opforge's outputs against opforge.testing's float64 references (`harness.check_reference`), with the
     composed formula in x's dtype as the baseline."""
     shape = (x.shape[-1],)
     case = f"{harness.dtype_str(x.dtype)} {harness.shape_str(x.shape)}"
