@@ -51,7 +51,7 @@ struct GatedBackwardVecOp {
       dg = dy * u * s * (V(1) + g * (V(1) - s));
       du = dy * g * s;
     } else if constexpr (A == Activation::kGELU) {
-      const V cdf = V(0.5) * (V(1) + (g * V(act::kSqrt1_2)).erf());
+      const V cdf = V(0.5) * (g * V(-act::kSqrt1_2)).erfc();  // Φ(g), accurate in the tail (vec_gelu)
       const V pdf = V(act::kInvSqrt2Pi) * (V(-0.5) * g * g).exp();
       dg = dy * u * (cdf + g * pdf);
       du = dy * g * cdf;
