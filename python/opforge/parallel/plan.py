@@ -1,0 +1,245 @@
+"""Tensor and sequence parallelism of a patched Llama-family model (`opforge.patch.apply`) on a 1-D device mesh.
+
+`parallelize(model, tp_mesh)` shards it in place, Megatron style with sequence parallelism:
+
+| module | placement |
+| --- | --- |
+| `embed_tokens` | row-wise (vocabulary `Shard(0)`), output `Shard(1)`: tokens sharded along the sequence |
+| `input_layernorm`, `post_attention_layernorm`, final `norm` | weight `Replicate`; run on the sequence-sharded activations (opforge's rms_norm / fused_add_rms_norm rules) |
+| `self_attn.qkv_proj` (fused q/k/v) | column-wise, each rank its q, k and v heads (below) |
+| `self_attn.o_proj` | row-wise, output reduce-scattered to `Shard(1)` |
+| `mlp.gate_up_proj` (fused gate/up) | column-wise, each rank its gate and up rows |
+| `mlp.down_proj` | row-wise, output reduce-scattered to `Shard(1)` |
+| `lm_head` | column-wise (vocabulary `Shard(0)`): the loss is vocabulary-parallel (opforge.parallel.loss); without labels the logits are gathered |
+
+The fused projections: a contiguous `Shard(0)` slice of `[q | k | v]` would give rank 0 all of q and none of v.
+The plan reorders the fused weight's rows once, to `[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]` (q_r: rank r's query heads),
+so that the `Shard(0)` slice of rank r is its own `[q_r | k_r | v_r]` (likewise `[gate_r | up_r]`), and sets the
+attention's split sizes to the local widths. The attention and the MLP then run on local tensors (the heads and
+the intermediate columns of this rank): their input, gathered from the sequence shards, enters as a local tensor
+whose gradient is a partial sum (reduce-scattered on the way back), and the fused projections read their local
+weight shard (`.weight` of the swapped module class is the DTensor parameter's local tensor, with its gradient).
+
+The parameters are DTensors: build the optimizer after `parallelize`, and compose with FSDP2 on a 2-D mesh
+(`fully_shard(layer, mesh=mesh["dp"])` per decoder layer and on the root, after `parallelize(model, mesh["tp"])`).
+The fused weights' global (DTensor) row order is the reordered one: `state_dict()` of a parallelized model keeps
+it (load the checkpoint before `parallelize`; `unpermute_fused` gives a fused weight back in transformers' order).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+__all__ = ["tensor_parallel_plan", "parallelize", "permute_fused", "unpermute_fused"]
+
+
+def permute_fused(weight: torch.Tensor, sizes: Sequence[int], ranks: int) -> torch.Tensor:
+    """Rows of a fused weight `[p_0 | p_1 | ...]` (part widths `sizes`) reordered so that the i-th `Shard(0)` slice of
+    `ranks` is `[p_0's i-th slice | p_1's i-th slice | ...]`. Each size must be divisible by `ranks`."""
+    for s in sizes:
+        if s % ranks:
+            raise ValueError(f"opforge.parallel: expected every part of the fused projection ({list(sizes)}) to be "
+                             f"divisible by the tensor-parallel size {ranks}")
+    parts = weight.split(list(sizes), 0)
+    return torch.cat([p.chunk(ranks, 0)[r] for r in range(ranks) for p in parts], 0)
+
+
+def unpermute_fused(weight: torch.Tensor, sizes: Sequence[int], ranks: int) -> torch.Tensor:
+    """The inverse of `permute_fused`: a reordered fused weight (a full tensor) in `[p_0 | p_1 | ...]` order."""
+    local = [s // ranks for s in sizes]
+    blocks = [b.split(local, 0) for b in weight.chunk(ranks, 0)]
+    return torch.cat([torch.cat([blocks[r][i] for r in range(ranks)], 0) for i in range(len(sizes))], 0)
+
+
+class _LocalShardWeights:
+    """Mixin of the fused projections under the plan: `.weight` / `.bias` read the DTensor parameter's local shard
+    (an autograd view: the gradient reaches the parameter as a `Shard(0)` DTensor)."""
+
+    @property
+    def weight(self):
+        p = self._parameters["weight"]
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    @property
+    def bias(self):
+        p = self._parameters.get("bias")
+        return p.to_local() if isinstance(p, DTensor) else p
+
+
+_LOCAL_CLASSES: Dict[type, type] = {}
+
+
+def _local_class(cls: type) -> type:
+    if cls not in _LOCAL_CLASSES:
+        _LOCAL_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (_LocalShardWeights, cls), {})
+    return _LOCAL_CLASSES[cls]
+
+
+class _LocalReplicatedWeight:
+    """Mixin of a replicated module run on local tensors (q_norm/k_norm on this rank's heads): `.weight` is the
+    `Replicate` DTensor parameter's local tensor, its gradient a partial sum over the ranks (each its heads')."""
+
+    @property
+    def weight(self):
+        p = self._parameters["weight"]
+        return p.to_local(grad_placements=[Partial()]) if isinstance(p, DTensor) else p
+
+
+class LocalReplicated(SequenceParallel):
+    """Replicates a module's parameters and lets it read them as local tensors (`_LocalReplicatedWeight`)."""
+
+    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Replicate()]),
+                                                              requires_grad=p.requires_grad)
+        cls = type(module)
+        module.__class__ = type(f"TensorParallel{cls.__name__}", (_LocalReplicatedWeight, cls), {})
+        return module
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """Column-wise parallelism of a fused projection (`[q | k | v]`, `[gate | up]`): rows reordered (see
+    `permute_fused`) so each rank's `Shard(0)` slice holds its part of every piece; the module then reads its local
+    weight (the patched attention and MLP run it on local tensors)."""
+
+    def __init__(self, sizes: Sequence[int]):
+        super().__init__()
+        self.sizes = list(sizes)
+
+    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        ranks = device_mesh.size()
+        for name in ("weight", "bias"):
+            p = module._parameters.get(name)
+            if p is None:
+                continue
+            full = permute_fused(p.detach(), self.sizes, ranks)
+            module._parameters[name] = torch.nn.Parameter(distribute_tensor(full, device_mesh, [Shard(0)]),
+                                                          requires_grad=p.requires_grad)
+        module.__class__ = _local_class(type(module))
+        return module
+
+
+def _local_input(mesh, name: str):
+    """A forward pre-hook: the module's input `name` (positional 0 or keyword), a `Shard(1)` DTensor, gathered to
+    every rank and passed on as the local tensor; its gradient goes back as a partial sum (each rank's heads or
+    columns contribute a part), reduce-scattered to the sequence shards."""
+
+    def convert(x):
+        if isinstance(x, DTensor):
+            return x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        return x
+
+    def hook(module, args, kwargs):
+        if name in kwargs:
+            kwargs[name] = convert(kwargs[name])
+        elif args:
+            args = (convert(args[0]), *args[1:])
+        return args, kwargs
+
+    return hook
+
+
+def _layers(model: torch.nn.Module) -> List[torch.nn.Module]:
+    return [m for m in model.modules() if getattr(m, "_opforge_kind", None) == "decoder"]
+
+
+def _check_patched(model: torch.nn.Module) -> None:
+    layers = _layers(model)
+    if not layers:
+        raise ValueError("opforge.parallel: expected a model patched by opforge.patch.apply (decoder layers of the "
+                         "Llama family), but found no patched decoder layer")
+    for layer in layers:
+        if not hasattr(layer.self_attn, "qkv_proj") or not hasattr(layer.mlp, "gate_up_proj"):
+            raise ValueError("opforge.parallel: expected patched decoder layers with self_attn.qkv_proj and "
+                             "mlp.gate_up_proj (opforge.patch.apply(model) with decoder=True)")
+
+
+def tensor_parallel_plan(model: torch.nn.Module, *, loss_parallel: bool = True) -> Dict[str, object]:
+    """The `parallelize_module` plan of a patched Llama-family model: {qualified module name: ParallelStyle}.
+
+    Covers the embedding, every decoder layer's norms and projections, the final norm and the lm_head (see the
+    module docstring's table). The fused projections get `FusedColwiseParallel` (row reordering); the attention's
+    and MLP's own inputs are converted by `parallelize`'s hooks (not a ParallelStyle: their gradient is a partial
+    sum), so use `parallelize` rather than this plan alone.
+
+    Args:
+        model: a model patched by `opforge.patch.apply` (a transformers `*ForCausalLM` or its base model).
+        loss_parallel: bool. Shard the lm_head on the vocabulary (the loss then vocabulary-parallel). Default True.
+
+    Returns:
+        dict of module name -> `torch.distributed.tensor.parallel.ParallelStyle`.
+
+    Raises:
+        ValueError: the model has no patched decoder layer.
+    """
+    _check_patched(model)
+    plan: Dict[str, object] = {}
+    names = {m: n for n, m in model.named_modules()}
+    for layer in _layers(model):
+        p = names[layer]
+        attn, mlp = layer.self_attn, layer.mlp
+        plan[f"{p}.input_layernorm"] = SequenceParallel()
+        plan[f"{p}.post_attention_layernorm"] = SequenceParallel()
+        plan[f"{p}.self_attn.qkv_proj"] = FusedColwiseParallel(attn._opforge_sizes)
+        plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        for n in ("q_norm", "k_norm"):  # per-head norms, run on the local heads: weight replicated, read locally
+            if n in attn._modules:
+                plan[f"{p}.self_attn.{n}"] = LocalReplicated()
+        plan[f"{p}.mlp.gate_up_proj"] = FusedColwiseParallel([mlp.gate_up_proj.out_features // 2] * 2)
+        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    inside = tuple(names[layer] + "." for layer in _layers(model))
+    for n, m in model.named_modules():
+        if isinstance(m, torch.nn.Embedding) and n.endswith("embed_tokens"):
+            plan[n] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+        elif n.rsplit(".", 1)[-1] == "norm" and not n.startswith(inside) and isinstance(
+                getattr(m, "weight", None), torch.Tensor):
+            plan[n] = SequenceParallel(use_local_output=False)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if head is not None and loss_parallel:
+        plan[names[head]] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    return plan
+
+
+def parallelize(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool = True) -> torch.nn.Module:
+    """Shards a patched Llama-family model in place over `tp_mesh` (1-D) with `tensor_parallel_plan`, sequence
+    parallel between the blocks, and returns it.
+
+    The number of attention heads, key/value heads and the intermediate size must be divisible by the mesh size.
+    With labels the loss runs vocabulary-parallel (`opforge.linear_cross_entropy` of the `Shard(0)` lm_head weight)
+    and is a `Replicate` DTensor; the sequence length must be divisible by the mesh size.
+
+    Args:
+        model: a model patched by `opforge.patch.apply`.
+        tp_mesh: a 1-D `DeviceMesh` (e.g. `init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))["tp"]`).
+        loss_parallel: bool. Shard the lm_head on the vocabulary. Default True.
+
+    Returns:
+        model, its parameters now DTensors on tp_mesh.
+
+    Raises:
+        ValueError: not a patched model; heads or widths not divisible by the mesh size.
+    """
+    from .sharding import register_sharding_rules
+
+    register_sharding_rules()
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"opforge.parallel.parallelize: expected a 1-D tensor-parallel mesh, but got {tp_mesh.ndim}-D")
+    plan = tensor_parallel_plan(model, loss_parallel=loss_parallel)
+    ranks = tp_mesh.size()
+    for layer in _layers(model):
+        attn = layer.self_attn
+        if any(s % (ranks * attn.head_dim) for s in attn._opforge_sizes):
+            raise ValueError(f"opforge.parallel.parallelize: expected the q/k/v widths {attn._opforge_sizes} to be whole "
+                             f"heads ({attn.head_dim}) per rank of {ranks}")
+    parallelize_module(model, tp_mesh, plan)
+    for layer in _layers(model):
+        attn, mlp = layer.self_attn, layer.mlp
+        attn._opforge_sizes = [s // ranks for s in attn._opforge_sizes]
+        attn.register_forward_pre_hook(_local_input(tp_mesh, "hidden_states"), with_kwargs=True)
+        mlp.register_forward_pre_hook(_local_input(tp_mesh, "x"), with_kwargs=True)
+    return model

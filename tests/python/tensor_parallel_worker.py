@@ -1,0 +1,237 @@
+"""Worker of tests/python/test_tensor_parallel.py, run under torchrun: `python -m torch.distributed.run
+--nproc_per_node=N tests/python/tensor_parallel_worker.py SUITE [--device cpu|cuda]`.
+
+Suites: `ops` (every opforge op under each placement its rules support, against the single-process result, values and
+gradients), `loss` (the vocabulary-parallel linear_cross_entropy against the op on one process, every option; its
+per-rank memory), `model` (a tiny patched Llama under TP + SP (+ FSDP2 on a 2-D mesh with 4 ranks) trained against
+the single-process run, and the collectives it issues). Prints one line per check; exit status 1 on a failure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import opforge
+import opforge.parallel  # noqa: F401  (registers the sharding rules)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+R, P = Replicate(), Partial()
+FAILURES = []
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def close(a, b, what, rtol=1e-5, atol=1e-6):
+    a, b = a.detach().double(), b.detach().double()
+    ok = a.shape == b.shape and torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+    if not ok:
+        err = (a - b).abs().max().item() if a.shape == b.shape else f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+        FAILURES.append(f"{what}: differs ({err})")
+        log(f"FAIL {what}: {err}")
+    return ok
+
+
+def full(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, frozen=()):
+    """fn(*inputs) on the full tensors and on DTensors in `placements` (None: a non-tensor or plain argument) give
+    the same outputs and the same gradients of Σ out·c (c fixed random) for every floating input."""
+    what = f"{name} {[str(p) if p is not None else '-' for p in placements]}"
+    try:
+        gen = torch.Generator().manual_seed(7)
+        ref_in = [x.detach().clone().requires_grad_(grads and x.is_floating_point() and i not in frozen)
+                  if isinstance(x, torch.Tensor) else x for i, x in enumerate(inputs)]
+        ref = fn(*ref_in)
+        ref = ref if isinstance(ref, (tuple, list)) else (ref,)
+        cots = [torch.randn(r.shape, generator=gen, dtype=r.dtype) if isinstance(r, torch.Tensor) else None
+                for r in ref]
+        dt_in = []
+        for i, (x, p) in enumerate(zip(inputs, placements)):
+            if isinstance(x, torch.Tensor) and p is not None:
+                d = distribute_tensor(x.detach().clone(), mesh, [p])
+                dt_in.append(d.requires_grad_(grads and x.is_floating_point() and i not in frozen))
+            else:
+                dt_in.append(x)
+        out = fn(*dt_in)
+        out = out if isinstance(out, (tuple, list)) else (out,)
+        for i, (o, r) in enumerate(zip(out, ref)):
+            if isinstance(r, torch.Tensor):
+                close(full(o), r, f"{what} output {i}", rtol, atol)
+        if grads and any(isinstance(x, torch.Tensor) and x.requires_grad for x in ref_in):
+            sum(((r.float() * c.float()).sum() for r, c in zip(ref, cots) if c is not None)).backward()
+            sum(((full(o).float() * c.float()).sum() for o, c in zip(out, cots) if c is not None)).backward()
+            for j, (a, b) in enumerate(zip(dt_in, ref_in)):
+                if isinstance(b, torch.Tensor) and b.requires_grad:
+                    if b.grad is None:
+                        continue
+                    close(full(a.grad), b.grad, f"{what} grad of input {j}", rtol, atol)
+        log(f"ok   {what}")
+    except Exception as e:  # noqa: BLE001
+        FAILURES.append(f"{what}: {type(e).__name__}: {e}")
+        log(f"FAIL {what}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}")
+
+
+def suite_ops(mesh):
+    g = torch.Generator().manual_seed(0)
+    rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    S0, S1, S2, S3 = Shard(0), Shard(1), Shard(2), Shard(3)
+    x, w8 = rn(4, 6, 8), rn(8)
+    for p in (R, S0, S1):
+        check("rms_norm", lambda a, w: opforge.rms_norm(a, (8,), w, 1e-6), [x, w8], [p, R], mesh)
+    r = rn(4, 6, 8)
+    for p in (R, S0, S1):
+        check("fused_add_rms_norm", lambda a, b, w: opforge.fused_add_rms_norm(a, b, (8,), w, 1e-6), [x, r, w8],
+              [p, p, R], mesh)
+    check("rms_norm (Partial input)", lambda a, w: opforge.rms_norm(a, (8,), w), [x, w8], [P, R], mesh, grads=False)
+    for p in (R, S0, S1, S2):
+        check("sigmoid", opforge.sigmoid, [x], [p], mesh)
+        check("square", opforge.square, [x], [p], mesh)
+        check("swiglu", opforge.swiglu, [x, r], [p, p], mesh)
+        check("square_add (broadcast other)", opforge.square_add, [x, w8], [p, R], mesh)
+        check("square_add", opforge.square_add, [x, r], [p, p], mesh)
+    for p in (R, S0, S1):
+        check("swiglu_packed", opforge.swiglu_packed, [rn(4, 6, 16)], [p], mesh)
+    check("swiglu_packed (last dim sharded: redistributed)", opforge.swiglu_packed, [rn(4, 6, 16)], [S2], mesh)
+    q, k = rn(2, 4, 6, 8), rn(2, 2, 6, 8)
+    ang = rn(2, 6, 8)
+    cos, sin = ang.cos(), ang.sin()
+    for p, pc in ((R, R), (S1, R), (S0, S0), (S2, S1)):
+        check("rope", lambda a, b, c, s: opforge.rope(a, b, c, s), [q, k, cos, sin], [p, p, pc, pc], mesh,
+              frozen=(2, 3))
+    pos = torch.arange(6).repeat(2, 1)
+    if hasattr(opforge, "rope_from_positions"):
+        for p, pc in ((R, R), (S1, R), (S0, S0), (S2, S1)):
+            check("rope_from_positions", lambda a, b, t: opforge.rope_from_positions(a, b, t), [q, k, pos],
+                  [p, p, pc], mesh)
+    xl, W, b = rn(4, 6, 8), rn(12, 8), rn(12)
+    for act in ("none", "silu"):
+        for px, pw, pb in ((R, R, R), (R, S0, S0), (S0, R, R), (S1, R, R), (S1, S0, S0)):
+            check(f"linear {act}", lambda a, w_, b_: opforge.linear(a, w_, b_, act), [xl, W, b], [px, pw, pb], mesh)
+    check("linear row-wise", lambda a, w_: opforge.linear(a, w_), [xl, W], [S2, S1], mesh)
+    check("linear row-wise with bias (redistributed)", lambda a, w_, b_: opforge.linear(a, w_, b_), [xl, W, b],
+          [S2, S1, R], mesh)
+    for px, pw, pb in ((R, R, R), (R, S0, S0), (S0, R, R)):
+        check("fake_quant_linear", lambda a, w_, b_: opforge.fake_quant_linear(a, w_, b_), [xl, W, b],
+              [px, pw, pb], mesh, rtol=1e-4, atol=1e-5)
+        check("fake_quant_linear act_quant", lambda a, w_, b_: opforge.fake_quant_linear(a, w_, b_, act_quant=True),
+              [xl, W, b], [px, pw, pb], mesh, rtol=1e-4, atol=1e-5)
+    check("fake_quantize_weight", lambda w_: opforge.fake_quantize_weight(w_)[0], [W], [S0], mesh, grads=False)
+    x1, x2, Wc = rn(4, 6, 3), rn(4, 6, 5), rn(12, 8)
+    for px, pw, pb in ((R, R, R), (R, S0, S0), (S0, R, R)):
+        check("linear_cat", lambda a, c, w_, b_: opforge.linear_cat([a, c], w_, b_), [x1, x2, Wc, b],
+              [px, px, pw, pb], mesh)
+    T, E = 10, 4
+    xi, We, be = rn(T, 8), rn(E, 6, 8), rn(E, 6)
+    idx = torch.tensor([0, 3, 1, 2, -1, 3, 0, 1, 2, 2])
+    for px, pw, pidx, pb in ((R, R, R, R), (R, S0, R, S0), (R, S1, R, S1), (S0, R, S0, R)):
+        check("indexed_linear", lambda a, w_, i, b_: opforge.indexed_linear(a, w_, i, b_), [xi, We, idx, be],
+              [px, pw, pidx, pb], mesh)
+    check("indexed_linear row-wise", lambda a, w_, i: opforge.indexed_linear(a, w_, i), [xi, We, idx],
+          [S1, Shard(2), R], mesh)
+    H, V = 8, 10
+    xh, Wv, bv = rn(12, H), rn(V, H), rn(V)
+    tgt = torch.tensor([1, 9, 0, -100, 5, 3, 3, 7, 8, 2, 4, 6])
+    for red in ("mean", "sum", "none"):
+        for px, pt in ((R, R), (S0, S0)):
+            check(f"linear_cross_entropy {red} (weight replicated)",
+                  lambda a, w_, t, b_: opforge.linear_cross_entropy(a, w_, t, linear_bias=b_, reduction=red),
+                  [xh, Wv, tgt, bv], [px, R, pt, R], mesh)
+
+
+def loss_options():
+    yield {}
+    yield {"reduction": "sum"}
+    yield {"reduction": "none"}
+    yield {"label_smoothing": 0.1}
+    yield {"z_loss": 1e-3, "reduction": "sum"}
+    yield {"softcap": 5.0}
+    yield {"weight": "class", "label_smoothing": 0.2, "reduction": "mean"}
+    yield {"weight": "class", "reduction": "none", "softcap": 3.0, "z_loss": 1e-2}
+    yield {"ignore_index": 2, "chunk_size": 3}
+
+
+def suite_loss(mesh):
+    g = torch.Generator().manual_seed(1)
+    N, H, V = 14, 8, 11  # V not divisible by the ranks: uneven slices
+    x, W, b = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g), torch.randn(V, generator=g)
+    cw = torch.rand(V, generator=g) + 0.5
+    t = torch.randint(0, V, (N,), generator=g)
+    t[3] = -100
+    for opts in loss_options():
+        o = dict(opts)
+        if o.get("weight") == "class":
+            o["weight"] = cw
+        tt = t.clone()
+        if "ignore_index" in o:
+            tt[5] = o["ignore_index"]
+        for bias in (None, b):
+            for px in (R, Shard(0)):
+                fn = lambda a, w_, b_, o=o, tt=tt: opforge.linear_cross_entropy(a, w_, tt, linear_bias=b_, **o)  # noqa
+                check(f"vocab-parallel loss {opts} bias={bias is not None}",
+                      fn, [x, W, bias], [px, Shard(0), Shard(0) if bias is not None else None], mesh)
+    # memory: each rank's peak for the loss (forward + backward) against the same loop on one rank
+    from opforge.testing_parallel import peak_bytes
+    N, H, V = 64, 32, 4096
+    x, W = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
+    t = torch.randint(0, V, (N,), generator=g)
+    from opforge.parallel.loss import vocab_parallel_forward, vocab_slice
+    start, size = vocab_slice(V, mesh.size(), mesh.get_local_rank())
+    local = W[start:start + size].contiguous()
+    one = peak_bytes(lambda: vocab_parallel_forward(x, W, t, chunk_size=32, grad_mask=(True, True, False)))
+    many, largest = peak_bytes(lambda: vocab_parallel_forward(x, local, t, chunk_size=32, grad_mask=(True, True, False),
+                                                              vocab_start=start, vocab_size=V,
+                                                              group=mesh.get_group()), largest=True)
+    ratio = many / one
+    log(f"loss memory: peak per rank {many} bytes, one rank {one} bytes, ratio {ratio:.3f}; largest tensor "
+        f"{largest} bytes (full logits {N * V * 4})")
+    if not ratio <= 0.55 + 0.45 * (mesh.size() != 2):
+        FAILURES.append(f"loss memory ratio {ratio:.3f} > 0.55")
+    if not largest < N * V * 4 / mesh.size() + 1:
+        FAILURES.append(f"a tensor of {largest} bytes: not less than the rank's slice of the logits")
+
+
+def suite_model(mesh_shape):
+    from opforge.testing_parallel import tiny_llama_losses
+    out = tiny_llama_losses(mesh_shape)
+    if dist.get_rank() == 0:
+        print("MODEL " + json.dumps(out), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("suite", choices=["ops", "loss", "model"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dp", type=int, default=1)
+    a = ap.parse_args()
+    backend = "nccl" if a.device == "cuda" else "gloo"
+    if a.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    if a.suite == "model":
+        suite_model((a.dp, world // a.dp))
+    else:
+        mesh = init_device_mesh(a.device, (world,))
+        {"ops": suite_ops, "loss": suite_loss}[a.suite](mesh)
+    dist.barrier()
+    n = len(FAILURES)
+    log(f"{a.suite}: {n} failure(s)")
+    sys.stdout.flush()
+    os._exit(1 if n else 0)  # skip the process-group teardown (gloo may abort in it); the result is known
+
+
+if __name__ == "__main__":
+    main()
