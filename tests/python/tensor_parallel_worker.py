@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import traceback
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ import opforge
 import opforge.parallel  # noqa: F401  (registers the sharding rules)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 R, P = Replicate(), Partial()
 FAILURES = []
@@ -162,6 +164,47 @@ def loss_options():
     yield {"ignore_index": 2, "chunk_size": 3}
 
 
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the tensors the ops under it allocate while those tensors are alive (a tensor whose
+    storage is already counted or is an input's, a view or an in-place result, adds nothing; a storage is freed when the tensor that
+    brought it dies). CPU tensors have no allocator statistics, so this is the memory measure on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = self.largest = 0
+        self.counted = set()
+
+    def _free(self, key, n):
+        self.counted.discard(key)
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                key = t.untyped_storage().data_ptr()
+                if key in self.counted or key in inputs or key == 0:
+                    continue
+                n = t.untyped_storage().nbytes()
+                self.counted.add(key)
+                self.live += n
+                self.largest = max(self.largest, n)
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, key, n)
+        return out
+
+
+def peak_bytes(fn, largest=False):
+    """The peak of live bytes allocated by fn() (its results included while they are alive), and optionally the
+    largest single allocation."""
+    with _LiveBytes() as m:
+        res = fn()
+        del res
+    return (m.peak, m.largest) if largest else m.peak
+
+
 def suite_loss(mesh):
     g = torch.Generator().manual_seed(1)
     N, H, V = 14, 8, 11  # V not divisible by the ranks: uneven slices
@@ -175,14 +218,13 @@ def suite_loss(mesh):
             o["weight"] = cw
         tt = t.clone()
         if "ignore_index" in o:
-            tt[5] = o["ignore_index"]
+            tt[tt == -100] = o["ignore_index"]
         for bias in (None, b):
             for px in (R, Shard(0)):
                 fn = lambda a, w_, b_, o=o, tt=tt: opforge.linear_cross_entropy(a, w_, tt, linear_bias=b_, **o)  # noqa
                 check(f"vocab-parallel loss {opts} bias={bias is not None}",
                       fn, [x, W, bias], [px, Shard(0), Shard(0) if bias is not None else None], mesh)
     # memory: each rank's peak for the loss (forward + backward) against the same loop on one rank
-    from opforge.testing_parallel import peak_bytes
     N, H, V = 64, 32, 4096
     x, W = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
     t = torch.randint(0, V, (N,), generator=g)
@@ -202,11 +244,103 @@ def suite_loss(mesh):
         FAILURES.append(f"a tensor of {largest} bytes: not less than the rank's slice of the logits")
 
 
-def suite_model(mesh_shape):
-    from opforge.testing_parallel import tiny_llama_losses
-    out = tiny_llama_losses(mesh_shape)
-    if dist.get_rank() == 0:
-        print("MODEL " + json.dumps(out), flush=True)
+def _tiny_llama(device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device)
+    opforge.patch.apply(model)
+    return model
+
+
+def _batches(device, steps, batch, seq, vocab):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (batch, seq), generator=g).to(device) for _ in range(steps)]
+
+
+def _train(model, batches, lr=0.05):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss)
+    return losses
+
+
+def suite_model(dp, device, steps=4, batch=4, seq=8):
+    """TP + SP (+ FSDP2 on a (dp, tp) mesh) against the single-process run of the same global batches."""
+    from torch.distributed.fsdp import fully_shard
+
+    from opforge.parallel import parallelize
+
+    import copy
+
+    world = dist.get_world_size()
+    tp = world // dp
+    model = _tiny_llama(device)
+    reference = copy.deepcopy(model)
+    batches = _batches(device, steps, batch, seq, model.config.vocab_size)
+    ref = [float(x.detach()) for x in _train(reference, batches)]
+    mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize(model, mesh["tp"])
+    if dp > 1:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    r = mesh["dp"].get_local_rank()
+    local = [ids.chunk(dp, 0)[r] for ids in batches]  # each dp rank its rows: the same token count per rank
+    got = []
+    for loss in _train(model, local):
+        v = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().reshape(1)
+        if dp > 1:
+            dist.all_reduce(v, group=mesh["dp"].get_group())
+            v = v / dp
+        got.append(float(v))
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    log(f"model dp={dp} tp={tp}: losses {got} single-process {ref}; largest relative difference {rel:.2e}")
+    if not rel <= 1e-5:
+        FAILURES.append(f"model dp={dp} tp={tp}: losses differ from the single-process run by {rel:.2e} relative")
+    if dp == 1:
+        _count_collectives(model, batches[0], tp)
+
+
+def _count_collectives(model, ids, tp):
+    """One forward + backward under CommDebugMode: the collectives are exactly the plan's (no parameter or
+    activation the plan keeps sharded is gathered)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mode = CommDebugMode()
+    with mode:
+        loss = model(input_ids=ids, labels=ids).loss
+        fwd = dict(mode.get_comm_counts())
+        loss.backward()
+        total = dict(mode.get_comm_counts())
+    bwd = {k: v - fwd.get(k, 0) for k, v in total.items() if v - fwd.get(k, 0)}
+    model.zero_grad(set_to_none=True)
+    layers = model.config.num_hidden_layers
+    chunks = 1  # the loss's tokens fit one chunk here
+    # forward: per layer the attention's and the MLP's input gathered (2 all-gathers) and o_proj's and down_proj's
+    # outputs reduce-scattered (2); the embedding's output reduce-scattered (1); the loss: the final hidden
+    # states gathered (1 all-gather), per chunk the row max and the row sums all-reduced (2)
+    ag, rs, ar = "c10d_functional.all_gather_into_tensor", "c10d_functional.reduce_scatter_tensor", "c10d.allreduce_"
+    want_fwd = {ag: 2 * layers + 1, rs: 2 * layers + 1, ar: 2 * chunks}
+    # backward, the transposes: per layer the attention's and the MLP's partial input gradients reduce-scattered and
+    # o_proj's and down_proj's output gradients gathered, the loss's partial grad_input reduce-scattered and the
+    # embedding's output gradient gathered. The replicated norm weights' gradients stay Partial (reduced where they
+    # are used: the optimizer step, or FSDP2's reduction)
+    want_bwd = {ag: 2 * layers + 1, rs: 2 * layers + 1}
+    fwd = {str(k): v for k, v in fwd.items()}
+    bwd = {str(k): v for k, v in bwd.items()}
+    log(f"collectives forward {fwd}; backward {bwd}")
+    for what, got, want in (("forward", fwd, want_fwd), ("backward", bwd, want_bwd)):
+        if got != want:
+            FAILURES.append(f"{what}: collectives {got}, expected {want}")
 
 
 def main():
@@ -222,7 +356,7 @@ def main():
     torch.set_num_threads(1)
     world = dist.get_world_size()
     if a.suite == "model":
-        suite_model((a.dp, world // a.dp))
+        suite_model(a.dp, a.device)
     else:
         mesh = init_device_mesh(a.device, (world,))
         {"ops": suite_ops, "loss": suite_loss}[a.suite](mesh)
