@@ -54,57 +54,67 @@ def unpermute_fused(weight: torch.Tensor, sizes: Sequence[int], ranks: int) -> t
     return torch.cat([torch.cat([blocks[r][i] for r in range(ranks)], 0) for i in range(len(sizes))], 0)
 
 
-class _LocalShardWeights:
-    """Mixin of the fused projections under the plan: `.weight` / `.bias` read the DTensor parameter's local shard
-    (an autograd view: the gradient reaches the parameter as a `Shard(0)` DTensor)."""
+class LocalView:
+    """What the patched attention and MLP see as a fused projection (or a per-head norm) under the plan: the module's
+    weight and bias as local tensors of their DTensor parameters, with their gradients. A fused projection's local
+    shard is exact (its gradient `Shard(0)`); a replicated per-head norm's weight, run on this rank's heads only,
+    gets a partial gradient (`grad_partial`). Any other attribute is the module's."""
+
+    __slots__ = ("module", "grad_partial")
+
+    def __init__(self, module: torch.nn.Module, grad_partial: bool):
+        object.__setattr__(self, "module", module)
+        object.__setattr__(self, "grad_partial", grad_partial)
+
+    def _local(self, p):
+        if not isinstance(p, DTensor):
+            return p
+        return p.to_local(grad_placements=[Partial()] if self.grad_partial else None)
 
     @property
     def weight(self):
-        p = self._parameters["weight"]
-        return p.to_local() if isinstance(p, DTensor) else p
+        return self._local(self.module.weight)
 
     @property
     def bias(self):
-        p = self._parameters.get("bias")
-        return p.to_local() if isinstance(p, DTensor) else p
+        return self._local(getattr(self.module, "bias", None))
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
 
-_LOCAL_CLASSES: Dict[type, type] = {}
+_LOCAL_CLASSES: Dict[tuple, type] = {}
 
 
-def _local_class(cls: type) -> type:
-    if cls not in _LOCAL_CLASSES:
-        _LOCAL_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (_LocalShardWeights, cls), {})
-    return _LOCAL_CLASSES[cls]
-
-
-class _LocalReplicatedWeight:
-    """Mixin of a replicated module run on local tensors (q_norm/k_norm on this rank's heads): `.weight` is the
-    `Replicate` DTensor parameter's local tensor, its gradient a partial sum over the ranks (each its heads')."""
-
-    @property
-    def weight(self):
-        p = self._parameters["weight"]
-        return p.to_local(grad_placements=[Partial()]) if isinstance(p, DTensor) else p
+def _local_children(module: torch.nn.Module, children: Dict[str, bool]) -> None:
+    """Swaps module's class for a subclass whose attributes `children` (name -> grad_partial) read as `LocalView`s
+    of those submodules (their parameters and registration unchanged: FSDP2 and state_dict see the modules)."""
+    key = (type(module), tuple(sorted(children.items())))
+    if key not in _LOCAL_CLASSES:
+        ns = {n: property(lambda self, n=n, g=g: LocalView(self._modules[n], g)) for n, g in children.items()}
+        _LOCAL_CLASSES[key] = type(f"TensorParallel{type(module).__name__}", (type(module),), ns)
+    module.__class__ = _LOCAL_CLASSES[key]
 
 
 class LocalReplicated(SequenceParallel):
-    """Replicates a module's parameters and lets it read them as local tensors (`_LocalReplicatedWeight`)."""
+    """Replicates a module's parameters on the mesh; the module is run on local tensors through `LocalView`
+    (q_norm/k_norm on this rank's heads)."""
 
     def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
         for name, p in list(module._parameters.items()):
             if p is not None:
                 module._parameters[name] = torch.nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Replicate()]),
                                                               requires_grad=p.requires_grad)
-        cls = type(module)
-        module.__class__ = type(f"TensorParallel{cls.__name__}", (_LocalReplicatedWeight, cls), {})
         return module
 
 
 class FusedColwiseParallel(ColwiseParallel):
     """Column-wise parallelism of a fused projection (`[q | k | v]`, `[gate | up]`): rows reordered (see
-    `permute_fused`) so each rank's `Shard(0)` slice holds its part of every piece; the module then reads its local
-    weight (the patched attention and MLP run it on local tensors)."""
+    `permute_fused`) so each rank's `Shard(0)` slice holds its part of every piece (the patched attention and MLP
+    read it through `LocalView` and run it on local tensors)."""
 
     def __init__(self, sizes: Sequence[int]):
         super().__init__()
@@ -119,7 +129,6 @@ class FusedColwiseParallel(ColwiseParallel):
             full = permute_fused(p.detach(), self.sizes, ranks)
             module._parameters[name] = torch.nn.Parameter(distribute_tensor(full, device_mesh, [Shard(0)]),
                                                           requires_grad=p.requires_grad)
-        module.__class__ = _local_class(type(module))
         return module
 
 
@@ -242,4 +251,6 @@ def parallelize(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool = True) 
         attn._opforge_sizes = [s // ranks for s in attn._opforge_sizes]
         attn.register_forward_pre_hook(_local_input(tp_mesh, "hidden_states"), with_kwargs=True)
         mlp.register_forward_pre_hook(_local_input(tp_mesh, "x"), with_kwargs=True)
+        _local_children(attn, {"qkv_proj": False, **{n: True for n in ("q_norm", "k_norm") if n in attn._modules}})
+        _local_children(mlp, {"gate_up_proj": False})
     return model
