@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 R, P = Replicate(), Partial()
 FAILURES = []
+DEVICE = "cpu"
 
 
 def log(msg: str) -> None:
@@ -34,7 +35,7 @@ def log(msg: str) -> None:
 
 
 def close(a, b, what, rtol=1e-5, atol=1e-6):
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     ok = a.shape == b.shape and torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
     if not ok:
         err = (a - b).abs().max().item() if a.shape == b.shape else f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
@@ -53,12 +54,13 @@ def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, 
     what = f"{name} {[str(p) if p is not None else '-' for p in placements]}"
     try:
         gen = torch.Generator().manual_seed(7)
+        inputs = [x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in inputs]
         ref_in = [x.detach().clone().requires_grad_(grads and x.is_floating_point() and i not in frozen)
                   if isinstance(x, torch.Tensor) else x for i, x in enumerate(inputs)]
         ref = fn(*ref_in)
         ref = ref if isinstance(ref, (tuple, list)) else (ref,)
-        cots = [torch.randn(r.shape, generator=gen, dtype=r.dtype) if isinstance(r, torch.Tensor) else None
-                for r in ref]
+        cots = [torch.randn(r.shape, generator=gen, dtype=r.dtype).to(DEVICE) if isinstance(r, torch.Tensor)
+                else None for r in ref]
         dt_in = []
         for i, (x, p) in enumerate(zip(inputs, placements)):
             if isinstance(x, torch.Tensor) and p is not None:
@@ -209,8 +211,8 @@ def suite_loss(mesh):
     g = torch.Generator().manual_seed(1)
     N, H, V = 14, 8, 11  # V not divisible by the ranks: uneven slices
     x, W, b = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g), torch.randn(V, generator=g)
-    cw = torch.rand(V, generator=g) + 0.5
-    t = torch.randint(0, V, (N,), generator=g)
+    cw = (torch.rand(V, generator=g) + 0.5).to(DEVICE)
+    t = torch.randint(0, V, (N,), generator=g).to(DEVICE)
     t[3] = -100
     for opts in loss_options():
         o = dict(opts)
@@ -224,7 +226,10 @@ def suite_loss(mesh):
                 fn = lambda a, w_, b_, o=o, tt=tt: opforge.linear_cross_entropy(a, w_, tt, linear_bias=b_, **o)  # noqa
                 check(f"vocab-parallel loss {opts} bias={bias is not None}",
                       fn, [x, W, bias], [px, Shard(0), Shard(0) if bias is not None else None], mesh)
-    # memory: each rank's peak for the loss (forward + backward) against the same loop on one rank
+    if DEVICE == "cuda":
+        _cuda_loss_memory(mesh)
+    # memory: each rank's peak for the loss (forward with its gradients, the training path) against the same loop
+    # on one rank
     N, H, V = 64, 32, 4096
     x, W = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
     t = torch.randint(0, V, (N,), generator=g)
@@ -271,6 +276,34 @@ def _train(model, batches, lr=0.05):
         opt.zero_grad(set_to_none=True)
         losses.append(loss)
     return losses
+
+
+def _cuda_loss_memory(mesh, N=4096, H=1024, V=65536, chunk=1024):
+    """On CUDA: the peak memory the loss adds (forward + backward), the vocabulary-parallel loss on each rank against
+    the op on one GPU, the same chunk size; the ratio should be at most 0.55 on 2 ranks."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(N, H, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+    W = (torch.randn(V, H, generator=g) * 0.02).to(DEVICE, torch.bfloat16)
+    t = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    w1 = W.clone().requires_grad_()
+    one = peak(lambda: opforge.linear_cross_entropy(x, w1, t, chunk_size=chunk).backward())
+    wd = distribute_tensor(W, mesh, [Shard(0)]).requires_grad_()
+    del w1
+    x.grad = None
+    many = peak(lambda: opforge.linear_cross_entropy(x, wd, t, chunk_size=chunk).backward())
+    log(f"CUDA loss memory (N={N}, H={H}, V={V}, bf16, chunk {chunk}): one GPU {one / 2**20:.1f} MiB, each of "
+        f"{mesh.size()} ranks {many / 2**20:.1f} MiB, ratio {many / one:.3f}")
+    if mesh.size() == 2 and not many / one <= 0.55:
+        FAILURES.append(f"CUDA loss memory ratio {many / one:.3f} > 0.55")
 
 
 def suite_model(dp, device, steps=4, batch=4, seq=8):
@@ -345,24 +378,30 @@ def _count_collectives(model, ids, tp):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("suite", choices=["ops", "loss", "model"])
+    ap.add_argument("suites", nargs="+", choices=["ops", "loss", "model"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dp", type=int, default=1)
     a = ap.parse_args()
+    global DEVICE
+    DEVICE = a.device
     backend = "nccl" if a.device == "cuda" else "gloo"
     if a.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)
     torch.set_num_threads(1)
     world = dist.get_world_size()
-    if a.suite == "model":
-        suite_model(a.dp, a.device)
-    else:
-        mesh = init_device_mesh(a.device, (world,))
-        {"ops": suite_ops, "loss": suite_loss}[a.suite](mesh)
-    dist.barrier()
+    for suite in a.suites:
+        before = len(FAILURES)
+        if suite == "model":
+            suite_model(a.dp, a.device)
+        else:
+            mesh = init_device_mesh(a.device, (world,))
+            {"ops": suite_ops, "loss": suite_loss}[suite](mesh)
+        dist.barrier()
+        log(f"SUITE {suite} on {world} ranks ({a.device}): {len(FAILURES) - before} failure(s)")
     n = len(FAILURES)
-    log(f"{a.suite}: {n} failure(s)")
+    for f in FAILURES:
+        log(f"FAILURE {f}")
     sys.stdout.flush()
     os._exit(1 if n else 0)  # skip the process-group teardown (gloo may abort in it); the result is known
 
