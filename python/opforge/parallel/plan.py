@@ -231,7 +231,7 @@ def parallelize(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool = True) 
         model, its parameters now DTensors on tp_mesh.
 
     Raises:
-        ValueError: not a patched model; heads or widths not divisible by the mesh size.
+        ValueError: not a patched model; heads or widths not divisible by the mesh size; tied embeddings.
     """
     from .sharding import register_sharding_rules
 
@@ -240,6 +240,11 @@ def parallelize(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool = True) 
         raise ValueError(f"opforge.parallel.parallelize: expected a 1-D tensor-parallel mesh, but got {tp_mesh.ndim}-D")
     plan = tensor_parallel_plan(model, loss_parallel=loss_parallel)
     ranks = tp_mesh.size()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if head is not None and embed is not None and head.weight is embed.weight:
+        raise ValueError("opforge.parallel.parallelize: tied input and output embeddings are not supported (each is "
+                         "distributed as its own Shard(0) parameter, which would untie them)")
     for layer in _layers(model):
         attn = layer.self_attn
         if any(s % (ranks * attn.head_dim) for s in attn._opforge_sizes):
