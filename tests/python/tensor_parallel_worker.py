@@ -49,7 +49,7 @@ def full(x):
 
 
 def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, frozen=()):
-    """fn(*inputs) on the full tensors and on DTensors in `placements` (None: a non-tensor or plain argument) give
+    """fn(*inputs) on the full tensors and on DTensors in `placements` (None: a non-tensor or a plain tensor) give
     the same outputs and the same gradients of Σ out·c (c fixed random) for every floating input."""
     what = f"{name} {[str(p) if p is not None else '-' for p in placements]}"
     try:
@@ -66,6 +66,8 @@ def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, 
             if isinstance(x, torch.Tensor) and p is not None:
                 d = distribute_tensor(x.detach().clone(), mesh, [p])
                 dt_in.append(d.requires_grad_(grads and x.is_floating_point() and i not in frozen))
+            elif isinstance(x, torch.Tensor):  # a plain tensor beside the DTensors
+                dt_in.append(x.detach().clone().requires_grad_(grads and x.is_floating_point() and i not in frozen))
             else:
                 dt_in.append(x)
         out = fn(*dt_in)
@@ -92,6 +94,11 @@ def suite_ops(mesh):
     rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     S0, S1, S2, S3 = Shard(0), Shard(1), Shard(2), Shard(3)
     x, w8 = rn(4, 6, 8), rn(8)
+    # the op's own C++ autograd node runs above DTensor: the output is a DTensor whose grad_fn is opforge's node
+    y = opforge.rms_norm(distribute_tensor(x.to(DEVICE), mesh, [S0]).requires_grad_(), (8,),
+                         distribute_tensor(w8.to(DEVICE), mesh, [R]).requires_grad_())
+    if not (type(y) is DTensor and y.grad_fn is not None and y.grad_fn.name().startswith("opforge::")):
+        FAILURES.append(f"rms_norm of DTensors: {type(y).__name__} with grad_fn {y.grad_fn}, expected opforge's node")
     for p in (R, S0, S1):
         check("rms_norm", lambda a, w: opforge.rms_norm(a, (8,), w, 1e-6), [x, w8], [p, R], mesh)
     r = rn(4, 6, 8)
@@ -226,6 +233,10 @@ def suite_loss(mesh):
                 fn = lambda a, w_, b_, o=o, tt=tt: opforge.linear_cross_entropy(a, w_, tt, linear_bias=b_, **o)  # noqa
                 check(f"vocab-parallel loss {opts} bias={bias is not None}",
                       fn, [x, W, bias], [px, Shard(0), Shard(0) if bias is not None else None], mesh)
+    # a plain (replicated) input beside the sharded weight: its gradient comes back as a plain tensor
+    for red in ("mean", "none"):
+        check(f"vocab-parallel loss {red}, plain input", lambda a, w_: opforge.linear_cross_entropy(a, w_, t, reduction=red),
+              [x, W], [None, Shard(0)], mesh)
     if DEVICE == "cuda":
         _cuda_loss_memory(mesh)
     # memory: each rank's peak for the loss (forward with its gradients, the training path) against the same loop
@@ -339,6 +350,12 @@ def suite_model(dp, device, steps=4, batch=4, seq=8):
     log(f"model dp={dp} tp={tp}: losses {got} single-process {ref}; largest relative difference {rel:.2e}")
     if not rel <= 1e-5:
         FAILURES.append(f"model dp={dp} tp={tp}: losses differ from the single-process run by {rel:.2e} relative")
+    # without labels (inference, generate): the lm_head's logits gathered, equal to the single process's
+    ids = batches[0].chunk(dp, 0)[r]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        want = reference(input_ids=ids).logits
+    close(full(logits), want, f"model dp={dp} tp={tp}: logits without labels", rtol=1e-4, atol=1e-5)
     if dp == 1:
         _count_collectives(model, batches[0], tp)
 

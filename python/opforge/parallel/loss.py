@@ -342,9 +342,21 @@ def _loss_shape(a: dict) -> tuple:
 
 
 def _grad_results(a: dict, res, mesh, placements):
+    """The gradients as DTensors in `placements`; a gradient of a plain-tensor argument (an input given as a torch
+    Tensor beside a DTensor weight) comes back as a plain tensor: reduced over the mesh where it is a partial sum."""
     shapes = [tuple(a["input"].shape), tuple(a["linear_weight"].shape),
               None if a["linear_bias"] is None else tuple(a["linear_bias"].shape)]
-    return tuple(wrap(g, mesh, p, s) for g, p, s in zip(res, placements, shapes))
+    out = []
+    for g, p, s, arg in zip(res, placements, shapes, (a["input"], a["linear_weight"], a["linear_bias"])):
+        if g is not None and not isinstance(arg, DTensor):
+            if p == P:
+                dist.all_reduce(g, group=mesh.get_group())
+            elif p != R:
+                raise AssertionError("a sharded gradient of a plain tensor")
+            out.append(g)
+        else:
+            out.append(wrap(g, mesh, p, s))
+    return tuple(out)
 
 
 def _forward_handler(op_call, args, kwargs):

@@ -29,8 +29,8 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 
 The rules are registered when `opforge.parallel` is imported (`register_sharding_rules()`, idempotent). Ops whose
 sharding is not a pure placement rule (experts sharded: the expert index is shifted to the local experts; the
-vocabulary-parallel loss: all-reduces inside; linear_cat_backward: a list of gradients) get a DTensor op handler on a
-1-D mesh (the tensor-parallel mesh; FSDP2 gathers its own mesh dimension before compute), which redistributes,
+vocabulary-parallel loss: all-reduces inside; linear_cat_backward: a list of gradients; square_add_backward: a plain
+shape carrier for `other`) get a DTensor op handler on a 1-D mesh (the tensor-parallel mesh; FSDP2 gathers its own mesh dimension before compute), which redistributes,
 runs the op on local tensors and wraps the results.
 """
 from __future__ import annotations
@@ -329,17 +329,6 @@ def _linear_cat(inputs, weight, bias=None):
     return [([o], [*([i] * n), w, b]) for o, i, w, b in _linear_strategies(inputs[0], bias, False)]
 
 
-@_rule("_linear_cross_entropy_scale_grads")
-def _scale_grads(grad_output, grad_input=None, grad_linear_weight=None, grad_linear_bias=None):
-    import itertools
-
-    def options(t):
-        return [None] if t is None else [R, P, *[Shard(d) for d in range(_ndim(t))]]
-
-    return [([a, b, c], [R, a, b, c]) for a, b, c in itertools.product(
-        options(grad_input), options(grad_linear_weight), options(grad_linear_bias))]
-
-
 # ---- handlers: ops whose sharding needs more than placements (1-D mesh) ----------------------------------
 
 def _mesh_of(args) -> "torch.distributed.device_mesh.DeviceMesh":
@@ -510,9 +499,27 @@ def _spec_of(x, mesh):
     return DTensorSpec(mesh, (R,), tensor_meta=TensorMeta(x.shape, x.stride(), x.dtype))
 
 
+def _scale_grads_handler(op_call, args, kwargs):
+    """_linear_cross_entropy_scale_grads (the scalar grad_output times each saved gradient): each gradient keeps its
+    placement, on any mesh; a plain gradient (of a plain input beside a DTensor weight) stays plain."""
+    grad_output, *grads = args
+    if isinstance(grad_output, DTensor):
+        g = grad_output
+        if any(not isinstance(p, Replicate) for p in g.placements):
+            target = DTensorSpec(g.device_mesh, (R,) * g.device_mesh.ndim, tensor_meta=g._spec.tensor_meta)
+            grad_output = redistribute_local_tensor(g._local_tensor, g._spec, target)
+        else:
+            grad_output = g._local_tensor
+    local = [x._local_tensor if isinstance(x, DTensor) else x for x in grads]
+    res = op_call(grad_output, *local)
+    return tuple(None if r is None else (DTensor(r, x._spec, requires_grad=False) if isinstance(x, DTensor) else r)
+                 for r, x in zip(res, grads))
+
+
 HANDLED.update({"indexed_linear": _indexed_linear_handler, "indexed_linear_backward": _indexed_linear_backward_handler,
                 "linear_cat_backward": _linear_cat_backward_handler,
-                "square_add_backward": _square_add_backward_handler})
+                "square_add_backward": _square_add_backward_handler,
+                "_linear_cross_entropy_scale_grads": _scale_grads_handler})
 
 
 # ---- registration ----------------------------------------------------------------------------------------
