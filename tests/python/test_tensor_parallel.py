@@ -118,6 +118,22 @@ def test_local_math_equals_the_op(opts):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_local_math_bfloat16_equals_the_op():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(17, 16, generator=g).bfloat16()
+    w = torch.randn(21, 16, generator=g).bfloat16()
+    t = torch.randint(0, 21, (17,), generator=g)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = opforge.linear_cross_entropy(xr, wr, t, label_smoothing=0.1)
+    ref.backward()
+    loss, stats, gi, gw, _ = vocab_parallel_forward(x, w, t, label_smoothing=0.1, chunk_size=5,
+                                                    grad_mask=(True, True, False))
+    assert loss.dtype == torch.float32 and gi.dtype == gw.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)  # float32 math from the same bf16 values
+    torch.testing.assert_close(gi, xr.grad, rtol=1e-2, atol=1e-3)  # one bf16 rounding of each gradient
+    torch.testing.assert_close(gw, wr.grad, rtol=1e-2, atol=1e-3)
+
+
 def test_local_math_errors():
     x, w = torch.randn(3, 4), torch.randn(5, 4)
     with pytest.raises(IndexError, match="expected targets in"):

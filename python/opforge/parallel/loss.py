@@ -23,7 +23,7 @@ rank, as Megatron's vocabulary-parallel loss needs it.
 
 Autograd: the op's own C++ node records the call; on the gradient-in-forward path (reduction mean/sum) the forward
 computes the gradients of the slice in the same chunk loop and backward scales them
-(`_linear_cross_entropy_scale_grads`, a placement rule); on the recompute path (reduction none) the backward handler
+(`_linear_cross_entropy_scale_grads`: each gradient keeps its placement); on the recompute path (reduction none) the backward handler
 recomputes each chunk's slice from the global stats.
 
 Without a DTensor weight: `vocab_parallel_forward` / `vocab_parallel_backward` are the same math on plain local
@@ -88,88 +88,107 @@ def _check(input: Tensor, linear_weight: Tensor, target: Tensor, reduction: str,
                          f"({linear_weight.shape[-1]})")
 
 
+def _mm(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
+    """a · b in the accumulation dtype: a plain GEMM for float32/float64 operands; for 16-bit ones on CUDA a GEMM with
+    float32 output (no float32 copy of the operands), on the CPU in float32 copies."""
+    if a.dtype == acc and b.dtype == acc:
+        return torch.mm(a, b)
+    if a.is_cuda and a.dtype == b.dtype:
+        return torch.mm(a, b, out_dtype=acc)
+    return torch.mm(a.to(acc), b.to(acc))
+
+
 class _Problem:
-    """The flattened problem of one rank: x (N, H), its slice W_r (V_r, H) starting at class `start` of V."""
+    """The flattened problem of one rank: x (N, H), its slice W_r (V_r, H) starting at class `start` of V.
+
+    Memory per chunk of c rows: one `[c, V_r]` logits block in the accumulation dtype, turned in place into the
+    exponentials, the probabilities and the logit gradient (plus, with softcap, one block of the cap's derivative and,
+    for 16-bit operands on CUDA, a 16-bit copy of the logit gradient for the grad_input GEMM)."""
 
     def __init__(self, x, w, target, bias, class_weight, start, vocab, ignore_index, label_smoothing, z_loss,
                  softcap, reduction, chunk_size, group):
         self.acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        self.x, self.w, self.bias = x, w, bias
+        self.x, self.bias = x, None if bias is None else bias.to(self.acc)
+        # the weight as the GEMMs read it: itself (float32/float64, or 16-bit on CUDA), else one float32 copy
+        self.w = w if w.dtype == self.acc or (w.is_cuda and w.dtype == x.dtype) else w.to(self.acc)
         self.t = target.reshape(-1)
         self.start, self.vocab, self.v_local = start, vocab, w.shape[0]
         self.ignore_index, self.eps, self.z_loss, self.softcap = ignore_index, label_smoothing, z_loss, softcap
         self.reduction, self.group = reduction, group
         self.valid = self.t != ignore_index
+        self.bad = self.valid & ((self.t < 0) | (self.t >= vocab))
+        if x.device.type == "cpu" and bool(self.bad.any()):
+            i = int(self.bad.nonzero()[0, 0])
+            raise IndexError(f"opforge::linear_cross_entropy: expected targets in [0, {vocab}) or ignore_index "
+                             f"({ignore_index}), but got {int(self.t[i])} at position {i}")
+        zero = torch.zeros((), dtype=self.acc, device=x.device)
         if class_weight is not None:
             cw = class_weight.to(self.acc)
-            self.w_t = torch.where(self.valid, cw[self.t.clamp(0, vocab - 1)], torch.zeros((), dtype=self.acc))
+            self.w_t = torch.where(self.valid, cw[self.t.clamp(0, vocab - 1)], zero)
             self.w_local = cw[start:start + self.v_local]
             self.w_sum = cw.sum()
         else:
             self.w_t = self.valid.to(self.acc)
             self.w_local = None
             self.w_sum = torch.tensor(float(vocab), dtype=self.acc, device=x.device)
+        local_t = self.t - start
+        self.inside = self.valid & (local_t >= 0) & (local_t < self.v_local)
+        self.local_t = local_t.clamp(0, max(self.v_local - 1, 0))
         self.rows = _chunk_rows(x.shape[0], self.v_local, chunk_size, torch.finfo(self.acc).bits // 8)
-        bad = self.valid & ((self.t < 0) | (self.t >= vocab))
-        if x.device.type == "cpu" and bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise IndexError(f"opforge::linear_cross_entropy: expected targets in [0, {vocab}) or ignore_index "
-                             f"({ignore_index}), but got {int(self.t[i])} at position {i}")
 
     def denominator(self) -> Tensor:
         return self.w_t.sum()
 
     def logits(self, a: int, b: int) -> Tuple[Tensor, Optional[Tensor]]:
-        """The chunk's capped logits of the slice (rows a..b) in the accumulation dtype, and tanh(z / c) where
-        capped."""
-        z = self.x[a:b].to(self.acc) @ self.w.to(self.acc).t()
+        """The chunk's capped logits of the slice (rows a..b) in the accumulation dtype, and with softcap the cap's
+        derivative 1 − tanh²(z / c)."""
+        x = self.x[a:b]
+        z = _mm(x if self.w.dtype == x.dtype else x.to(self.w.dtype), self.w.t(), self.acc)
         if self.bias is not None:
-            z = z + self.bias.to(self.acc)
+            z.add_(self.bias)
         if self.softcap is None:
             return z, None
-        th = torch.tanh(z / self.softcap)
-        return self.softcap * th, th
+        z.div_(self.softcap).tanh_()
+        deriv = 1.0 - z * z
+        return z.mul_(self.softcap), deriv
 
     def target_logit(self, z: Tensor, a: int, b: int) -> Tensor:
-        t = self.t[a:b] - self.start
-        inside = self.valid[a:b] & (t >= 0) & (t < self.v_local)
-        picked = z.gather(1, t.clamp(0, max(self.v_local - 1, 0)).unsqueeze(1)).squeeze(1) if self.v_local else \
-            torch.zeros(b - a, dtype=self.acc, device=z.device)
-        return torch.where(inside, picked, torch.zeros((), dtype=self.acc, device=z.device))
+        if not self.v_local:
+            return torch.zeros(b - a, dtype=self.acc, device=z.device)
+        picked = z.gather(1, self.local_t[a:b].unsqueeze(1)).squeeze(1)
+        return torch.where(self.inside[a:b], picked, torch.zeros((), dtype=self.acc, device=z.device))
 
-    def grad_logits(self, z: Tensor, th: Optional[Tensor], lse: Tensor, scale: Tensor, a: int, b: int) -> Tensor:
-        """d(Σ_i scale_i · loss_i) / d(raw logits) of the slice, rows a..b."""
-        p = torch.exp(z - lse.unsqueeze(1))
-        w_t = self.w_t[a:b]
+    def grad_from_probs(self, p: Tensor, deriv: Optional[Tensor], lse: Tensor, scale: Tensor, a: int, b: int) -> Tensor:
+        """p (the chunk's probabilities, overwritten) into d(Σ_i scale_i · loss_i) / d(raw logits) of the slice."""
+        valid, w_t = self.valid[a:b], self.w_t[a:b]
+        zero = torch.zeros((), dtype=self.acc, device=p.device)
         coef = (1.0 - self.eps) * w_t + self.eps / self.vocab * self.w_sum + 2.0 * self.z_loss * lse
-        coef = torch.where(self.valid[a:b], coef, torch.zeros((), dtype=self.acc, device=z.device))
-        dz = p * coef.unsqueeze(1)
-        t = self.t[a:b] - self.start
-        inside = self.valid[a:b] & (t >= 0) & (t < self.v_local)
-        rows = inside.nonzero().squeeze(1)
-        if rows.numel():
-            dz.index_put_((rows, t[rows]), -(1.0 - self.eps) * w_t[rows], accumulate=True)
+        coef = torch.where(valid, coef, zero)
+        coef = torch.where(self.bad[a:b], torch.full_like(coef, float("nan")), coef)
+        p.mul_(coef.unsqueeze(1))
+        if self.v_local:
+            hit = torch.where(self.inside[a:b], -(1.0 - self.eps) * w_t, zero)
+            p.scatter_add_(1, self.local_t[a:b].unsqueeze(1), hit.unsqueeze(1))
         if self.eps:
             wl = self.w_local if self.w_local is not None else torch.ones(self.v_local, dtype=self.acc,
-                                                                          device=z.device)
-            dz = dz - torch.where(self.valid[a:b], torch.full_like(lse, self.eps / self.vocab),
-                                  torch.zeros_like(lse)).unsqueeze(1) * wl.unsqueeze(0)
-        dz = dz * scale.unsqueeze(1)
-        if th is not None:
-            dz = dz * (1.0 - th * th)
-        return dz
+                                                                          device=p.device)
+            p.addr_(torch.where(valid, torch.full_like(lse, self.eps / self.vocab), zero), wl, alpha=-1.0)
+        p.mul_(scale.unsqueeze(1))
+        if deriv is not None:
+            p.mul_(deriv)
+        return p
 
 
 def _grad_buffers(p: _Problem, mask) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    gi = torch.zeros(p.x.shape, dtype=p.acc, device=p.x.device) if mask[0] else None
-    gw = torch.zeros(p.w.shape, dtype=p.acc, device=p.x.device) if mask[1] else None
+    gi = torch.empty(p.x.shape, dtype=p.acc, device=p.x.device) if mask[0] else None
+    gw = torch.zeros((p.v_local, p.x.shape[1]), dtype=p.acc, device=p.x.device) if mask[1] else None
     gb = torch.zeros(p.v_local, dtype=p.acc, device=p.x.device) if mask[2] and p.bias is not None else None
     return gi, gw, gb
 
 
 def _accumulate(p: _Problem, dz: Tensor, a: int, b: int, gi, gw, gb) -> None:
     if gi is not None:
-        gi[a:b] = dz @ p.w.to(p.acc)
+        gi[a:b] = _mm(dz if p.w.dtype == p.acc else dz.to(p.w.dtype), p.w, p.acc)
     if gw is not None:
         gw.addmm_(dz.t(), p.x[a:b].to(p.acc))
     if gb is not None:
@@ -223,13 +242,14 @@ def vocab_parallel_forward(input: Tensor, linear_weight: Tensor, target: Tensor,
         s = torch.where(den > 0, 1.0 / den, torch.zeros_like(den)) if reduction == "mean" else torch.ones_like(den)
     for a in range(0, n, p.rows):
         b = min(a + p.rows, n)
-        z, th = p.logits(a, b)
+        z, deriv = p.logits(a, b)
         m = z.amax(1) if p.v_local else torch.full((b - a,), -float("inf"), dtype=p.acc, device=x.device)
         m = _all_reduce(m, dist.ReduceOp.MAX, group)
         m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        sums = torch.stack([torch.exp(z - m_safe.unsqueeze(1)).sum(1), p.target_logit(z, a, b),
-                            (z * p.w_local).sum(1) if p.w_local is not None else z.sum(1)], 1)
-        sums = _all_reduce(sums, dist.ReduceOp.SUM, group)
+        zt = p.target_logit(z, a, b)
+        wz = z @ p.w_local if p.w_local is not None else z.sum(1)
+        e = z.sub_(m_safe.unsqueeze(1)).exp_()  # z is not needed past here: its block holds exp(z − m)
+        sums = _all_reduce(torch.stack([e.sum(1), zt, wz], 1), dist.ReduceOp.SUM, group)
         r = torch.log(sums[:, 0])
         lse = m_safe + r
         loss = (1.0 - p.eps) * p.w_t[a:b] * (lse - sums[:, 1])
@@ -237,10 +257,12 @@ def vocab_parallel_forward(input: Tensor, linear_weight: Tensor, target: Tensor,
             loss = loss + p.eps / vocab * (p.w_sum * lse - sums[:, 2])
         if z_loss:
             loss = loss + z_loss * lse * lse
-        token_loss[a:b] = torch.where(p.valid[a:b], loss, torch.zeros_like(loss))
+        loss = torch.where(p.valid[a:b], loss, torch.zeros_like(loss))
+        token_loss[a:b] = torch.where(p.bad[a:b], torch.full_like(loss, float("nan")), loss)
         m_all[a:b], r_all[a:b] = m, r
-        if want:
-            _accumulate(p, p.grad_logits(z, th, lse, s.expand(b - a), a, b), a, b, gi, gw, gb)
+        if want:  # e / Σ: the probabilities, in the same block
+            probs = e.div_(sums[:, 0].unsqueeze(1))
+            _accumulate(p, p.grad_from_probs(probs, deriv, lse, s.expand(b - a), a, b), a, b, gi, gw, gb)
     if reduction == "none":
         out = token_loss.reshape(lead)
     elif reduction == "sum":
@@ -279,10 +301,11 @@ def vocab_parallel_backward(grad_output: Tensor, input: Tensor, linear_weight: T
     n = x.shape[0]
     for a in range(0, n, p.rows):
         b = min(a + p.rows, n)
-        z, th = p.logits(a, b)
+        z, deriv = p.logits(a, b)
         m = st[a:b, 0]
         lse = torch.where(torch.isfinite(m), m, torch.zeros_like(m)) + st[a:b, 1]
-        _accumulate(p, p.grad_logits(z, th, lse, scale[a:b], a, b), a, b, gi, gw, gb)
+        probs = z.sub_(lse.unsqueeze(1)).exp_()
+        _accumulate(p, p.grad_from_probs(probs, deriv, lse, scale[a:b], a, b), a, b, gi, gw, gb)
     gi, gw, gb = _finish(p, gi, gw, gb, input.dtype, linear_weight.dtype,
                          None if linear_bias is None else linear_bias.dtype)
     return None if gi is None else gi.reshape(input.shape), gw, gb
