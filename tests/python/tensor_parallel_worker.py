@@ -260,14 +260,17 @@ def suite_loss(mesh):
         FAILURES.append(f"a tensor of {largest} bytes: not less than the rank's slice of the logits")
 
 
-def _tiny_llama(device):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny_llama(device, family="llama"):
+    import transformers
 
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
-                      attn_implementation="sdpa")
+    config, causal_lm = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]  # qwen3: per-head q_norm/k_norm
+    cfg = getattr(transformers, config)(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+                                        attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(device)
+    model = getattr(transformers, causal_lm)(cfg).to(device)
     opforge.patch.apply(model)
     return model
 
@@ -317,7 +320,7 @@ def _cuda_loss_memory(mesh, N=4096, H=1024, V=65536, chunk=1024):
         FAILURES.append(f"CUDA loss memory ratio {many / one:.3f} > 0.55")
 
 
-def suite_model(dp, device, steps=4, batch=4, seq=8):
+def suite_model(dp, device, steps=4, batch=4, seq=8, family="llama"):
     """TP + SP (+ FSDP2 on a (dp, tp) mesh) against the single-process run of the same global batches."""
     from torch.distributed.fsdp import fully_shard
 
@@ -327,7 +330,7 @@ def suite_model(dp, device, steps=4, batch=4, seq=8):
 
     world = dist.get_world_size()
     tp = world // dp
-    model = _tiny_llama(device)
+    model = _tiny_llama(device, family)
     reference = copy.deepcopy(model)
     batches = _batches(device, steps, batch, seq, model.config.vocab_size)
     ref = [float(x.detach()) for x in _train(reference, batches)]
@@ -347,17 +350,42 @@ def suite_model(dp, device, steps=4, batch=4, seq=8):
             v = v / dp
         got.append(float(v))
     rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
-    log(f"model dp={dp} tp={tp}: losses {got} single-process {ref}; largest relative difference {rel:.2e}")
+    log(f"model {family} dp={dp} tp={tp}: losses {got} single-process {ref}; largest relative difference {rel:.2e}")
     if not rel <= 1e-5:
-        FAILURES.append(f"model dp={dp} tp={tp}: losses differ from the single-process run by {rel:.2e} relative")
+        FAILURES.append(f"model {family} dp={dp} tp={tp}: losses differ from the single-process run by {rel:.2e} relative")
+    _compare_grads(model, reference, batches[0], dp, tp, family)
     # without labels (inference, generate): the lm_head's logits gathered, equal to the single process's
     ids = batches[0].chunk(dp, 0)[r]
     with torch.no_grad():
         logits = model(input_ids=ids).logits
         want = reference(input_ids=ids).logits
     close(full(logits), want, f"model dp={dp} tp={tp}: logits without labels", rtol=1e-4, atol=1e-5)
-    if dp == 1:
+    if dp == 1 and family == "llama":
         _count_collectives(model, batches[0], tp)
+
+
+def _compare_grads(model, reference, ids, dp, tp, family):
+    """Every parameter's gradient of one more step equals the single process's (the fused weights back in
+    transformers' row order)."""
+    from opforge.parallel import unpermute_fused
+
+    r = dist.get_rank() // tp if dp > 1 else 0
+    model(input_ids=ids.chunk(dp, 0)[r], labels=ids.chunk(dp, 0)[r]).loss.backward()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    ref = dict(reference.named_parameters())
+    sizes = {}
+    for name, m in reference.named_modules():
+        if hasattr(m, "_opforge_sizes"):
+            sizes[f"{name}.qkv_proj.weight"] = list(m._opforge_sizes)
+        if hasattr(m, "gate_up_proj"):
+            sizes[f"{name}.gate_up_proj.weight"] = [m.gate_up_proj.out_features // 2] * 2
+    for name, p in model.named_parameters():
+        g = full(p.grad)
+        if name in sizes:
+            g = unpermute_fused(g, sizes[name], tp)
+        close(g, ref[name].grad, f"model {family} dp={dp} tp={tp}: gradient of {name}", rtol=1e-4, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
 
 
 def _count_collectives(model, ids, tp):
@@ -411,6 +439,8 @@ def main():
         before = len(FAILURES)
         if suite == "model":
             suite_model(a.dp, a.device)
+            if a.dp == 1:
+                suite_model(1, a.device, family="qwen3")
         else:
             mesh = init_device_mesh(a.device, (world,))
             {"ops": suite_ops, "loss": suite_loss}[suite](mesh)

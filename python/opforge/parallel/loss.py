@@ -94,7 +94,10 @@ def _mm(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
     if a.dtype == acc and b.dtype == acc:
         return torch.mm(a, b)
     if a.is_cuda and a.dtype == b.dtype:
-        return torch.mm(a, b, out_dtype=acc)
+        try:
+            return torch.mm(a, b, out_dtype=acc)
+        except (RuntimeError, TypeError):  # a torch or GPU without this GEMM: float32 copies
+            pass
     return torch.mm(a.to(acc), b.to(acc))
 
 
