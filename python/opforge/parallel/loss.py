@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .sharding import HANDLED, P, R, _one_dim_mesh, _placement, to_local, wrap
 

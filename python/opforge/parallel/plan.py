@@ -17,8 +17,8 @@ The plan reorders the fused weight's rows once, to `[q_0 k_0 v_0 | q_1 k_1 v_1 |
 so that the `Shard(0)` slice of rank r is its own `[q_r | k_r | v_r]` (likewise `[gate_r | up_r]`), and sets the
 attention's split sizes to the local widths. The attention and the MLP then run on local tensors (the heads and
 the intermediate columns of this rank): their input, gathered from the sequence shards, enters as a local tensor
-whose gradient is a partial sum (reduce-scattered on the way back), and the fused projections read their local
-weight shard (`.weight` of the swapped module class is the DTensor parameter's local tensor, with its gradient).
+whose gradient is a partial sum (reduce-scattered on the way back), and the patched forwards read the fused
+projections through a `LocalView`: their local weight shard, with its gradient.
 
 The parameters are DTensors: build the optimizer after `parallelize`, and compose with FSDP2 on a 2-D mesh
 (`fully_shard(layer, mesh=mesh["dp"])` per decoder layer and on the root, after `parallelize(model, mesh["tp"])`).
@@ -27,7 +27,7 @@ it (load the checkpoint before `parallelize`; `unpermute_fused` gives a fused we
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor

@@ -35,7 +35,7 @@ runs the op on local tensors and wraps the results.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -157,15 +157,6 @@ def _broadcast_placement(input, other, p):
 @_rule("square_add")
 def _square_add(input, other):
     return [([p], [p, _broadcast_placement(input, other, p)[0]]) for p in _all_dims(input)]
-
-
-def _square_add_backward(grad_output, input, other, output_mask):
-    out = []
-    for p in _all_dims(input):
-        po, reduced = _broadcast_placement(input, other, p)
-        out.append(([_grad_of(p, output_mask[0]), _grad_of(P if reduced else po, output_mask[1])], [p, p, po]))
-    out.append(([_grad_of(P, output_mask[0]), _grad_of(P, output_mask[1])], [P, R, R]))
-    return out
 
 
 @_rule("swiglu")
