@@ -371,6 +371,8 @@ def suite_model(dp, device, steps=4, batch=4, seq=8, family="llama"):
         logits = model(input_ids=ids).logits
         want = reference(input_ids=ids).logits
     close(full(logits), want, f"model dp={dp} tp={tp}: logits without labels", rtol=1e-4, atol=1e-5)
+    if dp == 1:
+        _check_state_dict(model, reference, batches[0], tp, family)
     if dp == 1 and family == "llama":
         _count_collectives(model, batches[0], tp)
 
@@ -395,6 +397,26 @@ def _compare_grads(model, reference, ids, dp, tp, family):
         if name in sizes:
             g = unpermute_fused(g, sizes[name], tp)
         close(g, ref[name].grad, f"model {family} dp={dp} tp={tp}: gradient of {name}", rtol=1e-4, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+
+
+def _check_state_dict(model, reference, ids, tp, family):
+    """state_dict() of the parallelized model has the keys and values of the single process's (transformers' q/k/v
+    and gate/up, not the plan's row order); loading a changed one gives the single process's loss."""
+    what = f"model {family} tp={tp}: state_dict"
+    sd, want = model.state_dict(), reference.state_dict()
+    if sorted(sd) != sorted(want):
+        FAILURES.append(f"{what}: keys differ")
+        return
+    for k, v in want.items():
+        close(full(sd[k]), v, f"{what} {k}")  # a wrong row order is off by O(1); training leaves ulps
+    with torch.no_grad():
+        sd = {k: v * 1.5 for k, v in sd.items()}
+    model.load_state_dict(sd)
+    reference.load_state_dict({k: full(v) for k, v in sd.items()})
+    got = model(input_ids=ids, labels=ids).loss
+    close(full(got), reference(input_ids=ids, labels=ids).loss, f"{what} loaded: loss")
     model.zero_grad(set_to_none=True)
     reference.zero_grad(set_to_none=True)
 

@@ -22,8 +22,9 @@ projections through a `LocalView`: their local weight shard, with its gradient.
 
 The parameters are DTensors: build the optimizer after `parallelize`, and compose with FSDP2 on a 2-D mesh
 (`fully_shard(layer, mesh=mesh["dp"])` per decoder layer and on the root, after `parallelize(model, mesh["tp"])`).
-The fused weights' global (DTensor) row order is the reordered one: `state_dict()` of a parallelized model keeps
-it (load the checkpoint before `parallelize`; `unpermute_fused` gives a fused weight back in transformers' order).
+`state_dict()` and `load_state_dict` keep transformers' keys and values: hooks that run before opforge.patch's split
+(join) put the fused weights back in `[q | k | v]` order (in the plan's order), so a parallelized model saves and
+loads the checkpoints of the unparallelized one (its q/k/v/gate/up values as gathered `Replicate` DTensors).
 """
 from __future__ import annotations
 
@@ -152,6 +153,54 @@ def _local_input(mesh, name: str):
     return hook
 
 
+def _fused_parts(module: torch.nn.Module) -> Dict[str, list]:
+    """{fused module name: [(part name, first row, end row), ...]} as opforge.patch recorded the fusion."""
+    return module.__dict__.get("_opforge_fused", {})
+
+
+def _state_dict_in_order(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook that runs before opforge.patch's split: the fused weights back in `[q | k | v]`
+    (`[gate | up]`) order, as a `Replicate` DTensor of the gathered weight, so that the split gives transformers'
+    q/k/v (gate/up) values."""
+    ranks = module._opforge_tp_ranks
+    for fused_name, parts in _fused_parts(module).items():
+        sizes = [b - a for _, a, b in parts]
+        for p in ("weight", "bias"):
+            key = f"{prefix}{fused_name}.{p}"
+            t = state_dict.get(key)
+            if isinstance(t, DTensor):
+                full = unpermute_fused(t.full_tensor(), sizes, ranks)
+                state_dict[key] = DTensor.from_local(full, t.device_mesh, [Replicate()] * t.device_mesh.ndim,
+                                                     run_check=False)
+
+
+def _load_in_order(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                   error_msgs) -> None:
+    """load_state_dict pre-hook that runs before opforge.patch's join: transformers' q/k/v (gate/up) keys joined
+    here, in the plan's row order and distributed as the fused parameter is (the join then has nothing to do)."""
+    ranks = module._opforge_tp_ranks
+    for fused_name, parts in _fused_parts(module).items():
+        fused = module._modules[fused_name]
+        sizes = [b - a for _, a, b in parts]
+        for p in ("weight", "bias"):
+            param = fused._parameters.get(p)
+            keys = [f"{prefix}{n}.{p}" for n, _, _ in parts]
+            if not isinstance(param, DTensor) or not all(k in state_dict for k in keys):
+                continue  # partial or absent: opforge.patch's join reports it
+            pieces = [state_dict.pop(k) for k in keys]
+            pieces = [x.full_tensor() if isinstance(x, DTensor) else x for x in pieces]
+            full = permute_fused(torch.cat([x.to(param.device) for x in pieces], 0), sizes, ranks)
+            state_dict[f"{prefix}{fused_name}.{p}"] = distribute_tensor(full, param.device_mesh, param.placements)
+
+
+def _hooks_first(module: torch.nn.Module) -> None:
+    """Registers the two hooks above ahead of opforge.patch's (hooks run in registration order)."""
+    h = module.register_state_dict_post_hook(_state_dict_in_order)
+    module._state_dict_hooks.move_to_end(h.id, last=False)
+    h = module.register_load_state_dict_pre_hook(_load_in_order)
+    module._load_state_dict_pre_hooks.move_to_end(h.id, last=False)
+
+
 def _layers(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [m for m in model.modules() if getattr(m, "_opforge_kind", None) == "decoder"]
 
@@ -258,4 +307,8 @@ def parallelize(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool = True) 
         mlp.register_forward_pre_hook(_local_input(tp_mesh, "x"), with_kwargs=True)
         _local_children(attn, {"qkv_proj": False, **{n: True for n in ("q_norm", "k_norm") if n in attn._modules}})
         _local_children(mlp, {"gate_up_proj": False})
+        for m in (attn, mlp):
+            m._opforge_tp_ranks = ranks
+            if _fused_parts(m):
+                _hooks_first(m)
     return model
