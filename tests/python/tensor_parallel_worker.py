@@ -473,7 +473,12 @@ def main():
         if suite == "model":
             suite_model(a.dp, a.device)
             if a.dp == 1:
-                suite_model(1, a.device, family="qwen3")
+                import transformers
+
+                if hasattr(transformers, "Qwen3ForCausalLM"):
+                    suite_model(1, a.device, family="qwen3")
+                else:
+                    log(f"model qwen3: not in transformers {transformers.__version__}, not run")
         else:
             mesh = init_device_mesh(a.device, (world,))
             {"ops": suite_ops, "loss": suite_loss}[suite](mesh)

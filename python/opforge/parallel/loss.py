@@ -47,8 +47,15 @@ _BUDGET_BYTES = 32 << 20
 
 
 def vocab_slice(vocab: int, ranks: int, rank: int) -> Tuple[int, int]:
-    """(start, size) of rank's slice of `vocab` classes split as `Shard(0)` splits (torch.chunk: ceil(V / ranks) a
-    rank, the last ones shorter or empty)."""
+    """(start, size) of rank's slice of `vocab` classes split as `Shard(0)` splits them (torch.chunk: ceil(V / ranks)
+    classes a rank, the last ones shorter or empty).
+
+    Args:
+        vocab: int. V. ranks: int. The tensor-parallel size. rank: int. This rank's index in [0, ranks).
+
+    Returns:
+        (int, int): the first class of the slice and its number of classes.
+    """
     step = -(-vocab // ranks)
     start = min(rank * step, vocab)
     return start, min(step, vocab - start)
@@ -227,6 +234,13 @@ def vocab_parallel_forward(input: Tensor, linear_weight: Tensor, target: Tensor,
         loss `()` for mean/sum, `(*)` for none, in float32 (float64 for float64); stats `(*, 2)` of the global (m, r);
         grad_input `(*, H)` this rank's partial sum (dZ_r · W_r: sum over ranks for the gradient), in input's dtype;
         grad_linear_weight `(V_r, H)` and grad_linear_bias `(V_r,)` of the slice, in their dtypes.
+
+    Raises:
+        ValueError: an unknown reduction; label_smoothing outside [0, 1]; z_loss < 0; softcap <= 0; chunk_size < 1;
+            input's H != linear_weight's H.
+        TypeError: target not int64.
+        IndexError: (CPU) a target outside [0, V) that is not ignore_index (CUDA: that token's loss and gradients
+            are NaN, no host synchronisation).
     """
     _check(input, linear_weight, target, reduction, label_smoothing, z_loss, softcap)
     lead = input.shape[:-1]
@@ -283,9 +297,25 @@ def vocab_parallel_backward(grad_output: Tensor, input: Tensor, linear_weight: T
                             label_smoothing: float, z_loss: float, softcap: Optional[float], output_mask,
                             chunk_size: Optional[int] = None, *, vocab_start: int = 0,
                             vocab_size: Optional[int] = None, group=None):
-    """(grad_input (this rank's partial sum), grad_linear_weight, grad_linear_bias) of the slice from the global stats
-    (m, r) of `vocab_parallel_forward`: each chunk's logits recomputed and scaled per token by grad_output (`()` for
-    mean/sum, `(*)` for none). No collective: the stats are global."""
+    """(grad_input, grad_linear_weight, grad_linear_bias) of this rank's slice from the global stats of
+    `vocab_parallel_forward`: each chunk's logits recomputed, p = exp(z − m − r), and the logit gradient scaled per
+    token by grad_output. No collective: the stats are global.
+
+    Args:
+        grad_output: `()` for mean/sum, `(*)` for none; float. The loss's gradient.
+        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
+            chunk_size, vocab_start, vocab_size, group: as `vocab_parallel_forward`.
+        stats: `(*, 2)` float32 (float64 for float64). The global (m, r) per token from `vocab_parallel_forward`.
+        output_mask: which of the three gradients to compute.
+
+    Returns:
+        grad_input `(*, H)` in input's dtype, this rank's partial sum (sum over the ranks for the gradient);
+        grad_linear_weight `(V_r, H)` and grad_linear_bias `(V_r,)` of the slice in their dtypes; None where not
+        asked.
+
+    Raises:
+        ValueError, TypeError, IndexError: as `vocab_parallel_forward`.
+    """
     _check(input, linear_weight, target, reduction, label_smoothing, z_loss, softcap)
     x = input.reshape(-1, input.shape[-1])
     vocab = linear_weight.shape[0] if vocab_size is None else vocab_size

@@ -38,8 +38,20 @@ __all__ = ["tensor_parallel_plan", "parallelize", "permute_fused", "unpermute_fu
 
 
 def permute_fused(weight: torch.Tensor, sizes: Sequence[int], ranks: int) -> torch.Tensor:
-    """Rows of a fused weight `[p_0 | p_1 | ...]` (part widths `sizes`) reordered so that the i-th `Shard(0)` slice of
-    `ranks` is `[p_0's i-th slice | p_1's i-th slice | ...]`. Each size must be divisible by `ranks`."""
+    """Rows of a fused weight `[p_0 | p_1 | ...]` reordered so that the r-th `Shard(0)` slice of `ranks` is
+    `[p_0's r-th slice | p_1's r-th slice | ...]`.
+
+    Args:
+        weight: `(Σ sizes, *)` any dtype. A fused weight (or bias) in `[p_0 | p_1 | ...]` row order.
+        sizes: the parts' row counts (q, k, v widths; gate, up widths).
+        ranks: int. The tensor-parallel size.
+
+    Returns:
+        `(Σ sizes, *)`, a new tensor in the plan's row order.
+
+    Raises:
+        ValueError: a size not divisible by `ranks`.
+    """
     for s in sizes:
         if s % ranks:
             raise ValueError(f"opforge.parallel: expected every part of the fused projection ({list(sizes)}) to be "
@@ -49,7 +61,8 @@ def permute_fused(weight: torch.Tensor, sizes: Sequence[int], ranks: int) -> tor
 
 
 def unpermute_fused(weight: torch.Tensor, sizes: Sequence[int], ranks: int) -> torch.Tensor:
-    """The inverse of `permute_fused`: a reordered fused weight (a full tensor) in `[p_0 | p_1 | ...]` order."""
+    """The inverse of `permute_fused`: a fused weight (gathered, `(Σ sizes, *)`) in the plan's row order back in
+    `[p_0 | p_1 | ...]` order. Args as `permute_fused`; returns a new tensor."""
     local = [s // ranks for s in sizes]
     blocks = [b.split(local, 0) for b in weight.chunk(ranks, 0)]
     return torch.cat([torch.cat([blocks[r][i] for r in range(ranks)], 0) for i in range(len(sizes))], 0)
