@@ -229,7 +229,7 @@ def _check_patched(model: torch.nn.Module) -> None:
                              "mlp.gate_up_proj (opforge.patch.apply(model) with decoder=True)")
 
 
-def tensor_parallel_plan(model: torch.nn.Module, *, loss_parallel: bool = True) -> Dict[str, object]:
+def tensor_parallel_plan(model: torch.nn.Module) -> Dict[str, object]:
     """The `parallelize_module` plan of a patched Llama-family model: {qualified module name: ParallelStyle}.
 
     Covers the embedding, every decoder layer's norms and projections, the final norm and the lm_head (see the
@@ -239,7 +239,6 @@ def tensor_parallel_plan(model: torch.nn.Module, *, loss_parallel: bool = True) 
 
     Args:
         model: a model patched by `opforge.patch.apply` (a transformers `*ForCausalLM` or its base model).
-        loss_parallel: bool. Shard the lm_head on the vocabulary (the loss then vocabulary-parallel). Default True.
 
     Returns:
         dict of module name -> `torch.distributed.tensor.parallel.ParallelStyle`.
@@ -271,12 +270,12 @@ def tensor_parallel_plan(model: torch.nn.Module, *, loss_parallel: bool = True) 
             plan[n] = SequenceParallel(use_local_output=False)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
-    if head is not None and loss_parallel:
+    if head is not None:
         plan[names[head]] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     return plan
 
 
-def parallelize(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool = True) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
     """Shards a patched Llama-family model in place over `tp_mesh` (1-D) with `tensor_parallel_plan`, sequence
     parallel between the blocks, and returns it.
 
@@ -287,7 +286,6 @@ def parallelize(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool = True) 
     Args:
         model: a model patched by `opforge.patch.apply`.
         tp_mesh: a 1-D `DeviceMesh` (e.g. `init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))["tp"]`).
-        loss_parallel: bool. Shard the lm_head on the vocabulary. Default True.
 
     Returns:
         model, its parameters now DTensors on tp_mesh.
@@ -300,7 +298,7 @@ def parallelize(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool = True) 
     register_sharding_rules()
     if tp_mesh.ndim != 1:
         raise ValueError(f"opforge.parallel.parallelize: expected a 1-D tensor-parallel mesh, but got {tp_mesh.ndim}-D")
-    plan = tensor_parallel_plan(model, loss_parallel=loss_parallel)
+    plan = tensor_parallel_plan(model)
     ranks = tp_mesh.size()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
