@@ -248,8 +248,13 @@ def suite_loss(mesh):
               [x, W], [None, Shard(0)], mesh)
     if DEVICE == "cuda":
         _cuda_loss_memory(mesh)
-    # memory: each rank's peak for the loss (forward with its gradients, the training path) against the same loop
-    # on one rank
+    if DEVICE == "cpu":
+        _cpu_loss_memory(mesh, g)
+
+
+def _cpu_loss_memory(mesh, g):
+    """Each rank's peak for the loss (forward with its gradients, the training path) against the same loop on one
+    rank, counted by _LiveBytes; and no tensor as large as the rank's slice of the logits."""
     N, H, V = 64, 32, 4096
     x, W = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
     t = torch.randint(0, V, (N,), generator=g)
