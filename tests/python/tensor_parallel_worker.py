@@ -274,13 +274,13 @@ def _cpu_loss_memory(mesh, g):
         FAILURES.append(f"a tensor of {largest} bytes: not less than the rank's slice of the logits")
 
 
-def _tiny_llama(device, family="llama"):
+def _tiny_llama(device, family="llama", kv_heads=2):
     import transformers
 
     config, causal_lm = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]  # qwen3: per-head q_norm/k_norm
     cfg = getattr(transformers, config)(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8,
                                         max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
                                         attn_implementation="sdpa")
     torch.manual_seed(0)
@@ -346,7 +346,7 @@ def suite_model(dp, device, steps=4, batch=4, seq=8, family="llama"):
 
     world = dist.get_world_size()
     tp = world // dp
-    model = _tiny_llama(device, family)
+    model = _tiny_llama(device, family, kv_heads=max(2, tp))
     reference = copy.deepcopy(model)
     batches = _batches(device, steps, batch, seq, model.config.vocab_size)
     ref = [float(x.detach()) for x in _train(reference, batches)]
@@ -477,6 +477,8 @@ def main():
         before = len(FAILURES)
         if suite == "model":
             suite_model(a.dp, a.device)
+            if a.dp > 1:  # and tensor parallelism over every rank
+                suite_model(1, a.device)
             if a.dp == 1:
                 import transformers
 
