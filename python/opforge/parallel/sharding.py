@@ -30,8 +30,10 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 The rules are registered when `opforge.parallel` is imported (`register_sharding_rules()`, idempotent). Ops whose
 sharding is not a pure placement rule (experts sharded: the expert index is shifted to the local experts; the
 vocabulary-parallel loss: all-reduces inside; linear_cat_backward: a list of gradients; square_add_backward: a plain
-shape carrier for `other`) get a DTensor op handler on a 1-D mesh (the tensor-parallel mesh; FSDP2 gathers its own mesh dimension before compute), which redistributes,
-runs the op on local tensors and wraps the results.
+shape carrier for `other`; _linear_cross_entropy_scale_grads: plain gradients beside DTensor ones) get a DTensor op
+handler, which redistributes, runs the op on local tensors and wraps the results. Handlers are defined on a 1-D mesh
+(the tensor-parallel one: FSDP2 gathers its own mesh dimension before compute) and raise NotImplementedError on
+another.
 """
 from __future__ import annotations
 
