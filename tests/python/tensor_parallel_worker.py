@@ -184,8 +184,9 @@ def loss_options():
 
 class _LiveBytes(TorchDispatchMode):
     """Counts the bytes of the tensors the ops under it allocate while those tensors are alive (a tensor whose
-    storage is already counted or is an input's, a view or an in-place result, adds nothing; a storage is freed when the tensor that
-    brought it dies). CPU tensors have no allocator statistics, so this is the memory measure on the CPU."""
+    storage is already counted or is an input's, a view or an in-place result, adds nothing; a storage is freed when
+    the tensor that brought it dies). CPU tensors have no allocator statistics, so this is the memory measure on the
+    CPU."""
 
     def __init__(self):
         super().__init__()

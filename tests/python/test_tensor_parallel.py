@@ -104,12 +104,14 @@ def test_local_math_equals_the_op(opts):
     cot = torch.randn(ref.shape, generator=g)
     (ref * cot).sum().backward()
     red = opts.get("reduction", "mean")
-    args = dict(linear_bias=b, weight=opts.get("weight"), reduction=red, label_smoothing=opts.get("label_smoothing", 0.0),
+    args = dict(linear_bias=b, weight=opts.get("weight"), reduction=red,
+                label_smoothing=opts.get("label_smoothing", 0.0),
                 z_loss=opts.get("z_loss", 0.0), softcap=opts.get("softcap"), chunk_size=4)
     loss, stats, *_ = vocab_parallel_forward(x, w, t, **args)
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
     gi, gw, gb = vocab_parallel_backward(cot, x, w, t, stats, args["linear_bias"], args["weight"], red, -100,
-                                         args["label_smoothing"], args["z_loss"], args["softcap"], [True, True, True], 4)
+                                         args["label_smoothing"], args["z_loss"], args["softcap"], [True, True, True],
+                                         4)
     for got, want in ((gi, xr.grad), (gw, wr.grad), (gb, br.grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     if red != "none":  # the gradient-in-forward path: gradients of loss.sum(), scaled by the scalar cotangent

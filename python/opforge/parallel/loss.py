@@ -23,8 +23,8 @@ rank, as Megatron's vocabulary-parallel loss needs it.
 
 Autograd: the op's own C++ node records the call; on the gradient-in-forward path (reduction mean/sum) the forward
 computes the gradients of the slice in the same chunk loop and backward scales them
-(`_linear_cross_entropy_scale_grads`: each gradient keeps its placement); on the recompute path (reduction none) the backward handler
-recomputes each chunk's slice from the global stats.
+(`_linear_cross_entropy_scale_grads`: each gradient keeps its placement); on the recompute path (reduction none) the
+backward handler recomputes each chunk's slice from the global stats.
 
 Without a DTensor weight: `vocab_parallel_forward` / `vocab_parallel_backward` are the same math on plain local
 tensors and a process group (a rank's slice starts at `vocab_start`).

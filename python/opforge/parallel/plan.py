@@ -308,8 +308,8 @@ def parallelize(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
     for layer in _layers(model):
         attn = layer.self_attn
         if any(s % (ranks * attn.head_dim) for s in attn._opforge_sizes):
-            raise ValueError(f"opforge.parallel.parallelize: expected the q/k/v widths {attn._opforge_sizes} to be whole "
-                             f"heads ({attn.head_dim}) per rank of {ranks}")
+            raise ValueError(f"opforge.parallel.parallelize: expected the q/k/v widths {attn._opforge_sizes} to be "
+                             f"whole heads ({attn.head_dim}) per rank of {ranks}")
     parallelize_module(model, tp_mesh, plan)
     for layer in _layers(model):
         attn, mlp = layer.self_attn, layer.mlp
