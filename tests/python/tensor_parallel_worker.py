@@ -160,6 +160,29 @@ def suite_ops(mesh):
         except NotImplementedError as e:
             if "1-D" not in str(e):
                 FAILURES.append(f"indexed_linear on a 2-D mesh: {e}")
+    # under the placements the rules support, forward and backward issue no collective at all
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    def no_comm(name, fn, inputs, placements):
+        d = [distribute_tensor(x.to(DEVICE), mesh, [p]).requires_grad_(x.is_floating_point()) for x, p in
+             zip(inputs, placements)]
+        mode = CommDebugMode()
+        with mode:
+            out = fn(*d)
+            out = out if isinstance(out, (tuple, list)) else (out,)
+            sum(o.to_local().sum() for o in out if o is not None).backward()  # no reduction of the outputs
+        if mode.get_total_counts():
+            FAILURES.append(f"{name}: collectives {dict(mode.get_comm_counts())} under its own placements")
+
+    no_comm("rms_norm S(1)", lambda a, w: opforge.rms_norm(a, (8,), w), [x, w8], [S1, R])
+    no_comm("fused_add_rms_norm S(1)", lambda a, b, w: opforge.fused_add_rms_norm(a, b, (8,), w), [x, r, w8],
+            [S1, S1, R])
+    no_comm("linear column-wise", lambda a, w_: opforge.linear(a, w_), [xl, W], [R, S0])
+    no_comm("linear row-wise", lambda a, w_: opforge.linear(a, w_), [xl, W], [S2, S1])
+    no_comm("swiglu_packed S(0)", opforge.swiglu_packed, [rn(4, 6, 16)], [S0])
+    no_comm("rope heads", lambda a, b, c, s: opforge.rope(a, b, c.detach(), s.detach()), [q, k, cos, sin],
+            [S1, S1, R, R])
+    no_comm("indexed_linear experts", lambda a, w_, i: opforge.indexed_linear(a, w_, i), [xi, We, idx], [R, S0, R])
     H, V = 8, 10
     xh, Wv, bv = rn(12, H), rn(V, H), rn(V)
     tgt = torch.tensor([1, 9, 0, -100, 5, 3, 3, 7, 8, 2, 4, 6])
