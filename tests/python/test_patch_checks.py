@@ -246,6 +246,11 @@ def test_strict_failure_leaves_the_model_as_it_was(make):
 
 
 def test_transformers_version_is_checked(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", "4.40.0")
-    with pytest.raises(RuntimeError, match="transformers 4.40.0"):
-        patch.apply(_llama())
+    from opforge.patch import _apply
+
+    monkeypatch.setattr(_apply, "_transformers_version", lambda: "4.40.0")
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    with pytest.raises(RuntimeError, match="but got transformers 4.40.0"):
+        patch.apply(model)
+    _assert_untouched(model, ref)
