@@ -436,20 +436,26 @@ def patch_decoder_layer(family: Family, layer: torch.nn.Module, inductor_math: b
         done.append(("mlp.experts", ename, "opforge experts (indexed_linear; router as transformers)"))
         if "shared_expert" in mlp._modules:
             sname = type(mlp.shared_expert).__name__
+            what = _mlp_what(mlp.shared_expert)
             patch_dense_mlp(mlp.shared_expert, inductor_math, False)
-            done.append(("mlp.shared_expert", sname, "opforge MLP (fused gate/up GEMM, gated activation)"))
+            done.append(("mlp.shared_expert", sname, what))
     else:
-        act = act_kind(mlp.act_fn if "act_fn" in mlp._modules else mlp.activation_fn)
+        what = _mlp_what(mlp)
         patch_dense_mlp(mlp, inductor_math, recompute)
-        done.append(("mlp", names[2], f"opforge MLP (fused gate/up GEMM, {'swiglu' if act == 'silu' else 'geglu'}_packed)"))
+        done.append(("mlp", names[2], what))
     return done
+
+
+def _mlp_what(mlp) -> str:
+    act = act_kind(mlp.act_fn if "act_fn" in mlp._modules else mlp.activation_fn)
+    return f"opforge MLP (fused gate/up GEMM, {'swiglu' if act == 'silu' else 'geglu'}_packed)"
 
 
 def causal_lm_reason(family: Optional[Family], m: torch.nn.Module) -> Optional[str]:
     if family is None:
         fam = family_name(m)
         known = ", ".join(sorted(FAMILIES))
-        return (f"transformers' {fam} family is not one opforge.patch has an adapter for (known: {known})" if fam
+        return (f"transformers' {fam} family has no opforge.patch adapter (known: {known})" if fam
                 else "not a transformers model class")
     try:
         from transformers.loss.loss_utils import ForCausalLMLoss
