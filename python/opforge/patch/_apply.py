@@ -58,8 +58,8 @@ def _probe(model: torch.nn.Module) -> Optional[dict]:
     vocab = getattr(cfg, "vocab_size", None)
     p = next(model.parameters(), None)
     if not isinstance(vocab, int) or p is None or p.device.type == "meta" or not p.is_floating_point() \
-            or not type(model).__name__.endswith("ForCausalLM"):
-        return None
+            or not (type(model).__name__.endswith("ForCausalLM") or type(model).__module__.startswith("peft.")):
+        return None  # (PEFT's PeftModel of a causal LM is probed too)
     g = torch.Generator(device="cpu").manual_seed(4321)
     ids = torch.randint(0, vocab, (2, 7), generator=g).to(p.device)
     modes = [(m, m.training) for m in model.modules()]
@@ -162,7 +162,8 @@ def _patch(model, report: PatchReport, *, decoder, loss, inductor_math, recomput
             done.add(name)
     if loss:
         for name, m in list(model.named_modules()):
-            if type(m).__name__.endswith("ForCausalLM") and not L.is_patched_class(m):
+            # transformers' classes only (a wrapper such as PEFT's PeftModelForCausalLM holds one)
+            if type(m).__name__.endswith("ForCausalLM") and FAM.family_name(m) and not L.is_patched_class(m):
                 fam = FAM.family_of(m)
                 reason = FAM.causal_lm_reason(fam, m)
                 if reason:

@@ -14,6 +14,7 @@ import torch
 from .. import functional as OF
 from . import _fused as F
 from . import _layers as L
+from . import _peft as P
 
 
 @dataclass(frozen=True)
@@ -177,16 +178,34 @@ def norm_reason(norm, size: int, family: Family) -> Optional[str]:
     return _agree(norm, family, size)
 
 
-def _plain_linears(m: torch.nn.Module, names) -> Optional[str]:
+def _fusable(m: torch.nn.Module, names) -> Tuple[Optional[str], list]:
+    """(None, [the base Linear of each]) when m.<names> are plain torch.nn.Linear or PEFT LoRA layers over one,
+    without hooks; else (why not, [])."""
+    bases = []
     for n in names:
         lin = m._modules.get(n)
-        if type(lin) is not torch.nn.Linear:
-            where = type(lin).__module__.split(".")[0]
-            return (f"{n} is {where}'s {type(lin).__name__}, not a plain torch.nn.Linear (LoRA adapters and quantized "
-                    f"layers are not fused)")
+        if lin is None:
+            return f"{n} is missing", []
         if has_module_hooks(lin):
-            return f"{n} has hooks (the patched forward computes it inside a fused GEMM)"
-    return None
+            return f"{n} has hooks (the patched forward computes it inside a fused GEMM)", []
+        if type(lin) is torch.nn.Linear:
+            bases.append(lin)
+            continue
+        reason = P.lora_reason(lin)
+        if reason:
+            return f"{n}: {reason}", []
+        base = lin.base_layer
+        if type(base) is not torch.nn.Linear:
+            return f"{n}: the LoRA layer's base is {type(base).__name__}, not a plain torch.nn.Linear (QLoRA and " \
+                   f"quantized bases are not fused)", []
+        if has_module_hooks(base):
+            return f"{n}.base_layer has hooks", []
+        bases.append(base)
+    return None, bases
+
+
+def _paths(m: torch.nn.Module, names) -> list:
+    return [n if type(m._modules[n]) is torch.nn.Linear else f"{n}.base_layer" for n in names]
 
 
 def _group_reason(counts: Dict[int, int], group) -> Optional[str]:
@@ -231,17 +250,17 @@ def dense_mlp_reason(counts, mlp: torch.nn.Module) -> Optional[str]:
         return f"MLP activation {type(act).__name__} is neither SiLU nor GELU (tanh approximation)"
     if isinstance(act, torch.nn.Module) and has_module_hooks(act):
         return "the MLP activation has hooks (the patched MLP computes it without calling it)"
-    names = ("gate_proj", "up_proj", "down_proj") if kind == "dense" else ("gate_up_proj", "down_proj")
-    reason = _plain_linears(mlp, names)
+    names = ("gate_proj", "up_proj") if kind == "dense" else ("gate_up_proj",)
+    reason, bases = _fusable(mlp, names)
     if reason:
         return reason
     if kind == "dense":
-        reason = _group_reason(counts, (mlp.gate_proj, mlp.up_proj))
+        reason = _group_reason(counts, bases)
         if reason:
             return reason
-        if mlp.gate_proj.out_features != mlp.up_proj.out_features:
+        if bases[0].out_features != bases[1].out_features:
             return "gate_proj and up_proj differ in size"
-    elif mlp.gate_up_proj.out_features % 2:
+    elif bases[0].out_features % 2:
         return "gate_up_proj has an odd number of rows"
     if set(mlp._parameters):
         return "the MLP has parameters of its own"
@@ -309,23 +328,23 @@ def decoder_layer_reason(family: Family, counts: Dict[int, int], layer: torch.nn
     asrc = _code(_source(type(attn).forward))
     if "apply_rotary_pos_emb(" not in asrc or "attention_interface(" not in asrc:
         return "its attention does not apply_rotary_pos_emb then call the attention interface"
-    reason = _plain_linears(attn, q_names + ("o_proj",))
+    reason, bases = _fusable(attn, q_names)
     if reason:
         return reason
     hd = attn.head_dim
     cfg = attn.config
     if family.packed:
         nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-        if attn.qkv_proj.out_features != nq + 2 * nkv:
+        if bases[0].out_features != nq + 2 * nkv:
             return "qkv_proj's size is not (heads + 2 · kv heads) · head_dim"
     else:
-        reason = _group_reason(counts, (attn.q_proj, attn.k_proj, attn.v_proj))
+        reason = _group_reason(counts, bases)
         if reason:
             return reason
-        if attn.q_proj.out_features % hd or attn.k_proj.out_features % hd \
-                or attn.k_proj.out_features != attn.v_proj.out_features:
+        qp, kp, vp = bases
+        if qp.out_features % hd or kp.out_features % hd or kp.out_features != vp.out_features:
             return "q/k/v sizes are not multiples of head_dim"
-    D = (attn.qkv_proj if family.packed else attn.q_proj).in_features
+    D = bases[0].in_features
     for nm in _LAYER_CHILDREN[family.layout] - {"self_attn", "mlp"}:
         reason = norm_reason(getattr(layer, nm), D, family)
         if reason:
@@ -334,8 +353,8 @@ def decoder_layer_reason(family: Family, counts: Dict[int, int], layer: torch.nn
         return "q_norm without k_norm"
     if "q_norm" in attn._modules:
         qn = attn.q_norm.weight.shape[-1] if isinstance(getattr(attn.q_norm, "weight", None), torch.Tensor) else None
-        nq = attn.qkv_proj.out_features if family.packed else attn.q_proj.out_features
-        nkv = attn.k_proj.out_features if not family.packed else None
+        nq = None if family.packed else bases[0].out_features
+        nkv = None if family.packed else bases[1].out_features
         if qn == hd:
             sizes = (hd, hd)
         elif qn == nq and nkv is not None:
@@ -382,12 +401,13 @@ def patch_dense_mlp(mlp: torch.nn.Module, inductor_math: bool, recompute: bool) 
     kind = mlp_kind(mlp)
     act = mlp.act_fn if kind == "dense" else mlp.activation_fn
     if kind == "dense":
-        F.fuse(mlp, ["gate_proj", "up_proj"], "gate_up_proj")  # equal halves: the packed op splits them
+        F.fuse(mlp, _paths(mlp, ("gate_proj", "up_proj")), "gate_up_proj")  # equal halves: the packed op splits them
         mlp._opforge_hooks = F.register_sd_hooks(mlp)
     L.swap_class(mlp, "mlp", inductor_math, _bypassed(mlp, ("gate_proj", "up_proj", "gate_up_proj", "act_fn",
                                                             "activation_fn")))
     mlp._opforge_act = act_kind(act)
     mlp._opforge_recompute = bool(recompute)
+    mlp._opforge_parts = ("gate_proj", "up_proj") if kind == "dense" else ()
 
 
 def patch_decoder_layer(family: Family, layer: torch.nn.Module, inductor_math: bool, recompute: bool) -> list:
@@ -402,7 +422,7 @@ def patch_decoder_layer(family: Family, layer: torch.nn.Module, inductor_math: b
         nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         sizes = [nq, nkv, nkv]
     else:
-        sizes = F.fuse(attn, ["q_proj", "k_proj", "v_proj"], "qkv_proj")
+        sizes = F.fuse(attn, _paths(attn, ("q_proj", "k_proj", "v_proj")), "qkv_proj")
         attn._opforge_hooks = F.register_sd_hooks(attn)
     qk_norm = None
     if "q_norm" in attn._modules:
@@ -421,6 +441,7 @@ def patch_decoder_layer(family: Family, layer: torch.nn.Module, inductor_math: b
     layer._opforge_dropout = family.resid_dropout
     layer._opforge_residual_multiplier = float(layer.residual_multiplier) if family.residual_multiplier else None
     attn._opforge_sizes = sizes
+    attn._opforge_parts = () if family.packed else ("q_proj", "k_proj", "v_proj")
     attn._opforge_qk_norm = qk_norm
     attn._opforge_sliding = sliding
     attn._opforge_softcap = softcap

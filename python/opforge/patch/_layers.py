@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as TF
 
 from .. import functional as OF
+from . import _fused as F
+from . import _peft as P
 from . import _recompute as R
 
 # ---------------------------------------------------------------------------------------------------------
@@ -169,12 +171,23 @@ def bypassed_hooks(m: torch.nn.Module) -> bool:
     return False
 
 
-def _fall_back(m: torch.nn.Module, *args, **kwargs):
+_HOOKS = "hooks"
+_FOREIGN = "foreign"
+
+
+def _fall_back(m: torch.nn.Module, why: str, *args, **kwargs):
+    """transformers' forward of `m` (which calls every submodule), with a warning the first time."""
     if not m.__dict__.get("_opforge_warned", False):
         m.__dict__["_opforge_warned"] = True
-        warnings.warn(f"opforge.patch: {type(m).__mro__[1].__name__} has hooks on a submodule its patched forward "
-                      f"computes without calling it ({', '.join(m._opforge_bypassed)}, or global module hooks): "
-                      f"running transformers' forward there so that they run", stacklevel=3)
+        name = type(m).__mro__[1].__name__
+        if why == _HOOKS:
+            msg = (f"{name} has hooks on a submodule its patched forward computes without calling it "
+                   f"({', '.join(m._opforge_bypassed)}, or global module hooks): running transformers' forward there "
+                   f"so that they run")
+        else:
+            msg = (f"{name} has a projection that is neither opforge's fused slice, a plain Linear nor a PEFT LoRA "
+                   f"layer opforge reproduces (or a wrapped lm_head): running transformers' forward there")
+        warnings.warn(f"opforge.patch: {msg}", stacklevel=3)
     return m._opforge_base.forward(m, *args, **kwargs)
 
 
@@ -196,7 +209,7 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
     A residual multiplier (Granite) scales both branches, residual dropouts (Phi-3) run on them."""
     kwargs = bind(self, args, kwargs)
     if bypassed_hooks(self):
-        return _fall_back(self, hidden_states, **kwargs)
+        return _fall_back(self, _HOOKS, hidden_states, **kwargs)
     layout = self._opforge_layout
     x = hidden_states
     recompute = R.recompute_on(self)
@@ -253,8 +266,11 @@ def attention_forward(self, hidden_states, *args, **kwargs):
     Gemma 3) or over the whole projection (OLMo 2), RoPE by opforge; the KV cache, the attention function (sdpa,
     flash, eager, with sliding windows and Gemma 2's score soft-capping) and o_proj as transformers."""
     kwargs = bind(self, args, kwargs)
-    if bypassed_hooks(self):
-        return _fall_back(self, hidden_states, **kwargs)
+    hooked = bypassed_hooks(self)
+    plan = None if hooked else _lora_plan(self, "qkv_proj", self._opforge_parts)
+    if plan is None:
+        return _fall_back(self, _HOOKS if hooked else _FOREIGN, hidden_states, **kwargs)
+    base, wrap, loras = plan
     position_embeddings = kwargs.pop("position_embeddings", None)
     attention_mask = kwargs.pop("attention_mask", None)
     cache = kwargs.pop("cache", None)
@@ -263,8 +279,15 @@ def attention_forward(self, hidden_states, *args, **kwargs):
         cache = past
     input_shape = hidden_states.shape[:-1]
     hd = self.head_dim
-    qkv = gemm(self, hidden_states, self.qkv_proj)
+    qkv = gemm(self, hidden_states, base)
+    if wrap is not None:  # a LoRA layer on the fused projection itself (Phi-3's qkv_proj)
+        qkv = _add(qkv, P.delta(wrap, hidden_states))
     q, k, v = qkv.split(self._opforge_sizes, dim=-1)
+    if loras:  # LoRA layers on q_proj / k_proj / v_proj: their adapters beside the fused GEMM
+        qkv_parts = [q, k, v]
+        for i, w in loras:
+            qkv_parts[i] = _add(qkv_parts[i], P.delta(w, hidden_states))
+        q, k, v = qkv_parts
     qk_norm = self._opforge_qk_norm
     if qk_norm == "full":
         q = norm(self, self.q_norm, q)
@@ -299,15 +322,50 @@ def attention_forward(self, hidden_states, *args, **kwargs):
     return self.o_proj(attn_output), attn_weights
 
 
+def _lora_plan(m: torch.nn.Module, fused_name: str, parts: tuple):
+    """(fused base Linear, its LoRA layer or None, [(part index, LoRA layer)]) for the patched forward, or None when
+    some projection is neither opforge's slice, a plain Linear, nor a PEFT LoRA layer over one (then transformers'
+    forward runs). Also writes into the fused weight rows whose `.data` was replaced (PEFT's safe merge)."""
+    base, wrap = P.split(m._modules[fused_name])
+    if base is None:
+        return None
+    loras = []
+    for i, n in enumerate(parts):
+        sub = m._modules.get(n)
+        if isinstance(sub, F.FusedProjectionSlice):
+            continue
+        b, w = P.split(sub)
+        if w is None or not isinstance(b, F.FusedProjectionSlice):
+            return None
+        loras.append((i, w))
+    if not torch.compiler.is_compiling():
+        F.sync_slices(m)
+    return base, wrap, loras
+
+
+def _add(t: torch.Tensor, d: Optional[torch.Tensor]) -> torch.Tensor:
+    return t if d is None else (t + d).to(t.dtype)
+
+
 def _act_again(owner):
     return lambda gu: gated_act(owner, gu)
 
 
 def mlp_forward(self, x):
     """down_proj(act(gate) · up) with [gate | up] the output of one fused GEMM."""
-    if bypassed_hooks(self):
-        return _fall_back(self, x)
-    gu = gemm(self, x, self.gate_up_proj)
+    hooked = bypassed_hooks(self)
+    plan = None if hooked else _lora_plan(self, "gate_up_proj", self._opforge_parts)
+    if plan is None:
+        return _fall_back(self, _HOOKS if hooked else _FOREIGN, x)
+    base, wrap, loras = plan
+    gu = gemm(self, x, base)
+    if wrap is not None:
+        gu = _add(gu, P.delta(wrap, x))
+    if loras:  # LoRA layers on gate_proj / up_proj: [gate + Δgate | up + Δup]
+        halves = list(gu.chunk(2, dim=-1))
+        for i, w in loras:
+            halves[i] = _add(halves[i], P.delta(w, x))
+        gu = torch.cat(halves, dim=-1)
     h = gated_act(self, gu)
     if R.recompute_on(self):  # down_proj keeps a recipe (the activation of the gate/up output it saves), not h
         what = "swiglu's output" if self.__dict__.get("_opforge_act", "silu") == "silu" else "geglu's output"
@@ -321,7 +379,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     pick the expert's weights from the bank, the rows are scaled by the router's weights and summed per token.
     The router (top-k, its weights, the auxiliary loss) stays transformers'."""
     if bypassed_hooks(self):
-        return _fall_back(self, hidden_states, top_k_index, top_k_weights)
+        return _fall_back(self, _HOOKS, hidden_states, top_k_index, top_k_weights)
     T, D = hidden_states.shape
     k = top_k_index.shape[-1]
     index = top_k_index.reshape(-1).long()
@@ -343,8 +401,10 @@ def causal_lm_forward(self, *args, **kwargs):
     keep = kwargs.get("logits_to_keep", 0)
     if labels is None or not (isinstance(keep, int) and keep == 0):
         return self._opforge_base.forward(self, **kwargs)
-    if bypassed_hooks(self):
-        return _fall_back(self, **kwargs)
+    head = self.get_output_embeddings()
+    hooked = bypassed_hooks(self)
+    if hooked or type(head) not in (torch.nn.Linear, _onn_linear()):
+        return _fall_back(self, _HOOKS if hooked else _FOREIGN, **kwargs)  # hooks, or lm_head wrapped (a LoRA layer): transformers' forward
     kwargs.pop("labels")
     kwargs.pop("logits_to_keep", None)
     return_dict = kwargs.pop("return_dict", None)
@@ -360,7 +420,6 @@ def causal_lm_forward(self, *args, **kwargs):
     if shift_labels is None:
         shift_labels = TF.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     n_items = kwargs.get("num_items_in_batch")
-    head = self.get_output_embeddings()
     divisor = self._opforge_logits_divisor
     if divisor is not None:
         hidden = hidden / getattr(self.config, divisor)
@@ -382,6 +441,12 @@ def causal_lm_forward(self, *args, **kwargs):
         return self._opforge_output_cls(**fields)
     # transformers' tuple: the non-None fields in order; the logits' place is kept (None) so that positions match
     return tuple(fields.get(f) for f in self._opforge_output_fields if f == "logits" or fields.get(f) is not None)
+
+
+def _onn_linear():
+    from .. import nn as onn
+
+    return onn.Linear
 
 
 def rms_norm_forward(self, hidden_states):
