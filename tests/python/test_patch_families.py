@@ -215,3 +215,24 @@ def test_moe_router_jitter_is_refused():
     with pytest.warns(UserWarning, match="jitter"):
         report = patch.apply(model)
     assert any("jitter" in r for _, _, r in report.skipped)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen2_moe"])
+def test_bench_family_smoke(family, tmp_path):
+    """benchmarks/bench_hf_llama.py --family <name> --smoke: HF eager and HF + opforge of that family on the CPU,
+    one process each, the same losses (float32), rows in hf_<family>.csv."""
+    import csv
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hf_llama.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(script), "--smoke", "--family", family, "--out", str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / f"hf_{family}.csv").open()))
+    assert [r["variant"] for r in rows] == ["hf", "opforge"] and all(r["status"] == "ok" for r in rows), rows
+    assert float(rows[1]["max_rel_loss_diff_vs_hf"]) <= 1e-4, rows
+    assert f"{family} layers=2" in p.stdout and "could not patch 0" in p.stdout
