@@ -30,6 +30,7 @@ __all__ = [
     "square_add_reference",
     "swiglu_reference",
     "swiglu_packed_reference",
+    "swiglu_linear_reference",
     "assert_matches_reference",
     "relative_error",
     "gemm_error_bound",
@@ -300,6 +301,21 @@ def swiglu_packed_reference(input: Tensor) -> Tensor:
     """
     gate, up = input.double().chunk(2, dim=-1)
     return swiglu_reference(gate, up)
+
+
+def swiglu_linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """silu(z[..., 0::2]) · z[..., 1::2] with z = input · weightᵀ + bias, in float64.
+
+    Args:
+        input: `(*, K)` floating. The rows.
+        weight: `(2I, K)` floating. The gate's and the up projection's rows interleaved (row 2j gate, 2j + 1 up).
+        bias: `(2I,)` floating or None, interleaved as weight. Default: None.
+
+    Returns:
+        `(*, I)` float64.
+    """
+    z = linear_reference(input, weight, bias)
+    return swiglu_reference(z[..., 0::2], z[..., 1::2])
 
 
 # ---- linear_cross_entropy ----------------------------------------------------------------------------------
