@@ -383,14 +383,15 @@ bool try_sm90(const Problem& p, const at::Tensor& D, const at::Tensor& A, const 
   if (mode == 0) return false;
   const char* refusal = sm90_refusal(p, D, A, args);
   if (refusal == nullptr && bias.defined() && !aligned16(bias.const_data_ptr())) refusal = "bias must be 16-byte aligned";
-  TORCH_CHECK(mode != 2 || refusal == nullptr, "opforge::gemm: the sm90 kernel cannot take this problem (test hook "
-              "gemm_sm90 = 2): ", refusal ? refusal : "");
+  TORCH_CHECK(mode < 2 || refusal == nullptr, "opforge::gemm: the sm90 kernel cannot take this problem (test hook "
+              "gemm_sm90 >= 2): ", refusal ? refusal : "");
   if (refusal != nullptr || (mode < 0 && !sm90_choice(p.m, p.n, p.k))) return false;
   sm90::Problem q = sm90_problem(p, D);
   q.bias = bias.defined() ? bias.const_data_ptr() : nullptr;
-  const sm90::Kernel kernel = A.scalar_type() == at::kBFloat16 ? sm90::Kernel::kLinearBF16 : sm90::Kernel::kLinearFP16;
+  sm90::Kernel kernel = A.scalar_type() == at::kBFloat16 ? sm90::Kernel::kLinearBF16 : sm90::Kernel::kLinearFP16;
+  if (mode == 3 && kernel == sm90::Kernel::kLinearBF16) kernel = sm90::Kernel::kLinearBF16PingPong;
   const bool ran = sm90_run(kernel, q, D);
-  TORCH_CHECK(ran || mode != 2, "opforge::gemm: the sm90 kernel declined the problem (test hook gemm_sm90 = 2)");
+  TORCH_CHECK(ran || mode < 2, "opforge::gemm: the sm90 kernel declined the problem (test hook gemm_sm90 >= 2)");
   return ran;
 }
 
@@ -406,6 +407,7 @@ size_t workspace_size(Kernel kernel, const Problem& p) {
     case Kernel::kLinearBF16: return workspace_linear_bf16(p);
     case Kernel::kLinearFP16: return workspace_linear_fp16(p);
     case Kernel::kSwiGLUBF16: return workspace_swiglu_bf16(p);
+    case Kernel::kLinearBF16PingPong: return workspace_linear_bf16_pingpong(p);
   }
   return 0;
 }
@@ -415,6 +417,7 @@ Status run(Kernel kernel, const Problem& p, void* workspace, cudaStream_t stream
     case Kernel::kLinearBF16: return run_linear_bf16(p, workspace, stream);
     case Kernel::kLinearFP16: return run_linear_fp16(p, workspace, stream);
     case Kernel::kSwiGLUBF16: return run_swiglu_bf16(p, workspace, stream);
+    case Kernel::kLinearBF16PingPong: return run_linear_bf16_pingpong(p, workspace, stream);
   }
   return Status::kCannotImplement;
 }
@@ -514,8 +517,8 @@ bool gemm_swiglu(const at::Tensor& Z, const at::Tensor& H, const at::Tensor& A, 
   // The fused kernel replaces two passes (GEMM, then swiglu over z): taken wherever it can run.
   const char* refusal = sm90_refusal(p, Z, A, args);
   if (refusal == nullptr && Z.scalar_type() != at::kBFloat16) refusal = "the SwiGLU kernel is built for bfloat16 only";
-  TORCH_CHECK(mode != 2 || refusal == nullptr, "opforge::gemm: the sm90 kernel cannot take this problem (test hook "
-              "gemm_sm90 = 2): ", refusal ? refusal : "");
+  TORCH_CHECK(mode < 2 || refusal == nullptr, "opforge::gemm: the sm90 kernel cannot take this problem (test hook "
+              "gemm_sm90 >= 2): ", refusal ? refusal : "");
   if (refusal != nullptr) return false;
   check_int(p);
   at::Tensor b = bias;

@@ -53,18 +53,32 @@ namespace detail {
 using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
 
-using TileShape = Shape<_128, _256, _64>;
-using ClusterShape = Shape<_2, _1, _1>;
+/// The chosen configuration (the file's header says why).
+struct Cooperative {
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+/// The ping-pong schedule on 128 × 128 tiles (each consumer warp group owns a whole tile and the two alternate
+/// between mainloop and epilogue), measured against Cooperative (docs/performance/gemm.md).
+struct PingPong {
+  using TileShape = Shape<_128, _128, _64>;
+  using ClusterShape = Shape<_1, _2, _1>;
+  using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
+};
+using TileShape = Cooperative::TileShape;
 constexpr int kAlignment = 8;  // elements of a 16-bit dtype in 16 bytes: TMA's granule
 
 /// bias[n] broadcast over the rows (null: 0), in fp32.
-template <class T>
-using BiasRow = fusion::Sm90RowBroadcast<0, TileShape, T, float, Stride<_0, _1, int64_t>, kAlignment>;
+template <class T, class Tile = TileShape>
+using BiasRow = fusion::Sm90RowBroadcast<0, Tile, T, float, Stride<_0, _1, int64_t>, kAlignment>;
 
 /// z = acc + bias, rounded to T where it is stored.
-template <class T, class Out>
+template <class T, class Out, class Tile = TileShape>
 using BiasAdd = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::plus, Out, float, cutlass::FloatRoundStyle::round_to_nearest>,
-                                fusion::Sm90AccFetch, BiasRow<T>>;
+                                fusion::Sm90AccFetch, BiasRow<T, Tile>>;
 
 /// The visitor node of Note [SwiGLU pairs in the accumulator]: passes z through and writes
 /// H[m, n / 2] = silu(z[m, n]) · z[m, n + 1] for every even n of the thread's fragment.
@@ -155,9 +169,11 @@ struct SwiGLUStore {
 template <class T>
 using SwiGLUTree = fusion::Sm90EVT<SwiGLUStore<T>, BiasAdd<T, float>>;
 
-/// The GEMM with epilogue tree `Fusion` for 16-bit dtype T.
-template <class T, class Fusion>
+/// The GEMM with epilogue tree `Fusion` for 16-bit dtype T, in configuration `Config`.
+template <class T, class Fusion, class Config = Cooperative>
 struct Sm90Gemm {
+  using TileShape = typename Config::TileShape;
+  using ClusterShape = typename Config::ClusterShape;
   using Layout = cutlass::layout::RowMajor;     // A [M, K] and D [M, N]
   using LayoutB = cutlass::layout::ColumnMajor;  // B as CUTLASS's [K, N] column-major = our [N, K] row-major
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -165,22 +181,22 @@ struct Sm90Gemm {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,  //
       void, Layout, kAlignment,                                       // no C
       T, Layout, kAlignment,                                          // D
-      cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+      typename Config::EpilogueSchedule, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,  //
       T, Layout, kAlignment,                                //
       T, LayoutB, kAlignment,                               //
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Config::MainloopSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using Arguments = typename Device::Arguments;
 };
 
 /// The fusion arguments of each tree.
-template <class T>
-typename BiasAdd<T, T>::Arguments bias_args(const Problem& p) {
+template <class T, class Tile = TileShape>
+typename BiasAdd<T, T, Tile>::Arguments bias_args(const Problem& p) {
   return {{}, {static_cast<const T*>(p.bias), T(0), {}}, {}};
 }
 

@@ -34,7 +34,8 @@ namespace gemm {
 namespace sm90 {
 
 /// The compiled kernels: (epilogue, dtype). One .cu file each.
-enum class Kernel : int { kLinearBF16, kLinearFP16, kSwiGLUBF16 };
+/// kLinearBF16PingPong: kLinearBF16 in the ping-pong schedule, measured against it (test hook gemm_sm90 = 3).
+enum class Kernel : int { kLinearBF16, kLinearFP16, kSwiGLUBF16, kLinearBF16PingPong };
 
 /// One call's operands and sizes (row-major, element strides).
 struct Problem {
@@ -71,6 +72,8 @@ size_t workspace_linear_fp16(const Problem& p);
 Status run_linear_fp16(const Problem& p, void* workspace, cudaStream_t stream);
 size_t workspace_swiglu_bf16(const Problem& p);
 Status run_swiglu_bf16(const Problem& p, void* workspace, cudaStream_t stream);
+size_t workspace_linear_bf16_pingpong(const Problem& p);
+Status run_linear_bf16_pingpong(const Problem& p, void* workspace, cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace gemm

@@ -26,7 +26,9 @@
 //   gemm_sm90            -1 (default): opforge's sm90 GEMM kernels where the shape table picks them over cuBLASLt
 //                        (sm90_choice in core/gemm_cuda.cu); 0: never; 1: wherever they take the problem; 2: as 1,
 //                        and a problem they cannot take raises instead of falling back to cuBLASLt (the tests' proof
-//                        that the kernel ran). A build without CUTLASS, or a GPU other than sm_90, always falls back.
+//                        that the kernel ran); 3: as 2 with bfloat16's ping-pong variant (kLinearBF16PingPong), for
+//                        the benchmark that measures it against the chosen kernel. A build without CUTLASS, or a GPU
+//                        other than sm_90, always falls back.
 //   linear_gemv          -1 (default): linear's GEMV kernel where the bucket table picks it (gemv_choice in
 //                        ops/linear/linear_cuda.cu); 1: for every 1 <= M <= 16; 0: never.
 //   rms_norm_forward     -1 (default): rms_norm's forward chooser (default_forward_variant); 0: the register-cached

@@ -51,6 +51,16 @@ def test_engine_matches_float64_cuda(knob, dtype, shape, with_bias):
 
 
 @needs_sm90
+@pytest.mark.parametrize("shape", ENGINE_SHAPES)
+def test_pingpong_variant_matches_float64_cuda(knob, shape):
+    knob("gemm_sm90", 3)  # bfloat16's ping-pong kernel, measured against the chosen one by bench_gemm
+    M, K, N = shape
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    _check_linear(x, w, torch.randn(N, device="cuda", dtype=torch.bfloat16))
+
+
+@needs_sm90
 def test_engine_and_cublaslt_agree_cuda(knob):
     x = torch.randn(3, 333, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2056, 1024, device="cuda", dtype=torch.bfloat16) / 32

@@ -3,7 +3,8 @@ cuBLASLt (opforge's own cuBLASLt path) and cuBLAS (torch.nn.functional.linear), 
 the unfused GEMM + swiglu, in bfloat16 (and float16 for the plain GEMM).
 
 Rows per (M, K, N), forward only (every GEMM of a training step is one of these, transposed or not):
-    linear          opforge "sm90" (the test hook gemm_sm90 = 2: the CUTLASS kernel), "cuBLASLt" (gemm_sm90 = 0),
+    linear          opforge "sm90" (the test hook gemm_sm90 = 2: the CUTLASS kernel), "sm90 pingpong" (gemm_sm90 = 3:
+                    bfloat16's ping-pong variant on 128 x 128 tiles), "cuBLASLt" (gemm_sm90 = 0),
                     "opforge" (the default: sm90_choice's table in core/gemm_cuda.cu), F.linear (cuBLAS);
     linear_bias     the same with a bias in the epilogue;
     swiglu_linear   N = 2I: opforge.swiglu_linear "fused" (one kernel: z and y = silu(z[:, 0::2]) · z[:, 1::2]),
@@ -89,8 +90,8 @@ def main(argv=None) -> int:
         print("gemm: no sm90 engine here (a GPU other than compute capability 9.0, or a build without CUTLASS): "
               "its rows are NaN")
     lin = opforge.linear
-    impls = {"sm90": with_knob(lin, 2) if have_sm90 else None, "cuBLASLt": with_knob(lin, 0), "opforge": lin,
-             "F.linear": F.linear}
+    impls = {"sm90": with_knob(lin, 2) if have_sm90 else None, "sm90 pingpong": with_knob(lin, 3) if have_sm90 else None,
+             "cuBLASLt": with_knob(lin, 0), "opforge": lin, "F.linear": F.linear}
     for dtype in run.dtypes:
         for M, K, N in shapes:
             x = torch.randn(M, K, device=device, dtype=dtype)
@@ -104,6 +105,8 @@ def main(argv=None) -> int:
                 ref = testing.linear_reference(xs.double(), w.double(), None if bias is None else bias.double())
                 for impl, fn in impls.items():
                     t, method = math.nan, ""
+                    if impl == "sm90 pingpong" and dtype != torch.bfloat16:
+                        continue  # the variant is built for bfloat16 only
                     if fn is not None:
                         harness.check_reference(f"{op} {impl} {harness.dtype_str(dtype)} {M}x{K}x{N}",
                                                 fn(xs, w, bias), ref, F.linear(xs, w, bias), bound=bound)
