@@ -11,7 +11,9 @@ from HF eager, to be read against the bf16 bound (``--loss-bound``). The trainin
 layer gets the cache object, whose per-layer state makes a per-layer compile recompile once per layer and
 fall back to eager past Dynamo's recompile limit of 8). The "+compile" variants compile each decoder layer
 (``--compile-scope layers``, fullgraph=True; identical layers share one compiled graph) and report Dynamo's
-graph breaks, recompiles and graphs; Inductor's cache is ``build/inductor-cache`` unless TORCHINDUCTOR_CACHE_DIR
+graph breaks, recompiles and graphs; a "+compile-model" or "+compile-layers" variant names its scope, so one
+run can hold both. The "torchao-fp8" variants convert every decoder-layer Linear with torchao's float8 training
+(``convert_to_float8_training``, tensorwise or rowwise recipe; lm_head stays bf16) before compiling; Inductor's cache is ``build/inductor-cache`` unless TORCHINDUCTOR_CACHE_DIR
 is set. Weights are initialised on the run's device (``--init-device``, same seed in every variant's process).
 The opforge variants patch with ``patch.apply``'s defaults: in eager, ``recompute=True`` (the norm and SwiGLU
 outputs are computed again in backward instead of kept); under compile Inductor decides what to recompute.
@@ -29,6 +31,9 @@ less GPU time a step, docs/patching.md). In hf_llama.csv, rows with variant "opf
     python benchmarks/bench_hf_llama.py --layers 4 --vocab 32000 --seq 1024 --batch 2 --steps 10
     # the lm_head's dW accumulated in bf16 (knob OPFORGE_LCE_DW_ACCUM=1 in the variant's process), against opforge:
     python benchmarks/bench_hf_llama.py --variants hf,opforge,opforge-dwbf16,opforge-dwbf16-c2048
+    # one run with the whole-model and per-layer compiled rows and torchao's float8 training (carried wheel):
+    python benchmarks/bench_hf_llama.py --variants hf,liger,opforge,hf+compile-model,opforge+compile-model,\
+        hf+compile-layers,opforge+compile-layers,torchao-fp8+compile-model,torchao-fp8-rowwise+compile-model
     # a profile (torch.profiler table of one step) of some variants:
     python benchmarks/bench_hf_llama.py --variants opforge,liger --profile
     # CPU smoke run (tiny config, 3 steps, no compile variants; used by tests/python/test_hf_llama.py):
@@ -70,6 +75,12 @@ VARIANTS = {
     "hf+compile-ro": "HF + torch.compile(mode=\"reduce-overhead\")",
     "opforge+compile-ro": "HF + opforge.patch.apply + torch.compile(mode=\"reduce-overhead\")",
     "liger+compile": "HF + Liger + torch.compile",
+    "hf+compile-model": "HF + torch.compile(model)",
+    "opforge+compile-model": "HF + opforge.patch.apply + torch.compile(model)",
+    "hf+compile-layers": "HF + torch.compile per layer",
+    "opforge+compile-layers": "HF + opforge.patch.apply + torch.compile per layer",
+    "torchao-fp8+compile-model": "HF + torchao float8 (tensorwise) + torch.compile(model)",
+    "torchao-fp8-rowwise+compile-model": "HF + torchao float8 (rowwise) + torch.compile(model)",
 }
 #: the variants of a run without --variants: the model-level table of docs/patching.md (the -inductor, "-ro" and
 #: "-dwbf16" ones are measured by name)
@@ -169,6 +180,7 @@ def build_variant(a: argparse.Namespace, variant: str):
     device, dtype = a.device, getattr(torch, a.dtype)
     use_liger, use_opforge, use_compile = "liger" in variant, "opforge" in variant, "+compile" in variant
     mode = "reduce-overhead" if variant.endswith("+compile-ro") else None  # CUDA graphs (cudagraph trees)
+    scope = compile_scope(a, variant)
     if use_liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama  # ImportError: variant n/a
 
@@ -193,10 +205,17 @@ def build_variant(a: argparse.Namespace, variant: str):
     if use_opforge:
         report = str(patch.apply(model, recompute=not variant.startswith("opforge-norecompute"),
                                  inductor_math="-inductor" in variant))
+    if variant.startswith("torchao-fp8"):
+        # torchao's float8 training (its recipe, dynamic scaling): every decoder-layer Linear, lm_head left in bf16
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # ImportError: variant n/a
+
+        recipe = "rowwise" if "-rowwise" in variant else "tensorwise"
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                                   module_filter_fn=lambda mod, fqn: fqn != "lm_head")
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=device.startswith("cuda"))
     step_model = model
     if use_compile:
-        if a.compile_scope == "model":
+        if scope == "model":
             step_model = torch.compile(model, mode=mode)
         else:
             for layer in model.model.layers:
@@ -219,6 +238,15 @@ def build_variant(a: argparse.Namespace, variant: str):
         return loss.detach()
 
     return model, step_model, opt, report, step, sync
+
+
+def compile_scope(a: argparse.Namespace, variant: str) -> str:
+    """What a "+compile" variant compiles: "model" or "layers" as its name says ("+compile-model",
+    "+compile-layers"), else ``--compile-scope``."""
+    for scope in ("model", "layers"):
+        if variant.endswith(f"+compile-{scope}"):
+            return scope
+    return a.compile_scope
 
 
 def dynamo_stats() -> dict:
@@ -297,6 +325,8 @@ def spawn_worker(script: Path, worker: str, argv: list, timeout: float) -> dict:
             tail = err[-1] if err else f"exit {p.returncode}"
             if "No module named 'liger_kernel'" in (p.stderr or ""):
                 tail = "n/a (liger_kernel not installed)"
+            elif "No module named 'torchao'" in (p.stderr or ""):
+                tail = "n/a (torchao not installed)"
             else:
                 sys.stderr.write(f"--- {worker} failed ---\n{p.stderr[-4000:]}\n")
             return {"variant": worker, "status": tail[:200]}
@@ -405,7 +435,7 @@ def main(argv=None) -> list:
     for r in results:
         d = r.get("dynamo")
         if d:
-            print(f"\n{r['variant']}: torch.compile ({a.compile_scope}, warm-up {r.get('warmup_s', math.nan):.1f} s): "
+            print(f"\n{r['variant']}: torch.compile ({compile_scope(a, r['variant'])}, warm-up {r.get('warmup_s', math.nan):.1f} s): "
                   f"{d['graph_breaks']} graph break(s), {d['recompiles']} recompile(s), {d['unique_graphs']} graph(s)")
             for reason, n in d["graph_break_reasons"].items():
                 print(f"  graph break x{n}: {reason}")

@@ -1,5 +1,6 @@
 """linear_cross_entropy: values and gradients against float64, the five cases from real bug reports,
 opcheck, torch.compile, gradcheck, torch.func, bad inputs and agreement with torch's F.linear_cross_entropy."""
+import contextlib
 import math
 
 import pytest
@@ -248,6 +249,49 @@ def test_case5_every_target_ignored(device, dtype):
             assert torch.equal(loss.float(), ref)
         for g, like in ((gi, x), (gw, w), (gb, b)):
             assert g is not None and g.shape == like.shape and torch.equal(g, torch.zeros_like(like)), reduction
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("scale", [0.0, float("nan")])
+def test_case5_every_target_ignored_with_a_non_finite_grad_output(device, recompute, scale):
+    # transformers divides a "sum" loss by num_items_in_batch, 0 for a batch without a target: loss / 0. The unfused
+    # loss's gradients are then zero (no token has a logit gradient); none may become NaN.
+    x, w, b, t = _data(16, 8, 30, torch.float32, device, bias=True)
+    t[:] = -100
+
+    def grads(fn):
+        xx, ww, bb = (v.detach().clone().requires_grad_() for v in (x, w, b))
+        loss = fn(xx, ww, bb)
+        (loss / scale if scale == 0.0 else loss * scale).backward()
+        return xx.grad, ww.grad, bb.grad
+
+    with (_recompute_path() if recompute else contextlib.nullcontext()):
+        ours = grads(lambda xx, ww, bb: opforge.linear_cross_entropy(xx, ww, t, linear_bias=bb, reduction="sum",
+                                                                     chunk_size=5))
+    ref = grads(lambda xx, ww, bb: TF.cross_entropy(TF.linear(xx, ww, bb), t, reduction="sum"))
+    for g, r in zip(ours, ref):
+        assert torch.equal(r, torch.zeros_like(r))  # what the unfused loss gives
+        assert torch.equal(g, r)
+
+
+def test_case5_ignored_tokens_get_no_share_of_a_non_finite_grad_output(device):
+    # reduction "none": an ignored token's grad_output (here inf) does not reach the gradients, as in the unfused loss
+    x, w, b, t = _data(16, 8, 30, torch.float32, device, bias=True, ignore_frac=0.5)
+    t[0] = -100
+    gout = torch.ones(16, device=device)
+    gout[t == -100] = float("inf")
+
+    def grads(fn):
+        xx, ww, bb = (v.detach().clone().requires_grad_() for v in (x, w, b))
+        fn(xx, ww, bb).backward(gout)
+        return xx.grad, ww.grad, bb.grad
+
+    ours = grads(lambda xx, ww, bb: opforge.linear_cross_entropy(xx, ww, t, linear_bias=bb, reduction="none",
+                                                                 chunk_size=5))
+    ref = grads(lambda xx, ww, bb: TF.cross_entropy(TF.linear(xx, ww, bb), t, reduction="none"))
+    for g, r in zip(ours, ref):
+        assert torch.isfinite(r).all() and torch.isfinite(g).all()
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", LOSS_DTYPES)
@@ -549,7 +593,8 @@ def test_grad_in_forward_saves_gradients_not_inputs(device):
     w.requires_grad_()
     loss, saved = _saved_tensors(lambda: opforge.linear_cross_entropy(x, w, t, linear_bias=b, chunk_size=16))
     shapes = sorted(tuple(s.shape) for s in saved)
-    assert shapes == [(N, H), (V, H)], shapes  # grad_input, grad_linear_weight; no bias gradient (b is frozen)
+    # grad_input, grad_linear_weight and the 0-dim any-target flag; no bias gradient (b is frozen)
+    assert shapes == [(), (N, H), (V, H)], shapes
     assert all(s.data_ptr() not in (x.data_ptr(), w.data_ptr()) for s in saved)
     loss.backward()
     assert x.grad is not None and w.grad is not None
@@ -565,7 +610,8 @@ def test_grad_in_forward_frozen_lm_head_computes_no_weight_gradient(device, redu
     x.requires_grad_()  # linear_weight and linear_bias frozen
     loss, saved = _saved_tensors(lambda: opforge.linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction,
                                                                       chunk_size=32))
-    assert [tuple(s.shape) for s in saved] == [(N, H)]  # grad_input only: no V x H (nor V) buffer kept
+    # grad_input and the 0-dim any-target flag (Note [all targets ignored]): no V x H (nor V) buffer kept
+    assert [tuple(s.shape) for s in saved] == [(N, H), ()]
     loss.backward()
     assert w.grad is None and b.grad is None
     with _recompute_path():

@@ -397,12 +397,20 @@ variable_list lce_recompute_backward(const BackwardArgs& a) {
 }
 
 // Gradient in forward: saved grad_input, grad_linear_weight, grad_linear_bias (each undefined where its input
-// needs no gradient), no attributes. The backward scales them by grad_output.
+// needs no gradient) and a 0-dim bool, whether any target is not ignore_index; no attributes. The backward scales
+// the gradients by grad_output.
+//
+// Note [all targets ignored]: then every saved gradient is exactly zero, and so is the unfused loss's (each ignored
+// token's logit gradient is zero whatever grad_output is). grad_output can then be non-finite: transformers divides
+// a "sum" loss by num_items_in_batch, which is 0 for a batch without a target, and 0 * inf would make every
+// gradient NaN. So grad_output is replaced by 0 when no target counts (a 0-dim select on the device: no sync).
 variable_list lce_saved_grads_backward(const BackwardArgs& a) {
   auto pick = [&](int k) -> std::optional<at::Tensor> {
     return a.needs[k] && a.saved[k].defined() ? std::optional<at::Tensor>(a.saved[k]) : std::nullopt;
   };
-  auto [gi, gw, gb] = opforge::_linear_cross_entropy_scale_grads(a.grads[0], pick(0), pick(1), pick(2));
+  const at::Tensor& any_target = a.saved[3];
+  const at::Tensor grad_output = at::where(any_target, a.grads[0], at::zeros_like(a.grads[0]));
+  auto [gi, gw, gb] = opforge::_linear_cross_entropy_scale_grads(grad_output, pick(0), pick(1), pick(2));
   return {gi, gw, gb};
 }
 
@@ -504,6 +512,7 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& input, const at::Tens
         n.save(gi);
         n.save(gw);
         n.save(gb);
+        n.save(target.ne(ignore_index).any());  // Note [all targets ignored]
       },
       input, linear_weight, linear_bias));
 }
