@@ -77,6 +77,15 @@ TORCH_LIBRARY(opforge, m) {
   // (grad_input, grad_weight, grad_bias) of swiglu_linear, each only if its output_mask entry is set; pre_activation
   // the forward's z (*, 2I); grad_bias in bias_dtype (the forward's bias dtype; input's dtype when None)
   m.def("swiglu_linear_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor pre_activation, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor, Tensor, Tensor)");
+  // ---- geglu (csrc/ops/geglu; the gated engine of swiglu, csrc/core/gated.h) ----
+  // y = gelu(gate, approximate) · up, gate and up of one shape; approximate "none" (erf) or "tanh", as F.gelu
+  m.def("geglu(Tensor gate, Tensor up, str approximate=\"none\") -> Tensor");
+  // (grad_gate, grad_up) of geglu in one fused pass
+  m.def("geglu_backward(Tensor grad_output, Tensor gate, Tensor up, str approximate=\"none\") -> (Tensor, Tensor)");
+  // y = gelu(input[..., :I], approximate) · input[..., I:], input (*, 2I) the packed [gate | up] halves -> (*, I)
+  m.def("geglu_packed(Tensor input, str approximate=\"none\") -> Tensor");
+  // grad_input (*, 2I) of geglu_packed, both halves written in one fused pass
+  m.def("geglu_packed_backward(Tensor grad_output, Tensor input, str approximate=\"none\") -> Tensor");
   // ---- linear_cross_entropy (csrc/ops/linear_cross_entropy) ----
   // loss = cross_entropy(cap(input · linear_weightᵀ + linear_bias), target, weight, reduction, ignore_index, label_smoothing)
   // + z_loss · logsumexp² per valid token, cap(x) = softcap · tanh(x / softcap); input (*, H), linear_weight (V, H),

@@ -136,6 +136,29 @@ std::tuple<at::Tensor, at::Tensor> _swiglu_linear_forward(const at::Tensor& inpu
 std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_linear_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& pre_activation,
     std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype = std::nullopt);
+// ---- geglu (csrc/ops/geglu) ----
+
+/// y = gelu(gate) · up, gelu as torch.nn.functional.gelu(gate, approximate): approximate "none" (the erf form,
+/// gate · Φ(gate)) or "tanh" (gate/2 · (1 + tanh(√(2/π)(gate + 0.044715 · gate³))), Gemma's gelu_pytorch_tanh);
+/// another value raises ValueError. gate and up of one shape (*), floating; output in gate's dtype, contiguous;
+/// fp32 math for fp16/bf16 (Shazeer 2020, "GLU Variants Improve Transformer").
+at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate = "none");
+
+/// (grad_gate, grad_up) of geglu in one fused pass: grad_gate = grad_output · up · gelu'(gate),
+/// grad_up = grad_output · gelu(gate) (in up's dtype).
+std::tuple<at::Tensor, at::Tensor> geglu_backward(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                  const at::Tensor& up, c10::string_view approximate = "none");
+
+/// y = gelu(gate) · up over one packed tensor: gate = input[..., :I], up = input[..., I:].
+/// input (*, 2I) floating, any strides, last dimension even (ValueError otherwise) -> (*, I) in input's dtype,
+/// contiguous; bitwise equal to geglu(gate, up, approximate) on the two halves.
+at::Tensor geglu_packed(const at::Tensor& input, c10::string_view approximate = "none");
+
+/// grad_input (*, 2I) of geglu_packed in one fused pass, contiguous, in input's dtype:
+/// grad_input[..., :I] = grad_output · up · gelu'(gate), grad_input[..., I:] = grad_output · gelu(gate).
+/// grad_output (*, I), converted to input's dtype if it differs.
+at::Tensor geglu_packed_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                 c10::string_view approximate = "none");
 
 // ---- fake_quant_linear (csrc/ops/fake_quant_linear) ----
 

@@ -1595,6 +1595,150 @@ ENTRIES.append(OpEntry(
     bad_inputs=_swiglu_packed_bad, double_backward=True, vmap_in_dims=(0,)))
 
 
+# ---- geglu, geglu_packed: swiglu's gated engine with gelu (approximate "none": erf, "tanh") --------------------------
+
+
+def _geglu_baseline(gate, up, approximate="none"):
+    return TF.gelu(gate, approximate=approximate) * up
+
+
+def _geglu_samples(device, dtype):
+    # swiglu's grid, the two forms of gelu alternating over it (the layouts twice: each form sees every layout)
+    gates = layouts(83, 7, dtype, device, 3.0)
+    ups = layouts(83, 7, dtype, device)
+    out = [Sample(f"{g[0]}_{u[0]}_{a}", (g[1], u[1]), grad_strided=(i % 2 == 1), kwargs={"approximate": a})
+           for a in ("none", "tanh") for i, (g, u) in enumerate(zip(gates, ups[1:] + ups[:1]))]
+    for a in ("none", "tanh"):
+        out += [
+            Sample(f"1_{a}", (randn((1,), dtype, device), randn((1,), dtype, device)), kwargs={"approximate": a}),
+            Sample(f"odd_3x769_{a}", (randn((3, 769), dtype, device, 3.0), randn((3, 769), dtype, device)),
+                   kwargs={"approximate": a}),
+            Sample(f"zero_size_{a}", (randn((0, 5), dtype, device), randn((0, 5), dtype, device)),
+                   kwargs={"approximate": a}),
+            Sample(f"0d_{a}", (randn((), dtype, device), randn((), dtype, device)), kwargs={"approximate": a}),
+        ]
+    return out
+
+
+def _geglu_small(device):
+    d = torch.float64
+    return [Sample("contiguous", (randn((4, 5), d, device, 2.0), randn((4, 5), d, device))),
+            Sample("contiguous_tanh", (randn((4, 5), d, device, 2.0), randn((4, 5), d, device)),
+                   kwargs={"approximate": "tanh"}),
+            Sample("transposed_tanh", (randn((5, 4), d, device, 2.0).t(), randn((4, 5), d, device)),
+                   kwargs={"approximate": "tanh"})]
+
+
+_APPROX_MSG = r'expected approximate to be "none" or "tanh", but got "{}"'
+
+
+def _geglu_bad(device):
+    t = tensor_maker(device)
+    op, bw = opforge.geglu, torch.ops.opforge.geglu_backward
+    pre, bpre = "opforge::geglu: ", "opforge::geglu_backward: "
+    return [
+        Bad("shape", lambda d: (op, (t(3, 4), t(3, 5))), ValueError,
+            pre + r"expected gate and up of the same shape, but got \[3, 4\] and \[3, 5\]"),
+        Bad("broadcastable_shape", lambda d: (op, (t(3, 4), t(4), "tanh")), ValueError,
+            pre + r"expected gate and up of the same shape, but got \[3, 4\] and \[4\]"),
+        Bad("int_gate", lambda d: (op, (t(3, dtype=torch.int64), t(3))), TypeError, pre + DTYPE_MSG.format("gate", "Long")),
+        Bad("complex_up", lambda d: (op, (t(3), t(3, dtype=torch.complex64))), TypeError,
+            pre + DTYPE_MSG.format("up", "ComplexFloat")),
+        Bad("bool_up", lambda d: (op, (t(3), t(3, dtype=torch.bool))), TypeError, pre + DTYPE_MSG.format("up", "Bool")),
+        Bad("none_gate", lambda d: (op, (None, t(3))), ValueError, pre + "expected gate to be a tensor, but got None"),
+        Bad("none_up", lambda d: (op, (t(3), None)), ValueError, pre + "expected up to be a tensor, but got None"),
+        Bad("device", lambda d: (op, (t(3), torch.empty(3, device="meta"))), RuntimeError,
+            pre + "expected gate and up to be on the same device"),
+        Bad("approximate_erf", lambda d: (op, (t(3), t(3), "erf")), ValueError, pre + _APPROX_MSG.format("erf")),
+        Bad("approximate_case", lambda d: (op, (t(3), t(3), "Tanh")), ValueError, pre + _APPROX_MSG.format("Tanh")),
+        Bad("approximate_linear_name", lambda d: (op, (t(3), t(3), "gelu_tanh")), ValueError,
+            pre + _APPROX_MSG.format("gelu_tanh")),
+        Bad("backward_grad_shape", lambda d: (bw, (t(3, 5), t(3, 4), t(3, 4))), ValueError,
+            bpre + r"expected grad_output of gate's shape \[3, 4\], but got \[3, 5\]"),
+        Bad("backward_shape", lambda d: (bw, (t(3, 4), t(3, 4), t(4, 3), "tanh")), ValueError,
+            bpre + r"expected gate and up of the same shape, but got \[3, 4\] and \[4, 3\]"),
+        Bad("backward_int_grad", lambda d: (bw, (t(3, 4, dtype=torch.int32), t(3, 4), t(3, 4))), TypeError,
+            bpre + DTYPE_MSG.format("grad_output", "Int")),
+        Bad("backward_grad_device", lambda d: (bw, (torch.empty(3, 4, device="meta"), t(3, 4), t(3, 4))), RuntimeError,
+            bpre + "expected grad_output and gate to be on the same device"),
+        Bad("backward_approximate", lambda d: (bw, (t(3, 4), t(3, 4), t(3, 4), "")), ValueError,
+            bpre + _APPROX_MSG.format("")),
+    ]
+
+
+ENTRIES.append(OpEntry(
+    name="geglu", op=F.geglu, reference=T.geglu_reference, baseline=_geglu_baseline, native=_geglu_baseline,
+    samples=_geglu_samples, small_samples=_geglu_small, bad_inputs=_geglu_bad, double_backward=True,
+    vmap_in_dims=(0, 0)))
+
+
+def _geglu_packed_baseline(input, approximate="none"):
+    gate, up = input.chunk(2, dim=-1)
+    return TF.gelu(gate, approximate=approximate) * up
+
+
+def _geglu_packed_samples(device, dtype):
+    out = []
+    for a in ("none", "tanh"):
+        kw = {"approximate": a}
+        out += [Sample(f"{name}_{a}", (x,), grad_strided=(i % 2 == 1), kwargs=kw)
+                for i, (name, x) in enumerate(layouts(83, 14, dtype, device, 3.0))]
+        out += [
+            Sample(f"column_slice_{a}", (randn((83, 2 * 64 + 8), dtype, device, 3.0)[:, 8:],), kwargs=kw),
+            Sample(f"column_slice_unaligned_{a}", (randn((5, 3, 2 * 83 + 3), dtype, device, 3.0)[..., 3:],),
+                   grad_strided=True, kwargs=kw),
+            Sample(f"1d_I1_{a}", (randn((2,), dtype, device, 3.0),), kwargs=kw),
+            Sample(f"odd_3x1538_{a}", (randn((3, 1538), dtype, device, 3.0),), kwargs=kw),
+            Sample(f"zero_rows_{a}", (randn((0, 10), dtype, device),), kwargs=kw),
+            Sample(f"zero_I_{a}", (randn((3, 0), dtype, device),), kwargs=kw),
+        ]
+    return out
+
+
+def _geglu_packed_small(device):
+    d = torch.float64
+    return [Sample("contiguous", (randn((4, 10), d, device, 2.0),)),
+            Sample("contiguous_tanh", (randn((4, 10), d, device, 2.0),), kwargs={"approximate": "tanh"}),
+            Sample("column_slice_tanh", (randn((4, 13), d, device, 2.0)[:, 3:],), kwargs={"approximate": "tanh"})]
+
+
+def _geglu_packed_bad(device):
+    t = tensor_maker(device)
+    op, bw = opforge.geglu_packed, torch.ops.opforge.geglu_packed_backward
+    pre, bpre = "opforge::geglu_packed: ", "opforge::geglu_packed_backward: "
+    odd = r"expected input's last dimension to be even \(2I: the \[gate \| up\] halves\), but got {}"
+    return [
+        Bad("odd_last_dim", lambda d: (op, (t(3, 5),)), ValueError, pre + odd.format(5)),
+        Bad("odd_1d", lambda d: (op, (t(7), "tanh")), ValueError, pre + odd.format(7)),
+        Bad("0d", lambda d: (op, (t(),)), ValueError,
+            pre + r"expected input of shape \(\*, 2I\) \(the \[gate \| up\] halves\), but got a 0-d tensor"),
+        Bad("int_input", lambda d: (op, (t(3, 4, dtype=torch.int64),)), TypeError, pre + DTYPE_MSG.format("input", "Long")),
+        Bad("complex_input", lambda d: (op, (t(3, 4, dtype=torch.complex64),)), TypeError,
+            pre + DTYPE_MSG.format("input", "ComplexFloat")),
+        Bad("bool_input", lambda d: (op, (t(3, 4, dtype=torch.bool),)), TypeError, pre + DTYPE_MSG.format("input", "Bool")),
+        Bad("none_input", lambda d: (op, (None,)), ValueError, pre + "expected input to be a tensor, but got None"),
+        Bad("approximate_erf", lambda d: (op, (t(3, 4), "erf")), ValueError, pre + _APPROX_MSG.format("erf")),
+        Bad("approximate_sigmoid", lambda d: (op, (t(3, 4), "sigmoid")), ValueError,
+            pre + _APPROX_MSG.format("sigmoid")),
+        Bad("backward_grad_shape", lambda d: (bw, (t(3, 3), t(3, 4))), ValueError,
+            bpre + r"expected grad_output of shape \[3, 2\] \(input's with the last dimension halved\), but got \[3, 3\]"),
+        Bad("backward_odd_input", lambda d: (bw, (t(3, 2), t(3, 5), "tanh")), ValueError, bpre + odd.format(5)),
+        Bad("backward_int_grad", lambda d: (bw, (t(3, 2, dtype=torch.int32), t(3, 4))), TypeError,
+            bpre + DTYPE_MSG.format("grad_output", "Int")),
+        Bad("backward_int_input", lambda d: (bw, (t(3, 2), t(3, 4, dtype=torch.int32))), TypeError,
+            bpre + DTYPE_MSG.format("input", "Int")),
+        Bad("backward_grad_device", lambda d: (bw, (torch.empty(3, 2, device="meta"), t(3, 4))), RuntimeError,
+            bpre + "expected grad_output and input to be on the same device"),
+        Bad("backward_approximate", lambda d: (bw, (t(3, 2), t(3, 4), "none ")), ValueError,
+            bpre + _APPROX_MSG.format("none ")),
+    ]
+
+
+ENTRIES.append(OpEntry(
+    name="geglu_packed", op=F.geglu_packed, reference=T.geglu_packed_reference, baseline=_geglu_packed_baseline,
+    native=_geglu_packed_baseline, samples=_geglu_packed_samples, small_samples=_geglu_packed_small,
+    bad_inputs=_geglu_packed_bad, double_backward=True, vmap_in_dims=(0,)))
+
 # ---- swiglu_linear ---------------------------------------------------------------------------------------------
 
 

@@ -69,6 +69,10 @@ def _args(draw, name, device):
         return (t((M, N)), t((M, N), draw(LAYOUTS)))
     if name == "swiglu_packed":  # input (M, 2N): [gate | up]
         return (t((M, 2 * N)),)
+    if name == "geglu":
+        return (t((M, N)), t((M, N), draw(LAYOUTS)), draw(st.sampled_from(["none", "tanh"])))
+    if name == "geglu_packed":  # input (M, 2N): [gate | up]
+        return (t((M, 2 * N)), draw(st.sampled_from(["none", "tanh"])))
     if name in ("rms_norm", "fused_add_rms_norm"):
         N = max(N, 1)
         eps = draw(st.sampled_from([None, 1e-6, 1e-3, 1.0]))
