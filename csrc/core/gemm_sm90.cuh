@@ -43,6 +43,8 @@
 
 #include <cute/tensor.hpp>
 
+#include <atomic>
+
 #include "core/gemm_sm90.h"
 
 namespace opforge {
@@ -233,13 +235,36 @@ size_t workspace(const Problem& p, const FusionArgs& fusion_args) {
   return G::Device::get_workspace_size(arguments<G>(p, fusion_args));
 }
 
+/// Raises the kernel's dynamic shared memory limit on `device` once (GemmUniversalAdapter::initialize would do it on
+/// every call; once keeps the call path free of it, also while a CUDA graph captures).
+template <class G>
+bool shared_memory_ready(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> state[kMaxDevices] = {};  // 0 not yet, 1 done, 2 failed
+  if (device < 0 || device >= kMaxDevices) return false;
+  int s = state[device].load(std::memory_order_acquire);
+  if (s == 0) {
+    constexpr int smem = static_cast<int>(G::Kernel::SharedStorageSize);
+    cudaError_t err = cudaSuccess;
+    if (smem >= (48 << 10)) {
+      err = cudaFuncSetAttribute(cutlass::device_kernel<typename G::Kernel>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    }
+    if (err != cudaSuccess) (void)cudaGetLastError();  // clear it: the caller reports the failure
+    s = err == cudaSuccess ? 1 : 2;
+    state[device].store(s, std::memory_order_release);
+  }
+  return s == 1;
+}
+
 template <class G, class FusionArgs>
 Status launch(const Problem& p, const FusionArgs& fusion_args, void* ws, cudaStream_t stream) {
   const typename G::Arguments args = arguments<G>(p, fusion_args);
-  typename G::Device gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return Status::kCannotImplement;
-  if (gemm.initialize(args, ws, stream) != cutlass::Status::kSuccess) return Status::kError;
-  return gemm.run(stream) == cutlass::Status::kSuccess ? Status::kOk : Status::kError;
+  if (G::Device::can_implement(args) != cutlass::Status::kSuccess) return Status::kCannotImplement;
+  if (!shared_memory_ready<G>(p.device)) return Status::kError;
+  if (G::Kernel::initialize_workspace(args, ws, stream, nullptr) != cutlass::Status::kSuccess) return Status::kError;
+  typename G::Kernel::Params params = G::Kernel::to_underlying_arguments(args, ws);
+  return G::Device::run(params, stream) == cutlass::Status::kSuccess ? Status::kOk : Status::kError;
 }
 
 }  // namespace detail
