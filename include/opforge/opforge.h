@@ -118,6 +118,24 @@ at::Tensor swiglu_packed(const at::Tensor& input);
 /// grad_input[..., I:] = grad_output · gate · s. grad_output (*, I), converted to input's dtype if it differs.
 at::Tensor swiglu_packed_backward(const at::Tensor& grad_output, const at::Tensor& input);
 
+// ---- swiglu_linear (csrc/ops/swiglu_linear) ----
+
+/// y = silu(z[..., 0::2]) · z[..., 1::2] with z = input · weightᵀ + bias: a gated MLP's gate and up projections and
+/// their SwiGLU, the two projections' rows interleaved in weight (row 2j the gate's row j, row 2j + 1 the up
+/// projection's). input (*, K), weight (2I, K), bias (2I,) or none -> (*, I) in input's dtype, contiguous.
+at::Tensor swiglu_linear(const at::Tensor& input, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias = std::nullopt);
+
+/// swiglu_linear's forward for autograd: (output (*, I), pre_activation z (*, 2I)), both in input's dtype, contiguous.
+std::tuple<at::Tensor, at::Tensor> _swiglu_linear_forward(const at::Tensor& input, const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>& bias = std::nullopt);
+
+/// Gradients of swiglu_linear: (grad_input (*, K), grad_weight (2I, K), grad_bias (2I,)) for grad_output (*, I) and
+/// the forward's pre_activation (*, 2I); each computed only if its output_mask entry is set (else undefined);
+/// grad_bias in bias_dtype (input's dtype when nullopt), accumulated in fp32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_linear_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& pre_activation,
+    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype = std::nullopt);
 // ---- geglu (csrc/ops/geglu) ----
 
 /// y = gelu(gate) · up, gelu as torch.nn.functional.gelu(gate, approximate): approximate "none" (the erf form,

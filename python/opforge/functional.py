@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["LINEAR_ACTIVATIONS", "fused_add_rms_norm", "linear", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
-__all__ += ["swiglu_packed"]
+__all__ += ["swiglu_packed", "swiglu_linear"]
 __all__ += ["GELU_APPROXIMATIONS", "geglu", "geglu_packed"]
 __all__ += ["linear_cat", "indexed_linear"]  # linear variants
 
@@ -53,6 +53,7 @@ _square_op, _square_call = _bind("square")
 _square_add_op, _square_add_call = _bind("square_add")
 _swiglu_op, _swiglu_call = _bind("swiglu")
 _swiglu_packed_op, _swiglu_packed_call = _bind("swiglu_packed")
+_swiglu_linear_op, _swiglu_linear_call = _bind("swiglu_linear")
 _geglu_op, _geglu_call = _bind("geglu")
 _geglu_packed_op, _geglu_packed_call = _bind("geglu_packed")
 _rms_norm_op, _rms_norm_call = _bind("rms_norm")
@@ -347,6 +348,49 @@ def geglu_packed(input: Tensor, approximate: str = "none") -> Tensor:
         return _geglu_packed_call(input, approximate)
     except NotImplementedError:
         _missing_tensor("geglu_packed", input=input)
+        raise
+
+
+def swiglu_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """y = silu(z[..., 0::2]) · z[..., 1::2], z = input · weightᵀ + bias: a gated MLP's gate and up projections
+    and their SwiGLU in one op.
+
+    The gate's and the up projection's weights are interleaved row by row in one weight (row 2j the gate's row j,
+    row 2j + 1 the up projection's row j; bias likewise), so that every (gate, up) pair of an output lands in one
+    GEMM tile: on an H100/H200 (compute capability 9.0) a bfloat16 call runs one CUTLASS GEMM whose epilogue
+    writes y beside z, with no second pass over z. `torch.stack([w_gate, w_up], 1).flatten(0, 1)` builds the
+    interleaved weight from the two `(I, K)` weights.
+
+    Args:
+        input: `(*, K)` float64, float32, float16 or bfloat16, any strides; at least 1-D.
+        weight: `(2I, K)` floating, the gate's and up projection's rows interleaved; converted to input's dtype.
+        bias: `(2I,)` floating or None, interleaved as weight's rows. Default: None.
+
+    Returns:
+        Tensor `(*, I)` of input's dtype, contiguous.
+
+    Raises:
+        ValueError: input or weight None, input 0-d, weight not 2-D or with an odd number of rows, input's last
+            dimension not weight's in_features, bias not of shape `(2I,)`
+            (`opforge::swiglu_linear: expected weight's rows to be even ..., but got 7`).
+        TypeError: an integer, bool or complex tensor.
+        RuntimeError: tensors on different devices.
+
+    Numerics: z accumulates in float32 for float16/bfloat16 (float64 for float64) and is rounded to input's dtype
+    once; y is computed from the float32 z in the fused kernel, from the rounded z on the unfused path (CPU, other
+    GPUs, float16, shapes the kernel does not take: `linear` then `swiglu`), so the two paths agree within one
+    rounding of z. Backward (`opforge::swiglu_linear_backward`) reads the forward's z: dz by `swiglu_backward` on the
+    interleaved columns, then `linear`'s backward GEMMs; grad_bias accumulates in float32.
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference
+    `F.silu(z[..., 0::2]) * z[..., 1::2]` with `z = F.linear(input, weight, bias)`.
+    """
+    if _is_dynamo_compiling():
+        return _swiglu_linear_op(input, weight, bias)
+    try:
+        return _swiglu_linear_call(input, weight, bias)
+    except NotImplementedError:
+        _missing_tensor("swiglu_linear", input=input, weight=weight)
         raise
 
 

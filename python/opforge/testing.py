@@ -31,6 +31,7 @@ __all__ = [
     "square_add_reference",
     "swiglu_reference",
     "swiglu_packed_reference",
+    "swiglu_linear_reference",
     "geglu_reference",
     "geglu_packed_reference",
     "assert_matches_reference",
@@ -342,6 +343,21 @@ def geglu_packed_reference(input: Tensor, approximate: str = "none") -> Tensor:
     """
     gate, up = input.double().chunk(2, dim=-1)
     return geglu_reference(gate, up, approximate)
+
+
+def swiglu_linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """silu(z[..., 0::2]) · z[..., 1::2] with z = input · weightᵀ + bias, in float64.
+
+    Args:
+        input: `(*, K)` floating. The rows.
+        weight: `(2I, K)` floating. The gate's and the up projection's rows interleaved (row 2j gate, 2j + 1 up).
+        bias: `(2I,)` floating or None, interleaved as weight. Default: None.
+
+    Returns:
+        `(*, I)` float64.
+    """
+    z = linear_reference(input, weight, bias)
+    return swiglu_reference(z[..., 0::2], z[..., 1::2])
 
 
 # ---- linear_cross_entropy ----------------------------------------------------------------------------------

@@ -1739,6 +1739,99 @@ ENTRIES.append(OpEntry(
     native=_geglu_packed_baseline, samples=_geglu_packed_samples, small_samples=_geglu_packed_small,
     bad_inputs=_geglu_packed_bad, double_backward=True, vmap_in_dims=(0,)))
 
+# ---- swiglu_linear ---------------------------------------------------------------------------------------------
+
+
+def _swiglu_linear_baseline(input, weight, bias=None):
+    dt = input.dtype
+    z = TF.linear(input, weight.to(dt), bias.to(dt) if bias is not None else None)
+    return TF.silu(z[..., 0::2]) * z[..., 1::2]
+
+
+def _swiglu_linear_native(input, weight, bias=None):
+    z = TF.linear(input, weight, bias)
+    return TF.silu(z[..., 0::2]) * z[..., 1::2]
+
+
+def _swiglu_linear_samples(device, dtype):
+    def ops(M, K, I, bias=True, x_layout="contiguous", w_layout="contiguous"):
+        if x_layout == "transposed":
+            x = randn((K, M), dtype, device).t()
+        elif x_layout == "sliced_3d":
+            x = randn((3, M, 2 * K), dtype, device)[:, :, ::2].transpose(0, 1)
+        else:
+            x = randn((M, K), dtype, device)
+        w = randn((K, 2 * I), dtype, device).t() if w_layout == "transposed" else randn((2 * I, K), dtype, device)
+        return (x, w, randn((2 * I,), dtype, device)) if bias else (x, w)
+
+    return [
+        Sample("7x83x9", ops(7, 83, 9)),
+        Sample("1x1x1", ops(1, 1, 1)),
+        Sample("no_bias_83x8x5", ops(83, 8, 5, bias=False), grad_strided=True),
+        Sample("weight_transposed", ops(7, 33, 9, w_layout="transposed")),
+        Sample("input_transposed", ops(9, 32, 8, x_layout="transposed"), grad_strided=True),
+        Sample("input_sliced_3d", ops(5, 17, 6, x_layout="sliced_3d")),
+        Sample("aligned_65x64x48", ops(65, 64, 48)),
+        Sample("zero_rows", ops(0, 5, 3)),
+        Sample("zero_in_features", ops(4, 0, 3)),
+        Sample("zero_out_features", ops(4, 5, 0)),
+        Sample("1d_input", (randn((17,), dtype, device), randn((10, 17), dtype, device), randn((10,), dtype, device))),
+    ]
+
+
+def _swiglu_linear_small(device):
+    d = torch.float64
+    return [Sample("contiguous", (randn((3, 4), d, device), randn((6, 4), d, device), randn((6,), d, device))),
+            Sample("transposed_weight_3d", (randn((2, 3, 4), d, device), randn((4, 6), d, device).t()))]
+
+
+def _swiglu_linear_bad(device):
+    t = tensor_maker(device)
+    op, bw = opforge.swiglu_linear, torch.ops.opforge.swiglu_linear_backward
+    pre, bpre = "opforge::swiglu_linear: ", "opforge::swiglu_linear_backward: "
+    mask = [True, True, True]
+    return [
+        Bad("rank0", lambda d: (op, (torch.tensor(1.0, device=device), t(2, 1))), ValueError,
+            pre + "expected input to have at least 1 dimension"),
+        Bad("weight_1d", lambda d: (op, (t(4, 8), t(8))), ValueError,
+            pre + r"expected weight to be 2-D \(2 \* intermediate, in_features\), but got shape \[8\]"),
+        Bad("weight_odd_rows", lambda d: (op, (t(4, 8), t(7, 8))), ValueError,
+            pre + r"expected weight's rows to be even \(the gate's and the up projection's rows interleaved\), "
+                  r"but got 7"),
+        Bad("in_features", lambda d: (op, (t(4, 511), t(8, 512))), ValueError,
+            pre + r"expected input's last dimension to equal weight's in_features 512, but got 511"),
+        Bad("bias_shape", lambda d: (op, (t(4, 8), t(6, 8), t(3))), ValueError,
+            pre + r"expected bias of shape \[6\] \(weight's rows\), but got \[3\]"),
+        Bad("int_input", lambda d: (op, (t(4, 8, dtype=torch.int32), t(6, 8))), TypeError,
+            pre + DTYPE_MSG.format("input", "Int")),
+        Bad("bool_weight", lambda d: (op, (t(4, 8), t(6, 8, dtype=torch.bool))), TypeError,
+            pre + DTYPE_MSG.format("weight", "Bool")),
+        Bad("complex_bias", lambda d: (op, (t(4, 8), t(6, 8), t(6, dtype=torch.complex64))), TypeError,
+            pre + DTYPE_MSG.format("bias", "ComplexFloat")),
+        Bad("none_input", lambda d: (op, (None, t(6, 8))), ValueError, pre + "expected input to be a tensor, but got None"),
+        Bad("none_weight", lambda d: (op, (t(4, 8), None)), ValueError,
+            pre + "expected weight to be a tensor, but got None"),
+        Bad("weight_device", lambda d: (op, (t(4, 8), torch.empty(6, 8, device="meta"))), RuntimeError,
+            pre + "expected input and weight to be on the same device"),
+        Bad("backward_grad_shape", lambda d: (bw, (t(4, 6), t(4, 8), t(6, 8), t(4, 6), mask)), ValueError,
+            bpre + r"expected grad_output of shape \[4, 3\] \(input's leading dims, half of weight's rows\), "
+                   r"but got \[4, 6\]"),
+        Bad("backward_pre_activation_shape", lambda d: (bw, (t(4, 3), t(4, 8), t(6, 8), t(4, 3), mask)), ValueError,
+            bpre + r"expected pre_activation of shape \[4, 6\] \(the forward's input · weightᵀ \+ bias\), "
+                   r"but got \[4, 3\]"),
+        Bad("backward_int_grad", lambda d: (bw, (t(4, 3, dtype=torch.int32), t(4, 8), t(6, 8), t(4, 6), mask)),
+            TypeError, bpre + DTYPE_MSG.format("grad_output", "Int")),
+        Bad("backward_bias_dtype", lambda d: (bw, (t(4, 3), t(4, 8), t(6, 8), t(4, 6), mask, torch.int32)),
+            TypeError, bpre + r"expected bias_dtype to be a floating dtype"),
+    ]
+
+
+ENTRIES.append(OpEntry(
+    name="swiglu_linear", op=F.swiglu_linear, reference=T.swiglu_linear_reference, baseline=_swiglu_linear_baseline,
+    native=_swiglu_linear_native, samples=_swiglu_linear_samples, small_samples=_swiglu_linear_small,
+    bad_inputs=_swiglu_linear_bad, double_backward=True, vmap_in_dims=(0, None, None), autocast="lower_precision"))
+
+
 def entry(name: str) -> OpEntry:
     for e in ENTRIES:
         if e.name == name:

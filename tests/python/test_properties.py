@@ -84,6 +84,10 @@ def _args(draw, name, device):
         bias = t((N,), "contiguous") if draw(st.booleans()) else None
         # the product's scale: input at `scale`, weight at 1/sqrt(K)
         return (t((M, K)), t((N, K), draw(LAYOUTS), 1.0 / max(K, 1) ** 0.5), bias)
+    if name == "swiglu_linear":  # weight (2N, K): the gate's and the up projection's rows interleaved
+        K = draw(SIZES)
+        bias = t((2 * N,), "contiguous") if draw(st.booleans()) else None
+        return (t((M, K)), t((2 * N, K), draw(LAYOUTS), 1.0 / max(K, 1) ** 0.5), bias)
     raise NoStrategy(name)
 
 
