@@ -114,6 +114,16 @@ def suite_ops(mesh):
     for p in (R, S0, S1):
         check("swiglu_packed", opforge.swiglu_packed, [rn(4, 6, 16)], [p], mesh)
     check("swiglu_packed (last dim sharded: redistributed)", opforge.swiglu_packed, [rn(4, 6, 16)], [S2], mesh)
+    for approximate in ("none", "tanh"):
+        for p in (R, S0, S1, S2):
+            check(f"geglu {approximate}", lambda a, b, ap=approximate: opforge.geglu(a, b, ap), [x, r], [p, p], mesh)
+        for p in (R, S0, S1, S2):
+            check(f"geglu_packed {approximate}", lambda a, ap=approximate: opforge.geglu_packed(a, ap),
+                  [rn(4, 6, 16)], [p], mesh)
+    xs, Ws, bs = rn(4, 6, 8), rn(12, 8), rn(12)
+    for px, pw, pb in ((R, R, R), (S0, R, R), (S1, R, R), (R, S0, S0), (S2, S1, R)):
+        check("swiglu_linear", lambda a, w_, b_: opforge.swiglu_linear(a, w_, b_), [xs, Ws, bs], [px, pw, pb], mesh,
+              rtol=1e-4, atol=1e-5)  # grad_weight: float32 partial sums over the token shards, added in another order
     q, k = rn(2, 4, 6, 8), rn(2, 2, 6, 8)
     ang = rn(2, 6, 8)
     cos, sin = ang.cos(), ang.sin()

@@ -168,7 +168,8 @@ def _local_input(mesh, name: str):
 
 def _fused_parts(module: torch.nn.Module) -> Dict[str, list]:
     """{fused module name: [(part name, first row, end row), ...]} as opforge.patch recorded the fusion."""
-    return module.__dict__.get("_opforge_fused", {})
+    return {name: [(n, a, b) for n, a, b, _ in parts]
+            for name, (_, parts) in module.__dict__.get("_opforge_fused", {}).items()}
 
 
 def _state_dict_in_order(module, state_dict, prefix, local_metadata) -> None:
@@ -311,6 +312,11 @@ def parallelize(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
             raise ValueError(f"opforge.parallel.parallelize: expected the q/k/v widths {attn._opforge_sizes} to be "
                              f"whole heads ({attn.head_dim}) per rank of {ranks}")
     parallelize_module(model, tp_mesh, plan)
+    for m in model.modules():
+        # the plan's own hooks: the patched forwards do their layout work on DTensors
+        m._opforge_plan_hooks = frozenset([*m._forward_hooks, *m._forward_pre_hooks])
+        if getattr(m, "_opforge_kind", None) is not None:
+            m._opforge_tp_ranks = ranks  # transformers' forward cannot run here any more (opforge.patch reads it)
     for layer in _layers(model):
         attn, mlp = layer.self_attn, layer.mlp
         attn._opforge_sizes = [s // ranks for s in attn._opforge_sizes]

@@ -19,7 +19,9 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 | sigmoid, square, swiglu | R or S(d) on any dim, all inputs alike |
 | square_add | as square; other S on its matching dim, R where it broadcasts |
 | elementwise / swiglu backward | as forward (broadcast grads P); P grad_output with R inputs gives P |
-| swiglu_packed (and backward) | R; S(d) on a leading dim (the packed last dim is never split) |
+| swiglu_packed, geglu_packed (and backward) | R; S(d) on a leading dim (the packed last dim is never split) |
+| geglu (and backward) | as swiglu |
+| swiglu_linear (and _forward, backward) | R; token-sharded (input S(d), weight R; grad_weight P) |
 | rope, rope_from_positions (and backward) | R; S(1) heads; S(0) batch; S(2) sequence (cos/sin/positions alike) |
 | linear, _linear_forward, fake_quant_linear, linear_cat | R; column-wise (weight S(0), bias S(0), output S(-1)); row-wise (input S(-1), weight S(1), output P; no bias, activation none; not fake_quant_linear or linear_cat); token-sharded (input S(d), weight R) |
 | their backward | the three strategies' gradients (column-wise: grad_input P; token-sharded: grad_weight P) |
@@ -171,6 +173,26 @@ def _swiglu_backward(grad_output, gate, up):
     return [([p, p], [p, p, p]) for p in _all_dims(gate)] + [([P, P], [P, R, R])]
 
 
+@_rule("geglu")
+def _geglu(gate, up, approximate="none"):
+    return [([p], [p, p, None]) for p in _all_dims(gate)]
+
+
+@_rule("geglu_backward")
+def _geglu_backward(grad_output, gate, up, approximate="none"):
+    return [([p, p], [p, p, p, None]) for p in _all_dims(gate)] + [([P, P], [P, R, R, None])]
+
+
+@_rule("geglu_packed")
+def _geglu_packed(input, approximate="none"):
+    return [([p], [p, None]) for p in [R, *_leading(_ndim(input) - 1)]]
+
+
+@_rule("geglu_packed_backward")
+def _geglu_packed_backward(grad_output, input, approximate="none"):
+    return [([p], [p, p, None]) for p in [R, *_leading(_ndim(input) - 1)]] + [([P], [P, R, None])]
+
+
 @_rule("swiglu_packed")
 def _swiglu_packed(input):
     return [([p], [p]) for p in [R, *_leading(_ndim(input) - 1)]]
@@ -320,6 +342,31 @@ def _fake_quantize_weight(weight, bits=4, group_size=-1, symmetric=True):
 def _linear_cat(inputs, weight, bias=None):
     n = len(inputs)
     return [([o], [*([i] * n), w, b]) for o, i, w, b in _linear_strategies(inputs[0], bias, False)]
+
+
+def _swiglu_linear_strategies(input, bias):
+    """(output, input, weight, bias) placements of swiglu_linear: replicated and token-sharded. The interleaved
+    gate/up rows make a column-wise split exact only when each shard holds whole pairs and matches its output
+    columns, which a placement rule cannot see: a Shard(0) weight is gathered."""
+    return [(R, R, R, _opt(bias, R))] + [(s, s, R, _opt(bias, R)) for s in _leading(_ndim(input) - 1)]
+
+
+@_rule("swiglu_linear")
+def _swiglu_linear(input, weight, bias=None):
+    return [([o], [i, w, b]) for o, i, w, b in _swiglu_linear_strategies(input, bias)]
+
+
+@_rule("_swiglu_linear_forward")
+def _swiglu_linear_forward(input, weight, bias=None):
+    return [([o, o], [i, w, b]) for o, i, w, b in _swiglu_linear_strategies(input, bias)]
+
+
+@_rule("swiglu_linear_backward")
+def _swiglu_linear_backward(grad_output, input, weight, pre_activation, output_mask, bias_dtype=None):
+    out = [(_masked(output_mask, R, R, R), [R, R, R, R, None, None])]
+    out += [(_masked(output_mask, s, P, P), [s, s, R, s, None, None]) for s in _leading(_ndim(grad_output) - 1)]
+    out.append((_masked(output_mask, P, P, P), [P, R, R, R, None, None]))  # linear in grad_output
+    return out
 
 
 # ---- handlers: ops whose sharding needs more than placements (1-D mesh) ----------------------------------

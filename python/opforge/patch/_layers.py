@@ -149,8 +149,13 @@ _MOD = torch.nn.modules.module
 
 
 def _hooked(m: Optional[torch.nn.Module]) -> bool:
-    return m is not None and bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                                  or getattr(m, "_backward_pre_hooks", None))
+    """True when m has module hooks other than those opforge.parallel's plan installed (`_opforge_plan_hooks`: the
+    layout conversions that the patched forwards do themselves on DTensors)."""
+    if m is None:
+        return False
+    own = m.__dict__.get("_opforge_plan_hooks", ())
+    return any(k not in own for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                                      getattr(m, "_backward_pre_hooks", {})) for k in d)
 
 
 def _global_hooks() -> bool:
@@ -159,16 +164,27 @@ def _global_hooks() -> bool:
 
 
 def bypassed_hooks(m: torch.nn.Module) -> bool:
-    """True when a module `m`'s patched forward would bypass carries hooks (or global module hooks exist)."""
-    if _global_hooks():
-        return True
-    for path in m._opforge_bypassed:
-        sub = m
-        for part in path.split("."):
-            sub = sub._modules.get(part) if sub is not None else None
-        if _hooked(sub):
-            return True
-    return False
+    """True when a module `m`'s patched forward would bypass carries hooks (or global module hooks exist).
+
+    Under opforge.parallel (`m._opforge_tp_ranks` set) transformers' forward cannot run on the sharded fused
+    weights: the patched forward runs, with a warning the first time, and those hooks do not see the submodules it
+    computes directly."""
+    hooked = _global_hooks() or any(_hooked(_submodule(m, path)) for path in m._opforge_bypassed)
+    if hooked and m.__dict__.get("_opforge_tp_ranks"):
+        if not m.__dict__.get("_opforge_warned", False):
+            m.__dict__["_opforge_warned"] = True
+            warnings.warn(f"opforge.patch: {type(m).__mro__[1].__name__} is tensor-parallel (opforge.parallel): "
+                          f"module hooks do not run on {', '.join(m._opforge_bypassed)}, which its patched forward "
+                          f"computes without calling them", stacklevel=3)
+        return False
+    return hooked
+
+
+def _submodule(m: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
+    sub = m
+    for part in path.split("."):
+        sub = sub._modules.get(part) if sub is not None else None
+    return sub
 
 
 _HOOKS = "hooks"
@@ -329,6 +345,9 @@ def _lora_plan(m: torch.nn.Module, fused_name: str, parts: tuple):
     base, wrap = P.split(m._modules[fused_name])
     if base is None:
         return None
+    if wrap is None:
+        # read through the attribute: under opforge.parallel it is a view of this rank's local weight shard
+        base = getattr(m, fused_name)
     loras = []
     for i, n in enumerate(parts):
         sub = m._modules.get(n)
