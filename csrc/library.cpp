@@ -37,6 +37,14 @@ TORCH_LIBRARY(opforge, m) {
   // (fq_w(weight) in weight's dtype, in-range mask bool, scale float32, zero_point int32) of a 2-D weight; scale shape (1, 1) per tensor, (N, 1) per channel, (N, K / group_size) per group; not differentiable
   m.def("fake_quantize_weight(Tensor weight, int bits=4, int group_size=-1, bool symmetric=True) -> (Tensor output, Tensor mask, Tensor scale, Tensor zero_point)");
   // ---- end fake_quant_linear ----
+  // ---- fp8 (csrc/ops/fp8) ----
+  // (data, scale): current-scaling FP8 quantization, data = dtype(clamp(float32(input) · scale, ±fp8_max)) rounded to nearest even, scale = float32(fp8_max / max(amax, 1e-12)) with amax = max|input| over the tensor ("tensorwise", scale shape []) or over each row of the last dim ("rowwise", scale (*, 1)); dtype float8_e4m3fn (None) or float8_e5m2; not differentiable
+  m.def("quantize_fp8(Tensor input, ScalarType? dtype=None, str granularity=\"tensorwise\") -> (Tensor data, Tensor scale)");
+  // y = deq(q(input)) · deq(q(weight))ᵀ + bias with input, weight quantized by quantize_fp8 to float8_e4m3fn ("tensorwise": one scale each; "rowwise": per token and per output channel), the scaled FP8 GEMM in fp32, output in input's dtype; gradients in FP8 with grad_output in grad_dtype (None: float8_e5m2 tensorwise, float8_e4m3fn rowwise)
+  m.def("fp8_linear(Tensor input, Tensor weight, Tensor? bias=None, *, str granularity=\"tensorwise\", ScalarType? grad_dtype=None) -> Tensor");
+  // (grad_input, grad_weight, grad_bias) of fp8_linear: grad_input = deq(q(grad_output)) · deq(q(weight)), grad_weight = deq(q(grad_outputᵀ)) · deq(q(inputᵀ))ᵀ (rowwise: scales along each GEMM's non-contracted dim), grad_bias = Σ_rows grad_output in bias_dtype (fp32 accumulation); each only if its output_mask entry is set
+  m.def("fp8_linear_backward(Tensor grad_output, Tensor input, Tensor weight, bool[3] output_mask, str granularity=\"tensorwise\", ScalarType? grad_dtype=None, ScalarType? bias_dtype=None) -> (Tensor, Tensor, Tensor)");
+  // ---- end fp8 ----
   // y = input / sqrt(mean(input², over normalized dims) + eps) · weight; eps=None: float32's machine eps (float64's for float64)
   m.def("rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
   // (grad_input, grad_weight) of rms_norm from the saved rstd (normalized dims = input's dims after rstd's), each only if its output_mask entry is set

@@ -197,6 +197,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fake_quantize_weight(
                                                                                 int64_t group_size = -1,
                                                                                 bool symmetric = true);
 // ---- end fake_quant_linear ----
+// ---- fp8 (csrc/ops/fp8) ----
+
+/// Current-scaling FP8 quantization: (data, scale) with data = dtype(clamp(float32(input) · scale, ±fp8_max))
+/// (round to nearest even, saturated), scale = float32(fp8_max / max(amax, 1e-12)), amax = max|input| in float64.
+/// input (*, K) float64/float32/float16/bfloat16; dtype float8_e4m3fn (nullopt) or float8_e5m2; granularity
+/// "tensorwise" (one scale, shape []) or "rowwise" (one per row of the last dim, shape (*, 1)). data has input's
+/// shape, contiguous; input ≈ data / scale. A NaN in a group makes its scale and data NaN; an inf makes its scale 0
+/// (finite values quantize to 0, the inf to NaN); an all-zero or empty group gets fp8_max / 1e-12. Not
+/// differentiable. Raises: non-floating input (TypeError), another dtype or granularity (ValueError).
+std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& input,
+                                                std::optional<at::ScalarType> dtype = std::nullopt,
+                                                c10::string_view granularity = "tensorwise");
+
+/// y = deq(q(input)) · deq(q(weight))ᵀ + bias: a linear layer computed by an FP8 GEMM.
+/// input (*, K), weight (N, K), bias (N,) or none -> (*, N) in input's dtype. q: quantize_fp8 to float8_e4m3fn,
+/// "tensorwise" or "rowwise" (input per token, weight per output channel); the GEMM (at::_scaled_mm) accumulates in
+/// fp32; rowwise rounds its product to bfloat16 (the scaled GEMM's rowwise output) before the bias. Gradients:
+/// fp8_linear_backward with grad_dtype (nullopt: float8_e5m2 tensorwise, float8_e4m3fn rowwise). On CUDA, K and N
+/// are padded with zeros to multiples of 16 where the scaled GEMM needs it. Raises: linear's errors, another
+/// granularity or grad_dtype (ValueError).
+at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias = std::nullopt,
+                      c10::string_view granularity = "tensorwise",
+                      std::optional<at::ScalarType> grad_dtype = std::nullopt);
+
+/// Gradients of fp8_linear from the high-precision input (*, K) and weight (N, K): grad_input (*, K) =
+/// deq(q(grad_output)) · deq(q(weight)) in input's dtype, grad_weight (N, K) = deq(q(grad_outputᵀ)) ·
+/// deq(q(inputᵀ))ᵀ in weight's dtype, grad_bias (N,) = Σ_rows grad_output in bias_dtype (input's dtype when
+/// nullopt), fp32 accumulation. grad_output quantized to grad_dtype, input and weight to float8_e4m3fn; rowwise
+/// scales run along each GEMM's output dims (grad_output per row for grad_input, per column for grad_weight).
+/// Entry i computed only when output_mask[i].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, std::array<bool, 3> output_mask,
+    c10::string_view granularity = "tensorwise", std::optional<at::ScalarType> grad_dtype = std::nullopt,
+    std::optional<at::ScalarType> bias_dtype = std::nullopt);
+// ---- end fp8 ----
 // ---- linear variants: linear_cat, indexed_linear ----
 
 /// y = linear(cat(inputs, -1), weight, bias) without the concatenated buffer (nor saving it for backward).

@@ -680,6 +680,113 @@ def fake_quantize_weight(weight: Tensor, bits: int = 4, group_size: int = -1,
     except NotImplementedError:
         _missing_tensor("fake_quantize_weight", weight=weight)
         raise
+# ---- fp8: quantize_fp8, fp8_linear ---------------------------------------------------------------------
+__all__ += ["quantize_fp8", "fp8_linear", "FP8_GRANULARITIES"]
+
+#: The scale granularities of `quantize_fp8` and `fp8_linear`.
+FP8_GRANULARITIES = ("tensorwise", "rowwise")
+
+
+def quantize_fp8(input: Tensor, dtype: Optional[torch.dtype] = None,
+                 granularity: str = "tensorwise") -> Tuple[Tensor, Tensor]:
+    """(data, scale) = (fp8(clamp(float32(input) · scale, ±fp8_max)), fp8_max / max(amax, 1e-12)): current scaling.
+
+    FP8 quantization with a scale chosen from the tensor itself ("current" or dynamic scaling): the largest
+    magnitude of each group maps to the format's largest finite value.
+
+    Args:
+        input: `(*, K)` float64, float32, float16 or bfloat16, any strides (0-d allowed for tensorwise).
+        dtype: `torch.float8_e4m3fn` (max 448, the forward format) or `torch.float8_e5m2` (max 57344, wider range
+            for gradients). None means `torch.float8_e4m3fn`. Default: None.
+        granularity: str. `"tensorwise"`: one scale for the whole tensor; `"rowwise"`: one scale per row of the last
+            dim (per token of an activation, per output channel of a weight). Default: `"tensorwise"`.
+
+    Returns:
+        (data, scale): data of input's shape in `dtype`, contiguous; scale float32 of shape `()` (tensorwise) or
+        input's shape with the last dim 1, `(*, 1)` (rowwise). input ≈ data.float() / scale.
+
+    Raises:
+        TypeError: a non-floating input.
+        ValueError: dtype not one of the two FP8 formats; an unknown granularity; rowwise for a 0-d input.
+
+    Numerics (torchao's recipe, bit for bit): amax = max |input| over the group, exact, then in float64;
+    scale = float32(fp8_max / max(amax, 1e-12)); data = (float32(input) · scale).clamp(−fp8_max, fp8_max)
+    .to(dtype), the fp32 product rounded to nearest even by torch's own conversion; CPU and CUDA give the same
+    bits. Special values follow from these formulas, as in torchao: a group holding a NaN gets scale NaN and all
+    of its data NaN; a group holding ±inf gets scale 0, its finite entries 0 and the infinite ones NaN; an
+    all-zero group (or an empty one) gets scale fp8_max · 1e12 and data 0.
+
+    Not differentiable: its outputs carry no autograd history (the quantization inside `fp8_linear` is part of
+    that op's gradient).
+
+    Source: torchao's float8 training (`torchao/float8/float8_utils.py`: `amax_to_scale`, `to_fp8_saturated`;
+    `float8_scaling_utils.py`: `hp_tensor_to_float8_dynamic`); Micikevicius et al. 2022, "FP8 Formats for Deep
+    Learning" (the e4m3 and e5m2 formats).
+    """
+    try:
+        return torch.ops.opforge.quantize_fp8(input, dtype, granularity)
+    except NotImplementedError:
+        _missing_tensor("quantize_fp8", input=input)
+        raise
+
+
+def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, granularity: str = "tensorwise",
+               grad_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """y = (q(input) · q(weight)ᵀ) / (s_input ⊗ s_weight) + bias: a linear layer computed by an FP8 GEMM.
+
+    The input and the weight are quantized to `torch.float8_e4m3fn` by `quantize_fp8` (current scaling) and
+    multiplied by the scaled FP8 GEMM (`torch._scaled_mm`, fp32 accumulation); the backward computes both
+    gradient GEMMs in FP8 too, with the output gradient in `grad_dtype`.
+
+    Args:
+        input: `(*, K)` float64, float32, float16 or bfloat16, any strides. M = prod of the batch dims.
+        weight: `(N, K)` floating. Quantized from its own precision (e.g. float32 master weights under autocast);
+            its gradient comes back in weight's dtype.
+        bias: `(N,)` floating or None. Converted to input's dtype and added after the GEMM, never quantized.
+            Default: None.
+        granularity: str. `"tensorwise"`: one scale for the input, one for the weight (and one per tensor in the
+            backward); `"rowwise"`: one per token of the input and one per output channel of the weight, and in
+            the backward one per row of each GEMM operand along its contraction (see Gradients). Default:
+            `"tensorwise"`.
+        grad_dtype: `torch.float8_e5m2`, `torch.float8_e4m3fn` or None: the format of the output gradient in the
+            backward GEMMs. None: e5m2 for tensorwise, e4m3 for rowwise (torchao's tensorwise and rowwise
+            recipes). Default: None.
+
+    Returns:
+        `(*, N)` contiguous tensor in input's dtype.
+
+    Raises:
+        ValueError: linear's shape errors (weight not 2-D, K mismatch, bias not `(N,)`, input of rank 0); an unknown
+            granularity; grad_dtype not an FP8 format.
+        TypeError: a tensor of an integer, bool or complex dtype.
+        RuntimeError: tensors on different devices; double backward; forward-mode AD.
+
+    Numerics: the quantized operands are exactly `quantize_fp8`'s; the GEMM sums their products in fp32 and applies
+    the dequantization scales (1 / scale, fp32) to the sums. Tensorwise writes the product in input's dtype
+    (float32 for a float64 input, then converted); rowwise writes it in bfloat16 (the scaled GEMM's rowwise output
+    type on CUDA; the CPU rounds alike), then input's dtype. The bias is added in input's dtype. Against the
+    unquantized product the error is that of e4m3: each operand's relative rounding is at most 2⁻⁴ (half an ulp of
+    a 3-bit mantissa) for values within a factor 2⁶ of the group's amax (smaller ones lose relative precision to
+    the format's subnormals). On CUDA, K and N that are not multiples of 16 are zero-padded for the GEMM (exact).
+
+    Gradients (the quantization's rounding is not differentiated; each GEMM quantizes its own operands with the
+    same recipe): grad_input = q(grad)·q(weightᵀ)ᵀ / scales, grad_weight = q(gradᵀ)·q(inputᵀ)ᵀ / scales, with
+    rowwise scales per row of grad and per column of weight (grad_input), per column of grad and of input
+    (grad_weight): the scale of each operand is constant along the contraction, as the scaled GEMM needs.
+    grad_bias = Σ_rows grad, float32 accumulation, not quantized. Autograd saves the high-precision input and
+    weight. Under `torch.autocast` the input and bias are cast to the autocast dtype and the weight is quantized
+    in its own precision.
+
+    Source: torchao's `Float8Linear` (`torchao/float8/float8_linear.py`: the three GEMMs and their scaling axes;
+    `config.py`: the tensorwise and rowwise recipes); Micikevicius et al. 2022, "FP8 Formats for Deep Learning".
+    """
+    try:
+        return torch.ops.opforge.fp8_linear(input, weight, bias, granularity=granularity, grad_dtype=grad_dtype)
+    except NotImplementedError:
+        _missing_tensor("fp8_linear", input=input, weight=weight)
+        raise
+
+
 # ---- linear variants: linear_cat, indexed_linear ----------------------------------------------------------
 
 def linear_cat(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
