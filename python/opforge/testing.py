@@ -547,6 +547,98 @@ def fake_quant_linear_reference(input: Tensor, weight: Tensor, bias: Optional[Te
     wq = fake_quantize_weight_reference(weight, weight_bits, group_size, symmetric)[0].to(input.dtype)
     xq = fake_quantize_per_token_reference(input)[0] if act_quant else input.detach()
     return linear_reference(xq, wq, bias)
+# ---- fp8: quantize_fp8, fp8_linear --------------------------------------------------------------------------
+__all__ += ["quantize_fp8_reference", "fp8_gemm_reference", "fp8_linear_reference"]
+
+
+def quantize_fp8_reference(input: Tensor, dtype: Optional[torch.dtype] = None,
+                           granularity: str = "tensorwise"):
+    """(data, scale) of `opforge.quantize_fp8` composed of torch ops: torchao's current-scaling recipe.
+
+    amax = max |input| (tensor or each row of the last dim; 0 for an empty group), scale =
+    float32(fp8_max / clamp(float64(amax), min=1e-12)), data = (float32(input) · scale).clamp(±fp8_max).to(dtype).
+    Returns data of input's shape and scale of shape () or (*, 1), float32.
+    """
+    dtype = torch.float8_e4m3fn if dtype is None else dtype
+    fmax = torch.finfo(dtype).max
+    x = input.detach()
+    if granularity == "tensorwise":
+        amax = x.abs().amax() if x.numel() else torch.zeros((), dtype=x.dtype, device=x.device)
+    elif x.shape[-1] == 0:
+        amax = torch.zeros((*x.shape[:-1], 1), dtype=x.dtype, device=x.device)
+    else:
+        amax = x.abs().amax(-1, keepdim=True)
+    scale = (fmax / amax.double().clamp(min=1e-12)).float()
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype), scale
+
+
+def fp8_gemm_reference(a: Tensor, b: Tensor, dtype_a: torch.dtype, dtype_b: torch.dtype, rowwise: bool,
+                       compute: torch.dtype = torch.float64) -> Tensor:
+    """deq(q(a)) · deq(q(b))ᵀ for a (R_a, C), b (R_b, C): each quantized along its rows (the contraction C last) by
+    `quantize_fp8_reference`, dequantized as the scaled GEMM does (data · float32(1 / scale)) and multiplied in
+    `compute`."""
+    g = "rowwise" if rowwise else "tensorwise"
+    qa, sa = quantize_fp8_reference(a, dtype_a, g)
+    qb, sb = quantize_fp8_reference(b, dtype_b, g)
+    da = qa.to(compute) * sa.reciprocal().to(compute)
+    db = qb.to(compute) * sb.reciprocal().to(compute)
+    return da @ db.t()
+
+
+def _fp8_grad_dtype(granularity: str, grad_dtype: Optional[torch.dtype]) -> torch.dtype:
+    if grad_dtype is not None:
+        return grad_dtype
+    return torch.float8_e4m3fn if granularity == "rowwise" else torch.float8_e5m2
+
+
+class _FP8LinearReference(torch.autograd.Function):
+    """fp8_linear's quantized math in the input's dtype with its FP8 gradients (torch.func-ready)."""
+
+    @staticmethod
+    def forward(input, weight, bias, granularity, grad_dtype):
+        rowwise = granularity == "rowwise"
+        e4m3 = torch.float8_e4m3fn
+        x2 = input.reshape(-1, input.shape[-1]) if input.dim() != 1 else input.reshape(1, -1)
+        y = fp8_gemm_reference(x2, weight, e4m3, e4m3, rowwise, input.dtype)
+        if bias is not None:
+            y = y + bias.to(input.dtype)
+        return y.reshape(*input.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight, bias, granularity, grad_dtype = inputs
+        ctx.save_for_backward(input, weight)
+        ctx.granularity, ctx.grad_dtype = granularity, grad_dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight = ctx.saved_tensors
+        rowwise = ctx.granularity == "rowwise"
+        gdt, e4m3 = _fp8_grad_dtype(ctx.granularity, ctx.grad_dtype), torch.float8_e4m3fn
+        K, N = weight.shape[1], weight.shape[0]
+        g2, x2 = grad.reshape(-1, N), input.reshape(-1, K)
+        gi = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gi = fp8_gemm_reference(g2, weight.t(), gdt, e4m3, rowwise, input.dtype).reshape(input.shape)
+        if ctx.needs_input_grad[1]:
+            gw = fp8_gemm_reference(g2.t(), x2.t(), gdt, e4m3, rowwise, input.dtype).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            gb = g2.sum(0, dtype=torch.float64 if g2.dtype == torch.float64 else torch.float32).to(ctx.bias_dtype)
+        return gi, gw, gb, None, None
+
+    generate_vmap_rule = True
+
+
+def fp8_linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
+                         granularity: str = "tensorwise", grad_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """fp8_linear's math on dequantized operands, computed in input's dtype (float64 for float64 args, the
+    reference): y = deq(q(input)) · deq(q(weight))ᵀ + bias, with the gradients of the same quantized math:
+    grad_input = deq(q(grad)) · deq(q(weightᵀ))ᵀ, grad_weight = deq(q(gradᵀ)) · deq(q(inputᵀ))ᵀ (rowwise scales
+    along each GEMM's contraction's complement), grad_bias = Σ grad. The FP8 roundings are not differentiated."""
+    return _FP8LinearReference.apply(input, weight, bias, granularity, grad_dtype)
+
+
 # ---- linear variants ----------------------------------------------------------------------------------------
 
 def linear_cat_reference(inputs, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:

@@ -121,8 +121,8 @@ at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::Sca
     inv_a = inv_a.view({Ra, 1});
     inv_b = inv_b.view({1, Rb_pad});
   } else {
-    inv_a = inv_a.view({});
-    inv_b = inv_b.view({});
+    inv_a = inv_a.view(at::IntArrayRef{});  // 0-d (a bare {} would pick view(ScalarType))
+    inv_b = inv_b.view(at::IntArrayRef{});
   }
   // The rowwise scaled GEMM writes bfloat16 (its only output type on CUDA; the CPU follows it so both backends
   // round alike); tensorwise writes the output dtype (float32 for float64, which the scaled GEMM lacks).
