@@ -31,6 +31,9 @@ class Linear(torch.nn.Linear):
         dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
         activation: str, keyword-only. One of `opforge.functional.LINEAR_ACTIVATIONS` (`"none"`, `"relu"`,
             `"gelu"`, `"gelu_tanh"`, `"silu"`). Default: `"none"` (torch.nn.Linear's math).
+        fp8: str or None, keyword-only. `"tensorwise"` or `"rowwise"`: compute the layer with
+            `opforge.functional.fp8_linear` (FP8 GEMMs, current scaling; activation must be `"none"`). Default: None
+            (off).
 
     Shape: input `(*, K)` -> output `(*, N)`.
 
@@ -41,16 +44,23 @@ class Linear(torch.nn.Linear):
     """
 
     activation: str = "none"  # (a class default too: modules pickled before the attribute existed load)
+    fp8: Optional[str] = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 activation: str = "none") -> None:
+                 activation: str = "none", fp8: Optional[str] = None) -> None:
         if activation not in F.LINEAR_ACTIVATIONS:
             raise ValueError(f"opforge.nn.Linear: expected activation to be one of "
                              f"{', '.join(repr(a) for a in F.LINEAR_ACTIVATIONS)}, but got {activation!r}")
+        if fp8 is not None and (fp8 not in F.FP8_GRANULARITIES or activation != "none"):
+            raise ValueError(f"opforge.nn.Linear: expected fp8 to be None, 'tensorwise' or 'rowwise' with activation "
+                             f"'none', but got fp8={fp8!r}, activation={activation!r}")
         super().__init__(in_features, out_features, bias, device, dtype)
         self.activation = activation
+        self.fp8 = fp8
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return F.fp8_linear(input, self.weight, self.bias, granularity=self.fp8)
         return F.linear(input, self.weight, self.bias, self.activation)
 
     def extra_repr(self) -> str:
