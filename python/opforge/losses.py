@@ -1,0 +1,295 @@
+"""Post-training losses on opforge's fused log-probabilities: DPO (sigmoid, IPO, hinge, robust), SimPO, CPO, ORPO, KTO.
+
+The fused part is `opforge.linear_log_probs` (csrc/ops/linear_cross_entropy): the per-token log-probabilities come
+from the hidden states and the lm_head chunk by chunk, never the `(*, V)` logits. What follows is small `(B,)` math
+on per-sequence log-probabilities, composed of PyTorch ops (autograd differentiates it):
+
+    sequence_log_probs(input, linear_weight, target)   Σ_t log p(target_t) per sequence (or the mean over its tokens)
+    preference_loss(chosen_logps, rejected_logps, ...)  the loss of one of `PREFERENCE_LOSS_TYPES` from those
+    kto_loss(...)                                       KTO, whose examples are unpaired
+    linear_preference_loss(input, linear_weight, target, ...)   both steps in one call: a policy head, and the
+                                                        reference log-probabilities given or from a reference head
+
+Argument names follow TRL (`beta`, `label_smoothing`, `loss_type`, `simpo_gamma`, `cpo_alpha`, `desirable_weight`,
+`undesirable_weight`; chosen first, then rejected, as TRL's concatenated forward). Each loss returns the per-pair
+losses reduced by `reduction` and the detached rewards TRL logs.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as TF
+from torch import Tensor
+
+from .functional import linear_log_probs
+
+__all__ = ["PREFERENCE_LOSS_TYPES", "sequence_log_probs", "preference_loss", "kto_loss", "linear_preference_loss"]
+
+#: The `loss_type`s of `preference_loss`: DPO's ("sigmoid", "ipo", "hinge", "robust", with reference
+#: log-probabilities) and the reference-free "simpo", "cpo" and "orpo".
+PREFERENCE_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "cpo", "orpo")
+_AVERAGED = ("ipo", "simpo", "orpo")  # loss types defined on the per-token mean log-probability (TRL's, the papers')
+_REFERENCE = ("sigmoid", "ipo", "hinge", "robust")
+
+
+def _reduce(losses: Tensor, reduction: str, op: str) -> Tensor:
+    if reduction == "mean":
+        return losses.mean()
+    if reduction == "sum":
+        return losses.sum()
+    if reduction == "none":
+        return losses
+    raise ValueError(f"opforge::{op}: expected reduction to be one of \"none\", \"mean\", \"sum\", but got "
+                     f"\"{reduction}\"")
+
+
+def sequence_log_probs(input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Optional[Tensor] = None, *,
+                       temperature: float = 1.0, ignore_index: int = -100, average_log_prob: bool = False,
+                       chunk_size: Optional[int] = None) -> Tensor:
+    """logps_b = Σ_t log p(target_{b,t}) (or its mean over the sequence's valid tokens) by `opforge.linear_log_probs`.
+
+    Args:
+        input: `(B, T, H)` (or `(*, T, H)`) floating. The hidden states, already aligned with target (the caller
+            shifts them as for a causal-LM loss).
+        linear_weight: `(V, H)` floating. The lm_head weight.
+        target: `(B, T)` int64. Token ids, or ignore_index (prompt and padding tokens).
+        linear_bias: `(V,)` floating or None. Default: None.
+        temperature: float > 0. Default: 1.0.
+        ignore_index: int. Default: -100.
+        average_log_prob: bool. Divide each sum by the sequence's number of valid tokens (at least 1, so a sequence
+            without any valid token gives 0 and zero gradients, not 0/0). Default: False.
+        chunk_size: int or None. As `linear_log_probs`. Default: None.
+
+    Returns:
+        `(B,)` float32 (float64 for float64 input).
+
+    Raises:
+        As `opforge.linear_log_probs`.
+    """
+    lp = linear_log_probs(input, linear_weight, target, linear_bias, temperature=temperature,
+                          ignore_index=ignore_index, chunk_size=chunk_size)
+    s = lp.sum(-1)
+    if average_log_prob:
+        s = s / (target != ignore_index).sum(-1).clamp(min=1).to(s.dtype)
+    return s
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 − exp(x)) for x ≤ 0 without cancellation (Mächler 2012): log(−expm1(x)) near 0, log1p(−exp(x)) below
+    −ln 2. The naive log1p(−exp(x)) is −inf at x = 0 and loses every digit for x close to 0."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def preference_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Optional[Tensor] = None,
+                    ref_rejected_logps: Optional[Tensor] = None, *, loss_type: str = "sigmoid", beta: float = 0.1,
+                    label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
+                    reduction: str = "mean") -> Tuple[Tensor, Tensor, Tensor]:
+    """The pairwise preference loss of `loss_type` from per-sequence log-probabilities (TRL's formulas).
+
+    With h = (chosen_logps − rejected_logps) − (ref_chosen_logps − ref_rejected_logps) (DPO's types), σ the
+    sigmoid and ε = label_smoothing:
+
+        "sigmoid" (DPO, Rafailov et al. 2023; cDPO with ε):  −(1 − ε) log σ(β h) − ε log σ(−β h)
+        "robust" (Chowdhury et al. 2024):                   (−(1 − ε) log σ(β h) + ε log σ(−β h)) / (1 − 2ε)
+        "hinge" (SLiC, Zhao et al. 2023):                   max(0, 1 − β h)
+        "ipo" (Azar et al. 2023):                           (h − 1 / (2β))², on mean per-token log-probabilities
+        "simpo" (Meng et al. 2024), u = chosen − rejected:   −(1 − ε) log σ(β u − γ) − ε log σ(−(β u − γ)), γ =
+                                                            simpo_gamma, on mean per-token log-probabilities
+        "cpo" (Xu et al. 2024):                             −(1 − ε) log σ(β u) − ε log σ(−β u) (add cpo_alpha ×
+                                                            the chosen NLL: `linear_preference_loss`)
+        "orpo" (Hong et al. 2024):                          −β log σ(log odds_c − log odds_r), log odds = l −
+                                                            log(1 − eˡ), on mean per-token log-probabilities (add
+                                                            the chosen NLL: `linear_preference_loss`)
+
+    The caller gives the log-probabilities the type is defined on: summed (`sequence_log_probs`) for "sigmoid",
+    "robust", "hinge" and "cpo", averaged over the tokens (`average_log_prob=True`) for "ipo", "simpo" and "orpo";
+    `linear_preference_loss` picks it.
+
+    Args:
+        chosen_logps: `(B,)` floating. The policy's log-probabilities of the chosen responses.
+        rejected_logps: `(B,)` floating. Of the rejected responses.
+        ref_chosen_logps: `(B,)` floating or None. The reference model's, for "sigmoid", "robust", "hinge", "ipo"
+            (required there; detached). Default: None.
+        ref_rejected_logps: `(B,)` floating or None. As ref_chosen_logps. Default: None.
+        loss_type: str. One of `PREFERENCE_LOSS_TYPES`. Default: "sigmoid".
+        beta: float > 0. Default: 0.1.
+        label_smoothing: float in [0, 0.5). The assumed label-flip rate ε ("sigmoid", "robust", "simpo",
+            "cpo"). Default: 0.0.
+        simpo_gamma: float. SimPO's target reward margin γ. Default: 0.5.
+        reduction: str. "mean", "sum" or "none" over the pairs. Default: "mean".
+
+    Returns:
+        (loss, chosen_rewards, rejected_rewards): the loss reduced over the B pairs; the detached `(B,)` rewards TRL
+            logs (β (logps − ref_logps) with a reference, β logps without).
+
+    Raises:
+        ValueError: an unknown loss_type or reduction; a reference missing for a type that needs one; beta ≤ 0;
+            label_smoothing outside [0, 0.5); chosen/rejected/reference shapes that differ.
+
+    Source: TRL's `DPOTrainer.dpo_loss`, `CPOTrainer.cpo_loss`, `ORPOTrainer.odds_ratio_loss` (the formulas above);
+    ORPO's log(1 − eˡ) is computed without cancellation (log(−expm1(l)) near l = 0, where the naive
+    log1p(−exp(l)) gives −inf and NaN gradients).
+    """
+    op = "preference_loss"
+    if loss_type not in PREFERENCE_LOSS_TYPES:
+        raise ValueError(f"opforge::{op}: expected loss_type to be one of {', '.join(PREFERENCE_LOSS_TYPES)}, but got "
+                         f"\"{loss_type}\"")
+    if not beta > 0:
+        raise ValueError(f"opforge::{op}: expected beta > 0, but got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"opforge::{op}: expected label_smoothing in [0, 0.5), but got {label_smoothing}")
+    if chosen_logps.shape != rejected_logps.shape:
+        raise ValueError(f"opforge::{op}: expected rejected_logps of chosen_logps's shape {list(chosen_logps.shape)}, "
+                         f"but got {list(rejected_logps.shape)}")
+    eps = label_smoothing
+    if loss_type in _REFERENCE:
+        if ref_chosen_logps is None or ref_rejected_logps is None:
+            raise ValueError(f"opforge::{op}: expected ref_chosen_logps and ref_rejected_logps for loss_type "
+                             f"\"{loss_type}\", but got None")
+        for name, r in (("ref_chosen_logps", ref_chosen_logps), ("ref_rejected_logps", ref_rejected_logps)):
+            if r.shape != chosen_logps.shape:
+                raise ValueError(f"opforge::{op}: expected {name} of chosen_logps's shape {list(chosen_logps.shape)}, "
+                                 f"but got {list(r.shape)}")
+        ref_c, ref_r = ref_chosen_logps.detach(), ref_rejected_logps.detach()
+        h = (chosen_logps - rejected_logps) - (ref_c - ref_r)
+        if loss_type == "sigmoid":
+            losses = -(1 - eps) * TF.logsigmoid(beta * h) - eps * TF.logsigmoid(-beta * h)
+        elif loss_type == "robust":
+            losses = (-(1 - eps) * TF.logsigmoid(beta * h) + eps * TF.logsigmoid(-beta * h)) / (1 - 2 * eps)
+        elif loss_type == "hinge":
+            losses = torch.relu(1 - beta * h)
+        else:  # ipo
+            losses = (h - 1 / (2 * beta)) ** 2
+        chosen_rewards = beta * (chosen_logps - ref_c).detach()
+        rejected_rewards = beta * (rejected_logps - ref_r).detach()
+    else:
+        u = chosen_logps - rejected_logps
+        if loss_type == "simpo":
+            a = beta * u - simpo_gamma
+            losses = -(1 - eps) * TF.logsigmoid(a) - eps * TF.logsigmoid(-a)
+        elif loss_type == "cpo":
+            losses = -(1 - eps) * TF.logsigmoid(beta * u) - eps * TF.logsigmoid(-beta * u)
+        else:  # orpo
+            log_odds = u - (_log1mexp(chosen_logps) - _log1mexp(rejected_logps))
+            losses = -beta * TF.logsigmoid(log_odds)
+        chosen_rewards = beta * chosen_logps.detach()
+        rejected_rewards = beta * rejected_logps.detach()
+    return _reduce(losses, reduction, op), chosen_rewards, rejected_rewards
+
+
+def kto_loss(chosen_logps: Tensor, rejected_logps: Tensor, kl_logps: Tensor, ref_chosen_logps: Tensor,
+             ref_rejected_logps: Tensor, ref_kl_logps: Tensor, *, beta: float = 0.1, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0) -> Tuple[Tensor, Tensor, Tensor]:
+    """KTO (Ethayarajh et al. 2024): desirable and undesirable examples, unpaired, against a KL reference point.
+
+        z0 = max(0, mean(kl_logps − ref_kl_logps))   (detached: the reference point)
+        loss = mean over the examples of [w_d (1 − σ(β (r_c − z0))) for each desirable one,
+                                          w_u (1 − σ(β (z0 − r_r))) for each undesirable one],
+        r = logps − ref_logps.
+
+    Args:
+        chosen_logps: `(Bc,)` floating. The policy's summed log-probabilities of the desirable examples (may be
+            empty).
+        rejected_logps: `(Br,)` floating. Of the undesirable examples (may be empty).
+        kl_logps: `(Bk,)` floating. Of the mismatched (prompt, completion) pairs of the KL estimate.
+        ref_chosen_logps, ref_rejected_logps, ref_kl_logps: the reference model's, same shapes (detached).
+        beta: float > 0. Default: 0.1.
+        desirable_weight: float. w_d. Default: 1.0.
+        undesirable_weight: float. w_u. Default: 1.0.
+
+    Returns:
+        (loss, chosen_rewards, rejected_rewards): the mean loss (0 without any example, with zero gradients: never
+            0/0) and the detached rewards β r.
+
+    Raises:
+        ValueError: beta ≤ 0; a policy/reference shape mismatch.
+
+    Source: TRL's `KTOTrainer.kto_loss` (the formula above; TRL takes the mean with nanmean, which is NaN without
+    any example).
+    """
+    op = "kto_loss"
+    if not beta > 0:
+        raise ValueError(f"opforge::{op}: expected beta > 0, but got {beta}")
+    for name, a, b in (("ref_chosen_logps", chosen_logps, ref_chosen_logps),
+                       ("ref_rejected_logps", rejected_logps, ref_rejected_logps),
+                       ("ref_kl_logps", kl_logps, ref_kl_logps)):
+        if a.shape != b.shape:
+            raise ValueError(f"opforge::{op}: expected {name} of shape {list(a.shape)}, but got {list(b.shape)}")
+    if kl_logps.numel():
+        z0 = (kl_logps - ref_kl_logps).mean().clamp(min=0).detach()
+    else:
+        z0 = kl_logps.new_zeros(())
+    rc = chosen_logps - ref_chosen_logps.detach()
+    rr = rejected_logps - ref_rejected_logps.detach()
+    losses = torch.cat([desirable_weight * (1 - torch.sigmoid(beta * (rc - z0))),
+                        undesirable_weight * (1 - torch.sigmoid(beta * (z0 - rr)))])
+    loss = losses.sum() / max(losses.numel(), 1)
+    return loss, beta * rc.detach(), beta * rr.detach()
+
+
+def linear_preference_loss(input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Optional[Tensor] = None,
+                           *, ref_input: Optional[Tensor] = None, ref_linear_weight: Optional[Tensor] = None,
+                           ref_linear_bias: Optional[Tensor] = None, ref_chosen_logps: Optional[Tensor] = None,
+                           ref_rejected_logps: Optional[Tensor] = None, loss_type: str = "sigmoid",
+                           beta: float = 0.1, label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
+                           cpo_alpha: float = 1.0, temperature: float = 1.0, ignore_index: int = -100,
+                           chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """`preference_loss` from a policy head's hidden states: the log-probabilities fused (`linear_log_probs`).
+
+    The batch holds the B chosen sequences first, then the B rejected ones (TRL's concatenated forward). The
+    reference log-probabilities (types "sigmoid", "robust", "hinge", "ipo") are the given ref_chosen_logps /
+    ref_rejected_logps, or computed here without gradients from `ref_input` (the reference model's hidden states,
+    default: `input`) and `ref_linear_weight` / `ref_linear_bias`. "cpo" adds cpo_alpha × the chosen sequences'
+    NLL, "orpo" the chosen NLL (each the mean over the chosen tokens, as TRL's; 0 when no chosen token counts).
+
+    Args:
+        input: `(2B, T, H)` floating. The policy's final hidden states, aligned with target.
+        linear_weight: `(V, H)` floating. The policy's lm_head weight.
+        target: `(2B, T)` int64. Token ids, ignore_index on prompt and padding.
+        linear_bias: `(V,)` floating or None. Default: None.
+        ref_input: `(2B, T, H)` floating or None. The reference model's hidden states. Default: None (input).
+        ref_linear_weight: `(V, H)` floating or None. The reference lm_head. Default: None.
+        ref_linear_bias: `(V,)` floating or None. Default: None.
+        ref_chosen_logps: `(B,)` floating or None. Precomputed reference log-probabilities. Default: None.
+        ref_rejected_logps: `(B,)` floating or None. Default: None.
+        loss_type, beta, label_smoothing, simpo_gamma: as `preference_loss`.
+        cpo_alpha: float. The NLL weight of "cpo". Default: 1.0.
+        temperature, ignore_index, chunk_size: as `linear_log_probs`.
+
+    Returns:
+        (loss, chosen_rewards, rejected_rewards) as `preference_loss` (reduction "mean").
+
+    Raises:
+        ValueError: an odd batch; a type that needs a reference given neither reference log-probabilities nor a
+            reference head; as `preference_loss` and `linear_log_probs`.
+    """
+    op = "linear_preference_loss"
+    if target.dim() < 1 or target.shape[0] % 2:
+        raise ValueError(f"opforge::{op}: expected a batch of 2B sequences (chosen, then rejected), but got target of "
+                         f"shape {list(target.shape)}")
+    avg = loss_type in _AVERAGED
+    kw = dict(temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size)
+    lp = linear_log_probs(input, linear_weight, target, linear_bias, **kw)  # (2B, T)
+    valid = target != ignore_index
+    count = valid.sum(-1)
+    logps = lp.sum(-1)
+    if avg:
+        logps = logps / count.clamp(min=1).to(logps.dtype)
+    b = target.shape[0] // 2
+    chosen, rejected = logps[:b], logps[b:]
+    if loss_type in _REFERENCE and ref_chosen_logps is None and ref_rejected_logps is None:
+        if ref_linear_weight is None:
+            raise ValueError(f"opforge::{op}: expected ref_chosen_logps / ref_rejected_logps or ref_linear_weight for "
+                             f"loss_type \"{loss_type}\", but got None")
+        with torch.no_grad():
+            ref = sequence_log_probs(input if ref_input is None else ref_input, ref_linear_weight, target,
+                                     ref_linear_bias, average_log_prob=avg, **kw)
+        ref_chosen_logps, ref_rejected_logps = ref[:b], ref[b:]
+    loss, cr, rr = preference_loss(chosen, rejected, ref_chosen_logps, ref_rejected_logps, loss_type=loss_type,
+                                   beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma)
+    if loss_type in ("cpo", "orpo"):
+        # the chosen tokens' mean NLL; every chosen token ignored: 0 and zero gradients (not 0/0)
+        nll = -lp[:b].sum() / count[:b].sum().clamp(min=1).to(lp.dtype)
+        loss = loss + (cpo_alpha if loss_type == "cpo" else 1.0) * nll
+    return loss, cr, rr
