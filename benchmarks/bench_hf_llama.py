@@ -41,8 +41,19 @@ less GPU time a step, docs/patching.md). In hf_llama.csv, rows with variant "opf
     # graph breaks and recompiles of the compiled variants (CPU: a tiny config, about a minute):
     python benchmarks/bench_hf_llama.py --smoke --variants hf+compile,opforge+compile
 
+Other families (``--family``, default llama): the same shape arguments build a random-weight model of that
+family (with the defaults 1.3-1.7B parameters; head_dim = hidden / heads; Gemma 2/3 with their soft-caps and a
+sliding window of half the sequence, Gemma 2 on transformers' eager attention (its soft-capped scores have no SDPA
+path); Granite with Granite 3's multipliers; the mixtures of experts with 8 experts of intermediate / 8, top-2,
+Qwen2-MoE with a shared expert of intermediate / 4), and the "liger" variants apply
+Liger-Kernel's own patch for that family (``apply_liger_kernel_to_<family>``; "n/a" where Liger has none):
+
+    python benchmarks/bench_hf_llama.py --family gemma2 --variants hf,liger,hf+compile,opforge
+    python benchmarks/bench_hf_llama.py --family mixtral --smoke      # CPU, tiny config
+
 Results: <out>/hf_llama.csv (appended; context columns date, device, device_name, torch, commit,
-transformers, liger) and <out>/hf_llama_<cpu|cuda>.png; profiles in <out>/hf_llama_profile_<variant>.txt.
+transformers, liger; another family: <out>/hf_<family>.csv) and <out>/hf_llama_<cpu|cuda>.png; profiles in
+<out>/hf_llama_profile_<variant>.txt.
 """
 from __future__ import annotations
 
@@ -91,6 +102,56 @@ VARIANT_ENV = {
     "opforge-dwbf16": {"OPFORGE_LCE_DW_ACCUM": "1"},
     "opforge-dwbf16-c2048": {"OPFORGE_LCE_DW_ACCUM": "1", "OPFORGE_LCE_CHUNK_SIZE": "2048"},
 }
+#: --family -> (config class, model class, liger patch function, extra config of that family). The MoE sizes: 8
+#: experts of intermediate / 8, top-2 (Qwen2-MoE: a shared expert of intermediate / 4).
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "apply_liger_kernel_to_mistral", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "apply_liger_kernel_to_qwen2", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "apply_liger_kernel_to_qwen3", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", "apply_liger_kernel_to_gemma", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "apply_liger_kernel_to_gemma2", {"sliding_window": 4096}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "apply_liger_kernel_to_gemma3_text", {"sliding_window": 4096}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "apply_liger_kernel_to_phi3", {"pad_token_id": 0}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", "apply_liger_kernel_to_granite",
+                {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", "apply_liger_kernel_to_olmo2", {"pad_token_id": 0}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "apply_liger_kernel_to_mixtral", {"num_local_experts": 8}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "apply_liger_kernel_to_qwen2_moe", {"num_experts": 8}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "apply_liger_kernel_to_qwen3_moe", {"num_experts": 8}),
+}
+
+
+def family_config(a: argparse.Namespace):
+    """(model class, config) of ``a.family`` with ``a``'s shape (Llama's rules: the given sizes, head_dim =
+    hidden / heads)."""
+    import transformers
+
+    cfg_name, model_name, _, extra = FAMILIES[a.family]
+    kw = dict(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
+              num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
+              max_position_embeddings=max(a.seq, 128), **extra)
+    hd = a.hidden // a.heads
+    if a.family in ("gemma", "gemma2", "gemma3", "qwen3", "qwen3_moe"):
+        kw["head_dim"] = hd
+    if a.family in ("gemma2", "gemma3"):
+        kw["query_pre_attn_scalar"] = hd
+        kw["sliding_window"] = min(kw["sliding_window"], max(a.seq // 2, 2))  # a window smaller than the sequence
+    if a.family == "granite":
+        kw["attention_multiplier"] = 1.0 / hd
+    if a.family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        kw["num_experts_per_tok"] = 2
+        if a.family != "mixtral":
+            kw["moe_intermediate_size"] = max(a.intermediate // 8, 8)
+        else:
+            kw["intermediate_size"] = max(a.intermediate // 8, 8)
+        if a.family == "qwen2_moe":
+            kw["shared_expert_intermediate_size"] = max(a.intermediate // 4, 8)
+    if a.family not in ("gemma2",):  # Gemma 2's soft-capped attention has no SDPA path: transformers' default
+        kw["attn_implementation"] = "sdpa"
+    return getattr(transformers, model_name), getattr(transformers, cfg_name)(**kw)
+
+
 CSV_COLUMNS = ["date", "device", "device_name", "torch", "commit", "transformers", "liger", "variant", "layers",
                "hidden", "intermediate", "heads", "kv_heads", "vocab", "seq", "batch", "dtype", "steps", "tokens_per_s",
                "ms_per_step", "peak_mem_gib", "first_loss", "last_loss", "max_rel_loss_diff_vs_hf", "status"]
@@ -118,6 +179,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the weights are initialised before the cast to --dtype (default: --device; cpu "
                         "takes ~20 s per variant at the default size). Same seed, so every variant starts alike")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--family", default="llama", choices=sorted(FAMILIES),
+                   help="transformers family of the model (default: llama); the shape arguments apply to it")
     p.add_argument("--loss-bound", type=float, default=None,
                    help="largest allowed per-step relative loss difference from HF eager (default: 2e-2 for "
                         "16-bit dtypes, 1e-3 for float32); a variant over it is marked in the table")
@@ -182,9 +245,12 @@ def build_variant(a: argparse.Namespace, variant: str):
     mode = "reduce-overhead" if variant.endswith("+compile-ro") else None  # CUDA graphs (cudagraph trees)
     scope = compile_scope(a, variant)
     if use_liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama  # ImportError: variant n/a
+        import liger_kernel.transformers as liger  # ImportError: variant n/a
 
-        apply_liger_kernel_to_llama()  # before the model is built: patches transformers' Llama classes
+        fn = getattr(liger, FAMILIES[getattr(a, "family", "llama")][2], None)
+        if fn is None:
+            raise ImportError(f"liger_kernel has no {FAMILIES[a.family][2]}")
+        fn()  # before the model is built: patches transformers' classes of the family
     if use_opforge:
         try:
             import opforge  # noqa: F401
@@ -192,11 +258,9 @@ def build_variant(a: argparse.Namespace, variant: str):
             sys.path.insert(0, str(common.REPO_ROOT / "python"))
         from opforge import patch
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
-                                   num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
-                                   max_position_embeddings=max(a.seq, 128), attn_implementation="sdpa")
+    model_cls, cfg = family_config(a)
     with torch.device(a.init_device):
-        model = transformers.LlamaForCausalLM(cfg)  # same initial weights for every variant (same seed and device)
+        model = model_cls(cfg)  # same initial weights for every variant (same seed and device)
     model = model.to(device=device, dtype=dtype).train()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -325,6 +389,8 @@ def spawn_worker(script: Path, worker: str, argv: list, timeout: float) -> dict:
             tail = err[-1] if err else f"exit {p.returncode}"
             if "No module named 'liger_kernel'" in (p.stderr or ""):
                 tail = "n/a (liger_kernel not installed)"
+            elif "liger_kernel has no" in (p.stderr or ""):
+                tail = "n/a (Liger-Kernel has no patch for this family)"
             elif "No module named 'torchao'" in (p.stderr or ""):
                 tail = "n/a (torchao not installed)"
             else:
@@ -337,7 +403,8 @@ def _spawn(a: argparse.Namespace, variant: str) -> dict:
     argv = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--intermediate", str(a.intermediate),
             "--heads", str(a.heads), "--kv-heads", str(a.kv_heads), "--vocab", str(a.vocab), "--seq", str(a.seq),
             "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--dtype", a.dtype,
-            "--device", a.device, "--compile-scope", a.compile_scope, "--lr", str(a.lr), "--init-device", a.init_device]
+            "--device", a.device, "--compile-scope", a.compile_scope, "--lr", str(a.lr), "--init-device", a.init_device,
+            "--family", a.family]
     if a.profile:
         argv.append("--profile")
     return spawn_worker(Path(__file__).resolve(), variant, argv, a.timeout)
@@ -390,6 +457,8 @@ def main(argv=None) -> list:
 
     shape = (f"layers={a.layers} hidden={a.hidden} intermediate={a.intermediate} heads={a.heads}/{a.kv_heads} "
              f"vocab={a.vocab} seq={a.seq} batch={a.batch} {a.dtype}")
+    if a.family != "llama":
+        shape = f"{a.family} {shape}"
     print(f"bench_hf_llama: {common.device_name(a.device)}, torch {torch.__version__}, {shape}, "
           f"{a.warmup}+{a.steps} steps, compile scope {a.compile_scope}", flush=True)
     results = []
@@ -443,7 +512,7 @@ def main(argv=None) -> list:
                 print(f"  recompile: {reason}")
     if not a.no_save:
         a.out.mkdir(parents=True, exist_ok=True)
-        path = a.out / "hf_llama.csv"
+        path = a.out / ("hf_llama.csv" if a.family == "llama" else f"hf_{a.family}.csv")
         new = not path.exists()
         with path.open("a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
@@ -452,12 +521,14 @@ def main(argv=None) -> list:
             for row in rows:
                 w.writerow(row)
         print(f"\nappended {len(rows)} rows to {path}")
-        png = a.out / f"hf_llama_{'cuda' if a.device.startswith('cuda') else 'cpu'}.png"
-        if _plot(rows, png, f"HF LlamaForCausalLM train step: {shape}, {common.device_name(a.device)}"):
+        png = a.out / f"hf_{a.family}_{'cuda' if a.device.startswith('cuda') else 'cpu'}.png"
+        title = FAMILIES[a.family][1]
+        if _plot(rows, png, f"HF {title} train step: {shape}, {common.device_name(a.device)}"):
             print(f"plot: {png}")
         for r in results:
             if r.get("profile"):
-                prof = a.out / f"hf_llama_profile_{r['variant'].replace('+', '_')}.txt"
+                stem = "hf_llama" if a.family == "llama" else f"hf_{a.family}"
+                prof = a.out / f"{stem}_profile_{r['variant'].replace('+', '_')}.txt"
                 prof.write_text(f"{shape}\n{r['profile']}\n")
                 print(f"profile: {prof}")
     return rows

@@ -11,6 +11,8 @@ TORCH_LIBRARY(opforge, m) {
   m.def("_fused_add_rms_norm_forward(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor residual_out, Tensor rstd)");
   // linear plus its pre-activation z = input · weightᵀ + bias (a new tensor), for autograd
   m.def("_linear_forward(Tensor input, Tensor weight, Tensor? bias=None, str activation=\"none\") -> (Tensor output, Tensor pre_activation)");
+  // swiglu_linear plus its pre-activation z = input · weightᵀ + bias (*, 2I, a new tensor), for autograd
+  m.def("_swiglu_linear_forward(Tensor input, Tensor weight, Tensor? bias=None) -> (Tensor output, Tensor pre_activation)");
   // rms_norm plus rstd = 1/sqrt(mean(x²) + eps) over the normalized dims, [*] in float32 (float64 for float64)
   m.def("_rms_norm_forward(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor rstd)");
   // input · rstd · weight from a saved rstd (normalized dims = input's dims after rstd's): bitwise the output of
@@ -69,6 +71,21 @@ TORCH_LIBRARY(opforge, m) {
   m.def("swiglu_packed(Tensor input) -> Tensor");
   // grad_input (*, 2I) of swiglu_packed, both halves written in one fused pass
   m.def("swiglu_packed_backward(Tensor grad_output, Tensor input) -> Tensor");
+  // y = silu(z[..., 0::2]) · z[..., 1::2], z = input · weightᵀ + bias; input (*, K), weight (2I, K) with the gate's and
+  // the up projection's rows interleaved (row 2j gate j, row 2j + 1 up j), bias (2I,); y (*, I)
+  m.def("swiglu_linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+  // (grad_input, grad_weight, grad_bias) of swiglu_linear, each only if its output_mask entry is set; pre_activation
+  // the forward's z (*, 2I); grad_bias in bias_dtype (the forward's bias dtype; input's dtype when None)
+  m.def("swiglu_linear_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor pre_activation, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor, Tensor, Tensor)");
+  // ---- geglu (csrc/ops/geglu; the gated engine of swiglu, csrc/core/gated.h) ----
+  // y = gelu(gate, approximate) · up, gate and up of one shape; approximate "none" (erf) or "tanh", as F.gelu
+  m.def("geglu(Tensor gate, Tensor up, str approximate=\"none\") -> Tensor");
+  // (grad_gate, grad_up) of geglu in one fused pass
+  m.def("geglu_backward(Tensor grad_output, Tensor gate, Tensor up, str approximate=\"none\") -> (Tensor, Tensor)");
+  // y = gelu(input[..., :I], approximate) · input[..., I:], input (*, 2I) the packed [gate | up] halves -> (*, I)
+  m.def("geglu_packed(Tensor input, str approximate=\"none\") -> Tensor");
+  // grad_input (*, 2I) of geglu_packed, both halves written in one fused pass
+  m.def("geglu_packed_backward(Tensor grad_output, Tensor input, str approximate=\"none\") -> Tensor");
   // ---- linear_cross_entropy (csrc/ops/linear_cross_entropy) ----
   // loss = cross_entropy(cap(input · linear_weightᵀ + linear_bias), target, weight, reduction, ignore_index, label_smoothing)
   // + z_loss · logsumexp² per valid token, cap(x) = softcap · tanh(x / softcap); input (*, H), linear_weight (V, H),

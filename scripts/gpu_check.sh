@@ -16,7 +16,9 @@
 #   env        nvidia-smi -L, torch / CUDA / nvcc / cmake versions
 #   cublas     cuBLAS headers and libraries in the CUDA toolkit; linked in from torch's nvidia wheels
 #              when missing (as .ci does), or given to CMake through a shim folder when not writable
-#   configure  CMake + Ninja against python3's torch, TORCH_CUDA_ARCH_LIST=9.0, OPFORGE_CUDA=ON,
+#   configure  CMake + Ninja against python3's torch, TORCH_CUDA_ARCH_LIST=9.0, OPFORGE_CUDA=ON, opforge's CUTLASS
+#              sm90 GEMM kernels from the nvidia-cutlass wheel (carried in .whl/; OPFORGE_CUTLASS=ON when python3
+#              imports cutlass_library, else AUTO, i.e. off: the configure line says which),
 #              OPFORGE_BUILD_TESTS=ON when GoogleTest is found (else the C++ tests are skipped, said so)
 #   build      ninja -j$GPU_CHECK_JOBS (library first, then the C++ tests)
 #   pytest     tests/python with OPFORGE_LIBRARY=<build>/libopforge.so -> $OUT/pytest.log (-v: one line per test as it ends,
@@ -182,6 +184,13 @@ if [ "$NO_CUDA" = 1 ]; then
 else
   NVCC=$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")
   CMAKE_ARGS+=(-DOPFORGE_CUDA=ON "-DCMAKE_CUDA_COMPILER=$NVCC" -DTORCH_CUDA_ARCH_LIST=9.0)
+  # the CUTLASS headers of the nvidia-cutlass wheel (installed from .whl/ above), or CUTLASS_DIR
+  CUTLASS_SRC=${CUTLASS_DIR:-$("$PY" -c 'import cutlass_library; print(cutlass_library.source_path)' 2>/dev/null)}
+  if [ -n "$CUTLASS_SRC" ]; then
+    CMAKE_ARGS+=(-DOPFORGE_CUTLASS=ON "-DCUTLASS_DIR=$CUTLASS_SRC")
+  else
+    CMAKE_ARGS+=(-DOPFORGE_CUTLASS=AUTO)
+  fi
 fi
 if command -v ccache > /dev/null; then
   CMAKE_ARGS+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
@@ -224,7 +233,7 @@ else
     record configure FAIL "cmake failed (logs.tar.gz: configure.log)"
   fi
 fi
-grep -E "opforge:" "$LOGS/configure.log" | tail -n 2
+grep -E "opforge:" "$LOGS/configure.log" | grep -E "CUDA kernels|CUTLASS" | tail -n 2
 
 # ---- build ----------------------------------------------------------------------------------------------
 section build

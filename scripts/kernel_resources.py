@@ -74,6 +74,8 @@ def main(argv=None) -> int:
         source = ROOT / source  # relative to the repository root
     rel = os.path.relpath(source.resolve(), ROOT)
     target = f"CMakeFiles/opforge.dir/{rel}.o"
+    if Path(rel).name.startswith("gemm_sm90_"):  # the CUTLASS kernels' object library (cmake/sm90/CMakeLists.txt)
+        target = f"sm90/CMakeFiles/opforge_sm90.dir/__/__/{rel}.o"
     if shutil.which("ninja") is None:
         print("kernel_resources: no ninja on PATH (pip's is in the folder of python3 -c 'import sysconfig; "
               "print(sysconfig.get_path(\"scripts\"))')", file=sys.stderr)

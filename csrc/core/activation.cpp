@@ -20,6 +20,16 @@ Activation parse_activation(const char* op, c10::string_view name) {
   return Activation::kNone;
 }
 
+Activation parse_gelu_approximate(const char* op, c10::string_view approximate) {
+  if (approximate == "none") return Activation::kGELU;
+  if (approximate == "tanh") return Activation::kGELUTanh;
+  TORCH_CHECK_VALUE(false, "opforge::", op, ": expected approximate to be \"none\" or \"tanh\", but got \"",
+                    std::string(approximate), "\"");
+  return Activation::kGELU;
+}
+
+const char* gelu_approximate_name(Activation act) { return act == Activation::kGELUTanh ? "tanh" : "none"; }
+
 const char* activation_name(Activation act) {
   switch (act) {
     case Activation::kNone: return "none";

@@ -40,6 +40,13 @@ enum class Activation : int8_t {
 ///         "gelu_tanh", "silu", but got "<name>"".
 Activation parse_activation(const char* op, c10::string_view name);
 
+/// Parses torch.nn.functional.gelu's `approximate` (exact, lower case): "none" (the erf form, kGELU) or "tanh"
+/// (kGELUTanh). Raises: ValueError "opforge::<op>: expected approximate to be "none" or "tanh", but got "<name>"".
+Activation parse_gelu_approximate(const char* op, c10::string_view approximate);
+
+/// torch's `approximate` name of a gelu activation: "none" for kGELU, "tanh" for kGELUTanh.
+const char* gelu_approximate_name(Activation act);
+
 /// The schema name of an activation ("none", "relu", ...; "sigmoid" for kSigmoid).
 const char* activation_name(Activation act);
 

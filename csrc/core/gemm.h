@@ -1,5 +1,6 @@
-// opforge's GEMM layer (CUDA): cuBLASLt with fused epilogues, cublasGemmEx where cuBLASLt declines, on
-// torch's cuBLAS(Lt) handles, torch's cuBLASLt workspace and the current stream. Every op that multiplies
+// opforge's GEMM layer (CUDA): opforge's own sm90 kernels (CUTLASS, core/gemm_sm90.h) where they are built and
+// measured ahead, cuBLASLt with fused epilogues, cublasGemmEx where cuBLASLt declines, on torch's cuBLAS(Lt)
+// handles, torch's cuBLASLt workspace and the current stream. Every op that multiplies
 // matrices on CUDA (linear, and the ops built on it) calls this; none talks to cuBLAS itself.
 //
 // ---- The problem, in row-major (torch) terms -------------------------------------------------------
@@ -40,10 +41,15 @@
 //                           bias gradient by an fp32-accumulated sum). Empty problems: k == 0 gives
 //                           beta·D (+ bias, activation), bias_grad zeros; m == 0 or n == 0 writes nothing
 //                           but bias_grad. Every path gives the same values within the dtype's rounding.
-//   gemm_lt(D, A, B, args)  cuBLASLt only: returns false, having written nothing, when cuBLASLt declines
+//   gemm_lt(D, A, B, args)  The fused-epilogue engines: opforge's sm90 kernel where sm90_choice picks it (see
+//                           "The sm90 engine" below), else cuBLASLt. Returns false, having written nothing, when
+//                           cuBLASLt declines
 //                           (no algorithm for the alignment/shape, float64, an empty problem, or cuBLASLt
 //                           switched off); the caller then picks its own fallback (linear does, to keep
 //                           its one-pass activation kernels).
+//   gemm_swiglu(Z, H, A, B, bias)  Z = A · Bᵀ + bias and H = silu(Z[:, 0::2]) · Z[:, 1::2] in one sm90 kernel;
+//                           false, having written nothing, where it cannot run (the caller falls back to gemm and
+//                           an elementwise pass).
 //   gemm_ex(D, A, B, args)  cublasGemmEx / cublasGemmStridedBatchedEx only (any dtype incl. float64);
 //                           args.epilogue must be kNone and args.bias undefined.
 //   lt_enabled(dtype)       Whether gemm_lt may take this dtype (not float64; not switched off).
@@ -52,6 +58,14 @@
 // Callers hold the CUDA device guard of D's device (gemm_* take the current stream of the current device).
 // Shape, dtype and layout preconditions are checked (TORCH_CHECK, "opforge::gemm: ..." messages): they
 // are programming errors of the calling op, not user errors; validate user input in the op's checker.
+//
+// ---- The sm90 engine ---------------------------------------------------------------------------------
+//
+// Built when CMake finds CUTLASS (OPFORGE_CUTLASS, core/gemm_sm90.h); runs on compute capability 9.0 only. It
+// takes 2-D float16/bfloat16 problems with trans_a = false, trans_b = true (linear's X · Wᵀ), D of A's dtype,
+// alpha = 1, beta = 0, epilogue kNone with or without bias, every pointer 16-byte aligned and K, N and the
+// leading dimensions multiples of 8. Among those, sm90_choice (gemm_cuda.cu) picks it per (M, N, K) from a
+// table measured against cuBLASLt on the H200; the test hook gemm_sm90 (core/knobs.h) overrides the table.
 //
 // ---- Caching ----------------------------------------------------------------------------------------
 //
@@ -98,6 +112,12 @@ void gemm(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const G
 
 /// The same through cuBLASLt only. Returns false, having written nothing, when cuBLASLt declines.
 bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args = {});
+
+/// Z[m, n] = A · Bᵀ + bias (B stored [n, k]) and H[m, j] = silu(Z[m, 2j]) · Z[m, 2j + 1], in one sm90 kernel.
+/// Z [m, n], H [m, n / 2], bias [n] or undefined, all of A's dtype. Returns false, having written nothing, when
+/// that kernel cannot take the problem (no CUTLASS in the build, another GPU, dtype, alignment; core/gemm_sm90.h).
+bool gemm_swiglu(const at::Tensor& Z, const at::Tensor& H, const at::Tensor& A, const at::Tensor& B,
+                 const at::Tensor& bias);
 
 /// D = alpha · op(A) · op(B) + beta · D through cublasGemmEx (batched: cublasGemmStridedBatchedEx); no
 /// epilogue, no bias. Any supported dtype, float64 included. k == 0 gives beta · D.

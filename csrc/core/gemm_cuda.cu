@@ -14,6 +14,7 @@
 #include <cublasLt.h>
 
 #include <array>
+#include <atomic>
 #include <climits>
 #include <memory>
 #include <type_traits>
@@ -22,6 +23,7 @@
 #include "core/activation_cuda.h"
 #include "core/check.h"
 #include "core/cuda_utils.cuh"
+#include "core/gemm_sm90.h"
 #include "core/knobs.h"
 
 namespace opforge {
@@ -294,7 +296,138 @@ LtPlan& plan_for(const LtKey& key, const Problem& p, const GemmArgs& args, at::S
 
 void epilogue_pass(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args);
 
+// ---- the sm90 engine (core/gemm_sm90.h) ---------------------------------------------------------------
+
+/// True when `device` is compute capability 9.0 (H100/H200: the sm_90a kernels run there only); cached per device.
+bool device_is_sm90(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::array<std::atomic<int8_t>, kMaxDevices> state{};  // 0 unknown, 1 yes, 2 no
+  if (device < 0 || device >= kMaxDevices) return false;
+  int8_t v = state[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
+    v = prop->major == 9 && prop->minor == 0 ? 1 : 2;
+    state[device].store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+/// Where the sm90 kernel runs instead of cuBLASLt, per (M, N, K) bucket: the first row whose bounds hold wins
+/// (16-bit linear problems the kernel can take; see sm90_takes).
+struct Sm90Bucket {
+  int64_t min_m, min_n, min_k;  // the bucket: M >= min_m, N >= min_n, K >= min_k
+  bool sm90;                    // true: the sm90 kernel; false: cuBLASLt
+};
+constexpr Sm90Bucket kSm90Table[] = {
+    {1, 1, 1, false},  // not yet measured against cuBLASLt: cuBLASLt everywhere
+};
+
+bool sm90_choice(int64_t M, int64_t N, int64_t K) {
+  for (const auto& row : kSm90Table) {
+    if (M >= row.min_m && N >= row.min_n && K >= row.min_k) return row.sm90;
+  }
+  return false;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+/// Why the sm90 kernel cannot take this problem (nullptr: it can). D = op(A) · op(B) (+ bias).
+const char* sm90_refusal(const Problem& p, const at::Tensor& D, const at::Tensor& A, const GemmArgs& args) {
+  if (!sm90::available()) return "this build has no CUTLASS sm90 kernels (OPFORGE_CUTLASS)";
+  if (!device_is_sm90(D.get_device())) return "the GPU is not compute capability 9.0";
+  const at::ScalarType t = A.scalar_type();
+  if (!is_16bit(t) || D.scalar_type() != t) return "A, B and D must share one 16-bit dtype";
+  if (p.batch != 1 || args.trans_a || !args.trans_b) return "only 2-D A · Bᵀ (B stored [n, k])";
+  if (args.alpha != 1.0 || args.beta != 0.0 || args.epilogue != Epilogue::kNone) return "alpha 1, beta 0, no activation";
+  if (p.k % 8 != 0 || p.n % 8 != 0 || p.a.ld % 8 != 0 || p.b.ld % 8 != 0 || p.d.ld % 8 != 0) {
+    return "K, N and the leading dimensions must be multiples of 8";
+  }
+  if (!aligned16(p.a.ptr) || !aligned16(p.b.ptr) || !aligned16(p.d.ptr)) return "A, B and D must be 16-byte aligned";
+  return nullptr;
+}
+
+sm90::Problem sm90_problem(const Problem& p, const at::Tensor& D) {
+  sm90::Problem q;
+  q.M = static_cast<int>(p.m);
+  q.N = static_cast<int>(p.n);
+  q.K = static_cast<int>(p.k);
+  q.A = p.a.ptr;
+  q.lda = p.a.ld;
+  q.B = p.b.ptr;
+  q.ldb = p.b.ld;
+  q.D = D.mutable_data_ptr();
+  q.ldd = p.d.ld;
+  q.device = D.get_device();
+  q.sm_count = at::cuda::getDeviceProperties(q.device)->multiProcessorCount;
+  return q;
+}
+
+/// Runs the sm90 kernel; false when it declined at run time (nothing written).
+bool sm90_run(sm90::Kernel kernel, const sm90::Problem& q, const at::Tensor& like) {
+  const size_t ws_size = sm90::workspace_size(kernel, q);
+  at::Tensor ws;
+  if (ws_size > 0) ws = at::empty({static_cast<int64_t>(ws_size)}, like.options().dtype(at::kByte));
+  const sm90::Status st = sm90::run(kernel, q, ws_size > 0 ? ws.mutable_data_ptr() : nullptr,
+                                    at::cuda::getCurrentCUDAStream());
+  if (st == sm90::Status::kOk) {
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+  }
+  TORCH_CHECK(st == sm90::Status::kCannotImplement, "opforge::gemm: the sm90 kernel failed to launch");
+  return false;
+}
+
+/// D = A · Bᵀ (+ bias) through the sm90 kernel where the chooser (or the test hook gemm_sm90) sends it.
+bool try_sm90(const Problem& p, const at::Tensor& D, const at::Tensor& A, const GemmArgs& args, const at::Tensor& bias) {
+  const int64_t mode = knobs::get(knobs::Knob::kGemmSm90);
+  if (mode == 0) return false;
+  const char* refusal = sm90_refusal(p, D, A, args);
+  if (refusal == nullptr && bias.defined() && !aligned16(bias.const_data_ptr())) refusal = "bias must be 16-byte aligned";
+  TORCH_CHECK(mode < 2 || refusal == nullptr, "opforge::gemm: the sm90 kernel cannot take this problem (test hook "
+              "gemm_sm90 >= 2): ", refusal ? refusal : "");
+  if (refusal != nullptr || (mode < 0 && !sm90_choice(p.m, p.n, p.k))) return false;
+  sm90::Problem q = sm90_problem(p, D);
+  q.bias = bias.defined() ? bias.const_data_ptr() : nullptr;
+  sm90::Kernel kernel = A.scalar_type() == at::kBFloat16 ? sm90::Kernel::kLinearBF16 : sm90::Kernel::kLinearFP16;
+  if (mode == 3 && kernel == sm90::Kernel::kLinearBF16) kernel = sm90::Kernel::kLinearBF16PingPong;
+  const bool ran = sm90_run(kernel, q, D);
+  TORCH_CHECK(ran || mode < 2, "opforge::gemm: the sm90 kernel declined the problem (test hook gemm_sm90 >= 2)");
+  return ran;
+}
+
 }  // namespace
+
+namespace sm90 {
+
+#ifdef OPFORGE_WITH_CUTLASS
+bool available() { return true; }
+
+size_t workspace_size(Kernel kernel, const Problem& p) {
+  switch (kernel) {
+    case Kernel::kLinearBF16: return workspace_linear_bf16(p);
+    case Kernel::kLinearFP16: return workspace_linear_fp16(p);
+    case Kernel::kSwiGLUBF16: return workspace_swiglu_bf16(p);
+    case Kernel::kLinearBF16PingPong: return workspace_linear_bf16_pingpong(p);
+  }
+  return 0;
+}
+
+Status run(Kernel kernel, const Problem& p, void* workspace, cudaStream_t stream) {
+  switch (kernel) {
+    case Kernel::kLinearBF16: return run_linear_bf16(p, workspace, stream);
+    case Kernel::kLinearFP16: return run_linear_fp16(p, workspace, stream);
+    case Kernel::kSwiGLUBF16: return run_swiglu_bf16(p, workspace, stream);
+    case Kernel::kLinearBF16PingPong: return run_linear_bf16_pingpong(p, workspace, stream);
+  }
+  return Status::kCannotImplement;
+}
+#else
+bool available() { return false; }
+size_t workspace_size(Kernel, const Problem&) { return 0; }
+Status run(Kernel, const Problem&, void*, cudaStream_t) { return Status::kCannotImplement; }
+#endif
+
+}  // namespace sm90
 
 bool lt_enabled(at::ScalarType t) { return t != at::kDouble && knobs::get(knobs::Knob::kLinearLt) != 0; }
 
@@ -314,6 +447,7 @@ bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, cons
   check_int(p);
   at::Tensor bias = args.bias;
   if (bias.defined()) bias = cuda::aligned16_or_copy(bias);  // the bias epilogue wants 16-byte alignment
+  if (try_sm90(p, D, A, args, bias)) return true;
   const void* bias_ptr = bias.defined() ? bias.const_data_ptr() : nullptr;
   void* aux_ptr = args.epilogue == Epilogue::kGELUTanhAux ? args.aux.mutable_data_ptr() : nullptr;
   void* bias_grad_ptr = args.epilogue == Epilogue::kBiasGradA || args.epilogue == Epilogue::kBiasGradB
@@ -367,6 +501,33 @@ bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, cons
   }
   TORCH_CUDABLAS_CHECK(st);
   return true;
+}
+
+bool gemm_swiglu(const at::Tensor& Z, const at::Tensor& H, const at::Tensor& A, const at::Tensor& B,
+                 const at::Tensor& bias) {
+  GemmArgs args;
+  args.trans_b = true;
+  args.bias = bias;
+  const Problem p = problem_of(Z, A, B, args);
+  TORCH_CHECK(H.dim() == 2 && H.size(0) == p.m && 2 * H.size(1) == p.n && H.scalar_type() == Z.scalar_type() &&
+                  H.device() == Z.device() && (H.size(0) <= 1 || H.stride(0) >= H.size(1)) && H.stride(1) == 1,
+              "opforge::gemm: expected H of shape [m, n / 2] with a unit last stride and Z's dtype");
+  const int64_t mode = knobs::get(knobs::Knob::kGemmSm90);
+  if (is_empty(p) || mode == 0) return false;
+  // The fused kernel replaces two passes (GEMM, then swiglu over z): taken wherever it can run.
+  const char* refusal = sm90_refusal(p, Z, A, args);
+  if (refusal == nullptr && Z.scalar_type() != at::kBFloat16) refusal = "the SwiGLU kernel is built for bfloat16 only";
+  TORCH_CHECK(mode < 2 || refusal == nullptr, "opforge::gemm: the sm90 kernel cannot take this problem (test hook "
+              "gemm_sm90 >= 2): ", refusal ? refusal : "");
+  if (refusal != nullptr) return false;
+  check_int(p);
+  at::Tensor b = bias;
+  if (b.defined()) b = cuda::aligned16_or_copy(b);
+  sm90::Problem q = sm90_problem(p, Z);
+  q.bias = b.defined() ? b.const_data_ptr() : nullptr;
+  q.H = H.mutable_data_ptr();
+  q.ldh = H.size(0) <= 1 ? H.size(1) : H.stride(0);
+  return sm90_run(sm90::Kernel::kSwiGLUBF16, q, Z);
 }
 
 void gemm_ex(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args) {

@@ -34,6 +34,7 @@ constexpr Entry kEntries[] = {
     {"OPFORGE_LCE_DW_ACCUM", 0, Read::kInteger, "linear_cross_entropy"},
     {"OPFORGE_LCE_CHUNK_SIZE", 0, Read::kPositive, "linear_cross_entropy"},
     {"linear_lt", 1, Read::kNone, "linear"},
+    {"gemm_sm90", -1, Read::kNone, "linear"},
     {"linear_gemv", -1, Read::kNone, "linear"},
     {"rms_norm_forward", -1, Read::kNone, "rms_norm"},
     {"rms_norm_backward", -1, Read::kNone, "rms_norm_backward"},
@@ -103,6 +104,14 @@ int64_t set(Knob k, int64_t value) { return state().value[static_cast<int>(k)].e
 // Private: the switch of a test, a benchmark or a user-facing mode (no tensors, so a catch-all kernel).
 TORCH_LIBRARY_FRAGMENT(opforge, m) {
   m.def("_set_knob(str name, int value) -> int", &knobs::set_knob_op);
+  // Private: whether this build has opforge's CUTLASS sm90 GEMM kernels (core/gemm_sm90.h), for doctor and tests.
+  m.def("_has_cutlass() -> bool", []() -> bool {
+#ifdef OPFORGE_WITH_CUTLASS
+    return true;
+#else
+    return false;
+#endif
+  });
 }
 
 }  // namespace opforge

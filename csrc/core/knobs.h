@@ -23,6 +23,12 @@
 // shape class; their default is the chooser's choice, and no user needs them.
 //   linear_lt            1 (default): cuBLASLt GEMMs with fused epilogues; 0: every GEMM through cublasGemmEx plus
 //                        separate passes, the path of whatever cuBLASLt declines (core/gemm.h).
+//   gemm_sm90            -1 (default): opforge's sm90 GEMM kernels where the shape table picks them over cuBLASLt
+//                        (sm90_choice in core/gemm_cuda.cu); 0: never; 1: wherever they take the problem; 2: as 1,
+//                        and a problem they cannot take raises instead of falling back to cuBLASLt (the tests' proof
+//                        that the kernel ran); 3: as 2 with bfloat16's ping-pong variant (kLinearBF16PingPong), for
+//                        the benchmark that measures it against the chosen kernel. A build without CUTLASS, or a GPU
+//                        other than sm_90, always falls back.
 //   linear_gemv          -1 (default): linear's GEMV kernel where the bucket table picks it (gemv_choice in
 //                        ops/linear/linear_cuda.cu); 1: for every 1 <= M <= 16; 0: never.
 //   rms_norm_forward     -1 (default): rms_norm's forward chooser (default_forward_variant); 0: the register-cached
@@ -46,7 +52,7 @@ enum class Knob : int {
   // user-facing modes (environment variables)
   kLceGradInForward, kLceDwAccum, kLceChunkSize,
   // test hooks
-  kLinearLt, kLinearGemv, kRmsForward, kRmsBackward, kRopeRowsKernel, kIndexedLinearPath
+  kLinearLt, kGemmSm90, kLinearGemv, kRmsForward, kRmsBackward, kRopeRowsKernel, kIndexedLinearPath
 };
 
 /// The knob's current value. Throws ValueError for OPFORGE_LCE_CHUNK_SIZE set to text that is not a positive

@@ -41,7 +41,7 @@ void launch_vec_or_scalar(c10::Device device, int64_t n, bool vectorize, const L
 // tail(i) for each element i in [n / VEC · VEC, n), both strided by the grid's thread count.
 // The bodies must hold no loop of their own (each_lane instead): nvcc unrolls a grid-stride loop whose body calls
 // a function with a loop less than the same loop written inline (sm_90: fp32 and fp64 kernels without their 4x
-// unroll). map_binary_kernel keeps its loops inline: through this walk, swiglu's SwigluOp instantiations lose the
+// unroll). map_binary_kernel keeps its loops inline: through this walk, swiglu's GatedOp<kSiLU> instantiations lose the
 // loop's unswitching on period == n (sm_90, bf16: 632 instructions instead of 846, 2 vector loads instead of 4; the
 // same with the bodies by value or __restrict__).
 template <int VEC, typename VecBody, typename TailBody>

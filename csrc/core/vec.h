@@ -17,6 +17,8 @@
 #include <tuple>
 #include <type_traits>
 
+#include "core/activation.h"
+
 namespace opforge {
 namespace cpu {
 
@@ -30,6 +32,20 @@ inline V vec_sigmoid(const V& x) {
 template <typename V>
 inline V vec_silu(const V& x) {
   return x / (V(1) + x.neg().exp());
+}
+
+/// gelu(x) = x · Φ(x) on Vectorized (core/activation.h's act::value<kGELU>, vectorized), Φ(x) as ½ · erfc(−x/√2):
+/// 1 + erf(x/√2) cancels for x < 0 (Vectorized's erf to ~1e-7 absolute: 1e-5 relative at x = −3, worse beyond),
+/// erfc keeps the tail's relative accuracy.
+template <typename V>
+inline V vec_gelu(const V& x) {
+  return V(0.5) * x * (x * V(-act::kSqrt1_2)).erfc();
+}
+
+/// gelu_tanh(x) = x/2 · (1 + tanh(√(2/π)(x + κx³))) on Vectorized (core/activation.h's act::value<kGELUTanh>).
+template <typename V>
+inline V vec_gelu_tanh(const V& x) {
+  return V(0.5) * x * (V(1) + (V(act::kSqrt2OverPi) * (x + V(act::kGeluTanhKappa) * x * x * x)).tanh());
 }
 
 /// Grain size for at::parallel_for over elementwise work: below this many elements, one thread.

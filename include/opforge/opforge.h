@@ -118,6 +118,48 @@ at::Tensor swiglu_packed(const at::Tensor& input);
 /// grad_input[..., I:] = grad_output · gate · s. grad_output (*, I), converted to input's dtype if it differs.
 at::Tensor swiglu_packed_backward(const at::Tensor& grad_output, const at::Tensor& input);
 
+// ---- swiglu_linear (csrc/ops/swiglu_linear) ----
+
+/// y = silu(z[..., 0::2]) · z[..., 1::2] with z = input · weightᵀ + bias: a gated MLP's gate and up projections and
+/// their SwiGLU, the two projections' rows interleaved in weight (row 2j the gate's row j, row 2j + 1 the up
+/// projection's). input (*, K), weight (2I, K), bias (2I,) or none -> (*, I) in input's dtype, contiguous.
+at::Tensor swiglu_linear(const at::Tensor& input, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias = std::nullopt);
+
+/// swiglu_linear's forward for autograd: (output (*, I), pre_activation z (*, 2I)), both in input's dtype, contiguous.
+std::tuple<at::Tensor, at::Tensor> _swiglu_linear_forward(const at::Tensor& input, const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>& bias = std::nullopt);
+
+/// Gradients of swiglu_linear: (grad_input (*, K), grad_weight (2I, K), grad_bias (2I,)) for grad_output (*, I) and
+/// the forward's pre_activation (*, 2I); each computed only if its output_mask entry is set (else undefined);
+/// grad_bias in bias_dtype (input's dtype when nullopt), accumulated in fp32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_linear_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& pre_activation,
+    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype = std::nullopt);
+// ---- geglu (csrc/ops/geglu) ----
+
+/// y = gelu(gate) · up, gelu as torch.nn.functional.gelu(gate, approximate): approximate "none" (the erf form,
+/// gate · Φ(gate)) or "tanh" (gate/2 · (1 + tanh(√(2/π)(gate + 0.044715 · gate³))), Gemma's gelu_pytorch_tanh);
+/// another value raises ValueError. gate and up of one shape (*), floating; output in gate's dtype, contiguous;
+/// fp32 math for fp16/bf16 (Shazeer 2020, "GLU Variants Improve Transformer").
+at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate = "none");
+
+/// (grad_gate, grad_up) of geglu in one fused pass: grad_gate = grad_output · up · gelu'(gate),
+/// grad_up = grad_output · gelu(gate) (in up's dtype).
+std::tuple<at::Tensor, at::Tensor> geglu_backward(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                  const at::Tensor& up, c10::string_view approximate = "none");
+
+/// y = gelu(gate) · up over one packed tensor: gate = input[..., :I], up = input[..., I:].
+/// input (*, 2I) floating, any strides, last dimension even (ValueError otherwise) -> (*, I) in input's dtype,
+/// contiguous; bitwise equal to geglu(gate, up, approximate) on the two halves.
+at::Tensor geglu_packed(const at::Tensor& input, c10::string_view approximate = "none");
+
+/// grad_input (*, 2I) of geglu_packed in one fused pass, contiguous, in input's dtype:
+/// grad_input[..., :I] = grad_output · up · gelu'(gate), grad_input[..., I:] = grad_output · gelu(gate).
+/// grad_output (*, I), converted to input's dtype if it differs.
+at::Tensor geglu_packed_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                 c10::string_view approximate = "none");
+
 // ---- fake_quant_linear (csrc/ops/fake_quant_linear) ----
 
 /// y = fq_a(input) · fq_w(weight)ᵀ + bias: a linear layer for quantization-aware training.

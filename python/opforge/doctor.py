@@ -130,7 +130,7 @@ def _library_facts(torch) -> dict:
     """The library's facts, from `opforge._library` (the package's loading, already attempted by the import of
     ``opforge`` that runs before any of its submodules) and torch's dispatcher."""
     lib: dict = dict(path=None, exists=False, stamp={}, loaded=False, error=None, ops=0, cpu_kernels_missing=[],
-                     has_cuda_kernels=False, jit=os.environ.get("OPFORGE_LIBRARY") == "jit")
+                     has_cuda_kernels=False, has_cutlass=None, jit=os.environ.get("OPFORGE_LIBRARY") == "jit")
     try:
         _library.load_once()
     except ImportError:
@@ -148,6 +148,10 @@ def _library_facts(torch) -> dict:
         cpu_keys = ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd")
         lib["cpu_kernels_missing"] = [n for n in names if not any(has(n, k) for k in cpu_keys)]
         lib["has_cuda_kernels"] = any(has(n, "CUDA") for n in names)
+        try:  # the build's compile-time flag (csrc/core/knobs.cpp); absent from libraries built before it
+            lib["has_cutlass"] = bool(torch.ops.opforge._has_cutlass())
+        except (AttributeError, RuntimeError):
+            lib["has_cutlass"] = None
     return lib
 
 
@@ -374,6 +378,20 @@ def _cpu_isa(stamp: dict) -> str:
     return "unknown (no stamp)"
 
 
+def _cutlass_note(lib: dict) -> str:
+    """The sm90 CUTLASS kernels' part of the GEMM line: built or not (the library's flag, else its build stamp)."""
+    has = lib.get("has_cutlass")
+    if has is None:
+        stamp = (lib.get("stamp") or {}).get("cutlass")
+        has = None if stamp is None else str(stamp).upper() in ("ON", "1", "TRUE")
+    if has is None:
+        return "; CUTLASS sm90 kernels: unknown (a library without the _has_cutlass op)"
+    if has:
+        return " + opforge's CUTLASS sm90 kernels (compute capability 9.0 GPUs; chosen per shape)"
+    return ("; CUTLASS sm90 kernels: not built (pip install nvidia-cutlass, then rebuild with CUDA arch 9.0; "
+            "cuBLASLt serves every GEMM)")
+
+
 def render(facts: dict, diagnoses: List[Diagnosis]) -> str:
     """The human-readable report: facts first, then each problem with its meaning and fix."""
     t, d, n, lib = facts["torch"], facts["driver"], facts["nvcc"], facts["library"]
@@ -402,6 +420,8 @@ def render(facts: dict, diagnoses: List[Diagnosis]) -> str:
         f"{stamp.get('openmp', 'unknown (stamped before the openmp= line: its CPU kernels use one thread)')}; "
         f"torch {'uses OpenMP' if t.get('openmp') else 'does not use OpenMP'}, {t.get('threads', '?')} intra-op threads",
         f"CPU kernels    {_cpu_isa(stamp)}; torch's CPU capability {facts.get('cpu_capability', '?')}",
+        "GEMM engines   " + ("cuBLASLt" + _cutlass_note(lib) if lib.get("has_cuda_kernels")
+                             else "ATen's on the CPU (no CUDA kernels in this library)"),
     ]
     if not diagnoses:
         lines.append("\nno problems found")

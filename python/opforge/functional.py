@@ -19,12 +19,16 @@ import torch
 from torch import Tensor
 
 __all__ = ["LINEAR_ACTIVATIONS", "fused_add_rms_norm", "linear", "rms_norm", "sigmoid", "square", "square_add", "swiglu"]
-__all__ += ["swiglu_packed"]
+__all__ += ["swiglu_packed", "swiglu_linear"]
+__all__ += ["GELU_APPROXIMATIONS", "geglu", "geglu_packed"]
 __all__ += ["linear_cat", "indexed_linear"]  # linear variants
 
 
 #: The activations of `linear`, by name.
 LINEAR_ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+
+#: The values of `geglu`'s `approximate`, as `torch.nn.functional.gelu`'s: the erf form and the tanh approximation.
+GELU_APPROXIMATIONS = ("none", "tanh")
 
 # The wrappers' bodies (docs/performance/overhead.md measures each layer, in instructions per call): the C++ op
 # does every check, so the Python side is the wrapper's frame and one call into the dispatcher. Eagerly that call is
@@ -49,6 +53,9 @@ _square_op, _square_call = _bind("square")
 _square_add_op, _square_add_call = _bind("square_add")
 _swiglu_op, _swiglu_call = _bind("swiglu")
 _swiglu_packed_op, _swiglu_packed_call = _bind("swiglu_packed")
+_swiglu_linear_op, _swiglu_linear_call = _bind("swiglu_linear")
+_geglu_op, _geglu_call = _bind("geglu")
+_geglu_packed_op, _geglu_packed_call = _bind("geglu_packed")
 _rms_norm_op, _rms_norm_call = _bind("rms_norm")
 _fused_add_rms_norm_op, _fused_add_rms_norm_call = _bind("fused_add_rms_norm")
 
@@ -265,6 +272,125 @@ def swiglu_packed(input: Tensor) -> Tensor:
         return _swiglu_packed_call(input)
     except NotImplementedError:
         _missing_tensor("swiglu_packed", input=input)
+        raise
+
+
+def geglu(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
+    """y = gelu(gate) · up, elementwise, gelu as `torch.nn.functional.gelu(gate, approximate=approximate)`.
+
+    The gated activation of Gemma-style MLPs: Gemma, Gemma 2 and Gemma 3 use the tanh form (transformers'
+    `gelu_pytorch_tanh`), other GeGLU models the erf form.
+
+    Args:
+        gate: `(*)` float64, float32, float16 or bfloat16, any strides. The pre-activation x·W_gateᵀ.
+        up: `(*)` of gate's shape, floating. The value x·W_upᵀ; converted to gate's dtype if it differs.
+        approximate: str. `"none"`: gelu(g) = g · Φ(g) = g/2 · (1 + erf(g/√2)); `"tanh"`:
+            gelu(g) = g/2 · (1 + tanh(√(2/π) · (g + 0.044715 · g³))). Default: `"none"`.
+
+    Returns:
+        Tensor of gate's shape and dtype, contiguous.
+
+    Raises:
+        ValueError: gate and up of different shapes; approximate not `"none"` or `"tanh"`
+            (`opforge::geglu: expected approximate to be "none" or "tanh", but got "erf"`).
+        TypeError: integer, bool or complex tensors.
+        RuntimeError: gate and up on different devices.
+
+    Numerics: float32 math for float16/bfloat16, one rounding (torch's `F.gelu(gate) * up` rounds twice).
+    Backward is one fused pass: grad_gate = dy · up · gelu'(gate), grad_up = dy · gelu(gate) (in up's dtype),
+    with gelu'(g) = Φ(g) + g · φ(g) (erf form) or ½(1 + t) + ½g(1 − t²) · √(2/π)(1 + 3 · 0.044715 · g²),
+    t = tanh(√(2/π)(g + 0.044715 · g³)) (tanh form).
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer"; Hendrycks & Gimpel 2016 (GELU); reference
+    `F.gelu(gate, approximate=approximate) * up`.
+    """
+    if _is_dynamo_compiling():
+        return _geglu_op(gate, up, approximate)
+    try:
+        return _geglu_call(gate, up, approximate)
+    except NotImplementedError:
+        _missing_tensor("geglu", gate=gate, up=up)
+        raise
+
+
+def geglu_packed(input: Tensor, approximate: str = "none") -> Tensor:
+    """y = gelu(input[..., :I]) · input[..., I:]: `geglu` over one packed `[gate | up]` tensor.
+
+    The output of a fused gate/up projection (one GEMM, `(*, 2I)`) goes in as it is; the gradient comes back as
+    one `(*, 2I)` tensor written by one fused pass, where `geglu(gu[..., :I], gu[..., I:])` returns two gradients
+    that autograd then concatenates.
+
+    Args:
+        input: `(*, 2I)` float64, float32, float16 or bfloat16, any strides; at least 1-D, last dimension even.
+            gate = `input[..., :I]` (the pre-activation x·W_gateᵀ), up = `input[..., I:]` (x·W_upᵀ).
+        approximate: str. `"none"` (the erf form) or `"tanh"`, as `geglu`. Default: `"none"`.
+
+    Returns:
+        Tensor `(*, I)` of input's dtype, contiguous.
+
+    Raises:
+        ValueError: input None or 0-d, its last dimension odd
+            (`opforge::geglu_packed: expected input's last dimension to be even ..., but got 7`), or approximate
+            not `"none"` or `"tanh"`.
+        TypeError: an integer, bool or complex input.
+
+    Numerics: float32 math for float16/bfloat16, one rounding; bitwise equal to `geglu` on the two halves, forward
+    and both halves of the gradient. Backward (`opforge::geglu_packed_backward`):
+    grad_input[..., :I] = dy · up · gelu'(gate), grad_input[..., I:] = dy · gelu(gate), in input's dtype,
+    contiguous. Layouts as `swiglu_packed`: row-strided inputs (a column slice of a wider row) are read in place.
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference
+    `F.gelu(input[..., :I], approximate=approximate) * input[..., I:]`.
+    """
+    if _is_dynamo_compiling():
+        return _geglu_packed_op(input, approximate)
+    try:
+        return _geglu_packed_call(input, approximate)
+    except NotImplementedError:
+        _missing_tensor("geglu_packed", input=input)
+        raise
+
+
+def swiglu_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """y = silu(z[..., 0::2]) · z[..., 1::2], z = input · weightᵀ + bias: a gated MLP's gate and up projections
+    and their SwiGLU in one op.
+
+    The gate's and the up projection's weights are interleaved row by row in one weight (row 2j the gate's row j,
+    row 2j + 1 the up projection's row j; bias likewise), so that every (gate, up) pair of an output lands in one
+    GEMM tile: on an H100/H200 (compute capability 9.0) a bfloat16 call runs one CUTLASS GEMM whose epilogue
+    writes y beside z, with no second pass over z. `torch.stack([w_gate, w_up], 1).flatten(0, 1)` builds the
+    interleaved weight from the two `(I, K)` weights.
+
+    Args:
+        input: `(*, K)` float64, float32, float16 or bfloat16, any strides; at least 1-D.
+        weight: `(2I, K)` floating, the gate's and up projection's rows interleaved; converted to input's dtype.
+        bias: `(2I,)` floating or None, interleaved as weight's rows. Default: None.
+
+    Returns:
+        Tensor `(*, I)` of input's dtype, contiguous.
+
+    Raises:
+        ValueError: input or weight None, input 0-d, weight not 2-D or with an odd number of rows, input's last
+            dimension not weight's in_features, bias not of shape `(2I,)`
+            (`opforge::swiglu_linear: expected weight's rows to be even ..., but got 7`).
+        TypeError: an integer, bool or complex tensor.
+        RuntimeError: tensors on different devices.
+
+    Numerics: z accumulates in float32 for float16/bfloat16 (float64 for float64) and is rounded to input's dtype
+    once; y is computed from the float32 z in the fused kernel, from the rounded z on the unfused path (CPU, other
+    GPUs, float16, shapes the kernel does not take: `linear` then `swiglu`), so the two paths agree within one
+    rounding of z. Backward (`opforge::swiglu_linear_backward`) reads the forward's z: dz by `swiglu_backward` on the
+    interleaved columns, then `linear`'s backward GEMMs; grad_bias accumulates in float32.
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer"; reference
+    `F.silu(z[..., 0::2]) * z[..., 1::2]` with `z = F.linear(input, weight, bias)`.
+    """
+    if _is_dynamo_compiling():
+        return _swiglu_linear_op(input, weight, bias)
+    try:
+        return _swiglu_linear_call(input, weight, bias)
+    except NotImplementedError:
+        _missing_tensor("swiglu_linear", input=input, weight=weight)
         raise
 
 

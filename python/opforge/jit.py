@@ -16,6 +16,11 @@ Environment (read by `import opforge`):
 
 - `OPFORGE_LIBRARY=jit`: build and load with `load` instead of the installed library.
 - `OPFORGE_JIT_SOURCES`: extra `.cpp`/`.cu` files, separated by `os.pathsep` (`:`).
+- `OPFORGE_CUTLASS` (`AUTO`, the default, `ON` or `OFF`) and `CUTLASS_DIR`: opforge's CUTLASS sm90 GEMM
+  kernels, as in the CMake build. AUTO builds them when the CUTLASS headers are found (`CUTLASS_DIR`, else the
+  `nvidia-cutlass` wheel) and every visible GPU is compute capability 9.0 with `TORCH_CUDA_ARCH_LIST` unset or
+  9.0; the whole JIT library's CUDA code is then compiled for sm_90a (it runs on H100/H200 only: this build is
+  for this machine).
 - `OPFORGE_JIT_VERBOSE=1`: show the compiler's commands and output (by default one line before the build
   and one after it, with the seconds it took, go to stderr; `OPFORGE_JIT_VERBOSE=0` silences them).
 
@@ -62,6 +67,40 @@ def _opforge_loaded() -> bool:
         return hasattr(torch.ops.opforge, "sigmoid")
     except Exception:  # noqa: BLE001  (namespace absent)
         return False
+
+
+def _cutlass_include_dirs(with_cuda: bool) -> list[Path]:
+    """CUTLASS's include folders when the JIT build compiles the sm90 GEMM kernels (the module's docstring), else [].
+
+    Raises:
+        RuntimeError: OPFORGE_CUTLASS=ON where the kernels cannot be built (the reason says why).
+    """
+    mode = os.environ.get("OPFORGE_CUTLASS", "AUTO").strip().upper() or "AUTO"
+    if mode == "OFF":
+        return []
+    why = ""
+    root = os.environ.get("CUTLASS_DIR", "")
+    if not root:
+        try:
+            import cutlass_library  # the nvidia-cutlass wheel: its headers under source_path
+
+            root = cutlass_library.source_path
+        except Exception:  # noqa: BLE001  (not installed, or a broken install)
+            root = ""
+    dirs = [Path(root) / "include", Path(root) / "tools" / "util" / "include"] if root else []
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if not with_cuda:
+        why = "no CUDA build"
+    elif not dirs or not (dirs[0] / "cutlass" / "cutlass.h").exists():
+        why = "no CUTLASS headers (pip install nvidia-cutlass, or set CUTLASS_DIR)"
+    elif archs not in ("", "9.0", "9.0a"):
+        why = f"TORCH_CUDA_ARCH_LIST={archs} is not 9.0"
+    elif torch.cuda.device_count() == 0 or any(torch.cuda.get_device_capability(i) != (9, 0)
+                                               for i in range(torch.cuda.device_count())):
+        why = "the visible GPUs are not all compute capability 9.0"
+    if why and mode == "ON":
+        raise RuntimeError(f"opforge.jit: OPFORGE_CUTLASS=ON but {why}")
+    return [] if why else dirs
 
 
 def load(extra_sources: Iterable[str | os.PathLike] = (), verbose: bool = False) -> Path:
@@ -114,6 +153,13 @@ def load(extra_sources: Iterable[str | os.PathLike] = (), verbose: bool = False)
         cflags.append("-DOPFORGE_WITH_CUDA=1")
         cuda_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DOPFORGE_WITH_CUDA=1"]
         ldflags += ["-lcublas", "-lcublasLt"]
+    cutlass = _cutlass_include_dirs(with_cuda)
+    if cutlass:  # core/*.cu includes the kernel files core/gemm_sm90_*.cu
+        cflags.append("-DOPFORGE_WITH_CUTLASS=1")
+        # explicit arch flags replace torch's (cpp_extension adds none when the flags name an arch)
+        cuda_flags += ["-DOPFORGE_WITH_CUTLASS=1", "-gencode=arch=compute_90a,code=sm_90a"]
+    else:
+        sources = [s for s in sources if not s.name.startswith("gemm_sm90_")]
     quiet = os.environ.get("OPFORGE_JIT_VERBOSE", "").strip() == "0"
     if not quiet:
         print(f"opforge.jit: building {len(sources) + len(extra)} source files ({'CPU + CUDA' if with_cuda else 'CPU'}) "
@@ -123,7 +169,7 @@ def load(extra_sources: Iterable[str | os.PathLike] = (), verbose: bool = False)
     path = cpp_extension.load(
         name=NAME,
         sources=[str(s) for s in sources + extra],
-        extra_include_paths=[str(root / "include"), str(csrc)],
+        extra_include_paths=[str(root / "include"), str(csrc)] + [str(d) for d in cutlass],
         extra_cflags=cflags,
         extra_cuda_cflags=cuda_flags,
         extra_ldflags=ldflags,

@@ -74,11 +74,12 @@ class Sigmoid(torch.nn.Module):
 
 
 class GatedMLP(torch.nn.Module):
-    """y = down(silu(gate(x)) · up(x)): the SwiGLU feed-forward block of Llama-style transformers.
+    """y = down(act(gate(x)) · up(x)): the gated feed-forward block of transformers (SwiGLU, GeGLU).
 
-    Built from opforge ops: three `Linear` projections and
-    `opforge.functional.swiglu`. Parameter names (`gate_proj`, `up_proj`,
-    `down_proj`, no bias by default) follow Hugging Face's LlamaMLP, so its state_dict loads unchanged.
+    Built from opforge ops: three `Linear` projections and `opforge.functional.swiglu` (activation `"silu"`:
+    Llama, Mistral, Qwen) or `opforge.functional.geglu` (activation `"gelu"`, with `approximate="tanh"` for
+    Gemma, Gemma 2 and Gemma 3's `gelu_pytorch_tanh`). Parameter names (`gate_proj`, `up_proj`, `down_proj`, no bias
+    by default) follow Hugging Face's LlamaMLP and GemmaMLP, so their state_dicts load unchanged.
 
     Args:
         hidden_size: int. D, the size of the model's hidden state.
@@ -86,21 +87,50 @@ class GatedMLP(torch.nn.Module):
         bias: bool. Add biases to the three projections. Default: False.
         device: torch.device or None. Factory keyword argument for the parameters. Default: None.
         dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
+        activation: str, keyword-only. The gate's activation, by its torch.nn.functional name: `"silu"` or
+            `"gelu"`. Default: `"silu"`.
+        approximate: str, keyword-only. For `"gelu"`, as `torch.nn.GELU`'s: `"none"` (the erf form) or `"tanh"`.
+            Default: `"none"`. Not part of the state_dict (neither is activation).
 
     Shape: input `(*, D)` -> output `(*, D)`.
 
-    Source: Shazeer 2020, "GLU Variants Improve Transformer"; Touvron et al. 2023 (LLaMA).
+    Raises:
+        ValueError: at construction, an activation other than `"silu"` or `"gelu"`, an approximate other than
+            `"none"` or `"tanh"`, or `approximate="tanh"` with `"silu"`.
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer"; Touvron et al. 2023 (LLaMA); Gemma Team 2024.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+    activation: str = "silu"  # (class defaults too: modules pickled before the attributes existed load)
+    approximate: str = "none"
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None, *,
+                 activation: str = "silu", approximate: str = "none"):
+        if activation not in ("silu", "gelu"):
+            raise ValueError(f"opforge.nn.GatedMLP: expected activation to be 'silu' or 'gelu', but got {activation!r}")
+        if approximate not in F.GELU_APPROXIMATIONS:
+            raise ValueError(f"opforge.nn.GatedMLP: expected approximate to be 'none' or 'tanh', but got "
+                             f"{approximate!r}")
+        if activation == "silu" and approximate != "none":
+            raise ValueError(f"opforge.nn.GatedMLP: expected approximate='none' with activation='silu' (approximate "
+                             f"selects gelu's form), but got {approximate!r}")
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, **kw)
+        self.activation = activation
+        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "gelu":
+            return self.down_proj(F.geglu(self.gate_proj(x), self.up_proj(x), self.approximate))
         return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    def extra_repr(self) -> str:
+        if self.activation == "silu":
+            return ""
+        return f"activation={self.activation!r}, approximate={self.approximate!r}"
 
 
 class RMSNorm(torch.nn.RMSNorm):

@@ -15,6 +15,7 @@ products) would fail. A float64 result instead passes when every element is with
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -30,6 +31,9 @@ __all__ = [
     "square_add_reference",
     "swiglu_reference",
     "swiglu_packed_reference",
+    "swiglu_linear_reference",
+    "geglu_reference",
+    "geglu_packed_reference",
     "assert_matches_reference",
     "relative_error",
     "gemm_error_bound",
@@ -300,6 +304,60 @@ def swiglu_packed_reference(input: Tensor) -> Tensor:
     """
     gate, up = input.double().chunk(2, dim=-1)
     return swiglu_reference(gate, up)
+
+
+def geglu_reference(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
+    """gelu(gate) · up in float64, gelu written out (not torch's kernel).
+
+    Args:
+        gate: `(*)` floating. The pre-activation.
+        up: gate's shape, floating. The value.
+        approximate: str. `"none"`: gelu(g) = g/2 · (1 + erf(g/√2)); `"tanh"`:
+            gelu(g) = g/2 · (1 + tanh(√(2/π) · (g + 0.044715 · g³))).
+
+    Returns:
+        float64 tensor of gate's shape.
+
+    Raises:
+        ValueError: approximate not `"none"` or `"tanh"`.
+    """
+    g = gate.double()
+    if approximate == "none":
+        act = 0.5 * g * (1.0 + torch.erf(g * math.sqrt(0.5)))
+    elif approximate == "tanh":
+        act = 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g)))
+    else:
+        raise ValueError(f"geglu_reference: expected approximate to be 'none' or 'tanh', but got {approximate!r}")
+    return act * up.double()
+
+
+def geglu_packed_reference(input: Tensor, approximate: str = "none") -> Tensor:
+    """gelu(input[..., :I]) · input[..., I:] in float64.
+
+    Args:
+        input: `(*, 2I)` floating. gate and up side by side.
+        approximate: str. `"none"` or `"tanh"`, as `geglu_reference`.
+
+    Returns:
+        `(*, I)` float64.
+    """
+    gate, up = input.double().chunk(2, dim=-1)
+    return geglu_reference(gate, up, approximate)
+
+
+def swiglu_linear_reference(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """silu(z[..., 0::2]) · z[..., 1::2] with z = input · weightᵀ + bias, in float64.
+
+    Args:
+        input: `(*, K)` floating. The rows.
+        weight: `(2I, K)` floating. The gate's and the up projection's rows interleaved (row 2j gate, 2j + 1 up).
+        bias: `(2I,)` floating or None, interleaved as weight. Default: None.
+
+    Returns:
+        `(*, I)` float64.
+    """
+    z = linear_reference(input, weight, bias)
+    return swiglu_reference(z[..., 0::2], z[..., 1::2])
 
 
 # ---- linear_cross_entropy ----------------------------------------------------------------------------------

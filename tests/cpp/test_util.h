@@ -109,6 +109,15 @@ inline at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   return g64 * torch::sigmoid(g64) * up.to(at::kDouble);
 }
 
+/// gelu(gate) · up in float64 (differentiable), gelu written out: the erf form, or the tanh approximation
+/// gate/2 · (1 + tanh(√(2/π)(gate + 0.044715 · gate³))) when `tanh_form`.
+inline at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tanh_form) {
+  const auto g = gate.to(at::kDouble);
+  const auto gelu = tanh_form ? 0.5 * g * (1 + torch::tanh(0.79788456080286535588 * (g + 0.044715 * g * g * g)))
+                              : 0.5 * g * (1 + torch::erf(g * 0.70710678118654752440));
+  return gelu * up.to(at::kDouble);
+}
+
 /// σ(x) in float64 and its gradient dy · σ(x) · (1 − σ(x)).
 inline at::Tensor sigmoid(const at::Tensor& x) { return torch::sigmoid(x.to(at::kDouble)); }
 inline at::Tensor sigmoid_backward(const at::Tensor& dy, const at::Tensor& x) {

@@ -172,6 +172,11 @@ def families(quick: bool):
             # I = 64 too, for the vector path (aligned cases)
             backward(opforge.swiglu_packed(gu))
             backward(opforge.swiglu_packed(make(shape[:-1] + (128,), dt, u)))
+            # geglu: the same kernel templates with gelu (both forms), contiguous, views and packed
+            backward(opforge.geglu(g, up))
+            backward(opforge.geglu(gu[..., : shape[-1]], gu[..., shape[-1]:], "tanh"))
+            backward(opforge.geglu_packed(gu, "tanh"))
+            backward(opforge.geglu_packed(make(shape[:-1] + (128,), dt, u)))
 
     def rms_norm(dt, u):
         for rows, n in ((3, 7), (5, 1000), (2, 5120), (1, 8200)):

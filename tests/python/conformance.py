@@ -1832,6 +1832,243 @@ ENTRIES.append(OpEntry(
     bad_inputs=_swiglu_packed_bad, double_backward=True, vmap_in_dims=(0,)))
 
 
+# ---- geglu, geglu_packed: swiglu's gated engine with gelu (approximate "none": erf, "tanh") --------------------------
+
+
+def _geglu_baseline(gate, up, approximate="none"):
+    return TF.gelu(gate, approximate=approximate) * up
+
+
+def _geglu_samples(device, dtype):
+    # swiglu's grid, the two forms of gelu alternating over it (the layouts twice: each form sees every layout)
+    gates = layouts(83, 7, dtype, device, 3.0)
+    ups = layouts(83, 7, dtype, device)
+    out = [Sample(f"{g[0]}_{u[0]}_{a}", (g[1], u[1]), grad_strided=(i % 2 == 1), kwargs={"approximate": a})
+           for a in ("none", "tanh") for i, (g, u) in enumerate(zip(gates, ups[1:] + ups[:1]))]
+    for a in ("none", "tanh"):
+        out += [
+            Sample(f"1_{a}", (randn((1,), dtype, device), randn((1,), dtype, device)), kwargs={"approximate": a}),
+            Sample(f"odd_3x769_{a}", (randn((3, 769), dtype, device, 3.0), randn((3, 769), dtype, device)),
+                   kwargs={"approximate": a}),
+            Sample(f"zero_size_{a}", (randn((0, 5), dtype, device), randn((0, 5), dtype, device)),
+                   kwargs={"approximate": a}),
+            Sample(f"0d_{a}", (randn((), dtype, device), randn((), dtype, device)), kwargs={"approximate": a}),
+        ]
+    return out
+
+
+def _geglu_small(device):
+    d = torch.float64
+    return [Sample("contiguous", (randn((4, 5), d, device, 2.0), randn((4, 5), d, device))),
+            Sample("contiguous_tanh", (randn((4, 5), d, device, 2.0), randn((4, 5), d, device)),
+                   kwargs={"approximate": "tanh"}),
+            Sample("transposed_tanh", (randn((5, 4), d, device, 2.0).t(), randn((4, 5), d, device)),
+                   kwargs={"approximate": "tanh"})]
+
+
+_APPROX_MSG = r'expected approximate to be "none" or "tanh", but got "{}"'
+
+
+def _geglu_bad(device):
+    t = tensor_maker(device)
+    op, bw = opforge.geglu, torch.ops.opforge.geglu_backward
+    pre, bpre = "opforge::geglu: ", "opforge::geglu_backward: "
+    return [
+        Bad("shape", lambda d: (op, (t(3, 4), t(3, 5))), ValueError,
+            pre + r"expected gate and up of the same shape, but got \[3, 4\] and \[3, 5\]"),
+        Bad("broadcastable_shape", lambda d: (op, (t(3, 4), t(4), "tanh")), ValueError,
+            pre + r"expected gate and up of the same shape, but got \[3, 4\] and \[4\]"),
+        Bad("int_gate", lambda d: (op, (t(3, dtype=torch.int64), t(3))), TypeError, pre + DTYPE_MSG.format("gate", "Long")),
+        Bad("complex_up", lambda d: (op, (t(3), t(3, dtype=torch.complex64))), TypeError,
+            pre + DTYPE_MSG.format("up", "ComplexFloat")),
+        Bad("bool_up", lambda d: (op, (t(3), t(3, dtype=torch.bool))), TypeError, pre + DTYPE_MSG.format("up", "Bool")),
+        Bad("none_gate", lambda d: (op, (None, t(3))), ValueError, pre + "expected gate to be a tensor, but got None"),
+        Bad("none_up", lambda d: (op, (t(3), None)), ValueError, pre + "expected up to be a tensor, but got None"),
+        Bad("device", lambda d: (op, (t(3), torch.empty(3, device="meta"))), RuntimeError,
+            pre + "expected gate and up to be on the same device"),
+        Bad("approximate_erf", lambda d: (op, (t(3), t(3), "erf")), ValueError, pre + _APPROX_MSG.format("erf")),
+        Bad("approximate_case", lambda d: (op, (t(3), t(3), "Tanh")), ValueError, pre + _APPROX_MSG.format("Tanh")),
+        Bad("approximate_linear_name", lambda d: (op, (t(3), t(3), "gelu_tanh")), ValueError,
+            pre + _APPROX_MSG.format("gelu_tanh")),
+        Bad("backward_grad_shape", lambda d: (bw, (t(3, 5), t(3, 4), t(3, 4))), ValueError,
+            bpre + r"expected grad_output of gate's shape \[3, 4\], but got \[3, 5\]"),
+        Bad("backward_shape", lambda d: (bw, (t(3, 4), t(3, 4), t(4, 3), "tanh")), ValueError,
+            bpre + r"expected gate and up of the same shape, but got \[3, 4\] and \[4, 3\]"),
+        Bad("backward_int_grad", lambda d: (bw, (t(3, 4, dtype=torch.int32), t(3, 4), t(3, 4))), TypeError,
+            bpre + DTYPE_MSG.format("grad_output", "Int")),
+        Bad("backward_grad_device", lambda d: (bw, (torch.empty(3, 4, device="meta"), t(3, 4), t(3, 4))), RuntimeError,
+            bpre + "expected grad_output and gate to be on the same device"),
+        Bad("backward_approximate", lambda d: (bw, (t(3, 4), t(3, 4), t(3, 4), "")), ValueError,
+            bpre + _APPROX_MSG.format("")),
+    ]
+
+
+ENTRIES.append(OpEntry(
+    name="geglu", op=F.geglu, reference=T.geglu_reference, baseline=_geglu_baseline, native=_geglu_baseline,
+    samples=_geglu_samples, small_samples=_geglu_small, bad_inputs=_geglu_bad, double_backward=True,
+    vmap_in_dims=(0, 0)))
+
+
+def _geglu_packed_baseline(input, approximate="none"):
+    gate, up = input.chunk(2, dim=-1)
+    return TF.gelu(gate, approximate=approximate) * up
+
+
+def _geglu_packed_samples(device, dtype):
+    out = []
+    for a in ("none", "tanh"):
+        kw = {"approximate": a}
+        out += [Sample(f"{name}_{a}", (x,), grad_strided=(i % 2 == 1), kwargs=kw)
+                for i, (name, x) in enumerate(layouts(83, 14, dtype, device, 3.0))]
+        out += [
+            Sample(f"column_slice_{a}", (randn((83, 2 * 64 + 8), dtype, device, 3.0)[:, 8:],), kwargs=kw),
+            Sample(f"column_slice_unaligned_{a}", (randn((5, 3, 2 * 83 + 3), dtype, device, 3.0)[..., 3:],),
+                   grad_strided=True, kwargs=kw),
+            Sample(f"1d_I1_{a}", (randn((2,), dtype, device, 3.0),), kwargs=kw),
+            Sample(f"odd_3x1538_{a}", (randn((3, 1538), dtype, device, 3.0),), kwargs=kw),
+            Sample(f"zero_rows_{a}", (randn((0, 10), dtype, device),), kwargs=kw),
+            Sample(f"zero_I_{a}", (randn((3, 0), dtype, device),), kwargs=kw),
+        ]
+    return out
+
+
+def _geglu_packed_small(device):
+    d = torch.float64
+    return [Sample("contiguous", (randn((4, 10), d, device, 2.0),)),
+            Sample("contiguous_tanh", (randn((4, 10), d, device, 2.0),), kwargs={"approximate": "tanh"}),
+            Sample("column_slice_tanh", (randn((4, 13), d, device, 2.0)[:, 3:],), kwargs={"approximate": "tanh"})]
+
+
+def _geglu_packed_bad(device):
+    t = tensor_maker(device)
+    op, bw = opforge.geglu_packed, torch.ops.opforge.geglu_packed_backward
+    pre, bpre = "opforge::geglu_packed: ", "opforge::geglu_packed_backward: "
+    odd = r"expected input's last dimension to be even \(2I: the \[gate \| up\] halves\), but got {}"
+    return [
+        Bad("odd_last_dim", lambda d: (op, (t(3, 5),)), ValueError, pre + odd.format(5)),
+        Bad("odd_1d", lambda d: (op, (t(7), "tanh")), ValueError, pre + odd.format(7)),
+        Bad("0d", lambda d: (op, (t(),)), ValueError,
+            pre + r"expected input of shape \(\*, 2I\) \(the \[gate \| up\] halves\), but got a 0-d tensor"),
+        Bad("int_input", lambda d: (op, (t(3, 4, dtype=torch.int64),)), TypeError, pre + DTYPE_MSG.format("input", "Long")),
+        Bad("complex_input", lambda d: (op, (t(3, 4, dtype=torch.complex64),)), TypeError,
+            pre + DTYPE_MSG.format("input", "ComplexFloat")),
+        Bad("bool_input", lambda d: (op, (t(3, 4, dtype=torch.bool),)), TypeError, pre + DTYPE_MSG.format("input", "Bool")),
+        Bad("none_input", lambda d: (op, (None,)), ValueError, pre + "expected input to be a tensor, but got None"),
+        Bad("approximate_erf", lambda d: (op, (t(3, 4), "erf")), ValueError, pre + _APPROX_MSG.format("erf")),
+        Bad("approximate_sigmoid", lambda d: (op, (t(3, 4), "sigmoid")), ValueError,
+            pre + _APPROX_MSG.format("sigmoid")),
+        Bad("backward_grad_shape", lambda d: (bw, (t(3, 3), t(3, 4))), ValueError,
+            bpre + r"expected grad_output of shape \[3, 2\] \(input's with the last dimension halved\), but got \[3, 3\]"),
+        Bad("backward_odd_input", lambda d: (bw, (t(3, 2), t(3, 5), "tanh")), ValueError, bpre + odd.format(5)),
+        Bad("backward_int_grad", lambda d: (bw, (t(3, 2, dtype=torch.int32), t(3, 4))), TypeError,
+            bpre + DTYPE_MSG.format("grad_output", "Int")),
+        Bad("backward_int_input", lambda d: (bw, (t(3, 2), t(3, 4, dtype=torch.int32))), TypeError,
+            bpre + DTYPE_MSG.format("input", "Int")),
+        Bad("backward_grad_device", lambda d: (bw, (torch.empty(3, 2, device="meta"), t(3, 4))), RuntimeError,
+            bpre + "expected grad_output and input to be on the same device"),
+        Bad("backward_approximate", lambda d: (bw, (t(3, 2), t(3, 4), "none ")), ValueError,
+            bpre + _APPROX_MSG.format("none ")),
+    ]
+
+
+ENTRIES.append(OpEntry(
+    name="geglu_packed", op=F.geglu_packed, reference=T.geglu_packed_reference, baseline=_geglu_packed_baseline,
+    native=_geglu_packed_baseline, samples=_geglu_packed_samples, small_samples=_geglu_packed_small,
+    bad_inputs=_geglu_packed_bad, double_backward=True, vmap_in_dims=(0,)))
+
+# ---- swiglu_linear ---------------------------------------------------------------------------------------------
+
+
+def _swiglu_linear_baseline(input, weight, bias=None):
+    dt = input.dtype
+    z = TF.linear(input, weight.to(dt), bias.to(dt) if bias is not None else None)
+    return TF.silu(z[..., 0::2]) * z[..., 1::2]
+
+
+def _swiglu_linear_native(input, weight, bias=None):
+    z = TF.linear(input, weight, bias)
+    return TF.silu(z[..., 0::2]) * z[..., 1::2]
+
+
+def _swiglu_linear_samples(device, dtype):
+    def ops(M, K, I, bias=True, x_layout="contiguous", w_layout="contiguous"):
+        if x_layout == "transposed":
+            x = randn((K, M), dtype, device).t()
+        elif x_layout == "sliced_3d":
+            x = randn((3, M, 2 * K), dtype, device)[:, :, ::2].transpose(0, 1)
+        else:
+            x = randn((M, K), dtype, device)
+        w = randn((K, 2 * I), dtype, device).t() if w_layout == "transposed" else randn((2 * I, K), dtype, device)
+        return (x, w, randn((2 * I,), dtype, device)) if bias else (x, w)
+
+    return [
+        Sample("7x83x9", ops(7, 83, 9)),
+        Sample("1x1x1", ops(1, 1, 1)),
+        Sample("no_bias_83x8x5", ops(83, 8, 5, bias=False), grad_strided=True),
+        Sample("weight_transposed", ops(7, 33, 9, w_layout="transposed")),
+        Sample("input_transposed", ops(9, 32, 8, x_layout="transposed"), grad_strided=True),
+        Sample("input_sliced_3d", ops(5, 17, 6, x_layout="sliced_3d")),
+        Sample("aligned_65x64x48", ops(65, 64, 48)),
+        Sample("zero_rows", ops(0, 5, 3)),
+        Sample("zero_in_features", ops(4, 0, 3)),
+        Sample("zero_out_features", ops(4, 5, 0)),
+        Sample("1d_input", (randn((17,), dtype, device), randn((10, 17), dtype, device), randn((10,), dtype, device))),
+    ]
+
+
+def _swiglu_linear_small(device):
+    d = torch.float64
+    return [Sample("contiguous", (randn((3, 4), d, device), randn((6, 4), d, device), randn((6,), d, device))),
+            Sample("transposed_weight_3d", (randn((2, 3, 4), d, device), randn((4, 6), d, device).t()))]
+
+
+def _swiglu_linear_bad(device):
+    t = tensor_maker(device)
+    op, bw = opforge.swiglu_linear, torch.ops.opforge.swiglu_linear_backward
+    pre, bpre = "opforge::swiglu_linear: ", "opforge::swiglu_linear_backward: "
+    mask = [True, True, True]
+    return [
+        Bad("rank0", lambda d: (op, (torch.tensor(1.0, device=device), t(2, 1))), ValueError,
+            pre + "expected input to have at least 1 dimension"),
+        Bad("weight_1d", lambda d: (op, (t(4, 8), t(8))), ValueError,
+            pre + r"expected weight to be 2-D \(2 \* intermediate, in_features\), but got shape \[8\]"),
+        Bad("weight_odd_rows", lambda d: (op, (t(4, 8), t(7, 8))), ValueError,
+            pre + r"expected weight's rows to be even \(the gate's and the up projection's rows interleaved\), "
+                  r"but got 7"),
+        Bad("in_features", lambda d: (op, (t(4, 511), t(8, 512))), ValueError,
+            pre + r"expected input's last dimension to equal weight's in_features 512, but got 511"),
+        Bad("bias_shape", lambda d: (op, (t(4, 8), t(6, 8), t(3))), ValueError,
+            pre + r"expected bias of shape \[6\] \(weight's rows\), but got \[3\]"),
+        Bad("int_input", lambda d: (op, (t(4, 8, dtype=torch.int32), t(6, 8))), TypeError,
+            pre + DTYPE_MSG.format("input", "Int")),
+        Bad("bool_weight", lambda d: (op, (t(4, 8), t(6, 8, dtype=torch.bool))), TypeError,
+            pre + DTYPE_MSG.format("weight", "Bool")),
+        Bad("complex_bias", lambda d: (op, (t(4, 8), t(6, 8), t(6, dtype=torch.complex64))), TypeError,
+            pre + DTYPE_MSG.format("bias", "ComplexFloat")),
+        Bad("none_input", lambda d: (op, (None, t(6, 8))), ValueError, pre + "expected input to be a tensor, but got None"),
+        Bad("none_weight", lambda d: (op, (t(4, 8), None)), ValueError,
+            pre + "expected weight to be a tensor, but got None"),
+        Bad("weight_device", lambda d: (op, (t(4, 8), torch.empty(6, 8, device="meta"))), RuntimeError,
+            pre + "expected input and weight to be on the same device"),
+        Bad("backward_grad_shape", lambda d: (bw, (t(4, 6), t(4, 8), t(6, 8), t(4, 6), mask)), ValueError,
+            bpre + r"expected grad_output of shape \[4, 3\] \(input's leading dims, half of weight's rows\), "
+                   r"but got \[4, 6\]"),
+        Bad("backward_pre_activation_shape", lambda d: (bw, (t(4, 3), t(4, 8), t(6, 8), t(4, 3), mask)), ValueError,
+            bpre + r"expected pre_activation of shape \[4, 6\] \(the forward's input · weightᵀ \+ bias\), "
+                   r"but got \[4, 3\]"),
+        Bad("backward_int_grad", lambda d: (bw, (t(4, 3, dtype=torch.int32), t(4, 8), t(6, 8), t(4, 6), mask)),
+            TypeError, bpre + DTYPE_MSG.format("grad_output", "Int")),
+        Bad("backward_bias_dtype", lambda d: (bw, (t(4, 3), t(4, 8), t(6, 8), t(4, 6), mask, torch.int32)),
+            TypeError, bpre + r"expected bias_dtype to be a floating dtype"),
+    ]
+
+
+ENTRIES.append(OpEntry(
+    name="swiglu_linear", op=F.swiglu_linear, reference=T.swiglu_linear_reference, baseline=_swiglu_linear_baseline,
+    native=_swiglu_linear_native, samples=_swiglu_linear_samples, small_samples=_swiglu_linear_small,
+    bad_inputs=_swiglu_linear_bad, double_backward=True, vmap_in_dims=(0, None, None), autocast="lower_precision"))
+
+
 def entry(name: str) -> OpEntry:
     for e in ENTRIES:
         if e.name == name:

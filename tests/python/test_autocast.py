@@ -54,7 +54,7 @@ def test_modules_under_autocast_match_torch(device):
     torch.testing.assert_close(y.float(), yr.float(), rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "sigmoid", "square", "swiglu", "square_add"])
+@pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "sigmoid", "square", "swiglu", "geglu", "square_add"])
 def test_input_dtype_ops_are_not_cast(device, name):
     """Norms and elementwise ops keep their input's dtype under autocast (float32 in, float32 out; bf16 in, bf16 out),
     and autocast does not reach the ATen calls inside their kernels. The one exception follows torch: on CUDA
@@ -71,7 +71,7 @@ def test_input_dtype_ops_are_not_cast(device, name):
     for dtype in (torch.float32, lowp):
         x = torch.randn(4, 16, device=device, dtype=dtype)
         args = {"rms_norm": (x, 16), "fused_add_rms_norm": (x, x, 16), "sigmoid": (x,), "square": (x,),
-                "swiglu": (x, x), "square_add": (x, x[0])}[name]
+                "swiglu": (x, x), "geglu": (x, x, "tanh"), "square_add": (x, x[0])}[name]
         plain = getattr(opforge, name)(*args)
         with torch.autocast(device, dtype=lowp):
             auto = getattr(opforge, name)(*args)

@@ -49,7 +49,8 @@ GUIDE = "docs/adding_an_op.md"
 
 _DEF = re.compile(r'm\.def\(\s*"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:\.[A-Za-z0-9_]+)?\(')
 # schemas defined outside csrc/library.cpp on purpose: name -> where and why
-OTHER_SCHEMAS = {"_set_knob": "csrc/core/knobs.cpp: the tests' knob setter, not an op"}
+OTHER_SCHEMAS = {"_set_knob": "csrc/core/knobs.cpp: the tests' knob setter, not an op",
+                 "_has_cutlass": "csrc/core/knobs.cpp: the build's CUTLASS flag (doctor, tests), not an op"}
 
 
 def schemas():

@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import opforge
 from opforge import patch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 
-TEXT = Path(patch.__file__).resolve().parent / "data" / "alice.txt"
+TEXT = Path(opforge.__file__).resolve().parent / "data" / "alice.txt"
 CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
 SEQ, BATCH, LR, LOG_EVERY = 48, 8, 1e-3, 10

@@ -75,7 +75,7 @@ def test_family_patched_matches_unpatched(family):
     assert report.ok, str(report)
     kinds = report.counts()
     cls = type(ref.model.layers[0]).__name__
-    assert kinds[f"{cls} -> opforge decoder layer (rms_norm, fused_add_rms_norm)"] == 2
+    assert kinds[f"{cls} -> opforge decoder layer ({family}: rms_norm, fused_add_rms_norm)"] == 2
     assert sum(v for k, v in kinds.items() if k.endswith("opforge loss (linear_cross_entropy; logits None when labels are given)")) == 1
     layer = model.model.layers[0]
     assert isinstance(layer, type(ref.model.layers[0]))  # a subclass: isinstance checks still hold
@@ -279,7 +279,9 @@ def test_compile_inductor_layer_matches_eager(inductor_math):
 def test_mismatch_is_caught_and_reverted(monkeypatch):
     ref = _model()
     model = copy.deepcopy(ref)
-    monkeypatch.setattr(patch, "_rope", lambda q, k, cos, sin: (q, k))  # a broken RoPE
+    from opforge.patch import _layers
+
+    monkeypatch.setattr(_layers, "rope", lambda q, k, cos, sin: (q, k))  # a broken RoPE
     with pytest.warns(UserWarning, match="different logits"):
         report = patch.apply(model)
     assert not report.patched and not patch.is_patched(model)

@@ -69,6 +69,10 @@ def _args(draw, name, device):
         return (t((M, N)), t((M, N), draw(LAYOUTS)))
     if name == "swiglu_packed":  # input (M, 2N): [gate | up]
         return (t((M, 2 * N)),)
+    if name == "geglu":
+        return (t((M, N)), t((M, N), draw(LAYOUTS)), draw(st.sampled_from(["none", "tanh"])))
+    if name == "geglu_packed":  # input (M, 2N): [gate | up]
+        return (t((M, 2 * N)), draw(st.sampled_from(["none", "tanh"])))
     if name in ("rms_norm", "fused_add_rms_norm"):
         N = max(N, 1)
         eps = draw(st.sampled_from([None, 1e-6, 1e-3, 1.0]))
@@ -103,6 +107,10 @@ def _args(draw, name, device):
         counted = M if opts["target"] is None else int((target != -100).sum())
         assume(counted > 0 or opts["reduction"] == "sum")  # "mean" over no token is 0/0 for everyone
         return (t((M, H)), t((V, H), draw(LAYOUTS), 1.0 / max(H, 1) ** 0.5), opts)
+    if name == "swiglu_linear":  # weight (2N, K): the gate's and the up projection's rows interleaved
+        K = draw(SIZES)
+        bias = t((2 * N,), "contiguous") if draw(st.booleans()) else None
+        return (t((M, K)), t((2 * N, K), draw(LAYOUTS), 1.0 / max(K, 1) ** 0.5), bias)
     raise NoStrategy(name)
 
 

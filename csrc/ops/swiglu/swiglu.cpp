@@ -1,5 +1,6 @@
-// swiglu and swiglu_packed: checkers, public C++ API, Meta kernels and autograd.
-#include "ops/swiglu/swiglu.h"
+// swiglu and swiglu_packed, y = silu(gate) · up (Shazeer 2020, "GLU Variants Improve Transformer"): public C++ API,
+// Meta kernels and autograd. Checkers, Meta and kernels: the gated engine (core/gated.h) with Activation::kSiLU.
+#include "opforge/opforge.h"
 
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -8,57 +9,9 @@
 #include "core/autograd.h"
 #include "core/check.h"
 #include "core/dispatch.h"
+#include "core/gated.h"
 
 namespace opforge {
-
-std::pair<at::Tensor, at::Tensor> check_swiglu(const char* op, const at::Tensor& gate, const at::Tensor& up) {
-  check_floating(op, "gate", gate);
-  check_floating(op, "up", up);
-  check_same_device(op, "gate", gate, "up", up);
-  TORCH_CHECK_VALUE(gate.sym_sizes().equals(up.sym_sizes()), "opforge::", op,
-                    ": expected gate and up of the same shape, but got ", shape_str(gate.sym_sizes()), " and ",
-                    shape_str(up.sym_sizes()));
-  return {gate, to_input_dtype(up, gate.scalar_type())};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> check_swiglu_backward(const at::Tensor& grad_output,
-                                                                     const at::Tensor& gate, const at::Tensor& up) {
-  auto [G, U] = check_swiglu("swiglu_backward", gate, up);
-  check_floating("swiglu_backward", "grad_output", grad_output);
-  check_same_device("swiglu_backward", "grad_output", grad_output, "gate", gate);
-  TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(gate.sym_sizes()),
-                    "opforge::swiglu_backward: expected grad_output of gate's shape ", shape_str(gate.sym_sizes()),
-                    ", but got ", shape_str(grad_output.sym_sizes()));
-  return {to_input_dtype(grad_output, gate.scalar_type()), G, U};
-}
-
-c10::SymInt check_swiglu_packed(const char* op, const at::Tensor& input) {
-  check_floating(op, "input", input);
-  TORCH_CHECK_VALUE(input.dim() >= 1, "opforge::", op,
-                    ": expected input of shape (*, 2I) (the [gate | up] halves), but got a 0-d tensor");
-  const c10::SymInt& N = input.sym_size(-1);
-  TORCH_CHECK_VALUE(N % 2 == 0, "opforge::", op,
-                    ": expected input's last dimension to be even (2I: the [gate | up] halves), but got ", num_str(N));
-  return N / 2;
-}
-
-c10::SymDimVector swiglu_packed_output_shape(const at::Tensor& input) {
-  c10::SymDimVector shape(input.sym_sizes().begin(), input.sym_sizes().end());
-  shape.back() = shape.back() / 2;
-  return shape;
-}
-
-std::pair<at::Tensor, c10::SymInt> check_swiglu_packed_backward(const at::Tensor& grad_output,
-                                                                const at::Tensor& input) {
-  c10::SymInt I = check_swiglu_packed("swiglu_packed_backward", input);
-  check_floating("swiglu_packed_backward", "grad_output", grad_output);
-  check_same_device("swiglu_packed_backward", "grad_output", grad_output, "input", input);
-  const c10::SymDimVector expected = swiglu_packed_output_shape(input);
-  TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(expected),
-                    "opforge::swiglu_packed_backward: expected grad_output of shape ", shape_str(expected),
-                    " (input's with the last dimension halved), but got ", shape_str(grad_output.sym_sizes()));
-  return {to_input_dtype(grad_output, input.scalar_type()), std::move(I)};
-}
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   static auto op = typed_op<decltype(swiglu)>("opforge::swiglu");
@@ -81,16 +34,11 @@ at::Tensor swiglu_packed_backward(const at::Tensor& grad_output, const at::Tenso
 
 namespace {
 
-at::Tensor swiglu_meta(const at::Tensor& gate, const at::Tensor& up) {
-  check_swiglu("swiglu", gate, up);
-  return at::empty_symint(gate.sym_sizes(), gate.options());
-}
+at::Tensor swiglu_meta(const at::Tensor& gate, const at::Tensor& up) { return gated_meta("swiglu", gate, up); }
 
 std::tuple<at::Tensor, at::Tensor> swiglu_backward_meta(const at::Tensor& grad_output, const at::Tensor& gate,
                                                         const at::Tensor& up) {
-  check_swiglu_backward(grad_output, gate, up);
-  return {at::empty_symint(gate.sym_sizes(), gate.options()),
-          at::empty_symint(up.sym_sizes(), up.options())};
+  return gated_backward_meta("swiglu_backward", grad_output, gate, up);
 }
 
 // swiglu: y = silu(gate)·up; saves gate and up. One fused pass yields both gradients.
@@ -126,14 +74,10 @@ at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up) {
 
 // ---- swiglu_packed: swiglu over input = [gate | up] (*, 2I); one gradient, grad_input (*, 2I) ----
 
-at::Tensor swiglu_packed_meta(const at::Tensor& input) {
-  check_swiglu_packed("swiglu_packed", input);
-  return at::empty_symint(swiglu_packed_output_shape(input), input.options());
-}
+at::Tensor swiglu_packed_meta(const at::Tensor& input) { return gated_packed_meta("swiglu_packed", input); }
 
 at::Tensor swiglu_packed_backward_meta(const at::Tensor& grad_output, const at::Tensor& input) {
-  check_swiglu_packed_backward(grad_output, input);
-  return at::empty_symint(input.sym_sizes(), input.options());
+  return gated_packed_backward_meta("swiglu_packed_backward", grad_output, input);
 }
 
 // y = silu(input[..., :I]) · input[..., I:]; saves input. One fused pass writes both halves of grad_input.

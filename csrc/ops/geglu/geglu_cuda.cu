@@ -1,0 +1,46 @@
+// CUDA kernels of geglu and geglu_packed: the gated engine's functors and launchers (core/gated_cuda.cuh), the
+// kernels of swiglu instantiated with gelu (erf form) or gelu_tanh; fp32 math for float16/bfloat16.
+#include <torch/library.h>
+
+#include "core/gated_cuda.cuh"
+#include "ops/geglu/geglu.h"
+
+namespace opforge {
+namespace {
+
+at::Tensor geglu_cuda(const at::Tensor& gate, const at::Tensor& up, c10::string_view approximate) {
+  return with_gelu_approximate("geglu", approximate, [&](auto A) {
+    return cuda::gated_forward<decltype(A)::value>("geglu", gate, up);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> geglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& gate,
+                                                       const at::Tensor& up, c10::string_view approximate) {
+  return with_gelu_approximate("geglu_backward", approximate, [&](auto A) {
+    return cuda::gated_backward<decltype(A)::value>("geglu_backward", grad_output, gate, up);
+  });
+}
+
+at::Tensor geglu_packed_cuda(const at::Tensor& input, c10::string_view approximate) {
+  return with_gelu_approximate("geglu_packed", approximate, [&](auto A) {
+    return cuda::gated_packed_forward<decltype(A)::value>("geglu_packed", input);
+  });
+}
+
+at::Tensor geglu_packed_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
+                                      c10::string_view approximate) {
+  return with_gelu_approximate("geglu_packed_backward", approximate, [&](auto A) {
+    return cuda::gated_packed_backward<decltype(A)::value>("geglu_packed_backward", grad_output, input);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
+  m.impl("geglu", &geglu_cuda);
+  m.impl("geglu_backward", &geglu_backward_cuda);
+  m.impl("geglu_packed", &geglu_packed_cuda);
+  m.impl("geglu_packed_backward", &geglu_packed_backward_cuda);
+}
+
+}  // namespace opforge

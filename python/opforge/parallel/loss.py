@@ -1,0 +1,471 @@
+"""Vocabulary-parallel linear_cross_entropy: the lm_head weight `Shard(0)` over the tensor-parallel group.
+
+`opforge.linear_cross_entropy(input, linear_weight, target, ...)` with `linear_weight` a DTensor sharded on its
+vocabulary dim (`Shard(0)`, as ColwiseParallel shards an lm_head) runs here, through DTensor op handlers of the
+loss's three ops (the public op, `_linear_cross_entropy_forward` that autograd calls, and
+`linear_cross_entropy_backward`): each rank computes the logits of its vocabulary slice chunk by chunk, the row max
+is all-reduced (max) and the row's sum of exponentials, target logit and weighted logit sum are all-reduced (sum), so
+every rank gets the exact global loss and the global (m, r) stats; no rank ever holds more than one chunk of its own
+slice, `[chunk, V / ranks]`, of the logits.
+
+Why Python math over local GEMMs and not the C++ kernels per slice: the kernels index a target inside their
+vocabulary (a target of another rank's slice is an error, or with ignore_index a token without any gradient), and
+their row statistics, label smoothing (ε / V) and mean divisor are of the slice alone; exact slices need the global
+max and sum between the logits GEMM and the row's loss, i.e. a collective inside the chunk loop. The chunk loop here
+is the same math as the C++ op's (docs/ops/linear_cross_entropy.md), in the accumulation dtype (float32; float64 for
+float64), with every reduction option: reduction none/mean/sum, ignore_index, label_smoothing, z_loss, softcap and
+class weights (replicated, `(V,)`).
+
+Results as DTensors on the tensor-parallel mesh: loss and stats `Replicate`; grad_input `Partial` (each rank's
+`dZ_r · W_r`: DTensor reduces it where the next op needs it, a reduce-scatter under sequence parallelism);
+grad_linear_weight and grad_linear_bias `Shard(0)`, like the weight. The input is gathered (all-gather) to every
+rank, as Megatron's vocabulary-parallel loss needs it.
+
+Autograd: the op's own C++ node records the call; on the gradient-in-forward path (reduction mean/sum) the forward
+computes the gradients of the slice in the same chunk loop and backward scales them
+(`_linear_cross_entropy_scale_grads`: each gradient keeps its placement); on the recompute path (reduction none) the
+backward handler recomputes each chunk's slice from the global stats.
+
+Without a DTensor weight: `vocab_parallel_forward` / `vocab_parallel_backward` are the same math on plain local
+tensors and a process group (a rank's slice starts at `vocab_start`).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .sharding import HANDLED, P, R, _one_dim_mesh, _placement, to_local, wrap
+
+__all__ = ["vocab_parallel_forward", "vocab_parallel_backward", "vocab_slice"]
+
+#: rows per chunk when chunk_size is None: about 32 MiB of float32 logits of the local slice, a multiple of 64
+_BUDGET_BYTES = 32 << 20
+
+
+def vocab_slice(vocab: int, ranks: int, rank: int) -> Tuple[int, int]:
+    """(start, size) of rank's slice of `vocab` classes split as `Shard(0)` splits them (torch.chunk: ceil(V / ranks)
+    classes a rank, the last ones shorter or empty).
+
+    Args:
+        vocab: int. V. ranks: int. The tensor-parallel size. rank: int. This rank's index in [0, ranks).
+
+    Returns:
+        (int, int): the first class of the slice and its number of classes.
+    """
+    step = -(-vocab // ranks)
+    start = min(rank * step, vocab)
+    return start, min(step, vocab - start)
+
+
+def _chunk_rows(n: int, v_local: int, chunk_size: Optional[int], acc_bytes: int) -> int:
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"opforge::linear_cross_entropy: expected chunk_size >= 1, but got {chunk_size}")
+        return min(chunk_size, max(n, 1))
+    rows = _BUDGET_BYTES // max(v_local * acc_bytes, 1)
+    rows = max(64, rows // 64 * 64)
+    return min(rows, max(n, 1))
+
+
+def _all_reduce(t: Tensor, op, group) -> Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _check(input: Tensor, linear_weight: Tensor, target: Tensor, reduction: str, label_smoothing: float,
+           z_loss: float, softcap: Optional[float]) -> None:
+    op = "opforge::linear_cross_entropy"
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{op}: expected reduction of mean, sum or none, but got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: expected label_smoothing in [0, 1], but got {label_smoothing}")
+    if not z_loss >= 0.0:
+        raise ValueError(f"{op}: expected z_loss >= 0, but got {z_loss}")
+    if softcap is not None and not softcap > 0.0:
+        raise ValueError(f"{op}: expected softcap > 0, but got {softcap}")
+    if target.dtype != torch.int64:
+        raise TypeError(f"{op}: expected target of dtype int64, but got {target.dtype}")
+    if input.shape[-1] != linear_weight.shape[-1]:
+        raise ValueError(f"{op}: expected input's last dim ({input.shape[-1]}) to equal linear_weight's "
+                         f"({linear_weight.shape[-1]})")
+
+
+def _mm(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
+    """a · b in the accumulation dtype: a plain GEMM for float32/float64 operands; for 16-bit ones on CUDA a GEMM with
+    float32 output (no float32 copy of the operands), on the CPU in float32 copies."""
+    if a.dtype == acc and b.dtype == acc:
+        return torch.mm(a, b)
+    if a.is_cuda and a.dtype == b.dtype:
+        try:
+            return torch.mm(a, b, out_dtype=acc)
+        except (RuntimeError, TypeError):  # a torch or GPU without this GEMM: float32 copies
+            pass
+    return torch.mm(a.to(acc), b.to(acc))
+
+
+class _Problem:
+    """The flattened problem of one rank: x (N, H), its slice W_r (V_r, H) starting at class `start` of V.
+
+    Memory per chunk of c rows: one `[c, V_r]` logits block in the accumulation dtype, turned in place into the
+    exponentials, the probabilities and the logit gradient (plus, with softcap, one block of the cap's derivative and,
+    for 16-bit operands on CUDA, a 16-bit copy of the logit gradient for the grad_input GEMM)."""
+
+    def __init__(self, x, w, target, bias, class_weight, start, vocab, ignore_index, label_smoothing, z_loss,
+                 softcap, reduction, chunk_size, group):
+        self.acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        self.x, self.bias = x, None if bias is None else bias.to(self.acc)
+        # the weight as the GEMMs read it: itself (float32/float64, or 16-bit on CUDA), else one float32 copy
+        self.w = w if w.dtype == self.acc or (w.is_cuda and w.dtype == x.dtype) else w.to(self.acc)
+        self.t = target.reshape(-1)
+        self.start, self.vocab, self.v_local = start, vocab, w.shape[0]
+        self.ignore_index, self.eps, self.z_loss, self.softcap = ignore_index, label_smoothing, z_loss, softcap
+        self.reduction, self.group = reduction, group
+        self.valid = self.t != ignore_index
+        self.bad = self.valid & ((self.t < 0) | (self.t >= vocab))
+        if x.device.type == "cpu" and bool(self.bad.any()):
+            i = int(self.bad.nonzero()[0, 0])
+            raise IndexError(f"opforge::linear_cross_entropy: expected targets in [0, {vocab}) or ignore_index "
+                             f"({ignore_index}), but got {int(self.t[i])} at position {i}")
+        zero = torch.zeros((), dtype=self.acc, device=x.device)
+        if class_weight is not None:
+            cw = class_weight.to(self.acc)
+            self.w_t = torch.where(self.valid, cw[self.t.clamp(0, vocab - 1)], zero)
+            self.w_local = cw[start:start + self.v_local]
+            self.w_sum = cw.sum()
+        else:
+            self.w_t = self.valid.to(self.acc)
+            self.w_local = None
+            self.w_sum = torch.tensor(float(vocab), dtype=self.acc, device=x.device)
+        local_t = self.t - start
+        self.inside = self.valid & (local_t >= 0) & (local_t < self.v_local)
+        self.local_t = local_t.clamp(0, max(self.v_local - 1, 0))
+        self.rows = _chunk_rows(x.shape[0], self.v_local, chunk_size, torch.finfo(self.acc).bits // 8)
+
+    def denominator(self) -> Tensor:
+        return self.w_t.sum()
+
+    def logits(self, a: int, b: int) -> Tuple[Tensor, Optional[Tensor]]:
+        """The chunk's capped logits of the slice (rows a..b) in the accumulation dtype, and with softcap the cap's
+        derivative 1 − tanh²(z / c)."""
+        x = self.x[a:b]
+        z = _mm(x if self.w.dtype == x.dtype else x.to(self.w.dtype), self.w.t(), self.acc)
+        if self.bias is not None:
+            z.add_(self.bias)
+        if self.softcap is None:
+            return z, None
+        z.div_(self.softcap).tanh_()
+        deriv = 1.0 - z * z
+        return z.mul_(self.softcap), deriv
+
+    def target_logit(self, z: Tensor, a: int, b: int) -> Tensor:
+        if not self.v_local:
+            return torch.zeros(b - a, dtype=self.acc, device=z.device)
+        picked = z.gather(1, self.local_t[a:b].unsqueeze(1)).squeeze(1)
+        return torch.where(self.inside[a:b], picked, torch.zeros((), dtype=self.acc, device=z.device))
+
+    def grad_from_probs(self, p: Tensor, deriv: Optional[Tensor], lse: Tensor, scale: Tensor, a: int, b: int) -> Tensor:
+        """p (the chunk's probabilities, overwritten) into d(Σ_i scale_i · loss_i) / d(raw logits) of the slice."""
+        valid, w_t = self.valid[a:b], self.w_t[a:b]
+        zero = torch.zeros((), dtype=self.acc, device=p.device)
+        coef = (1.0 - self.eps) * w_t + self.eps / self.vocab * self.w_sum + 2.0 * self.z_loss * lse
+        coef = torch.where(valid, coef, zero)
+        coef = torch.where(self.bad[a:b], torch.full_like(coef, float("nan")), coef)
+        p.mul_(coef.unsqueeze(1))
+        if self.v_local:
+            hit = torch.where(self.inside[a:b], -(1.0 - self.eps) * w_t, zero)
+            p.scatter_add_(1, self.local_t[a:b].unsqueeze(1), hit.unsqueeze(1))
+        if self.eps:
+            wl = self.w_local if self.w_local is not None else torch.ones(self.v_local, dtype=self.acc,
+                                                                          device=p.device)
+            p.addr_(torch.where(valid, torch.full_like(lse, self.eps / self.vocab), zero), wl, alpha=-1.0)
+        p.mul_(scale.unsqueeze(1))
+        if deriv is not None:
+            p.mul_(deriv)
+        return p
+
+
+def _grad_buffers(p: _Problem, mask) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    gi = torch.empty(p.x.shape, dtype=p.acc, device=p.x.device) if mask[0] else None
+    gw = torch.zeros((p.v_local, p.x.shape[1]), dtype=p.acc, device=p.x.device) if mask[1] else None
+    gb = torch.zeros(p.v_local, dtype=p.acc, device=p.x.device) if mask[2] and p.bias is not None else None
+    return gi, gw, gb
+
+
+def _accumulate(p: _Problem, dz: Tensor, a: int, b: int, gi, gw, gb) -> None:
+    if gi is not None:
+        gi[a:b] = _mm(dz if p.w.dtype == p.acc else dz.to(p.w.dtype), p.w, p.acc)
+    if gw is not None:
+        gw.addmm_(dz.t(), p.x[a:b].to(p.acc))
+    if gb is not None:
+        gb.add_(dz.sum(0))
+
+
+def _finish(p: _Problem, gi, gw, gb, input_dtype, weight_dtype, bias_dtype):
+    return (None if gi is None else gi.to(input_dtype), None if gw is None else gw.to(weight_dtype),
+            None if gb is None else gb.to(bias_dtype))
+
+
+def vocab_parallel_forward(input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Optional[Tensor] = None,
+                           weight: Optional[Tensor] = None, reduction: str = "mean", ignore_index: int = -100,
+                           label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: Optional[float] = None,
+                           chunk_size: Optional[int] = None, grad_mask=(False, False, False), *, vocab_start: int = 0,
+                           vocab_size: Optional[int] = None, group=None):
+    """(loss, stats, grad_input, grad_linear_weight, grad_linear_bias) of linear_cross_entropy over a vocabulary split
+    across `group`, on plain local tensors: this rank's slice `linear_weight` (V_r, H) of classes
+    [vocab_start, vocab_start + V_r) of `vocab_size` (V), the same input (*, H) and target (*) on every rank.
+
+    The formula and arguments are `opforge.linear_cross_entropy`'s (its docs/ops/linear_cross_entropy.md);
+    `weight`: the class weights of all V classes, `(V,)`, or None. Per chunk of rows: this slice's logits, the row max
+    all-reduced (max), then (Σ exp(z − m), z_target, Σ_j w_j z_j) all-reduced (sum).
+
+    Args:
+        grad_mask: which of (grad_input, grad_linear_weight, grad_linear_bias) of `loss.sum()` to compute in the same
+            chunk loop (the gradient-in-forward path of the op); None where not asked.
+        vocab_start: int. The first class of this rank's slice. Default 0.
+        vocab_size: int or None. V; None: V_r (one rank).
+        group: the process group of the slices (None: no collective, one rank).
+
+    Returns:
+        loss `()` for mean/sum, `(*)` for none, in float32 (float64 for float64); stats `(*, 2)` of the global (m, r);
+        grad_input `(*, H)` this rank's partial sum (dZ_r · W_r: sum over ranks for the gradient), in input's dtype;
+        grad_linear_weight `(V_r, H)` and grad_linear_bias `(V_r,)` of the slice, in their dtypes.
+
+    Raises:
+        ValueError: an unknown reduction; label_smoothing outside [0, 1]; z_loss < 0; softcap <= 0; chunk_size < 1;
+            input's H != linear_weight's H.
+        TypeError: target not int64.
+        IndexError: (CPU) a target outside [0, V) that is not ignore_index (CUDA: that token's loss and gradients
+            are NaN, no host synchronisation).
+    """
+    _check(input, linear_weight, target, reduction, label_smoothing, z_loss, softcap)
+    lead = input.shape[:-1]
+    x = input.reshape(-1, input.shape[-1])
+    vocab = linear_weight.shape[0] if vocab_size is None else vocab_size
+    p = _Problem(x, linear_weight, target, linear_bias, weight, vocab_start, vocab, ignore_index, label_smoothing,
+                 z_loss, softcap, reduction, chunk_size, group)
+    n = x.shape[0]
+    m_all = torch.empty(n, dtype=p.acc, device=x.device)
+    r_all = torch.empty(n, dtype=p.acc, device=x.device)
+    token_loss = torch.empty(n, dtype=p.acc, device=x.device)
+    want = any(grad_mask)
+    gi, gw, gb = _grad_buffers(p, grad_mask) if want else (None, None, None)
+    if want:  # the gradient of loss.sum(): the mean's 1/Σw folded in per row (0 where nothing is valid)
+        den = p.denominator()
+        s = torch.where(den > 0, 1.0 / den, torch.zeros_like(den)) if reduction == "mean" else torch.ones_like(den)
+    for a in range(0, n, p.rows):
+        b = min(a + p.rows, n)
+        z, deriv = p.logits(a, b)
+        m = z.amax(1) if p.v_local else torch.full((b - a,), -float("inf"), dtype=p.acc, device=x.device)
+        m = _all_reduce(m, dist.ReduceOp.MAX, group)
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        zt = p.target_logit(z, a, b)
+        wz = z @ p.w_local if p.w_local is not None else z.sum(1)
+        e = z.sub_(m_safe.unsqueeze(1)).exp_()  # z is not needed past here: its block holds exp(z − m)
+        sums = _all_reduce(torch.stack([e.sum(1), zt, wz], 1), dist.ReduceOp.SUM, group)
+        r = torch.log(sums[:, 0])
+        lse = m_safe + r
+        loss = (1.0 - p.eps) * p.w_t[a:b] * (lse - sums[:, 1])
+        if p.eps:
+            loss = loss + p.eps / vocab * (p.w_sum * lse - sums[:, 2])
+        if z_loss:
+            loss = loss + z_loss * lse * lse
+        loss = torch.where(p.valid[a:b], loss, torch.zeros_like(loss))
+        token_loss[a:b] = torch.where(p.bad[a:b], torch.full_like(loss, float("nan")), loss)
+        m_all[a:b], r_all[a:b] = m, r
+        if want:  # e / Σ: the probabilities, in the same block
+            probs = e.div_(sums[:, 0].unsqueeze(1))
+            _accumulate(p, p.grad_from_probs(probs, deriv, lse, s.expand(b - a), a, b), a, b, gi, gw, gb)
+    if reduction == "none":
+        out = token_loss.reshape(lead)
+    elif reduction == "sum":
+        out = token_loss.sum()
+    else:
+        out = token_loss.sum() / p.denominator()
+    stats = torch.stack([m_all, r_all], 1).reshape(*lead, 2)
+    gi, gw, gb = _finish(p, gi, gw, gb, input.dtype, linear_weight.dtype,
+                         None if linear_bias is None else linear_bias.dtype)
+    return out, stats, None if gi is None else gi.reshape(input.shape), gw, gb
+
+
+def vocab_parallel_backward(grad_output: Tensor, input: Tensor, linear_weight: Tensor, target: Tensor, stats: Tensor,
+                            linear_bias: Optional[Tensor], weight: Optional[Tensor], reduction: str, ignore_index: int,
+                            label_smoothing: float, z_loss: float, softcap: Optional[float], output_mask,
+                            chunk_size: Optional[int] = None, *, vocab_start: int = 0,
+                            vocab_size: Optional[int] = None, group=None):
+    """(grad_input, grad_linear_weight, grad_linear_bias) of this rank's slice from the global stats of
+    `vocab_parallel_forward`: each chunk's logits recomputed, p = exp(z − m − r), and the logit gradient scaled per
+    token by grad_output. No collective: the stats are global.
+
+    Args:
+        grad_output: `()` for mean/sum, `(*)` for none; float. The loss's gradient.
+        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
+            chunk_size, vocab_start, vocab_size, group: as `vocab_parallel_forward`.
+        stats: `(*, 2)` float32 (float64 for float64). The global (m, r) per token from `vocab_parallel_forward`.
+        output_mask: which of the three gradients to compute.
+
+    Returns:
+        grad_input `(*, H)` in input's dtype, this rank's partial sum (sum over the ranks for the gradient);
+        grad_linear_weight `(V_r, H)` and grad_linear_bias `(V_r,)` of the slice in their dtypes; None where not
+        asked.
+
+    Raises:
+        ValueError, TypeError, IndexError: as `vocab_parallel_forward`.
+    """
+    _check(input, linear_weight, target, reduction, label_smoothing, z_loss, softcap)
+    x = input.reshape(-1, input.shape[-1])
+    vocab = linear_weight.shape[0] if vocab_size is None else vocab_size
+    p = _Problem(x, linear_weight, target, linear_bias, weight, vocab_start, vocab, ignore_index, label_smoothing,
+                 z_loss, softcap, reduction, chunk_size, group)
+    st = stats.reshape(-1, 2).to(p.acc)
+    g = grad_output.to(p.acc)
+    if reduction == "none":
+        scale = g.reshape(-1)
+    else:
+        if reduction == "mean":
+            den = p.denominator()
+            g = torch.where(den > 0, g / den, torch.zeros_like(g))
+        scale = g.expand(x.shape[0])
+    gi, gw, gb = _grad_buffers(p, output_mask)
+    n = x.shape[0]
+    for a in range(0, n, p.rows):
+        b = min(a + p.rows, n)
+        z, deriv = p.logits(a, b)
+        m = st[a:b, 0]
+        lse = torch.where(torch.isfinite(m), m, torch.zeros_like(m)) + st[a:b, 1]
+        probs = z.sub_(lse.unsqueeze(1)).exp_()
+        _accumulate(p, p.grad_from_probs(probs, deriv, lse, scale[a:b], a, b), a, b, gi, gw, gb)
+    gi, gw, gb = _finish(p, gi, gw, gb, input.dtype, linear_weight.dtype,
+                         None if linear_bias is None else linear_bias.dtype)
+    return None if gi is None else gi.reshape(input.shape), gw, gb
+
+
+# ---- DTensor handlers ------------------------------------------------------------------------------------
+
+_ARGS = ("input", "linear_weight", "target", "linear_bias", "weight", "reduction", "ignore_index", "label_smoothing",
+         "z_loss", "softcap", "chunk_size")
+_DEFAULTS = {"linear_bias": None, "weight": None, "reduction": "mean", "ignore_index": -100, "label_smoothing": 0.0,
+             "z_loss": 0.0, "softcap": None, "chunk_size": None, "grad_mask": [False, False, False]}
+
+
+def _bind(op_call, args, kwargs) -> dict:
+    names = [a.name for a in op_call._schema.arguments]
+    out = dict(zip(names, args))
+    out.update(kwargs)
+    for k, v in _DEFAULTS.items():
+        out.setdefault(k, v)
+    return out
+
+
+def _is_vocab_sharded(w) -> bool:
+    return isinstance(w, DTensor) and isinstance(w.placements[0], Shard) and w.placements[0].dim == 0
+
+
+def _token_sharded(a: dict):
+    """The input's Shard(d) on a leading dim when the loss can run per token shard (sum, none), else None."""
+    p = _placement(a["input"])
+    if isinstance(p, Shard) and p.dim < a["input"].ndim - 1 and a["reduction"] in ("sum", "none") \
+            and not _is_sharded_other(a["linear_weight"]):
+        return p
+    return None
+
+
+def _is_sharded_other(w) -> bool:
+    return isinstance(w, DTensor) and not isinstance(w.placements[0], Replicate)
+
+
+def _common(a: dict, mesh):
+    """Local tensors of the vocabulary-parallel problem: input, target and class weights replicated."""
+    w = a["linear_weight"]
+    start, size = vocab_slice(w.shape[0], mesh.size(), mesh.get_local_rank())
+    assert size == w._local_tensor.shape[0]
+    bias = to_local(a["linear_bias"], mesh, Shard(0))
+    return dict(input=to_local(a["input"], mesh, R), linear_weight=w._local_tensor,
+                target=to_local(a["target"], mesh, R), linear_bias=bias, weight=to_local(a["weight"], mesh, R),
+                vocab_start=start, vocab_size=w.shape[0], group=mesh.get_group())
+
+
+def _scalars(a: dict) -> dict:
+    return {k: a[k] for k in ("reduction", "ignore_index", "label_smoothing", "z_loss", "softcap", "chunk_size")}
+
+
+def _loss_shape(a: dict) -> tuple:
+    return tuple(a["target"].shape) if a["reduction"] == "none" else ()
+
+
+def _grad_results(a: dict, res, mesh, placements):
+    """The gradients as DTensors in `placements`; a gradient of a plain-tensor argument (an input given as a torch
+    Tensor beside a DTensor weight) comes back as a plain tensor: reduced over the mesh where it is a partial sum."""
+    shapes = [tuple(a["input"].shape), tuple(a["linear_weight"].shape),
+              None if a["linear_bias"] is None else tuple(a["linear_bias"].shape)]
+    out = []
+    for g, p, s, arg in zip(res, placements, shapes, (a["input"], a["linear_weight"], a["linear_bias"])):
+        if g is not None and not isinstance(arg, DTensor):
+            if p == P:
+                dist.all_reduce(g, group=mesh.get_group())
+            elif p != R:
+                raise AssertionError("a sharded gradient of a plain tensor")
+            out.append(g)
+        else:
+            out.append(wrap(g, mesh, p, s))
+    return tuple(out)
+
+
+def _forward_handler(op_call, args, kwargs):
+    a = _bind(op_call, args, kwargs)
+    full = op_call.name().endswith("_linear_cross_entropy_forward")
+    mesh = next(x.device_mesh for x in (a["input"], a["linear_weight"], a["target"]) if isinstance(x, DTensor))
+    _one_dim_mesh("linear_cross_entropy", mesh)
+    mask = list(a["grad_mask"]) if full else [False, False, False]
+    if _is_vocab_sharded(a["linear_weight"]):
+        loss, stats, gi, gw, gb = vocab_parallel_forward(**_common(a, mesh), **_scalars(a), grad_mask=mask)
+        loss, stats = wrap(loss, mesh, R), wrap(stats, mesh, R)
+        grads = _grad_results(a, (gi, gw, gb), mesh, [P, Shard(0), Shard(0)])
+    else:
+        tok = _token_sharded(a)
+        pl = tok if tok is not None else R
+        local = [to_local(a["input"], mesh, pl), to_local(a["linear_weight"], mesh, R),
+                 to_local(a["target"], mesh, pl), to_local(a["linear_bias"], mesh, R),
+                 to_local(a["weight"], mesh, R)]
+        sc = _scalars(a)
+        res = op_call(*local, sc["reduction"], sc["ignore_index"], sc["label_smoothing"], sc["z_loss"], sc["softcap"],
+                      sc["chunk_size"], *([mask] if full else []))
+        if not full:
+            res = (res,)
+        lp = (P if a["reduction"] == "sum" else tok) if tok is not None else R
+        loss = wrap(res[0], mesh, lp, _loss_shape(a))
+        stats = wrap(res[1], mesh, pl, tuple(a["target"].shape) + (2,)) if full else None
+        grads = _grad_results(a, res[2:5], mesh, [pl, P if tok is not None else R, P if tok is not None else R]) \
+            if full else (None, None, None)
+    return (loss, stats, *grads) if full else loss
+
+
+def _backward_handler(op_call, args, kwargs):
+    names = [x.name for x in op_call._schema.arguments]
+    a = dict(zip(names, args))
+    a.update(kwargs)
+    a.setdefault("chunk_size", None)
+    mesh = next(x.device_mesh for x in (a["input"], a["linear_weight"], a["grad_output"]) if isinstance(x, DTensor))
+    _one_dim_mesh("linear_cross_entropy_backward", mesh)
+    mask = list(a["output_mask"])
+    if _is_vocab_sharded(a["linear_weight"]):
+        res = vocab_parallel_backward(to_local(a["grad_output"], mesh, R), stats=to_local(a["stats"], mesh, R),
+                                      output_mask=mask, **_common(a, mesh), **_scalars(a))
+        return _grad_results(a, res, mesh, [P, Shard(0), Shard(0)])
+    tok = _token_sharded(a)
+    pl = tok if tok is not None else R
+    go = to_local(a["grad_output"], mesh, pl if a["reduction"] == "none" else R)
+    res = op_call(go, to_local(a["input"], mesh, pl), to_local(a["linear_weight"], mesh, R),
+                  to_local(a["target"], mesh, pl), to_local(a["stats"], mesh, pl),
+                  to_local(a["linear_bias"], mesh, R), to_local(a["weight"], mesh, R), a["reduction"],
+                  a["ignore_index"], a["label_smoothing"], a["z_loss"], a["softcap"], mask, a["chunk_size"])
+    red = P if tok is not None else R
+    return _grad_results(a, res, mesh, [pl, red, red])
+
+
+HANDLED.update({"linear_cross_entropy": _forward_handler, "_linear_cross_entropy_forward": _forward_handler,
+                "linear_cross_entropy_backward": _backward_handler})

@@ -1,0 +1,606 @@
+"""DTensor sharding rules for every opforge operator, its private forward and its backward.
+
+DTensor (`torch.distributed.tensor`) dispatches below autograd: an opforge op called on DTensors first runs its
+C++ Autograd kernel, which records the op's node (OpNode) with the DTensor inputs and calls the forward below
+autograd; that call reaches DTensor, which picks a sharding from the rules here, redistributes the inputs it has to
+and runs the op's CPU/CUDA kernel on the local shards. The node's backward calls `<op>_backward` on DTensor
+gradients and saved DTensors, which DTensor dispatches the same way. So every op needs rules for the public op
+(called without gradients), the private `_<op>_forward` (what autograd calls) and `<op>_backward`.
+
+A rule lists, for one mesh dimension, the placements under which the op computed on local shards gives exactly the
+sharded global result; DTensor expands it over every mesh dimension and picks the cheapest. An input in a placement
+no rule accepts (a `Partial` sum into a norm, a token-sharded input of a row-wise linear) is redistributed first:
+never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = Partial sum):
+
+| op | placements |
+| --- | --- |
+| rms_norm, fused_add_rms_norm (and _forward, _rms_norm_apply) | R; S(d) on a leading (token) dim, weight R |
+| their backward | as forward; grad_weight P when token-sharded; a P grad_output with R inputs gives P |
+| sigmoid, square, swiglu | R or S(d) on any dim, all inputs alike |
+| square_add | as square; other S on its matching dim, R where it broadcasts |
+| elementwise / swiglu backward | as forward (broadcast grads P); P grad_output with R inputs gives P |
+| swiglu_packed, geglu_packed (and backward) | R; S(d) on a leading dim (the packed last dim is never split) |
+| geglu (and backward) | as swiglu |
+| swiglu_linear (and _forward, backward) | R; token-sharded (input S(d), weight R; grad_weight P) |
+| rope, rope_from_positions (and backward) | R; S(1) heads; S(0) batch; S(2) sequence (cos/sin/positions alike) |
+| linear, _linear_forward, fake_quant_linear, linear_cat | R; column-wise (weight S(0), bias S(0), output S(-1)); row-wise (input S(-1), weight S(1), output P; no bias, activation none; not fake_quant_linear or linear_cat); token-sharded (input S(d), weight R) |
+| their backward | the three strategies' gradients (column-wise: grad_input P; token-sharded: grad_weight P) |
+| indexed_linear (and backward) | R; experts sharded (weight S(0), output P); weight S(1) (column-wise within each expert); token-sharded |
+| linear_cross_entropy (all its ops) | vocabulary-parallel when linear_weight is S(0) (opforge.parallel.loss); token-sharded for sum/none; R |
+| _linear_cross_entropy_scale_grads | each gradient keeps its placement |
+
+The rules are registered when `opforge.parallel` is imported (`register_sharding_rules()`, idempotent). Ops whose
+sharding is not a pure placement rule (experts sharded: the expert index is shifted to the local experts; the
+vocabulary-parallel loss: all-reduces inside; linear_cat_backward: a list of gradients; square_add_backward: a plain
+shape carrier for `other`; _linear_cross_entropy_scale_grads: plain gradients beside DTensor ones) get a DTensor op
+handler, which redistributes, runs the op on local tensors and wraps the results. Handlers are defined on a 1-D mesh
+(the tensor-parallel one: FSDP2 gathers its own mesh dimension before compute) and raise NotImplementedError on
+another.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor.experimental import register_sharding
+
+__all__ = ["register_sharding_rules", "RULES", "HANDLED"]
+
+R = Replicate()
+P = Partial()
+
+#: op name -> rule function (the placements, one mesh dim), filled by @_rule
+RULES: Dict[str, Callable] = {}
+#: op name -> DTensor op handler (ops whose sharding needs more than placements)
+HANDLED: Dict[str, Callable] = {}
+
+
+def _rule(*names: str):
+    def deco(fn):
+        for n in names:
+            RULES[n] = fn
+        return fn
+    return deco
+
+
+def _opt(t, p):
+    """p for a tensor argument that is given, None for an absent optional one."""
+    return None if t is None else p
+
+
+def _ndim(spec) -> int:
+    return len(spec.tensor_meta.shape) if spec.tensor_meta is not None else spec.ndim
+
+
+def _shape(spec) -> tuple:
+    return tuple(spec.tensor_meta.shape)
+
+
+def _leading(n: int) -> List[Shard]:
+    return [Shard(d) for d in range(max(n, 0))]
+
+
+def _grad_of(p, mask: bool, reduced: bool = False):
+    """Placement of a gradient: None when not asked for; P when it sums over a sharded dim (reduced)."""
+    if not mask:
+        return None
+    return P if reduced and p != R else p
+
+
+# ---- rms_norm family ---------------------------------------------------------------------------------
+
+@_rule("rms_norm")
+def _rms_norm(input, normalized_shape, weight=None, eps=None):
+    return [([p], [p, None, _opt(weight, R), None]) for p in [R, *_leading(_ndim(input) - len(normalized_shape))]]
+
+
+@_rule("_rms_norm_forward")
+def _rms_norm_forward(input, normalized_shape, weight=None, eps=None):
+    return [([p, p], [p, None, _opt(weight, R), None])
+            for p in [R, *_leading(_ndim(input) - len(normalized_shape))]]
+
+
+@_rule("_rms_norm_apply")
+def _rms_norm_apply(input, rstd, weight=None):
+    return [([p], [p, p, _opt(weight, R)]) for p in [R, *_leading(_ndim(rstd))]]
+
+
+@_rule("fused_add_rms_norm")
+def _fused_add_rms_norm(input, residual, normalized_shape, weight=None, eps=None):
+    return [([p, p], [p, p, None, _opt(weight, R), None])
+            for p in [R, *_leading(_ndim(input) - len(normalized_shape))]]
+
+
+@_rule("_fused_add_rms_norm_forward")
+def _fused_add_rms_norm_forward(input, residual, normalized_shape, weight=None, eps=None):
+    return [([p, p, p], [p, p, None, _opt(weight, R), None])
+            for p in [R, *_leading(_ndim(input) - len(normalized_shape))]]
+
+
+@_rule("rms_norm_backward")
+def _rms_norm_backward(grad_output, input, rstd, weight, output_mask):
+    gw = output_mask[1] and weight is not None
+    out = [([_grad_of(p, output_mask[0]), _grad_of(p, gw, reduced=True)], [p, p, p, _opt(weight, R), None])
+           for p in [R, *_leading(_ndim(rstd))]]
+    # linear in grad_output: a partial sum of gradients stays one
+    out.append(([_grad_of(P, output_mask[0]), _grad_of(P, gw)], [P, R, R, _opt(weight, R), None]))
+    return out
+
+
+# ---- elementwise, swiglu ---------------------------------------------------------------------------------
+
+def _all_dims(spec) -> list:
+    return [R, *[Shard(d) for d in range(_ndim(spec))]]
+
+
+@_rule("sigmoid", "square")
+def _unary(input):
+    return [([p], [p]) for p in _all_dims(input)]
+
+
+@_rule("sigmoid_backward", "square_backward")
+def _unary_backward(grad_output, other):
+    return [([p], [p, p]) for p in _all_dims(grad_output)] + [([P], [P, R])]
+
+
+def _broadcast_placement(input, other, p):
+    """other's placement when input is in p: the matching Shard, or R where other broadcasts along p's dim."""
+    if p == R:
+        return R, False
+    d = p.dim
+    od = d - (_ndim(input) - _ndim(other))
+    if od >= 0 and _shape(other)[od] == _shape(input)[d]:
+        return Shard(od), False
+    return R, True  # broadcast along the sharded dim: other's gradient is a partial sum
+
+
+@_rule("square_add")
+def _square_add(input, other):
+    return [([p], [p, _broadcast_placement(input, other, p)[0]]) for p in _all_dims(input)]
+
+
+@_rule("swiglu")
+def _swiglu(gate, up):
+    return [([p], [p, p]) for p in _all_dims(gate)]
+
+
+@_rule("swiglu_backward")
+def _swiglu_backward(grad_output, gate, up):
+    return [([p, p], [p, p, p]) for p in _all_dims(gate)] + [([P, P], [P, R, R])]
+
+
+@_rule("geglu")
+def _geglu(gate, up, approximate="none"):
+    return [([p], [p, p, None]) for p in _all_dims(gate)]
+
+
+@_rule("geglu_backward")
+def _geglu_backward(grad_output, gate, up, approximate="none"):
+    return [([p, p], [p, p, p, None]) for p in _all_dims(gate)] + [([P, P], [P, R, R, None])]
+
+
+@_rule("geglu_packed")
+def _geglu_packed(input, approximate="none"):
+    return [([p], [p, None]) for p in [R, *_leading(_ndim(input) - 1)]]
+
+
+@_rule("geglu_packed_backward")
+def _geglu_packed_backward(grad_output, input, approximate="none"):
+    return [([p], [p, p, None]) for p in [R, *_leading(_ndim(input) - 1)]] + [([P], [P, R, None])]
+
+
+@_rule("swiglu_packed")
+def _swiglu_packed(input):
+    return [([p], [p]) for p in [R, *_leading(_ndim(input) - 1)]]
+
+
+@_rule("swiglu_packed_backward")
+def _swiglu_packed_backward(grad_output, input):
+    return [([p], [p, p]) for p in [R, *_leading(_ndim(input) - 1)]] + [([P], [P, R])]
+
+
+# ---- rope ------------------------------------------------------------------------------------------------
+
+def _table_placement(q, table, p, seq_dim_from_end: int):
+    """cos/sin/position_ids' placement when q (B, H, S, D) is in p: R for heads and replicated; for batch S(0) where
+    the table has a batch dim of B (R where it is 1 or absent); for sequence the table's sequence dim."""
+    if p == R or p.dim == 1:
+        return R
+    nd = _ndim(table)
+    if p.dim == 0:
+        has_batch = nd >= seq_dim_from_end + 1 and _shape(table)[0] == _shape(q)[0] and _shape(q)[0] != 1
+        return Shard(0) if has_batch else R
+    return Shard(nd - seq_dim_from_end)  # p.dim == 2: the sequence
+
+
+def _rope_placements(q):
+    return [R, Shard(0), Shard(1), Shard(2)]
+
+
+@_rule("rope")
+def _rope(q, k, cos, sin, *, interleaved=False, rotary_dim=-1):
+    return [([p, p], [p, p, _table_placement(q, cos, p, 2), _table_placement(q, sin, p, 2)])
+            for p in _rope_placements(q)]
+
+
+@_rule("rope_backward")
+def _rope_backward(grad_q_out, grad_k_out, cos, sin, *, interleaved=False, rotary_dim=-1):
+    ref = grad_q_out if grad_q_out is not None else grad_k_out
+    out = []
+    for p in _rope_placements(ref):
+        out.append(([_opt(grad_q_out, p), _opt(grad_k_out, p)],
+                    [_opt(grad_q_out, p), _opt(grad_k_out, p), _table_placement(ref, cos, p, 2),
+                     _table_placement(ref, sin, p, 2)]))
+    out.append(([_opt(grad_q_out, P), _opt(grad_k_out, P)], [_opt(grad_q_out, P), _opt(grad_k_out, P), R, R]))
+    return out
+
+
+@_rule("rope_from_positions")
+def _rope_from_positions(q, k, position_ids, base=10000.0, *, interleaved=False, rotary_dim=-1):
+    return [([p, p], [p, p, _table_placement(q, position_ids, p, 1), None]) for p in _rope_placements(q)]
+
+
+@_rule("rope_from_positions_backward")
+def _rope_from_positions_backward(grad_q_out, grad_k_out, position_ids, base=10000.0, *, interleaved=False,
+                                  rotary_dim=-1):
+    ref = grad_q_out if grad_q_out is not None else grad_k_out
+    out = []
+    for p in _rope_placements(ref):
+        out.append(([_opt(grad_q_out, p), _opt(grad_k_out, p)],
+                    [_opt(grad_q_out, p), _opt(grad_k_out, p), _table_placement(ref, position_ids, p, 1), None]))
+    out.append(([_opt(grad_q_out, P), _opt(grad_k_out, P)], [_opt(grad_q_out, P), _opt(grad_k_out, P), R, None]))
+    return out
+
+
+# ---- linear and its variants -----------------------------------------------------------------------------
+
+def _linear_strategies(input, bias, row_wise: bool):
+    """(output, input, weight, bias) placements of y = x · Wᵀ + b: replicated, column-wise, row-wise (when allowed)
+    and token-sharded."""
+    last = _ndim(input) - 1
+    out = [(R, R, R, _opt(bias, R)), (Shard(last), R, Shard(0), _opt(bias, Shard(0)))]
+    if row_wise and bias is None:
+        out.append((P, Shard(last), Shard(1), None))
+    out += [(s, s, R, _opt(bias, R)) for s in _leading(last)]
+    return out
+
+
+@_rule("linear")
+def _linear(input, weight, bias=None, activation="none"):
+    return [([o], [i, w, b, None]) for o, i, w, b in _linear_strategies(input, bias, activation == "none")]
+
+
+@_rule("_linear_forward")
+def _linear_forward(input, weight, bias=None, activation="none"):
+    return [([o, o], [i, w, b, None]) for o, i, w, b in _linear_strategies(input, bias, activation == "none")]
+
+
+def _linear_grad_strategies(grad_output, row_wise: bool):
+    """(grad_input, grad_weight, grad_bias, grad_output, input, weight) placements of the linear backward."""
+    last = _ndim(grad_output) - 1
+    out = [(R, R, R, R, R, R), (P, Shard(0), Shard(0), Shard(last), R, Shard(0))]
+    if row_wise:
+        out.append((Shard(last), Shard(1), R, R, Shard(last), Shard(1)))
+        out.append((P, P, P, P, R, R))  # linear in grad_output
+    out += [(s, P, P, s, s, R) for s in _leading(last)]
+    return out
+
+
+def _masked(mask, gi, gw, gb):
+    return [gi if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None]
+
+
+@_rule("linear_backward")
+def _linear_backward(grad_output, input, weight, output_mask, bias_dtype=None, activation="none",
+                     pre_activation=None):
+    return [(_masked(output_mask, gi, gw, gb), [g, i, w, None, None, None, _opt(pre_activation, g)])
+            for gi, gw, gb, g, i, w in _linear_grad_strategies(grad_output, activation == "none")]
+
+
+def _fq_weight_ok(group_size: int) -> bool:
+    return group_size != 0  # per-tensor scales need the whole weight
+
+
+@_rule("fake_quant_linear")
+def _fake_quant_linear(input, weight, bias=None, *, weight_bits=4, group_size=-1, symmetric=True, act_quant=False):
+    return [([o], [i, w, b]) for o, i, w, b in _linear_strategies(input, bias, False)
+            if w == R or _fq_weight_ok(group_size)]
+
+
+@_rule("_fake_quant_linear_forward")
+def _fake_quant_linear_forward(input, weight, bias=None, *, weight_bits=4, group_size=-1, symmetric=True,
+                               act_quant=False):
+    out = []
+    for o, i, w, b in _linear_strategies(input, bias, False):
+        if w != R and not _fq_weight_ok(group_size):
+            continue
+        pa = i if act_quant else R  # without act_quant the input's outputs are empty [0] tensors
+        out.append(([o, w, w, pa, pa], [i, w, b]))
+    return out
+
+
+@_rule("fake_quant_linear_backward")
+def _fake_quant_linear_backward(grad_output, input, weight, weight_mask, input_mask, output_mask, weight_dtype=None,
+                                bias_dtype=None):
+    return [(_masked(output_mask, gi, gw, gb), [g, i, w, w, _opt(input_mask, i), None, None, None])
+            for gi, gw, gb, g, i, w in _linear_grad_strategies(grad_output, False)]
+
+
+@_rule("fake_quantize_weight")
+def _fake_quantize_weight(weight, bits=4, group_size=-1, symmetric=True):
+    out = [([R, R, R, R], [R])]
+    if _fq_weight_ok(group_size):
+        out.append(([Shard(0)] * 4, [Shard(0)]))
+    return out
+
+
+@_rule("linear_cat")
+def _linear_cat(inputs, weight, bias=None):
+    n = len(inputs)
+    return [([o], [*([i] * n), w, b]) for o, i, w, b in _linear_strategies(inputs[0], bias, False)]
+
+
+def _swiglu_linear_strategies(input, bias):
+    """(output, input, weight, bias) placements of swiglu_linear: replicated and token-sharded. The interleaved
+    gate/up rows make a column-wise split exact only when each shard holds whole pairs and matches its output
+    columns, which a placement rule cannot see: a Shard(0) weight is gathered."""
+    return [(R, R, R, _opt(bias, R))] + [(s, s, R, _opt(bias, R)) for s in _leading(_ndim(input) - 1)]
+
+
+@_rule("swiglu_linear")
+def _swiglu_linear(input, weight, bias=None):
+    return [([o], [i, w, b]) for o, i, w, b in _swiglu_linear_strategies(input, bias)]
+
+
+@_rule("_swiglu_linear_forward")
+def _swiglu_linear_forward(input, weight, bias=None):
+    return [([o, o], [i, w, b]) for o, i, w, b in _swiglu_linear_strategies(input, bias)]
+
+
+@_rule("swiglu_linear_backward")
+def _swiglu_linear_backward(grad_output, input, weight, pre_activation, output_mask, bias_dtype=None):
+    out = [(_masked(output_mask, R, R, R), [R, R, R, R, None, None])]
+    out += [(_masked(output_mask, s, P, P), [s, s, R, s, None, None]) for s in _leading(_ndim(grad_output) - 1)]
+    out.append((_masked(output_mask, P, P, P), [P, R, R, R, None, None]))  # linear in grad_output
+    return out
+
+
+# ---- handlers: ops whose sharding needs more than placements (1-D mesh) ----------------------------------
+
+def _mesh_of(args) -> "torch.distributed.device_mesh.DeviceMesh":
+    for a in torch.utils._pytree.tree_leaves(args):
+        if isinstance(a, DTensor):
+            return a.device_mesh
+    raise AssertionError("no DTensor argument")
+
+
+def to_local(x, mesh, placement):
+    """The local tensor of x (a DTensor, or a plain tensor taken as replicated) in `placement` on the 1-D mesh,
+    redistributing below autograd where its placement differs; None stays None."""
+    if x is None:
+        return None
+    if not isinstance(x, DTensor):
+        if placement == R:
+            return x
+        x = DTensor.from_local(x, mesh, [R], run_check=False)
+    if tuple(x.placements) == (placement,):
+        return x._local_tensor
+    target = DTensorSpec(mesh, (placement,), tensor_meta=x._spec.tensor_meta)
+    return redistribute_local_tensor(x._local_tensor, x._spec, target)
+
+
+def wrap(local, mesh, placement, global_shape=None):
+    """A DTensor of `local` in `placement` on the 1-D mesh; global_shape is required for a Shard placement (local's
+    shape for R and P). None stays None."""
+    if local is None:
+        return None
+    if isinstance(placement, Shard) and global_shape is None:
+        raise AssertionError("a sharded result needs its global shape")
+    shape = torch.Size(global_shape if global_shape is not None else local.shape)
+    stride = torch.empty(shape, device="meta").stride()
+    spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _placement(x) -> object:
+    return x.placements[0] if isinstance(x, DTensor) else R
+
+
+def _one_dim_mesh(op: str, mesh) -> None:
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"opforge::{op}: its DTensor sharding is defined on a 1-D (tensor-parallel) mesh, but got a {mesh.ndim}-D "
+            f"mesh; pass DTensors of the tensor-parallel sub-mesh (FSDP2 gathers its own dimension before compute)")
+
+
+def _expert_offsets(weight_local: torch.Tensor, mesh) -> int:
+    e = weight_local.shape[0]
+    return mesh.get_local_rank() * e  # Shard(0) splits experts evenly (torch.chunk): rank r holds [r·e, (r+1)·e)
+
+
+def _local_index(index: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """index shifted to the local experts [start, start + count); other experts' tokens (and −1) become −1: a zero
+    row, so the per-rank outputs sum to the global output."""
+    inside = (index >= start) & (index < start + count)
+    return torch.where(inside, index - start, torch.full_like(index, -1))
+
+
+def _even_experts(op: str, weight: DTensor, mesh) -> None:
+    if weight.shape[0] % mesh.size() != 0:
+        raise ValueError(f"opforge::{op}: expected the number of experts ({weight.shape[0]}) to be divisible by the "
+                         f"mesh size ({mesh.size()}) for experts sharded as Shard(0)")
+
+
+def _indexed_linear_handler(op_call, args, kwargs):
+    mesh = _mesh_of((args, kwargs))
+    _one_dim_mesh("indexed_linear", mesh)
+    input, weight, index = args[:3]
+    bias = args[3] if len(args) > 3 else kwargs.get("bias")
+    pw, pi = _placement(weight), _placement(input)
+    t = lambda x, p: to_local(x, mesh, p)  # noqa: E731
+    if isinstance(pw, Shard) and pw.dim == 0:  # experts sharded
+        _even_experts("indexed_linear", weight, mesh)
+        w = weight._local_tensor
+        idx = _local_index(t(index, R), _expert_offsets(w, mesh), w.shape[0])
+        out = op_call(t(input, R), w, idx, t(bias, Shard(0)))
+        return wrap(out, mesh, P)
+    if isinstance(pw, Shard) and pw.dim == 1:  # column-wise inside every expert
+        out = op_call(t(input, R), weight._local_tensor, t(index, R), t(bias, Shard(1)))
+        return wrap(out, mesh, Shard(1), (input.shape[0], weight.shape[1]))
+    if isinstance(pw, Shard) and pw.dim == 2 and bias is None:  # row-wise
+        out = op_call(t(input, Shard(1)), weight._local_tensor, t(index, R), None)
+        return wrap(out, mesh, P)
+    if isinstance(pi, Shard) and pi.dim == 0:  # token-sharded
+        out = op_call(input._local_tensor, t(weight, R), t(index, Shard(0)), t(bias, R))
+        return wrap(out, mesh, Shard(0), (input.shape[0], weight.shape[1]))
+    out = op_call(t(input, R), t(weight, R), t(index, R), t(bias, R))
+    return wrap(out, mesh, R)
+
+
+def _indexed_linear_backward_handler(op_call, args, kwargs):
+    mesh = _mesh_of((args, kwargs))
+    _one_dim_mesh("indexed_linear_backward", mesh)
+    grad_output, input, weight, index, output_mask = args[:5]
+    rest = tuple(args[5:])
+    pw, pi = _placement(weight), _placement(input)
+    t = lambda x, p: to_local(x, mesh, p)  # noqa: E731
+    gshape = [tuple(input.shape), tuple(weight.shape), tuple(weight.shape[:2])]
+
+    def out(res, placements):
+        return tuple(None if r is None or not m else wrap(r, mesh, p, s)
+                     for r, m, p, s in zip(res, output_mask, placements, gshape))
+
+    if isinstance(pw, Shard) and pw.dim == 0:
+        _even_experts("indexed_linear_backward", weight, mesh)
+        w = weight._local_tensor
+        idx = _local_index(t(index, R), _expert_offsets(w, mesh), w.shape[0])
+        return out(op_call(t(grad_output, R), t(input, R), w, idx, output_mask, *rest), [P, Shard(0), Shard(0)])
+    if isinstance(pw, Shard) and pw.dim == 1:
+        return out(op_call(t(grad_output, Shard(1)), t(input, R), weight._local_tensor, t(index, R), output_mask,
+                           *rest), [P, Shard(1), Shard(1)])
+    if isinstance(pw, Shard) and pw.dim == 2:
+        return out(op_call(t(grad_output, R), t(input, Shard(1)), weight._local_tensor, t(index, R), output_mask,
+                           *rest), [Shard(1), Shard(2), R])
+    if isinstance(pi, Shard) and pi.dim == 0:
+        return out(op_call(t(grad_output, Shard(0)), input._local_tensor, t(weight, R), t(index, Shard(0)),
+                           output_mask, *rest), [Shard(0), P, P])
+    return out(op_call(t(grad_output, R), t(input, R), t(weight, R), t(index, R), output_mask, *rest), [R, R, R])
+
+
+def _linear_cat_backward_handler(op_call, args, kwargs):
+    mesh = _mesh_of((args, kwargs))
+    _one_dim_mesh("linear_cat_backward", mesh)
+    grad_output, inputs, weight, output_mask = args[:4]
+    rest = tuple(args[4:])
+    pw, pi = _placement(weight), _placement(inputs[0])
+    t = lambda x, p: to_local(x, mesh, p)  # noqa: E731
+    last = grad_output.ndim - 1
+    if isinstance(pw, Shard) and pw.dim == 0:  # column-wise
+        gi_p, gw_p, gb_p = P, Shard(0), Shard(0)
+        res = op_call(t(grad_output, Shard(last)), [t(x, R) for x in inputs], weight._local_tensor, output_mask, *rest)
+    elif isinstance(pi, Shard) and pi.dim < last:  # token-sharded
+        gi_p, gw_p, gb_p = pi, P, P
+        res = op_call(t(grad_output, pi), [t(x, pi) for x in inputs], t(weight, R), output_mask, *rest)
+    else:
+        gi_p, gw_p, gb_p = R, R, R
+        res = op_call(t(grad_output, R), [t(x, R) for x in inputs], t(weight, R), output_mask, *rest)
+    gis, gw, gb = res
+    gis = [wrap(g, mesh, gi_p, x.shape) for g, x in zip(gis, inputs)]
+    return (gis, wrap(gw, mesh, gw_p, weight.shape) if output_mask[1] else None,
+            wrap(gb, mesh, gb_p, (weight.shape[0],)) if output_mask[2] else None)
+
+
+def _square_add_backward_handler(op_call, args, kwargs):
+    """square_add's node saves `other` as an expanded 0-dim tensor (a shape carrier, plain even when other is a
+    DTensor): so this op takes its placement from input and builds the local carrier of other's local shape."""
+    mesh = _mesh_of((args, kwargs))
+    _one_dim_mesh("square_add_backward", mesh)
+    grad_output, input, other, output_mask = args[:4]
+    p = _placement(input)
+    if not isinstance(p, Shard):
+        p = R
+    po, reduced = (R, False) if p == R else _broadcast_placement(input._spec, _spec_of(other, mesh), p)
+    local_other_shape = list(other.shape)
+    if isinstance(po, Shard):
+        local_other_shape[po.dim] = to_local(input, mesh, p).shape[p.dim]
+    carrier = torch.empty((), dtype=other.dtype, device=input._local_tensor.device).expand(local_other_shape)
+    gi, go = op_call(to_local(grad_output, mesh, p), to_local(input, mesh, p), carrier, output_mask)
+    return (wrap(gi, mesh, p, input.shape) if output_mask[0] else None,
+            wrap(go, mesh, P if reduced else po, other.shape) if output_mask[1] else None)
+
+
+def _spec_of(x, mesh):
+    if isinstance(x, DTensor):
+        return x._spec
+    return DTensorSpec(mesh, (R,), tensor_meta=TensorMeta(x.shape, x.stride(), x.dtype))
+
+
+def _scale_grads_handler(op_call, args, kwargs):
+    """_linear_cross_entropy_scale_grads (the scalar grad_output times each saved gradient): each gradient keeps its
+    placement, on any mesh; a plain gradient (of a plain input beside a DTensor weight) stays plain."""
+    grad_output, *grads = args
+    if isinstance(grad_output, DTensor):
+        g = grad_output
+        if any(not isinstance(p, Replicate) for p in g.placements):
+            target = DTensorSpec(g.device_mesh, (R,) * g.device_mesh.ndim, tensor_meta=g._spec.tensor_meta)
+            grad_output = redistribute_local_tensor(g._local_tensor, g._spec, target)
+        else:
+            grad_output = g._local_tensor
+    local = [x._local_tensor if isinstance(x, DTensor) else x for x in grads]
+    res = op_call(grad_output, *local)
+    return tuple(None if r is None else (DTensor(r, x._spec, requires_grad=False) if isinstance(x, DTensor) else r)
+                 for r, x in zip(res, grads))
+
+
+HANDLED.update({"indexed_linear": _indexed_linear_handler, "indexed_linear_backward": _indexed_linear_backward_handler,
+                "linear_cat_backward": _linear_cat_backward_handler,
+                "square_add_backward": _square_add_backward_handler,
+                "_linear_cross_entropy_scale_grads": _scale_grads_handler})
+
+
+# ---- registration ----------------------------------------------------------------------------------------
+
+def _is_tensor_type(t) -> bool:
+    return "Tensor" in str(t)
+
+
+def _schema_info(op) -> RuntimeSchemaInfo:
+    """Every non-tensor argument is part of the sharding cache key (normalized_shape, output_mask, activation,
+    reduction...: the rules depend on them), and lists are flattened."""
+    args = op._schema.arguments
+    positional = [i for i, a in enumerate(args) if not a.kwarg_only and not _is_tensor_type(a.type)]
+    kw = [a.name for a in args if a.kwarg_only and not _is_tensor_type(a.type)]
+    return RuntimeSchemaInfo(min(positional) if positional else 100, kw or None, needs_pytree=True)
+
+
+_registered = False
+
+
+def register_sharding_rules() -> None:
+    """Registers the DTensor sharding rules and handlers of every opforge op in this build (idempotent; called when
+    `opforge.parallel` is imported). Ops absent from the build (a library built without one) are skipped."""
+    global _registered
+    if _registered:
+        return
+    from . import loss  # noqa: F401  (adds the linear_cross_entropy handlers to HANDLED)
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name, fn in RULES.items():
+        if not hasattr(torch.ops.opforge, name):
+            continue
+        op = getattr(torch.ops.opforge, name).default
+        register_sharding(op)(fn)
+        propagator.op_to_schema_info[op] = _schema_info(op)
+    for name, fn in HANDLED.items():
+        if hasattr(torch.ops.opforge, name):
+            DTensor._op_dispatcher._custom_op_handlers[getattr(torch.ops.opforge, name).default] = fn
+    _registered = True
+
+
+def covered_ops() -> Sequence[str]:
+    """The opforge op names that have a rule or a handler here."""
+    return sorted(set(RULES) | set(HANDLED))

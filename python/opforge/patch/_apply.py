@@ -1,0 +1,345 @@
+"""apply, revert, is_patched, gradients_by_name: the public entry points of opforge.patch."""
+from __future__ import annotations
+
+import warnings
+from typing import Dict, Optional
+
+import torch
+
+from . import _families as FAM
+from . import _fused as F
+from . import _layers as L
+from . import _modules as M
+from ._report import PatchReport
+
+#: transformers versions whose layer signatures and forwards the adapters follow (checked by `apply`).
+TRANSFORMERS_RANGE = ("5.17", "6")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _check_transformers(model: torch.nn.Module) -> None:
+    if not any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+        return
+    from packaging.version import Version
+
+    v = _transformers_version()
+    lo, hi = TRANSFORMERS_RANGE
+    if not Version(lo) <= Version(v) < Version(hi):
+        raise RuntimeError(f"opforge.patch.apply: expected transformers {lo} <= version < {hi}, but got transformers "
+                           f"{v}: the patched forwards follow the layer signatures of that range (pip install "
+                           f"'transformers>={lo},<{hi}', or leave the model unpatched); the model was not changed")
+
+
+def gradients_by_name(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The gradients of `model`'s parameters under transformers' names, patched or not.
+
+    A patched model's fused q/k/v and gate/up gradients are split into their projections' rows, so the dict of a
+    patched model and the dict of the unpatched one have the same keys (those of `state_dict`).
+
+    Args:
+        model: torch.nn.Module. Any model; parameters without a gradient are left out.
+
+    Returns:
+        dict from parameter name to gradient tensor (views of the fused gradients where fused).
+    """
+    return F.split_gradients(model)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The self-check: the patched model must give the unpatched model's logits, loss and gradients on a probe batch.
+
+def _probe(model: torch.nn.Module) -> Optional[dict]:
+    cfg = getattr(model, "config", None)
+    vocab = getattr(cfg, "vocab_size", None)
+    p = next(model.parameters(), None)
+    if not isinstance(vocab, int) or p is None or p.device.type == "meta" or not p.is_floating_point() \
+            or not (type(model).__name__.endswith("ForCausalLM") or type(model).__module__.startswith("peft.")):
+        return None  # (PEFT's PeftModel of a causal LM is probed too)
+    g = torch.Generator(device="cpu").manual_seed(4321)
+    ids = torch.randint(0, vocab, (2, 7), generator=g).to(p.device)
+    modes = [(m, m.training) for m in model.modules()]
+    params = list(model.parameters())
+    saved = [(q, q.grad) for q in params]
+    model.eval()
+    try:
+        for q in params:
+            q.grad = None
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=False)
+        logits = (out.logits if hasattr(out, "logits") else out[0]).float()
+        res = {"logits": logits, "loss": None, "grads": None}
+        if any(q.requires_grad for q in params):
+            with torch.enable_grad():
+                out = model(input_ids=ids, labels=ids, use_cache=False)
+                loss = out.loss if hasattr(out, "loss") else out[0]
+                loss.backward()
+            res["loss"] = loss.detach().float()
+            res["grads"] = {n: t.detach().float().clone() for n, t in F.split_gradients(model).items()}
+        return res
+    finally:
+        for m, t in modes:
+            m.training = t
+        for q, gr in saved:
+            q.grad = gr
+
+
+def _mismatch(before: dict, after: dict, dtype: torch.dtype) -> Optional[str]:
+    exact = dtype in (torch.float32, torch.float64)
+    a, b = after["logits"], before["logits"]
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+    tol = 1e-4 if exact else 5e-2
+    if not err <= tol:
+        return f"gives different logits (max difference {err:.2e} of the largest logit > {tol:g})"
+    if before["loss"] is None:
+        return None
+    if after["loss"] is None:
+        return "gives no loss with labels"
+    err = (after["loss"] - before["loss"]).abs().item() / max(before["loss"].abs().item(), 1e-6)
+    tol = 1e-4 if exact else 2e-2
+    if not err <= tol:
+        return f"gives a different loss with labels (relative difference {err:.2e} > {tol:g})"
+    ga, gb = after["grads"], before["grads"]
+    if ga.keys() != gb.keys():
+        missing = sorted(set(gb) ^ set(ga))
+        return f"gives gradients for other parameters ({', '.join(missing[:4])} ...)"
+    floor = 1e-3 * max((t.abs().max().item() for t in gb.values()), default=0.0)
+    tol = 1e-3 if exact else 1e-1
+    worst, where = 0.0, None
+    for n, t in gb.items():
+        e = (ga[n] - t).abs().max().item() / max(t.abs().max().item(), floor, 1e-30)
+        if not e <= worst:
+            worst, where = e, n
+    if not worst <= tol:
+        return f"gives different gradients with labels (max difference {worst:.2e} of the largest value in {where} > {tol:g})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """True when `apply` changed `model` (or one of its submodules) and `revert` has not undone it.
+
+    Args:
+        model: torch.nn.Module. The model to look at.
+
+    Returns:
+        bool.
+    """
+    return any(L.is_patched_class(m) or "_opforge_swapped" in m.__dict__ for m in model.modules())
+
+
+def _patch(model, report: PatchReport, *, decoder, loss, inductor_math, recompute, linear, rms_norm, mlp) -> None:
+    done: set = set()
+    counts: Dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    for name, m in list(model.named_modules()):
+        if any(name.startswith(d + ".") for d in done):
+            continue
+        if L.is_patched_class(m):
+            done.add(name)
+            continue
+        cls = type(m).__name__
+        if decoder and "self_attn" in m._modules and "mlp" in m._modules:
+            fam = FAM.family_of(m)
+            if fam is None:
+                known = ", ".join(sorted(FAM.FAMILIES))
+                fname = FAM.family_name(m)
+                reason = (f"transformers' {fname} family has no opforge.patch adapter (known: {known})" if fname
+                          else f"{type(m).__module__}.{cls} is not a transformers class (known families: {known})")
+            else:
+                reason = FAM.decoder_layer_reason(fam, counts, m)
+            if reason:
+                report.skipped.append((name, cls, f"decoder layer left as transformers wrote it: {reason}"))
+                continue
+            for rel, old, what in FAM.patch_decoder_layer(fam, m, inductor_math, recompute):
+                report.patched.append((f"{name}.{rel}" if rel else name, old, what))
+            done.add(name)
+    if loss:
+        for name, m in list(model.named_modules()):
+            # transformers' classes only (a wrapper such as PEFT's PeftModelForCausalLM holds one)
+            if type(m).__name__.endswith("ForCausalLM") and FAM.family_name(m) and not L.is_patched_class(m):
+                fam = FAM.family_of(m)
+                reason = FAM.causal_lm_reason(fam, m)
+                if reason:
+                    report.skipped.append((name, type(m).__name__, f"loss left as transformers computes it: {reason}"))
+                    continue
+                old = type(m).__name__
+                FAM.patch_causal_lm(fam, m, inductor_math)
+                what = "opforge loss (linear_cross_entropy; logits None when labels are given)"
+                report.patched.append((name, old, what))
+    if decoder and inductor_math and rms_norm and done:
+        # Norms outside the layers (the final norm): under compile Inductor must fuse the last residual add into
+        # it, so the HF module keeps its place and gets a forward that is opforge.rms_norm in eager, torch under compile.
+        for name, m in list(model.named_modules()):
+            if any(name == d or name.startswith(d + ".") for d in done) or L.is_patched_class(m) or not name:
+                continue
+            fam = FAM.family_of(m)
+            w = getattr(m, "weight", None)
+            if M._looks_rms_norm(m) and not isinstance(m, torch.nn.RMSNorm) and fam is not None \
+                    and not list(m.children()) and isinstance(w, torch.nn.Parameter) and w.dim() == 1 \
+                    and not FAM.norm_reason(m, w.shape[0], fam):
+                old = type(m).__name__
+                M.swap_norm(m, fam, inductor_math)
+                report.patched.append((name, old, "opforge RMSNorm (rms_norm; torch math under compile)"))
+                done.add(name)
+    kinds = [k for _, _, k in report.patched]
+    if any(k.startswith("opforge attention") for k in kinds) and L.ROPE is None:
+        report.notes.append("opforge.rope is not in this build: RoPE runs transformers' rotate-half math")
+    if any(k.startswith("opforge loss") for k in kinds) and L.LCE is None:
+        report.notes.append("opforge.linear_cross_entropy is not in this build: the loss materialises fp32 logits")
+    if any("geglu" in k for k in kinds) and L.GEGLU_PACKED is None:
+        report.notes.append("opforge.geglu_packed is not in this build: GeGLU runs torch math (gelu(gate) · up)")
+    M.apply_modules(model, report, done, linear=linear, rms_norm=rms_norm, mlp=mlp)
+
+
+def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, inductor_math: bool = False,
+          recompute: bool = True, linear: bool = True, rms_norm: bool = True, mlp: bool = True, check: bool = True,
+          strict: bool = False, verbose: bool = False) -> PatchReport:
+    """Patch `model` in place to run on opforge ops (see the package docstring); `revert` undoes it.
+
+    Args:
+        model: torch.nn.Module. Typically a transformers `*ForCausalLM` of a family with an adapter (Llama,
+            Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 text, Phi-3, Granite, OLMo 2, Mixtral, Qwen2-MoE,
+            Qwen3-MoE), with its weights loaded (patch after `from_pretrained`, before building the optimizer
+            and before wrapping in DDP/FSDP or compiling). transformers 5.17 <= version < 6.
+        decoder: bool. Patch the decoder layers (fused add+norm, fused q/k/v and gate/up GEMMs, RoPE, the gated
+            activation, experts on indexed_linear). Default: True.
+        loss: bool. With `labels`, compute a `*ForCausalLM`'s loss by opforge.linear_cross_entropy (logits not
+            materialised; `outputs.logits` is None). Default: True.
+        inductor_math: bool. While torch.compile traces, run the norms, the gated activation and projections of the
+            patched layers as torch math, so Inductor fuses them with their neighbours. Default: False (opforge's
+            ops stay opaque in the graph: 2.9 % less GPU time a step on the H200, see the package docstring).
+        recompute: bool. Selective activation recomputation in the patched decoder layers (eager training only): the
+            GEMMs' inputs that are cheap to compute again are not kept for backward but computed again, bitwise,
+            when backward needs them: the input norm's output (kept by the q/k/v GEMM; again rms_norm of the
+            layer input, which rms_norm keeps anyway), the norm before the MLP (kept by the gate/up GEMM;
+            again residual · rstd · weight from what fused_add_rms_norm keeps) and the gated activation's output
+            (kept by down_proj; again the activation of the gate/up output it keeps); and v is copied out of the
+            fused q/k/v output, which the attention would otherwise keep whole for the view v. Saved per layer, with
+            T tokens, hidden size D, intermediate size I, q/k/v widths Dq/Dkv and e bytes per element:
+            T·(2·D + I + Dq + Dkv)·e (8192 tokens of a 2048/8192 Llama with 8 KV heads, bf16: 240 MiB a layer).
+            Cost: one rms_norm, one normalisation pass and one activation forward per layer in backward, one
+            copy of v in forward (H200, the benchmark's Llama: 62,520 against 64,816 tokens/s, 16.95 against 20.70
+            GiB). Off (the graph of recompute=False) while torch.compile traces (Inductor's partitioner decides
+            recompute there), under other saved-tensor hooks (non-reentrant activation checkpointing, save_on_cpu,
+            yours; reentrant checkpointing runs the layer again with grad on, recipes included) and inside
+            torch.func transforms; with no grad (inference, generate) nothing changes. Under torch.autocast the
+            GEMM keeps its own low-precision copy of a norm's output, so the norms' share is not saved there.
+            Without opforge.rope, or with per-head q/k norms (Qwen3, Gemma 3), v is not copied (q/k keep the fused
+            output anyway). Default: True.
+        linear: bool. Swap the remaining plain torch.nn.Linear modules for opforge.nn.Linear. Default: True.
+        rms_norm: bool. Swap the remaining RMSNorm modules for opforge.nn.RMSNorm (Gemma's (1 + weight) norms keep
+            their module and get opforge's forward). Default: True.
+        mlp: bool. Swap the remaining SiLU-gated MLPs for opforge.nn.GatedMLP. Default: True.
+        check: bool. For a `*ForCausalLM` with real weights, run the model on 2×7 random tokens before and after
+            patching (eval mode): the logits without labels (no grad), then the loss with labels and its gradients
+            (the gradients the parameters had are put back afterwards; one gradient copy of the model is held
+            meanwhile). If the logits differ by more than 1e-4 (float32/64) or 5e-2 (16-bit) of their largest
+            magnitude, the loss by more than 1e-4 or 2e-2 relative, or a parameter's gradient by more than 1e-3 or
+            1e-1 of its largest value, undo everything and report why. Default: True.
+        strict: bool. Raise instead of warning when some module could not be patched; the model is then left as
+            it was (nothing patched). Default: False.
+        verbose: bool. Print the report. Default: False.
+
+    Returns:
+        `PatchReport`: the patched modules and those left unchanged, with the reason.
+
+    Raises:
+        TypeError: model is not a torch.nn.Module.
+        RuntimeError: a transformers model and transformers outside 5.17 <= version < 6; strict=True and the check
+            found different logits, loss or gradients.
+        ValueError: strict=True and some module could not be patched, or nothing at all was patchable.
+        In every case the model is left as it was.
+
+    Warns:
+        UserWarning: (strict=False) naming the modules that could not be patched.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"opforge.patch.apply: expected a torch.nn.Module, but got {type(model).__name__}")
+    _check_transformers(model)
+    if is_patched(model):
+        msg = f"opforge.patch.apply: found nothing to patch in {type(model).__name__}: it is patched already"
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=2)
+        return PatchReport()
+    report = PatchReport()
+    name = type(model).__name__
+    before = _probe(model) if check else None
+    try:
+        _patch(model, report, decoder=decoder, loss=loss, inductor_math=inductor_math, recompute=recompute,
+               linear=linear, rms_norm=rms_norm, mlp=mlp)
+        if before is not None and report.patched:
+            dtype = next(model.parameters()).dtype
+            reason = _mismatch(before, _probe(model), dtype)
+            if reason:
+                revert(model)
+                msg = f"opforge.patch.apply: the patched {name} {reason}; the model was left unpatched"
+                if strict:
+                    raise RuntimeError(msg)
+                warnings.warn(msg, stacklevel=2)
+                return PatchReport(skipped=[("", name, msg)])
+        if not report.patched:
+            msg = f"opforge.patch.apply: found nothing to patch in {name}\n{report}"
+            if strict:
+                raise ValueError(msg)
+            warnings.warn(msg, stacklevel=2)
+        elif report.skipped:
+            if strict:
+                raise ValueError(f"opforge.patch.apply: could not patch every module of {name}; "
+                                 f"the model was left unpatched\n{report}")
+            warnings.warn(f"opforge.patch.apply: could not patch {len(report.skipped)} module(s) of "
+                          f"{name}:\n"
+                          + "\n".join(f"  {n or '<root>'} ({c}): {r}" for n, c, r in report.skipped), stacklevel=2)
+    except BaseException:
+        revert(model)
+        raise
+    if verbose:
+        print(report)
+    return report
+
+
+def revert(model: torch.nn.Module) -> int:
+    """Undo `apply` on `model`, in place: transformers' classes and forwards come back.
+
+    The fused projections are split back into the original `torch.nn.Linear` modules (their original
+    `Parameter` objects, holding the current values and gradients), swapped modules are put back holding the
+    current parameters. Build a new optimizer afterwards (the fused parameters are gone).
+
+    Args:
+        model: torch.nn.Module. A model `apply` patched (anything else is left as it is).
+
+    Returns:
+        int: the number of modules restored (0 when `model` was not patched).
+
+    Raises:
+        TypeError: model is not a torch.nn.Module.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"opforge.patch.revert: expected a torch.nn.Module, but got {type(model).__name__}")
+    n = 0
+    for m in list(model.modules()):
+        swapped = m.__dict__.pop("_opforge_swapped", None)
+        for child, old in (swapped or {}).items():
+            new = m._modules[child]
+            for pname, p in new.named_parameters():  # the current Parameters (e.g. after .to()) go back
+                owner, _, leaf = pname.rpartition(".")
+                setattr(old.get_submodule(owner) if owner else old, leaf, p)
+            m._modules[child] = old
+            n += 1
+    for m in list(model.modules()):
+        if "_opforge_fused" in m.__dict__:
+            F.unfuse(m)
+        if L.is_patched_class(m) or any(a.startswith("_opforge_") for a in m.__dict__):
+            L.restore_class(m)
+            n += 1
+    return n
+
+
+__all__ = ["apply", "revert", "is_patched", "gradients_by_name", "TRANSFORMERS_RANGE"]

@@ -1,0 +1,134 @@
+"""Selective activation recomputation (apply(recompute=True)). A GEMM saves its input for the weight gradient; where
+that input is a norm's or an activation's output, computable again from tensors saved anyway (the norm's input and
+rstd, the gated activation's gate and up), the GEMM runs under saved-tensor hooks that store a recipe instead of the
+tensor, so the tensor is freed after the forward and computed again, bitwise, when the backward needs it."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+
+def recompute_on(owner: torch.nn.Module) -> bool:
+    """True when `owner` (patched with recompute=True) may drop a saved activation now: eager autograd records
+    (grad mode on), no other saved-tensor hooks are active (activation checkpointing, save_on_cpu, user hooks),
+    and neither torch.compile/export traces (Inductor's partitioner decides recompute there) nor a torch.func
+    transform runs (those refuse saved-tensor hooks)."""
+    if torch.compiler.is_compiling() or not owner.__dict__.get("_opforge_recompute", False):
+        return False
+    return (torch.is_grad_enabled() and torch._C._autograd._saved_tensors_hooks_is_enabled()
+            and not _other_saved_tensors_hooks() and torch._C._functorch.maybe_current_level() is None)
+
+
+def _other_saved_tensors_hooks() -> bool:
+    """True when some saved-tensor hooks are active (also while a tracer hides them); True where torch cannot say."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(True) is not None  # ignore_is_tracing=True
+    except TypeError:  # a torch whose binding takes no argument
+        return top() is not None
+
+
+def _recordable(t: torch.Tensor) -> bool:
+    """A plain tensor with storage (not a subclass, fake or functorch-wrapped tensor): one a recipe can stand for."""
+    return type(t) is torch.Tensor and t.numel() > 0 and not torch._C._functorch.is_functorch_wrapped_tensor(t) \
+        and t.layout == torch.strided and t.device.type != "meta"
+
+
+class _Recipe:
+    """What a dropped saved tensor leaves in the autograd graph: `fn(*args)` gives the full tensor again (bitwise
+    the forward's), whose (size, stride, offset) view is the tensor that was saved. `versions`: the version
+    counters of the tensor arguments when the forward ran (an in-place change since then is an error, as for
+    any saved tensor)."""
+
+    __slots__ = ("fn", "args", "versions", "view", "what", "stale")
+
+    def __init__(self, fn, args, view, what):
+        self.fn, self.args, self.view, self.what, self.stale = fn, args, view, what, False
+        self.versions = tuple(a._version if isinstance(a, torch.Tensor) else None for a in args)
+
+
+class _Kept:
+    """A tensor a GEMM saved under the recipe hooks and that was kept as it is, with its version counter then:
+    saved-tensor hooks bypass autograd's own check that a saved tensor was not changed in place before backward,
+    so _unpack_recipe makes it (the same error autograd raises)."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t):
+        self.t, self.version = t, t._version
+
+
+def _modified_in_place(detail: str) -> RuntimeError:
+    """autograd's error for a saved tensor changed in place before backward, with what opforge.patch knows of it."""
+    return RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                        f"operation: {detail}")
+
+
+def _unpack_recipe(packed):
+    tracing = torch.compiler.is_compiling()  # compiled autograd: versions are not guardable there; eager checks them
+    if isinstance(packed, _Kept):
+        if not tracing and packed.t._version != packed.version:
+            raise _modified_in_place(
+                f"[{packed.t.dtype}, {list(packed.t.shape)}] is at version {packed.t._version}; expected version "
+                f"{packed.version} instead (saved for backward by a GEMM of an opforge-patched layer)")
+        return packed.t
+    if not isinstance(packed, _Recipe):
+        return packed
+    if packed.stale:
+        raise _modified_in_place(f"{packed.what}, saved for backward by the GEMM that read it, was changed in place "
+                                 f"after it was saved")
+    for a, v in zip(packed.args, packed.versions):
+        if not tracing and v is not None and a._version != v:
+            raise _modified_in_place(
+                f"opforge.patch recomputes {packed.what} in backward from a {list(a.shape)} tensor that is at version "
+                f"{a._version}; expected version {v} instead")
+    with torch.no_grad():
+        full = packed.fn(*packed.args)
+    return full.as_strided(*packed.view)
+
+
+def call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
+    """`call()`, with every tensor it saves for backward that is a view of `target` (same storage and dtype)
+    replaced by a `_Recipe` `fn(*args)` (args: tensors saved anyway, detached, and constants)."""
+    if not _recordable(target) or target.storage_offset() != 0 or not target.is_contiguous() \
+            or target.untyped_storage().nbytes() != target.numel() * target.element_size():
+        return call()
+    ptr, dtype, device, version = target.untyped_storage().data_ptr(), target.dtype, target.device, target._version
+    state = [fn, args]
+    made: List[_Recipe] = []
+
+    def pack(t):
+        # t._version == version: not changed in place since the forward computed it (views share the counter)
+        if state and type(t) is torch.Tensor and t.dtype == dtype and t.device == device \
+                and t.layout == torch.strided and t.untyped_storage().data_ptr() == ptr and t._version == version:
+            made.append(_Recipe(state[0], state[1], (t.size(), t.stride(), t.storage_offset()), what))
+            return made[-1]
+        return _Kept(t) if isinstance(t, torch.Tensor) else t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack_recipe):
+            return call()
+    finally:
+        if made and target._version != version:  # changed in place after it was saved: backward must raise
+            for r in made:
+                r.stale = True
+        state.clear()  # pack may outlive the call (held by the graph): it must not hold the recipe
+        made.clear()
+
+
+def norm_from_rstd(z: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rms_norm's output from its input z and the rstd its forward computed: the private op
+    `_rms_norm_apply` (z · rstd · weight in float32, float64 for float64, rounded once: the forward kernels' last
+    step, one pass), so bitwise the forward's output."""
+    return torch.ops.opforge._rms_norm_apply.default(z, rstd, weight)
+
+
+def pending(m: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]:
+    """The recipe the decoder layer left on `m` for its input `x` (taken: used once), or None; None too when x
+    was changed in place since the recipe was made (a forward pre-hook, say: the recipe would give the old value)."""
+    p = m.__dict__.pop("_opforge_pending", None)
+    return p[1:4] if p is not None and p[0] is x and x._version == p[4] else None
+

@@ -1,0 +1,537 @@
+"""Worker of tests/python/test_tensor_parallel.py, run under torchrun: `python -m torch.distributed.run
+--nproc_per_node=N tests/python/tensor_parallel_worker.py SUITE [--device cpu|cuda]`.
+
+Suites: `ops` (every opforge op under each placement its rules support, against the single-process result, values and
+gradients), `loss` (the vocabulary-parallel linear_cross_entropy against the op on one process, every option; its
+per-rank memory), `model` (a tiny patched Llama under TP + SP (+ FSDP2 on a 2-D mesh with 4 ranks) trained against
+the single-process run, and the collectives it issues). Prints one line per check; exit status 1 on a failure.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+import weakref
+
+import torch
+import torch.distributed as dist
+
+import opforge
+import opforge.parallel  # noqa: F401  (registers the sharding rules)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+R, P = Replicate(), Partial()
+FAILURES = []
+DEVICE = "cpu"
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def close(a, b, what, rtol=1e-5, atol=1e-6):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    ok = a.shape == b.shape and torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+    if not ok:
+        err = (a - b).abs().max().item() if a.shape == b.shape else f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+        FAILURES.append(f"{what}: differs ({err})")
+        log(f"FAIL {what}: {err}")
+    return ok
+
+
+def full(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, frozen=()):
+    """fn(*inputs) on the full tensors and on DTensors in `placements` (None: a non-tensor or a plain tensor) give
+    the same outputs and the same gradients of Σ out·c (c fixed random) for every floating input."""
+    what = f"{name} {[str(p) if p is not None else '-' for p in placements]}"
+    try:
+        gen = torch.Generator().manual_seed(7)
+        inputs = [x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in inputs]
+        ref_in = [x.detach().clone().requires_grad_(grads and x.is_floating_point() and i not in frozen)
+                  if isinstance(x, torch.Tensor) else x for i, x in enumerate(inputs)]
+        ref = fn(*ref_in)
+        ref = ref if isinstance(ref, (tuple, list)) else (ref,)
+        cots = [torch.randn(r.shape, generator=gen, dtype=r.dtype).to(DEVICE) if isinstance(r, torch.Tensor)
+                else None for r in ref]
+        dt_in = []
+        for i, (x, p) in enumerate(zip(inputs, placements)):
+            if isinstance(x, torch.Tensor) and p is not None:
+                d = distribute_tensor(x.detach().clone(), mesh, [p])
+                dt_in.append(d.requires_grad_(grads and x.is_floating_point() and i not in frozen))
+            elif isinstance(x, torch.Tensor):  # a plain tensor beside the DTensors
+                dt_in.append(x.detach().clone().requires_grad_(grads and x.is_floating_point() and i not in frozen))
+            else:
+                dt_in.append(x)
+        out = fn(*dt_in)
+        out = out if isinstance(out, (tuple, list)) else (out,)
+        for i, (o, r) in enumerate(zip(out, ref)):
+            if isinstance(r, torch.Tensor):
+                close(full(o), r, f"{what} output {i}", rtol, atol)
+        if grads and any(isinstance(x, torch.Tensor) and x.requires_grad for x in ref_in):
+            sum(((r.float() * c.float()).sum() for r, c in zip(ref, cots) if c is not None)).backward()
+            sum(((full(o).float() * c.float()).sum() for o, c in zip(out, cots) if c is not None)).backward()
+            for j, (a, b) in enumerate(zip(dt_in, ref_in)):
+                if isinstance(b, torch.Tensor) and b.requires_grad:
+                    if b.grad is None:
+                        continue
+                    close(full(a.grad), b.grad, f"{what} grad of input {j}", rtol, atol)
+        log(f"ok   {what}")
+    except Exception as e:  # noqa: BLE001
+        FAILURES.append(f"{what}: {type(e).__name__}: {e}")
+        log(f"FAIL {what}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}")
+
+
+def suite_ops(mesh):
+    g = torch.Generator().manual_seed(0)
+    rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+    x, w8 = rn(4, 6, 8), rn(8)
+    # the op's own C++ autograd node runs above DTensor: the output is a DTensor whose grad_fn is opforge's node
+    y = opforge.rms_norm(distribute_tensor(x.to(DEVICE), mesh, [S0]).requires_grad_(), (8,),
+                         distribute_tensor(w8.to(DEVICE), mesh, [R]).requires_grad_())
+    if not (type(y) is DTensor and y.grad_fn is not None and y.grad_fn.name().startswith("opforge::")):
+        FAILURES.append(f"rms_norm of DTensors: {type(y).__name__} with grad_fn {y.grad_fn}, expected opforge's node")
+    for p in (R, S0, S1):
+        check("rms_norm", lambda a, w: opforge.rms_norm(a, (8,), w, 1e-6), [x, w8], [p, R], mesh)
+    r = rn(4, 6, 8)
+    for p in (R, S0, S1):
+        check("fused_add_rms_norm", lambda a, b, w: opforge.fused_add_rms_norm(a, b, (8,), w, 1e-6), [x, r, w8],
+              [p, p, R], mesh)
+    check("rms_norm (Partial input)", lambda a, w: opforge.rms_norm(a, (8,), w), [x, w8], [P, R], mesh, grads=False)
+    for p in (R, S0, S1, S2):
+        check("sigmoid", opforge.sigmoid, [x], [p], mesh)
+        check("square", opforge.square, [x], [p], mesh)
+        check("swiglu", opforge.swiglu, [x, r], [p, p], mesh)
+        check("square_add (broadcast other)", opforge.square_add, [x, w8], [p, R], mesh)
+        check("square_add", opforge.square_add, [x, r], [p, p], mesh)
+    for p in (R, S0, S1):
+        check("swiglu_packed", opforge.swiglu_packed, [rn(4, 6, 16)], [p], mesh)
+    check("swiglu_packed (last dim sharded: redistributed)", opforge.swiglu_packed, [rn(4, 6, 16)], [S2], mesh)
+    for approximate in ("none", "tanh"):
+        for p in (R, S0, S1, S2):
+            check(f"geglu {approximate}", lambda a, b, ap=approximate: opforge.geglu(a, b, ap), [x, r], [p, p], mesh)
+        for p in (R, S0, S1, S2):
+            check(f"geglu_packed {approximate}", lambda a, ap=approximate: opforge.geglu_packed(a, ap),
+                  [rn(4, 6, 16)], [p], mesh)
+    xs, Ws, bs = rn(4, 6, 8), rn(12, 8), rn(12)
+    for px, pw, pb in ((R, R, R), (S0, R, R), (S1, R, R), (R, S0, S0), (S2, S1, R)):
+        check("swiglu_linear", lambda a, w_, b_: opforge.swiglu_linear(a, w_, b_), [xs, Ws, bs], [px, pw, pb], mesh,
+              rtol=1e-4, atol=1e-5)  # grad_weight: float32 partial sums over the token shards, added in another order
+    q, k = rn(2, 4, 6, 8), rn(2, 2, 6, 8)
+    ang = rn(2, 6, 8)
+    cos, sin = ang.cos(), ang.sin()
+    for p, pc in ((R, R), (S1, R), (S0, S0), (S2, S1)):
+        check("rope", lambda a, b, c, s: opforge.rope(a, b, c, s), [q, k, cos, sin], [p, p, pc, pc], mesh,
+              frozen=(2, 3))
+    pos = torch.arange(6).repeat(2, 1)
+    if hasattr(opforge, "rope_from_positions"):
+        for p, pc in ((R, R), (S1, R), (S0, S0), (S2, S1)):
+            check("rope_from_positions", lambda a, b, t: opforge.rope_from_positions(a, b, t), [q, k, pos],
+                  [p, p, pc], mesh)
+    xl, W, b = rn(4, 6, 8), rn(12, 8), rn(12)
+    for act in ("none", "silu"):
+        for px, pw, pb in ((R, R, R), (R, S0, S0), (S0, R, R), (S1, R, R), (S1, S0, S0)):
+            check(f"linear {act}", lambda a, w_, b_: opforge.linear(a, w_, b_, act), [xl, W, b], [px, pw, pb], mesh)
+    check("linear row-wise", lambda a, w_: opforge.linear(a, w_), [xl, W], [S2, S1], mesh)
+    check("linear row-wise with bias (redistributed)", lambda a, w_, b_: opforge.linear(a, w_, b_), [xl, W, b],
+          [S2, S1, R], mesh)
+    for px, pw, pb in ((R, R, R), (R, S0, S0), (S0, R, R)):
+        check("fake_quant_linear", lambda a, w_, b_: opforge.fake_quant_linear(a, w_, b_), [xl, W, b],
+              [px, pw, pb], mesh, rtol=1e-4, atol=1e-5)
+        check("fake_quant_linear act_quant", lambda a, w_, b_: opforge.fake_quant_linear(a, w_, b_, act_quant=True),
+              [xl, W, b], [px, pw, pb], mesh, rtol=1e-4, atol=1e-5)
+    check("fake_quantize_weight", lambda w_: opforge.fake_quantize_weight(w_)[0], [W], [S0], mesh, grads=False)
+    x1, x2, Wc = rn(4, 6, 3), rn(4, 6, 5), rn(12, 8)
+    for px, pw, pb in ((R, R, R), (R, S0, S0), (S0, R, R)):
+        check("linear_cat", lambda a, c, w_, b_: opforge.linear_cat([a, c], w_, b_), [x1, x2, Wc, b],
+              [px, px, pw, pb], mesh)
+    T, E = 10, 4
+    xi, We, be = rn(T, 8), rn(E, 6, 8), rn(E, 6)
+    idx = torch.tensor([0, 3, 1, 2, -1, 3, 0, 1, 2, 2])
+    for px, pw, pidx, pb in ((R, R, R, R), (R, S0, R, S0), (R, S1, R, S1), (S0, R, S0, R)):
+        check("indexed_linear", lambda a, w_, i, b_: opforge.indexed_linear(a, w_, i, b_), [xi, We, idx, be],
+              [px, pw, pidx, pb], mesh)
+    check("indexed_linear row-wise", lambda a, w_, i: opforge.indexed_linear(a, w_, i), [xi, We, idx],
+          [S1, Shard(2), R], mesh)
+    if mesh.size() == 4:  # a handler on a 2-D mesh: a clear error, not a wrong result
+        mesh2 = init_device_mesh(DEVICE, (2, 2))
+        try:
+            opforge.indexed_linear(distribute_tensor(xi.to(DEVICE), mesh2, [R, R]),
+                                   distribute_tensor(We.to(DEVICE), mesh2, [Shard(0), R]),
+                                   distribute_tensor(idx.to(DEVICE), mesh2, [R, R]))
+            FAILURES.append("indexed_linear on a 2-D mesh: no error")
+        except NotImplementedError as e:
+            if "1-D" not in str(e):
+                FAILURES.append(f"indexed_linear on a 2-D mesh: {e}")
+    # under the placements the rules support, forward and backward issue no collective at all
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    def no_comm(name, fn, inputs, placements):
+        d = [distribute_tensor(x.to(DEVICE), mesh, [p]).requires_grad_(x.is_floating_point()) for x, p in
+             zip(inputs, placements)]
+        mode = CommDebugMode()
+        with mode:
+            out = fn(*d)
+            out = out if isinstance(out, (tuple, list)) else (out,)
+            sum(o.to_local().sum() for o in out if o is not None).backward()  # no reduction of the outputs
+        if mode.get_total_counts():
+            FAILURES.append(f"{name}: collectives {dict(mode.get_comm_counts())} under its own placements")
+
+    no_comm("rms_norm S(1)", lambda a, w: opforge.rms_norm(a, (8,), w), [x, w8], [S1, R])
+    no_comm("fused_add_rms_norm S(1)", lambda a, b, w: opforge.fused_add_rms_norm(a, b, (8,), w), [x, r, w8],
+            [S1, S1, R])
+    no_comm("linear column-wise", lambda a, w_: opforge.linear(a, w_), [xl, W], [R, S0])
+    no_comm("linear row-wise", lambda a, w_: opforge.linear(a, w_), [xl, W], [S2, S1])
+    no_comm("swiglu_packed S(0)", opforge.swiglu_packed, [rn(4, 6, 16)], [S0])
+    # (heads divisible by the ranks: DTensor redistributes an uneven head split, correct but not free)
+    no_comm("rope heads", lambda a, b, c, s: opforge.rope(a, b, c.detach(), s.detach()), [q, rn(2, 4, 6, 8), cos, sin],
+            [S1, S1, R, R])
+    no_comm("indexed_linear experts", lambda a, w_, i: opforge.indexed_linear(a, w_, i), [xi, We, idx], [R, S0, R])
+    H, V = 8, 10
+    xh, Wv, bv = rn(12, H), rn(V, H), rn(V)
+    tgt = torch.tensor([1, 9, 0, -100, 5, 3, 3, 7, 8, 2, 4, 6])
+    for red in ("mean", "sum", "none"):
+        for px, pt in ((R, R), (S0, S0)):
+            check(f"linear_cross_entropy {red} (weight replicated)",
+                  lambda a, w_, t, b_: opforge.linear_cross_entropy(a, w_, t, linear_bias=b_, reduction=red),
+                  [xh, Wv, tgt, bv], [px, R, pt, R], mesh)
+
+
+def loss_options():
+    yield {}
+    yield {"reduction": "sum"}
+    yield {"reduction": "none"}
+    yield {"label_smoothing": 0.1}
+    yield {"z_loss": 1e-3, "reduction": "sum"}
+    yield {"softcap": 5.0}
+    yield {"weight": "class", "label_smoothing": 0.2, "reduction": "mean"}
+    yield {"weight": "class", "reduction": "none", "softcap": 3.0, "z_loss": 1e-2}
+    yield {"ignore_index": 2, "chunk_size": 3}
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the tensors the ops under it allocate while those tensors are alive (a tensor whose
+    storage is already counted or is an input's, a view or an in-place result, adds nothing; a storage is freed when
+    the tensor that brought it dies). CPU tensors have no allocator statistics, so this is the memory measure on the
+    CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = self.largest = 0
+        self.counted = set()
+
+    def _free(self, key, n):
+        self.counted.discard(key)
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                key = t.untyped_storage().data_ptr()
+                if key in self.counted or key in inputs or key == 0:
+                    continue
+                n = t.untyped_storage().nbytes()
+                self.counted.add(key)
+                self.live += n
+                self.largest = max(self.largest, n)
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, key, n)
+        return out
+
+
+def peak_bytes(fn, largest=False):
+    """The peak of live bytes allocated by fn() (its results included while they are alive), and optionally the
+    largest single allocation."""
+    with _LiveBytes() as m:
+        res = fn()
+        del res
+    return (m.peak, m.largest) if largest else m.peak
+
+
+def suite_loss(mesh):
+    g = torch.Generator().manual_seed(1)
+    N, H, V = 14, 8, 11  # V not divisible by the ranks: uneven slices
+    x, W, b = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g), torch.randn(V, generator=g)
+    cw = (torch.rand(V, generator=g) + 0.5).to(DEVICE)
+    t = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    t[3] = -100
+    for opts in loss_options():
+        o = dict(opts)
+        if o.get("weight") == "class":
+            o["weight"] = cw
+        tt = t.clone()
+        if "ignore_index" in o:
+            tt[tt == -100] = o["ignore_index"]
+        for bias in (None, b):
+            for px in (R, Shard(0)):
+                fn = lambda a, w_, b_, o=o, tt=tt: opforge.linear_cross_entropy(a, w_, tt, linear_bias=b_, **o)  # noqa
+                check(f"vocab-parallel loss {opts} bias={bias is not None}",
+                      fn, [x, W, bias], [px, Shard(0), Shard(0) if bias is not None else None], mesh)
+    # a plain (replicated) input beside the sharded weight: its gradient comes back as a plain tensor
+    for red in ("mean", "none"):
+        check(f"vocab-parallel loss {red}, plain input", lambda a, w_: opforge.linear_cross_entropy(a, w_, t, reduction=red),
+              [x, W], [None, Shard(0)], mesh)
+    if DEVICE == "cuda":
+        _cuda_loss_memory(mesh)
+    if DEVICE == "cpu":
+        _cpu_loss_memory(mesh, g)
+
+
+def _cpu_loss_memory(mesh, g):
+    """Each rank's peak for the loss (forward with its gradients, the training path) against the same loop on one
+    rank, counted by _LiveBytes; and no tensor as large as the rank's slice of the logits."""
+    N, H, V = 64, 32, 4096
+    x, W = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
+    t = torch.randint(0, V, (N,), generator=g)
+    from opforge.parallel.loss import vocab_parallel_forward, vocab_slice
+    start, size = vocab_slice(V, mesh.size(), mesh.get_local_rank())
+    local = W[start:start + size].contiguous()
+    one = peak_bytes(lambda: vocab_parallel_forward(x, W, t, chunk_size=32, grad_mask=(True, True, False)))
+    many, largest = peak_bytes(lambda: vocab_parallel_forward(x, local, t, chunk_size=32, grad_mask=(True, True, False),
+                                                              vocab_start=start, vocab_size=V,
+                                                              group=mesh.get_group()), largest=True)
+    ratio = many / one
+    log(f"loss memory: peak per rank {many} bytes, one rank {one} bytes, ratio {ratio:.3f}; largest tensor "
+        f"{largest} bytes (full logits {N * V * 4})")
+    if not ratio <= 0.55 + 0.45 * (mesh.size() != 2):
+        FAILURES.append(f"loss memory ratio {ratio:.3f} > 0.55")
+    if not largest < N * V * 4 / mesh.size() + 1:
+        FAILURES.append(f"a tensor of {largest} bytes: not less than the rank's slice of the logits")
+
+
+def _tiny_llama(device, family="llama", kv_heads=2):
+    import transformers
+
+    config, causal_lm = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]  # qwen3: per-head q_norm/k_norm
+    cfg = getattr(transformers, config)(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8,
+                                        max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+                                        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = getattr(transformers, causal_lm)(cfg).to(device)
+    opforge.patch.apply(model)
+    return model
+
+
+def _batches(device, steps, batch, seq, vocab):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (batch, seq), generator=g).to(device) for _ in range(steps)]
+
+
+def _train(model, batches, lr=0.05):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss)
+    return losses
+
+
+def _cuda_loss_memory(mesh, N=4096, H=1024, V=65536, chunk=1024):
+    """On CUDA: the peak memory the loss adds (forward + backward), the vocabulary-parallel loss on each rank against
+    the op on one GPU, the same chunk size; the ratio should be at most 0.55 on 2 ranks."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(N, H, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+    W = (torch.randn(V, H, generator=g) * 0.02).to(DEVICE, torch.bfloat16)
+    t = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    def single():
+        w1 = W.clone().requires_grad_()
+        opforge.linear_cross_entropy(x, w1, t, chunk_size=chunk).backward()
+
+    one = peak(single)
+    wd = distribute_tensor(W, mesh, [Shard(0)]).requires_grad_()
+    x.grad = None
+    many = peak(lambda: opforge.linear_cross_entropy(x, wd, t, chunk_size=chunk).backward())
+    log(f"CUDA loss memory (N={N}, H={H}, V={V}, bf16, chunk {chunk}): one GPU {one / 2**20:.1f} MiB, each of "
+        f"{mesh.size()} ranks {many / 2**20:.1f} MiB, ratio {many / one:.3f}")
+    if mesh.size() == 2 and not many / one <= 0.55:
+        FAILURES.append(f"CUDA loss memory ratio {many / one:.3f} > 0.55")
+
+
+def suite_model(dp, device, steps=4, batch=4, seq=8, family="llama"):
+    """TP + SP (+ FSDP2 on a (dp, tp) mesh) against the single-process run of the same global batches."""
+    from torch.distributed.fsdp import fully_shard
+
+    from opforge.parallel import parallelize
+
+    import copy
+
+    world = dist.get_world_size()
+    tp = world // dp
+    model = _tiny_llama(device, family, kv_heads=max(2, tp))
+    reference = copy.deepcopy(model)
+    batches = _batches(device, steps, batch, seq, model.config.vocab_size)
+    ref = [float(x.detach()) for x in _train(reference, batches)]
+    mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize(model, mesh["tp"])
+    if dp > 1:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    r = mesh["dp"].get_local_rank()
+    local = [ids.chunk(dp, 0)[r] for ids in batches]  # each dp rank its rows: the same token count per rank
+    got = []
+    for loss in _train(model, local):
+        v = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().reshape(1)
+        if dp > 1:
+            dist.all_reduce(v, group=mesh["dp"].get_group())
+            v = v / dp
+        got.append(float(v))
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    log(f"model {family} dp={dp} tp={tp}: losses {got} single-process {ref}; largest relative difference {rel:.2e}")
+    if not rel <= 1e-5:
+        FAILURES.append(f"model {family} dp={dp} tp={tp}: losses differ from the single-process run by {rel:.2e} relative")
+    _compare_grads(model, reference, batches[0], dp, tp, family)
+    # without labels (inference, generate): the lm_head's logits gathered, equal to the single process's
+    ids = batches[0].chunk(dp, 0)[r]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        want = reference(input_ids=ids).logits
+    close(full(logits), want, f"model dp={dp} tp={tp}: logits without labels", rtol=1e-4, atol=1e-5)
+    if dp == 1:
+        _check_state_dict(model, reference, batches[0], tp, family)
+    if dp == 1 and family == "llama":
+        _count_collectives(model, batches[0], tp)
+
+
+def _compare_grads(model, reference, ids, dp, tp, family):
+    """Every parameter's gradient of one more step equals the single process's (the fused weights back in
+    transformers' row order)."""
+    from opforge.parallel import unpermute_fused
+
+    r = dist.get_rank() // tp if dp > 1 else 0
+    model(input_ids=ids.chunk(dp, 0)[r], labels=ids.chunk(dp, 0)[r]).loss.backward()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    ref = dict(reference.named_parameters())
+    sizes = {}
+    for name, m in reference.named_modules():
+        if hasattr(m, "_opforge_sizes"):
+            sizes[f"{name}.qkv_proj.weight"] = list(m._opforge_sizes)
+        if hasattr(m, "gate_up_proj"):
+            sizes[f"{name}.gate_up_proj.weight"] = [m.gate_up_proj.out_features // 2] * 2
+    for name, p in model.named_parameters():
+        g = full(p.grad)
+        if name in sizes:
+            g = unpermute_fused(g, sizes[name], tp)
+        close(g, ref[name].grad, f"model {family} dp={dp} tp={tp}: gradient of {name}", rtol=1e-4, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+
+
+def _check_state_dict(model, reference, ids, tp, family):
+    """state_dict() of the parallelized model has the keys and values of the single process's (transformers' q/k/v
+    and gate/up, not the plan's row order); loading a changed one gives the single process's loss."""
+    what = f"model {family} tp={tp}: state_dict"
+    sd, want = model.state_dict(), reference.state_dict()
+    if sorted(sd) != sorted(want):
+        FAILURES.append(f"{what}: keys differ")
+        return
+    for k, v in want.items():
+        close(full(sd[k]), v, f"{what} {k}")  # a wrong row order is off by O(1); training leaves ulps
+    with torch.no_grad():
+        sd = {k: v * 1.5 for k, v in sd.items()}
+    model.load_state_dict(sd)
+    reference.load_state_dict({k: full(v) for k, v in sd.items()})
+    got = model(input_ids=ids, labels=ids).loss
+    close(full(got), reference(input_ids=ids, labels=ids).loss, f"{what} loaded: loss")
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+
+
+def _count_collectives(model, ids, tp):
+    """One forward + backward under CommDebugMode: the collectives are exactly the plan's (no parameter or
+    activation the plan keeps sharded is gathered)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mode = CommDebugMode()
+    with mode:
+        loss = model(input_ids=ids, labels=ids).loss
+        fwd = dict(mode.get_comm_counts())
+        loss.backward()
+        total = dict(mode.get_comm_counts())
+    bwd = {k: v - fwd.get(k, 0) for k, v in total.items() if v - fwd.get(k, 0)}
+    model.zero_grad(set_to_none=True)
+    layers = model.config.num_hidden_layers
+    chunks = 1  # the loss's tokens fit one chunk here
+    # forward: per layer the attention's and the MLP's input gathered (2 all-gathers) and o_proj's and down_proj's
+    # outputs reduce-scattered (2); the embedding's output reduce-scattered (1); the loss: the final hidden
+    # states gathered (1 all-gather), per chunk the row max and the row sums all-reduced (2)
+    ag, rs, ar = "c10d_functional.all_gather_into_tensor", "c10d_functional.reduce_scatter_tensor", "c10d.allreduce_"
+    want_fwd = {ag: 2 * layers + 1, rs: 2 * layers + 1, ar: 2 * chunks}
+    # backward, the transposes: per layer the attention's and the MLP's partial input gradients reduce-scattered and
+    # o_proj's and down_proj's output gradients gathered, the loss's partial grad_input reduce-scattered and the
+    # embedding's output gradient gathered. The replicated norm weights' gradients stay Partial (reduced where they
+    # are used: the optimizer step, or FSDP2's reduction)
+    want_bwd = {ag: 2 * layers + 1, rs: 2 * layers + 1}
+    fwd = {str(k): v for k, v in fwd.items()}
+    bwd = {str(k): v for k, v in bwd.items()}
+    log(f"collectives forward {fwd}; backward {bwd}")
+    for what, got, want in (("forward", fwd, want_fwd), ("backward", bwd, want_bwd)):
+        if got != want:
+            FAILURES.append(f"{what}: collectives {got}, expected {want}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("suites", nargs="+", choices=["ops", "loss", "model"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dp", type=int, default=1)
+    a = ap.parse_args()
+    global DEVICE
+    DEVICE = a.device
+    backend = "nccl" if a.device == "cuda" else "gloo"
+    if a.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    for suite in a.suites:
+        before = len(FAILURES)
+        if suite == "model":
+            suite_model(a.dp, a.device)
+            if a.dp > 1:  # and tensor parallelism over every rank
+                suite_model(1, a.device)
+            if a.dp == 1:
+                import transformers
+
+                if hasattr(transformers, "Qwen3ForCausalLM"):
+                    suite_model(1, a.device, family="qwen3")
+                else:
+                    log(f"model qwen3: not in transformers {transformers.__version__}, not run")
+        else:
+            mesh = init_device_mesh(a.device, (world,))
+            {"ops": suite_ops, "loss": suite_loss}[suite](mesh)
+        dist.barrier()
+        log(f"SUITE {suite} on {world} ranks ({a.device}): {len(FAILURES) - before} failure(s)")
+    n = len(FAILURES)
+    for f in FAILURES:
+        log(f"FAILURE {f}")
+    sys.stdout.flush()
+    os._exit(1 if n else 0)  # skip the process-group teardown (gloo may abort in it); the result is known
+
+
+if __name__ == "__main__":
+    main()

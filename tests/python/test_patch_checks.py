@@ -1,0 +1,256 @@
+"""opforge.patch.apply is never silently wrong: each test reproduces a way a patched model could have computed
+something else than transformers' without a word (a dropped logit scale, a self-check that looked at the logits
+only, a tuple with a field missing, hooks that no longer ran, a half-patched model left behind by an error),
+on tiny random configs (nothing downloaded), float32.
+
+Tolerances: the patched model computes the same math with other kernels, so values differ by float32 rounding
+only (measured ≤ 1e-6 relative on losses, ≤ 1e-5 on gradients); the bounds are 1e-5 and 1e-4 relative."""
+import copy
+
+import pytest
+import torch
+
+from opforge import patch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+
+
+def _ids(batch=2, seq=9, vocab=97, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), patch.gradients_by_name(model)
+
+
+def _assert_same_training(model, ref, ids):
+    loss, grads = _loss_and_grads(model, ids)
+    loss_ref, grads_ref = _loss_and_grads(ref, ids)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
+    assert grads.keys() == grads_ref.keys()
+    for k in grads_ref:
+        torch.testing.assert_close(grads[k], grads_ref[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def _granite(**kw):
+    cfg = transformers.GraniteConfig(**COMMON, logits_scaling=8.0, **kw)
+    torch.manual_seed(1)
+    return transformers.GraniteForCausalLM(cfg).float()
+
+
+@pytest.mark.parametrize("decoder", [True, False])
+def test_granite_logits_scaling_is_kept(decoder):
+    # Was: the fused loss used lm_head(h) where Granite computes lm_head(h) / logits_scaling; nothing was reported.
+    ref = _granite()
+    model = copy.deepcopy(ref)
+    patch.apply(model, decoder=decoder)
+    _assert_same_training(model, ref, _ids())
+
+
+def test_granite_multipliers_are_kept():
+    # residual, attention and embedding multipliers other than one
+    ref = _granite(residual_multiplier=0.3, attention_multiplier=0.05, embedding_multiplier=4.0)
+    model = copy.deepcopy(ref)
+    patch.apply(model)
+    _assert_same_training(model, ref, _ids())
+
+
+def _llama():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).float()
+
+
+def _assert_untouched(model, ref):
+    assert not patch.is_patched(model)
+    assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
+    sd, sd_ref = model.state_dict(), ref.state_dict()
+    assert list(sd) == list(sd_ref)
+    for k in sd_ref:
+        torch.testing.assert_close(sd[k], sd_ref[k], rtol=0, atol=0, msg=k)
+
+
+def test_self_check_catches_a_wrong_gradient(monkeypatch):
+    # Was: the self-check compared logits without labels only; a patch with right values and a wrong gradient
+    # passed it.
+    from opforge.patch import _layers
+
+    real = _layers.gated_act
+
+    def wrong_backward(owner, gu):  # the right value, 1.5 times the gradient
+        y = real(owner, gu)
+        return y + 0.5 * (y - y.detach())
+
+    monkeypatch.setattr(_layers, "gated_act", wrong_backward)
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    params = dict(model.named_parameters())
+    with pytest.warns(UserWarning, match="gradient"):
+        report = patch.apply(model)
+    assert not report.patched and "gradient" in report.skipped[0][2]
+    _assert_untouched(model, ref)
+    assert all(dict(model.named_parameters())[n] is p for n, p in params.items())  # the same Parameter objects
+    with pytest.raises(RuntimeError, match="gradient"):
+        patch.apply(model, strict=True)
+    _assert_untouched(model, ref)
+
+
+def test_self_check_catches_a_wrong_loss(monkeypatch):
+    from opforge.patch import _layers
+
+    real = _layers.linear_cross_entropy
+    monkeypatch.setattr(_layers, "linear_cross_entropy", lambda *a, **k: real(*a, **k) * 1.01)
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match="loss"):
+        report = patch.apply(model)
+    assert not report.patched and "loss" in report.skipped[0][2]
+    _assert_untouched(model, ref)
+
+
+def test_self_check_leaves_gradients_and_modes_alone():
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    model.train()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    patch.apply(model)
+    assert model.training and all(m.training for m in model.modules())
+    grads = patch.gradients_by_name(model)
+    assert all(torch.equal(g, torch.full_like(g, 3.0)) for g in grads.values())
+
+
+def test_tuple_output_keeps_transformers_positions():
+    # Was: with labels and return_dict=False the patched model returned (loss, cache), transformers (loss, logits,
+    # cache): the cache sat where callers read the logits.
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    patch.apply(model)
+    ids = _ids()
+    a = model(input_ids=ids, labels=ids, return_dict=False)
+    b = ref(input_ids=ids, labels=ids, return_dict=False)
+    assert len(a) == len(b)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=0)
+    assert a[1] is None and b[1].shape == (2, 9, 97)  # the fused loss builds no logits
+    assert type(a[2]) is type(b[2])
+    # use_cache=False, hidden states asked for: the same fields in the same places
+    kw = dict(return_dict=False, use_cache=False, output_hidden_states=True)
+    a = model(input_ids=ids, labels=ids, **kw)
+    b = ref(input_ids=ids, labels=ids, **kw)
+    assert len(a) == len(b) and a[1] is None
+    for x, y in zip(a[2], b[2]):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def _hooks(model, calls):
+    layer = model.model.layers[0]
+
+    def double(name):
+        def hook(mod, args, out):
+            calls.append(name)
+            return out * 2
+
+        return hook
+
+    def pre(mod, args):
+        calls.append("pre")
+        return (args[0] * 0.5,)
+
+    return [layer.self_attn.q_proj.register_forward_hook(double("q_proj")),
+            layer.mlp.up_proj.register_forward_hook(double("up_proj")),
+            layer.input_layernorm.register_forward_hook(double("input_layernorm")),
+            layer.post_attention_layernorm.register_forward_pre_hook(pre),
+            model.lm_head.register_forward_hook(double("lm_head"))]
+
+
+def test_hooks_registered_after_apply_run():
+    # Was: the patched layer computed q/k/v, gate/up and the norms without calling those modules, so hooks
+    # registered on them after apply never ran, silently.
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    patch.apply(model)
+    calls, calls_ref = [], []
+    handles = _hooks(model, calls) + _hooks(ref, calls_ref)
+    ids = _ids()
+    with pytest.warns(UserWarning, match="hooks"):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss_ref = ref(input_ids=ids, labels=ids).loss
+    assert sorted(calls) == sorted(calls_ref) and len(calls) == 5
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
+    loss.backward()
+    loss_ref.backward()
+    g, g_ref = patch.gradients_by_name(model), patch.gradients_by_name(ref)
+    for k in g_ref:
+        torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-6, msg=k)
+    for h in handles:
+        h.remove()
+    calls.clear()
+    model(input_ids=ids, labels=ids)  # hooks gone: opforge's forwards again, no warning
+    assert not calls
+
+
+def test_global_forward_hook_runs():
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    patch.apply(model)
+    seen = []
+    h = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append(type(m).__name__))
+    try:
+        with pytest.warns(UserWarning, match="hooks"):
+            model(input_ids=_ids())
+    finally:
+        h.remove()
+    assert "LlamaRMSNorm" in seen and "FusedProjectionSlice" in seen
+
+
+def test_hooks_present_at_apply_leave_the_layer_alone():
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    model.model.layers[1].mlp.up_proj.register_forward_hook(lambda m, a, o: o)
+    with pytest.warns(UserWarning, match="hooks"):
+        report = patch.apply(model)
+    skipped = {n: r for n, _, r in report.skipped}
+    assert "model.layers.1" in skipped and "hooks" in skipped["model.layers.1"]
+
+
+def _unknown_layer_llama():
+    model = _llama()
+    model.model.layers[1].extra_norm = torch.nn.LayerNorm(64)  # a layer no family adapter knows
+    return model
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("make", [_unknown_layer_llama, _gpt2])
+def test_strict_failure_leaves_the_model_as_it_was(make):
+    # Was: apply(strict=True) raised on a model it could patch in part, and left it half patched.
+    ref = make()
+    model = copy.deepcopy(ref)
+    params = dict(model.named_parameters())
+    with pytest.raises(ValueError, match="could not patch"):
+        patch.apply(model, strict=True)
+    _assert_untouched(model, ref)
+    assert all(dict(model.named_parameters())[n] is p for n, p in params.items())
+
+
+def test_transformers_version_is_checked(monkeypatch):
+    from opforge.patch import _apply
+
+    monkeypatch.setattr(_apply, "_transformers_version", lambda: "4.40.0")
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    with pytest.raises(RuntimeError, match="but got transformers 4.40.0"):
+        patch.apply(model)
+    _assert_untouched(model, ref)
