@@ -1,4 +1,5 @@
-"""Post-training losses on opforge's fused log-probabilities: DPO (sigmoid, IPO, hinge, robust), SimPO, CPO, ORPO, KTO.
+"""Post-training losses on opforge's fused log-probabilities: DPO (sigmoid, IPO, hinge, robust), SimPO, CPO, ORPO, KTO,
+GRPO (and its bnpo, dr_grpo and dapo normalisations).
 
 The fused part is `opforge.linear_log_probs` (csrc/ops/linear_cross_entropy): the per-token log-probabilities come
 from the hidden states and the lm_head chunk by chunk, never the `(*, V)` logits. What follows is small `(B,)` math
@@ -9,14 +10,19 @@ on per-sequence log-probabilities, composed of PyTorch ops (autograd differentia
     kto_loss(...)                                       KTO, whose examples are unpaired
     linear_preference_loss(input, linear_weight, target, ...)   both steps in one call: a policy head, and the
                                                         reference log-probabilities given or from a reference head
+    grpo_loss(log_probs, advantages, mask, ...)         the clipped policy-gradient loss of GRPO on per-token
+                                                        log-probabilities, with a KL penalty to a reference
+    linear_grpo_loss(input, linear_weight, target, advantages, ...)   the same from a policy head (fused
+                                                        log-probabilities; the reference's given or from its head)
 
 Argument names follow TRL (`beta`, `label_smoothing`, `loss_type`, `simpo_gamma`, `cpo_alpha`, `desirable_weight`,
-`undesirable_weight`; chosen first, then rejected, as TRL's concatenated forward). Each loss returns the per-pair
-losses reduced by `reduction` and the detached rewards TRL logs.
+`undesirable_weight`, `epsilon_low`, `epsilon_high`, `delta`, `importance_sampling_level`; chosen first, then rejected,
+as TRL's concatenated forward). Each preference loss returns the per-pair losses reduced by `reduction` and the
+detached rewards TRL logs; the GRPO losses return the loss and the detached statistics TRL logs.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as TF
@@ -24,13 +30,18 @@ from torch import Tensor
 
 from .functional import linear_log_probs
 
-__all__ = ["PREFERENCE_LOSS_TYPES", "sequence_log_probs", "preference_loss", "kto_loss", "linear_preference_loss"]
+__all__ = ["PREFERENCE_LOSS_TYPES", "GRPO_LOSS_TYPES", "sequence_log_probs", "preference_loss", "kto_loss",
+           "linear_preference_loss", "grpo_loss", "linear_grpo_loss"]
 
 #: The `loss_type`s of `preference_loss`: DPO's ("sigmoid", "ipo", "hinge", "robust", with reference
 #: log-probabilities) and the reference-free "simpo", "cpo" and "orpo".
 PREFERENCE_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "cpo", "orpo")
 _AVERAGED = ("ipo", "simpo", "orpo")  # loss types defined on the per-token mean log-probability (TRL's, the papers')
 _REFERENCE = ("sigmoid", "ipo", "hinge", "robust")
+#: The `loss_type`s of `grpo_loss`, by how the per-token losses are normalised (TRL's): "grpo" the mean over each
+#: sequence's tokens, then over the sequences; "bnpo" the mean over the batch's tokens; "dr_grpo" the sum over
+#: B · max_completion_length; "dapo" the sum over the number of counted tokens of the whole (global) batch.
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 def _reduce(losses: Tensor, reduction: str, op: str) -> Tensor:
@@ -293,3 +304,186 @@ def linear_preference_loss(input: Tensor, linear_weight: Tensor, target: Tensor,
         nll = -lp[:b].sum() / count[:b].sum().clamp(min=1).to(lp.dtype)
         loss = loss + (cpo_alpha if loss_type == "cpo" else 1.0) * nll
     return loss, cr, rr
+
+
+def grpo_loss(log_probs: Tensor, advantages: Tensor, mask: Tensor, old_log_probs: Optional[Tensor] = None,
+              ref_log_probs: Optional[Tensor] = None, *, loss_type: str = "dapo", beta: float = 0.0,
+              epsilon_low: float = 0.2, epsilon_high: Optional[float] = None, delta: Optional[float] = None,
+              importance_sampling_level: str = "token", max_completion_length: Optional[int] = None,
+              num_items_in_batch: Optional[Tensor] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """GRPO's clipped surrogate loss (Shao et al. 2024) on per-token log-probabilities, as TRL's `GRPOTrainer`.
+
+    Per token t of sequence b (m the mask, A_b the sequence's advantage, ε_l / ε_h the clip range):
+
+        log w = lp − old_lp                              (importance_sampling_level "token")
+        log w = Σ_t m (lp − old_lp) / max(Σ_t m, 1)      per sequence ("sequence": GSPO, Zheng et al. 2025)
+        c1 = w (min(w, delta) with `delta`: two-sided clipping), c2 = clip(w, 1 − ε_l, 1 + ε_h)
+        ℓ = −min(c1 A_b, c2 A_b) + β k3,   k3 = exp(ref_lp − lp) − (ref_lp − lp) − 1   (β ≠ 0)
+
+    then normalised by `loss_type` (`GRPO_LOSS_TYPES`) over the counted tokens:
+
+        "grpo":     mean_b [Σ_t m ℓ / max(Σ_t m, 1)]
+        "bnpo":     Σ m ℓ / max(Σ m, 1)
+        "dr_grpo":  Σ m ℓ / (B · max_completion_length)          (Liu et al. 2025)
+        "dapo":     Σ m ℓ / max(num_items_in_batch, 1)          (Yu et al. 2025; default Σ m)
+
+    Tokens outside the mask contribute exactly 0 and get a zero gradient (a `where`, not a product: a non-finite
+    per-token value there cannot leak in); a batch without any counted token gives 0 and zero gradients. The loss
+    is the one step's; TRL further divides by the gradient-accumulation steps, which the caller does.
+
+    Args:
+        log_probs: `(B, T)` floating. The policy's per-token log-probabilities (`opforge.linear_log_probs`).
+        advantages: `(B,)` floating. Each completion's advantage (detached).
+        mask: `(B, T)` bool or floating (0/1). The completion tokens that count.
+        old_log_probs: `(B, T)` floating or None. The sampling policy's (detached); None: log_probs detached (one
+            optimisation step per generation, w = 1). Default: None.
+        ref_log_probs: `(B, T)` floating or None. The reference model's, required when beta ≠ 0 (detached).
+            Default: None.
+        loss_type: str. One of `GRPO_LOSS_TYPES`. Default: "dapo" (TRL's).
+        beta: float >= 0. The KL coefficient. Default: 0.0 (TRL's: no reference needed).
+        epsilon_low: float >= 0. Default: 0.2.
+        epsilon_high: float >= 0 or None. Default: None (epsilon_low).
+        delta: float > 1 or None. The upper bound of c1 (two-sided clipping, INTELLECT-2). Default: None.
+        importance_sampling_level: str. "token" or "sequence". Default: "token".
+        max_completion_length: int or None. "dr_grpo"'s constant. Default: None (T).
+        num_items_in_batch: int, `()` tensor or None. "dapo"'s normaliser: the counted tokens of the whole batch
+            (all ranks and accumulation steps, divided as the caller's loss scaling needs). Default: None (Σ mask).
+
+    Returns:
+        (loss, stats): the `()` loss in log_probs's dtype; stats, detached `()` tensors: "clip_ratio_low",
+            "clip_ratio_high", "clip_ratio" (the fractions of counted tokens whose ratio was clipped below with a
+            negative advantage, above with a positive one, either: TRL's) and, with beta ≠ 0, "kl" (the mean k3 over
+            the counted tokens).
+
+    Raises:
+        ValueError: an unknown loss_type or importance_sampling_level; log_probs not 2-D; advantages not `(B,)`;
+            mask / old_log_probs / ref_log_probs not of log_probs's shape; beta < 0 or beta ≠ 0 without
+            ref_log_probs; epsilon_low or epsilon_high < 0; delta ≤ 1; max_completion_length < 1.
+
+    Source: TRL's `GRPOTrainer._compute_loss` (the formulas above), Shao et al. 2024 ("DeepSeekMath"), Yu et al. 2025
+    ("DAPO"), Liu et al. 2025 ("Understanding R1-Zero-Like Training"), Zheng et al. 2025 ("GSPO").
+    """
+    op = "grpo_loss"
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"opforge::{op}: expected loss_type to be one of {', '.join(GRPO_LOSS_TYPES)}, but got "
+                         f"\"{loss_type}\"")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"opforge::{op}: expected importance_sampling_level to be one of token, sequence, but got "
+                         f"\"{importance_sampling_level}\"")
+    if log_probs.dim() != 2:
+        raise ValueError(f"opforge::{op}: expected log_probs of shape (B, T), but got {list(log_probs.shape)}")
+    B, T = log_probs.shape
+    if advantages.shape != (B,):
+        raise ValueError(f"opforge::{op}: expected advantages of shape [{B}], but got {list(advantages.shape)}")
+    for name, t in (("mask", mask), ("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs)):
+        if t is not None and t.shape != log_probs.shape:
+            raise ValueError(f"opforge::{op}: expected {name} of log_probs's shape {list(log_probs.shape)}, but got "
+                             f"{list(t.shape)}")
+    if not beta >= 0:
+        raise ValueError(f"opforge::{op}: expected beta >= 0, but got {beta}")
+    if beta != 0 and ref_log_probs is None:
+        raise ValueError(f"opforge::{op}: expected ref_log_probs with beta = {beta} (the KL penalty), but got None")
+    eps_low = epsilon_low
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    if not (eps_low >= 0 and eps_high >= 0):
+        raise ValueError(f"opforge::{op}: expected epsilon_low, epsilon_high >= 0, but got {eps_low}, {eps_high}")
+    if delta is not None and not delta > 1:
+        raise ValueError(f"opforge::{op}: expected delta > 1 (or None), but got {delta}")
+    if max_completion_length is not None and max_completion_length < 1:
+        raise ValueError(f"opforge::{op}: expected max_completion_length >= 1, but got {max_completion_length}")
+    m = mask.bool()
+    zero = log_probs.new_zeros(())
+    old = log_probs.detach() if old_log_probs is None else old_log_probs.detach()
+    adv = advantages.detach().to(log_probs.dtype).unsqueeze(-1)  # (B, 1)
+    log_ratio = torch.where(m, log_probs - old, zero)
+    seq_count = m.sum(-1, keepdim=True).clamp(min=1).to(log_probs.dtype)  # (B, 1)
+    if importance_sampling_level == "token":
+        log_w = log_ratio
+    else:
+        log_w = (log_ratio.sum(-1, keepdim=True) / seq_count).expand(B, T)
+    c1 = torch.exp(log_w)
+    c2 = torch.clamp(c1, 1 - eps_low, 1 + eps_high)
+    if delta is not None:
+        c1 = torch.clamp(c1, max=delta)
+    per_token = -torch.minimum(c1 * adv, c2 * adv)
+    stats: Dict[str, Tensor] = {}
+    if beta != 0:
+        d = ref_log_probs.detach().to(log_probs.dtype) - log_probs
+        kl = torch.exp(d) - d - 1
+        per_token = per_token + beta * kl
+    per_token = torch.where(m, per_token, zero)
+    total_count = m.sum().clamp(min=1).to(log_probs.dtype)
+    if loss_type == "grpo":
+        loss = (per_token.sum(-1, keepdim=True) / seq_count).mean() if B else per_token.sum()
+    elif loss_type == "bnpo":
+        loss = per_token.sum() / total_count
+    elif loss_type == "dr_grpo":
+        loss = per_token.sum() / (B * (T if max_completion_length is None else max_completion_length) or 1)
+    else:  # dapo
+        n = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=log_probs.device)
+        loss = per_token.sum() / n.clamp(min=1).to(log_probs.dtype)
+    with torch.no_grad():
+        w = torch.exp(log_w)
+        low = m & (w < 1 - eps_low) & (adv < 0)
+        high = m & (w > 1 + eps_high) & (adv > 0)
+        stats["clip_ratio_low"] = low.sum() / total_count
+        stats["clip_ratio_high"] = high.sum() / total_count
+        stats["clip_ratio"] = (low | high).sum() / total_count
+        if beta != 0:
+            stats["kl"] = torch.where(m, kl, zero).sum() / total_count
+    return loss, stats
+
+
+def linear_grpo_loss(input: Tensor, linear_weight: Tensor, target: Tensor, advantages: Tensor,
+                     linear_bias: Optional[Tensor] = None, *, old_log_probs: Optional[Tensor] = None,
+                     ref_log_probs: Optional[Tensor] = None, ref_input: Optional[Tensor] = None,
+                     ref_linear_weight: Optional[Tensor] = None, ref_linear_bias: Optional[Tensor] = None,
+                     loss_type: str = "dapo", beta: float = 0.0, epsilon_low: float = 0.2,
+                     epsilon_high: Optional[float] = None, delta: Optional[float] = None,
+                     importance_sampling_level: str = "token", max_completion_length: Optional[int] = None,
+                     num_items_in_batch: Optional[Tensor] = None, temperature: float = 1.0,
+                     ignore_index: int = -100, chunk_size: Optional[int] = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """`grpo_loss` from a policy head's hidden states: the per-token log-probabilities fused (`linear_log_probs`).
+
+    The mask is `target != ignore_index` (prompt and padding tokens ignored). With beta ≠ 0 the reference's
+    per-token log-probabilities are the given ref_log_probs, or computed here without gradients from `ref_input`
+    (the reference model's hidden states, default: `input`) and `ref_linear_weight` / `ref_linear_bias`.
+
+    Args:
+        input: `(B, T, H)` floating. The policy's final hidden states of the completions, aligned with target.
+        linear_weight: `(V, H)` floating. The policy's lm_head weight.
+        target: `(B, T)` int64. The completion token ids, ignore_index where a token does not count.
+        advantages: `(B,)` floating. Each completion's advantage.
+        linear_bias: `(V,)` floating or None. Default: None.
+        old_log_probs, ref_log_probs: `(B, T)` floating or None. As `grpo_loss`. Default: None.
+        ref_input: `(B, T, Hr)` floating or None. The reference model's hidden states. Default: None (input).
+        ref_linear_weight: `(V, Hr)` floating or None. The reference lm_head. Default: None.
+        ref_linear_bias: `(V,)` floating or None. Default: None.
+        loss_type, beta, epsilon_low, epsilon_high, delta, importance_sampling_level, max_completion_length,
+            num_items_in_batch: as `grpo_loss`.
+        temperature: float > 0. The sampling temperature the logits are divided by (TRL's). Default: 1.0.
+        ignore_index, chunk_size: as `linear_log_probs`.
+
+    Returns:
+        (loss, stats) as `grpo_loss`; the loss in float32 (float64 for float64 input).
+
+    Raises:
+        ValueError: target not 2-D; beta ≠ 0 given neither ref_log_probs nor ref_linear_weight; as `grpo_loss` and
+            `linear_log_probs`.
+    """
+    op = "linear_grpo_loss"
+    if target.dim() != 2:
+        raise ValueError(f"opforge::{op}: expected target of shape (B, T), but got {list(target.shape)}")
+    kw = dict(temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size)
+    lp = linear_log_probs(input, linear_weight, target, linear_bias, **kw)
+    if beta != 0 and ref_log_probs is None:
+        if ref_linear_weight is None:
+            raise ValueError(f"opforge::{op}: expected ref_log_probs or ref_linear_weight with beta = {beta}, but "
+                             f"got None")
+        with torch.no_grad():
+            ref_log_probs = linear_log_probs(input if ref_input is None else ref_input, ref_linear_weight, target,
+                                             ref_linear_bias, **kw)
+    return grpo_loss(lp, advantages, target != ignore_index, old_log_probs, ref_log_probs, loss_type=loss_type,
+                     beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+                     importance_sampling_level=importance_sampling_level,
+                     max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch)

@@ -583,6 +583,60 @@ def kto_loss_reference(chosen_logps: Tensor, rejected_logps: Tensor, kl_logps: T
     return terms.sum() / max(terms.numel(), 1)
 
 
+__all__ += ["grpo_loss_reference"]
+
+
+def grpo_loss_reference(log_probs: Tensor, advantages: Tensor, mask: Tensor, old_log_probs: Optional[Tensor] = None,
+                        ref_log_probs: Optional[Tensor] = None, *, loss_type: str = "dapo", beta: float = 0.0,
+                        epsilon_low: float = 0.2, epsilon_high: Optional[float] = None, delta: Optional[float] = None,
+                        importance_sampling_level: str = "token", max_completion_length: Optional[int] = None,
+                        num_items_in_batch=None) -> Tensor:
+    """`opforge.grpo_loss`'s loss in float64, sequence by sequence from the PPO-clip objective (differentiable in
+    log_probs).
+
+    For each sequence b its counted tokens only (mask true): the importance ratio ρ = π/π_old per token (or, at the
+    sequence level, the geometric mean exp(mean(log π − log π_old)) over its tokens), the clipped surrogate
+    min(ρ' A, clip(ρ, 1 − ε_l, 1 + ε_h) A) with ρ' = min(ρ, delta) (or ρ), minus β times the k3 estimate
+    π_ref/π − log(π_ref/π) − 1 of KL(π ‖ π_ref); the loss is the negated objective: per sequence its token mean
+    averaged over the sequences ("grpo"), or the sum over every counted token divided by their number ("bnpo"), by
+    B · max_completion_length ("dr_grpo"), by num_items_in_batch ("dapo"; each count at least 1).
+
+    Returns:
+        `()` float64.
+    """
+    eh = epsilon_low if epsilon_high is None else epsilon_high
+    B, T = log_probs.shape
+    lp = log_probs.double()
+    old = lp.detach() if old_log_probs is None else old_log_probs.double().detach()
+    m = mask.bool()
+    per_seq, total = [], lp.new_zeros(())
+    for b in range(B):
+        idx = m[b].nonzero().flatten()
+        x, xo = lp[b, idx], old[b, idx]
+        a = float(advantages[b])
+        if importance_sampling_level == "sequence":
+            rho = torch.exp((x - xo).mean()).expand(len(idx)) if len(idx) else x
+        else:
+            rho = torch.exp(x - xo)
+        rho1 = rho if delta is None else torch.clamp(rho, max=delta)
+        surrogate = torch.minimum(rho1 * a, torch.clamp(rho, 1 - epsilon_low, 1 + eh) * a)
+        if beta != 0:
+            r = torch.exp(ref_log_probs.double().detach()[b, idx] - x)  # π_ref / π
+            surrogate = surrogate - beta * (r - torch.log(r) - 1)
+        terms = -surrogate
+        per_seq.append(terms.sum() / max(len(idx), 1))
+        total = total + terms.sum()
+    count = int(m.sum())
+    if loss_type == "grpo":
+        return torch.stack(per_seq).mean() if B else total
+    if loss_type == "bnpo":
+        return total / max(count, 1)
+    if loss_type == "dr_grpo":
+        return total / max(B * (T if max_completion_length is None else max_completion_length), 1)
+    n = count if num_items_in_batch is None else float(num_items_in_batch)
+    return total / max(n, 1)
+
+
 # ---- fake_quant_linear ---------------------------------------------------------------------------------
 __all__ += ["fake_quant_qparams_reference", "fake_quantize_weight_reference", "fake_quantize_per_token_reference",
             "fake_quant_linear_reference"]

@@ -1,15 +1,19 @@
-"""opforge.losses: the preference losses (DPO sigmoid/IPO/hinge/robust, SimPO, CPO, ORPO) and KTO against float64
-references written from the papers' formulas, the fused front end (linear_preference_loss) against the same math on
-materialised logits, sequences without any valid token, and the defects peers have reported (ORPO's log(1 − p) at
-p → 1, robust DPO's sign, IPO on summed log-probabilities, KTO's mean over no example)."""
+"""opforge.losses: the preference losses (DPO sigmoid/IPO/hinge/robust, SimPO, CPO, ORPO), KTO and GRPO (grpo,
+bnpo, dr_grpo, dapo; token and sequence importance sampling, clipping, the KL penalty) against float64 references
+written from the papers' formulas, the fused front ends (linear_preference_loss, linear_grpo_loss) against the same
+math on materialised logits, sequences and batches without any valid token (zero gradients), and the defects peers
+have reported (ORPO's log(1 − p) at p → 1, robust DPO's sign, IPO on summed log-probabilities, KTO's mean over no
+example)."""
 import math
 
 import pytest
 import torch
 
 import opforge
-from opforge.losses import PREFERENCE_LOSS_TYPES, kto_loss, linear_preference_loss, preference_loss, sequence_log_probs
-from opforge.testing import kto_loss_reference, linear_log_probs_reference, preference_loss_reference
+from opforge.losses import (GRPO_LOSS_TYPES, PREFERENCE_LOSS_TYPES, grpo_loss, kto_loss, linear_grpo_loss,
+                            linear_preference_loss, preference_loss, sequence_log_probs)
+from opforge.testing import (grpo_loss_reference, kto_loss_reference, linear_log_probs_reference,
+                             preference_loss_reference)
 
 REFERENCE_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 
@@ -208,3 +212,123 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="opforge::linear_preference_loss: expected ref_chosen_logps"):
         linear_preference_loss(x, w, t, loss_type="sigmoid")
     assert opforge.preference_loss is preference_loss and "linear_preference_loss" in opforge.__all__
+
+
+def test_every_target_ignored_gives_zero_gradients(device):
+    """A whole batch without any counted token (every target ignored): each fused loss is finite and every
+    gradient is exactly zero, as the unfused math's (each ignored token's log-probability is a masked-out branch)."""
+    x, w, wr, t = _seq_data(2, 6, 4, 13, torch.float32, device)
+    t.fill_(-100)
+    adv = torch.randn(4, device=device)
+    calls = [(f"preference {lt}", lambda xx, ww, lt=lt: linear_preference_loss(xx, ww, t, ref_linear_weight=wr,
+                                                                                loss_type=lt)[0])
+             for lt in PREFERENCE_LOSS_TYPES]
+    calls += [(f"grpo {lt}", lambda xx, ww, lt=lt: linear_grpo_loss(xx, ww, t, adv, ref_linear_weight=wr, beta=0.1,
+                                                                    loss_type=lt)[0]) for lt in GRPO_LOSS_TYPES]
+    calls.append(("grpo dapo num_items_in_batch=0",
+                  lambda xx, ww: linear_grpo_loss(xx, ww, t, adv, num_items_in_batch=torch.tensor(0))[0]))
+    for name, fn in calls:
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fn(xx, ww)
+        loss.backward()
+        assert torch.isfinite(loss), name
+        for g in (xx.grad, ww.grad):
+            assert torch.equal(g, torch.zeros_like(g)), name
+
+
+def _grpo_data(B, T, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 3).to(device)
+    old = (lp.cpu() + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0).to(device)
+    ref = (lp.cpu() + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0).to(device)
+    adv = torch.randn(B, generator=g, dtype=torch.float64).to(device)
+    mask = torch.rand(B, T, generator=g) > 0.25
+    mask[0] = False  # a sequence without any counted token
+    return lp, old, ref, adv, mask.to(device)
+
+
+@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("opts", [dict(), dict(beta=0.04, epsilon_high=0.28), dict(beta=0.1, delta=1.5),
+                                  dict(max_completion_length=20, num_items_in_batch=37)], ids=str)
+def test_grpo_matches_reference(device, loss_type, level, opts):
+    lp, old, ref, adv, mask = _grpo_data(6, 9, device)
+    kw = dict(loss_type=loss_type, importance_sampling_level=level, **opts)
+    a = lp.clone().requires_grad_()
+    loss, stats = grpo_loss(a, adv, mask, old, ref, **kw)
+    b = lp.clone().requires_grad_()
+    expected = grpo_loss_reference(b, adv, mask, old, ref, **kw)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-14)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-14)
+    assert torch.equal(a.grad[~mask], torch.zeros_like(a.grad[~mask]))
+    assert all(not v.requires_grad for v in stats.values()) and ("kl" in stats) == bool(opts.get("beta"))
+    assert 0 <= stats["clip_ratio_low"] <= stats["clip_ratio"] <= 1
+
+
+def test_grpo_on_policy_and_clip_statistics():
+    """Without old_log_probs the ratio is 1 (one step per generation): the loss is −mean(A) over the tokens for
+    "bnpo" and its gradient A / count per token; a ratio past the clip range with an advantage of that sign gets
+    no gradient and is counted as clipped."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -4.0]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    loss, stats = grpo_loss(lp, adv, mask, loss_type="bnpo")
+    torch.testing.assert_close(loss, torch.tensor((-2 * 1.0 + 3 * 2.0) / 5, dtype=torch.float64))
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-0.2, -0.2, 0.0], [0.4, 0.4, 0.4]], dtype=torch.float64))
+    assert stats["clip_ratio"] == 0
+    old = lp.detach() - torch.tensor([[0.5, 0.0, 0.0], [0.0, -0.5, 0.0]], dtype=torch.float64)  # ratios e^0.5, e^-0.5
+    lp.grad = None
+    loss, stats = grpo_loss(lp, adv, mask, old, loss_type="bnpo")
+    loss.backward()
+    assert lp.grad[0, 0] == 0 and lp.grad[1, 1] == 0 and lp.grad[0, 1] != 0
+    torch.testing.assert_close(stats["clip_ratio_high"], torch.tensor(0.2, dtype=torch.float64))
+    torch.testing.assert_close(stats["clip_ratio_low"], torch.tensor(0.2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_linear_grpo_loss_matches_unfused(device, loss_type):
+    x, w, wr, t = _seq_data(2, 7, 8, 31, torch.float64, device)
+    g = torch.Generator().manual_seed(3)
+    adv = torch.randn(4, generator=g, dtype=torch.float64).to(device)
+    old = (linear_log_probs_reference(x, w, t, temperature=0.9) + 0.1 * torch.randn(4, 7, generator=g,
+                                                                                     dtype=torch.float64).to(device))
+    kw = dict(loss_type=loss_type, beta=0.05, epsilon_high=0.3)
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, _ = linear_grpo_loss(x1, w1, t, adv, old_log_probs=old, ref_linear_weight=wr, temperature=0.9,
+                               chunk_size=5, **kw)
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp = linear_log_probs_reference(x2, w2, t, temperature=0.9)
+    with torch.no_grad():
+        ref = linear_log_probs_reference(x, wr, t, temperature=0.9)
+    expected = grpo_loss_reference(lp, adv, t != -100, old, ref, **kw)
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-8, atol=1e-12)
+
+
+def test_grpo_bad_arguments():
+    lp, old, ref, adv, mask = _grpo_data(3, 4, "cpu")
+    pre = "opforge::grpo_loss: "
+    with pytest.raises(ValueError, match=pre + "expected loss_type to be one of"):
+        grpo_loss(lp, adv, mask, loss_type="ppo")
+    with pytest.raises(ValueError, match=pre + "expected importance_sampling_level"):
+        grpo_loss(lp, adv, mask, importance_sampling_level="batch")
+    with pytest.raises(ValueError, match=pre + r"expected advantages of shape \[3\]"):
+        grpo_loss(lp, adv[:2], mask)
+    with pytest.raises(ValueError, match=pre + r"expected mask of log_probs's shape"):
+        grpo_loss(lp, adv, mask[:, :2])
+    with pytest.raises(ValueError, match=pre + "expected ref_log_probs with beta"):
+        grpo_loss(lp, adv, mask, beta=0.1)
+    with pytest.raises(ValueError, match=pre + "expected delta > 1"):
+        grpo_loss(lp, adv, mask, delta=0.5)
+    with pytest.raises(ValueError, match=pre + "expected log_probs of shape"):
+        grpo_loss(lp[0], adv, mask)
+    x, w, wr, t = _seq_data(1, 4, 4, 7, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="opforge::linear_grpo_loss: expected ref_log_probs or ref_linear_weight"):
+        linear_grpo_loss(x, w, t, torch.zeros(2), beta=0.1)
+    assert opforge.grpo_loss is grpo_loss and "linear_grpo_loss" in opforge.__all__

@@ -89,8 +89,8 @@ acc_t forward_row(acc_t* z, int64_t t, const RowParams<acc_t>& q, acc_t& m_out, 
   }
   if (q.z_loss > 0) loss += q.z_loss * (m + r) * (m + r);
   if (ent_out) {
-    const acc_t mr = m + r;
-    *ent_out = r + at::vec::map_reduce_all<acc_t>([m, mr](V x) { return ((x - V(mr)).exp()) * (V(m) - x); },
+    // p_j = exp((z_j − m) − r): m + r would round r away under a large logit offset
+    *ent_out = r + at::vec::map_reduce_all<acc_t>([m, r](V x) { return ((x - V(m)) - V(r)).exp() * (V(m) - x); },
                                                   [](V a, V b) { return a + b; }, z, n);
   }
   m_out = m;

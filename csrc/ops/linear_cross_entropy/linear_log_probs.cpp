@@ -91,9 +91,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_outputs(const lce::Proble
                                                                const at::Tensor& target) {
   auto ss = target.sizes().vec();
   ss.push_back(2);
-  // the row value is the cross-entropy row's −log p; adding 0 turns an ignored token's −0 into +0
+  // the row value is the cross-entropy row's −log p; adding 0 turns an ignored token's −0 into +0. Without
+  // return_entropy the entropy output is an empty (0,) tensor (an op returns defined tensors: Meta, opcheck and
+  // torch.compile see the same outputs for every call)
   return {token_value.neg().add_(0).view(target.sizes()),
-          entropy.defined() ? entropy.view(target.sizes()) : at::Tensor(), stats.view(ss)};
+          entropy.defined() ? entropy.view(target.sizes()) : at::empty({0}, token_value.options()), stats.view(ss)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
@@ -184,7 +186,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs_forward_meta(
   ss.push_back(2);
   const auto opts = input.options().dtype(lce::acc_dtype(input.scalar_type()));
   return {at::empty_symint(target.sym_sizes(), opts),
-          return_entropy ? at::empty_symint(target.sym_sizes(), opts) : at::Tensor(), at::empty_symint(ss, opts)};
+          return_entropy ? at::empty_symint(target.sym_sizes(), opts) : at::empty({0}, opts),
+          at::empty_symint(ss, opts)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs_backward_meta(
@@ -205,14 +208,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs_backward_meta(
 
 // ---- Autograd ----------------------------------------------------------------------------------------
 
-// Saved: input, linear_weight, target, stats, linear_bias (or undefined), entropy (an output, or undefined);
-// attributes temperature, ignore_index, softcap (0 = none), chunk_size (0 = default). Edges: input, linear_weight,
-// linear_bias.
+// Saved: input, linear_weight, target, stats, linear_bias (or undefined), entropy (an output; undefined without
+// return_entropy); attributes temperature, ignore_index, softcap (0 = none), chunk_size (0 = default). Edges: input,
+// linear_weight, linear_bias. Without return_entropy the entropy output is an empty constant: a gradient given for
+// it contributes nothing.
 variable_list llp_backward_fn(const BackwardArgs& a) {
-  const at::Tensor& glp = a.grads[0];
-  const at::Tensor& gent = a.grads[1];
-  if (!glp.defined() && !gent.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
   const at::Tensor &bias = a.saved[4], &ent = a.saved[5];
+  const at::Tensor& glp = a.grads[0];
+  const at::Tensor gent = ent.defined() ? a.grads[1] : at::Tensor();
+  if (!glp.defined() && !gent.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
   auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
   const double softcap = a.attrs[2].toDouble();
   const int64_t chunk = a.attrs[3].toInt();
@@ -249,7 +253,7 @@ LlpForward llp_recorded(const char* op, const at::Tensor& input, const at::Tenso
         n.save(target);
         n.save(stats);
         n.save(linear_bias);
-        n.save(ent, /*is_output=*/true);
+        n.save(return_entropy ? ent : at::Tensor(), /*is_output=*/true);
         n.attr(temperature);
         n.attr(ignore_index);
         n.attr(softcap.value_or(0.0));
