@@ -88,8 +88,15 @@ def sequence_log_probs(input: Tensor, linear_weight: Tensor, target: Tensor, lin
 
 def _log1mexp(x: Tensor) -> Tensor:
     """log(1 − exp(x)) for x ≤ 0 without cancellation (Mächler 2012): log(−expm1(x)) near 0, log1p(−exp(x)) below
-    −ln 2. The naive log1p(−exp(x)) is −inf at x = 0 and loses every digit for x close to 0."""
-    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    −ln 2. The naive log1p(−exp(x)) is −inf at x = 0 and loses every digit for x close to 0. x is taken at most
+    −tiny (the dtype's smallest normal), so a log-probability of exactly 0 (a sequence without any counted token, or
+    a probability that rounds to 1) gives finite odds and no gradient through the bound, not ∞ − ∞ = NaN."""
+    x = x.clamp(max=-torch.finfo(x.dtype).tiny)
+    ln2 = 0.6931471805599453
+    # each branch evaluated only where its form is finite (an inf in the unused branch's backward would be NaN)
+    near = torch.log(-torch.expm1(torch.clamp(x, min=-ln2)))
+    far = torch.log1p(-torch.exp(torch.clamp(x, max=-ln2)))
+    return torch.where(x > -ln2, near, far)
 
 
 def preference_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Optional[Tensor] = None,
@@ -140,7 +147,8 @@ def preference_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_log
 
     Source: TRL's `DPOTrainer.dpo_loss`, `CPOTrainer.cpo_loss`, `ORPOTrainer.odds_ratio_loss` (the formulas above);
     ORPO's log(1 − eˡ) is computed without cancellation (log(−expm1(l)) near l = 0, where the naive
-    log1p(−exp(l)) gives −inf and NaN gradients).
+    log1p(−exp(l)) gives −inf and NaN gradients), with l at most −tiny (finite at l = 0: a sequence without any
+    counted token).
     """
     op = "preference_loss"
     if loss_type not in PREFERENCE_LOSS_TYPES:

@@ -71,8 +71,8 @@ def test_orpo_near_certain_tokens_is_finite():
     torch.testing.assert_close(loss, ref, rtol=1e-9, atol=0)
     loss.backward()
     assert torch.isfinite(c.grad).all()
-    c32 = torch.tensor([-1e-6], dtype=torch.float32, requires_grad=True)
-    l32 = preference_loss(c32, torch.tensor([-2.0]), loss_type="orpo")[0]
+    c32 = torch.tensor([-1e-6, -1e-9, 0.0], dtype=torch.float32, requires_grad=True)
+    l32 = preference_loss(c32, torch.tensor([-2.0, -2.0, -2.0]), loss_type="orpo")[0]
     l32.backward()
     assert torch.isfinite(l32) and torch.isfinite(c32.grad).all()
 

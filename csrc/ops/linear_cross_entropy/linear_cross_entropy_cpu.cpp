@@ -156,7 +156,7 @@ void backward_row(acc_t* l, int64_t t, const RowParams<acc_t>& q, acc_t m, acc_t
   l[t] -= g * (acc_t(1) - q.eps) * wt * gz_t;
 }
 
-// log-softmax of a row in place (z → z − m − log Σ exp(z − m)).
+// log-softmax of a row in place (z → (z − m) − log Σ exp(z − m)).
 template <typename acc_t>
 void log_softmax_row(acc_t* z, int64_t n) {
   using V = Vectorized<acc_t>;
@@ -164,8 +164,10 @@ void log_softmax_row(acc_t* z, int64_t n) {
   const acc_t s = std::isfinite(m) ? at::vec::map_reduce_all<acc_t>([m](V x) { return (x - V(m)).exp(); },
                                                                    [](V a, V b) { return a + b; }, z, n)
                                    : acc_t(NAN);
-  const acc_t c = m + std::log(s);
-  at::vec::map([c](V x) { return x - V(c); }, z, z, n);
+  // (z − m) − log s, not z − (m + log s): rounding m + log s would scale every probability exp(ls) by one common
+  // error factor, which the JSD's gradient does not cancel
+  const acc_t ls = std::log(s);
+  at::vec::map([m, ls](V x) { return (x - V(m)) - V(ls); }, z, z, n);
 }
 
 // The generalised JSD of one token (linear_jsd) from its student logits zs and teacher logits zt (each row with its
@@ -184,19 +186,21 @@ acc_t jsd_row(acc_t* zs, acc_t* zt, int64_t n, acc_t beta, acc_t scale, bool gra
     const acc_t a = lt + lb, b = ls + l1b, mx = std::max(a, b);
     return mx + std::log1p(std::exp(-std::abs(a - b)));
   };
-  acc_t A = 0, K = 0;
+  // the two sums in double (a serial float32 sum over V would lose digits that the gradient's (ls − lm) − K keeps)
+  double Ad = 0, Kd = 0;
   for (int64_t j = 0; j < n; ++j) {
     const acc_t ls = zs[j], lt = zt[j];
     if (beta == acc_t(0)) {
-      A += std::exp(lt) * (lt - ls);
+      Ad += static_cast<double>(std::exp(lt) * (lt - ls));
     } else if (beta == acc_t(1)) {
-      K += std::exp(ls) * (ls - lt);
+      Kd += static_cast<double>(std::exp(ls) * (ls - lt));
     } else {
       const acc_t lm = lmix(ls, lt);
-      A += std::exp(lt) * (lt - lm);
-      K += std::exp(ls) * (ls - lm);
+      Ad += static_cast<double>(std::exp(lt) * (lt - lm));
+      Kd += static_cast<double>(std::exp(ls) * (ls - lm));
     }
   }
+  const acc_t A = static_cast<acc_t>(Ad), K = static_cast<acc_t>(Kd);
   const acc_t value = beta == acc_t(0) ? A : beta == acc_t(1) ? K : beta * A + (acc_t(1) - beta) * K;
   if (grad) {
     const acc_t gs = g * scale;

@@ -359,12 +359,14 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,
   a = 0;
   for (int64_t j = threadIdx.x; j < V; j += blockDim.x) online(mt, st, u[j] * sc);
   block_reduce(mt, st, a);
-  const acc_t cs = ms + log(ss), ct = mt + log(st);  // the log-softmax offsets
+  // the log-softmax as (z − m) − log s: rounding m + log s would scale every exp(ls) by one common error factor,
+  // which the gradient does not cancel
+  const acc_t lss = log(ss), lst = log(st);
   const acc_t lb = log(beta), l1b = log1p(-beta);
   const bool fwd_kl = beta == acc_t(0), rev_kl = beta == acc_t(1);
   acc_t A = 0, K = 0;
   for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    const acc_t lsj = l[j] * sc - cs, ltj = u[j] * sc - ct;
+    const acc_t lsj = (l[j] * sc - ms) - lss, ltj = (u[j] * sc - mt) - lst;
     if (fwd_kl) {
       A += dev_exp(ltj) * (ltj - lsj);
     } else if (rev_kl) {
@@ -386,7 +388,7 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,
   if constexpr (GRAD) {
     const acc_t gs = G[0] * sc;
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-      const acc_t lsj = l[j] * sc - cs, ltj = u[j] * sc - ct, ps = dev_exp(lsj);
+      const acc_t lsj = (l[j] * sc - ms) - lss, ltj = (u[j] * sc - mt) - lst, ps = dev_exp(lsj);
       acc_t d;
       if (fwd_kl) {
         d = ps - dev_exp(ltj);
