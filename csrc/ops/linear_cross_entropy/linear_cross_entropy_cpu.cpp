@@ -178,10 +178,12 @@ void log_softmax_row(acc_t* z, int64_t n) {
 //        dz_j = (1 − β) p_s,j ((ls_j − lm_j) − K)            (the terms through lm cancel);
 //   dl_j = dz_j · scale.
 template <typename acc_t>
-acc_t jsd_row(acc_t* zs, acc_t* zt, int64_t n, acc_t beta, acc_t scale, bool grad, acc_t g) {
+acc_t jsd_row(acc_t* zs, acc_t* zt, int64_t n, double beta_d, acc_t scale, bool grad, acc_t g) {
   log_softmax_row(zs, n);
   log_softmax_row(zt, n);
-  const acc_t lb = std::log(beta), l1b = std::log1p(-beta);
+  // β's logs and 1 − β from the double β (float32's rounding of β = 0.3 alone moves the divergence by ~1e-7)
+  const acc_t beta = static_cast<acc_t>(beta_d), one_m_beta = static_cast<acc_t>(1.0 - beta_d);
+  const acc_t lb = static_cast<acc_t>(std::log(beta_d)), l1b = static_cast<acc_t>(std::log1p(-beta_d));
   auto lmix = [&](acc_t ls, acc_t lt) {  // log(β e^lt + (1 − β) e^ls)
     const acc_t a = lt + lb, b = ls + l1b, mx = std::max(a, b);
     return mx + std::log1p(std::exp(-std::abs(a - b)));
@@ -201,7 +203,9 @@ acc_t jsd_row(acc_t* zs, acc_t* zt, int64_t n, acc_t beta, acc_t scale, bool gra
     }
   }
   const acc_t A = static_cast<acc_t>(Ad), K = static_cast<acc_t>(Kd);
-  const acc_t value = beta == acc_t(0) ? A : beta == acc_t(1) ? K : beta * A + (acc_t(1) - beta) * K;
+  const acc_t value = beta_d == 0.0   ? A
+                      : beta_d == 1.0 ? K
+                                      : static_cast<acc_t>(beta_d * Ad + (1.0 - beta_d) * Kd);
   if (grad) {
     const acc_t gs = g * scale;
     for (int64_t j = 0; j < n; ++j) {
@@ -212,7 +216,7 @@ acc_t jsd_row(acc_t* zs, acc_t* zt, int64_t n, acc_t beta, acc_t scale, bool gra
       } else if (beta == acc_t(1)) {
         d = ps * ((ls - lt) - K);
       } else {
-        d = (acc_t(1) - beta) * ps * ((ls - lmix(ls, lt)) - K);
+        d = one_m_beta * ps * ((ls - lmix(ls, lt)) - K);
       }
       zs[j] = d * gs;
     }
@@ -319,7 +323,7 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
             }
             cap_row(l, q);
             cap_row(Tp + i * p.V, qt);
-            value[row] = jsd_row(l, Tp + i * p.V, p.V, static_cast<acc_t>(beta), q.scale, need_grad, g);
+            value[row] = jsd_row(l, Tp + i * p.V, p.V, beta, q.scale, need_grad, g);
             continue;
           }
           value[row] = forward_row(l, T[row], q, st[2 * row], st[2 * row + 1], ent ? ent + row : nullptr);
