@@ -910,6 +910,52 @@ def _llp_native(input, linear_weight, target, linear_bias=None, temperature=1.0,
     return lp, torch.where(valid, ent, torch.zeros_like(ent))
 
 
+def _llp_check(what, ours, ref, base, args, gouts, **kwargs):
+    """The tolerance rule with, for the gradients, an a-priori bound of their float32 rounding: the logit gradient
+    dz (its float64 value from the reference, through the bias, softcap and temperature) is off by at most
+    eps |dz| + 4 eps (|g_lp| + |g_ent| mag) p / T per logit (mag = max |z| + log V: the log-probabilities' rounding,
+    which the entropy's (z − m) − (r − H) does not cancel), and the gradient GEMMs and the bias's column sum over the
+    N tokens add their own (N u Σ |dz|: any summation order)."""
+    names = ("input", "linear_weight", "target", "linear_bias", "temperature", "ignore_index", "softcap",
+             "return_entropy", "chunk_size")
+    o = {**dict(zip(names, args)), **kwargs}
+    x, w, t, b = o["input"], o["linear_weight"], o["target"], o.get("linear_bias")
+    if what not in ("grad 0", "grad 1", "grad 2") or x.numel() == 0:
+        return T.assert_matches_reference(ours, ref, base, what=what)
+    temp, ent = o.get("temperature", 1.0), o.get("return_entropy", False)
+    f32 = torch.float32
+    eps, u = torch.finfo(f32).eps, torch.finfo(f32).eps / 2
+    V, H = w.shape
+    x2 = x.detach().double().reshape(-1, H)
+    l = (x2 @ w.detach().double().t()).requires_grad_()
+    eye = torch.eye(V, dtype=torch.float64, device=l.device)
+    tg = t.reshape(-1)
+    out = T.linear_log_probs_reference(l, eye, tg, None if b is None else b.detach().double(), temperature=temp,
+                                       ignore_index=o.get("ignore_index", -100), softcap=o.get("softcap"),
+                                       return_entropy=ent)
+    out = out if ent else (out,)
+    gs = [g.detach().double().reshape(-1) for g in gouts]
+    (dz,) = torch.autograd.grad(sum((y * g).sum() for y, g in zip(out, gs)), l)
+    dz = dz.abs()
+    with torch.no_grad():
+        z = l if b is None else l + b.detach().double()
+        if o.get("softcap") is not None:
+            z = o["softcap"] * torch.tanh(z / o["softcap"])
+        z = z / temp
+        p = torch.softmax(z, -1)
+        mag = z.abs().amax(-1, keepdim=True) + math.log(V)
+        coef = gs[0].abs().unsqueeze(-1) + (gs[1].abs().unsqueeze(-1) * mag if ent else 0)
+        err = eps * dz + 4 * eps * coef * p / temp
+        err = torch.where((tg != o.get("ignore_index", -100)).unsqueeze(-1).to(err.device), err, torch.zeros_like(err))
+        if what == "grad 0":
+            bound = (err @ w.detach().double().abs() + T.gemm_error_bound(dz, w.detach().t(), f32)).reshape(x.shape)
+        elif what == "grad 1":
+            bound = err.t() @ x2.abs() + T.gemm_error_bound(dz.t(), x2.t(), f32)
+        else:
+            bound = err.sum(0) + x2.shape[0] * u * dz.sum(0)
+    T.assert_matches_reference(ours, ref, base, what=what, bound=bound)
+
+
 def _llp_samples(device, dtype):
     x, w, t, b = _lce_data((37,), 24, 83, dtype, device)
     x3, _, t3, _ = _lce_data((3, 5), 24, 83, dtype, device)
@@ -971,7 +1017,7 @@ def _llp_bad(device):
 ENTRIES.append(OpEntry(
     name="linear_log_probs", op=_llp, reference=_llp_reference, baseline=_llp_baseline, native=_llp_native,
     samples=_llp_samples, small_samples=_llp_small, bad_inputs=_llp_bad, double_backward=False,
-    vmap_in_dims=(0, None, 0, None, None, None, None, None, None), autocast="lower_precision"))
+    vmap_in_dims=(0, None, 0, None, None, None, None, None, None), autocast="lower_precision", check=_llp_check))
 
 
 # ---- linear_jsd ------------------------------------------------------------------------------------------------
