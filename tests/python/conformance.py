@@ -910,6 +910,11 @@ def _llp_native(input, linear_weight, target, linear_bias=None, temperature=1.0,
     return lp, torch.where(valid, ent, torch.zeros_like(ent))
 
 
+def _rows(t):
+    """(*, K) as (N, K), also for K = 0."""
+    return t.flatten(0, -2) if t.dim() >= 2 else t.unsqueeze(0)
+
+
 def _llp_check(what, ours, ref, base, args, gouts, **kwargs):
     """The tolerance rule with, for the gradients, an a-priori bound of their float32 rounding: the logit gradient
     dz (its float64 value from the reference, through the bias, softcap and temperature) is off by at most
@@ -926,7 +931,7 @@ def _llp_check(what, ours, ref, base, args, gouts, **kwargs):
     f32 = torch.float32
     eps, u = torch.finfo(f32).eps, torch.finfo(f32).eps / 2
     V, H = w.shape
-    x2 = x.detach().double().reshape(-1, H)
+    x2 = _rows(x.detach().double())
     l = (x2 @ w.detach().double().t()).requires_grad_()
     eye = torch.eye(V, dtype=torch.float64, device=l.device)
     tg = t.reshape(-1)
@@ -1087,7 +1092,7 @@ def _jsd_check(what, ours, ref, base, args, gouts, **kwargs):
     f32 = torch.float32
     eps = torch.finfo(f32).eps
     V = w.shape[0]
-    x2, xt2 = x.detach().double().reshape(-1, x.shape[-1]), xt.detach().double().reshape(-1, xt.shape[-1])
+    x2, xt2 = _rows(x.detach().double()), _rows(xt.detach().double())
 
     def logits(a, m, b):
         z = a @ m.detach().double().t()
