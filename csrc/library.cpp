@@ -101,8 +101,8 @@ TORCH_LIBRARY(opforge, m) {
   m.def("linear_cross_entropy_backward(Tensor grad_output, Tensor input, Tensor linear_weight, Tensor target, Tensor stats, Tensor? linear_bias, Tensor? weight, str reduction, int ignore_index, float label_smoothing, float z_loss, float? softcap, bool[3] output_mask, int? chunk_size=None) -> (Tensor, Tensor, Tensor)");
   // ---- linear_log_probs (csrc/ops/linear_cross_entropy: linear_cross_entropy's chunk engine, another row function) ----
   // (log_probs, entropy): log p(target) = z_target − logsumexp(z) per token, z = cap(input · linear_weightᵀ +
-  // linear_bias) / temperature, and with return_entropy −Σ_j p_j log p_j (else entropy is undefined); 0 where
-  // target == ignore_index; float32 (float64 for float64); in token chunks, never all [*, V] logits
+  // linear_bias) / temperature, and with return_entropy −Σ_j p_j log p_j (else entropy is an empty (0,) tensor);
+  // 0 where target == ignore_index; float32 (float64 for float64); in token chunks, never all [*, V] logits
   m.def("linear_log_probs(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, float temperature=1.0, int ignore_index=-100, float? softcap=None, bool return_entropy=False, int? chunk_size=None) -> (Tensor log_probs, Tensor entropy)");
   // linear_log_probs plus stats (*, 2) float32 (float64 for float64): per token (m, r) of the scaled logits, as
   // _linear_cross_entropy_forward's, for the backward

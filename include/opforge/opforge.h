@@ -285,8 +285,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
 /// temperature, log p = z_target − logsumexp(z), and with return_entropy the entropy −Σ p log p, in chunks of
 /// tokens (no [*, V] logits). input (*, H), linear_weight (V, H), target (*) int64, linear_bias (V,) or none;
 /// temperature > 0; softcap > 0 or none; chunk_size rows per chunk (none: the memory budget). Returns (log_probs
-/// (*), entropy (*) or undefined without return_entropy), float32 (float64 for float64 input); 0 where target ==
-/// ignore_index.
+/// (*), entropy (*); an empty (0,) tensor without return_entropy), float32 (float64 for float64 input); 0 where
+/// target == ignore_index.
 std::tuple<at::Tensor, at::Tensor> linear_log_probs(const at::Tensor& input, const at::Tensor& linear_weight,
                                                     const at::Tensor& target,
                                                     const std::optional<at::Tensor>& linear_bias = std::nullopt,

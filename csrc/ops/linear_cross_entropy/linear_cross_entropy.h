@@ -242,8 +242,8 @@ void set_row_scalars(Q& q, const Problem& p) {
 // ---- linear_log_probs: the same engine, the row value −log p(target) (the cross-entropy row with ε = 0, no class
 // weights, no z-loss) and optionally the entropy; always the recompute autograd path (a per-token grad_output) ----
 
-/// linear_log_probs's forward for autograd: (log_probs, entropy or undefined, stats (*, 2) as
-/// _linear_cross_entropy_forward's, of the scaled logits).
+/// linear_log_probs's forward for autograd: (log_probs, entropy (an empty (0,) tensor without return_entropy),
+/// stats (*, 2) as _linear_cross_entropy_forward's, of the scaled logits).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> _linear_log_probs_forward(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias, double temperature, int64_t ignore_index,

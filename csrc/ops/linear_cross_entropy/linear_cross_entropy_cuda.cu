@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 
 #include "core/check.h"
 #include "core/cuda_utils.cuh"
@@ -331,13 +332,20 @@ __device__ __forceinline__ acc_t log_add_exp(acc_t a, acc_t b) {
 // [c, V], the biases added by their GEMMs), both scaled by q.scale; with GRAD the student's logit gradient of
 // G[0] · value (linear_cross_entropy_cpu.cpp's jsd_row has the formulas), fp32 in place and/or in the storage dtype.
 // Passes: (m, s) of each row; the sums A = Σ p_t (lt − lm) and K = Σ p_s (ls − lm); the gradient.
+// β and what the JSD row needs of it, each rounded once from the double β on the host (log(0.3f) would carry the
+// rounding of 0.3 itself into the divergence: ~1e-7 relative)
+template <typename acc_t>
+struct JsdBeta {
+  acc_t beta, lb, l1b, one_m;  // β, log β, log(1 − β), 1 − β
+};
+
 template <typename acc_t, typename out_t, bool GRAD>
 __global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,          // [c, V]
                                                      const acc_t* __restrict__ lt_buf,    // [c, V]
                                                      out_t* __restrict__ out_lp,          // [c, V] or null
                                                      bool write_acc,
                                                      const int64_t* __restrict__ T,       // [c]
-                                                     RowArgs<acc_t> q, acc_t beta,
+                                                     RowArgs<acc_t> q, JsdBeta<acc_t> jb,
                                                      const acc_t* __restrict__ G,         // [1] (GRAD)
                                                      acc_t* __restrict__ loss) {          // [c]
   const int64_t row = blockIdx.x;
@@ -362,7 +370,7 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,
   // the log-softmax as (z − m) − log s: rounding m + log s would scale every exp(ls) by one common error factor,
   // which the gradient does not cancel
   const acc_t lss = log(ss), lst = log(st);
-  const acc_t lb = log(beta), l1b = log1p(-beta);
+  const acc_t beta = jb.beta, lb = jb.lb, l1b = jb.l1b;
   const bool fwd_kl = beta == acc_t(0), rev_kl = beta == acc_t(1);
   acc_t A = 0, K = 0;
   for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
@@ -384,7 +392,7 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,
   dm = -INFINITY;
   ds = 0;
   block_reduce(dm, ds, K);
-  if (threadIdx.x == 0) loss[row] = fwd_kl ? A : rev_kl ? K : beta * A + (acc_t(1) - beta) * K;
+  if (threadIdx.x == 0) loss[row] = fwd_kl ? A : rev_kl ? K : beta * A + jb.one_m * K;
   if constexpr (GRAD) {
     const acc_t gs = G[0] * sc;
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
@@ -395,7 +403,7 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,
       } else if (rev_kl) {
         d = ps * ((lsj - ltj) - K);
       } else {
-        d = (acc_t(1) - beta) * ps * ((lsj - log_add_exp(ltj + lb, lsj + l1b)) - K);
+        d = jb.one_m * ps * ((lsj - log_add_exp(ltj + lb, lsj + l1b)) - K);
       }
       d *= gs;
       if (write_acc) l[j] = d;
@@ -503,7 +511,8 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
         const acc_t* Tp = Lt.const_data_ptr<acc_t>();
         at::Tensor D = need_grad && low ? dlow.narrow(0, 0, c) : L;
         out_t* op = need_grad && low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
-        const acc_t b = static_cast<acc_t>(beta);
+        const JsdBeta<acc_t> b{static_cast<acc_t>(beta), static_cast<acc_t>(std::log(beta)),
+                               static_cast<acc_t>(std::log1p(-beta)), static_cast<acc_t>(1.0 - beta)};
         if (need_grad) {
           jsd_rows<acc_t, out_t, true><<<c, kThreads, 0, stream>>>(Lp, Tp, op, write_acc, T, q, b, gp, lp);
         } else {

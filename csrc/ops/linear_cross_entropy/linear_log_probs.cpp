@@ -4,7 +4,7 @@
 // logits scaled by 1 / temperature and, on request, the entropy; see lce::RowGrad for the backward row.
 //
 // Op structure (schemas in csrc/library.cpp):
-//   _linear_log_probs_forward   CPU/CUDA/Meta kernels: (log_probs, entropy or undefined, stats (m, r) per token);
+//   _linear_log_probs_forward   CPU/CUDA/Meta kernels: (log_probs, entropy or an empty (0,) tensor, stats (m, r));
 //                               Autograd records the node below.
 //   linear_log_probs            CompositeExplicitAutograd: the forward op's first two outputs; Autograd kernel
 //                               below: nothing kept when nothing needs a gradient, else the forward op and a node
