@@ -179,8 +179,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the weights are initialised before the cast to --dtype (default: --device; cpu "
                         "takes ~20 s per variant at the default size). Same seed, so every variant starts alike")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--family", default="llama", choices=sorted(FAMILIES),
-                   help="transformers family of the model (default: llama); the shape arguments apply to it")
+    p.add_argument("--family", default="llama",
+                   help=f"transformers family of the model, or several comma-separated (one table each, then a "
+                        f"summary), or 'all': {','.join(FAMILIES)} (default: llama); the shape arguments apply to each")
     p.add_argument("--loss-bound", type=float, default=None,
                    help="largest allowed per-step relative loss difference from HF eager (default: 2e-2 for "
                         "16-bit dtypes, 1e-3 for float32); a variant over it is marked in the table")
@@ -192,6 +193,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    a.family_list = list(FAMILIES) if a.family == "all" else [f.strip() for f in a.family.split(",") if f.strip()]
+    bad = [f for f in a.family_list if f not in FAMILIES]
+    if bad or not a.family_list:
+        p.error(f"--family: unknown {', '.join(bad) or '(none given)'}; known: {', '.join(FAMILIES)} or all")
+    a.family = a.family_list[0]
     if a.smoke:
         a.layers, a.hidden, a.intermediate, a.heads, a.kv_heads, a.vocab, a.seq, a.batch = 2, 64, 128, 4, 2, 256, 32, 2
         a.steps, a.warmup, a.dtype, a.device = 3, 1, "float32", a.device or "cpu"
@@ -448,11 +454,37 @@ def _plot(rows: list, path: Path, title: str) -> bool:
 
 
 def main(argv=None) -> list:
+    """Run every variant of every family given (each variant in its own process); the rows of all families."""
     a = parse_args(argv)
     if a.worker:
         out = run_variant(a)
         Path(a.json).write_text(json.dumps(out))
         return [out]
+    rows = []
+    for family in a.family_list:
+        a.family = family
+        rows += [{"family": family, **r} for r in run_family(a)]
+    if len(a.family_list) > 1:
+        print_family_summary(rows)
+    return rows
+
+
+def print_family_summary(rows: list) -> None:
+    """One line per family: each variant's tokens/s and peak memory, and opforge against HF eager and Liger."""
+    print("\n| family | " + " | ".join(f"{v} tokens/s (peak GiB)" for v in ("hf", "liger", "opforge"))
+          + " | opforge vs HF | opforge vs Liger |")
+    print("| --- |" + " ---: |" * 5)
+    for family in dict.fromkeys(r["family"] for r in rows):
+        by = {r["variant"]: r for r in rows if r["family"] == family and r["status"] == "ok"}
+        cells = [f"{by[v]['tokens_per_s']:,.0f} ({by[v]['peak_mem_gib']:.2f})" if v in by else "n/a"
+                 for v in ("hf", "liger", "opforge")]
+        ratio = lambda v: f"{by['opforge']['tokens_per_s'] / by[v]['tokens_per_s']:.2f}x" \
+            if "opforge" in by and v in by else "n/a"
+        print(f"| {family} | " + " | ".join(cells) + f" | {ratio('hf')} | {ratio('liger')} |")
+
+
+def run_family(a: argparse.Namespace) -> list:
+    """Every variant of ``a.family``: prints its table, appends its CSV (unless --no-save); its rows."""
     import torch
 
     shape = (f"layers={a.layers} hidden={a.hidden} intermediate={a.intermediate} heads={a.heads}/{a.kv_heads} "

@@ -107,6 +107,27 @@ TORCH_LIBRARY(opforge, m) {
   // (grad_input, grad_linear_weight, grad_linear_bias) of linear_cross_entropy, each only if its output_mask entry is
   // set; grad_output () for mean/sum, (*) for none; logits recomputed per chunk from stats; dW, db accumulated in fp32
   m.def("linear_cross_entropy_backward(Tensor grad_output, Tensor input, Tensor linear_weight, Tensor target, Tensor stats, Tensor? linear_bias, Tensor? weight, str reduction, int ignore_index, float label_smoothing, float z_loss, float? softcap, bool[3] output_mask, int? chunk_size=None) -> (Tensor, Tensor, Tensor)");
+  // ---- linear_log_probs (csrc/ops/linear_cross_entropy: linear_cross_entropy's chunk engine, another row function) ----
+  // (log_probs, entropy): log p(target) = z_target − logsumexp(z) per token, z = cap(input · linear_weightᵀ +
+  // linear_bias) / temperature, and with return_entropy −Σ_j p_j log p_j (else entropy is an empty (0,) tensor);
+  // 0 where target == ignore_index; float32 (float64 for float64); in token chunks, never all [*, V] logits
+  m.def("linear_log_probs(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, float temperature=1.0, int ignore_index=-100, float? softcap=None, bool return_entropy=False, int? chunk_size=None) -> (Tensor log_probs, Tensor entropy)");
+  // linear_log_probs plus stats (*, 2) float32 (float64 for float64): per token (m, r) of the scaled logits, as
+  // _linear_cross_entropy_forward's, for the backward
+  m.def("_linear_log_probs_forward(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, float temperature=1.0, int ignore_index=-100, float? softcap=None, bool return_entropy=False, int? chunk_size=None) -> (Tensor log_probs, Tensor entropy, Tensor stats)");
+  // (grad_input, grad_linear_weight, grad_linear_bias) of linear_log_probs for per-token grad_log_probs and
+  // grad_entropy (either undefined: none through it), each only if its output_mask entry is set; logits recomputed
+  // per chunk from stats (and the forward's entropy, for grad_entropy)
+  m.def("linear_log_probs_backward(Tensor? grad_log_probs, Tensor? grad_entropy, Tensor input, Tensor linear_weight, Tensor target, Tensor stats, Tensor? entropy, Tensor? linear_bias, float temperature, int ignore_index, float? softcap, bool[3] output_mask, int? chunk_size=None) -> (Tensor, Tensor, Tensor)");
+  // ---- linear_jsd (csrc/ops/linear_cross_entropy: the chunk engine with a teacher head, two logits GEMMs a chunk) ----
+  // generalised JSD between the student's softmax((input · linear_weightᵀ + linear_bias) / temperature) and the
+  // teacher's, per token (β 0: KL(teacher ‖ student), 1: KL(student ‖ teacher), else β KL(t ‖ m) + (1 − β) KL(s ‖ m),
+  // m = β p_t + (1 − β) p_s), summed or averaged over the tokens whose target is not ignore_index (all without target)
+  m.def("linear_jsd(Tensor input, Tensor linear_weight, Tensor teacher_input, Tensor teacher_linear_weight, Tensor? target=None, Tensor? linear_bias=None, Tensor? teacher_linear_bias=None, float beta=0.5, float temperature=1.0, int ignore_index=-100, str reduction=\"mean\", int? chunk_size=None) -> Tensor");
+  // linear_jsd plus, where grad_mask asks, the student's gradients (grad_input, grad_linear_weight, grad_linear_bias)
+  // of the loss computed in the same chunk loop (undefined where not asked); its autograd scales them by grad_output
+  // (_linear_cross_entropy_scale_grads)
+  m.def("_linear_jsd_forward(Tensor input, Tensor linear_weight, Tensor teacher_input, Tensor teacher_linear_weight, Tensor? target=None, Tensor? linear_bias=None, Tensor? teacher_linear_bias=None, float beta=0.5, float temperature=1.0, int ignore_index=-100, str reduction=\"mean\", int? chunk_size=None, bool[3] grad_mask=[False, False, False]) -> (Tensor loss, Tensor grad_input, Tensor grad_linear_weight, Tensor grad_linear_bias)");
   // ---- linear variants: linear_cat, indexed_linear (csrc/ops/linear_cat, csrc/ops/indexed_linear) ----
   // y = linear(cat(inputs, -1), weight, bias) without the concatenated buffer; inputs (*, K_i) of one leading shape, weight (N, ΣK_i), bias (N,)
   m.def("linear_cat(Tensor[] inputs, Tensor weight, Tensor? bias=None) -> Tensor");

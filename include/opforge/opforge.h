@@ -316,4 +316,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     c10::string_view reduction, int64_t ignore_index, double label_smoothing, double z_loss,
     std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size = std::nullopt);
 
+// ---- linear_log_probs (csrc/ops/linear_cross_entropy, the same chunk engine) ----
+/// Per-token log-probability of target under the tokens' logits z = cap(input · linear_weightᵀ + linear_bias) /
+/// temperature, log p = z_target − logsumexp(z), and with return_entropy the entropy −Σ p log p, in chunks of
+/// tokens (no [*, V] logits). input (*, H), linear_weight (V, H), target (*) int64, linear_bias (V,) or none;
+/// temperature > 0; softcap > 0 or none; chunk_size rows per chunk (none: the memory budget). Returns (log_probs
+/// (*), entropy (*); an empty (0,) tensor without return_entropy), float32 (float64 for float64 input); 0 where
+/// target == ignore_index.
+std::tuple<at::Tensor, at::Tensor> linear_log_probs(const at::Tensor& input, const at::Tensor& linear_weight,
+                                                    const at::Tensor& target,
+                                                    const std::optional<at::Tensor>& linear_bias = std::nullopt,
+                                                    double temperature = 1.0, int64_t ignore_index = -100,
+                                                    std::optional<double> softcap = std::nullopt,
+                                                    bool return_entropy = false,
+                                                    std::optional<int64_t> chunk_size = std::nullopt);
+
+/// Gradients of linear_log_probs: (grad_input (*, H) input's dtype, grad_linear_weight (V, H) linear_weight's dtype,
+/// grad_linear_bias (V,) linear_bias's dtype), entry k only when output_mask[k]. grad_log_probs (*) and
+/// grad_entropy (*) (either may be undefined: no gradient through that output); stats: the forward's (m, r) per
+/// token (*, 2); entropy: the forward's entropy (*), required with grad_entropy. Each chunk's logits are recomputed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_log_probs_backward(
+    const std::optional<at::Tensor>& grad_log_probs, const std::optional<at::Tensor>& grad_entropy,
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& stats,
+    const std::optional<at::Tensor>& entropy, const std::optional<at::Tensor>& linear_bias, double temperature,
+    int64_t ignore_index, std::optional<double> softcap, std::array<bool, 3> output_mask,
+    std::optional<int64_t> chunk_size = std::nullopt);
+
+// ---- linear_jsd (csrc/ops/linear_cross_entropy, the same chunk engine, two GEMMs per chunk) ----
+/// Generalised Jensen-Shannon divergence between a student head and a teacher head, per token over the vocabulary,
+/// without either's [*, V] logits: with p_s = softmax((input · linear_weightᵀ + linear_bias) / T) and p_t the
+/// teacher's, β = 0 gives KL(p_t ‖ p_s), β = 1 KL(p_s ‖ p_t), else β KL(p_t ‖ m) + (1 − β) KL(p_s ‖ m),
+/// m = β p_t + (1 − β) p_s. input (*, H), linear_weight (V, H), teacher_input (*, Ht), teacher_linear_weight (V, Ht),
+/// target (*) int64 or none (tokens equal to ignore_index count for nothing), biases (V,) or none; beta in [0, 1];
+/// temperature > 0; reduction "mean" (over the counted tokens) | "sum". Returns () float32 (float64 for float64).
+/// The teacher gets no gradient.
+at::Tensor linear_jsd(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& teacher_input,
+                      const at::Tensor& teacher_linear_weight, const std::optional<at::Tensor>& target = std::nullopt,
+                      const std::optional<at::Tensor>& linear_bias = std::nullopt,
+                      const std::optional<at::Tensor>& teacher_linear_bias = std::nullopt, double beta = 0.5,
+                      double temperature = 1.0, int64_t ignore_index = -100, c10::string_view reduction = "mean",
+                      std::optional<int64_t> chunk_size = std::nullopt);
+
 }  // namespace opforge

@@ -56,8 +56,14 @@ if library_path is not None:
     # here without an edit of this file (docs/adding_an_op.md, checklist item 5).
     from .functional import *  # noqa: F401,F403
 
-    __all__ = ["cmake_prefix_path", "functional", "library_path", "nn"] + [
-        name for name in functional.__all__ if name != "LINEAR_ACTIVATIONS"]
+    # the post-training losses composed on opforge.linear_log_probs: opforge.preference_loss, opforge.grpo_loss, ...
+    from . import losses
+    from .losses import (grpo_loss, kto_loss, linear_grpo_loss, linear_preference_loss,  # noqa: F401
+                         preference_loss, sequence_log_probs)
+
+    __all__ = ["cmake_prefix_path", "functional", "library_path", "losses", "nn"] + [
+        name for name in functional.__all__ if name != "LINEAR_ACTIVATIONS"] + [
+        name for name in losses.__all__ if not name.endswith("_LOSS_TYPES")]
 
 #: Submodules imported on first use as attributes of the package (``opforge.patch``).
 _LAZY_SUBMODULES = ("patch",)

@@ -574,6 +574,144 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     except NotImplementedError:
         _missing_tensor("linear_cross_entropy", input=input, linear_weight=linear_weight, target=target)
         raise
+# ---- linear_log_probs ------------------------------------------------------------------------------------
+
+__all__ += ["linear_log_probs"]
+
+_linear_log_probs_op = torch.ops.opforge.linear_log_probs.default
+
+
+def linear_log_probs(input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Optional[Tensor] = None, *,
+                     temperature: float = 1.0, ignore_index: int = -100, softcap: Optional[float] = None,
+                     return_entropy: bool = False,
+                     chunk_size: Optional[int] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """log p(target) = z_target − logsumexp(z), z = cap(input · linear_weightᵀ + linear_bias) / temperature, without logits.
+
+    The per-token log-probabilities of post-training (DPO and its relatives, GRPO, distillation): what TRL's
+    `selective_log_softmax(logits / temperature, labels)` computes, and with `return_entropy` the per-token entropy
+    of TRL's `entropy_from_logits`, from the hidden states and the lm_head, so the `(*, V)` logits are never
+    materialised (the same chunk engine as `linear_cross_entropy`: one chunk of `chunk_size × V` float32 logits at a
+    time, recomputed in backward). Per token i with target t (p = softmax(z)):
+
+        log_probs_i = z_t − logsumexp_j z_j,          entropy_i = −Σ_j p_j log p_j
+        log_probs_i = entropy_i = 0                   where t == ignore_index (and their gradient is zero)
+
+    Args:
+        input: `(*, H)` float32, float16, bfloat16 or float64, any strides. The hidden states.
+        linear_weight: `(V, H)` floating. The lm_head weight; converted to input's dtype, its gradient comes back
+            in its own dtype.
+        target: `(*)` int64. Token ids in [0, V), or `ignore_index`.
+        linear_bias: `(V,)` floating or None. The lm_head bias. Default: None.
+        temperature: float > 0. The logits are divided by it (TRL's `temperature`). Default: 1.0.
+        ignore_index: int. Target value whose token gets 0 and no gradient. Default: -100.
+        softcap: float or None. c > 0 caps the logits to c · tanh(logits / c) before the temperature (Gemma 2's
+            final logit softcapping). Default: None.
+        return_entropy: bool. Also return the per-token entropy (one more pass over each chunk's logits in the
+            forward). Default: False.
+        chunk_size: int or None. Tokens per chunk. Default: None: as `linear_cross_entropy`'s.
+
+    Returns:
+        log_probs `(*)`, or `(log_probs, entropy)` with `return_entropy`, float32 (float64 for float64 input),
+            the dtype they are computed in, also for float16/bfloat16 input. Both are differentiable: backward
+            takes a per-token gradient of each (recomputing each chunk's logits: 2 GEMMs forward, 4 with backward).
+
+    Raises:
+        ValueError: input of rank 0; linear_weight not 2-D or without rows; input's H != linear_weight's H;
+            target not of input's leading shape; linear_bias not `(V,)`; temperature ≤ 0 or not finite;
+            softcap ≤ 0; chunk_size < 1.
+        TypeError: non-floating input/linear_weight/linear_bias; target not int64.
+        IndexError: (CPU) a target outside [0, V) that is not ignore_index (CUDA: NaN for such a token).
+        RuntimeError: tensors on different devices; double backward.
+
+    Numerics: as `linear_cross_entropy` (float32 logits and accumulation, the row max kept apart from
+    log Σ exp); the entropy is computed as r + Σ_j p_j (m − z_j) with m the row max and r = log Σ exp(z − m), two
+    non-negative terms, so a peaked distribution's entropy has no cancellation error.
+
+    Source: TRL's `selective_log_softmax` and `entropy_from_logits` (the unfused math); the chunk engine of
+    Wijmans et al. 2024 ("Cut Your Losses in Large-Vocabulary Language Models").
+    """
+    try:
+        lp, ent = _linear_log_probs_op(input, linear_weight, target, linear_bias, float(temperature), ignore_index,
+                                       None if softcap is None else float(softcap), bool(return_entropy),
+                                       chunk_size)
+    except NotImplementedError:
+        _missing_tensor("linear_log_probs", input=input, linear_weight=linear_weight, target=target)
+        raise
+    return (lp, ent) if return_entropy else lp
+
+
+# ---- linear_jsd ------------------------------------------------------------------------------------------
+
+__all__ += ["linear_jsd"]
+
+_linear_jsd_op = torch.ops.opforge.linear_jsd.default
+
+
+def linear_jsd(input: Tensor, linear_weight: Tensor, teacher_input: Tensor, teacher_linear_weight: Tensor,
+               target: Optional[Tensor] = None, *, linear_bias: Optional[Tensor] = None,
+               teacher_linear_bias: Optional[Tensor] = None, beta: float = 0.5, temperature: float = 1.0,
+               ignore_index: int = -100, reduction: str = "mean", chunk_size: Optional[int] = None) -> Tensor:
+    """Generalised JSD between a student head and a teacher head, per token over the vocabulary, without logits.
+
+    Distillation's loss (GKD, Agarwal et al. 2024) from both models' final hidden states and lm_heads: neither model's
+    `(*, V)` logits exist beyond one chunk of tokens (two GEMMs per chunk, the teacher's without gradient). With
+    p_s = softmax((input · linear_weightᵀ + linear_bias) / temperature), p_t the same of the teacher and
+    m = β p_t + (1 − β) p_s, per token:
+
+        β = 0:       KL(p_t ‖ p_s) = Σ_j p_t,j (log p_t,j − log p_s,j)         (forward KL)
+        β = 1:       KL(p_s ‖ p_t)                                              (reverse KL)
+        0 < β < 1:   β KL(p_t ‖ m) + (1 − β) KL(p_s ‖ m)                        (β = 0.5: the Jensen-Shannon divergence)
+
+    as TRL's `GKDTrainer.generalized_jsd_loss` (which, as here, defines β = 0 and β = 1 as the two KLs, although the
+    mixture form tends to 0 at both ends).
+
+    Args:
+        input: `(*, H)` float32, float16, bfloat16 or float64. The student's hidden states.
+        linear_weight: `(V, H)` floating. The student's lm_head weight (gradient in its own dtype).
+        teacher_input: `(*, Ht)` floating, input's leading shape. The teacher's hidden states, converted to input's
+            dtype; must not require grad (the teacher gets no gradient: compute it under `torch.no_grad()`).
+        teacher_linear_weight: `(V, Ht)` floating. The teacher's lm_head weight; must not require grad.
+        target: `(*)` int64 or None. Tokens equal to `ignore_index` count for nothing (TRL's labels mask); None:
+            every token counts. Default: None.
+        linear_bias: `(V,)` floating or None. The student's lm_head bias. Default: None.
+        teacher_linear_bias: `(V,)` floating or None. The teacher's; must not require grad. Default: None.
+        beta: float in [0, 1]. Default: 0.5.
+        temperature: float > 0. Both heads' logits are divided by it. Default: 1.0.
+        ignore_index: int. Default: -100.
+        reduction: str. `"mean"` (over the counted tokens: TRL's "batchmean" with labels) or `"sum"`. Default:
+            `"mean"`.
+        chunk_size: int or None. Tokens per chunk (two `chunk_size × V` float32 logit buffers). Default: None: as
+            `linear_cross_entropy`'s, for the two buffers.
+
+    Returns:
+        `()` float32 (float64 for float64 input). `"mean"` with no counted token is NaN (0/0) and its gradients
+            are zeros, also for a non-finite grad_output (the unfused math's gradient is zero there).
+
+    Raises:
+        ValueError: shapes (input rank 0; linear_weight not `(V, H)`; teacher_input not of input's leading shape;
+            teacher_linear_weight not `(V, Ht)`; a bias not `(V,)`; target not input's leading shape); beta outside
+            [0, 1]; temperature ≤ 0 or not finite; reduction not "mean"/"sum"; chunk_size < 1.
+        TypeError: non-floating tensors; target not int64.
+        RuntimeError: tensors on different devices; a teacher tensor that requires grad; double backward.
+
+    Numerics: float32 logits, log-softmax with the row max kept apart, float32 sums; the mixture's log by
+    log-add-exp. The student's gradient is computed in the forward's chunk loop (the loss is a scalar) and scaled by
+    grad_output in backward: (1 − β) p_s (log p_s − log m − KL(p_s ‖ m)) / temperature per logit (p_s − p_t for
+    β = 0, p_s (log p_s − log p_t − KL(p_s ‖ p_t)) for β = 1).
+
+    Source: TRL's `GKDTrainer.generalized_jsd_loss`; Agarwal et al. 2024 ("On-Policy Distillation of Language
+    Models: Learning from Self-Generated Mistakes"); the fused form as Liger-Kernel's fused linear JSD.
+    """
+    try:
+        return _linear_jsd_op(input, linear_weight, teacher_input, teacher_linear_weight, target, linear_bias,
+                              teacher_linear_bias, float(beta), float(temperature), ignore_index, reduction,
+                              chunk_size)
+    except NotImplementedError:
+        _missing_tensor("linear_jsd", input=input, linear_weight=linear_weight, teacher_input=teacher_input,
+                        teacher_linear_weight=teacher_linear_weight)
+        raise
+
+
 # ---- fake_quant_linear -------------------------------------------------------------------------------
 __all__ += ["fake_quant_linear", "fake_quantize_weight"]
 

@@ -415,6 +415,228 @@ def linear_cross_entropy_reference(input: Tensor, linear_weight: Tensor, target:
     wt = torch.ones_like(per_token) if w is None else w[t.clamp(0, z.shape[-1] - 1)]
     return per_token.sum() / torch.where(valid, wt, torch.zeros_like(wt)).sum()
 
+# ---- linear_log_probs -----------------------------------------------------------------------------------
+
+__all__ += ["linear_log_probs_reference"]
+
+
+def linear_log_probs_reference(input: Tensor, linear_weight: Tensor, target: Tensor,
+                               linear_bias: Optional[Tensor] = None, *, temperature: float = 1.0,
+                               ignore_index: int = -100, softcap: Optional[float] = None,
+                               return_entropy: bool = False, compute_dtype: torch.dtype = torch.float64):
+    """`opforge.linear_log_probs` from the full logits, in float64 or `compute_dtype` (differentiable).
+
+    z = cap(input · linear_weightᵀ + linear_bias) / temperature; log_probs = log_softmax(z)[target] (TRL's
+    `selective_log_softmax`), entropy = −Σ softmax(z) · log_softmax(z) (TRL's `entropy_from_logits`); both 0 where
+    target == ignore_index. Gradients by autograd.
+
+    Args:
+        input: `(*, H)` floating. The hidden states.
+        linear_weight: `(V, H)` floating. The lm_head weight.
+        target: `(*)` int64. Token ids, or ignore_index.
+        linear_bias: `(V,)` floating or None. Default: None.
+        temperature: float. Default: 1.0.
+        ignore_index: int. Default: -100.
+        softcap: float or None. Default: None.
+        return_entropy: bool. Default: False.
+        compute_dtype: torch.dtype. Default: float64.
+
+    Returns:
+        log_probs `(*)`, or (log_probs, entropy), in compute_dtype.
+    """
+    cd = compute_dtype
+    z = input.to(cd) @ linear_weight.to(cd).t()
+    if linear_bias is not None:
+        z = z + linear_bias.to(cd)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    valid = target != ignore_index
+    lp = logp.gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1)
+    lp = torch.where(valid, lp, torch.zeros_like(lp))
+    if not return_entropy:
+        return lp
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, torch.where(valid, ent, torch.zeros_like(ent))
+
+
+# ---- linear_jsd ------------------------------------------------------------------------------------------
+
+__all__ += ["linear_jsd_reference"]
+
+
+def linear_jsd_reference(input: Tensor, linear_weight: Tensor, teacher_input: Tensor, teacher_linear_weight: Tensor,
+                         target: Optional[Tensor] = None, *, linear_bias: Optional[Tensor] = None,
+                         teacher_linear_bias: Optional[Tensor] = None, beta: float = 0.5, temperature: float = 1.0,
+                         ignore_index: int = -100, reduction: str = "mean",
+                         compute_dtype: torch.dtype = torch.float64) -> Tensor:
+    """`opforge.linear_jsd` from the full logits, in float64 or `compute_dtype` (differentiable in the student).
+
+    The divergences from their definitions on the probabilities: KL(P ‖ Q) = Σ P (log P − log Q) with
+    m = β p_t + (1 − β) p_s formed as probabilities (not log-add-exp); the teacher detached.
+
+    Returns:
+        `()` in compute_dtype: the per-token divergences summed over the counted tokens, divided by their number
+        for "mean".
+    """
+    cd = compute_dtype
+    zs = input.to(cd) @ linear_weight.to(cd).t()
+    zt = teacher_input.detach().to(cd) @ teacher_linear_weight.detach().to(cd).t()
+    if linear_bias is not None:
+        zs = zs + linear_bias.to(cd)
+    if teacher_linear_bias is not None:
+        zt = zt + teacher_linear_bias.detach().to(cd)
+    ls, lt = torch.log_softmax(zs / temperature, -1), torch.log_softmax(zt / temperature, -1)
+    ps, pt = ls.exp(), lt.exp()
+
+    def kl(p, lp, lq):
+        return (p * (lp - lq)).sum(-1)
+
+    if beta == 0:
+        per = kl(pt, lt, ls)
+    elif beta == 1:
+        per = kl(ps, ls, lt)
+    else:
+        lm = torch.log(beta * pt + (1 - beta) * ps)
+        per = beta * kl(pt, lt, lm) + (1 - beta) * kl(ps, ls, lm)
+    valid = torch.ones_like(per, dtype=torch.bool) if target is None else target != ignore_index
+    per = torch.where(valid, per, torch.zeros_like(per))
+    total = per.sum()
+    return total if reduction == "sum" else total / valid.sum()
+
+
+# ---- post-training losses (opforge.losses) ---------------------------------------------------------------
+
+__all__ += ["preference_loss_reference", "kto_loss_reference"]
+
+
+def _log_sigmoid64(x: Tensor) -> Tensor:
+    """log σ(x) = −log(1 + e^(−x)) in float64, written as min(x, 0) − log(1 + e^(−|x|)) (no overflow)."""
+    x = x.double()
+    return torch.minimum(x, torch.zeros_like(x)) - torch.log1p(torch.exp(-x.abs()))
+
+
+def preference_loss_reference(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Optional[Tensor] = None,
+                              ref_rejected_logps: Optional[Tensor] = None, *, loss_type: str = "sigmoid",
+                              beta: float = 0.1, label_smoothing: float = 0.0, simpo_gamma: float = 0.5) -> Tensor:
+    """The per-pair losses of `opforge.preference_loss` in float64, from the papers' formulas (differentiable).
+
+    DPO (Rafailov et al. 2023, eq. 7) with the conservative labels of cDPO: −(1 − ε) log σ(β h) − ε log σ(−β h),
+    h = log π(y_w)/π_ref(y_w) − log π(y_l)/π_ref(y_l); robust DPO (Chowdhury et al. 2024, eq. 8): the unbiased
+    ((1 − ε) ℓ(β h) − ε ℓ(−β h)) / (1 − 2ε) with ℓ = −log σ; IPO (Azar et al. 2023, eq. 17): (h − 1/(2β))²;
+    SLiC hinge (Zhao et al. 2023): max(0, 1 − β h); SimPO (Meng et al. 2024, eq. 6): −log σ(β u − γ) with u the
+    difference of mean log-probabilities (and ε as cDPO); CPO (Xu et al. 2024, eq. 3, without its NLL term):
+    −log σ(β u); ORPO (Hong et al. 2024, eqs. 4-7, without its NLL term): −β log σ(log(odds_w / odds_l)),
+    odds = P / (1 − P), P = exp(mean log-probability).
+
+    Args:
+        chosen_logps, rejected_logps: `(B,)` floating.
+        ref_chosen_logps, ref_rejected_logps: `(B,)` floating or None (the DPO types).
+        loss_type, beta, label_smoothing, simpo_gamma: as `opforge.preference_loss`.
+
+    Returns:
+        `(B,)` float64: the unreduced losses.
+    """
+    c, r = chosen_logps.double(), rejected_logps.double()
+    eps = label_smoothing
+    if loss_type in ("sigmoid", "robust", "hinge", "ipo"):
+        h = (c - ref_chosen_logps.double().detach()) - (r - ref_rejected_logps.double().detach())
+        if loss_type == "sigmoid":
+            return -(1 - eps) * _log_sigmoid64(beta * h) - eps * _log_sigmoid64(-beta * h)
+        if loss_type == "robust":
+            return ((1 - eps) * -_log_sigmoid64(beta * h) - eps * -_log_sigmoid64(-beta * h)) / (1 - 2 * eps)
+        if loss_type == "hinge":
+            return torch.clamp(1 - beta * h, min=0)
+        return (h - 1 / (2 * beta)) ** 2
+    u = c - r
+    if loss_type == "simpo":
+        a = beta * u - simpo_gamma
+        return -(1 - eps) * _log_sigmoid64(a) - eps * _log_sigmoid64(-a)
+    if loss_type == "cpo":
+        return -(1 - eps) * _log_sigmoid64(beta * u) - eps * _log_sigmoid64(-beta * u)
+    if loss_type == "orpo":
+        pc, pr = c.exp(), r.exp()
+        log_odds_ratio = torch.log(pc / (1 - pc)) - torch.log(pr / (1 - pr))
+        return -beta * _log_sigmoid64(log_odds_ratio)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def kto_loss_reference(chosen_logps: Tensor, rejected_logps: Tensor, kl_logps: Tensor, ref_chosen_logps: Tensor,
+                       ref_rejected_logps: Tensor, ref_kl_logps: Tensor, *, beta: float = 0.1,
+                       desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> Tensor:
+    """`opforge.kto_loss`'s loss in float64 from KTO's value function (Ethayarajh et al. 2024, eq. 8).
+
+    v(x, y) = λ_D σ(β (r(x, y) − z0)) for a desirable y, λ_U σ(β (z0 − r(x, y))) for an undesirable one, with
+    r = log π/π_ref and the reference point z0 = max(0, E[log π/π_ref] over the mismatched pairs), not
+    differentiated; loss = mean over the examples of (λ_y − v(x, y)). 0 without any example.
+
+    Returns:
+        `()` float64.
+    """
+    z0 = torch.clamp((kl_logps.double() - ref_kl_logps.double()).mean(), min=0).detach() if kl_logps.numel() else 0.0
+    rc = chosen_logps.double() - ref_chosen_logps.double()
+    rr = rejected_logps.double() - ref_rejected_logps.double()
+    vd = desirable_weight * torch.sigmoid(beta * (rc - z0))
+    vu = undesirable_weight * torch.sigmoid(beta * (z0 - rr))
+    terms = torch.cat([desirable_weight - vd, undesirable_weight - vu])
+    return terms.sum() / max(terms.numel(), 1)
+
+
+__all__ += ["grpo_loss_reference"]
+
+
+def grpo_loss_reference(log_probs: Tensor, advantages: Tensor, mask: Tensor, old_log_probs: Optional[Tensor] = None,
+                        ref_log_probs: Optional[Tensor] = None, *, loss_type: str = "dapo", beta: float = 0.0,
+                        epsilon_low: float = 0.2, epsilon_high: Optional[float] = None, delta: Optional[float] = None,
+                        importance_sampling_level: str = "token", max_completion_length: Optional[int] = None,
+                        num_items_in_batch=None) -> Tensor:
+    """`opforge.grpo_loss`'s loss in float64, sequence by sequence from the PPO-clip objective (differentiable in
+    log_probs).
+
+    For each sequence b its counted tokens only (mask true): the importance ratio ρ = π/π_old per token (or, at the
+    sequence level, the geometric mean exp(mean(log π − log π_old)) over its tokens), the clipped surrogate
+    min(ρ' A, clip(ρ, 1 − ε_l, 1 + ε_h) A) with ρ' = min(ρ, delta) (or ρ), minus β times the k3 estimate
+    π_ref/π − log(π_ref/π) − 1 of KL(π ‖ π_ref); the loss is the negated objective: per sequence its token mean
+    averaged over the sequences ("grpo"), or the sum over every counted token divided by their number ("bnpo"), by
+    B · max_completion_length ("dr_grpo"), by num_items_in_batch ("dapo"; each count at least 1).
+
+    Returns:
+        `()` float64.
+    """
+    eh = epsilon_low if epsilon_high is None else epsilon_high
+    B, T = log_probs.shape
+    lp = log_probs.double()
+    old = lp.detach() if old_log_probs is None else old_log_probs.double().detach()
+    m = mask.bool()
+    per_seq, total = [], lp.new_zeros(())
+    for b in range(B):
+        idx = m[b].nonzero().flatten()
+        x, xo = lp[b, idx], old[b, idx]
+        a = float(advantages[b])
+        if importance_sampling_level == "sequence":
+            rho = torch.exp((x - xo).mean()).expand(len(idx)) if len(idx) else x
+        else:
+            rho = torch.exp(x - xo)
+        rho1 = rho if delta is None else torch.clamp(rho, max=delta)
+        surrogate = torch.minimum(rho1 * a, torch.clamp(rho, 1 - epsilon_low, 1 + eh) * a)
+        if beta != 0:
+            r = torch.exp(ref_log_probs.double().detach()[b, idx] - x)  # π_ref / π
+            surrogate = surrogate - beta * (r - torch.log(r) - 1)
+        terms = -surrogate
+        per_seq.append(terms.sum() / max(len(idx), 1))
+        total = total + terms.sum()
+    count = int(m.sum())
+    if loss_type == "grpo":
+        return torch.stack(per_seq).mean() if B else total
+    if loss_type == "bnpo":
+        return total / max(count, 1)
+    if loss_type == "dr_grpo":
+        return total / max(B * (T if max_completion_length is None else max_completion_length), 1)
+    n = count if num_items_in_batch is None else float(num_items_in_batch)
+    return total / max(n, 1)
+
+
 # ---- fake_quant_linear ---------------------------------------------------------------------------------
 __all__ += ["fake_quant_qparams_reference", "fake_quantize_weight_reference", "fake_quantize_per_token_reference",
             "fake_quant_linear_reference"]

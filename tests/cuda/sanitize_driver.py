@@ -45,7 +45,7 @@ LOW = (torch.float16, torch.bfloat16)
 # families whose 16-bit cases run vendor GEMMs on aligned operands of their own making (skipped in vendor-safe mode
 # when the case's inputs are aligned too; their unaligned cases run, and the float32 ones)
 VENDOR_GEMM_FAMILIES = {"control_torch", "linear", "linear_cross_entropy", "linear_cat", "indexed_linear",
-                        "fake_quant_linear", "grouped_mm_epilogue"}
+                        "fake_quant_linear", "grouped_mm_epilogue", "gemm_sm90"}
 # families that vendor-safe mode leaves out altogether (racecheck dies in their vendor GEMM unaligned too)
 VENDOR_SAFE_SKIP = {"grouped_mm_epilogue"}
 # families run in some dtypes only
@@ -284,6 +284,25 @@ def families(quick: bool):
             for shape, g in (((6, 32), 8), ((3, 640), -1), ((2, 4096), -1)):
                 opforge.fake_quantize_weight(make(shape, dt, u, requires_grad=False), 4, g, False)
         out.append(("fake_quant_linear", fake_quant_linear))
+
+    def gemm_sm90(dt, u):
+        # opforge's CUTLASS sm90 kernels (core/gemm_sm90*.cu; their kernel names carry opforge's namespace in the
+        # template arguments, so the kns=opforge filter instruments them): linear through the engine wherever it takes
+        # the problem (gemm_sm90=1), and swiglu_linear's fused SwiGLU epilogue (gemm_sm90=2 makes it run or raise).
+        # The engine takes 16-bit operands with 16-byte aligned rows; the other cases run the unfused paths.
+        if not ops._has_cutlass() or torch.cuda.get_device_capability() != (9, 0):
+            return
+        for m, k, n in ((7, 64, 24), (300, 520, 1000)) if not quick else ((300, 520, 1000),):
+            x, w, b = make((m, k), dt, u), make((2 * n, k), dt, u, scale=k ** -0.5), make((2 * n,), dt, u)
+            with knobs(gemm_sm90=1):
+                backward(opforge.linear(x, w, b))
+                backward(opforge.swiglu_linear(x, w, b))
+            if dt == torch.bfloat16 and not u:
+                with knobs(gemm_sm90=2):
+                    y = opforge.swiglu_linear(x, w, b)
+                with knobs(gemm_sm90=1):
+                    backward(y)
+    out.append(("gemm_sm90", gemm_sm90))
     return out
 
 

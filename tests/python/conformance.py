@@ -867,6 +867,351 @@ ENTRIES.append(OpEntry(
     gradient_ops=("_linear_cross_entropy_forward", "_linear_cross_entropy_scale_grads")))
 
 
+# ---- linear_log_probs ------------------------------------------------------------------------------------------
+
+
+def _llp(input, linear_weight, target, linear_bias=None, temperature=1.0, ignore_index=-100, softcap=None,
+         return_entropy=False, chunk_size=None):
+    """opforge.linear_log_probs with its options positional too, in the schema's order (the hypothesis strategy and
+    the samples give them as args)."""
+    return F.linear_log_probs(input, linear_weight, target, linear_bias, temperature=temperature,
+                              ignore_index=ignore_index, softcap=softcap, return_entropy=return_entropy,
+                              chunk_size=chunk_size)
+
+
+def _llp_reference(input, linear_weight, target, linear_bias=None, temperature=1.0, ignore_index=-100, softcap=None,
+                   return_entropy=False, chunk_size=None):
+    return T.linear_log_probs_reference(input, linear_weight, target, linear_bias, temperature=temperature,
+                                        ignore_index=ignore_index, softcap=softcap, return_entropy=return_entropy)
+
+
+def _llp_baseline(input, linear_weight, target, linear_bias=None, temperature=1.0, ignore_index=-100, softcap=None,
+                  return_entropy=False, chunk_size=None):
+    """The reference's math in input's dtype (the achievable error), returned in float32 (float64 for float64)."""
+    out = T.linear_log_probs_reference(input, linear_weight, target, linear_bias, temperature=temperature,
+                                       ignore_index=ignore_index, softcap=softcap, return_entropy=return_entropy,
+                                       compute_dtype=input.dtype)
+    dt = torch.float64 if input.dtype == torch.float64 else torch.float32
+    return tuple(o.to(dt) for o in out) if return_entropy else out.to(dt)
+
+
+def _llp_native(input, linear_weight, target, linear_bias=None, temperature=1.0, ignore_index=-100, softcap=None,
+                return_entropy=False, chunk_size=None):
+    """torch's linear then log_softmax (TRL's selective_log_softmax): under autocast the GEMM in the lower precision,
+    the log-softmax in float32."""
+    z = TF.linear(input, linear_weight, linear_bias).float() / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    valid = target != ignore_index
+    lp = logp.gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1)
+    lp = torch.where(valid, lp, torch.zeros_like(lp))
+    if not return_entropy:
+        return lp
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, torch.where(valid, ent, torch.zeros_like(ent))
+
+
+def _rows(t):
+    """(*, K) as (N, K), also for K = 0."""
+    return t.flatten(0, -2) if t.dim() >= 2 else t.unsqueeze(0)
+
+
+def _llp_check(what, ours, ref, base, args, gouts, **kwargs):
+    """The tolerance rule with, for the gradients, an a-priori bound of their float32 rounding: the logit gradient
+    dz (its float64 value from the reference, through the bias, softcap and temperature) is off by at most
+    eps |dz| + 4 eps (|g_lp| + |g_ent| mag) p / T per logit (mag = max |z| + log V: the log-probabilities' rounding,
+    which the entropy's (z − m) − (r − H) does not cancel), and the gradient GEMMs and the bias's column sum over the
+    N tokens add their own (N u Σ |dz|: any summation order)."""
+    names = ("input", "linear_weight", "target", "linear_bias", "temperature", "ignore_index", "softcap",
+             "return_entropy", "chunk_size")
+    o = {**dict(zip(names, args)), **kwargs}
+    x, w, t, b = o["input"], o["linear_weight"], o["target"], o.get("linear_bias")
+    if what not in ("grad 0", "grad 1", "grad 2") or x.numel() == 0:
+        return T.assert_matches_reference(ours, ref, base, what=what)
+    temp, ent = o.get("temperature", 1.0), o.get("return_entropy", False)
+    f32 = torch.float32
+    eps, u = torch.finfo(f32).eps, torch.finfo(f32).eps / 2
+    V, H = w.shape
+    x2 = _rows(x.detach().double())
+    l = (x2 @ w.detach().double().t()).requires_grad_()
+    eye = torch.eye(V, dtype=torch.float64, device=l.device)
+    tg = t.reshape(-1)
+    out = T.linear_log_probs_reference(l, eye, tg, None if b is None else b.detach().double(), temperature=temp,
+                                       ignore_index=o.get("ignore_index", -100), softcap=o.get("softcap"),
+                                       return_entropy=ent)
+    out = out if ent else (out,)
+    gs = [g.detach().double().reshape(-1) for g in gouts]
+    (dz,) = torch.autograd.grad(sum((y * g).sum() for y, g in zip(out, gs)), l)
+    dz = dz.abs()
+    with torch.no_grad():
+        z = l if b is None else l + b.detach().double()
+        if o.get("softcap") is not None:
+            z = o["softcap"] * torch.tanh(z / o["softcap"])
+        z = z / temp
+        p = torch.softmax(z, -1)
+        mag = z.abs().amax(-1, keepdim=True) + math.log(V)
+        coef = gs[0].abs().unsqueeze(-1) + (gs[1].abs().unsqueeze(-1) * mag if ent else 0)
+        err = eps * dz + 4 * eps * coef * p / temp
+        err = torch.where((tg != o.get("ignore_index", -100)).unsqueeze(-1).to(err.device), err, torch.zeros_like(err))
+        if what == "grad 0":
+            bound = (err @ w.detach().double().abs() + T.gemm_error_bound(dz, w.detach().t(), f32)).reshape(x.shape)
+        elif what == "grad 1":
+            bound = err.t() @ x2.abs() + T.gemm_error_bound(dz.t(), x2.t(), f32)
+        else:
+            bound = err.sum(0) + x2.shape[0] * u * dz.sum(0)
+    T.assert_matches_reference(ours, ref, base, what=what, bound=bound)
+
+
+def _llp_samples(device, dtype):
+    x, w, t, b = _lce_data((37,), 24, 83, dtype, device)
+    x3, _, t3, _ = _lce_data((3, 5), 24, 83, dtype, device)
+    x3t = x3.transpose(0, 1).contiguous().transpose(0, 1)  # (3, 5, 24) with transposed batch dims
+    return [
+        Sample("bias", (x, w, t, b)),
+        Sample("entropy_temperature_chunked", (x, w, t, b, 0.7, -100, None, True, 16), grad_strided=True),
+        Sample("entropy_softcap_no_bias", (x, w, t, None, 1.3, -100, 4.0, True)),
+        Sample("batch_dims_strided", (x3t, w, t3, b, 2.0), grad_strided=True),
+        Sample("weight_transposed", (x, randn((24, 83), dtype, device, 1 / math.sqrt(24)).t(), t)),
+        Sample("ignore_index_0", (x, w, t.clamp(min=0), b), kwargs=dict(ignore_index=0)),
+        Sample("zero_tokens", (randn((0, 24), dtype, device), w, torch.zeros(0, dtype=torch.long, device=device), b,
+                               1.0, -100, None, True)),
+    ]
+
+
+def _llp_small(device):
+    d = torch.float64
+    x, w, t, b = _lce_data((6,), 5, 7, d, device, ignore=0.0, scale=1.0)
+    t[2] = -100
+    return [
+        Sample("entropy_chunked", (x, w, t, b, 0.8, -100, None, True, 4)),
+        Sample("softcap_entropy", (x, w, t, b, 1.5, -100, 2.0, True, 4)),
+        Sample("log_probs_no_bias", (x, w, t)),
+    ]
+
+
+def _llp_bad(device):
+    t = tensor_maker(device)
+    x, w, tg = t(5, 4), t(6, 4), torch.randint(0, 6, (5,), device=device)
+
+    def call(**kw):
+        return lambda x, w, tg: F.linear_log_probs(x, w, tg, **kw)
+
+    op = F.linear_log_probs
+    pre = "opforge::linear_log_probs: "
+    return [
+        Bad("int_input", lambda d: (op, (x.long(), w, tg)), TypeError, pre + DTYPE_MSG.format("input", "Long")),
+        Bad("int_linear_weight", lambda d: (op, (x, w.int(), tg)), TypeError,
+            pre + DTYPE_MSG.format("linear_weight", "Int")),
+        Bad("float_target", lambda d: (op, (x, w, tg.float())), TypeError, pre + "expected target of dtype int64"),
+        Bad("h_mismatch", lambda d: (op, (t(5, 5), w, tg)), ValueError,
+            pre + "expected input's last dimension to equal linear_weight's H 4, but got 5"),
+        Bad("weight_1d", lambda d: (op, (x, w.reshape(-1), tg)), ValueError, pre + "expected linear_weight to be 2-D"),
+        Bad("target_shape", lambda d: (op, (x, w, tg[:4])), ValueError, pre + "expected target of input's leading shape"),
+        Bad("bias_shape", lambda d: (call(linear_bias=t(5)), (x, w, tg)), ValueError,
+            pre + r"expected linear_bias of shape \[6\]"),
+        Bad("temperature_zero", lambda d: (call(temperature=0.0), (x, w, tg)), ValueError,
+            pre + "expected temperature > 0 and finite, but got 0"),
+        Bad("temperature_inf", lambda d: (call(temperature=math.inf), (x, w, tg)), ValueError,
+            pre + "expected temperature > 0 and finite, but got inf"),
+        Bad("softcap", lambda d: (call(softcap=-1.0), (x, w, tg)), ValueError, pre + "expected softcap > 0"),
+        Bad("chunk", lambda d: (call(chunk_size=0), (x, w, tg)), ValueError, pre + "expected chunk_size >= 1"),
+        Bad("target_out_of_range", lambda d: (op, (x, w, torch.tensor([0, 1, 6, 2, 3], device=device))), IndexError,
+            pre + r"expected every target in \[0, 6\).*got target 6 at flat position 2", devices=("cpu",)),
+    ]
+
+
+ENTRIES.append(OpEntry(
+    name="linear_log_probs", op=_llp, reference=_llp_reference, baseline=_llp_baseline, native=_llp_native,
+    samples=_llp_samples, small_samples=_llp_small, bad_inputs=_llp_bad, double_backward=False,
+    vmap_in_dims=(0, None, 0, None, None, None, None, None, None), autocast="lower_precision", check=_llp_check))
+
+
+# ---- linear_jsd ------------------------------------------------------------------------------------------------
+# The student's input and weight are the differentiated args; the teacher (no gradient), the target, the biases and
+# the options come by name (Sample.kwargs), as the schema takes them, or (the hypothesis strategy) as one dict arg,
+# which is not differentiated.
+
+
+def _jsd(input, linear_weight, options=None, **kwargs):
+    return F.linear_jsd(input, linear_weight, **{**(options or {}), **kwargs})
+
+
+def _jsd_reference(input, linear_weight, options=None, **kwargs):
+    kwargs = {**(options or {}), **kwargs}
+    kwargs.pop("chunk_size", None)
+    return T.linear_jsd_reference(input, linear_weight, **kwargs)
+
+
+def _jsd_baseline(input, linear_weight, options=None, **kwargs):
+    """The reference's math in input's dtype, returned in float32 (float64 for float64)."""
+    kwargs = {**(options or {}), **kwargs}
+    kwargs.pop("chunk_size", None)
+    kwargs = {k: v.to(input.dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
+    loss = T.linear_jsd_reference(input, linear_weight, compute_dtype=input.dtype, **kwargs)
+    return loss.to(torch.float64 if input.dtype == torch.float64 else torch.float32)
+
+
+def _jsd_native(input, linear_weight, teacher_input, teacher_linear_weight, target=None, linear_bias=None,
+                teacher_linear_bias=None, beta=0.5, temperature=1.0, ignore_index=-100, reduction="mean",
+                chunk_size=None):
+    """torch's linear for both heads, then TRL's generalized_jsd_loss in float32 (under autocast the GEMMs in the
+    lower precision)."""
+    ls = torch.log_softmax(TF.linear(input, linear_weight, linear_bias).float() / temperature, -1)
+    lt = torch.log_softmax(TF.linear(teacher_input, teacher_linear_weight, teacher_linear_bias).float() / temperature,
+                           -1)
+    if beta == 0:
+        per = TF.kl_div(ls, lt, reduction="none", log_target=True)
+    elif beta == 1:
+        per = TF.kl_div(lt, ls, reduction="none", log_target=True)
+    else:
+        lm = torch.logsumexp(torch.stack([ls + math.log(1 - beta), lt + math.log(beta)]), 0)
+        per = beta * TF.kl_div(lm, lt, reduction="none", log_target=True) + (1 - beta) * TF.kl_div(
+            lm, ls, reduction="none", log_target=True)
+    per = per.sum(-1)
+    valid = torch.ones_like(per, dtype=torch.bool) if target is None else target != ignore_index
+    total = torch.where(valid, per, torch.zeros_like(per)).sum()
+    return total if reduction == "sum" else total / valid.sum()
+
+
+def _jsd_check(what, ours, ref, base, args, gouts, **kwargs):
+    """The tolerance rule with a-priori bounds: for the loss, one of its float32 rounding (a scalar: PyTorch's own
+    float32 result can be luckily close, and one unit in the last place is then already past the rule). Every path
+    computes the logits and log-softmaxes in float32: each logit carries the GEMM's error (gemm_error_bound in
+    float32: the products of 16-bit inputs are exact there) and each log-probability a few float32 roundings of its
+    magnitude (≤ max |z| + log V); the divergence weighs those by probabilities that sum to 1 (coefficients ≤ 2 in
+    its value), so a token's value is off by at most 2 (2 max δz + 4 eps (max |z_s| + max |z_t| + log V)) / T.
+    For the gradients, the same per-logit rounding: the logit gradient (1 − β) p_s ((ls − lm) − K) g / T (its
+    float64 value dz from the reference) is off by at most 8 eps g p_s mag / T + eps |dz| per logit, and the two
+    gradient GEMMs add their own rounding (gemm_error_bound of |dz| and the other operand)."""
+    bound = None
+    opts = {**(args[2] if len(args) > 2 and isinstance(args[2], dict) else {}), **kwargs}
+    x, w = args[0], args[1]
+    if what not in ("output 0", "grad 0", "grad 1") or x.numel() == 0:
+        return T.assert_matches_reference(ours, ref, base, what=what)
+    xt, wt = opts["teacher_input"], opts["teacher_linear_weight"]
+    temp = opts.get("temperature", 1.0)
+    f32 = torch.float32
+    eps = torch.finfo(f32).eps
+    V = w.shape[0]
+    x2, xt2 = _rows(x.detach().double()), _rows(xt.detach().double())
+
+    def logits(a, m, b):
+        z = a @ m.detach().double().t()
+        return z if b is None else z + b.detach().double()
+    zs, zt = logits(x2, w, opts.get("linear_bias")), logits(xt2, wt, opts.get("teacher_linear_bias"))
+    mag = (zs.abs().amax(-1) + zt.abs().amax(-1)) / temp + math.log(V)  # [N]
+    target = opts.get("target")
+    valid = (torch.ones(zs.shape[0], dtype=torch.bool, device=zs.device) if target is None
+             else (target.reshape(-1) != opts.get("ignore_index", -100)).to(zs.device))
+    mean = opts.get("reduction", "mean") == "mean"
+    count = valid.sum().clamp(min=1) if mean else 1
+    if what == "output 0":
+        dz = (T.gemm_error_bound(x2, w, f32).amax(-1) + T.gemm_error_bound(xt2, wt, f32).amax(-1)) / temp
+        per = 2 * (2 * dz + 4 * eps * mag)
+        bound = torch.where(valid, per, torch.zeros_like(per)).sum() / count + eps * ref.detach().double().abs()
+    else:
+        zl = zs.clone().requires_grad_()
+        eye = torch.eye(V, dtype=torch.float64, device=zs.device)
+        loss = T.linear_jsd_reference(zl, eye, zt, eye, None if target is None else target.reshape(-1),
+                                      beta=opts.get("beta", 0.5), temperature=temp,
+                                      ignore_index=opts.get("ignore_index", -100),
+                                      reduction=opts.get("reduction", "mean"))
+        g = gouts[0].detach().double().abs().to(zs.device)
+        (dz,) = torch.autograd.grad(loss, zl)
+        dz = dz.abs() * g
+        ps = torch.softmax(zs / temp, -1)
+        err = 8 * eps * g * ps * mag.unsqueeze(-1) / temp / count + eps * dz  # [N, V]
+        err = torch.where(valid.unsqueeze(-1), err, torch.zeros_like(err))
+        if what == "grad 0":
+            bound = err @ w.detach().double().abs() + T.gemm_error_bound(dz, w.detach().t(), f32)
+            bound = bound.reshape(x.shape)
+        else:
+            bound = err.t() @ x2.abs() + T.gemm_error_bound(dz.t(), x2.t(), f32)
+    T.assert_matches_reference(ours, ref, base, what=what, bound=bound)
+
+
+def _jsd_samples(device, dtype):
+    x, w, t, b = _lce_data((37,), 24, 83, dtype, device)
+    xt, wt, _, bt = _lce_data((37,), 16, 83, dtype, device)
+    x3, _, t3, _ = _lce_data((3, 5), 24, 83, dtype, device)
+    xt3, _, _, _ = _lce_data((3, 5), 16, 83, dtype, device)
+    x3t = x3.transpose(0, 1).contiguous().transpose(0, 1)  # (3, 5, 24) with transposed batch dims
+    teacher = dict(teacher_input=xt, teacher_linear_weight=wt)
+    return [
+        Sample("jsd_target_biases", (x, w), kwargs=dict(teacher, target=t, linear_bias=b, teacher_linear_bias=bt)),
+        Sample("forward_kl_sum_temperature_chunked", (x, w),
+               kwargs=dict(teacher, target=t, beta=0.0, temperature=2.0, reduction="sum", chunk_size=16)),
+        Sample("reverse_kl_no_target", (x, w), kwargs=dict(teacher, beta=1.0, chunk_size=7)),
+        Sample("batch_dims_strided", (x3t, w), kwargs=dict(teacher_input=xt3, teacher_linear_weight=wt, target=t3,
+                                                           beta=0.3), grad_strided=True),
+        Sample("weight_transposed", (x, randn((24, 83), dtype, device, 1 / math.sqrt(24)).t()), kwargs=teacher),
+        Sample("zero_tokens", (randn((0, 24), dtype, device), w),
+               kwargs=dict(teacher_input=randn((0, 16), dtype, device), teacher_linear_weight=wt, reduction="sum")),
+    ]
+
+
+def _jsd_small(device):
+    d = torch.float64
+    x, w, t, b = _lce_data((6,), 5, 7, d, device, ignore=0.0, scale=1.0)
+    xt, wt, _, bt = _lce_data((6,), 4, 7, d, device, ignore=0.0, scale=1.0)
+    t[2] = -100
+    teacher = dict(teacher_input=xt, teacher_linear_weight=wt)
+    return [
+        Sample("jsd_chunked", (x, w), kwargs=dict(teacher, target=t, linear_bias=b, teacher_linear_bias=bt,
+                                                  chunk_size=4)),
+        Sample("forward_kl", (x, w), kwargs=dict(teacher, target=t, beta=0.0, temperature=0.7)),
+        Sample("reverse_kl_sum", (x, w), kwargs=dict(teacher, beta=1.0, reduction="sum")),
+    ]
+
+
+def _jsd_vmap(device):
+    d = torch.float64
+    x, w, _, _ = _lce_data((2, 6), 5, 7, d, device, ignore=0.0, scale=1.0)
+    return Sample("batched", (x, w), kwargs=dict(teacher_input=x.detach()[0].flip(0).clone(),
+                                                 teacher_linear_weight=w.detach().flip(0).clone()))
+
+
+def _jsd_bad(device):
+    t = tensor_maker(device)
+    x, w, xt, wt, tg = t(5, 4), t(6, 4), t(5, 3), t(6, 3), torch.randint(0, 6, (5,), device=device)
+
+    def call(**kw):
+        return lambda x, w: F.linear_jsd(x, w, xt, wt, tg, **kw)
+
+    pre = "opforge::linear_jsd: "
+    return [
+        Bad("int_input", lambda d: (call(), (x.long(), w)), TypeError, pre + DTYPE_MSG.format("input", "Long")),
+        Bad("int_linear_weight", lambda d: (call(), (x, w.int())), TypeError,
+            pre + DTYPE_MSG.format("linear_weight", "Int")),
+        Bad("h_mismatch", lambda d: (call(), (t(5, 5), w)), ValueError,
+            pre + "expected input's last dimension to equal linear_weight's H 4, but got 5"),
+        Bad("teacher_rows", lambda d: (lambda x, w: F.linear_jsd(x, w, xt[:4], wt, tg), (x, w)), ValueError,
+            pre + r"expected teacher_input of input's leading shape \[5\]"),
+        Bad("teacher_weight", lambda d: (lambda x, w: F.linear_jsd(x, w, xt, wt[:5], tg), (x, w)), ValueError,
+            pre + r"expected teacher_linear_weight of shape \[6, 3\]"),
+        Bad("target_dtype", lambda d: (lambda x, w: F.linear_jsd(x, w, xt, wt, tg.float()), (x, w)), TypeError,
+            pre + "expected target of dtype int64"),
+        Bad("bias_shape", lambda d: (call(linear_bias=t(5)), (x, w)), ValueError,
+            pre + r"expected linear_bias of shape \[6\]"),
+        Bad("teacher_bias_shape", lambda d: (call(teacher_linear_bias=t(5)), (x, w)), ValueError,
+            pre + r"expected teacher_linear_bias of shape \[6\]"),
+        Bad("beta", lambda d: (call(beta=-0.5), (x, w)), ValueError, pre + r"expected beta in \[0, 1\], but got -0.5"),
+        Bad("temperature", lambda d: (call(temperature=-1.0), (x, w)), ValueError,
+            pre + "expected temperature > 0 and finite"),
+        Bad("reduction_none", lambda d: (call(reduction="none"), (x, w)), ValueError,
+            pre + "expected reduction to be one of \"mean\", \"sum\""),
+        Bad("chunk", lambda d: (call(chunk_size=0), (x, w)), ValueError, pre + "expected chunk_size >= 1"),
+    ]
+
+
+ENTRIES.append(OpEntry(
+    name="linear_jsd", op=_jsd, reference=_jsd_reference, baseline=_jsd_baseline, native=_jsd_native,
+    samples=_jsd_samples, small_samples=_jsd_small, bad_inputs=_jsd_bad, double_backward=False,
+    vmap_in_dims=(0, None), vmap_sample=_jsd_vmap, autocast="lower_precision", check=_jsd_check,
+    # the gradients are computed in the forward and scaled in backward: that node refuses double backward
+    double_backward_error="_linear_cross_entropy_scale_grads",
+    gradient_ops=("_linear_jsd_forward", "_linear_cross_entropy_scale_grads")))
+
+
 # ---- rope, rope_from_positions ---------------------------------------------------------------------------------
 
 

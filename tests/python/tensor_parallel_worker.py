@@ -202,6 +202,23 @@ def suite_ops(mesh):
             check(f"linear_cross_entropy {red} (weight replicated)",
                   lambda a, w_, t, b_: opforge.linear_cross_entropy(a, w_, t, linear_bias=b_, reduction=red),
                   [xh, Wv, tgt, bv], [px, R, pt, R], mesh)
+    # linear_log_probs and linear_jsd: replicated and token-sharded (the lm_head replicated; a Shard(0) one gathered)
+    for px, pt, pw in ((R, R, R), (S0, S0, R), (S0, S0, S0)):
+        check(f"linear_log_probs (weight {pw})",
+              lambda a, w_, t, b_: opforge.linear_log_probs(a, w_, t, b_, temperature=0.7, return_entropy=True),
+              [xh, Wv, tgt, bv], [px, pw, pt, R], mesh)
+    check("linear_log_probs no entropy", lambda a, w_, t: opforge.linear_log_probs(a, w_, t), [xh, Wv, tgt],
+          [S0, R, S0], mesh)
+    xt, Wt = rn(12, 6), rn(V, 6)
+    for red in ("mean", "sum"):
+        for px, pt in ((R, R), (S0, S0)):
+            check(f"linear_jsd {red}",
+                  lambda a, w_, ta, tw, t, b_: opforge.linear_jsd(a, w_, ta, tw, t, linear_bias=b_, beta=0.3,
+                                                                  reduction=red),
+                  [xh, Wv, xt, Wt, tgt, bv], [px, R, px, R, pt, R], mesh, frozen=(2, 3))
+    no_comm("linear_log_probs token-sharded",
+            lambda a, w_, t: opforge.linear_log_probs(a, w_, t.detach(), return_entropy=True), [xh, Wv, tgt],
+            [S0, R, S0])
 
 
 def loss_options():

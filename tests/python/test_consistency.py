@@ -260,10 +260,11 @@ def test_conformance_entries_name_real_ops():
 
 
 def test_references_are_named_after_ops():
-    ops = {n for n, _ in schemas()}
+    # the ops, and the losses composed on them in Python (opforge.losses: preference_loss, grpo_loss, ...)
+    ops = {n for n, _ in schemas()} | set(opforge.losses.__all__)
     helpers = {"activation_reference", "assert_matches_reference", "fake_quant_qparams_reference",
                "fake_quantize_per_token_reference", "rope_cos_sin_reference"}  # pieces of the rule, not ops
     for name in opforge.testing.__all__:
         if name.endswith("_reference") and name not in helpers:
             assert name[: -len("_reference")] in ops, (f"opforge.testing.{name}: no op {name[:-10]!r} in "
-                                                       f"csrc/library.cpp (references are named <op>_reference)")
+                                                       f"csrc/library.cpp nor loss in opforge.losses (references are named <op>_reference)")

@@ -84,6 +84,29 @@ def _args(draw, name, device):
         bias = t((N,), "contiguous") if draw(st.booleans()) else None
         # the product's scale: input at `scale`, weight at 1/sqrt(K)
         return (t((M, K)), t((N, K), draw(LAYOUTS), 1.0 / max(K, 1) ** 0.5), bias)
+    if name == "linear_log_probs":
+        H, V = draw(SIZES), max(draw(SIZES), 1)  # V >= 1 classes
+        # logits at `scale` (the input) times 1/sqrt(H) per weight; a temperature and softcap of their own
+        x = t((M, H))
+        w = t((V, H), draw(LAYOUTS), 1.0 / max(H, 1) ** 0.5)
+        target = torch.randint(0, V, (M,), generator=gen)
+        target[torch.rand(M, generator=gen) < 0.2] = -100
+        bias = t((V,), "contiguous", 1.0) if draw(st.booleans()) else None
+        temperature = draw(st.sampled_from([1.0, 0.5, 2.0]))
+        softcap = draw(st.sampled_from([None, 3.0]))
+        return (x, w, target.to(device), bias, temperature, -100, softcap, draw(st.booleans()),
+                draw(st.sampled_from([None, 1, 5])))
+    if name == "linear_jsd":  # (input, linear_weight, {teacher, target, options}): the dict is not differentiated
+        H, Ht, V = draw(SIZES), draw(SIZES), max(draw(SIZES), 1)
+        target = torch.randint(0, V, (M,), generator=gen)
+        target[torch.rand(M, generator=gen) < 0.2] = -100
+        opts = dict(teacher_input=t((M, Ht)), teacher_linear_weight=t((V, Ht), draw(LAYOUTS), 1.0 / max(Ht, 1) ** 0.5),
+                    target=target.to(device) if draw(st.booleans()) else None,
+                    beta=draw(st.sampled_from([0.0, 0.5, 0.8, 1.0])), temperature=draw(st.sampled_from([1.0, 2.0])),
+                    reduction=draw(st.sampled_from(["mean", "sum"])), chunk_size=draw(st.sampled_from([None, 1, 5])))
+        counted = M if opts["target"] is None else int((target != -100).sum())
+        assume(counted > 0 or opts["reduction"] == "sum")  # "mean" over no token is 0/0 for everyone
+        return (t((M, H)), t((V, H), draw(LAYOUTS), 1.0 / max(H, 1) ** 0.5), opts)
     if name == "swiglu_linear":  # weight (2N, K): the gate's and the up projection's rows interleaved
         K = draw(SIZES)
         bias = t((2 * N,), "contiguous") if draw(st.booleans()) else None

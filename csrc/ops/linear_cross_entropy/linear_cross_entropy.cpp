@@ -217,7 +217,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   const Problem p = backward_problem(grad_output, input, linear_weight, target, stats, linear_bias, weight, reduction,
                                      ignore_index, label_smoothing, z_loss, softcap, chunk_size);
   const GradBuffers grads(p, output_mask, zero_dw);
-  kernel(p, grad_output, stats, GradNeeds(p, output_mask), chunk_size, grads);
+  const GradNeeds need(p, output_mask);
+  RowGrad g;
+  if (need.any()) g.G = grad_scale(p, grad_output, g.g_stride);
+  kernel(p, g, stats, need, chunk_size, grads);
   return grads.finish(input, linear_weight, linear_bias);
 }
 
@@ -238,8 +241,10 @@ Problem backward_problem(const at::Tensor& grad_output, const at::Tensor& input,
                          std::optional<double> softcap, std::optional<int64_t> chunk_size) {
   const auto red = check_backward_args(grad_output, input, linear_weight, target, stats, linear_bias, weight,
                                        reduction, label_smoothing, z_loss, softcap, chunk_size);
-  return make_problem(input, linear_weight, target, linear_bias, weight, red, ignore_index, label_smoothing, z_loss,
-                      softcap);
+  Problem p = make_problem(input, linear_weight, target, linear_bias, weight, red, ignore_index, label_smoothing,
+                           z_loss, softcap);
+  p.op = "linear_cross_entropy_backward";
+  return p;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(
@@ -268,6 +273,47 @@ at::Tensor unit_grad_scale(const Problem& p) {
   const auto acc = acc_dtype(p.X.scalar_type());
   at::Tensor one = at::ones({1}, p.X.options().dtype(acc));
   return p.reduction == Reduction::kMean ? one.div(mean_denominator(p)) : one;
+}
+
+// Gradient in forward (linear_cross_entropy's "mean"/"sum", linear_jsd): saved grad_input, grad_linear_weight, grad_linear_bias (each undefined where its input
+// needs no gradient) and a 0-dim bool, whether any target is not ignore_index; no attributes. The backward scales
+// the gradients by grad_output.
+//
+// Note [all targets ignored]: then every saved gradient is exactly zero, and so is the unfused loss's (each ignored
+// token's logit gradient is zero whatever grad_output is). grad_output can then be non-finite: transformers divides
+// a "sum" loss by num_items_in_batch, which is 0 for a batch without a target, and 0 * inf would make every
+// gradient NaN. So grad_output is replaced by 0 when no target counts (a 0-dim select on the device: no sync).
+variable_list saved_grads_backward(const BackwardArgs& a) {
+  if (!a.grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+  auto pick = [&](int k) -> std::optional<at::Tensor> {
+    return a.needs[k] && a.saved[k].defined() ? std::optional<at::Tensor>(a.saved[k]) : std::nullopt;
+  };
+  const at::Tensor& any_target = a.saved[3];
+  const at::Tensor grad_output = at::where(any_target, a.grads[0], at::zeros_like(a.grads[0]));
+  auto [gi, gw, gb] = opforge::_linear_cross_entropy_scale_grads(grad_output, pick(0), pick(1), pick(2));
+  return {gi, gw, gb};
+}
+
+// The gradients computed in the forward depend on the inputs in a way this op does not differentiate: give them a
+// history that raises if someone differentiates through them (a double backward; torch.func.grad of grad, where
+// the outer level sees the private forward's gradient outputs), so the scale op's outputs carry the usual lazy
+// "double backward is not supported" refusal instead of a silently zero second derivative. Only when grad mode is
+// on and an input requires grad (otherwise no graph can reach them).
+void mark_not_differentiable(const char* op, const at::Tensor& gi, const at::Tensor& gw, const at::Tensor& gb,
+                             const at::Tensor& input, const at::Tensor& linear_weight,
+                             const std::optional<at::Tensor>& linear_bias) {
+  if (!any_requires_grad(input, linear_weight, linear_bias)) return;
+  std::vector<at::Tensor> diff;
+  for (const at::Tensor* t : {&gi, &gw, &gb})
+    if (t->defined() && torch::autograd::isDifferentiableType(t->scalar_type())) diff.push_back(*t);
+  if (diff.empty()) return;
+  auto err = make_node<torch::autograd::Error>(
+      std::string("opforge::") + op +
+          ": double backward is not supported (the gradients computed in the forward are not differentiable); a "
+          "first-order gradient works under create_graph=True and torch.func, but differentiating that gradient "
+          "again does not",
+      torch::autograd::collect_next_edges(input, linear_weight, linear_bias));
+  for (const at::Tensor& t : diff) torch::autograd::set_history(t, err);
 }
 
 }  // namespace lce
@@ -396,28 +442,10 @@ variable_list lce_recompute_backward(const BackwardArgs& a) {
   return {gi, gw, gb};
 }
 
-// Gradient in forward: saved grad_input, grad_linear_weight, grad_linear_bias (each undefined where its input
-// needs no gradient) and a 0-dim bool, whether any target is not ignore_index; no attributes. The backward scales
-// the gradients by grad_output.
-//
-// Note [all targets ignored]: then every saved gradient is exactly zero, and so is the unfused loss's (each ignored
-// token's logit gradient is zero whatever grad_output is). grad_output can then be non-finite: transformers divides
-// a "sum" loss by num_items_in_batch, which is 0 for a batch without a target, and 0 * inf would make every
-// gradient NaN. So grad_output is replaced by 0 when no target counts (a 0-dim select on the device: no sync).
-variable_list lce_saved_grads_backward(const BackwardArgs& a) {
-  auto pick = [&](int k) -> std::optional<at::Tensor> {
-    return a.needs[k] && a.saved[k].defined() ? std::optional<at::Tensor>(a.saved[k]) : std::nullopt;
-  };
-  const at::Tensor& any_target = a.saved[3];
-  const at::Tensor grad_output = at::where(any_target, a.grads[0], at::zeros_like(a.grads[0]));
-  auto [gi, gw, gb] = opforge::_linear_cross_entropy_scale_grads(grad_output, pick(0), pick(1), pick(2));
-  return {gi, gw, gb};
-}
-
 // Edges: 0 input, 1 linear_weight, 2 linear_bias (the class weights get none).
 variable_list lce_backward_fn(const BackwardArgs& a) {
   if (!a.grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
-  return a.attrs.empty() ? lce_saved_grads_backward(a) : lce_recompute_backward(a);
+  return a.attrs.empty() ? lce::saved_grads_backward(a) : lce_recompute_backward(a);
 }
 
 void save_recompute(OpNode& n, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
@@ -436,27 +464,6 @@ void save_recompute(OpNode& n, const at::Tensor& input, const at::Tensor& linear
   n.attr(z_loss);
   n.attr(softcap.value_or(0.0));
   n.attr(chunk_size.value_or(0));
-}
-
-// The gradients computed in the forward depend on the inputs in a way this op does not differentiate: give them a
-// history that raises if someone differentiates through them (a double backward; torch.func.grad of grad, where
-// the outer level sees the private forward's gradient outputs), so the scale op's outputs carry the usual lazy
-// "double backward is not supported" refusal instead of a silently zero second derivative. Only when grad mode is
-// on and an input requires grad (otherwise no graph can reach them).
-void mark_not_differentiable(const at::Tensor& gi, const at::Tensor& gw, const at::Tensor& gb,
-                             const at::Tensor& input, const at::Tensor& linear_weight,
-                             const std::optional<at::Tensor>& linear_bias) {
-  if (!any_requires_grad(input, linear_weight, linear_bias)) return;
-  std::vector<at::Tensor> diff;
-  for (const at::Tensor* t : {&gi, &gw, &gb})
-    if (t->defined() && torch::autograd::isDifferentiableType(t->scalar_type())) diff.push_back(*t);
-  if (diff.empty()) return;
-  auto err = make_node<torch::autograd::Error>(
-      "opforge::linear_cross_entropy: double backward is not supported (the gradients computed in the forward are "
-      "not differentiable); a first-order gradient works under create_graph=True and torch.func, but "
-      "differentiating that gradient again does not",
-      torch::autograd::collect_next_edges(input, linear_weight, linear_bias));
-  for (const at::Tensor& t : diff) torch::autograd::set_history(t, err);
 }
 
 // Whether the gradient-in-forward path serves a call that needs gradients: reduction "mean" or "sum" (a scalar
@@ -508,7 +515,7 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& input, const at::Tens
                          label_smoothing, z_loss, softcap, chunk_size, stats);
           return;
         }
-        mark_not_differentiable(gi, gw, gb, input, linear_weight, linear_bias);
+        lce::mark_not_differentiable("linear_cross_entropy", gi, gw, gb, input, linear_weight, linear_bias);
         n.save(gi);
         n.save(gw);
         n.save(gb);
@@ -539,7 +546,7 @@ LceForward linear_cross_entropy_forward_autograd(const at::Tensor& input, const 
         const auto& [loss, stats, gi, gw, gb] = out;
         save_recompute(n, input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
                        z_loss, softcap, chunk_size, stats);
-        mark_not_differentiable(gi, gw, gb, input, linear_weight, linear_bias);
+        lce::mark_not_differentiable("linear_cross_entropy", gi, gw, gb, input, linear_weight, linear_bias);
       },
       input, linear_weight, linear_bias);
 }

@@ -32,8 +32,11 @@
 #include <array>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace opforge {
+
+struct BackwardArgs;  // core/autograd.h
 
 // linear_cross_entropy(...) itself is declared in include/opforge/opforge.h (the public C++ API).
 
@@ -108,6 +111,10 @@ struct Problem {
   Reduction reduction;
   int64_t ignore_index;
   double label_smoothing, z_loss, softcap;  // softcap 0: none
+  // the row function's logit scale, z = cap(l + b) · scale: 1 for linear_cross_entropy, 1 / temperature for
+  // linear_log_probs
+  double scale = 1.0;
+  const char* op = "linear_cross_entropy";  // the op named in the kernels' errors (the backward op in a backward)
   // dtypes of the dW and db accumulators across chunks: the acc dtype, or with the knob OPFORGE_LCE_DW_ACCUM=1 the
   // parameter's own dtype where it is 16-bit and equals input's (the GEMMs then add into the returned gradient)
   at::ScalarType dw_dtype = at::kFloat, db_dtype = at::kFloat;
@@ -175,9 +182,22 @@ struct GradNeeds {
   bool any() const { return dx || dw || db; }
 };
 
-/// A backend's linear_cross_entropy_backward once the problem is checked: fills `grads` (allocated for `need`).
-using BackwardKernel = void (*)(const Problem& p, const at::Tensor& grad_output, const at::Tensor& stats,
-                                const GradNeeds& need, std::optional<int64_t> chunk_size, const GradBuffers& grads);
+/// What the backward row function is given per token, besides the saved (m, r). Every backward (recompute) row is
+///   dz_j = G ((1 − ε) w_t (p_j − [j = t]) + ε/V (W p_j − w_j) + 2 z_loss (m + r) p_j) − GE p_j ((z_j − m) − Em),
+///   dl_j = dz_j · scale · (1 − (cap(l_j + b_j) / cap)²)   (without a softcap: dz_j · scale),
+/// the first part the gradient of the row's cross-entropy loss (linear_cross_entropy; with ε = 0, w = 1, z_loss = 0
+/// and G = −grad_log_probs that of the log-probability), the second that of the entropy H = −Σ p log p
+/// (linear_log_probs), whose Em = E_p[z] − m = r − H.
+struct RowGrad {
+  at::Tensor G;          // [N] or [1] acc dtype (the loss's per-token scale)
+  int64_t g_stride = 0;  // 1 ([N]) or 0 ([1])
+  at::Tensor GE;         // [N] acc dtype: the entropy's gradient, or undefined (no entropy term)
+  at::Tensor Em;         // [N] acc dtype: r − H per token (with GE)
+};
+
+/// A backend's backward chunk loop once the problem is checked: fills `grads` (allocated for `need`).
+using BackwardKernel = void (*)(const Problem& p, const RowGrad& g, const at::Tensor& stats, const GradNeeds& need,
+                                std::optional<int64_t> chunk_size, const GradBuffers& grads);
 
 /// linear_cross_entropy_backward on one backend (the op's arguments after `kernel` and `zero_dw`): the checked
 /// problem, the gradient buffers (dW zeroed when `zero_dw`), `kernel`, then the gradients in the parameters' shapes
@@ -189,8 +209,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
     std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size);
 
+/// The backward of the gradient-in-forward path (linear_cross_entropy "mean"/"sum", linear_jsd). Saved:
+/// grad_input, grad_linear_weight, grad_linear_bias (each undefined where its input needs no gradient) and a 0-dim
+/// bool, whether any target counts; edges input, linear_weight, linear_bias. Returns the saved gradients times
+/// grad_output (_linear_cross_entropy_scale_grads), grad_output taken as 0 when no target counts (Note [all targets
+/// ignored] in linear_cross_entropy.cpp).
+std::vector<at::Tensor> saved_grads_backward(const BackwardArgs& a);
+
+/// Gives the gradients a forward computed (gi, gw, gb, undefined allowed) a history that raises
+/// "opforge::<op>: double backward is not supported ..." if someone differentiates through them; only when grad mode
+/// is on and input, linear_weight or linear_bias requires grad.
+void mark_not_differentiable(const char* op, const at::Tensor& gi, const at::Tensor& gw, const at::Tensor& gb,
+                             const at::Tensor& input, const at::Tensor& linear_weight,
+                             const std::optional<at::Tensor>& linear_bias);
+
 /// Writes p's scalar row parameters into a backend's row-parameter struct q (the CPU RowParams, the CUDA RowArgs):
-/// q.V, q.ignore_index, and q.eps (label_smoothing), q.z_loss, q.cap (softcap, 0: none) in q's accumulation type.
+/// q.V, q.ignore_index, and q.eps (label_smoothing), q.z_loss, q.cap (softcap, 0: none), q.scale in q's
+/// accumulation type.
 template <typename Q>
 void set_row_scalars(Q& q, const Problem& p) {
   using acc_t = decltype(q.eps);
@@ -199,7 +234,100 @@ void set_row_scalars(Q& q, const Problem& p) {
   q.eps = static_cast<acc_t>(p.label_smoothing);
   q.z_loss = static_cast<acc_t>(p.z_loss);
   q.cap = static_cast<acc_t>(p.softcap);
+  q.scale = static_cast<acc_t>(p.scale);
 }
 
 }  // namespace lce
+
+// ---- linear_log_probs: the same engine, the row value −log p(target) (the cross-entropy row with ε = 0, no class
+// weights, no z-loss) and optionally the entropy; always the recompute autograd path (a per-token grad_output) ----
+
+/// linear_log_probs's forward for autograd: (log_probs, entropy (an empty (0,) tensor without return_entropy),
+/// stats (*, 2) as _linear_cross_entropy_forward's, of the scaled logits).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _linear_log_probs_forward(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, double temperature, int64_t ignore_index,
+    std::optional<double> softcap, bool return_entropy, std::optional<int64_t> chunk_size);
+
+namespace llp {
+
+/// Symbolic-safe checks shared by the kernels and Meta: linear_cross_entropy's (lce::check_args, named `op`) and
+/// temperature > 0 and finite.
+void check_args(const char* op, const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                const std::optional<at::Tensor>& linear_bias, double temperature, std::optional<double> softcap,
+                std::optional<int64_t> chunk_size);
+
+/// The backward's extra checks: grad_log_probs / grad_entropy / entropy of target's shape, entropy given with
+/// grad_entropy, stats (*, 2) in the stats dtype.
+void check_backward_args(const std::optional<at::Tensor>& grad_log_probs, const std::optional<at::Tensor>& grad_entropy,
+                         const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                         const at::Tensor& stats, const std::optional<at::Tensor>& entropy,
+                         const std::optional<at::Tensor>& linear_bias, double temperature,
+                         std::optional<double> softcap, std::optional<int64_t> chunk_size);
+
+/// The forward's checked problem (CPU and CUDA): reduction none, scale 1 / temperature.
+lce::Problem forward_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                             const std::optional<at::Tensor>& linear_bias, double temperature, int64_t ignore_index,
+                             std::optional<double> softcap, std::optional<int64_t> chunk_size);
+
+/// _linear_log_probs_forward's outputs from a backend's row values (−log p per token [N]), entropy [N] (or
+/// undefined) and stats [N, 2], in target's shape.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_outputs(const lce::Problem& p, const at::Tensor& token_value,
+                                                               const at::Tensor& entropy, const at::Tensor& stats,
+                                                               const at::Tensor& target);
+
+/// linear_log_probs_backward on one backend (the op's arguments after `kernel` and `zero_dw`), as lce::backward.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
+    lce::BackwardKernel kernel, bool zero_dw, const std::optional<at::Tensor>& grad_log_probs,
+    const std::optional<at::Tensor>& grad_entropy, const at::Tensor& input, const at::Tensor& linear_weight,
+    const at::Tensor& target, const at::Tensor& stats, const std::optional<at::Tensor>& entropy,
+    const std::optional<at::Tensor>& linear_bias, double temperature, int64_t ignore_index,
+    std::optional<double> softcap, std::array<bool, 3> output_mask, std::optional<int64_t> chunk_size);
+
+}  // namespace llp
+
+// ---- linear_jsd: the same forward loop with a teacher head (a second logits GEMM per chunk) and the JSD row; its
+// gradients are computed in the forward (a scalar loss) and scaled in backward (lce::saved_grads_backward) ----
+
+/// linear_jsd's forward for autograd: (loss, grad_input, grad_linear_weight, grad_linear_bias), the gradients of the
+/// student's input, weight and bias only where grad_mask asks (undefined otherwise).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_jsd_forward(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& teacher_input,
+    const at::Tensor& teacher_linear_weight, const std::optional<at::Tensor>& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& teacher_linear_bias, double beta,
+    double temperature, int64_t ignore_index, c10::string_view reduction, std::optional<int64_t> chunk_size,
+    std::array<bool, 3> grad_mask = {false, false, false});
+
+namespace jsd {
+
+/// The student's and the teacher's problems: the student's with the reduction, target (zeros, with an ignore_index
+/// none of them equals, when target is None), scale 1 / temperature; the teacher's with teacher_input converted to
+/// input's dtype, the same target and scale; beta.
+struct Problems {
+  lce::Problem s, t;
+  double beta;
+};
+
+/// Symbolic-safe checks shared by the kernels and Meta (ValueError, TypeError, RuntimeError as lce::check_args, for
+/// the student's and the teacher's tensors; beta in [0, 1]; temperature > 0 and finite; reduction "mean" or "sum");
+/// returns the reduction.
+lce::Reduction check_args(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& teacher_input,
+                          const at::Tensor& teacher_linear_weight, const std::optional<at::Tensor>& target,
+                          const std::optional<at::Tensor>& linear_bias,
+                          const std::optional<at::Tensor>& teacher_linear_bias, double beta, double temperature,
+                          c10::string_view reduction, std::optional<int64_t> chunk_size);
+
+/// The checked problems (CPU and CUDA).
+Problems forward_problems(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& teacher_input,
+                          const at::Tensor& teacher_linear_weight, const std::optional<at::Tensor>& target,
+                          const std::optional<at::Tensor>& linear_bias,
+                          const std::optional<at::Tensor>& teacher_linear_bias, double beta, double temperature,
+                          int64_t ignore_index, c10::string_view reduction, std::optional<int64_t> chunk_size);
+
+/// _linear_jsd_forward's outputs from the per-token divergences [N] and the gradient buffers.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(
+    const Problems& p, const at::Tensor& token_value, const lce::GradBuffers& grads, const at::Tensor& input,
+    const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias);
+
+}  // namespace jsd
 }  // namespace opforge

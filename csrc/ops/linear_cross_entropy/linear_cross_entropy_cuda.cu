@@ -1,4 +1,7 @@
-// CUDA kernels of linear_cross_entropy: the chunked algorithm of linear_cross_entropy.h.
+// CUDA kernels of linear_cross_entropy and linear_log_probs: the chunked algorithm of linear_cross_entropy.h. One
+// forward and one backward chunk loop serve both ops; linear_log_probs's row is the cross-entropy row without
+// smoothing, class weights or z-loss (its value −log p), with the logits scaled by 1 / temperature and, on request,
+// the entropy (a second pass over the row, after (m, r)).
 //
 // Per chunk of c tokens: logits [c, V] = X_c · Wᵀ + b through core/gemm.h (float32 output from inputs in their
 // storage dtype, float32 accumulation, the bias fused as the GEMM's epilogue; float64 throughout for float64), then
@@ -25,6 +28,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 
 #include "core/check.h"
 #include "core/cuda_utils.cuh"
@@ -55,6 +59,7 @@ struct RowArgs {
   const acc_t* wsum;  // [1] Σ cw (device), or nullptr: V
   int64_t V, ignore_index;
   acc_t eps, z_loss, cap;  // cap 0: none
+  acc_t scale;             // z = cap(l) · scale (1 / temperature; 1 for linear_cross_entropy)
 };
 
 template <typename acc_t>
@@ -108,9 +113,10 @@ __device__ void block_reduce(acc_t& m, acc_t& s, acc_t& a) {
   }
 }
 
+// z = cap(l) · scale
 template <typename acc_t>
 __device__ __forceinline__ acc_t capped(acc_t x, const RowArgs<acc_t>& q) {
-  return q.cap > acc_t(0) ? q.cap * tanh(x / q.cap) : x;
+  return (q.cap > acc_t(0) ? q.cap * tanh(x / q.cap) : x) * q.scale;
 }
 
 // Pass 1 of a row (no writes): m = max z, s = Σ exp(z − m), a = Σ_j w_j (z_j − z0) (label smoothing only), over
@@ -170,13 +176,30 @@ __device__ __forceinline__ void fill_row(acc_t* l, out_t* o, bool write_acc, int
   }
 }
 
-// Pass 2 of a row: the logit gradient from l (in place, read before written by the same thread) and (m, r, g):
-//   z = cap(l), p = exp((z − m) − r),
-//   dz_j = g ((1 − ε) w_t (p_j − [j = t]) + ε/V (W p_j − w_j) + 2 z_loss (m + r) p_j),  dl_j = dz_j (1 − (z_j/cap)²),
+// The entropy pass of a row (no writes), after (m, r): H = r + Σ_j p_j (m − z_j), p_j = exp(z_j − m − r) (both
+// terms >= 0: no cancellation). Contains __syncthreads (block_reduce), result in every thread.
+template <typename acc_t>
+__device__ __forceinline__ acc_t row_entropy(const acc_t* __restrict__ l, const RowArgs<acc_t>& q, acc_t m, acc_t r) {
+  __syncthreads();  // every thread's reads of the previous block_reduce's shared memory before its reuse
+  acc_t sm = -INFINITY, ss = 0, a = 0;
+  for (int64_t j = threadIdx.x; j < q.V; j += blockDim.x) {
+    const acc_t z = capped(l[j], q);
+    a += dev_exp((z - m) - r) * (m - z);
+  }
+  block_reduce(sm, ss, a);
+  return r + a;
+}
+
+// Pass 2 of a row: the logit gradient from l (in place, read before written by the same thread) and (m, r, g), with
+// the entropy's gradient ge (0: none; em = r − H), lce::RowGrad's formula:
+//   c = cap(l) (or l), z = c · scale, p = exp((z − m) − r),
+//   dz_j = g ((1 − ε) w_t (p_j − [j = t]) + ε/V (W p_j − w_j) + 2 z_loss (m + r) p_j) − ge p_j ((z_j − m) − em),
+//   dl_j = dz_j · scale · (1 − (c_j/cap)²) (without a softcap dz_j · scale),
 // written as fp32 in place when write_acc and, when o is given, in the storage dtype.
 template <typename acc_t, typename out_t, bool VEC>
 __device__ __forceinline__ void grad_row(acc_t* __restrict__ l, out_t* __restrict__ o, bool write_acc, int64_t t,
-                                         const RowArgs<acc_t>& q, acc_t m, acc_t r, acc_t g) {
+                                         const RowArgs<acc_t>& q, acc_t m, acc_t r, acc_t g, acc_t ge = acc_t(0),
+                                         acc_t em = acc_t(0)) {
   const int64_t V = q.V;
   const acc_t wt = q.cw ? q.cw[t] : acc_t(1);
   const acc_t W = q.wsum ? *q.wsum : static_cast<acc_t>(V);
@@ -184,15 +207,17 @@ __device__ __forceinline__ void grad_row(acc_t* __restrict__ l, out_t* __restric
   const acc_t c2 = g * q.eps / static_cast<acc_t>(V);
   const acc_t ct = g * (acc_t(1) - q.eps) * wt;
   auto grad = [&](acc_t x, int64_t j) {
-    acc_t gz = acc_t(1);
+    acc_t gz = q.scale;
     if (q.cap > acc_t(0)) {
       x = q.cap * tanh(x / q.cap);
       const acc_t u = x / q.cap;
-      gz = acc_t(1) - u * u;
+      gz *= acc_t(1) - u * u;
     }
+    x *= q.scale;
     const acc_t p = dev_exp((x - m) - r);
     acc_t d = c1 * p - c2 * (q.cw ? q.cw[j] : acc_t(1));
     if (j == t) d -= ct;
+    if (ge != acc_t(0)) d -= ge * p * ((x - m) - em);
     return d * gz;
   };
   if constexpr (VEC) {
@@ -228,14 +253,20 @@ __global__ void __launch_bounds__(kThreads) lce_forward_rows(acc_t* __restrict__
                                                              RowArgs<acc_t> q,
                                                              const acc_t* __restrict__ G,     // [1] (GRAD)
                                                              acc_t* __restrict__ loss,        // [c]
-                                                             acc_t* __restrict__ stats) {     // [c, 2]
+                                                             acc_t* __restrict__ stats,       // [c, 2]
+                                                             acc_t* __restrict__ ent) {       // [c] or null
   const int64_t row = blockIdx.x;
   const int64_t t = T[row];
   const int64_t V = q.V;
   acc_t* l = logits + row * V;
   out_t* o = out_lp ? out_lp + row * V : nullptr;
   if (t == q.ignore_index) {
-    if (threadIdx.x == 0) { loss[row] = acc_t(0); stats[2 * row] = acc_t(0); stats[2 * row + 1] = acc_t(0); }
+    if (threadIdx.x == 0) {
+      loss[row] = acc_t(0);
+      stats[2 * row] = acc_t(0);
+      stats[2 * row + 1] = acc_t(0);
+      if (ent) ent[row] = acc_t(0);
+    }
     if constexpr (GRAD) fill_row(l, o, write_acc, V, acc_t(0));
     return;
   }
@@ -249,6 +280,11 @@ __global__ void __launch_bounds__(kThreads) lce_forward_rows(acc_t* __restrict__
     stats[2 * row] = m;
     stats[2 * row + 1] = r;
     loss[row] = valid ? row_loss(q, t, m, r, a, z0, zt) : acc_t(NAN);  // an out-of-range target is never read
+  }
+  if (ent) {
+    const acc_t h = row_entropy(l, q, m, r);  // before pass 2 overwrites the row
+    if (threadIdx.x == 0) ent[row] = h;
+    __syncthreads();  // every thread's entropy pass reads the row before pass 2 writes it
   }
   if constexpr (GRAD) {
     if (!valid) {
@@ -269,7 +305,9 @@ __global__ void __launch_bounds__(kThreads) lce_backward_rows(acc_t* __restrict_
                                                               RowArgs<acc_t> q,
                                                               const acc_t* __restrict__ stats,  // [c, 2]
                                                               const acc_t* __restrict__ G,      // [c] or [1]
-                                                              int64_t g_stride) {
+                                                              int64_t g_stride,
+                                                              const acc_t* __restrict__ GE,     // [c] or null
+                                                              const acc_t* __restrict__ Em) {   // [c] (with GE)
   const int64_t row = blockIdx.x;
   const int64_t t = T[row];
   const int64_t V = q.V;
@@ -279,7 +317,99 @@ __global__ void __launch_bounds__(kThreads) lce_backward_rows(acc_t* __restrict_
     fill_row(l, o, write_acc, V, t == q.ignore_index ? acc_t(0) : acc_t(NAN));
     return;
   }
-  grad_row<acc_t, out_t, VEC>(l, o, write_acc, t, q, stats[2 * row], stats[2 * row + 1], G[g_stride * row]);
+  grad_row<acc_t, out_t, VEC>(l, o, write_acc, t, q, stats[2 * row], stats[2 * row + 1], G[g_stride * row],
+                              GE ? GE[row] : acc_t(0), GE ? Em[row] : acc_t(0));
+}
+
+// log(e^a + e^b)
+template <typename acc_t>
+__device__ __forceinline__ acc_t log_add_exp(acc_t a, acc_t b) {
+  const acc_t mx = a > b ? a : b;
+  return mx + log1p(dev_exp(-fabs(a - b)));
+}
+
+// linear_jsd, one block per token row: the generalised JSD of the student's logits ls and the teacher's lt (each
+// [c, V], the biases added by their GEMMs), both scaled by q.scale; with GRAD the student's logit gradient of
+// G[0] · value (linear_cross_entropy_cpu.cpp's jsd_row has the formulas), fp32 in place and/or in the storage dtype.
+// Passes: (m, s) of each row; the sums A = Σ p_t (lt − lm) and K = Σ p_s (ls − lm); the gradient.
+// β and what the JSD row needs of it, each rounded once from the double β on the host (log(0.3f) would carry the
+// rounding of 0.3 itself into the divergence: ~1e-7 relative)
+template <typename acc_t>
+struct JsdBeta {
+  acc_t beta, lb, l1b, one_m;  // β, log β, log(1 − β), 1 − β
+};
+
+template <typename acc_t, typename out_t, bool GRAD>
+__global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,          // [c, V]
+                                                     const acc_t* __restrict__ lt_buf,    // [c, V]
+                                                     out_t* __restrict__ out_lp,          // [c, V] or null
+                                                     bool write_acc,
+                                                     const int64_t* __restrict__ T,       // [c]
+                                                     RowArgs<acc_t> q, JsdBeta<acc_t> jb,
+                                                     const acc_t* __restrict__ G,         // [1] (GRAD)
+                                                     acc_t* __restrict__ loss) {          // [c]
+  const int64_t row = blockIdx.x;
+  const int64_t V = q.V;
+  acc_t* l = ls_buf + row * V;
+  const acc_t* u = lt_buf + row * V;
+  out_t* o = out_lp ? out_lp + row * V : nullptr;
+  if (T[row] == q.ignore_index) {
+    if (threadIdx.x == 0) loss[row] = acc_t(0);
+    if constexpr (GRAD) fill_row(l, o, write_acc, V, acc_t(0));
+    return;
+  }
+  const acc_t sc = q.scale;
+  acc_t ms = -INFINITY, ss = 0, a = 0;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) online(ms, ss, l[j] * sc);
+  block_reduce(ms, ss, a);
+  __syncthreads();  // the shared memory of block_reduce is reused
+  acc_t mt = -INFINITY, st = 0;
+  a = 0;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) online(mt, st, u[j] * sc);
+  block_reduce(mt, st, a);
+  // the log-softmax as (z − m) − log s: rounding m + log s would scale every exp(ls) by one common error factor,
+  // which the gradient does not cancel
+  const acc_t lss = log(ss), lst = log(st);
+  const acc_t beta = jb.beta, lb = jb.lb, l1b = jb.l1b;
+  const bool fwd_kl = beta == acc_t(0), rev_kl = beta == acc_t(1);
+  acc_t A = 0, K = 0;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    const acc_t lsj = (l[j] * sc - ms) - lss, ltj = (u[j] * sc - mt) - lst;
+    if (fwd_kl) {
+      A += dev_exp(ltj) * (ltj - lsj);
+    } else if (rev_kl) {
+      K += dev_exp(lsj) * (lsj - ltj);
+    } else {
+      const acc_t lm = log_add_exp(ltj + lb, lsj + l1b);
+      A += dev_exp(ltj) * (ltj - lm);
+      K += dev_exp(lsj) * (lsj - lm);
+    }
+  }
+  acc_t dm = -INFINITY, ds = 0;
+  __syncthreads();
+  block_reduce(dm, ds, A);
+  __syncthreads();
+  dm = -INFINITY;
+  ds = 0;
+  block_reduce(dm, ds, K);
+  if (threadIdx.x == 0) loss[row] = fwd_kl ? A : rev_kl ? K : beta * A + jb.one_m * K;
+  if constexpr (GRAD) {
+    const acc_t gs = G[0] * sc;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+      const acc_t lsj = (l[j] * sc - ms) - lss, ltj = (u[j] * sc - mt) - lst, ps = dev_exp(lsj);
+      acc_t d;
+      if (fwd_kl) {
+        d = ps - dev_exp(ltj);
+      } else if (rev_kl) {
+        d = ps * ((lsj - ltj) - K);
+      } else {
+        d = jb.one_m * ps * ((lsj - log_add_exp(ltj + lb, lsj + l1b)) - K);
+      }
+      d *= gs;
+      if (write_acc) l[j] = d;
+      if (o) o[j] = static_cast<out_t>(d);
+    }
+  }
 }
 
 template <typename acc_t>
@@ -300,9 +430,9 @@ bool row_vec(const Problem& p) {
 }
 
 void check_cuda_dims(const Problem& p, int64_t chunk) {
-  TORCH_CHECK(p.V <= INT_MAX && p.H <= INT_MAX && chunk <= INT_MAX, "opforge::linear_cross_entropy: expected V and H at "
-              "most ", num_str(int64_t{INT_MAX}), " (cuBLAS takes int dimensions), but got V = ", num_str(p.V),
-              ", H = ", num_str(p.H));
+  TORCH_CHECK(p.V <= INT_MAX && p.H <= INT_MAX && chunk <= INT_MAX, "opforge::", p.op, ": expected V and H at most ",
+              num_str(int64_t{INT_MAX}), " (cuBLAS takes int dimensions), but got V = ", num_str(p.V), ", H = ",
+              num_str(p.H));
 }
 
 // The chunk's logits [c, V] (fp32; float64 for float64) = X_c · Wᵀ + b, the bias fused into the GEMM.
@@ -331,6 +461,96 @@ void chunk_dw(const at::Tensor& D, const Problem& p, int64_t s0, const at::Tenso
   gemm::gemm(dW, D, p.X.narrow(0, s0, D.size(0)), args);
 }
 
+// The forward chunk loop of the three ops: per token the row value (token_value [N]), (m, r) (stats [N, 2]) and,
+// where `entropy` [N] is defined, the entropy; with a gradient in `need`, also the gradients of Σ token_value · G
+// (the reduction's unit scale) in the same loop. grads: dX [N, H]; dW [V, H] fp32 or p.dw_dtype (the first chunk's
+// GEMM writes it); db [V] fp32 or p.db_dtype. With a `teacher` (linear_jsd), each chunk also gets the teacher's
+// logits (a second GEMM, bias fused) and the row kernel is jsd_rows (no stats, no entropy).
+void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<int64_t> chunk_size,
+                    const at::Tensor& token_value, const at::Tensor& stats, const at::Tensor& entropy,
+                    const lce::GradBuffers& grads, const Problem* teacher = nullptr, double beta = 0.0) {
+  const auto dtype = p.X.scalar_type();
+  const auto acc = lce::acc_dtype(dtype);
+  const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
+  const bool need_grad = need.any();
+  const bool write_acc = !low || need.db;  // the fp32 gradient is read again (fp32 GEMMs, the bias column sum)
+  const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
+                                           at::elementSize(acc) * (teacher ? 2 : 1) +
+                                               (need_grad && low ? at::elementSize(dtype) : 0));
+  check_cuda_dims(p, chunk);
+  if (teacher) check_cuda_dims(*teacher, chunk);
+  if (need.dw && p.N == 0) grads.dW.zero_();
+  if (p.N == 0) return;
+  const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
+  const at::Tensor G = need_grad ? lce::unit_grad_scale(p) : at::Tensor();  // [1] on the device: no sync
+  const int64_t rows = std::min(chunk, p.N);
+  at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));                       // [chunk, V]
+  // the logit gradient in the storage dtype [chunk, V]
+  at::Tensor dlow = need_grad && low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();
+  at::Tensor tlogits = teacher ? at::empty({rows, p.V}, p.X.options().dtype(acc)) : at::Tensor();  // [chunk, V]
+  auto stream = at::cuda::getCurrentCUDAStream();
+  OPFORGE_DISPATCH_FLOATING(dtype, "opforge::linear_cross_entropy", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    using out_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, scalar_t>;
+    const auto q = row_args<acc_t>(p, wsum);
+    const bool vec = row_vec<acc_t>(p);
+    const acc_t* gp = need_grad ? G.const_data_ptr<acc_t>() : nullptr;
+    for (int64_t s0 = 0; s0 < p.N; s0 += chunk) {
+      const int64_t c = std::min(chunk, p.N - s0);
+      const at::Tensor Xc = p.X.narrow(0, s0, c);  // [c, H]
+      at::Tensor L = logits.narrow(0, 0, c);       // [c, V]
+      logits_gemm(L, Xc, p);
+      const int64_t* T = p.T.const_data_ptr<int64_t>() + s0;
+      acc_t* lp = token_value.mutable_data_ptr<acc_t>() + s0;
+      acc_t* sp = stats.defined() ? stats.mutable_data_ptr<acc_t>() + 2 * s0 : nullptr;
+      acc_t* ep = entropy.defined() ? entropy.mutable_data_ptr<acc_t>() + s0 : nullptr;
+      acc_t* Lp = L.mutable_data_ptr<acc_t>();
+      if (teacher) {
+        at::Tensor Lt = tlogits.narrow(0, 0, c);
+        logits_gemm(Lt, teacher->X.narrow(0, s0, c), *teacher);
+        const acc_t* Tp = Lt.const_data_ptr<acc_t>();
+        at::Tensor D = need_grad && low ? dlow.narrow(0, 0, c) : L;
+        out_t* op = need_grad && low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
+        const JsdBeta<acc_t> b{static_cast<acc_t>(beta), static_cast<acc_t>(std::log(beta)),
+                               static_cast<acc_t>(std::log1p(-beta)), static_cast<acc_t>(1.0 - beta)};
+        if (need_grad) {
+          jsd_rows<acc_t, out_t, true><<<c, kThreads, 0, stream>>>(Lp, Tp, op, write_acc, T, q, b, gp, lp);
+        } else {
+          jsd_rows<acc_t, out_t, false><<<c, kThreads, 0, stream>>>(Lp, Tp, nullptr, false, T, q, b, nullptr, lp);
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (!need_grad) continue;
+        chunk_grads(D, L, p, s0, grads.dX, grads.db);
+        chunk_dw(D, p, s0, grads.dW);
+        continue;
+      }
+      if (!need_grad) {
+        if (vec) {
+          lce_forward_rows<acc_t, out_t, true, false>
+              <<<c, kThreads, 0, stream>>>(Lp, nullptr, false, T, q, nullptr, lp, sp, ep);
+        } else {
+          lce_forward_rows<acc_t, out_t, false, false>
+              <<<c, kThreads, 0, stream>>>(Lp, nullptr, false, T, q, nullptr, lp, sp, ep);
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        continue;
+      }
+      at::Tensor D = low ? dlow.narrow(0, 0, c) : L;  // dZ_c in the storage dtype
+      out_t* op = low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
+      if (vec) {
+        lce_forward_rows<acc_t, out_t, true, true>
+            <<<c, kThreads, 0, stream>>>(Lp, op, write_acc, T, q, gp, lp, sp, ep);
+      } else {
+        lce_forward_rows<acc_t, out_t, false, true>
+            <<<c, kThreads, 0, stream>>>(Lp, op, write_acc, T, q, gp, lp, sp, ep);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      chunk_grads(D, L, p, s0, grads.dX, grads.db);
+      chunk_dw(D, p, s0, grads.dW);
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forward_cuda(
     const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
     const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight, c10::string_view reduction,
@@ -339,75 +559,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
   c10::cuda::CUDAGuard guard(input.device());
   const Problem p = lce::forward_problem(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
                                          label_smoothing, z_loss, softcap, chunk_size);
-  const auto dtype = input.scalar_type();
-  const auto acc = lce::acc_dtype(dtype);
-  const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
-  const lce::GradNeeds need(p, grad_mask);
-  const bool need_grad = need.any();
-  const bool write_acc = !low || need.db;  // the fp32 gradient is read again (fp32 GEMMs, the bias column sum)
-  at::Tensor token_loss = at::empty({p.N}, p.X.options().dtype(acc));                 // [N]
-  at::Tensor stats = at::empty({p.N, 2}, p.X.options().dtype(acc));                   // [N, 2]
-  // dX [N, H]; dW [V, H] fp32 or p.dw_dtype (the first chunk's GEMM writes it); db [V] fp32 or p.db_dtype
+  const auto opts = p.X.options().dtype(lce::acc_dtype(input.scalar_type()));
+  at::Tensor token_loss = at::empty({p.N}, opts);  // [N]
+  at::Tensor stats = at::empty({p.N, 2}, opts);    // [N, 2]
   const lce::GradBuffers grads(p, grad_mask, /*zero_dw=*/false);
-  const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
-                                           at::elementSize(acc) + (need_grad && low ? at::elementSize(dtype) : 0));
-  check_cuda_dims(p, chunk);
-  if (need.dw && p.N == 0) grads.dW.zero_();
-  if (p.N > 0) {
-    const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
-    const at::Tensor G = need_grad ? lce::unit_grad_scale(p) : at::Tensor();  // [1] on the device: no sync
-    const int64_t rows = std::min(chunk, p.N);
-    at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));                       // [chunk, V]
-    // the logit gradient in the storage dtype [chunk, V]
-    at::Tensor dlow = need_grad && low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();
-    auto stream = at::cuda::getCurrentCUDAStream();
-    OPFORGE_DISPATCH_FLOATING(dtype, "opforge::linear_cross_entropy", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      using out_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, scalar_t>;
-      const auto q = row_args<acc_t>(p, wsum);
-      const bool vec = row_vec<acc_t>(p);
-      const acc_t* gp = need_grad ? G.const_data_ptr<acc_t>() : nullptr;
-      for (int64_t s0 = 0; s0 < p.N; s0 += chunk) {
-        const int64_t c = std::min(chunk, p.N - s0);
-        const at::Tensor Xc = p.X.narrow(0, s0, c);  // [c, H]
-        at::Tensor L = logits.narrow(0, 0, c);       // [c, V]
-        logits_gemm(L, Xc, p);
-        const int64_t* T = p.T.const_data_ptr<int64_t>() + s0;
-        acc_t* lp = token_loss.mutable_data_ptr<acc_t>() + s0;
-        acc_t* sp = stats.mutable_data_ptr<acc_t>() + 2 * s0;
-        acc_t* Lp = L.mutable_data_ptr<acc_t>();
-        if (!need_grad) {
-          if (vec) {
-            lce_forward_rows<acc_t, out_t, true, false>
-                <<<c, kThreads, 0, stream>>>(Lp, nullptr, false, T, q, nullptr, lp, sp);
-          } else {
-            lce_forward_rows<acc_t, out_t, false, false>
-                <<<c, kThreads, 0, stream>>>(Lp, nullptr, false, T, q, nullptr, lp, sp);
-          }
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          continue;
-        }
-        at::Tensor D = low ? dlow.narrow(0, 0, c) : L;  // dZ_c in the storage dtype
-        out_t* op = low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
-        if (vec) {
-          lce_forward_rows<acc_t, out_t, true, true>
-              <<<c, kThreads, 0, stream>>>(Lp, op, write_acc, T, q, gp, lp, sp);
-        } else {
-          lce_forward_rows<acc_t, out_t, false, true>
-              <<<c, kThreads, 0, stream>>>(Lp, op, write_acc, T, q, gp, lp, sp);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        chunk_grads(D, L, p, s0, grads.dX, grads.db);
-        chunk_dw(D, p, s0, grads.dW);
-      }
-    });
-  }
+  forward_chunks(p, lce::GradNeeds(p, grad_mask), chunk_size, token_loss, stats, at::Tensor(), grads);
   return lce::forward_outputs(p, token_loss, stats, grads, input, linear_weight, target, linear_bias);
 }
 
-// grads: dX [N, H]; dW: float32 accumulator [V, H] (the gradient buffer itself for float32/float64 weights, and for
-// 16-bit ones with OPFORGE_LCE_DW_ACCUM=1), not zeroed; db [V]
-void backward_cuda(const Problem& p, const at::Tensor& grad_output, const at::Tensor& stats, const lce::GradNeeds& need,
+// The backward chunk loop of both ops (lce::BackwardKernel). grads: dX [N, H]; dW: float32 accumulator [V, H] (the
+// gradient buffer itself for float32/float64 weights, and for 16-bit ones with OPFORGE_LCE_DW_ACCUM=1), not zeroed;
+// db [V]
+void backward_cuda(const Problem& p, const lce::RowGrad& rg, const at::Tensor& stats, const lce::GradNeeds& need,
                    std::optional<int64_t> chunk_size, const lce::GradBuffers& grads) {
   const auto dtype = p.X.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
@@ -417,43 +580,43 @@ void backward_cuda(const Problem& p, const at::Tensor& grad_output, const at::Te
                                            at::elementSize(acc) + (low ? at::elementSize(dtype) : 0));
   check_cuda_dims(p, chunk);
   if (need.dw && p.N == 0) grads.dW.zero_();
-  if (need.any() && p.N > 0) {
-    int64_t g_stride = 0;
-    const at::Tensor G = lce::grad_scale(p, grad_output, g_stride);  // [N] or [1]
-    const at::Tensor S = stats.reshape({p.N, 2}).contiguous();
-    const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
-    const int64_t rows = std::min(chunk, p.N);
-    at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));        // [chunk, V] fp32
-    at::Tensor dlow = low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();  // [chunk, V]
-    auto stream = at::cuda::getCurrentCUDAStream();
-    OPFORGE_DISPATCH_FLOATING(dtype, "opforge::linear_cross_entropy_backward", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      using out_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, scalar_t>;
-      const auto q = row_args<acc_t>(p, wsum);
-      const bool vec = row_vec<acc_t>(p);
-      for (int64_t s0 = 0; s0 < p.N; s0 += chunk) {
-        const int64_t c = std::min(chunk, p.N - s0);
-        const at::Tensor Xc = p.X.narrow(0, s0, c);  // [c, H]
-        at::Tensor L = logits.narrow(0, 0, c);       // [c, V]
-        logits_gemm(L, Xc, p);
-        at::Tensor D = low ? dlow.narrow(0, 0, c) : L;  // dZ_c in the storage dtype
-        out_t* op = low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
-        const int64_t* T = p.T.const_data_ptr<int64_t>() + s0;
-        const acc_t* sp = S.const_data_ptr<acc_t>() + 2 * s0;
-        const acc_t* gp = G.const_data_ptr<acc_t>() + g_stride * s0;
-        if (vec) {
-          lce_backward_rows<acc_t, out_t, true>
-              <<<c, kThreads, 0, stream>>>(L.mutable_data_ptr<acc_t>(), op, write_acc, T, q, sp, gp, g_stride);
-        } else {
-          lce_backward_rows<acc_t, out_t, false>
-              <<<c, kThreads, 0, stream>>>(L.mutable_data_ptr<acc_t>(), op, write_acc, T, q, sp, gp, g_stride);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        chunk_grads(D, L, p, s0, grads.dX, grads.db);
-        chunk_dw(D, p, s0, grads.dW);
+  if (!need.any() || p.N == 0) return;
+  const at::Tensor S = stats.reshape({p.N, 2}).contiguous();
+  const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
+  const int64_t rows = std::min(chunk, p.N);
+  at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));        // [chunk, V] fp32
+  at::Tensor dlow = low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();  // [chunk, V]
+  auto stream = at::cuda::getCurrentCUDAStream();
+  OPFORGE_DISPATCH_FLOATING(dtype, "opforge::linear_cross_entropy_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    using out_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, scalar_t>;
+    const auto q = row_args<acc_t>(p, wsum);
+    const bool vec = row_vec<acc_t>(p);
+    for (int64_t s0 = 0; s0 < p.N; s0 += chunk) {
+      const int64_t c = std::min(chunk, p.N - s0);
+      const at::Tensor Xc = p.X.narrow(0, s0, c);  // [c, H]
+      at::Tensor L = logits.narrow(0, 0, c);       // [c, V]
+      logits_gemm(L, Xc, p);
+      at::Tensor D = low ? dlow.narrow(0, 0, c) : L;  // dZ_c in the storage dtype
+      out_t* op = low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
+      const int64_t* T = p.T.const_data_ptr<int64_t>() + s0;
+      const acc_t* sp = S.const_data_ptr<acc_t>() + 2 * s0;
+      const acc_t* gp = rg.G.const_data_ptr<acc_t>() + rg.g_stride * s0;
+      const acc_t* gep = rg.GE.defined() ? rg.GE.const_data_ptr<acc_t>() + s0 : nullptr;
+      const acc_t* emp = rg.GE.defined() ? rg.Em.const_data_ptr<acc_t>() + s0 : nullptr;
+      if (vec) {
+        lce_backward_rows<acc_t, out_t, true><<<c, kThreads, 0, stream>>>(L.mutable_data_ptr<acc_t>(), op, write_acc,
+                                                                          T, q, sp, gp, rg.g_stride, gep, emp);
+      } else {
+        lce_backward_rows<acc_t, out_t, false><<<c, kThreads, 0, stream>>>(L.mutable_data_ptr<acc_t>(), op,
+                                                                           write_acc, T, q, sp, gp, rg.g_stride, gep,
+                                                                           emp);
       }
-    });
-  }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      chunk_grads(D, L, p, s0, grads.dX, grads.db);
+      chunk_dw(D, p, s0, grads.dW);
+    }
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cuda(
@@ -466,11 +629,63 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_cuda(
                        weight, reduction, ignore_index, label_smoothing, z_loss, softcap, output_mask, chunk_size);
 }
 
+// ---- linear_jsd: the forward loop with the teacher's logits and the JSD row ---------------------------------
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> jsd_forward_cuda(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& teacher_input,
+    const at::Tensor& teacher_linear_weight, const std::optional<at::Tensor>& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& teacher_linear_bias, double beta,
+    double temperature, int64_t ignore_index, c10::string_view reduction, std::optional<int64_t> chunk_size,
+    std::array<bool, 3> grad_mask) {
+  c10::cuda::CUDAGuard guard(input.device());
+  const jsd::Problems pp = jsd::forward_problems(input, linear_weight, teacher_input, teacher_linear_weight, target,
+                                                 linear_bias, teacher_linear_bias, beta, temperature, ignore_index,
+                                                 reduction, chunk_size);
+  at::Tensor value = at::empty({pp.s.N}, pp.s.X.options().dtype(lce::acc_dtype(input.scalar_type())));  // [N]
+  const lce::GradBuffers grads(pp.s, grad_mask, /*zero_dw=*/false);
+  forward_chunks(pp.s, lce::GradNeeds(pp.s, grad_mask), chunk_size, value, at::Tensor(), at::Tensor(), grads, &pp.t,
+                 pp.beta);
+  return jsd::forward_outputs(pp, value, grads, input, linear_weight, linear_bias);
+}
+
+// ---- linear_log_probs: the same loops, the row value −log p(target) and the entropy -------------------------
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> llp_forward_cuda(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, double temperature, int64_t ignore_index,
+    std::optional<double> softcap, bool return_entropy, std::optional<int64_t> chunk_size) {
+  c10::cuda::CUDAGuard guard(input.device());
+  const Problem p = llp::forward_problem(input, linear_weight, target, linear_bias, temperature, ignore_index,
+                                         softcap, chunk_size);
+  const auto opts = p.X.options().dtype(lce::acc_dtype(input.scalar_type()));
+  at::Tensor value = at::empty({p.N}, opts);                                    // [N]
+  at::Tensor stats = at::empty({p.N, 2}, opts);                                 // [N, 2]
+  at::Tensor entropy = return_entropy ? at::empty({p.N}, opts) : at::Tensor();  // [N]
+  const std::array<bool, 3> none = {false, false, false};
+  forward_chunks(p, lce::GradNeeds(p, none), chunk_size, value, stats, entropy,
+                 lce::GradBuffers(p, none, /*zero_dw=*/false));
+  return llp::forward_outputs(p, value, entropy, stats, target);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> llp_backward_cuda(
+    const std::optional<at::Tensor>& grad_log_probs, const std::optional<at::Tensor>& grad_entropy,
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target, const at::Tensor& stats,
+    const std::optional<at::Tensor>& entropy, const std::optional<at::Tensor>& linear_bias, double temperature,
+    int64_t ignore_index, std::optional<double> softcap, std::array<bool, 3> output_mask,
+    std::optional<int64_t> chunk_size) {
+  c10::cuda::CUDAGuard guard(input.device());
+  return llp::backward(backward_cuda, /*zero_dw=*/false, grad_log_probs, grad_entropy, input, linear_weight, target,
+                       stats, entropy, linear_bias, temperature, ignore_index, softcap, output_mask, chunk_size);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
   m.impl("_linear_cross_entropy_forward", &lce_forward_cuda);
   m.impl("linear_cross_entropy_backward", &lce_backward_cuda);
+  m.impl("_linear_log_probs_forward", &llp_forward_cuda);
+  m.impl("linear_log_probs_backward", &llp_backward_cuda);
+  m.impl("_linear_jsd_forward", &jsd_forward_cuda);
 }
 
 }  // namespace opforge

@@ -228,6 +228,30 @@ def _check_patched(model: torch.nn.Module) -> None:
         if not hasattr(layer.self_attn, "qkv_proj") or not hasattr(layer.mlp, "gate_up_proj"):
             raise ValueError("opforge.parallel: expected patched decoder layers with self_attn.qkv_proj and "
                              "mlp.gate_up_proj (opforge.patch.apply(model) with decoder=True)")
+        # What the plan does not cover is refused, never run: checkpoint-fused projections (Phi-3: no record of
+        # the parts, so state_dict could not undo the row reordering), norms other than the two the plan shards
+        # (Gemma 2/3 and OLMo 2's sandwich norms), and q/k norms over the whole projection width (OLMo 2) rather
+        # than per head.
+        for part in (layer.self_attn, layer.mlp):
+            if not _fused_parts(part):
+                raise ValueError(f"opforge.parallel: expected {type(part).__name__}'s fused projection to be fused "
+                                 "by opforge.patch from separate checkpoint projections (Llama, Mistral, Qwen2, "
+                                 "Qwen3, Gemma, Granite), but it was fused in the checkpoint (e.g. Phi-3): not "
+                                 "supported by the tensor-parallel plan")
+        extra = [n for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm") if hasattr(layer, n)]
+        if extra or not hasattr(layer, "input_layernorm"):
+            raise ValueError(f"opforge.parallel: expected a decoder layer with input_layernorm and "
+                             f"post_attention_layernorm only, but {type(layer).__name__} has "
+                             f"{', '.join(extra) or 'no input_layernorm'} (sandwich norms, e.g. Gemma 2/3, OLMo 2): "
+                             "not supported by the tensor-parallel plan")
+        hd = getattr(layer.self_attn, "head_dim", None)
+        for n in ("q_norm", "k_norm"):
+            norm = getattr(layer.self_attn, n, None)
+            w = getattr(norm, "weight", None)
+            if w is not None and hd is not None and w.shape[-1] != hd:
+                raise ValueError(f"opforge.parallel: expected self_attn.{n} to normalise each head (weight of "
+                                 f"{hd} = head_dim), but its weight has {w.shape[-1]} (a norm over the whole "
+                                 "projection, e.g. OLMo 2): not supported by the tensor-parallel plan")
 
 
 def tensor_parallel_plan(model: torch.nn.Module) -> Dict[str, object]:

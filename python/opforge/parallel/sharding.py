@@ -28,6 +28,8 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 | indexed_linear (and backward) | R; experts sharded (weight S(0), output P); weight S(1) (column-wise within each expert); token-sharded |
 | linear_cross_entropy (all its ops) | vocabulary-parallel when linear_weight is S(0) (opforge.parallel.loss); token-sharded for sum/none; R |
 | _linear_cross_entropy_scale_grads | each gradient keeps its placement |
+| linear_log_probs (and _forward, backward) | R; token-sharded (input, target, outputs S(d); lm_head R; its gradients P) |
+| linear_jsd, _linear_jsd_forward | R; token-sharded for reduction "sum" (loss P; both inputs and target S(d), heads R) |
 
 The rules are registered when `opforge.parallel` is imported (`register_sharding_rules()`, idempotent). Ops whose
 sharding is not a pure placement rule (experts sharded: the expert index is shifted to the local experts; the
@@ -367,6 +369,72 @@ def _swiglu_linear_backward(grad_output, input, weight, pre_activation, output_m
     out += [(_masked(output_mask, s, P, P), [s, s, R, s, None, None]) for s in _leading(_ndim(grad_output) - 1)]
     out.append((_masked(output_mask, P, P, P), [P, R, R, R, None, None]))  # linear in grad_output
     return out
+
+
+# ---- linear_log_probs, linear_jsd (linear_cross_entropy's chunk engine) ---------------------------------
+# Each token's value needs the whole vocabulary: replicated, or token-sharded (the input, the target and the per-token
+# outputs sharded alike on a leading dim, the head replicated; the head's gradients are partial sums). A Shard(0)
+# lm_head is gathered first (no vocabulary-parallel form of these ops).
+
+def _llp_strategies(input, linear_bias):
+    """(per-token placement, input, linear_weight, linear_bias) of linear_log_probs: replicated and token-sharded."""
+    return [(R, R, R, _opt(linear_bias, R))] + [(s, s, R, _opt(linear_bias, R)) for s in _leading(_ndim(input) - 1)]
+
+
+@_rule("linear_log_probs")
+def _linear_log_probs(input, linear_weight, target, linear_bias=None, temperature=1.0, ignore_index=-100,
+                      softcap=None, return_entropy=False, chunk_size=None):
+    # without return_entropy the entropy output is an empty (0,) tensor on every rank: replicated
+    return [([o, o if return_entropy else R], [i, w, o, b, None, None, None, None, None])
+            for o, i, w, b in _llp_strategies(input, linear_bias)]
+
+
+@_rule("_linear_log_probs_forward")
+def _linear_log_probs_forward(input, linear_weight, target, linear_bias=None, temperature=1.0, ignore_index=-100,
+                              softcap=None, return_entropy=False, chunk_size=None):
+    # stats (*, 2) shards as the tokens (a leading dim)
+    return [([o, o if return_entropy else R, o], [i, w, o, b, None, None, None, None, None])
+            for o, i, w, b in _llp_strategies(input, linear_bias)]
+
+
+@_rule("linear_log_probs_backward")
+def _linear_log_probs_backward(grad_log_probs, grad_entropy, input, linear_weight, target, stats, entropy,
+                               linear_bias, temperature, ignore_index, softcap, output_mask, chunk_size=None):
+    gb = output_mask[2] and linear_bias is not None
+    out = []
+    for o, i, w, b in _llp_strategies(input, linear_bias):
+        out.append(([_grad_of(o, output_mask[0]), _grad_of(o, output_mask[1], reduced=True),
+                     _grad_of(o, gb, reduced=True)],
+                    [_opt(grad_log_probs, o), _opt(grad_entropy, o), i, w, o, o, _opt(entropy, o), b,
+                     None, None, None, None, None]))
+    return out
+
+
+def _jsd_strategies(input, linear_bias, teacher_linear_bias, reduction):
+    """(loss, per-token placement, student weight/bias, teacher bias) of linear_jsd: replicated; token-sharded for
+    "sum" (the loss a partial sum; "mean" divides by the global count: replicated only)."""
+    out = [(R, R, _opt(linear_bias, R), _opt(teacher_linear_bias, R))]
+    if reduction == "sum":
+        out += [(P, s, _opt(linear_bias, R), _opt(teacher_linear_bias, R)) for s in _leading(_ndim(input) - 1)]
+    return out
+
+
+@_rule("linear_jsd")
+def _linear_jsd(input, linear_weight, teacher_input, teacher_linear_weight, target=None, linear_bias=None,
+                teacher_linear_bias=None, beta=0.5, temperature=1.0, ignore_index=-100, reduction="mean",
+                chunk_size=None):
+    return [([loss], [s, R, s, R, _opt(target, s), b, tb, None, None, None, None, None])
+            for loss, s, b, tb in _jsd_strategies(input, linear_bias, teacher_linear_bias, reduction)]
+
+
+@_rule("_linear_jsd_forward")
+def _linear_jsd_forward(input, linear_weight, teacher_input, teacher_linear_weight, target=None, linear_bias=None,
+                        teacher_linear_bias=None, beta=0.5, temperature=1.0, ignore_index=-100, reduction="mean",
+                        chunk_size=None, grad_mask=(False, False, False)):
+    gb = grad_mask[2] and linear_bias is not None
+    return [([loss, _grad_of(s, grad_mask[0]), _grad_of(s, grad_mask[1], reduced=True), _grad_of(s, gb, reduced=True)],
+             [s, R, s, R, _opt(target, s), b, tb, None, None, None, None, None, None])
+            for loss, s, b, tb in _jsd_strategies(input, linear_bias, teacher_linear_bias, reduction)]
 
 
 # ---- handlers: ops whose sharding needs more than placements (1-D mesh) ----------------------------------
