@@ -770,7 +770,7 @@ def fake_quant_linear_reference(input: Tensor, weight: Tensor, bias: Optional[Te
     xq = fake_quantize_per_token_reference(input)[0] if act_quant else input.detach()
     return linear_reference(xq, wq, bias)
 # ---- fp8: quantize_fp8, fp8_linear --------------------------------------------------------------------------
-__all__ += ["quantize_fp8_reference", "fp8_gemm_reference", "fp8_linear_reference"]
+__all__ += ["quantize_fp8_reference", "fp8_linear_reference"]
 
 
 def quantize_fp8_reference(input: Tensor, dtype: Optional[torch.dtype] = None,
@@ -794,7 +794,7 @@ def quantize_fp8_reference(input: Tensor, dtype: Optional[torch.dtype] = None,
     return (x.float() * scale).clamp(-fmax, fmax).to(dtype), scale
 
 
-def fp8_gemm_reference(a: Tensor, b: Tensor, dtype_a: torch.dtype, dtype_b: torch.dtype, rowwise: bool,
+def _fp8_gemm(a: Tensor, b: Tensor, dtype_a: torch.dtype, dtype_b: torch.dtype, rowwise: bool,
                        compute: torch.dtype = torch.float64) -> Tensor:
     """deq(q(a)) · deq(q(b))ᵀ for a (R_a, C), b (R_b, C): each quantized along its rows (the contraction C last) by
     `quantize_fp8_reference`, dequantized as the scaled GEMM does (data · float32(1 / scale)) and multiplied in
@@ -813,6 +813,11 @@ def _fp8_grad_dtype(granularity: str, grad_dtype: Optional[torch.dtype]) -> torc
     return torch.float8_e4m3fn if granularity == "rowwise" else torch.float8_e5m2
 
 
+def _fp8_rows(t: Tensor) -> Tensor:
+    """t (*, C) as (prod(*), C): the rows of a GEMM operand, also for zero sizes."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 class _FP8LinearReference(torch.autograd.Function):
     """fp8_linear's quantized math in the input's dtype with its FP8 gradients (torch.func-ready)."""
 
@@ -820,8 +825,8 @@ class _FP8LinearReference(torch.autograd.Function):
     def forward(input, weight, bias, granularity, grad_dtype):
         rowwise = granularity == "rowwise"
         e4m3 = torch.float8_e4m3fn
-        x2 = input.reshape(-1, input.shape[-1]) if input.dim() != 1 else input.reshape(1, -1)
-        y = fp8_gemm_reference(x2, weight, e4m3, e4m3, rowwise, input.dtype)
+        x2 = _fp8_rows(input)
+        y = _fp8_gemm(x2, weight, e4m3, e4m3, rowwise, input.dtype)
         if bias is not None:
             y = y + bias.to(input.dtype)
         return y.reshape(*input.shape[:-1], weight.shape[0])
@@ -838,13 +843,12 @@ class _FP8LinearReference(torch.autograd.Function):
         input, weight = ctx.saved_tensors
         rowwise = ctx.granularity == "rowwise"
         gdt, e4m3 = _fp8_grad_dtype(ctx.granularity, ctx.grad_dtype), torch.float8_e4m3fn
-        K, N = weight.shape[1], weight.shape[0]
-        g2, x2 = grad.reshape(-1, N), input.reshape(-1, K)
+        g2, x2 = _fp8_rows(grad), _fp8_rows(input)
         gi = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gi = fp8_gemm_reference(g2, weight.t(), gdt, e4m3, rowwise, input.dtype).reshape(input.shape)
+            gi = _fp8_gemm(g2, weight.t(), gdt, e4m3, rowwise, input.dtype).reshape(input.shape)
         if ctx.needs_input_grad[1]:
-            gw = fp8_gemm_reference(g2.t(), x2.t(), gdt, e4m3, rowwise, input.dtype).to(weight.dtype)
+            gw = _fp8_gemm(g2.t(), x2.t(), gdt, e4m3, rowwise, input.dtype).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             gb = g2.sum(0, dtype=torch.float64 if g2.dtype == torch.float64 else torch.float32).to(ctx.bias_dtype)
         return gi, gw, gb, None, None

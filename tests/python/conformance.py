@@ -2177,6 +2177,298 @@ ENTRIES.append(OpEntry(
     bad_inputs=_swiglu_linear_bad, double_backward=True, vmap_in_dims=(0, None, None), autocast="lower_precision"))
 
 
+
+# ---- fp8: quantize_fp8, fp8_linear ----------------------------------------------------------------------------
+
+
+def _fp8_exact_check(what, ours, ref, base, args, gouts, **kwargs):
+    """Bit-exact: quantize_fp8's data and scale are torch's cast of the recipe (opforge.testing's reference), bit
+    for bit, NaNs included."""
+    assert ours.dtype == base.dtype, f"{what}: dtype {ours.dtype}, torch's {base.dtype}"
+    r = ref.to(ours.dtype)
+    if ours.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        ours, r = ours.view(torch.uint8), r.view(torch.uint8)
+    torch.testing.assert_close(ours.cpu(), r.cpu(), rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def _quantize_fp8_baseline(input, dtype=None, granularity="tensorwise"):
+    """torch's own composition of the recipe (the cast is torch's .to(float8)), in the input's dtype."""
+    return T.quantize_fp8_reference(input, dtype, granularity)
+
+
+def _quantize_fp8_samples(device, dtype):
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    special = randn((3, 5), dtype, device, 2.0)
+    special[0, 1], special[1, 2], special[2] = float("nan"), float("inf"), 0.0
+    out = [Sample(f"{name}_{g}_{'e5m2' if fp8 is e5 else 'e4m3'}", (x, fp8, g))
+           for name, x in layouts(7, 33, dtype, device, 3.0) for g in ("tensorwise", "rowwise") for fp8 in (e4, e5)]
+    return out + [
+        Sample("3d_rowwise", (randn((2, 3, 17), dtype, device, 1e-2), None, "rowwise")),
+        Sample("special_values_rowwise", (special, None, "rowwise")),
+        Sample("special_values_tensorwise", (special[2:], e5, "tensorwise")),
+        Sample("0d_tensorwise", (randn((), dtype, device), None, "tensorwise")),
+        Sample("zero_rows_rowwise", (randn((0, 8), dtype, device), None, "rowwise")),
+        Sample("zero_width_rowwise", (randn((4, 0), dtype, device), None, "rowwise")),
+        Sample("empty_tensorwise", (randn((0, 8), dtype, device), e5, "tensorwise")),
+    ]
+
+
+def _quantize_fp8_small(device):
+    d = torch.float64
+    return [Sample("rowwise", (randn((3, 8), d, device), None, "rowwise")),
+            Sample("tensorwise_e5m2_transposed", (randn((8, 3), d, device).t(), torch.float8_e5m2, "tensorwise"))]
+
+
+def _quantize_fp8_vmap(device):
+    return Sample("batched_tensorwise", (randn((2, 3, 8), torch.float32, device), None, "tensorwise"))
+
+
+def _quantize_fp8_bad(device):
+    t = tensor_maker(device)
+    op, pre = F.quantize_fp8, "opforge::quantize_fp8: "
+    fp8_msg = pre + r"expected dtype to be torch.float8_e4m3fn or torch.float8_e5m2, but got {}"
+    gran_msg = pre + r'expected granularity to be "tensorwise" or "rowwise", but got "{}"'
+    return [
+        Bad("int_input", lambda d: (op, (t(4, 8, dtype=torch.int32),)), TypeError, pre + DTYPE_MSG.format("input", "Int")),
+        Bad("bool_input", lambda d: (op, (t(4, 8, dtype=torch.bool),)), TypeError, pre + DTYPE_MSG.format("input", "Bool")),
+        Bad("complex_input", lambda d: (op, (t(4, 8, dtype=torch.complex64),)), TypeError,
+            pre + DTYPE_MSG.format("input", "ComplexFloat")),
+        Bad("fp8_input", lambda d: (op, (t(4, 8).to(torch.float8_e4m3fn),)), TypeError,
+            pre + DTYPE_MSG.format("input", "Float8_e4m3fn")),
+        Bad("dtype_float16", lambda d: (op, (t(4, 8), torch.float16)), ValueError, fp8_msg.format("Half")),
+        Bad("dtype_fnuz", lambda d: (op, (t(4, 8), torch.float8_e4m3fnuz)), ValueError, fp8_msg.format("Float8_e4m3fnuz")),
+        Bad("dtype_int8", lambda d: (op, (t(4, 8), torch.int8)), ValueError, fp8_msg.format("Char")),
+        Bad("granularity_blockwise", lambda d: (op, (t(4, 8), None, "blockwise")), ValueError, gran_msg.format("blockwise")),
+        Bad("granularity_empty", lambda d: (op, (t(4, 8), None, "")), ValueError, gran_msg.format("")),
+        Bad("rowwise_0d", lambda d: (op, (torch.tensor(1.0, device=device), None, "rowwise")), ValueError,
+            pre + r"expected input with at least 1 dimension for rowwise scales, but got a 0-d tensor"),
+        Bad("none_input", lambda d: (op, (None,)), ValueError, pre + "expected input to be a tensor, but got None"),
+    ]
+
+
+ENTRIES.append(OpEntry(
+    name="quantize_fp8", op=F.quantize_fp8, reference=T.quantize_fp8_reference, baseline=_quantize_fp8_baseline,
+    native=_quantize_fp8_baseline, samples=_quantize_fp8_samples, small_samples=_quantize_fp8_small,
+    bad_inputs=_quantize_fp8_bad, double_backward=False, vmap_in_dims=(0, None, None), vmap_sample=_quantize_fp8_vmap,
+    check=_fp8_exact_check, gradcheck_args=(),
+    # documented as not differentiable (docs/ops/fp8.md): its outputs carry no history
+    differentiable=False))
+
+
+def _fp8_operands(a, b, dtype_a, dtype_b, rowwise):
+    """deq(q(a)), deq(q(b)) in float64: the operands of one scaled FP8 GEMM a · bᵀ, each quantized along its rows
+    by the recipe (opforge.testing) and dequantized as the scaled GEMM does (data · float32(1 / scale))."""
+    g = "rowwise" if rowwise else "tensorwise"
+    out = []
+    for x, dt in ((a, dtype_a), (b, dtype_b)):
+        q, s = T.quantize_fp8_reference(x.detach().cpu(), dt, g)
+        out.append(q.double() * s.reciprocal().double())
+    return out
+
+
+def _fp8_gemm_bound(a, b, out_dtype, rowwise):
+    """Rounding bound of the scaled GEMM a · bᵀ on its dequantized float64 operands: the fp32 accumulation over the
+    contraction C (C · u₃₂ · |a|·|b|ᵀ, any order), the fp32 dequantization, the product's rounding (bfloat16 for
+    rowwise), and the output dtype's (float32 for a float64 output: the scaled GEMM has no float64)."""
+    prod = a.abs() @ b.abs().t()
+    gemm_dt = torch.float32 if out_dtype == torch.float64 else out_dtype
+    u = torch.finfo(torch.float32).eps / 2
+    ur = torch.finfo(torch.bfloat16 if rowwise else gemm_dt).eps / 2
+    uo = torch.finfo(gemm_dt).eps / 2
+    return (a.shape[1] * u + 2 * u + ur + uo) * prod
+
+
+def _fp8_linear_check(what, ours, ref, base, args, gouts, granularity="tensorwise", grad_dtype=None):
+    """Every element within the a-priori bound of the quantized math (no fallback to the baseline: torch's
+    composition calls the same scaled GEMM, so only the bound judges the GEMM): the reference is the float64 product
+    of the same quantized operands, so the bound is the GEMM's rounding alone."""
+    x, w = args[0], args[1]
+    b = args[2] if len(args) > 2 and isinstance(args[2], torch.Tensor) else None
+    rowwise = granularity == "rowwise"
+    e4 = torch.float8_e4m3fn
+    gdt = grad_dtype or (e4 if rowwise else torch.float8_e5m2)
+    dt = x.dtype
+    x2 = T._fp8_rows(x.detach())
+    if what == "grad 2":  # Σ_rows grad: fp32 accumulation, not quantized
+        g2 = T._fp8_rows(gouts[0].detach()).double().cpu()
+        u = torch.finfo(torch.float32 if dt != torch.float64 else dt).eps / 2
+        bound = (g2.shape[0] * u + torch.finfo(b.dtype).eps / 2) * g2.abs().sum(0)
+    else:
+        g2 = T._fp8_rows(gouts[0].detach())
+        if what == "output 0":
+            A, B = _fp8_operands(x2, w, e4, e4, rowwise)
+        elif what == "grad 0":
+            A, B = _fp8_operands(g2, w.t(), gdt, e4, rowwise)
+        else:  # grad 1
+            A, B = _fp8_operands(g2.t(), x2.t(), gdt, e4, rowwise)
+        bound = _fp8_gemm_bound(A, B, w.dtype if what == "grad 1" else dt, rowwise)
+        if what == "output 0" and b is not None:
+            bound = bound + torch.finfo(dt).eps * (bound + (A @ B.t()).abs() + b.detach().double().cpu().abs())
+        bound = bound.reshape(ref.shape)
+    assert ours.shape == ref.shape and ours.dtype == base.dtype, f"{what}: {ours.shape} {ours.dtype}"
+    err = (ours.detach().double().cpu() - ref.detach().double().cpu()).abs()
+    within = err <= bound + 1e-300
+    assert bool(within.all()), (f"{what}: {int((~within).sum())} of {within.numel()} elements past the FP8 GEMM's "
+                                f"rounding bound, max excess {(err - bound).max().item():.3g}")
+
+
+class _FP8LinearTorch(torch.autograd.Function):
+    """fp8_linear composed of torch ops as torchao's float8 training does: the recipe's cast (torch's .to(float8)),
+    torch._scaled_mm for the three GEMMs (the contraction and mat2's columns zero-padded to multiples of 16 on CUDA,
+    as the scaled GEMM needs there), the rowwise product in bfloat16."""
+
+    @staticmethod
+    def _gemm(a, b, dtype_a, dtype_b, rowwise, out_dtype):
+        g = "rowwise" if rowwise else "tensorwise"
+        qa, sa = T.quantize_fp8_reference(a, dtype_a, g)
+        qb, sb = T.quantize_fp8_reference(b, dtype_b, g)
+        R, C, Rb = qa.shape[0], qa.shape[1], qb.shape[0]
+        if R == 0 or Rb == 0 or C == 0:
+            return torch.zeros(R, Rb, dtype=out_dtype, device=a.device)
+        ia, ib = sa.reciprocal(), sb.reciprocal()
+        if a.is_cuda:
+            pc, pr = (-C) % 16, (-Rb) % 16
+            qa = TF.pad(qa.view(torch.uint8), (0, pc)).view(qa.dtype)
+            qb = TF.pad(qb.view(torch.uint8), (0, pc, 0, pr)).view(qb.dtype)
+            if rowwise:
+                ib = TF.pad(ib, (0, 0, 0, pr), value=1.0)
+        if rowwise:
+            ia, ib = ia.reshape(R, 1), ib.reshape(1, -1)
+        gemm_dt = torch.bfloat16 if rowwise else (torch.float32 if out_dtype == torch.float64 else out_dtype)
+        y = torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=gemm_dt)
+        return y[:, :Rb].to(out_dtype)
+
+    @staticmethod
+    def forward(input, weight, bias, granularity, grad_dtype):
+        y = _FP8LinearTorch._gemm(T._fp8_rows(input), weight, torch.float8_e4m3fn, torch.float8_e4m3fn,
+                                  granularity == "rowwise", input.dtype)
+        if bias is not None:
+            y = y + bias.to(input.dtype)
+        return y.reshape(*input.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight, bias, granularity, grad_dtype = inputs
+        ctx.save_for_backward(input, weight)
+        ctx.granularity, ctx.grad_dtype = granularity, grad_dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight = ctx.saved_tensors
+        rowwise, e4 = ctx.granularity == "rowwise", torch.float8_e4m3fn
+        gdt = ctx.grad_dtype or (e4 if rowwise else torch.float8_e5m2)
+        g2, x2 = T._fp8_rows(grad), T._fp8_rows(input)
+        gi = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gi = _FP8LinearTorch._gemm(g2, weight.t(), gdt, e4, rowwise, input.dtype).reshape(input.shape)
+        if ctx.needs_input_grad[1]:
+            gw = _FP8LinearTorch._gemm(g2.t(), x2.t(), gdt, e4, rowwise, weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            acc = torch.float64 if g2.dtype == torch.float64 else torch.float32
+            gb = g2.sum(0, dtype=acc).to(ctx.bias_dtype)
+        return gi, gw, gb, None, None
+
+    generate_vmap_rule = True
+
+
+def _fp8_linear_baseline(input, weight, bias=None, *, granularity="tensorwise", grad_dtype=None):
+    return _FP8LinearTorch.apply(input, weight, bias, granularity, grad_dtype)
+
+
+def _fp8_linear_native(input, weight, bias=None, **kwargs):
+    """The op fp8_linear mirrors for autocast: torch's linear."""
+    return TF.linear(input, weight, bias)
+
+
+def _fp8_linear_samples(device, dtype):
+    def ops(lead, K, N, bias=True, x_layout="contiguous", w_layout="contiguous"):
+        x = randn((*lead, K), dtype, device)
+        if x_layout == "transposed":
+            x = randn((K, *lead), dtype, device).t()
+        elif x_layout == "sliced_3d":
+            x = randn((3, *lead, 2 * K), dtype, device)[..., ::2].transpose(0, 1)
+        w = randn((K, N), dtype, device, 0.1).t() if w_layout == "transposed" else randn((N, K), dtype, device, 0.1)
+        return (x, w, randn((N,), dtype, device)) if bias else (x, w)
+
+    rw, e4 = dict(granularity="rowwise"), dict(grad_dtype=torch.float8_e4m3fn)
+    return [
+        Sample("7x83x9", ops((7,), 83, 9)),
+        Sample("7x83x9_rowwise", ops((7,), 83, 9), kwargs=rw),
+        Sample("1x1x1", ops((1,), 1, 1)),
+        Sample("no_bias_83x7x5_rowwise", ops((83,), 7, 5, bias=False), grad_strided=True, kwargs=rw),
+        Sample("weight_transposed_e4m3_grad", ops((7,), 33, 9, w_layout="transposed"), kwargs=e4),
+        Sample("input_transposed_rowwise", ops((9,), 33, 7, x_layout="transposed"), grad_strided=True, kwargs=rw),
+        Sample("input_sliced_3d", ops((5,), 17, 6, x_layout="sliced_3d")),
+        Sample("aligned_3d_rowwise", ops((2, 16), 64, 48), kwargs=rw),
+        Sample("zero_rows", ops((0,), 5, 3)),
+        Sample("zero_in_features_rowwise", ops((4,), 0, 3), kwargs=rw),
+        Sample("zero_out_features", ops((4,), 5, 0)),
+        Sample("1d_input", ops((), 17, 5)),
+    ]
+
+
+def _fp8_linear_small(device):
+    d = torch.float64
+    return [Sample("contiguous", (randn((3, 4), d, device), randn((5, 4), d, device), randn((5,), d, device))),
+            Sample("rowwise_3d_transposed_weight", (randn((2, 3, 4), d, device), randn((4, 5), d, device).t(),
+                                                    randn((5,), d, device)), kwargs=dict(granularity="rowwise"))]
+
+
+def _fp8_linear_bad(device):
+    t = tensor_maker(device)
+    op, bw = F.fp8_linear, torch.ops.opforge.fp8_linear_backward
+    pre, bpre = "opforge::fp8_linear: ", "opforge::fp8_linear_backward: "
+    mask = [True, True, True]
+
+    def kw(**k):
+        return lambda *a: op(*a, **k)
+    return [
+        Bad("rank0", lambda d: (op, (torch.tensor(1.0, device=device), t(3, 1))), ValueError,
+            pre + "expected input to have at least 1 dimension"),
+        Bad("weight_1d", lambda d: (op, (t(4, 8), t(8))), ValueError,
+            pre + r"expected weight to be 2-D \(out_features, in_features\), but got shape \[8\]"),
+        Bad("in_features", lambda d: (op, (t(4, 7), t(3, 8))), ValueError,
+            pre + r"expected input's last dimension to equal weight's in_features 8, but got 7"),
+        Bad("bias_shape", lambda d: (op, (t(4, 8), t(3, 8), t(4))), ValueError,
+            pre + r"expected bias of shape \[3\] \(weight's out_features\), but got \[4\]"),
+        Bad("int_input", lambda d: (op, (t(4, 8, dtype=torch.int32), t(3, 8))), TypeError,
+            pre + DTYPE_MSG.format("input", "Int")),
+        Bad("fp8_weight", lambda d: (op, (t(4, 8), t(3, 8).to(torch.float8_e4m3fn))), TypeError,
+            pre + DTYPE_MSG.format("weight", "Float8_e4m3fn")),
+        Bad("complex_bias", lambda d: (op, (t(4, 8), t(3, 8), t(3, dtype=torch.complex64))), TypeError,
+            pre + DTYPE_MSG.format("bias", "ComplexFloat")),
+        Bad("granularity", lambda d: (kw(granularity="blockwise"), (t(4, 8), t(3, 8))), ValueError,
+            pre + r'expected granularity to be "tensorwise" or "rowwise", but got "blockwise"'),
+        Bad("grad_dtype_bfloat16", lambda d: (kw(grad_dtype=torch.bfloat16), (t(4, 8), t(3, 8))), ValueError,
+            pre + r"expected grad_dtype to be torch.float8_e4m3fn or torch.float8_e5m2, but got BFloat16"),
+        Bad("none_input", lambda d: (op, (None, t(3, 8))), ValueError, pre + "expected input to be a tensor, but got None"),
+        Bad("none_weight", lambda d: (op, (t(4, 8), None)), ValueError,
+            pre + "expected weight to be a tensor, but got None"),
+        Bad("weight_device", lambda d: (op, (t(4, 8), torch.empty(3, 8, device="meta"))), RuntimeError,
+            pre + "expected input and weight to be on the same device"),
+        Bad("backward_grad_shape", lambda d: (bw, (t(4, 2), t(4, 8), t(3, 8), mask)), ValueError,
+            bpre + r"expected grad_output of shape \[4, 3\] \(input's leading dims, out_features\), but got \[4, 2\]"),
+        Bad("backward_granularity", lambda d: (bw, (t(4, 3), t(4, 8), t(3, 8), mask, "x")), ValueError,
+            bpre + r'expected granularity to be "tensorwise" or "rowwise", but got "x"'),
+        Bad("backward_grad_dtype", lambda d: (bw, (t(4, 3), t(4, 8), t(3, 8), mask, "rowwise", torch.float16)),
+            ValueError, bpre + r"expected grad_dtype to be torch.float8_e4m3fn or torch.float8_e5m2, but got Half"),
+        Bad("backward_int_grad", lambda d: (bw, (t(4, 3, dtype=torch.int32), t(4, 8), t(3, 8), mask)), TypeError,
+            bpre + DTYPE_MSG.format("grad_output", "Int")),
+        Bad("backward_bias_dtype", lambda d: (bw, (t(4, 3), t(4, 8), t(3, 8), mask, "tensorwise", None, torch.int32)),
+            TypeError, bpre + r"expected bias_dtype to be a floating dtype"),
+    ]
+
+
+ENTRIES.append(OpEntry(
+    name="fp8_linear", op=F.fp8_linear, reference=T.fp8_linear_reference, baseline=_fp8_linear_baseline,
+    native=_fp8_linear_native, samples=_fp8_linear_samples, small_samples=_fp8_linear_small,
+    bad_inputs=_fp8_linear_bad, double_backward=False, vmap_in_dims=(0, None, None), autocast="lower_precision",
+    check=_fp8_linear_check,
+    # the input and weight gradients are the FP8 GEMMs of the quantized operands, not the derivative of the
+    # quantized forward (a step function); checked against the reference's above; gradcheck sees the bias only
+    gradcheck_args=(2,)))
+
 def entry(name: str) -> OpEntry:
     for e in ENTRIES:
         if e.name == name:

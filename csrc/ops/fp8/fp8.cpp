@@ -68,7 +68,17 @@ Granularity check_fp8_linear_backward_args(const at::Tensor& grad_output, const 
                                            std::optional<at::ScalarType> grad_dtype,
                                            std::optional<at::ScalarType> bias_dtype) {
   constexpr const char* op = "fp8_linear_backward";
-  linear_op::check_linear_backward_args(grad_output, input, weight, bias_dtype, "none", std::nullopt);
+  // linear_backward's checks, each message naming this op
+  linear_op::check_linear_args(op, input, weight, std::nullopt);
+  TORCH_CHECK_TYPE(!bias_dtype.has_value() || is_supported_floating(*bias_dtype), "opforge::", op,
+                   ": expected bias_dtype to be a floating dtype (float64, float32, float16 or bfloat16), but got ",
+                   *bias_dtype);
+  check_floating(op, "grad_output", grad_output);
+  check_same_device(op, "grad_output", grad_output, "input", input);
+  const auto expected = linear_op::output_sym_sizes(input, weight);
+  TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(expected), "opforge::", op, ": expected grad_output of shape ",
+                    shape_str(expected), " (input's leading dims, out_features), but got ",
+                    shape_str(grad_output.sym_sizes()));
   const Granularity g = parse_granularity(op, granularity);
   grad_dtype_of(op, grad_dtype, g);
   return g;
