@@ -148,6 +148,16 @@ def suite_ops(mesh):
         check("fake_quant_linear act_quant", lambda a, w_, b_: opforge.fake_quant_linear(a, w_, b_, act_quant=True),
               [xl, W, b], [px, pw, pb], mesh, rtol=1e-4, atol=1e-5)
     check("fake_quantize_weight", lambda w_: opforge.fake_quantize_weight(w_)[0], [W], [S0], mesh, grads=False)
+    if hasattr(opforge, "fp8_linear"):  # tensorwise: replicated; rowwise: column-wise and token-sharded too
+        for px, pw, pb in ((R, R, R), (S0, R, R), (R, S0, S0)):
+            for gran in ("tensorwise", "rowwise"):
+                check(f"fp8_linear {gran}", lambda a, w_, b_, gr=gran: opforge.fp8_linear(a, w_, b_, granularity=gr),
+                      [xl, W, b], [px, pw, pb], mesh, rtol=1e-4, atol=1e-5)
+        for p in (R, S0, S1):  # data (as float) and scale
+            check("quantize_fp8 rowwise", lambda a: [q.float() for q in opforge.quantize_fp8(a, None, "rowwise")],
+                  [xl], [p], mesh, grads=False)
+        check("quantize_fp8 tensorwise", lambda a: [q.float() for q in opforge.quantize_fp8(a)], [xl], [S0], mesh,
+              grads=False)
     x1, x2, Wc = rn(4, 6, 3), rn(4, 6, 5), rn(12, 8)
     for px, pw, pb in ((R, R, R), (R, S0, S0), (S0, R, R)):
         check("linear_cat", lambda a, c, w_, b_: opforge.linear_cat([a, c], w_, b_), [x1, x2, Wc, b],

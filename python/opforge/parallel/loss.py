@@ -303,8 +303,8 @@ def vocab_parallel_backward(grad_output: Tensor, input: Tensor, linear_weight: T
 
     Args:
         grad_output: `()` for mean/sum, `(*)` for none; float. The loss's gradient.
-        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, z_loss, softcap,
-            chunk_size, vocab_start, vocab_size, group: as `vocab_parallel_forward`.
+        input: as `vocab_parallel_forward`, and so are linear_weight, target, linear_bias, weight, reduction,
+            ignore_index, label_smoothing, z_loss, softcap, chunk_size, vocab_start, vocab_size and group.
         stats: `(*, 2)` float32 (float64 for float64). The global (m, r) per token from `vocab_parallel_forward`.
         output_mask: which of the three gradients to compute.
 

@@ -25,6 +25,9 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 | rope, rope_from_positions (and backward) | R; S(1) heads; S(0) batch; S(2) sequence (cos/sin/positions alike) |
 | linear, _linear_forward, fake_quant_linear, linear_cat | R; column-wise (weight S(0), bias S(0), output S(-1)); row-wise (input S(-1), weight S(1), output P; no bias, activation none; not fake_quant_linear or linear_cat); token-sharded (input S(d), weight R) |
 | their backward | the three strategies' gradients (column-wise: grad_input P; token-sharded: grad_weight P) |
+| quantize_fp8 | R; rowwise: S(d) on a leading dim (data and scale alike) |
+| fp8_linear | R; rowwise: column-wise (weight S(0), bias S(0), output S(-1)) and token-sharded (input S(d), weight R) |
+| fp8_linear_backward | R (its rowwise scales run across tokens and output channels) |
 | indexed_linear (and backward) | R; experts sharded (weight S(0), output P); weight S(1) (column-wise within each expert); token-sharded |
 | linear_cross_entropy (all its ops) | vocabulary-parallel when linear_weight is S(0) (opforge.parallel.loss); token-sharded for sum/none; R |
 | _linear_cross_entropy_scale_grads | each gradient keeps its placement |
@@ -338,6 +341,35 @@ def _fake_quantize_weight(weight, bits=4, group_size=-1, symmetric=True):
     if _fq_weight_ok(group_size):
         out.append(([Shard(0)] * 4, [Shard(0)]))
     return out
+
+
+# ---- fp8: the scales are reductions over whole groups ------------------------------------------------------
+# A tensorwise scale is the amax of the whole tensor: any shard would quantize with its own amax, so only R is exact.
+# Rowwise scales run along the last dim (per token of the input, per output channel of the weight): column-wise
+# (weight S(0)) and token-sharded forwards are exact. The backward quantizes grad_output per column for grad_weight
+# (an amax over every token) and the weight per column for grad_input (over the output channels): it runs
+# replicated (DTensor gathers its operands), for both granularities.
+
+@_rule("quantize_fp8")
+def _quantize_fp8(input, dtype=None, granularity="tensorwise"):
+    out = [([R, R], [R, None, None])]
+    if granularity == "rowwise":
+        out += [([p, p], [p, None, None]) for p in _leading(_ndim(input) - 1)]
+    return out
+
+
+@_rule("fp8_linear")
+def _fp8_linear(input, weight, bias=None, *, granularity="tensorwise", grad_dtype=None):
+    strategies = _linear_strategies(input, bias, False)
+    if granularity != "rowwise":
+        strategies = strategies[:1]  # replicated
+    return [([o], [i, w, b]) for o, i, w, b in strategies]
+
+
+@_rule("fp8_linear_backward")
+def _fp8_linear_backward(grad_output, input, weight, output_mask, granularity="tensorwise", grad_dtype=None,
+                         bias_dtype=None):
+    return [(_masked(output_mask, R, R, R), [R, R, R, None, None, None, None])]
 
 
 @_rule("linear_cat")
