@@ -7,6 +7,7 @@ from typing import Dict, Optional
 import torch
 
 from . import _families as FAM
+from . import _fp8 as FP8
 from . import _fused as F
 from . import _layers as L
 from . import _modules as M
@@ -200,7 +201,7 @@ def _patch(model, report: PatchReport, *, decoder, loss, inductor_math, recomput
 
 def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, inductor_math: bool = False,
           recompute: bool = True, linear: bool = True, rms_norm: bool = True, mlp: bool = True, check: bool = True,
-          strict: bool = False, verbose: bool = False) -> PatchReport:
+          strict: bool = False, verbose: bool = False, fp8: Optional[str] = None) -> PatchReport:
     """Patch `model` in place to run on opforge ops (see the package docstring); `revert` undoes it.
 
     Args:
@@ -246,6 +247,13 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
         strict: bool. Raise instead of warning when some module could not be patched; the model is then left as
             it was (nothing patched). Default: False.
         verbose: bool. Print the report. Default: False.
+        fp8: str or None. `"tensorwise"` or `"rowwise"`: every projection of every patched decoder layer (the fused
+            q/k/v and gate/up GEMMs, o_proj and down_proj) computed by `opforge.fp8_linear` (e4m3 forward, FP8
+            gradients, current scaling; docs/ops/fp8.md); the embedding, norms, lm_head, the loss and the experts of
+            a mixture-of-experts block keep the model's precision. o_proj and down_proj become
+            `opforge.nn.Linear(..., fp8=...)` holding the same Parameters. The self-check (`check`) runs before
+            FP8 is switched on: it judges the patch's structure with its usual tolerances (FP8's rounding is the
+            op's, tested against its own bound). Needs `decoder=True`. Default: None (the model's precision).
 
     Returns:
         `PatchReport`: the patched modules and those left unchanged, with the reason.
@@ -254,7 +262,8 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
         TypeError: model is not a torch.nn.Module.
         RuntimeError: a transformers model and transformers outside 5.17 <= version < 6; strict=True and the check
             found different logits, loss or gradients.
-        ValueError: strict=True and some module could not be patched, or nothing at all was patchable.
+        ValueError: strict=True and some module could not be patched, or nothing at all was patchable; fp8 not
+            None, "tensorwise" or "rowwise".
         In every case the model is left as it was.
 
     Warns:
@@ -262,6 +271,7 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"opforge.patch.apply: expected a torch.nn.Module, but got {type(model).__name__}")
+    FP8.check_fp8(fp8)
     _check_transformers(model)
     if is_patched(model):
         msg = f"opforge.patch.apply: found nothing to patch in {type(model).__name__}: it is patched already"
@@ -285,6 +295,9 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
                     raise RuntimeError(msg)
                 warnings.warn(msg, stacklevel=2)
                 return PatchReport(skipped=[("", name, msg)])
+        if fp8 is not None and report.patched and not FP8.enable(model, report, fp8):
+            report.skipped.append(("", name, f"fp8={fp8!r}: no patched decoder layer, so no FP8 projection "
+                                             "(fp8 needs decoder=True and a family with an adapter)"))
         if not report.patched:
             msg = f"opforge.patch.apply: found nothing to patch in {name}\n{report}"
             if strict:

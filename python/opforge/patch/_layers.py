@@ -77,6 +77,9 @@ def add_norm(owner: torch.nn.Module, n: torch.nn.Module, x: torch.Tensor,
 
 
 def proj(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+    fp8 = owner.__dict__.get("_opforge_fp8")  # apply(model, fp8=...): the FP8 GEMM, also under compile
+    if fp8 is not None:
+        return OF.fp8_linear(x, lin.weight, lin.bias, granularity=fp8)
     if torch_math(owner):
         return TF.linear(x, lin.weight, lin.bias)
     return OF.linear(x, lin.weight, lin.bias)

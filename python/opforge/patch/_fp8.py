@@ -1,0 +1,57 @@
+"""FP8 projections of the patched decoder layers (`apply(model, fp8=...)`).
+
+The fused q/k/v and gate/up GEMMs of a patched attention / MLP read the granularity from the module
+(`_opforge_fp8`, see `_layers.proj`); o_proj and down_proj, which the patched forwards call as modules, are swapped
+for `opforge.nn.Linear(..., fp8=...)` holding the same Parameter objects (so state_dict, the optimizer and `revert`
+see the module's own parameters). Everything else (embedding, norms, lm_head, the loss, the experts of a
+mixture-of-experts block) keeps the model's precision.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import functional as OF
+from .. import nn as onn
+from . import _modules as M
+from ._report import PatchReport
+
+#: module kinds of the patched classes (`_layers.subclass`) whose projections go FP8, with the projection each
+#: calls as a module
+_CALLED = {"attention": "o_proj", "mlp": "down_proj"}
+_FUSED = {"attention": "qkv", "mlp": "gate/up"}
+
+
+def check_fp8(fp8: Optional[str]) -> None:
+    """Raises ValueError unless fp8 is None or one of `opforge.functional.FP8_GRANULARITIES`."""
+    if fp8 is not None and fp8 not in OF.FP8_GRANULARITIES:
+        raise ValueError(f"opforge.patch.apply: expected fp8 to be None, "
+                         f"{' or '.join(repr(g) for g in OF.FP8_GRANULARITIES)}, but got {fp8!r}")
+
+
+def _fp8_linear(old: torch.nn.Linear, fp8: str) -> onn.Linear:
+    new = M._linear(old)
+    new.fp8 = fp8
+    return new
+
+
+def enable(model: torch.nn.Module, report: PatchReport, fp8: str) -> int:
+    """Switch every patched attention and MLP of `model` to FP8 projections; returns how many modules were."""
+    n = 0
+    for name, m in list(model.named_modules()):
+        kind = type(m).__dict__.get("_opforge_kind")
+        if kind not in _CALLED:
+            continue
+        called = _CALLED[kind]
+        sub = m._modules.get(called)
+        if type(sub) not in (torch.nn.Linear, onn.Linear) or getattr(sub, "activation", "none") != "none":
+            report.skipped.append((f"{name}.{called}", type(sub).__name__,
+                                   f"not a plain Linear: left in the model's precision (fp8={fp8!r})"))
+        else:
+            M._set(model, f"{name}.{called}", _fp8_linear(sub, fp8))
+        m._opforge_fp8 = fp8
+        report.patched.append((name, type(m).__dict__["_opforge_base"].__name__,
+                               f"FP8 {fp8} projections (fp8_linear: fused {_FUSED[kind]}, {called})"))
+        n += 1
+    return n

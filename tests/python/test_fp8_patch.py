@@ -1,0 +1,174 @@
+"""opforge.patch.apply(model, fp8=...) on a tiny Llama: every decoder-layer projection runs fp8_linear (lm_head and
+the loss do not), the loss, logits and every gradient are within the FP8 tolerance rule of the unpatched model,
+revert gives the model back, and activation checkpointing and torch.compile give the eager FP8 model's values.
+
+The FP8 tolerance rule: against the unpatched float32 model, the patched FP8 model's norm-relative error (of the
+logits, of the loss, of each parameter's gradient) is at most 2 × that of torch's own composition of the same FP8
+math (each decoder-layer projection of the unpatched model replaced by conformance.py's torch composition of
+fp8_linear: the recipe's cast by torch ops, torch._scaled_mm for the three GEMMs, as torchao composes them), plus 2⁻⁴ · 10⁻² (a hundredth of an e4m3
+rounding: room for the fused q/k/v and gate/up weights' tensorwise scales, which the separate projections of torch's
+composition do not share). The rule's own check that FP8 is in effect: the error is at least 10⁻⁴ (e4m3 rounds
+each operand by up to 2⁻⁴; an unquantized model is within 10⁻⁶).
+"""
+import copy
+
+import pytest
+import torch
+
+import opforge
+from opforge import patch
+from opforge import testing as T
+
+from conformance import _fp8_linear_baseline
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GRANS = ["tensorwise", "rowwise"]
+SLACK = 2 ** -4 * 1e-2
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _llama(device):
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).float().to(device).train()
+
+
+def _ids(device):
+    return torch.randint(0, TINY_LLAMA["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def _torch_fp8(model, granularity):
+    """The unpatched model with each decoder-layer projection computed by torch's composition of the FP8 math."""
+    for layer in model.model.layers:
+        for mod in (layer.self_attn, layer.mlp):
+            for n in PROJECTIONS:
+                lin = mod._modules.get(n)
+                if lin is not None:
+                    lin.forward = (lambda x, lin=lin: _fp8_linear_baseline(x, lin.weight, lin.bias,
+                                                                           granularity=granularity))
+    return model
+
+
+def _step(model, ids):
+    """(logits without labels, loss with labels, gradients under transformers' names)."""
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return logits, loss.detach().float(), {n: g.detach().float().clone() for n, g in patch.gradients_by_name(model).items()}
+
+
+def _errors(run, ref):
+    logits, loss, grads = run
+    rl, rloss, rg = ref
+    out = {"logits": T.relative_error(logits, rl), "loss": T.relative_error(loss, rloss)}
+    out.update({n: T.relative_error(grads[n], rg[n]) for n in rg})
+    return out
+
+
+class _CountFP8(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name().startswith("opforge::fp8_linear") and not func.name().endswith("backward"):
+            self.shapes.append(tuple(args[1].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("granularity", GRANS)
+def test_fp8_patch_within_the_rule_of_the_unpatched_model(device, granularity):
+    ref = _llama(device)
+    ours = copy.deepcopy(ref)
+    report = patch.apply(ours, fp8=granularity)
+    assert report.ok, str(report)
+    base = _torch_fp8(copy.deepcopy(ref), granularity)
+    ids = _ids(device)
+    r = _step(ref, ids)
+    e_ours, e_base = _errors(_step(ours, ids), r), _errors(_step(base, ids), r)
+    assert e_ours.keys() == e_base.keys() and len(e_ours) == 2 + len(dict(ref.named_parameters()))
+    for what, e in e_ours.items():
+        assert e <= 2 * e_base[what] + SLACK, f"{what}: error {e:.3g} > 2 × torch's FP8 composition's {e_base[what]:.3g}"
+    assert e_ours["logits"] >= 1e-4, "no FP8 rounding in the logits: FP8 not in effect"
+
+
+@pytest.mark.parametrize("granularity", GRANS)
+def test_fp8_patch_covers_the_decoder_projections_only(device, granularity):
+    model = _llama(device)
+    names_before = set(model.state_dict())
+    patch.apply(model, fp8=granularity)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj, opforge.nn.Linear) and layer.self_attn.o_proj.fp8 == granularity
+    assert isinstance(layer.mlp.down_proj, opforge.nn.Linear) and layer.mlp.down_proj.fp8 == granularity
+    assert getattr(model.lm_head, "fp8", None) is None
+    assert set(model.state_dict()) == names_before
+    cfg = model.config
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
+    with _CountFP8() as rec:
+        model(input_ids=_ids(device), labels=_ids(device)).loss.backward()
+    per_layer = [(qkv, cfg.hidden_size), (cfg.hidden_size, cfg.num_attention_heads * hd),
+                 (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
+    assert sorted(rec.shapes) == sorted(per_layer * cfg.num_hidden_layers)  # no lm_head (loss: linear_cross_entropy)
+
+
+def test_fp8_revert_gives_the_unpatched_model_back(device):
+    ref = _llama(device)
+    model = copy.deepcopy(ref)
+    patch.apply(model, fp8="rowwise")
+    patch.revert(model)
+    assert not patch.is_patched(model)
+    assert type(model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    ids = _ids(device)
+    a, b = _step(model, ids), _step(ref, ids)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
+    for n in b[2]:
+        torch.testing.assert_close(a[2][n], b[2][n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_fp8_bad_granularity_leaves_the_model_unchanged():
+    model = _llama("cpu")
+    with pytest.raises(ValueError, match=r"opforge.patch.apply: expected fp8 to be None, 'tensorwise' or 'rowwise', "
+                                         r"but got 'blockwise'"):
+        patch.apply(model, fp8="blockwise")
+    assert not patch.is_patched(model)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_fp8_activation_checkpointing(device, reentrant):
+    """Checkpointed layers run the same FP8 forward again in backward: the same values as without."""
+    plain = _llama(device)
+    patch.apply(plain, fp8="tensorwise")
+    ckpt = copy.deepcopy(plain)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = _ids(device)
+    a, b = _step(ckpt, ids), _step(plain, ids)
+    assert torch.equal(a[1], b[1])
+    for n in b[2]:
+        assert torch.equal(a[2][n], b[2][n]), n
+
+
+def test_fp8_compile_decoder_layers_fullgraph(device):
+    """torch.compile(fullgraph=True) of each FP8 decoder layer: fp8_linear stays one op in the graph, the values are
+    eager's."""
+    import torch._dynamo
+
+    eager = _llama(device)
+    patch.apply(eager, fp8="rowwise")
+    comp = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    for layer in comp.model.layers:
+        layer.compile(fullgraph=True, backend="aot_eager")
+    ids = _ids(device)
+    a, b = _step(comp, ids), _step(eager, ids)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=0)
+    for n in b[2]:
+        torch.testing.assert_close(a[2][n], b[2][n], rtol=1e-4, atol=1e-6, msg=n)
+    torch._dynamo.reset()
