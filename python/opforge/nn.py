@@ -65,7 +65,9 @@ class Linear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()
-        return extra if self.activation == "none" else f"{extra}, activation={self.activation!r}"
+        if self.activation != "none":
+            extra = f"{extra}, activation={self.activation!r}"
+        return extra if self.fp8 is None else f"{extra}, fp8={self.fp8!r}"
 
 
 class Sigmoid(torch.nn.Module):

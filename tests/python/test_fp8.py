@@ -91,3 +91,32 @@ def test_fp8_linear_bad_inputs(device):
         opforge.quantize_fp8(x, torch.float16)
     with pytest.raises(TypeError, match="opforge::quantize_fp8: expected input to have a floating dtype"):
         opforge.quantize_fp8(x.int())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+def test_nn_linear_fp8_is_fp8_linear(device, granularity):
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(48, 24, device=device, fp8=granularity)
+    x = torch.randn(3, 5, 48, device=device, requires_grad=True)
+    y = m(x)
+    w, b = m.weight.detach().clone().requires_grad_(), m.bias.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    ref = opforge.fp8_linear(x2, w, b, granularity=granularity)
+    assert torch.equal(y, ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref.backward(g)
+    assert torch.equal(x.grad, x2.grad) and torch.equal(m.weight.grad, w.grad) and torch.equal(m.bias.grad, b.grad)
+    assert set(m.state_dict()) == {"weight", "bias"} and f"fp8={granularity!r}" in repr(m)
+    # the unquantized layer differs by e4m3's rounding, not more
+    plain = torch.nn.functional.linear(x.detach(), m.weight.detach(), m.bias.detach())
+    assert 0 < T.relative_error(y.detach(), plain) < 2 * 2 ** -4
+
+
+def test_nn_linear_fp8_bad_options():
+    with pytest.raises(ValueError, match=r"opforge.nn.Linear: expected fp8 to be None, 'tensorwise' or 'rowwise' "
+                                         r"with activation 'none', but got fp8='blockwise'"):
+        opforge.nn.Linear(4, 3, fp8="blockwise")
+    with pytest.raises(ValueError, match=r"but got fp8='rowwise', activation='silu'"):
+        opforge.nn.Linear(4, 3, fp8="rowwise", activation="silu")
