@@ -2320,18 +2320,15 @@ class _FP8LinearTorch(torch.autograd.Function):
     @staticmethod
     def _gemm(a, b, dtype_a, dtype_b, rowwise, out_dtype):
         g = "rowwise" if rowwise else "tensorwise"
-        qa, sa = T.quantize_fp8_reference(a, dtype_a, g)
-        qb, sb = T.quantize_fp8_reference(b, dtype_b, g)
-        R, C, Rb = qa.shape[0], qa.shape[1], qb.shape[0]
+        R, C, Rb = a.shape[0], a.shape[1], b.shape[0]
         if R == 0 or Rb == 0 or C == 0:
             return torch.zeros(R, Rb, dtype=out_dtype, device=a.device)
-        ia, ib = sa.reciprocal(), sb.reciprocal()
-        if a.is_cuda:
+        if a.is_cuda:  # zeros before the cast: no amax changes, the padded rows of b are sliced off the output
             pc, pr = (-C) % 16, (-Rb) % 16
-            qa = TF.pad(qa.view(torch.uint8), (0, pc)).view(qa.dtype)
-            qb = TF.pad(qb.view(torch.uint8), (0, pc, 0, pr)).view(qb.dtype)
-            if rowwise:
-                ib = TF.pad(ib, (0, 0, 0, pr), value=1.0)
+            a, b = TF.pad(a, (0, pc)), TF.pad(b, (0, pc, 0, pr))
+        qa, sa = T.quantize_fp8_reference(a, dtype_a, g)
+        qb, sb = T.quantize_fp8_reference(b, dtype_b, g)
+        ia, ib = sa.reciprocal(), sb.reciprocal()
         if rowwise:
             ia, ib = ia.reshape(R, 1), ib.reshape(1, -1)
         gemm_dt = torch.bfloat16 if rowwise else (torch.float32 if out_dtype == torch.float64 else out_dtype)
