@@ -1,6 +1,7 @@
 """opforge.patch.apply(model, fp8=...) on a tiny Llama: every decoder-layer projection runs fp8_linear (lm_head and
 the loss do not), the loss, logits and every gradient are within the FP8 tolerance rule of the unpatched model,
-revert gives the model back, and activation checkpointing and torch.compile give the eager FP8 model's values.
+revert gives the model back, activation checkpointing and torch.compile give the eager FP8 model's values, training
+tracks bf16 within the two-seed spread, and DDP / FSDP2 (gloo) average the per-rank FP8 gradients.
 
 The FP8 tolerance rule: against the unpatched float32 model, the patched FP8 model's norm-relative error (of the
 logits, of the loss, of each parameter's gradient) is at most 2 × that of torch's own composition of the same FP8
@@ -215,3 +216,56 @@ def test_fp8_training_tracks_bf16_within_the_seed_spread():
         diff = (_train(0, g) - bf16).abs()
         assert bool((diff <= bound).all()), f"{g}: logged losses {diff.tolist()} past the seed spread {bound:.4f}"
     assert bf16[-1] < bf16[0] - 1.0  # it trains
+
+
+# ---- DDP and FSDP2 (gloo, 2 processes on the CPU) --------------------------------------------------------------
+
+def _ranks_worker(rank, world, init, granularity, out):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        base = _llama("cpu")
+        patch.apply(base, fp8=granularity)
+        ids = _ids("cpu")[rank::world]  # this rank's half of the batch
+        res = {}
+        ddp = DDP(copy.deepcopy(base))
+        ddp(input_ids=ids, labels=ids).loss.backward()
+        res["ddp"] = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+        fsdp = copy.deepcopy(base)
+        for layer in fsdp.model.layers:
+            fully_shard(layer)
+        fully_shard(fsdp)
+        fsdp(input_ids=ids, labels=ids).loss.backward()
+        res["fsdp"] = {n: p.grad.full_tensor().clone() for n, p in fsdp.named_parameters()}
+        if rank == 0:
+            torch.save(res, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("granularity", GRANS)
+def test_fp8_ddp_and_fsdp2_gloo(tmp_path, granularity):
+    """Each rank quantizes its own tokens (current scaling is per rank's tensors); DDP's and FSDP2's gradients are the
+    mean of the per-rank FP8 gradients that one process computes from the same halves of the batch."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "grads.pt"
+    mp.spawn(_ranks_worker, args=(2, f"file://{tmp_path / 'store'}", granularity, str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    model = _llama("cpu")
+    patch.apply(model, fp8=granularity)
+    ids = _ids("cpu")
+    per_rank = []
+    for r in range(2):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids[r::2], labels=ids[r::2]).loss.backward()
+        per_rank.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for kind in ("ddp", "fsdp"):
+        assert got[kind].keys() == per_rank[0].keys()
+        for n, g in got[kind].items():
+            torch.testing.assert_close(g, (per_rank[0][n] + per_rank[1][n]) / 2, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=n, kind=kind: f"{kind} {n}: {m}")
