@@ -23,7 +23,8 @@ per-kernel launch cost on the host; ``torch.compiler.cudagraph_mark_step_begin()
 Inductor fuses with its neighbours instead of opforge's ops (opaque in the graph, the default: they measured 2.9 %
 less GPU time a step, docs/patching.md). In hf_llama.csv, rows with variant "opforge-opaque+compile" are
 "opforge+compile" under its earlier name, and rows of those commits named "opforge+compile" are
-"opforge-inductor+compile".
+"opforge-inductor+compile". The "opforge-fp8" variants patch with ``fp8="tensorwise"`` ("-fp8-rowwise":
+``"rowwise"``): every decoder-layer projection on opforge.fp8_linear, lm_head and the loss in bf16.
 
     # the default configuration on one GPU (about 10 minutes on an H200, compile included):
     python benchmarks/bench_hf_llama.py
@@ -34,6 +35,9 @@ less GPU time a step, docs/patching.md). In hf_llama.csv, rows with variant "opf
     # one run with the whole-model and per-layer compiled rows and torchao's float8 training (carried wheel):
     python benchmarks/bench_hf_llama.py --variants hf,liger,opforge,hf+compile-model,opforge+compile-model,\
         hf+compile-layers,opforge+compile-layers,torchao-fp8+compile-model,torchao-fp8-rowwise+compile-model
+    # FP8 training, opforge's and torchao's, eager and compiled:
+    python benchmarks/bench_hf_llama.py --variants hf,opforge,opforge-fp8,opforge-fp8-rowwise,\
+        opforge-fp8+compile-layers,opforge-fp8+compile-model,torchao-fp8+compile-model,torchao-fp8-rowwise+compile-model
     # a profile (torch.profiler table of one step) of some variants:
     python benchmarks/bench_hf_llama.py --variants opforge,liger --profile
     # CPU smoke run (tiny config, 3 steps, no compile variants; used by tests/python/test_hf_llama.py):
@@ -90,6 +94,11 @@ VARIANTS = {
     "opforge+compile-model": "HF + opforge.patch.apply + torch.compile(model)",
     "hf+compile-layers": "HF + torch.compile per layer",
     "opforge+compile-layers": "HF + opforge.patch.apply + torch.compile per layer",
+    "opforge-fp8": "HF + opforge.patch.apply(fp8=\"tensorwise\")",
+    "opforge-fp8-rowwise": "HF + opforge.patch.apply(fp8=\"rowwise\")",
+    "opforge-fp8+compile-layers": "HF + opforge.patch.apply(fp8=\"tensorwise\") + torch.compile per layer",
+    "opforge-fp8+compile-model": "HF + opforge.patch.apply(fp8=\"tensorwise\") + torch.compile(model)",
+    "opforge-fp8-rowwise+compile-model": "HF + opforge.patch.apply(fp8=\"rowwise\") + torch.compile(model)",
     "torchao-fp8+compile-model": "HF + torchao float8 (tensorwise) + torch.compile(model)",
     "torchao-fp8-rowwise+compile-model": "HF + torchao float8 (rowwise) + torch.compile(model)",
 }
@@ -273,8 +282,9 @@ def build_variant(a: argparse.Namespace, variant: str):
         torch.cuda.reset_peak_memory_stats()
     report = None
     if use_opforge:
+        fp8 = ("rowwise" if "-fp8-rowwise" in variant else "tensorwise") if "-fp8" in variant else None
         report = str(patch.apply(model, recompute=not variant.startswith("opforge-norecompute"),
-                                 inductor_math="-inductor" in variant))
+                                 inductor_math="-inductor" in variant, fp8=fp8))
     if variant.startswith("torchao-fp8"):
         # torchao's float8 training (its recipe, dynamic scaling): every decoder-layer Linear, lm_head left in bf16
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # ImportError: variant n/a
