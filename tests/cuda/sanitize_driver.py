@@ -45,7 +45,7 @@ LOW = (torch.float16, torch.bfloat16)
 # families whose 16-bit cases run vendor GEMMs on aligned operands of their own making (skipped in vendor-safe mode
 # when the case's inputs are aligned too; their unaligned cases run, and the float32 ones)
 VENDOR_GEMM_FAMILIES = {"control_torch", "linear", "linear_cross_entropy", "linear_cat", "indexed_linear",
-                        "fake_quant_linear", "grouped_mm_epilogue", "gemm_sm90"}
+                        "fake_quant_linear", "grouped_mm_epilogue", "gemm_sm90", "post_training", "fp8"}
 # families that vendor-safe mode leaves out altogether (racecheck dies in their vendor GEMM unaligned too)
 VENDOR_SAFE_SKIP = {"grouped_mm_epilogue"}
 # families run in some dtypes only
@@ -216,6 +216,33 @@ def families(quick: bool):
                 backward(opforge.linear_cross_entropy(x, w, t, linear_bias=b, label_smoothing=0.1, z_loss=1e-4,
                                                       softcap=30.0))
         out.append(("linear_cross_entropy", linear_cross_entropy))
+    if hasattr(ops, "linear_log_probs"):
+        def post_training(dt, u):
+            # linear_log_probs (lce_forward_rows / lce_backward_rows with the log-probability row function, entropy
+            # too) and linear_jsd's jsd_rows (student and teacher chunks, both ends of beta and the middle)
+            x, w, b = make((7, 32), dt, u), make((50, 32), dt, u), make((50,), dt, u)
+            t = host_randint(0, 50, (7,))
+            t[::3] = -100
+            backward(opforge.linear_log_probs(x, w, t, b, return_entropy=True))
+            backward(opforge.linear_log_probs(x, w, t, temperature=0.7))
+            xt, wt = make((7, 32), dt, u, requires_grad=False), make((50, 32), dt, u, requires_grad=False)
+            for beta in (0.0, 0.5, 1.0):
+                backward(opforge.linear_jsd(x, w, xt, wt, t, linear_bias=b, beta=beta, temperature=2.0))
+        out.append(("post_training", post_training))
+    if hasattr(ops, "quantize_fp8"):
+        def fp8(dt, u):
+            # the amax reductions and the casts of quantize_fp8 (tensorwise, rowwise; e4m3, e5m2) on ragged sizes;
+            # fp8_linear forward and backward (its GEMMs are torch._scaled_mm, sm_89+, 16-byte multiples)
+            for shape in ((7,), (5, 769), (3, 64)):
+                x = make(shape, dt, u, requires_grad=False)
+                for fdt in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    opforge.quantize_fp8(x, fdt)
+                    opforge.quantize_fp8(x, fdt, granularity="rowwise")
+            if torch.cuda.get_device_capability() >= (8, 9):
+                x, w, b = make((32, 64), dt, u), make((48, 64), dt, u), make((48,), dt, u)
+                for g in ("tensorwise", "rowwise"):
+                    backward(opforge.fp8_linear(x, w, b, granularity=g))
+        out.append(("fp8", fp8))
     if hasattr(ops, "rope"):
         def rope(dt, u):
             b, s, d = 2, 5, 64
