@@ -852,7 +852,8 @@ def quantize_fp8(input: Tensor, dtype: Optional[torch.dtype] = None,
     .to(dtype), the fp32 product rounded to nearest even by torch's own conversion; CPU and CUDA give the same
     bits. Special values follow from these formulas, as in torchao: a group holding a NaN gets scale NaN and all
     of its data NaN; a group holding ±inf gets scale 0, its finite entries 0 and the infinite ones NaN; an
-    all-zero group (or an empty one) gets scale fp8_max · 1e12 and data 0.
+    all-zero group (or an empty one) gets scale fp8_max · 1e12 and data 0. Every NaN is the positive NaN (bits
+    0x7F): torch's own cast keeps the sign of inf · 0's NaN, which differs between CPUs and GPUs.
 
     Not differentiable: its outputs carry no autograd history (the quantization inside `fp8_linear` is part of
     that op's gradient).
@@ -905,7 +906,9 @@ def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, 
     type on CUDA; the CPU rounds alike), then input's dtype. The bias is added in input's dtype. Against the
     unquantized product the error is that of e4m3: each operand's relative rounding is at most 2⁻⁴ (half an ulp of
     a 3-bit mantissa) for values within a factor 2⁶ of the group's amax (smaller ones lose relative precision to
-    the format's subnormals). On CUDA, K and N that are not multiples of 16 are zero-padded for the GEMM (exact).
+    the format's subnormals). On CUDA, K and N that are not multiples of 16 are zero-padded for the GEMM (exact),
+    and the FP8 tensor cores sum each block of 128 products with a truncating 13-fraction-bit accumulator before
+    fp32 (about 10⁻⁴ relative for a float32 output; `opforge.testing.fp8_gemm_bound` gives the bound).
 
     Gradients (the quantization's rounding is not differentiated; each GEMM quantizes its own operands with the
     same recipe): grad_input = q(grad)·q(weightᵀ)ᵀ / scales, grad_weight = q(gradᵀ)·q(inputᵀ)ᵀ / scales, with

@@ -134,14 +134,21 @@ at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::Sca
     inv_a = inv_a.view(at::IntArrayRef{});  // 0-d (a bare {} would pick view(ScalarType))
     inv_b = inv_b.view(at::IntArrayRef{});
   }
-  // The rowwise scaled GEMM writes bfloat16 (its only output type on CUDA; the CPU follows it so both backends
-  // round alike); tensorwise writes the output dtype (float32 for float64, which the scaled GEMM lacks).
+  // The rowwise scaled GEMM writes bfloat16 (torchao's rowwise recipe; the only rowwise output type of the CUDA
+  // scaled GEMM in earlier torch releases; the CPU follows it so both backends round alike); tensorwise writes the
+  // output dtype (float32 for float64, which the scaled GEMM lacks). use_fast_accum=false: on sm_89/sm_90 the FP8
+  // tensor cores still sum each step with a 13-bit truncating accumulator, but cuBLAS then moves the partial sum
+  // to an fp32 register every 128 products (docs/ops/fp8.md: Numerics); fast accumulation never does.
   const at::ScalarType gemm_dtype =
       rowwise ? at::kBFloat16 : (out_dtype == at::kDouble ? at::kFloat : out_dtype);
   at::Tensor Y = at::_scaled_mm(a, b.t(), inv_a, inv_b, std::nullopt, std::nullopt, gemm_dtype,
                                 /*use_fast_accum=*/false);
-  if (Rb_pad != Rb) Y = Y.narrow(1, 0, Rb).contiguous();
-  return Y.scalar_type() == out_dtype ? Y : Y.to(out_dtype);
+  if (Rb_pad == Rb) return Y.scalar_type() == out_dtype ? Y : Y.to(out_dtype);
+  // the padded columns sliced off into a fresh [R_a, R_b] tensor with row-major strides (the Meta kernel's): a
+  // .contiguous() of the slice would keep its stride R_b_pad where a dim has size 1
+  at::Tensor out = at::empty({Ra, Rb}, opts);
+  out.copy_(Y.narrow(1, 0, Rb));
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_impl(QuantizeRowsFn rows, const at::Tensor& input,

@@ -10,6 +10,8 @@
 // Special values follow from the formulas, as in torchao: a NaN in a group makes amax and the scale NaN, so every
 // element of the group quantizes to NaN; an inf makes amax inf and the scale 0, so finite elements quantize to 0 and
 // the inf to NaN (inf · 0); an all-zero (or empty) group has amax 0, clamped to 1e-12: scale = fp8_max · 1e12, data 0.
+// Every NaN is written as the format's positive NaN (bits 0x7F in e4m3fn and e5m2): the sign of a float NaN is not
+// portable (inf · 0 is negative on x86 CPUs, positive on NVIDIA GPUs), so the CPU and CUDA give the same bits.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -41,12 +43,13 @@ C10_HOST_DEVICE inline float scale_of(double amax, float fp8_max) {
   return static_cast<float>(static_cast<double>(fp8_max) / a);
 }
 
-/// fp8(clamp(x · scale, ±fp8_max)): the fp32 product saturated to the format's finite range (a NaN stays NaN, as
-/// torch.clamp leaves it), then rounded to nearest even by c10's conversion.
+/// fp8(clamp(x · scale, ±fp8_max)): the fp32 product saturated to the format's finite range, then rounded to
+/// nearest even by c10's conversion; a NaN product (as torch.clamp leaves it) is the positive NaN 0x7F.
 template <typename fp8_t>
 C10_HOST_DEVICE inline fp8_t saturate_cast(float x, float scale) {
   constexpr float hi = max_of<fp8_t>();
   float v = x * scale;
+  if (v != v) return fp8_t(0x7F, fp8_t::from_bits());
   v = v < -hi ? -hi : (v > hi ? hi : v);
   return fp8_t(v);
 }
