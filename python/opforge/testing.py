@@ -770,7 +770,7 @@ def fake_quant_linear_reference(input: Tensor, weight: Tensor, bias: Optional[Te
     xq = fake_quantize_per_token_reference(input)[0] if act_quant else input.detach()
     return linear_reference(xq, wq, bias)
 # ---- fp8: quantize_fp8, fp8_linear --------------------------------------------------------------------------
-__all__ += ["quantize_fp8_reference", "fp8_linear_reference"]
+__all__ += ["quantize_fp8_reference", "fp8_linear_reference", "fp8_gemm_bound"]
 
 
 def quantize_fp8_reference(input: Tensor, dtype: Optional[torch.dtype] = None,
@@ -778,7 +778,8 @@ def quantize_fp8_reference(input: Tensor, dtype: Optional[torch.dtype] = None,
     """(data, scale) of `opforge.quantize_fp8` composed of torch ops: torchao's current-scaling recipe.
 
     amax = max |input| (tensor or each row of the last dim; 0 for an empty group), scale =
-    float32(fp8_max / clamp(float64(amax), min=1e-12)), data = (float32(input) · scale).clamp(±fp8_max).to(dtype).
+    float32(fp8_max / clamp(float64(amax), min=1e-12)), data = (float32(input) · scale).clamp(±fp8_max).to(dtype),
+    every NaN written as the positive NaN (bits 0x7F: the sign of inf · 0's NaN differs between CPUs and GPUs).
     Returns data of input's shape and scale of shape () or (*, 1), float32.
     """
     dtype = torch.float8_e4m3fn if dtype is None else dtype
@@ -791,7 +792,47 @@ def quantize_fp8_reference(input: Tensor, dtype: Optional[torch.dtype] = None,
     else:
         amax = x.abs().amax(-1, keepdim=True)
     scale = (fmax / amax.double().clamp(min=1e-12)).float()
-    return (x.float() * scale).clamp(-fmax, fmax).to(dtype), scale
+    v = (x.float() * scale).clamp(-fmax, fmax)
+    return torch.where(v.isnan(), float("nan"), v).to(dtype), scale
+
+
+def fp8_gemm_bound(a: Tensor, b: Tensor, out_dtype: torch.dtype, rowwise: bool, cuda: bool) -> Tensor:
+    """|scaled FP8 GEMM − deq(a) · deq(b)ᵀ| ≤ this, elementwise: the a-priori rounding bound of `opforge.fp8_linear`'s
+    GEMMs (torch._scaled_mm, use_fast_accum=False) on their dequantized operands.
+
+    bound = (C·u₃₂ + 2·u₃₂ + u_prod + u_out + tc)·(|a|·|b|ᵀ): the fp32 accumulation over the contraction C (any
+    order), the fp32 dequantization (the product of the two scales, then the sum times it), the rounding of the
+    GEMM's output type (u_prod: bfloat16 for rowwise scales, else out_dtype, float32 for float64) and of out_dtype
+    (u_out). tc, CUDA only: the FP8 tensor cores of sm_89/sm_90 add each step's products to the partial sum with a
+    truncating accumulator of 13 fraction bits (e8m13), every addend aligned to the step's largest, which loses
+    less than 2⁻¹³ of that addend's magnitude per addend; cuBLAS moves the partial sum to fp32 every 128 products,
+    and every addend is at most Σ|a_k·b_k| over its block of 128. With t = min(C rounded up to 16, 128) products
+    and at most t/16 partial sums per block, tc = (t + t/16)·2⁻¹³. Measured on an H200 (torch 2.11, cuBLAS of CUDA
+    13): a product 2⁻¹⁴ of the block's largest is dropped (2⁻¹³ kept, 3·2⁻¹⁵ truncated to 2·2⁻¹⁵), one in the next
+    block of 128 kept at fp32 precision.
+
+    Args:
+        a: `(R_a, C)` float64. The dequantized first operand (its rows along the output's rows).
+        b: `(R_b, C)` float64. The dequantized second operand.
+        out_dtype: torch.dtype. The dtype the op returns (float64, float32, float16 or bfloat16).
+        rowwise: bool. Rowwise scales (the GEMM writes bfloat16).
+        cuda: bool. The GEMM ran on a CUDA device (the tensor-core term).
+
+    Returns:
+        `(R_a, R_b)` float64.
+
+    Source: Khattak and Mikaitis 2025, "Accurate Models of NVIDIA Tensor Cores" (the H100's FP8 accumulator);
+    DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" §3.3.2 (about 14 bits kept; promotion to fp32 every 128).
+    """
+    prod = a.abs() @ b.abs().t()
+    gemm_dt = torch.float32 if out_dtype == torch.float64 else out_dtype
+    u = torch.finfo(torch.float32).eps / 2
+    ur = torch.finfo(torch.bfloat16 if rowwise else gemm_dt).eps / 2
+    uo = torch.finfo(gemm_dt).eps / 2
+    C = a.shape[1]
+    t = min(-(-C // 16) * 16, 128)
+    tc = (t + t // 16) * 2.0 ** -13 if cuda else 0.0
+    return (C * u + 2 * u + ur + uo + tc) * prod
 
 
 def _fp8_gemm(a: Tensor, b: Tensor, dtype_a: torch.dtype, dtype_b: torch.dtype, rowwise: bool,

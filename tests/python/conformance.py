@@ -2266,22 +2266,11 @@ def _fp8_operands(a, b, dtype_a, dtype_b, rowwise):
     return out
 
 
-def _fp8_gemm_bound(a, b, out_dtype, rowwise):
-    """Rounding bound of the scaled GEMM a · bᵀ on its dequantized float64 operands: the fp32 accumulation over the
-    contraction C (C · u₃₂ · |a|·|b|ᵀ, any order), the fp32 dequantization, the product's rounding (bfloat16 for
-    rowwise), and the output dtype's (float32 for a float64 output: the scaled GEMM has no float64)."""
-    prod = a.abs() @ b.abs().t()
-    gemm_dt = torch.float32 if out_dtype == torch.float64 else out_dtype
-    u = torch.finfo(torch.float32).eps / 2
-    ur = torch.finfo(torch.bfloat16 if rowwise else gemm_dt).eps / 2
-    uo = torch.finfo(gemm_dt).eps / 2
-    return (a.shape[1] * u + 2 * u + ur + uo) * prod
-
-
 def _fp8_linear_check(what, ours, ref, base, args, gouts, granularity="tensorwise", grad_dtype=None):
     """Every element within the a-priori bound of the quantized math (no fallback to the baseline: torch's
     composition calls the same scaled GEMM, so only the bound judges the GEMM): the reference is the float64 product
-    of the same quantized operands, so the bound is the GEMM's rounding alone."""
+    of the same quantized operands, so the bound is the GEMM's rounding alone (opforge.testing.fp8_gemm_bound, with
+    the FP8 tensor cores' truncating accumulation on CUDA)."""
     x, w = args[0], args[1]
     b = args[2] if len(args) > 2 and isinstance(args[2], torch.Tensor) else None
     rowwise = granularity == "rowwise"
@@ -2301,7 +2290,7 @@ def _fp8_linear_check(what, ours, ref, base, args, gouts, granularity="tensorwis
             A, B = _fp8_operands(g2, w.t(), gdt, e4, rowwise)
         else:  # grad 1
             A, B = _fp8_operands(g2.t(), x2.t(), gdt, e4, rowwise)
-        bound = _fp8_gemm_bound(A, B, w.dtype if what == "grad 1" else dt, rowwise)
+        bound = T.fp8_gemm_bound(A, B, w.dtype if what == "grad 1" else dt, rowwise, ours.is_cuda)
         if what == "output 0" and b is not None:
             bound = bound + torch.finfo(dt).eps * (bound + (A @ B.t()).abs() + b.detach().double().cpu().abs())
         bound = bound.reshape(ref.shape)
@@ -2312,10 +2301,19 @@ def _fp8_linear_check(what, ours, ref, base, args, gouts, granularity="tensorwis
                                 f"rounding bound, max excess {(err - bound).max().item():.3g}")
 
 
+def _aligned16(s):
+    """s (float32) stored from a 16-byte boundary: cuBLASLt refuses a scale at a 4-byte offset
+    (CUBLAS_STATUS_NOT_SUPPORTED), which vmap's per-sample loop over _scaled_mm (no batching rule) gives the
+    samples of a batched scale; padded to 4 floats per sample, each sample's scale starts 16-byte aligned."""
+    n = s.numel()
+    return TF.pad(s.reshape(n), (0, (-n) % 4))[:n].reshape(s.shape)
+
+
 class _FP8LinearTorch(torch.autograd.Function):
     """fp8_linear composed of torch ops as torchao's float8 training does: the recipe's cast (torch's .to(float8)),
     torch._scaled_mm for the three GEMMs (the contraction and mat2's columns zero-padded to multiples of 16 on CUDA,
-    as the scaled GEMM needs there), the rowwise product in bfloat16."""
+    mat1 row-major and mat2 column-major, the scales 16-byte aligned, as cuBLASLt needs there), the rowwise product
+    in bfloat16."""
 
     @staticmethod
     def _gemm(a, b, dtype_a, dtype_b, rowwise, out_dtype):
@@ -2326,9 +2324,11 @@ class _FP8LinearTorch(torch.autograd.Function):
         if a.is_cuda:  # zeros before the cast: no amax changes, the padded rows of b are sliced off the output
             pc, pr = (-C) % 16, (-Rb) % 16
             a, b = TF.pad(a, (0, pc)), TF.pad(b, (0, pc, 0, pr))
-        qa, sa = T.quantize_fp8_reference(a, dtype_a, g)
-        qb, sb = T.quantize_fp8_reference(b, dtype_b, g)
-        ia, ib = sa.reciprocal(), sb.reciprocal()
+        # row-major operands (a transposed input or weight keeps its strides through the cast): mat1 = qa
+        # row-major, mat2 = qbᵀ column-major
+        qa, sa = T.quantize_fp8_reference(a.contiguous(), dtype_a, g)
+        qb, sb = T.quantize_fp8_reference(b.contiguous(), dtype_b, g)
+        ia, ib = _aligned16(sa.reciprocal()), _aligned16(sb.reciprocal())
         if rowwise:
             ia, ib = ia.reshape(R, 1), ib.reshape(1, -1)
         gemm_dt = torch.bfloat16 if rowwise else (torch.float32 if out_dtype == torch.float64 else out_dtype)

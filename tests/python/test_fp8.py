@@ -36,14 +36,11 @@ def test_quantize_fp8_special_values(device, granularity):
     torch.testing.assert_close(s.cpu(), rs, equal_nan=True, rtol=0, atol=0)
 
 
-def _bound(a, b, out_dtype, rowwise):
-    """Rounding bound of the scaled GEMM on dequantized operands: fp32 accumulation, the product's rounding (bf16
-    for rowwise), the output's."""
-    prod = a.abs() @ b.abs().t()
-    u = torch.finfo(torch.float32).eps / 2
-    ur = torch.finfo(torch.bfloat16 if rowwise else out_dtype).eps / 2
-    uo = torch.finfo(out_dtype).eps / 2
-    return a.shape[1] * u * prod + (ur + uo + u) * prod + 1e-30
+def _bound(a, b, out_dtype, rowwise, device):
+    """Rounding bound of the scaled GEMM on dequantized operands (opforge.testing.fp8_gemm_bound: fp32
+    accumulation, the dequantization, the product's rounding (bf16 for rowwise), the output's; on CUDA the FP8
+    tensor cores' truncating accumulation)."""
+    return T.fp8_gemm_bound(a, b, out_dtype, rowwise, device == "cuda") + 1e-30
 
 
 def _deq(x, fp8, rowwise):
@@ -65,15 +62,15 @@ def test_fp8_linear_matches_quantized_reference(device, granularity, dtype, MKN)
     xd, wd = _deq(x.detach().cpu(), e4, rowwise), _deq(w.detach().cpu(), e4, rowwise)
     ref = xd @ wd.t()
     assert y.dtype == dtype and y.shape == (M, N)
-    assert ((y.detach().cpu().double() - ref).abs() <= _bound(xd, wd, dtype, rowwise)).all()
+    assert ((y.detach().cpu().double() - ref).abs() <= _bound(xd, wd, dtype, rowwise, device)).all()
     g = torch.randn(M, N, dtype=dtype, device=device)
     y.backward(g)
     gdt = torch.float8_e4m3fn if rowwise else torch.float8_e5m2
     gc, xc, wc = g.cpu(), x.detach().cpu(), w.detach().cpu()
     a, b = _deq(gc, gdt, rowwise), _deq(wc.t(), e4, rowwise)
-    assert ((x.grad.cpu().double() - a @ b.t()).abs() <= _bound(a, b, dtype, rowwise)).all()
+    assert ((x.grad.cpu().double() - a @ b.t()).abs() <= _bound(a, b, dtype, rowwise, device)).all()
     a, b = _deq(gc.t(), gdt, rowwise), _deq(xc.t(), e4, rowwise)
-    assert ((w.grad.cpu().double() - a @ b.t()).abs() <= _bound(a, b, dtype, rowwise)).all()
+    assert ((w.grad.cpu().double() - a @ b.t()).abs() <= _bound(a, b, dtype, rowwise, device)).all()
     # against the unquantized product: e4m3's relative rounding 2^-4 per operand
     exact = x.detach().cpu().double() @ w.detach().cpu().double().t()
     err = (y.detach().cpu().double() - exact).norm() / exact.norm()
