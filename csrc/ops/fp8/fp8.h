@@ -80,7 +80,8 @@ Operand quantize_operand(QuantizeRowsFn rows, const at::Tensor& X, at::ScalarTyp
 
 /// out[R_a, R_b] = (A · Bᵀ) / (s_a ⊗ s_b) in out_dtype by at::_scaled_mm (fp32 accumulation; the product in
 /// bfloat16 for rowwise scales, float32 for a float64 out_dtype, else out_dtype; then converted). On CUDA, C and
-/// R_b are padded with zeros to multiples of 16 (the scaled GEMM's requirement) and the result sliced.
+/// R_b are padded with zeros to multiples of 16 (the scaled GEMM's requirement) and the first R_b columns copied
+/// into a fresh row-major [R_a, R_b] tensor.
 at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::ScalarType out_dtype);
 
 /// quantize_fp8's kernel body shared by CPU and CUDA.
