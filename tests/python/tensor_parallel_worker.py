@@ -26,6 +26,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 R, P = Replicate(), Partial()
 FAILURES = []
 DEVICE = "cpu"
+DTYPE = torch.float32  # the floating inputs' dtype of the ops and loss suites (--dtype)
+#: the opforge ops dispatched with DTensor arguments (what the suites exercised), printed as "EXERCISED ..."
+EXERCISED = set()
+
+
+class _RecordOps(TorchDispatchMode):
+    """Records each opforge op that reaches dispatch with a DTensor argument (above DTensor: the public op, its
+    private forward and its backward, whichever autograd calls)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "opforge" and any(isinstance(a, DTensor)
+                                               for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+            EXERCISED.add(func._schema.name.split("::")[1])
+        return func(*args, **(kwargs or {}))
+
+
+def tolerances(rtol, atol, ref):
+    """The comparison's (rtol, atol): as given for float32 (and float64); for bfloat16 the rounding rule: each side is
+    one bf16 rounding of float32 math (2 unit roundoffs u = 2^-8 relative), and a partial sum reduced across the ranks
+    in bf16 adds one rounding of each rank's part (ranks · u of the largest magnitude). A float32 result (the losses,
+their stats) of bf16 inputs is float32 math on the same values: the given tolerance."""
+    if ref.dtype != torch.bfloat16:  # a float32 result (a loss) of bf16 inputs: float32 math, the given tolerance
+        return rtol, atol
+    u = 2.0 ** -8
+    scale = float(ref.detach().abs().max()) if ref.numel() else 0.0
+    return max(rtol, 2 * u), max(atol, dist.get_world_size() * u * scale)
 
 
 def log(msg: str) -> None:
@@ -47,13 +73,15 @@ def full(x):
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, frozen=()):
+def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, frozen=(), keep_dtype=()):
     """fn(*inputs) on the full tensors and on DTensors in `placements` (None: a non-tensor or a plain tensor) give
-    the same outputs and the same gradients of Σ out·c (c fixed random) for every floating input."""
+    the same outputs and the same gradients of Σ out·c (c fixed random) for every floating input. Float32 inputs are
+    cast to DTYPE, but those at the indices in keep_dtype (a float32 rstd)."""
     what = f"{name} {[str(p) if p is not None else '-' for p in placements]}"
     try:
         gen = torch.Generator().manual_seed(7)
-        inputs = [x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in inputs]
+        inputs = [(x.to(DEVICE, DTYPE) if x.dtype == torch.float32 and i not in keep_dtype else x.to(DEVICE))
+                  if isinstance(x, torch.Tensor) else x for i, x in enumerate(inputs)]
         ref_in = [x.detach().clone().requires_grad_(grads and x.is_floating_point() and i not in frozen)
                   if isinstance(x, torch.Tensor) else x for i, x in enumerate(inputs)]
         ref = fn(*ref_in)
@@ -73,7 +101,7 @@ def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, 
         out = out if isinstance(out, (tuple, list)) else (out,)
         for i, (o, r) in enumerate(zip(out, ref)):
             if isinstance(r, torch.Tensor):
-                close(full(o), r, f"{what} output {i}", rtol, atol)
+                close(full(o), r, f"{what} output {i}", *tolerances(rtol, atol, r))
         if grads and any(isinstance(x, torch.Tensor) and x.requires_grad for x in ref_in):
             sum(((r.float() * c.float()).sum() for r, c in zip(ref, cots) if c is not None)).backward()
             sum(((full(o).float() * c.float()).sum() for o, c in zip(out, cots) if c is not None)).backward()
@@ -81,11 +109,28 @@ def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, 
                 if isinstance(b, torch.Tensor) and b.requires_grad:
                     if b.grad is None:
                         continue
-                    close(full(a.grad), b.grad, f"{what} grad of input {j}", rtol, atol)
+                    close(full(a.grad), b.grad, f"{what} grad of input {j}", *tolerances(rtol, atol, b.grad))
+                    _check_grad_placement(a, f"{what} grad of input {j}")
         log(f"ok   {what}")
     except Exception as e:  # noqa: BLE001
         FAILURES.append(f"{what}: {type(e).__name__}: {e}")
         log(f"FAIL {what}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}")
+
+
+def _check_grad_placement(param, what):
+    """A DTensor leaf's gradient is in the leaf's own placements (a Partial one for a Replicate dim: a pending sum);
+    a plain tensor's gradient is a plain tensor."""
+    from opforge.parallel.sharding import grad_placements
+
+    g = param.grad
+    if not isinstance(param, DTensor):
+        if isinstance(g, DTensor):
+            FAILURES.append(f"{what}: a DTensor gradient {g.placements} of a plain tensor")
+        return
+    if not isinstance(g, DTensor) or tuple(g.placements) != grad_placements(param.placements, g.placements):
+        got = g.placements if isinstance(g, DTensor) else type(g).__name__
+        FAILURES.append(f"{what}: gradient in {got}, the parameter in {param.placements}")
+        log(f"FAIL {what}: gradient in {got}, the parameter in {param.placements}")
 
 
 def suite_ops(mesh):
@@ -226,6 +271,24 @@ def suite_ops(mesh):
                   lambda a, w_, ta, tw, t, b_: opforge.linear_jsd(a, w_, ta, tw, t, linear_bias=b_, beta=0.3,
                                                                   reduction=red),
                   [xh, Wv, xt, Wt, tgt, bv], [px, R, px, R, pt, R], mesh, frozen=(2, 3))
+    # the public ops that autograd replaces by their private _forward when an input requires grad: without gradients
+    # DTensor dispatches the public op itself
+    rstd = torch.ops.opforge._rms_norm_forward(x.to(DTYPE), (8,), w8.to(DTYPE), 1e-6)[1]
+    for p in (R, S0, S1):
+        check("_rms_norm_apply", lambda a, s_, w: torch.ops.opforge._rms_norm_apply(a, s_, w), [x, rstd, w8],
+              [p, p, R], mesh, grads=False, keep_dtype=(1,))
+        check("fused_add_rms_norm (no grad)", lambda a, b, w: opforge.fused_add_rms_norm(a, b, (8,), w, 1e-6),
+              [x, r, w8], [p, p, R], mesh, grads=False)
+    for px, pw in ((R, R), (S0, R), (R, S0)):
+        check("fake_quant_linear (no grad)", lambda a, w_: opforge.fake_quant_linear(a, w_), [xl, W], [px, pw], mesh,
+              grads=False)
+        check("swiglu_linear (no grad)", lambda a, w_: opforge.swiglu_linear(a, w_), [xs, Ws], [px, pw], mesh,
+              grads=False)
+        check("linear_log_probs (no grad)", lambda a, w_, t: opforge.linear_log_probs(a, w_, t, return_entropy=True),
+              [xh, Wv, tgt], [px, pw, px], mesh, grads=False)
+        check("linear_jsd sum (no grad)",
+              lambda a, w_, ta, tw, t: opforge.linear_jsd(a, w_, ta, tw, t, reduction="sum"),
+              [xh, Wv, xt, Wt, tgt], [px, pw, px, pw, px], mesh, grads=False)
     no_comm("linear_log_probs token-sharded",
             lambda a, w_, t: opforge.linear_log_probs(a, w_, t.detach(), return_entropy=True), [xh, Wv, tgt],
             [S0, R, S0])
@@ -304,13 +367,26 @@ def suite_loss(mesh):
                 fn = lambda a, w_, b_, o=o, tt=tt: opforge.linear_cross_entropy(a, w_, tt, linear_bias=b_, **o)  # noqa
                 check(f"vocab-parallel loss {opts} bias={bias is not None}",
                       fn, [x, W, bias], [px, Shard(0), Shard(0) if bias is not None else None], mesh)
-    # a plain (replicated) input beside the sharded weight: its gradient comes back as a plain tensor
-    for red in ("mean", "none"):
+    # a plain (replicated) input or bias beside the sharded weight: its gradient comes back as a plain tensor, whole;
+    # a Replicate DTensor bias: its gradient Replicate (the Shard(0) one gathered)
+    for red in ("mean", "sum", "none"):
         check(f"vocab-parallel loss {red}, plain input", lambda a, w_: opforge.linear_cross_entropy(a, w_, t, reduction=red),
               [x, W], [None, Shard(0)], mesh)
-    if DEVICE == "cuda":
+        for pb in (None, R):
+            check(f"vocab-parallel loss {red}, bias {pb or 'plain'}",
+                  lambda a, w_, b_: opforge.linear_cross_entropy(a, w_, t, linear_bias=b_, reduction=red),
+                  [x, W, b], [Shard(0), Shard(0), pb], mesh)
+    # a bias of the wrong shape beside a Shard(0) weight: a clear error naming the op
+    try:
+        opforge.linear_cross_entropy(distribute_tensor(x.to(DEVICE), mesh, [R]),
+                                     distribute_tensor(W.to(DEVICE), mesh, [Shard(0)]), t, linear_bias=b[:-1].to(DEVICE))
+        FAILURES.append("vocab-parallel loss with a bias of V - 1 classes: no error")
+    except ValueError as e:
+        if "opforge::linear_cross_entropy: expected linear_bias of shape" not in str(e):
+            FAILURES.append(f"vocab-parallel loss with a bias of V - 1 classes: {e}")
+    if DEVICE == "cuda" and DTYPE == torch.float32:
         _cuda_loss_memory(mesh)
-    if DEVICE == "cpu":
+    if DEVICE == "cpu" and DTYPE == torch.float32:
         _cpu_loss_memory(mesh, g)
 
 
@@ -460,6 +536,8 @@ def _compare_grads(model, reference, ids, dp, tp, family):
         if hasattr(m, "gate_up_proj"):
             sizes[f"{name}.gate_up_proj.weight"] = [m.gate_up_proj.out_features // 2] * 2
     for name, p in model.named_parameters():
+        if dp == 1:  # (under FSDP2 the gradients are FSDP's sharded ones)
+            _check_grad_placement(p, f"model {family} tp={tp}: gradient of {name}")
         g = full(p.grad)
         if name in sizes:
             g = unpermute_fused(g, sizes[name], tp)
@@ -526,9 +604,12 @@ def main():
     ap.add_argument("suites", nargs="+", choices=["ops", "loss", "model"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the floating inputs of the ops and loss suites (the model trains in float32)")
     a = ap.parse_args()
-    global DEVICE
+    global DEVICE, DTYPE
     DEVICE = a.device
+    DTYPE = getattr(torch, a.dtype)
     backend = "nccl" if a.device == "cuda" else "gloo"
     if a.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -550,9 +631,11 @@ def main():
                     log(f"model qwen3: not in transformers {transformers.__version__}, not run")
         else:
             mesh = init_device_mesh(a.device, (world,))
-            {"ops": suite_ops, "loss": suite_loss}[suite](mesh)
+            with _RecordOps():
+                {"ops": suite_ops, "loss": suite_loss}[suite](mesh)
         dist.barrier()
-        log(f"SUITE {suite} on {world} ranks ({a.device}): {len(FAILURES) - before} failure(s)")
+        log(f"SUITE {suite} on {world} ranks ({a.device}, {a.dtype}): {len(FAILURES) - before} failure(s)")
+    log("EXERCISED " + " ".join(sorted(EXERCISED)))
     n = len(FAILURES)
     for f in FAILURES:
         log(f"FAILURE {f}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import opforge
 import opforge.parallel as par
@@ -39,28 +40,73 @@ def _torchrun(ranks: int, device: str, *args: str) -> str:
     return out
 
 
+def _tensor_ops():
+    """Every op registered in the torch.ops.opforge namespace that takes a tensor (not the build's knob setters)."""
+    ops = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("opforge::"))
+    tensor_ops = [n for n in ops if any("Tensor" in str(a.type)
+                                        for a in getattr(torch.ops.opforge, n).default._schema.arguments)]
+    assert len(tensor_ops) >= 40, f"the opforge namespace lists only {tensor_ops}"
+    return tensor_ops
+
+
+def _exercised(out: str) -> set:
+    lines = [line for line in out.splitlines() if line.startswith("EXERCISED ")]
+    assert lines, "the worker printed no EXERCISED line"
+    return set(lines[-1].split()[1:])
+
+
 @pytest.mark.parametrize("ranks, args", [(2, ("ops", "loss", "model")), (4, ("ops", "loss", "model", "--dp", "2"))],
                          ids=["2-ranks", "4-ranks-dp2-tp2"])
 def test_gloo(ranks, args):
     out = _torchrun(ranks, "cpu", *args)
     for suite in ("ops", "loss", "model"):
-        assert f"SUITE {suite} on {ranks} ranks (cpu): 0 failure(s)" in out
+        assert f"SUITE {suite} on {ranks} ranks (cpu, float32): 0 failure(s)" in out
+    # every op of the namespace (public, private forward, backward) ran on DTensors in the suites
+    missing = sorted(set(_tensor_ops()) - _exercised(out))
+    assert not missing, f"opforge ops no distributed check dispatched on DTensors: {missing}"
+
+
+def test_gloo_bfloat16():
+    """The ops and the vocabulary-parallel loss with bf16 inputs, 2 ranks, against one process in bf16 (the worker's
+    rounding rule: `tolerances`)."""
+    out = _torchrun(2, "cpu", "ops", "loss", "--dtype", "bfloat16")
+    for suite in ("ops", "loss"):
+        assert f"SUITE {suite} on 2 ranks (cpu, bfloat16): 0 failure(s)" in out
 
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs (nccl)")
 def test_nccl_cuda_two_gpus():
     out = _torchrun(2, "cuda", "ops", "loss", "model")
     for suite in ("ops", "loss", "model"):
-        assert f"SUITE {suite} on 2 ranks (cuda): 0 failure(s)" in out
+        assert f"SUITE {suite} on 2 ranks (cuda, float32): 0 failure(s)" in out
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs (nccl)")
+def test_nccl_cuda_two_gpus_bfloat16():
+    out = _torchrun(2, "cuda", "ops", "loss", "--dtype", "bfloat16")
+    for suite in ("ops", "loss"):
+        assert f"SUITE {suite} on 2 ranks (cuda, bfloat16): 0 failure(s)" in out
 
 
 def test_every_op_has_a_sharding_rule():
-    ops = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("opforge::"))
-    tensor_ops = [n for n in ops if any("Tensor" in str(a.type)
-                                        for a in getattr(torch.ops.opforge, n).default._schema.arguments)]
-    assert tensor_ops, "no opforge op registered"
-    missing = sorted(set(tensor_ops) - set(par.covered_ops()))
+    missing = sorted(set(_tensor_ops()) - set(par.covered_ops()))
     assert not missing, f"opforge ops without a DTensor sharding rule or handler: {missing}"
+    registered = set(DTensor._op_dispatcher._custom_op_handlers) | set(
+        DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs)
+    unregistered = [n for n in _tensor_ops() if getattr(torch.ops.opforge, n).default not in registered]
+    assert not unregistered, f"opforge ops whose rule or handler DTensor does not know: {unregistered}"
+
+
+def test_grad_placements_rule():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from opforge.parallel.sharding import grad_placements
+
+    R, P, S0 = Replicate(), Partial(), Shard(0)
+    assert grad_placements((S0,), (R,)) == (S0,)  # a gathered parameter's gradient back to its shard
+    assert grad_placements((S0,), (P,)) == (S0,)
+    assert grad_placements((R,), (P,)) == (P,)    # a pending sum into a replicated parameter stays pending
+    assert grad_placements((R, S0), (S0, P)) == (R, S0)
 
 
 def test_permute_fused_gives_each_rank_its_parts():

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
 from .sharding import HANDLED, P, R, _one_dim_mesh, _placement, to_local, wrap
 
@@ -382,7 +384,14 @@ def _common(a: dict, mesh):
     """Local tensors of the vocabulary-parallel problem: input, target and class weights replicated."""
     w = a["linear_weight"]
     start, size = vocab_slice(w.shape[0], mesh.size(), mesh.get_local_rank())
-    assert size == w._local_tensor.shape[0]
+    if size != w._local_tensor.shape[0]:
+        raise ValueError(f"opforge::linear_cross_entropy: expected the Shard(0) linear_weight's local slice on rank "
+                         f"{mesh.get_local_rank()} to have {size} of its {w.shape[0]} rows (torch.chunk's split), but "
+                         f"got {w._local_tensor.shape[0]}")
+    b = a["linear_bias"]
+    if b is not None and tuple(b.shape) != (w.shape[0],):
+        raise ValueError(f"opforge::linear_cross_entropy: expected linear_bias of shape [{w.shape[0]}], but got "
+                         f"{list(b.shape)}")
     bias = to_local(a["linear_bias"], mesh, Shard(0))
     return dict(input=to_local(a["input"], mesh, R), linear_weight=w._local_tensor,
                 target=to_local(a["target"], mesh, R), linear_bias=bias, weight=to_local(a["weight"], mesh, R),
@@ -398,17 +407,18 @@ def _loss_shape(a: dict) -> tuple:
 
 
 def _grad_results(a: dict, res, mesh, placements):
-    """The gradients as DTensors in `placements`; a gradient of a plain-tensor argument (an input given as a torch
-    Tensor beside a DTensor weight) comes back as a plain tensor: reduced over the mesh where it is a partial sum."""
+    """The gradients as DTensors in `placements`; a gradient of a plain-tensor argument (an input or a bias given as a
+    torch Tensor beside a DTensor weight: replicated) comes back as a plain tensor, whole: all-reduced where it is a
+    partial sum, all-gathered where it is sharded (the Shard(0) bias gradient of the vocabulary-parallel loss)."""
     shapes = [tuple(a["input"].shape), tuple(a["linear_weight"].shape),
               None if a["linear_bias"] is None else tuple(a["linear_bias"].shape)]
     out = []
     for g, p, s, arg in zip(res, placements, shapes, (a["input"], a["linear_weight"], a["linear_bias"])):
         if g is not None and not isinstance(arg, DTensor):
-            if p == P:
-                dist.all_reduce(g, group=mesh.get_group())
-            elif p != R:
-                raise AssertionError("a sharded gradient of a plain tensor")
+            if p != R:
+                src = DTensorSpec(mesh, (p,), tensor_meta=TensorMeta(torch.Size(s), torch.empty(s, device="meta")
+                                                                     .stride(), g.dtype))
+                g = redistribute_local_tensor(g, src, DTensorSpec(mesh, (R,), tensor_meta=src.tensor_meta))
             out.append(g)
         else:
             out.append(wrap(g, mesh, p, s))

@@ -53,7 +53,7 @@ from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.experimental import register_sharding
 
-__all__ = ["register_sharding_rules", "RULES", "HANDLED"]
+__all__ = ["register_sharding_rules", "RULES", "HANDLED", "grad_placements", "keep_param_placements"]
 
 R = Replicate()
 P = Partial()
@@ -662,6 +662,84 @@ HANDLED.update({"indexed_linear": _indexed_linear_handler, "indexed_linear_backw
                 "_linear_cross_entropy_scale_grads": _scale_grads_handler})
 
 
+# ---- gradients in their parameter's placements --------------------------------------------------------------
+# A rule may gather a parameter (a Shard(0) weight under a replicated-only op, an uneven head split...), and then the
+# backward computes its gradient in the gathered placement (R) or as a partial sum (P). A leaf DTensor that requires
+# grad (a parameter) gets, once, a gradient hook that redistributes every gradient reaching it to its own placements
+# before it is accumulated: R -> Shard is a local slice, P -> Shard a reduce-scatter, Shard(a) -> Shard(b) an
+# all-to-all. The one exception is a partial sum into a Replicate parameter, which stays Partial (as ATen's rules
+# leave a sequence-parallel norm weight's gradient): the pending sum is reduced where the gradient is used (the
+# optimizer step, FSDP2's reduction, a norm), with one all-reduce instead of one per use.
+
+import threading  # noqa: E402
+
+#: the attribute that marks a tensor whose gradient hook is registered (a tensor compares elementwise: no set of them)
+_HOOKED = "_opforge_grad_placements_hook"
+_DISPATCH_LOCK = threading.RLock()
+
+
+def grad_placements(param_placements, grad_placements_) -> tuple:
+    """The placements a parameter's gradient is brought to: the parameter's own, except that a Partial gradient of a
+    Replicate mesh dim stays Partial.
+
+    Args:
+        param_placements: the parameter's placements (one per mesh dim).
+        grad_placements_: the incoming gradient's placements.
+
+    Returns:
+        tuple of Placement.
+    """
+    return tuple(g if isinstance(q, Replicate) and isinstance(g, Partial) else q
+                 for q, g in zip(param_placements, grad_placements_))
+
+
+def _grad_hook(mesh, placements):
+    def hook(grad):
+        if not isinstance(grad, DTensor) or grad.device_mesh != mesh:
+            return grad
+        target = grad_placements(placements, grad.placements)
+        if tuple(grad.placements) == target:
+            return grad
+        return grad.redistribute(mesh, target)
+    return hook
+
+
+def keep_param_placements(args) -> None:
+    """Registers, once per tensor, the gradient hook above on every leaf DTensor of `args` that requires grad."""
+    if torch.compiler.is_compiling():
+        return
+    for a in torch.utils._pytree.tree_leaves(args):
+        if isinstance(a, DTensor) and a.requires_grad and a.is_leaf and not getattr(a, _HOOKED, False):
+            a.register_hook(_grad_hook(a.device_mesh, tuple(a.placements)))
+            setattr(a, _HOOKED, True)
+
+
+def _default_dispatch(op_call, args, kwargs):
+    """op_call on DTensors through DTensor's own sharding propagation (its rule), bypassing this op's handler."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    with _DISPATCH_LOCK:
+        own = handlers.pop(op_call)
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            handlers[op_call] = own
+
+
+def _forward_handler_of(handler):
+    """The handler of a forward op (the ops that receive the parameters): the gradient hooks, then the op's own
+    handler, or DTensor's dispatch of its rule."""
+    def forward(op_call, args, kwargs):
+        keep_param_placements((args, kwargs))
+        if handler is None:
+            return _default_dispatch(op_call, args, kwargs)
+        return handler(op_call, args, kwargs)
+    return forward
+
+
+def _is_forward(name: str) -> bool:
+    return not name.endswith("_backward") and name != "_linear_cross_entropy_scale_grads"
+
+
 # ---- registration ----------------------------------------------------------------------------------------
 
 def _is_tensor_type(t) -> bool:
@@ -695,8 +773,13 @@ def register_sharding_rules() -> None:
         op = getattr(torch.ops.opforge, name).default
         register_sharding(op)(fn)
         propagator.op_to_schema_info[op] = _schema_info(op)
-    for name, fn in HANDLED.items():
-        if hasattr(torch.ops.opforge, name):
+    for name in sorted(set(RULES) | set(HANDLED)):
+        if not hasattr(torch.ops.opforge, name):
+            continue
+        fn = HANDLED.get(name)
+        if _is_forward(name):
+            fn = _forward_handler_of(fn)
+        if fn is not None:
             DTensor._op_dispatcher._custom_op_handlers[getattr(torch.ops.opforge, name).default] = fn
     _registered = True
 
