@@ -3,8 +3,10 @@
 
 Suites: `ops` (every opforge op under each placement its rules support, against the single-process result, values and
 gradients), `loss` (the vocabulary-parallel linear_cross_entropy against the op on one process, every option; its
-per-rank memory), `model` (a tiny patched Llama under TP + SP (+ FSDP2 on a 2-D mesh with 4 ranks) trained against
-the single-process run, and the collectives it issues). Prints one line per check; exit status 1 on a failure.
+per-rank memory), `edges` (odd shapes, ignored targets, every reduction, autocast), `model` (a tiny patched Llama
+under TP + SP (+ FSDP2 on a 2-D mesh with 4 ranks) trained against the single-process run, and the collectives it
+issues). Prints one line per check; exit status 1 on a failure. `--dtype bfloat16` runs ops, loss and edges on bf16
+inputs.
 """
 from __future__ import annotations
 
@@ -292,6 +294,67 @@ def suite_ops(mesh):
     no_comm("linear_log_probs token-sharded",
             lambda a, w_, t: opforge.linear_log_probs(a, w_, t.detach(), return_entropy=True), [xh, Wv, tgt],
             [S0, R, S0])
+
+
+def suite_edges(mesh):
+    """Odd shapes and options: tokens, heads and the vocabulary not divisible by the ranks (a rank with an empty
+    slice on 4 ranks), ignore_index everywhere (every target, one rank's whole token shard), every reduction, and
+    autocast (bf16 on the CPU: the GEMM operands cast, the parameters' gradients back in their placements)."""
+    g = torch.Generator().manual_seed(2)
+    rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+    x, w = rn(5, 3, 8), rn(8)
+    for p in (S0, S1):
+        check("rms_norm uneven tokens", lambda a, w_: opforge.rms_norm(a, (8,), w_), [x, w], [p, R], mesh)
+    xl, W, b = rn(5, 3, 8), rn(11, 8), rn(11)
+    for px, pw, pb in ((R, S0, S0), (S0, R, R), (S1, S0, S0)):
+        check("linear uneven", lambda a, w_, b_: opforge.linear(a, w_, b_), [xl, W, b], [px, pw, pb], mesh)
+    check("linear uneven row-wise", lambda a, w_: opforge.linear(a, w_), [rn(5, 3, 7), rn(11, 7)], [S2, S1], mesh)
+    q, k, ang = rn(2, 3, 5, 8), rn(2, 3, 5, 8), rn(5, 8)
+    check("rope uneven heads", lambda a, b_, c, s_: opforge.rope(a, b_, c, s_), [q, k, ang.cos(), ang.sin()],
+          [S1, S1, R, R], mesh, frozen=(2, 3))
+    check("rope uneven sequence", lambda a, b_, c, s_: opforge.rope(a, b_, c, s_), [q, k, ang.cos(), ang.sin()],
+          [S2, S2, S0, S0], mesh, frozen=(2, 3))
+    H = 8
+    for V in (7, 3):  # 3 classes on 4 ranks: the last rank's slice is empty
+        xh, Wv, bv = rn(13, H), rn(V, H), rn(V)
+        tgt = torch.randint(0, V, (13,), generator=g)
+        shard0_ignored = tgt.clone()
+        shard0_ignored[:7] = -100  # rank 0's token shard (2 and 4 ranks) has no target
+        for name, t in (("targets", tgt), ("every target ignored", torch.full((13,), -100)),
+                        ("rank 0's tokens ignored", shard0_ignored)):
+            for red in ("mean", "sum", "none"):
+                for px, pw, pt in ((R, S0, R), (S0, S0, S0), (S0, R, S0)):
+                    check(f"linear_cross_entropy V={V} {name} {red}",
+                          lambda a, w_, b_, t_, red=red: opforge.linear_cross_entropy(
+                              a, w_, t_, linear_bias=b_, reduction=red, label_smoothing=0.1),
+                          [xh, Wv, bv, t], [px, pw, pw, pt], mesh)
+            check(f"linear_log_probs V={V} {name}", lambda a, w_, t_: opforge.linear_log_probs(
+                a, w_, t_, return_entropy=True), [xh, Wv, t], [S0, R, S0], mesh)
+            for red in ("mean", "sum"):
+                check(f"linear_jsd V={V} {name} {red}", lambda a, w_, ta, tw, t_, red=red: opforge.linear_jsd(
+                    a, w_, ta, tw, t_, reduction=red), [xh, Wv, rn(13, 6), rn(V, 6), t], [S0, R, S0, R, S0], mesh,
+                    frozen=(2, 3))
+        t2 = tgt.clone()
+        t2[::3] = 1
+        check(f"vocab-parallel loss V={V} ignore_index=1", lambda a, w_: opforge.linear_cross_entropy(
+            a, w_, t2.to(DEVICE), ignore_index=1), [xh, Wv], [R, S0], mesh)
+
+    def autocast(fn):
+        def run(*a):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                return fn(*a)
+        return run
+
+    xh, Wv, bv = rn(13, H), rn(7, H), rn(7)
+    tgt = torch.randint(0, 7, (13,), generator=g).to(DEVICE)
+    bf = dict(rtol=2 ** -6, atol=2 ** -6)  # a few bf16 roundings of the operands on both sides
+    for red in ("mean", "none"):
+        check(f"vocab-parallel loss autocast {red}", autocast(lambda a, w_, b_, red=red: opforge.linear_cross_entropy(
+            a, w_, tgt, linear_bias=b_, reduction=red)), [xh, Wv, bv], [S0, S0, S0], mesh, **bf)
+    check("linear autocast column-wise", autocast(lambda a, w_, b_: opforge.linear(a, w_, b_)), [xl, W, b],
+          [R, S0, S0], mesh, **bf)
+    check("rms_norm autocast", autocast(lambda a, w_: opforge.rms_norm(a, (8,), w_)), [x, w], [S0, R], mesh, **bf)
 
 
 def loss_options():
@@ -601,7 +664,7 @@ def _count_collectives(model, ids, tp):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("suites", nargs="+", choices=["ops", "loss", "model"])
+    ap.add_argument("suites", nargs="+", choices=["ops", "loss", "edges", "model"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -632,7 +695,7 @@ def main():
         else:
             mesh = init_device_mesh(a.device, (world,))
             with _RecordOps():
-                {"ops": suite_ops, "loss": suite_loss}[suite](mesh)
+                {"ops": suite_ops, "loss": suite_loss, "edges": suite_edges}[suite](mesh)
         dist.barrier()
         log(f"SUITE {suite} on {world} ranks ({a.device}, {a.dtype}): {len(FAILURES) - before} failure(s)")
     log("EXERCISED " + " ".join(sorted(EXERCISED)))

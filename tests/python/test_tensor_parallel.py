@@ -3,10 +3,13 @@ linear_cross_entropy, and a tiny patched Llama under TP + SP (+ FSDP2) against t
 
 The distributed checks run in tests/python/tensor_parallel_worker.py under torchrun: gloo on CPU ranks (CI), and
 nccl on 2 GPUs where this machine has them (scripts/multi_gpu_check.sh). Per launch: every op under each placement
-its rules support (values and gradients within 1e-5 relative of the single process, fp32), the vocabulary-parallel
-loss with every option (against opforge.linear_cross_entropy on one process) and its per-rank memory, the model's
-training losses (1e-5 relative; measured at most 2.1e-7 on 2 and 4 ranks and with FSDP2 on 2 x 2, CPU), every gradient,
-the logits without labels and, on the 1-D mesh, the exact count of collectives of one step.
+its rules support (values and gradients within 1e-5 relative of the single process, fp32; each DTensor gradient in
+its tensor's placements), the vocabulary-parallel loss with every option (against opforge.linear_cross_entropy on one
+process) and its per-rank memory (at most 0.55x one rank's on 2 ranks), odd shapes (tokens, heads, vocabulary not
+divisible by the ranks), ignored targets, every reduction and autocast, the model's training losses (1e-5 relative;
+measured at most 2.1e-7 on 2 and 4 ranks and with FSDP2 on 2 x 2, CPU), every gradient, the logits without labels
+and, on the 1-D mesh, the exact count of collectives of one step. Every op of torch.ops.opforge must be dispatched on
+DTensors by these suites. The same ops, loss and edge suites run on bf16 inputs (the worker's rounding rule).
 """
 from __future__ import annotations
 
@@ -55,11 +58,13 @@ def _exercised(out: str) -> set:
     return set(lines[-1].split()[1:])
 
 
-@pytest.mark.parametrize("ranks, args", [(2, ("ops", "loss", "model")), (4, ("ops", "loss", "model", "--dp", "2"))],
-                         ids=["2-ranks", "4-ranks-dp2-tp2"])
+SUITES = ("ops", "loss", "edges", "model")
+
+
+@pytest.mark.parametrize("ranks, args", [(2, SUITES), (4, (*SUITES, "--dp", "2"))], ids=["2-ranks", "4-ranks-dp2-tp2"])
 def test_gloo(ranks, args):
     out = _torchrun(ranks, "cpu", *args)
-    for suite in ("ops", "loss", "model"):
+    for suite in SUITES:
         assert f"SUITE {suite} on {ranks} ranks (cpu, float32): 0 failure(s)" in out
     # every op of the namespace (public, private forward, backward) ran on DTensors in the suites
     missing = sorted(set(_tensor_ops()) - _exercised(out))
@@ -69,22 +74,22 @@ def test_gloo(ranks, args):
 def test_gloo_bfloat16():
     """The ops and the vocabulary-parallel loss with bf16 inputs, 2 ranks, against one process in bf16 (the worker's
     rounding rule: `tolerances`)."""
-    out = _torchrun(2, "cpu", "ops", "loss", "--dtype", "bfloat16")
-    for suite in ("ops", "loss"):
+    out = _torchrun(2, "cpu", "ops", "loss", "edges", "--dtype", "bfloat16")
+    for suite in ("ops", "loss", "edges"):
         assert f"SUITE {suite} on 2 ranks (cpu, bfloat16): 0 failure(s)" in out
 
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs (nccl)")
 def test_nccl_cuda_two_gpus():
-    out = _torchrun(2, "cuda", "ops", "loss", "model")
-    for suite in ("ops", "loss", "model"):
+    out = _torchrun(2, "cuda", *SUITES)
+    for suite in SUITES:
         assert f"SUITE {suite} on 2 ranks (cuda, float32): 0 failure(s)" in out
 
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs (nccl)")
 def test_nccl_cuda_two_gpus_bfloat16():
-    out = _torchrun(2, "cuda", "ops", "loss", "--dtype", "bfloat16")
-    for suite in ("ops", "loss"):
+    out = _torchrun(2, "cuda", "ops", "loss", "edges", "--dtype", "bfloat16")
+    for suite in ("ops", "loss", "edges"):
         assert f"SUITE {suite} on 2 ranks (cuda, bfloat16): 0 failure(s)" in out
 
 

@@ -704,12 +704,29 @@ def _grad_hook(mesh, placements):
     return hook
 
 
+def _leaf_of(t):
+    """t when it is a leaf; the leaf under a dtype cast (autocast's copy of a parameter: ToCopyBackward over the
+    parameter's AccumulateGrad); else None."""
+    if t.is_leaf:
+        return t
+    fn = t.grad_fn
+    if fn is not None and fn.name().startswith("ToCopyBackward") and len(fn.next_functions) == 1:
+        nxt = fn.next_functions[0][0]
+        if nxt is not None and nxt.name().endswith("AccumulateGrad"):
+            return nxt.variable
+    return None
+
+
 def keep_param_placements(args) -> None:
-    """Registers, once per tensor, the gradient hook above on every leaf DTensor of `args` that requires grad."""
+    """Registers, once per tensor, the gradient hook above on every leaf DTensor of `args` that requires grad (and on
+    the leaf of a dtype-cast copy, as autocast passes a parameter)."""
     if torch.compiler.is_compiling():
         return
     for a in torch.utils._pytree.tree_leaves(args):
-        if isinstance(a, DTensor) and a.requires_grad and a.is_leaf and not getattr(a, _HOOKED, False):
+        if not (isinstance(a, DTensor) and a.requires_grad):
+            continue
+        a = _leaf_of(a)
+        if isinstance(a, DTensor) and a.requires_grad and not getattr(a, _HOOKED, False):
             a.register_hook(_grad_hook(a.device_mesh, tuple(a.placements)))
             setattr(a, _HOOKED, True)
 
