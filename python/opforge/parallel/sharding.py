@@ -31,7 +31,7 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 | indexed_linear (and backward) | R; experts sharded (weight S(0), output P); weight S(1) (column-wise within each expert); token-sharded |
 | linear_cross_entropy (all its ops) | vocabulary-parallel when linear_weight is S(0) (opforge.parallel.loss); token-sharded for sum/none; R |
 | _linear_cross_entropy_scale_grads | each gradient keeps its placement |
-| linear_log_probs (and _forward, backward) | R; token-sharded (input, target, outputs S(d); lm_head R; its gradients P) |
+| linear_log_probs (and _forward, backward) | R; token-sharded (input, target, outputs S(d); lm_head R; its gradients P); a S(0) lm_head gathered |
 | linear_jsd, _linear_jsd_forward | R; token-sharded for reduction "sum" (loss P; both inputs and target S(d), heads R) |
 
 The rules are registered when `opforge.parallel` is imported (`register_sharding_rules()`, idempotent). Ops whose
@@ -41,6 +41,11 @@ shape carrier for `other`; _linear_cross_entropy_scale_grads: plain gradients be
 handler, which redistributes, runs the op on local tensors and wraps the results. Handlers are defined on a 1-D mesh
 (the tensor-parallel one: FSDP2 gathers its own mesh dimension before compute) and raise NotImplementedError on
 another.
+
+Every forward op (public or private, not a backward) also goes through a handler that first registers, once per
+tensor, a gradient hook on each leaf DTensor input that requires grad (`keep_param_placements`): a parameter's
+gradient comes back in the parameter's placements even where a rule gathered it (a Partial gradient of a Replicate
+parameter stays Partial, as ATen's rules leave it); then the op's own handler runs, or DTensor's dispatch of its rule.
 """
 from __future__ import annotations
 
