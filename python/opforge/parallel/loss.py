@@ -42,7 +42,8 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
 from .sharding import HANDLED, P, R, _one_dim_mesh, _placement, to_local, wrap
 
-__all__ = ["vocab_parallel_forward", "vocab_parallel_backward", "vocab_slice"]
+__all__ = ["vocab_parallel_forward", "vocab_parallel_backward", "vocab_parallel_log_probs_forward",
+           "vocab_parallel_log_probs_backward", "vocab_slice"]
 
 #: rows per chunk when chunk_size is None: about 32 MiB of float32 logits of the local slice, a multiple of 64
 _BUDGET_BYTES = 32 << 20
@@ -118,7 +119,7 @@ class _Problem:
     for 16-bit operands on CUDA, a 16-bit copy of the logit gradient for the grad_input GEMM)."""
 
     def __init__(self, x, w, target, bias, class_weight, start, vocab, ignore_index, label_smoothing, z_loss,
-                 softcap, reduction, chunk_size, group):
+                 softcap, reduction, chunk_size, group, op="opforge::linear_cross_entropy"):
         self.acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         self.x, self.bias = x, None if bias is None else bias.to(self.acc)
         # the weight as the GEMMs read it: itself (float32/float64, or 16-bit on CUDA), else one float32 copy
@@ -131,7 +132,7 @@ class _Problem:
         self.bad = self.valid & ((self.t < 0) | (self.t >= vocab))
         if x.device.type == "cpu" and bool(self.bad.any()):
             i = int(self.bad.nonzero()[0, 0])
-            raise IndexError(f"opforge::linear_cross_entropy: expected targets in [0, {vocab}) or ignore_index "
+            raise IndexError(f"{op}: expected targets in [0, {vocab}) or ignore_index "
                              f"({ignore_index}), but got {int(self.t[i])} at position {i}")
         zero = torch.zeros((), dtype=self.acc, device=x.device)
         if class_weight is not None:
@@ -346,6 +347,148 @@ def vocab_parallel_backward(grad_output: Tensor, input: Tensor, linear_weight: T
     return None if gi is None else gi.reshape(input.shape), gw, gb
 
 
+def _check_log_probs(input: Tensor, linear_weight: Tensor, target: Tensor, temperature: float,
+                     softcap: Optional[float]) -> None:
+    op = "opforge::linear_log_probs"
+    if not (temperature > 0.0 and temperature != float("inf")):
+        raise ValueError(f"{op}: expected temperature > 0 and finite, but got {temperature}")
+    if softcap is not None and not softcap > 0.0:
+        raise ValueError(f"{op}: expected softcap > 0, but got {softcap}")
+    if target.dtype != torch.int64:
+        raise TypeError(f"{op}: expected target of dtype int64, but got {target.dtype}")
+    if input.shape[-1] != linear_weight.shape[-1]:
+        raise ValueError(f"{op}: expected input's last dim ({input.shape[-1]}) to equal linear_weight's "
+                         f"({linear_weight.shape[-1]})")
+
+
+def _log_probs_problem(input, linear_weight, target, linear_bias, ignore_index, softcap, chunk_size, vocab_start,
+                       vocab_size, group) -> _Problem:
+    x = input.reshape(-1, input.shape[-1])
+    vocab = linear_weight.shape[0] if vocab_size is None else vocab_size
+    return _Problem(x, linear_weight, target, linear_bias, None, vocab_start, vocab, ignore_index, 0.0, 0.0, softcap,
+                    "none", chunk_size, group, op="opforge::linear_log_probs")
+
+
+def vocab_parallel_log_probs_forward(input: Tensor, linear_weight: Tensor, target: Tensor,
+                                     linear_bias: Optional[Tensor] = None, temperature: float = 1.0,
+                                     ignore_index: int = -100, softcap: Optional[float] = None,
+                                     return_entropy: bool = False, chunk_size: Optional[int] = None, *,
+                                     vocab_start: int = 0, vocab_size: Optional[int] = None, group=None):
+    """(log_probs, entropy, stats) of linear_log_probs over a vocabulary split across `group`, on plain local tensors:
+    log_probs_i = z_t − m − r and entropy_i = r + m − Σ_j p_j z_j of z = cap(x · Wᵀ + b) / temperature, m = max_j z_j,
+    r = log Σ_j exp(z_j − m), p = softmax(z) (docs/ops/post_training.md), 0 where target == ignore_index.
+
+    Per chunk of rows: this slice's logits, the row max all-reduced (max), then (Σ exp(z − m), z_target,
+    Σ exp(z − m) · z) all-reduced (sum). No rank holds more than one `[chunk, V_r]` block of logits.
+
+    Args:
+        input: `(*, H)` float. The same hidden states on every rank.
+        linear_weight: `(V_r, H)`. This rank's slice, classes [vocab_start, vocab_start + V_r) of vocab_size (V).
+        target: `(*)` int64, the same on every rank. linear_bias: `(V_r,)` the slice's bias, or None.
+        temperature, ignore_index, softcap, return_entropy, chunk_size: as `opforge.linear_log_probs`.
+        vocab_start: int. Default 0. vocab_size: int or None (V_r: one rank). group: the process group, or None.
+
+    Returns:
+        log_probs `(*)` float32 (float64 for float64); entropy `(*)` of the same dtype, or an empty `(0,)` tensor
+        without return_entropy; stats `(*, 2)`: the global (m, r) per token, for `vocab_parallel_log_probs_backward`.
+
+    Raises:
+        ValueError: temperature not > 0 and finite; softcap <= 0; chunk_size < 1; input's H != linear_weight's H.
+        TypeError: target not int64.
+        IndexError: (CPU) a target outside [0, V) that is not ignore_index (CUDA: that token's values are NaN).
+    """
+    _check_log_probs(input, linear_weight, target, temperature, softcap)
+    lead = input.shape[:-1]
+    p = _log_probs_problem(input, linear_weight, target, linear_bias, ignore_index, softcap, chunk_size, vocab_start,
+                           vocab_size, group)
+    n = p.x.shape[0]
+    lp_all = torch.empty(n, dtype=p.acc, device=input.device)
+    ent_all = torch.empty(n, dtype=p.acc, device=input.device)
+    m_all = torch.empty(n, dtype=p.acc, device=input.device)
+    r_all = torch.empty(n, dtype=p.acc, device=input.device)
+    for a in range(0, n, p.rows):
+        b = min(a + p.rows, n)
+        z, _ = p.logits(a, b)
+        z.div_(temperature)
+        m = z.amax(1) if p.v_local else torch.full((b - a,), -float("inf"), dtype=p.acc, device=z.device)
+        m = _all_reduce(m, dist.ReduceOp.MAX, group)
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        zt = p.target_logit(z, a, b)
+        e = torch.exp(z - m_safe.unsqueeze(1))
+        sums = _all_reduce(torch.stack([e.sum(1), zt, (e * z).sum(1)], 1), dist.ReduceOp.SUM, group)
+        r = torch.log(sums[:, 0])
+        zero = torch.zeros((), dtype=p.acc, device=z.device)
+        valid, bad = p.valid[a:b], p.bad[a:b]
+        lp = torch.where(valid, sums[:, 1] - m_safe - r, zero)
+        ent = torch.where(valid, r + m_safe - sums[:, 2] / sums[:, 0], zero)
+        lp_all[a:b] = torch.where(bad, torch.full_like(lp, float("nan")), lp)
+        ent_all[a:b] = torch.where(bad, torch.full_like(ent, float("nan")), ent)
+        m_all[a:b], r_all[a:b] = m_safe, r
+    entropy = ent_all.reshape(lead) if return_entropy else torch.empty(0, dtype=p.acc, device=input.device)
+    return lp_all.reshape(lead), entropy, torch.stack([m_all, r_all], 1).reshape(*lead, 2)
+
+
+def vocab_parallel_log_probs_backward(grad_log_probs: Optional[Tensor], grad_entropy: Optional[Tensor],
+                                      input: Tensor, linear_weight: Tensor, target: Tensor, stats: Tensor,
+                                      entropy: Optional[Tensor], linear_bias: Optional[Tensor], temperature: float,
+                                      ignore_index: int, softcap: Optional[float], output_mask,
+                                      chunk_size: Optional[int] = None, *, vocab_start: int = 0,
+                                      vocab_size: Optional[int] = None, group=None):
+    """(grad_input, grad_linear_weight, grad_linear_bias) of this rank's slice of linear_log_probs from the global stats
+    of `vocab_parallel_log_probs_forward`: per chunk the logits recomputed, p = exp(z − m − r) and
+
+        dz_j = g_lp ([j = t] − p_j) − g_H p_j ((z_j − m) − (r − H)),   dl_j = dz_j · cap' / temperature
+
+    (0 for an ignored token). No collective: the stats and the entropy H are global.
+
+    Args:
+        grad_log_probs, grad_entropy: `(*)` float or None. The outputs' gradients.
+        stats: `(*, 2)`. The forward's (m, r). entropy: `(*)` the forward's entropy (needed with grad_entropy).
+        output_mask: which of the three gradients to compute. The rest: as `vocab_parallel_log_probs_forward`.
+
+    Returns:
+        grad_input `(*, H)` in input's dtype, this rank's partial sum; grad_linear_weight `(V_r, H)` and
+        grad_linear_bias `(V_r,)` of the slice in their dtypes; None where not asked.
+
+    Raises:
+        As `vocab_parallel_log_probs_forward`.
+    """
+    _check_log_probs(input, linear_weight, target, temperature, softcap)
+    p = _log_probs_problem(input, linear_weight, target, linear_bias, ignore_index, softcap, chunk_size, vocab_start,
+                           vocab_size, group)
+    n = p.x.shape[0]
+    st = stats.reshape(-1, 2).to(p.acc)
+    zero = torch.zeros((), dtype=p.acc, device=input.device)
+    g_lp = zero.expand(n) if grad_log_probs is None else grad_log_probs.reshape(-1).to(p.acc)
+    use_h = grad_entropy is not None and entropy is not None and entropy.numel() == n
+    g_h = grad_entropy.reshape(-1).to(p.acc) if use_h else None
+    h = entropy.reshape(-1).to(p.acc) if use_h else None
+    gi, gw, gb = _grad_buffers(p, output_mask)
+    for a in range(0, n, p.rows):
+        b = min(a + p.rows, n)
+        z, deriv = p.logits(a, b)
+        z.div_(temperature)
+        m, r = st[a:b, 0], st[a:b, 1]
+        probs = torch.exp(z - (m + r).unsqueeze(1))
+        valid = p.valid[a:b]
+        coef = g_lp[a:b].unsqueeze(1).expand_as(probs).clone()
+        if g_h is not None:
+            coef = coef + g_h[a:b].unsqueeze(1) * ((z - m.unsqueeze(1)) - (r - h[a:b]).unsqueeze(1))
+        dz = probs.mul_(coef).neg_()
+        if p.v_local:
+            hit = torch.where(p.inside[a:b], g_lp[a:b], zero)
+            dz.scatter_add_(1, p.local_t[a:b].unsqueeze(1), hit.unsqueeze(1))
+        dz = torch.where(valid.unsqueeze(1), dz, zero)
+        dz = torch.where(p.bad[a:b].unsqueeze(1), torch.full_like(dz, float("nan")), dz)
+        dz.div_(temperature)
+        if deriv is not None:
+            dz.mul_(deriv)
+        _accumulate(p, dz, a, b, gi, gw, gb)
+    gi, gw, gb = _finish(p, gi, gw, gb, input.dtype, linear_weight.dtype,
+                         None if linear_bias is None else linear_bias.dtype)
+    return None if gi is None else gi.reshape(input.shape), gw, gb
+
+
 # ---- DTensor handlers ------------------------------------------------------------------------------------
 
 _ARGS = ("input", "linear_weight", "target", "linear_bias", "weight", "reduction", "ignore_index", "label_smoothing",
@@ -380,21 +523,21 @@ def _is_sharded_other(w) -> bool:
     return isinstance(w, DTensor) and not isinstance(w.placements[0], Replicate)
 
 
-def _common(a: dict, mesh):
+def _common(a: dict, mesh, op: str = "opforge::linear_cross_entropy"):
     """Local tensors of the vocabulary-parallel problem: input, target and class weights replicated."""
     w = a["linear_weight"]
     start, size = vocab_slice(w.shape[0], mesh.size(), mesh.get_local_rank())
     if size != w._local_tensor.shape[0]:
-        raise ValueError(f"opforge::linear_cross_entropy: expected the Shard(0) linear_weight's local slice on rank "
+        raise ValueError(f"{op}: expected the Shard(0) linear_weight's local slice on rank "
                          f"{mesh.get_local_rank()} to have {size} of its {w.shape[0]} rows (torch.chunk's split), but "
                          f"got {w._local_tensor.shape[0]}")
     b = a["linear_bias"]
     if b is not None and tuple(b.shape) != (w.shape[0],):
-        raise ValueError(f"opforge::linear_cross_entropy: expected linear_bias of shape [{w.shape[0]}], but got "
+        raise ValueError(f"{op}: expected linear_bias of shape [{w.shape[0]}], but got "
                          f"{list(b.shape)}")
     bias = to_local(a["linear_bias"], mesh, Shard(0))
     return dict(input=to_local(a["input"], mesh, R), linear_weight=w._local_tensor,
-                target=to_local(a["target"], mesh, R), linear_bias=bias, weight=to_local(a["weight"], mesh, R),
+                target=to_local(a["target"], mesh, R), linear_bias=bias, weight=to_local(a.get("weight"), mesh, R),
                 vocab_start=start, vocab_size=w.shape[0], group=mesh.get_group())
 
 
@@ -479,3 +622,52 @@ def _backward_handler(op_call, args, kwargs):
 
 HANDLED.update({"linear_cross_entropy": _forward_handler, "_linear_cross_entropy_forward": _forward_handler,
                 "linear_cross_entropy_backward": _backward_handler})
+
+
+# ---- linear_log_probs with a Shard(0) lm_head (the post-training losses' op) ------------------------------------
+
+_LP_DEFAULTS = {"linear_bias": None, "temperature": 1.0, "ignore_index": -100, "softcap": None,
+                "return_entropy": False, "chunk_size": None}
+
+
+def _log_probs_forward_handler(op_call, args, kwargs):
+    """linear_log_probs and _linear_log_probs_forward: vocabulary-parallel when linear_weight is Shard(0) (log-probs,
+    entropy and stats Replicate, the input gathered); otherwise DTensor's dispatch of the op's rule."""
+    from .sharding import _default_dispatch
+
+    names = [x.name for x in op_call._schema.arguments]
+    a = {**_LP_DEFAULTS, **dict(zip(names, args)), **kwargs}
+    if not _is_vocab_sharded(a["linear_weight"]):
+        return _default_dispatch(op_call, args, kwargs)
+    mesh = a["linear_weight"].device_mesh
+    _one_dim_mesh("linear_log_probs", mesh)
+    c = _common(a, mesh, op="opforge::linear_log_probs")
+    c.pop("weight")
+    lp, ent, stats = vocab_parallel_log_probs_forward(
+        **c, temperature=a["temperature"], ignore_index=a["ignore_index"], softcap=a["softcap"],
+        return_entropy=a["return_entropy"], chunk_size=a["chunk_size"])
+    out = (wrap(lp, mesh, R), wrap(ent, mesh, R))
+    return (*out, wrap(stats, mesh, R)) if op_call.name().endswith("_linear_log_probs_forward") else out
+
+
+def _log_probs_backward_handler(op_call, args, kwargs):
+    from .sharding import _default_dispatch
+
+    names = [x.name for x in op_call._schema.arguments]
+    a = {"chunk_size": None, **dict(zip(names, args)), **kwargs}
+    if not _is_vocab_sharded(a["linear_weight"]):
+        return _default_dispatch(op_call, args, kwargs)
+    mesh = a["linear_weight"].device_mesh
+    _one_dim_mesh("linear_log_probs_backward", mesh)
+    c = _common(a, mesh, op="opforge::linear_log_probs")
+    c.pop("weight")
+    res = vocab_parallel_log_probs_backward(
+        to_local(a["grad_log_probs"], mesh, R), to_local(a["grad_entropy"], mesh, R), stats=to_local(a["stats"], mesh, R),
+        entropy=to_local(a["entropy"], mesh, R), temperature=a["temperature"], ignore_index=a["ignore_index"],
+        softcap=a["softcap"], output_mask=list(a["output_mask"]), chunk_size=a["chunk_size"], **c)
+    return _grad_results(a, res, mesh, [P, Shard(0), Shard(0)])
+
+
+HANDLED.update({"linear_log_probs": _log_probs_forward_handler,
+                "_linear_log_probs_forward": _log_probs_forward_handler,
+                "linear_log_probs_backward": _log_probs_backward_handler})

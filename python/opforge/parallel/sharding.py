@@ -777,6 +777,25 @@ def _schema_info(op) -> RuntimeSchemaInfo:
     return RuntimeSchemaInfo(min(positional) if positional else 100, kw or None, needs_pytree=True)
 
 
+# ---- ATen ops that opforge's Python losses use and DTensor has no rule for ------------------------------------
+# opforge.losses' preference losses (sigmoid, simpo...) differentiate F.logsigmoid: its backward
+# aten.log_sigmoid_backward(grad_output, self, buffer) is pointwise (the buffer as self on the CPU, an empty tensor on
+# CUDA). Registered only where this torch has no rule of its own.
+
+def _log_sigmoid_backward(grad_output, self, buffer):
+    empty = _ndim(buffer) != _ndim(self) or _shape(buffer) != _shape(self)
+    out = [([p], [p, p, R if empty else p]) for p in _all_dims(self)]
+    out.append(([P], [P, R, R]))  # linear in grad_output
+    return out
+
+
+def _register_aten_gaps() -> None:
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten.log_sigmoid_backward.default
+    if op not in getattr(propagator, "op_strategy_funcs", {}) and op not in getattr(propagator, "op_to_rules", {}):
+        register_sharding(op)(_log_sigmoid_backward)
+
+
 _registered = False
 
 
@@ -787,6 +806,8 @@ def register_sharding_rules() -> None:
     if _registered:
         return
     from . import loss  # noqa: F401  (adds the linear_cross_entropy handlers to HANDLED)
+
+    _register_aten_gaps()
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     for name, fn in RULES.items():
