@@ -445,7 +445,8 @@ def suite_loss(mesh):
     # a bias of the wrong shape beside a Shard(0) weight: a clear error naming the op
     try:
         opforge.linear_cross_entropy(distribute_tensor(x.to(DEVICE), mesh, [R]),
-                                     distribute_tensor(W.to(DEVICE), mesh, [Shard(0)]), t, linear_bias=b[:-1].to(DEVICE))
+                                     distribute_tensor(W.to(DEVICE), mesh, [Shard(0)]), t,
+                                     linear_bias=b[:-1].to(DEVICE))
         FAILURES.append("vocab-parallel loss with a bias of V - 1 classes: no error")
     except ValueError as e:
         if "opforge::linear_cross_entropy: expected linear_bias of shape" not in str(e):

@@ -662,7 +662,8 @@ def _log_probs_backward_handler(op_call, args, kwargs):
     c = _common(a, mesh, op="opforge::linear_log_probs")
     c.pop("weight")
     res = vocab_parallel_log_probs_backward(
-        to_local(a["grad_log_probs"], mesh, R), to_local(a["grad_entropy"], mesh, R), stats=to_local(a["stats"], mesh, R),
+        to_local(a["grad_log_probs"], mesh, R), to_local(a["grad_entropy"], mesh, R),
+        stats=to_local(a["stats"], mesh, R),
         entropy=to_local(a["entropy"], mesh, R), temperature=a["temperature"], ignore_index=a["ignore_index"],
         softcap=a["softcap"], output_mask=list(a["output_mask"]), chunk_size=a["chunk_size"], **c)
     return _grad_results(a, res, mesh, [P, Shard(0), Shard(0)])
