@@ -335,9 +335,10 @@ def suite_edges(mesh):
                 check(f"linear_log_probs V={V} {name}", lambda a, w_, t_: opforge.linear_log_probs(
                     a, w_, t_, return_entropy=True), [xh, Wv, t], [px, pw, pt], mesh, rtol=1e-4, atol=1e-5)
             for red in ("mean", "sum"):
-                check(f"linear_jsd V={V} {name} {red}", lambda a, w_, ta, tw, t_, red=red: opforge.linear_jsd(
-                    a, w_, ta, tw, t_, reduction=red), [xh, Wv, rn(13, 6), rn(V, 6), t], [S0, R, S0, R, S0], mesh,
-                    frozen=(2, 3))
+                for px, pw in ((S0, R), (R, S0)):  # token-sharded (sum; mean gathers); vocabulary-parallel
+                    check(f"linear_jsd V={V} {name} {red}", lambda a, w_, ta, tw, t_, red=red: opforge.linear_jsd(
+                        a, w_, ta, tw, t_, reduction=red), [xh, Wv, rn(13, 6), rn(V, 6), t], [px, pw, px, pw, px],
+                        mesh, frozen=(2, 3), rtol=1e-4, atol=1e-5)
         t2 = tgt.clone()
         t2[::3] = 1
         check(f"vocab-parallel loss V={V} ignore_index=1", lambda a, w_: opforge.linear_cross_entropy(
@@ -464,6 +465,16 @@ def suite_loss(mesh):
                 fn = lambda a, w_, b_, o=opts, tt=tt: opforge.linear_log_probs(a, w_, tt, b_, **o)  # noqa: E731
                 check(f"vocab-parallel linear_log_probs {opts} bias={pb if bias is not None else None}", fn,
                       [x, W, bias], [px, Shard(0), pb], mesh, rtol=1e-4, atol=1e-5)
+    # linear_jsd with Shard(0) heads: vocabulary-parallel (the teacher's inputs frozen, as the op requires)
+    xt, Wt, bt = torch.randn(N, 6, generator=g), torch.randn(V, 6, generator=g), torch.randn(V, generator=g)
+    for opts in ({}, {"beta": 0.0, "reduction": "sum"}, {"beta": 1.0}, {"beta": 0.3, "temperature": 0.7}):
+        for with_target in (False, True):
+            for pt_w in (Shard(0), R):  # the teacher's head sharded too, or replicated beside the student's
+                fn = lambda a, w_, b_, ta, tw, tb, o=opts, tg=with_target: opforge.linear_jsd(  # noqa: E731
+                    a, w_, ta, tw, t if tg else None, linear_bias=b_, teacher_linear_bias=tb, **o)
+                check(f"vocab-parallel linear_jsd {opts} target={with_target} teacher {pt_w}", fn,
+                      [x, W, b, xt, Wt, bt], [Shard(0), Shard(0), Shard(0), R, pt_w, pt_w], mesh, frozen=(3, 4, 5),
+                      rtol=1e-4, atol=1e-5)
     # the post-training losses composed on linear_log_probs (opforge.losses) with the Shard(0) head: every input a
     # DTensor (Replicate where not sharded), the policy's gradients against one process
     B, T = 2, 5

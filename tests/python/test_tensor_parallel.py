@@ -247,3 +247,27 @@ def test_local_log_probs_math_equals_the_op(opts):
                                               opts.get("softcap"), [True, True, True], 4)
     for got, want in zip(grads, (xr.grad, wr.grad, br.grad)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("opts", [{}, {"beta": 0.0}, {"beta": 1.0, "reduction": "sum"}, {"beta": 0.3, "temperature": 0.7},
+                                  {"target": True}], ids=str)
+def test_local_jsd_math_equals_the_op(opts):
+    """vocab_parallel_jsd_forward on one rank equals opforge.linear_jsd in float64: loss and the student's
+    gradients."""
+    from opforge.parallel.loss import vocab_parallel_jsd_forward
+
+    opts = dict(opts)
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((9, 6), (13, 6), (13,)))
+    xt, wt = torch.randn(9, 5, generator=g, dtype=torch.float64), torch.randn(13, 5, generator=g, dtype=torch.float64)
+    t = None
+    if opts.pop("target", False):
+        t = torch.randint(0, 13, (9,), generator=g)
+        t[1:3] = -100
+    xr, wr, br = (a.clone().requires_grad_() for a in (x, w, b))
+    ref = opforge.linear_jsd(xr, wr, xt, wt, t, linear_bias=br, **opts)
+    ref.backward()
+    loss, gi, gw, gb = vocab_parallel_jsd_forward(x, w, xt, wt, t, b, None, chunk_size=4,
+                                                  grad_mask=(True, True, True), **opts)
+    for got, want in ((loss, ref.detach()), (gi, xr.grad), (gw, wr.grad), (gb, br.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -42,8 +42,8 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
 from .sharding import HANDLED, P, R, _one_dim_mesh, _placement, to_local, wrap
 
-__all__ = ["vocab_parallel_forward", "vocab_parallel_backward", "vocab_parallel_log_probs_forward",
-           "vocab_parallel_log_probs_backward", "vocab_slice"]
+__all__ = ["vocab_parallel_forward", "vocab_parallel_backward", "vocab_parallel_jsd_forward",
+           "vocab_parallel_log_probs_forward", "vocab_parallel_log_probs_backward", "vocab_slice"]
 
 #: rows per chunk when chunk_size is None: about 32 MiB of float32 logits of the local slice, a multiple of 64
 _BUDGET_BYTES = 32 << 20
@@ -489,6 +489,113 @@ def vocab_parallel_log_probs_backward(grad_log_probs: Optional[Tensor], grad_ent
     return None if gi is None else gi.reshape(input.shape), gw, gb
 
 
+def vocab_parallel_jsd_forward(input: Tensor, linear_weight: Tensor, teacher_input: Tensor,
+                               teacher_linear_weight: Tensor, target: Optional[Tensor] = None,
+                               linear_bias: Optional[Tensor] = None, teacher_linear_bias: Optional[Tensor] = None,
+                               beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
+                               reduction: str = "mean", chunk_size: Optional[int] = None,
+                               grad_mask=(False, False, False), *, vocab_start: int = 0,
+                               vocab_size: Optional[int] = None, group=None):
+    """(loss, grad_input, grad_linear_weight, grad_linear_bias) of linear_jsd over a vocabulary split across `group`,
+    on plain local tensors: both heads' slices of classes [vocab_start, vocab_start + V_r) of vocab_size (V).
+
+    Per token, with p_s, p_t the softmax of the student's and the teacher's logits / temperature and
+    m = β p_t + (1 − β) p_s: KL(p_t ‖ p_s) for β = 0, KL(p_s ‖ p_t) for β = 1, else β KL(p_t ‖ m) + (1 − β)
+    KL(p_s ‖ m) (docs/ops/post_training.md); summed over the tokens whose target is not ignore_index (all without
+    target), divided by their number for "mean". Per chunk: both slices' logits, both row maxima all-reduced (max),
+    both sums of exponentials all-reduced (sum), then the divergence sums all-reduced (sum); the student's logit
+    gradient (p_s − p_t; p_s (log p_s − log p_t − KL); (1 − β) p_s (log p_s − log m − K), over temperature) feeds the
+    gradients of the loss in the same loop.
+
+    Args:
+        input: `(*, H)`, teacher_input `(*, Ht)`: the same on every rank. linear_weight `(V_r, H)`,
+            teacher_linear_weight `(V_r, Ht)`: this rank's slices; the biases `(V_r,)` or None.
+        target: `(*)` int64 or None (the mask only). beta, temperature, ignore_index, reduction ("mean" or "sum"),
+            chunk_size: as `opforge.linear_jsd`.
+        grad_mask: which of (grad_input, grad_linear_weight, grad_linear_bias) of the loss to compute.
+        vocab_start: int. Default 0. vocab_size: int or None (V_r: one rank). group: the process group, or None.
+
+    Returns:
+        loss `()` float32 (float64 for float64); grad_input `(*, H)` this rank's partial sum; grad_linear_weight
+        `(V_r, H)`, grad_linear_bias `(V_r,)` of the slice; None where not asked.
+
+    Raises:
+        ValueError: beta outside [0, 1]; temperature not > 0; reduction not mean/sum; mismatched shapes.
+    """
+    op = "opforge::linear_jsd"
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"{op}: expected beta in [0, 1], but got {beta}")
+    if not (temperature > 0.0 and temperature != float("inf")):
+        raise ValueError(f"{op}: expected temperature > 0 and finite, but got {temperature}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"{op}: expected reduction of mean or sum, but got {reduction!r}")
+    if input.shape[:-1] != teacher_input.shape[:-1]:
+        raise ValueError(f"{op}: expected teacher_input's leading shape {list(input.shape[:-1])}, but got "
+                         f"{list(teacher_input.shape[:-1])}")
+    if linear_weight.shape[0] != teacher_linear_weight.shape[0]:
+        raise ValueError(f"{op}: expected both heads to have the same classes, but got {linear_weight.shape[0]} "
+                         f"and {teacher_linear_weight.shape[0]}")
+    x = input.reshape(-1, input.shape[-1])
+    xt = teacher_input.reshape(-1, teacher_input.shape[-1]).to(input.dtype)
+    n = x.shape[0]
+    if target is None:
+        mask_t = torch.zeros(n, dtype=torch.int64, device=x.device)
+        ignore = -1
+    else:
+        mask_t = torch.where(target.reshape(-1) != ignore_index, 0, -1).to(torch.int64)
+        ignore = -1
+    vocab = linear_weight.shape[0] if vocab_size is None else vocab_size
+    ps_ = _Problem(x, linear_weight, mask_t, linear_bias, None, 0, max(vocab, 1), ignore, 0.0, 0.0, None, "sum",
+                   chunk_size, group, op=op)
+    pt_ = _Problem(xt, teacher_linear_weight.to(input.dtype), mask_t, teacher_linear_bias, None, 0, max(vocab, 1),
+                   ignore, 0.0, 0.0, None, "sum", ps_.rows, group, op=op)
+    acc, valid = ps_.acc, ps_.valid
+    count = valid.sum().to(acc)
+    scale = 1.0 / count if reduction == "mean" else torch.ones((), dtype=acc, device=x.device)
+    gi, gw, gb = _grad_buffers(ps_, grad_mask)
+    total = torch.zeros((), dtype=acc, device=x.device)
+    neg_inf = -float("inf")
+    for a in range(0, n, ps_.rows):
+        b = min(a + ps_.rows, n)
+        zs, _ = ps_.logits(a, b)
+        zt, _ = pt_.logits(a, b)
+        zs.div_(temperature)
+        zt.div_(temperature)
+        if ps_.v_local:
+            m = torch.stack([zs.amax(1), zt.amax(1)], 1)
+        else:
+            m = torch.full((b - a, 2), neg_inf, dtype=acc, device=x.device)
+        m = _all_reduce(m, dist.ReduceOp.MAX, group)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        sums = _all_reduce(torch.stack([torch.exp(zs - m[:, :1]).sum(1), torch.exp(zt - m[:, 1:]).sum(1)], 1),
+                           dist.ReduceOp.SUM, group)
+        ls = zs.sub_((m[:, 0] + sums[:, 0].log()).unsqueeze(1))  # log p_s, in place
+        lt = zt.sub_((m[:, 1] + sums[:, 1].log()).unsqueeze(1))
+        p_s, p_t = ls.exp(), lt.exp()
+        if beta == 0.0:
+            div = _all_reduce((p_t * (lt - ls)).sum(1), dist.ReduceOp.SUM, group)
+            dz = p_s - p_t
+        elif beta == 1.0:
+            div = _all_reduce((p_s * (ls - lt)).sum(1), dist.ReduceOp.SUM, group)
+            dz = p_s * (ls - lt - div.unsqueeze(1))
+        else:
+            lm = torch.log(beta * p_t + (1.0 - beta) * p_s)
+            ak = _all_reduce(torch.stack([(p_t * (lt - lm)).sum(1), (p_s * (ls - lm)).sum(1)], 1), dist.ReduceOp.SUM,
+                             group)
+            div = beta * ak[:, 0] + (1.0 - beta) * ak[:, 1]
+            dz = (1.0 - beta) * p_s * (ls - lm - ak[:, 1:])
+        v = valid[a:b]
+        total = total + torch.where(v, div, torch.zeros_like(div)).sum()
+        if any(grad_mask):
+            dz = torch.where(v.unsqueeze(1), dz, torch.zeros((), dtype=acc, device=x.device))
+            dz.mul_(torch.where(count > 0, scale, torch.zeros_like(scale)) / temperature)
+            _accumulate(ps_, dz, a, b, gi, gw, gb)
+    loss = total * scale
+    gi, gw, gb = _finish(ps_, gi, gw, gb, input.dtype, linear_weight.dtype,
+                         None if linear_bias is None else linear_bias.dtype)
+    return loss, None if gi is None else gi.reshape(input.shape), gw, gb
+
+
 # ---- DTensor handlers ------------------------------------------------------------------------------------
 
 _ARGS = ("input", "linear_weight", "target", "linear_bias", "weight", "reduction", "ignore_index", "label_smoothing",
@@ -672,3 +779,41 @@ def _log_probs_backward_handler(op_call, args, kwargs):
 HANDLED.update({"linear_log_probs": _log_probs_forward_handler,
                 "_linear_log_probs_forward": _log_probs_forward_handler,
                 "linear_log_probs_backward": _log_probs_backward_handler})
+
+
+# ---- linear_jsd with Shard(0) heads -------------------------------------------------------------------------------
+
+def _jsd_handler(op_call, args, kwargs):
+    """linear_jsd and _linear_jsd_forward: vocabulary-parallel when a head is Shard(0) (both heads and biases taken as
+    Shard(0), the inputs and target gathered; the loss Replicate, grad_input Partial, the student's weight and bias
+    gradients Shard(0)); otherwise DTensor's dispatch of the op's rule."""
+    from .sharding import _default_dispatch
+
+    names = [x.name for x in op_call._schema.arguments]
+    a = {"target": None, "linear_bias": None, "teacher_linear_bias": None, "beta": 0.5, "temperature": 1.0,
+         "ignore_index": -100, "reduction": "mean", "chunk_size": None, "grad_mask": [False, False, False],
+         **dict(zip(names, args)), **kwargs}
+    w, tw = a["linear_weight"], a["teacher_linear_weight"]
+    if not (_is_vocab_sharded(w) or _is_vocab_sharded(tw)):
+        return _default_dispatch(op_call, args, kwargs)
+    mesh = w.device_mesh if isinstance(w, DTensor) else tw.device_mesh
+    _one_dim_mesh("linear_jsd", mesh)
+    V = w.shape[0]
+    start, size = vocab_slice(V, mesh.size(), mesh.get_local_rank())
+    for name in ("linear_bias", "teacher_linear_bias"):
+        if a[name] is not None and tuple(a[name].shape) != (V,):
+            raise ValueError(f"opforge::linear_jsd: expected {name} of shape [{V}], but got {list(a[name].shape)}")
+    full = op_call.name().endswith("_linear_jsd_forward")
+    mask = list(a["grad_mask"]) if full else [False, False, False]
+    loss, gi, gw, gb = vocab_parallel_jsd_forward(
+        to_local(a["input"], mesh, R), to_local(w, mesh, Shard(0)), to_local(a["teacher_input"], mesh, R),
+        to_local(tw, mesh, Shard(0)), to_local(a["target"], mesh, R), to_local(a["linear_bias"], mesh, Shard(0)),
+        to_local(a["teacher_linear_bias"], mesh, Shard(0)), a["beta"], a["temperature"], a["ignore_index"],
+        a["reduction"], a["chunk_size"], mask, vocab_start=start, vocab_size=V, group=mesh.get_group())
+    loss = wrap(loss, mesh, R)
+    if not full:
+        return loss
+    return (loss, *_grad_results(a, (gi, gw, gb), mesh, [P, Shard(0), Shard(0)]))
+
+
+HANDLED.update({"linear_jsd": _jsd_handler, "_linear_jsd_forward": _jsd_handler})

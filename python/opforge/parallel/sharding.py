@@ -32,14 +32,14 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 | linear_cross_entropy (all its ops) | vocabulary-parallel when linear_weight is S(0) (opforge.parallel.loss); token-sharded for sum/none; R |
 | _linear_cross_entropy_scale_grads | each gradient keeps its placement |
 | linear_log_probs (and _forward, backward) | vocabulary-parallel when linear_weight is S(0) (opforge.parallel.loss); R; token-sharded (input, target, outputs S(d); lm_head R; its gradients P) |
-| linear_jsd, _linear_jsd_forward | R; token-sharded for reduction "sum" (loss P; both inputs and target S(d), heads R) |
+| linear_jsd, _linear_jsd_forward | vocabulary-parallel when a head is S(0) (opforge.parallel.loss); R; token-sharded for reduction "sum" (loss P; both inputs and target S(d), heads R) |
 
 The rules are registered when `opforge.parallel` is imported (`register_sharding_rules()`, idempotent). Ops whose
 sharding is not a pure placement rule (experts sharded: the expert index is shifted to the local experts; the
-vocabulary-parallel linear_cross_entropy and linear_log_probs: all-reduce inside; linear_cat_backward: a list of
-gradients; square_add_backward: a plain shape carrier for `other`; _linear_cross_entropy_scale_grads: plain gradients
-beside DTensor ones) get a DTensor op handler, which redistributes, runs the op on local tensors and wraps the
-results. Handlers are defined on a 1-D mesh (the tensor-parallel one: FSDP2 gathers its own mesh dimension before
+vocabulary-parallel linear_cross_entropy, linear_log_probs and linear_jsd: all-reduce inside; linear_cat_backward: a
+list of gradients; square_add_backward: a plain shape carrier for `other`; _linear_cross_entropy_scale_grads: plain
+gradients beside DTensor ones) get a DTensor op handler, which redistributes, runs the op on local tensors and wraps
+the results. Handlers are defined on a 1-D mesh (the tensor-parallel one: FSDP2 gathers its own mesh dimension before
 compute) and raise NotImplementedError on another.
 
 Every forward op (public or private, not a backward) also goes through a handler that first registers, once per
