@@ -518,6 +518,19 @@ def _cpu_loss_memory(mesh, g):
         FAILURES.append(f"loss memory ratio {ratio:.3f} > 0.55")
     if not largest < N * V * 4 / mesh.size() + 1:
         FAILURES.append(f"a tensor of {largest} bytes: not less than the rank's slice of the logits")
+    # the post-training ops likewise: no tensor as large as the rank's slice of the logits (chunks of 32 rows)
+    from opforge.parallel.loss import vocab_parallel_jsd_forward, vocab_parallel_log_probs_forward
+    kw = dict(vocab_start=start, vocab_size=V, group=mesh.get_group())
+    xt, Wt = torch.randn(N, 16, generator=g), torch.randn(V, 16, generator=g)
+    for name, fn in (("linear_log_probs", lambda: vocab_parallel_log_probs_forward(
+                          x, local, t, return_entropy=True, chunk_size=32, **kw)),
+                     ("linear_jsd", lambda: vocab_parallel_jsd_forward(
+                          x, local, xt, Wt[start:start + size].contiguous(), chunk_size=32,
+                          grad_mask=(True, True, False), **kw))):
+        peak, largest = peak_bytes(fn, largest=True)
+        log(f"{name} memory: peak per rank {peak} bytes; largest tensor {largest} bytes (full logits {N * V * 4})")
+        if not largest < N * V * 4 / mesh.size() + 1:
+            FAILURES.append(f"{name}: a tensor of {largest} bytes, not less than the rank's slice of the logits")
 
 
 def _tiny_llama(device, family="llama", kv_heads=2):
