@@ -13,8 +13,9 @@
 #    FSDP2, gloo on CPU and nccl on the 2 GPUs, losses equal to the single-process run on the same global
 #    batch; tensor parallelism (opforge.parallel) under torchrun on 2 GPUs: every op under each placement its
 #    DTensor rules support against one GPU, the vocabulary-parallel loss (and its per-rank peak memory against
-#    the op on one GPU, printed as "CUDA loss memory ... ratio", at most 0.55) and a tiny patched Llama under TP + SP
-#    (training losses within 1e-5 of one GPU, the collectives of a step counted). Any skipped CUDA test counts as a
+#    the op on one GPU, printed as "CUDA loss memory ... ratio", at most 0.55), odd shapes and options, the same
+#    ops, loss and edge suites on bf16 inputs, and a tiny patched Llama under TP + SP (training losses within 1e-5
+#    of one GPU, the collectives of a step counted). Any skipped CUDA test counts as a
 #    failure here (GPU_CHECK_ALLOWED_SKIPS matches nothing);
 # 3. gpus: torch sees at least 2 GPUs;
 # 4. demo_ddp, demo_fsdp: python -m opforge.demo under torchrun on both GPUs (size medium, 100 steps, both

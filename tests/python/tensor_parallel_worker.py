@@ -3,8 +3,10 @@
 
 Suites: `ops` (every opforge op under each placement its rules support, against the single-process result, values and
 gradients), `loss` (the vocabulary-parallel linear_cross_entropy against the op on one process, every option; its
-per-rank memory), `model` (a tiny patched Llama under TP + SP (+ FSDP2 on a 2-D mesh with 4 ranks) trained against
-the single-process run, and the collectives it issues). Prints one line per check; exit status 1 on a failure.
+per-rank memory), `edges` (odd shapes, ignored targets, every reduction, autocast), `model` (a tiny patched Llama
+under TP + SP (+ FSDP2 on a 2-D mesh with 4 ranks) trained against the single-process run, and the collectives it
+issues). Prints one line per check; exit status 1 on a failure. `--dtype bfloat16` runs ops, loss and edges on bf16
+inputs.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import opforge
+import opforge.losses  # noqa: F401
 import opforge.parallel  # noqa: F401  (registers the sharding rules)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -26,6 +29,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 R, P = Replicate(), Partial()
 FAILURES = []
 DEVICE = "cpu"
+DTYPE = torch.float32  # the floating inputs' dtype of the ops and loss suites (--dtype)
+#: the opforge ops dispatched with DTensor arguments (what the suites exercised), printed as "EXERCISED ..."
+EXERCISED = set()
+
+
+class _RecordOps(TorchDispatchMode):
+    """Records each opforge op that reaches dispatch with a DTensor argument (above DTensor: the public op, its
+    private forward and its backward, whichever autograd calls)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "opforge" and any(isinstance(a, DTensor)
+                                               for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+            EXERCISED.add(func._schema.name.split("::")[1])
+        return func(*args, **(kwargs or {}))
+
+
+def tolerances(rtol, atol, ref):
+    """The comparison's (rtol, atol): as given for float32 (and float64); for bfloat16 the rounding rule: each side is
+    one bf16 rounding of float32 math (2 unit roundoffs u = 2^-8 relative), and a partial sum reduced across the ranks
+    in bf16 adds one rounding of each rank's part (ranks · u of the largest magnitude). A float32 result (the losses,
+their stats) of bf16 inputs is float32 math on the same values: the given tolerance."""
+    if ref.dtype != torch.bfloat16:  # a float32 result (a loss) of bf16 inputs: float32 math, the given tolerance
+        return rtol, atol
+    u = 2.0 ** -8
+    scale = float(ref.detach().abs().max()) if ref.numel() else 0.0
+    return max(rtol, 2 * u), max(atol, dist.get_world_size() * u * scale)
 
 
 def log(msg: str) -> None:
@@ -47,13 +76,15 @@ def full(x):
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, frozen=()):
+def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, frozen=(), keep_dtype=()):
     """fn(*inputs) on the full tensors and on DTensors in `placements` (None: a non-tensor or a plain tensor) give
-    the same outputs and the same gradients of Σ out·c (c fixed random) for every floating input."""
+    the same outputs and the same gradients of Σ out·c (c fixed random) for every floating input. Float32 inputs are
+    cast to DTYPE, but those at the indices in keep_dtype (a float32 rstd)."""
     what = f"{name} {[str(p) if p is not None else '-' for p in placements]}"
     try:
         gen = torch.Generator().manual_seed(7)
-        inputs = [x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in inputs]
+        inputs = [(x.to(DEVICE, DTYPE) if x.dtype == torch.float32 and i not in keep_dtype else x.to(DEVICE))
+                  if isinstance(x, torch.Tensor) else x for i, x in enumerate(inputs)]
         ref_in = [x.detach().clone().requires_grad_(grads and x.is_floating_point() and i not in frozen)
                   if isinstance(x, torch.Tensor) else x for i, x in enumerate(inputs)]
         ref = fn(*ref_in)
@@ -73,7 +104,7 @@ def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, 
         out = out if isinstance(out, (tuple, list)) else (out,)
         for i, (o, r) in enumerate(zip(out, ref)):
             if isinstance(r, torch.Tensor):
-                close(full(o), r, f"{what} output {i}", rtol, atol)
+                close(full(o), r, f"{what} output {i}", *tolerances(rtol, atol, r))
         if grads and any(isinstance(x, torch.Tensor) and x.requires_grad for x in ref_in):
             sum(((r.float() * c.float()).sum() for r, c in zip(ref, cots) if c is not None)).backward()
             sum(((full(o).float() * c.float()).sum() for o, c in zip(out, cots) if c is not None)).backward()
@@ -81,11 +112,28 @@ def check(name, fn, inputs, placements, mesh, grads=True, rtol=1e-5, atol=1e-6, 
                 if isinstance(b, torch.Tensor) and b.requires_grad:
                     if b.grad is None:
                         continue
-                    close(full(a.grad), b.grad, f"{what} grad of input {j}", rtol, atol)
+                    close(full(a.grad), b.grad, f"{what} grad of input {j}", *tolerances(rtol, atol, b.grad))
+                    _check_grad_placement(a, f"{what} grad of input {j}")
         log(f"ok   {what}")
     except Exception as e:  # noqa: BLE001
         FAILURES.append(f"{what}: {type(e).__name__}: {e}")
         log(f"FAIL {what}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}")
+
+
+def _check_grad_placement(param, what):
+    """A DTensor leaf's gradient is in the leaf's own placements (a Partial one for a Replicate dim: a pending sum);
+    a plain tensor's gradient is a plain tensor."""
+    from opforge.parallel.sharding import grad_placements
+
+    g = param.grad
+    if not isinstance(param, DTensor):
+        if isinstance(g, DTensor):
+            FAILURES.append(f"{what}: a DTensor gradient {g.placements} of a plain tensor")
+        return
+    if not isinstance(g, DTensor) or tuple(g.placements) != grad_placements(param.placements, g.placements):
+        got = g.placements if isinstance(g, DTensor) else type(g).__name__
+        FAILURES.append(f"{what}: gradient in {got}, the parameter in {param.placements}")
+        log(f"FAIL {what}: gradient in {got}, the parameter in {param.placements}")
 
 
 def suite_ops(mesh):
@@ -214,9 +262,10 @@ def suite_ops(mesh):
                   [xh, Wv, tgt, bv], [px, R, pt, R], mesh)
     # linear_log_probs and linear_jsd: replicated and token-sharded (the lm_head replicated; a Shard(0) one gathered)
     for px, pt, pw in ((R, R, R), (S0, S0, R), (S0, S0, S0)):
+        # weight S(0): vocabulary-parallel, the entropy gradient's cancellation in another order (suite_loss)
         check(f"linear_log_probs (weight {pw})",
               lambda a, w_, t, b_: opforge.linear_log_probs(a, w_, t, b_, temperature=0.7, return_entropy=True),
-              [xh, Wv, tgt, bv], [px, pw, pt, R], mesh)
+              [xh, Wv, tgt, bv], [px, pw, pt, R], mesh, rtol=1e-4 if pw != R else 1e-5, atol=1e-5 if pw != R else 1e-6)
     check("linear_log_probs no entropy", lambda a, w_, t: opforge.linear_log_probs(a, w_, t), [xh, Wv, tgt],
           [S0, R, S0], mesh)
     xt, Wt = rn(12, 6), rn(V, 6)
@@ -226,9 +275,90 @@ def suite_ops(mesh):
                   lambda a, w_, ta, tw, t, b_: opforge.linear_jsd(a, w_, ta, tw, t, linear_bias=b_, beta=0.3,
                                                                   reduction=red),
                   [xh, Wv, xt, Wt, tgt, bv], [px, R, px, R, pt, R], mesh, frozen=(2, 3))
+    # the public ops that autograd replaces by their private _forward when an input requires grad: without gradients
+    # DTensor dispatches the public op itself
+    rstd = torch.ops.opforge._rms_norm_forward(x.to(DTYPE), (8,), w8.to(DTYPE), 1e-6)[1]
+    for p in (R, S0, S1):
+        check("_rms_norm_apply", lambda a, s_, w: torch.ops.opforge._rms_norm_apply(a, s_, w), [x, rstd, w8],
+              [p, p, R], mesh, grads=False, keep_dtype=(1,))
+        check("fused_add_rms_norm (no grad)", lambda a, b, w: opforge.fused_add_rms_norm(a, b, (8,), w, 1e-6),
+              [x, r, w8], [p, p, R], mesh, grads=False)
+    for px, pw in ((R, R), (S0, R), (R, S0)):
+        check("fake_quant_linear (no grad)", lambda a, w_: opforge.fake_quant_linear(a, w_), [xl, W], [px, pw], mesh,
+              grads=False)
+        check("swiglu_linear (no grad)", lambda a, w_: opforge.swiglu_linear(a, w_), [xs, Ws], [px, pw], mesh,
+              grads=False)
+        check("linear_log_probs (no grad)", lambda a, w_, t: opforge.linear_log_probs(a, w_, t, return_entropy=True),
+              [xh, Wv, tgt], [px, pw, px], mesh, grads=False)
+        check("linear_jsd sum (no grad)",
+              lambda a, w_, ta, tw, t: opforge.linear_jsd(a, w_, ta, tw, t, reduction="sum"),
+              [xh, Wv, xt, Wt, tgt], [px, pw, px, pw, px], mesh, grads=False)
     no_comm("linear_log_probs token-sharded",
             lambda a, w_, t: opforge.linear_log_probs(a, w_, t.detach(), return_entropy=True), [xh, Wv, tgt],
             [S0, R, S0])
+
+
+def suite_edges(mesh):
+    """Odd shapes and options: tokens, heads and the vocabulary not divisible by the ranks (a rank with an empty
+    slice on 4 ranks), ignore_index everywhere (every target, one rank's whole token shard), every reduction, and
+    autocast (bf16 on the CPU: the GEMM operands cast, the parameters' gradients back in their placements)."""
+    g = torch.Generator().manual_seed(2)
+    rn = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+    x, w = rn(5, 3, 8), rn(8)
+    for p in (S0, S1):
+        check("rms_norm uneven tokens", lambda a, w_: opforge.rms_norm(a, (8,), w_), [x, w], [p, R], mesh)
+    xl, W, b = rn(5, 3, 8), rn(11, 8), rn(11)
+    for px, pw, pb in ((R, S0, S0), (S0, R, R), (S1, S0, S0)):
+        check("linear uneven", lambda a, w_, b_: opforge.linear(a, w_, b_), [xl, W, b], [px, pw, pb], mesh)
+    check("linear uneven row-wise", lambda a, w_: opforge.linear(a, w_), [rn(5, 3, 7), rn(11, 7)], [S2, S1], mesh)
+    q, k, ang = rn(2, 3, 5, 8), rn(2, 3, 5, 8), rn(5, 8)
+    check("rope uneven heads", lambda a, b_, c, s_: opforge.rope(a, b_, c, s_), [q, k, ang.cos(), ang.sin()],
+          [S1, S1, R, R], mesh, frozen=(2, 3))
+    check("rope uneven sequence", lambda a, b_, c, s_: opforge.rope(a, b_, c, s_), [q, k, ang.cos(), ang.sin()],
+          [S2, S2, S0, S0], mesh, frozen=(2, 3))
+    H = 8
+    for V in (7, 3):  # 3 classes on 4 ranks: the last rank's slice is empty
+        xh, Wv, bv = rn(13, H), rn(V, H), rn(V)
+        tgt = torch.randint(0, V, (13,), generator=g)
+        shard0_ignored = tgt.clone()
+        shard0_ignored[:7] = -100  # rank 0's token shard (2 and 4 ranks) has no target
+        for name, t in (("targets", tgt), ("every target ignored", torch.full((13,), -100)),
+                        ("rank 0's tokens ignored", shard0_ignored)):
+            for red in ("mean", "sum", "none"):
+                for px, pw, pt in ((R, S0, R), (S0, S0, S0), (S0, R, S0)):
+                    check(f"linear_cross_entropy V={V} {name} {red}",
+                          lambda a, w_, b_, t_, red=red: opforge.linear_cross_entropy(
+                              a, w_, t_, linear_bias=b_, reduction=red, label_smoothing=0.1),
+                          [xh, Wv, bv, t], [px, pw, pw, pt], mesh)
+            for px, pw, pt in ((S0, R, S0), (R, S0, R), (S0, S0, S0)):  # token-sharded; vocabulary-parallel
+                check(f"linear_log_probs V={V} {name}", lambda a, w_, t_: opforge.linear_log_probs(
+                    a, w_, t_, return_entropy=True), [xh, Wv, t], [px, pw, pt], mesh, rtol=1e-4, atol=1e-5)
+            for red in ("mean", "sum"):
+                for px, pw in ((S0, R), (R, S0)):  # token-sharded (sum; mean gathers); vocabulary-parallel
+                    check(f"linear_jsd V={V} {name} {red}", lambda a, w_, ta, tw, t_, red=red: opforge.linear_jsd(
+                        a, w_, ta, tw, t_, reduction=red), [xh, Wv, rn(13, 6), rn(V, 6), t], [px, pw, px, pw, px],
+                        mesh, frozen=(2, 3), rtol=1e-4, atol=1e-5)
+        t2 = tgt.clone()
+        t2[::3] = 1
+        check(f"vocab-parallel loss V={V} ignore_index=1", lambda a, w_: opforge.linear_cross_entropy(
+            a, w_, t2.to(DEVICE), ignore_index=1), [xh, Wv], [R, S0], mesh)
+
+    def autocast(fn):
+        def run(*a):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                return fn(*a)
+        return run
+
+    xh, Wv, bv = rn(13, H), rn(7, H), rn(7)
+    tgt = torch.randint(0, 7, (13,), generator=g).to(DEVICE)
+    bf = dict(rtol=2 ** -6, atol=2 ** -6)  # a few bf16 roundings of the operands on both sides
+    for red in ("mean", "none"):
+        check(f"vocab-parallel loss autocast {red}", autocast(lambda a, w_, b_, red=red: opforge.linear_cross_entropy(
+            a, w_, tgt, linear_bias=b_, reduction=red)), [xh, Wv, bv], [S0, S0, S0], mesh, **bf)
+    check("linear autocast column-wise", autocast(lambda a, w_, b_: opforge.linear(a, w_, b_)), [xl, W, b],
+          [R, S0, S0], mesh, **bf)
+    check("rms_norm autocast", autocast(lambda a, w_: opforge.rms_norm(a, (8,), w_)), [x, w], [S0, R], mesh, **bf)
 
 
 def loss_options():
@@ -304,13 +434,67 @@ def suite_loss(mesh):
                 fn = lambda a, w_, b_, o=o, tt=tt: opforge.linear_cross_entropy(a, w_, tt, linear_bias=b_, **o)  # noqa
                 check(f"vocab-parallel loss {opts} bias={bias is not None}",
                       fn, [x, W, bias], [px, Shard(0), Shard(0) if bias is not None else None], mesh)
-    # a plain (replicated) input beside the sharded weight: its gradient comes back as a plain tensor
-    for red in ("mean", "none"):
+    # a plain (replicated) input or bias beside the sharded weight: its gradient comes back as a plain tensor, whole;
+    # a Replicate DTensor bias: its gradient Replicate (the Shard(0) one gathered)
+    for red in ("mean", "sum", "none"):
         check(f"vocab-parallel loss {red}, plain input", lambda a, w_: opforge.linear_cross_entropy(a, w_, t, reduction=red),
               [x, W], [None, Shard(0)], mesh)
-    if DEVICE == "cuda":
+        for pb in (None, R):
+            check(f"vocab-parallel loss {red}, bias {pb or 'plain'}",
+                  lambda a, w_, b_: opforge.linear_cross_entropy(a, w_, t, linear_bias=b_, reduction=red),
+                  [x, W, b], [Shard(0), Shard(0), pb], mesh)
+    # a bias of the wrong shape beside a Shard(0) weight: a clear error naming the op
+    try:
+        opforge.linear_cross_entropy(distribute_tensor(x.to(DEVICE), mesh, [R]),
+                                     distribute_tensor(W.to(DEVICE), mesh, [Shard(0)]), t,
+                                     linear_bias=b[:-1].to(DEVICE))
+        FAILURES.append("vocab-parallel loss with a bias of V - 1 classes: no error")
+    except ValueError as e:
+        if "opforge::linear_cross_entropy: expected linear_bias of shape" not in str(e):
+            FAILURES.append(f"vocab-parallel loss with a bias of V - 1 classes: {e}")
+    # linear_log_probs (the post-training losses' op) with a Shard(0) lm_head: vocabulary-parallel. The entropy's
+    # gradient (z − m) − (r − H) cancels: float32 results a few ulps of its magnitude apart (float64 exact: the
+    # single-process test of the local math)
+    for opts in ({}, {"temperature": 0.7, "return_entropy": True}, {"softcap": 3.0, "return_entropy": True},
+                 {"ignore_index": 2, "return_entropy": True}):
+        tt = t.clone()
+        if "ignore_index" in opts:
+            tt[tt == -100] = opts["ignore_index"]
+        for bias, pb in ((None, None), (b, Shard(0)), (b, None)):
+            for px in (R, Shard(0)):
+                fn = lambda a, w_, b_, o=opts, tt=tt: opforge.linear_log_probs(a, w_, tt, b_, **o)  # noqa: E731
+                check(f"vocab-parallel linear_log_probs {opts} bias={pb if bias is not None else None}", fn,
+                      [x, W, bias], [px, Shard(0), pb], mesh, rtol=1e-4, atol=1e-5)
+    # linear_jsd with Shard(0) heads: vocabulary-parallel (the teacher's inputs frozen, as the op requires)
+    xt, Wt, bt = torch.randn(N, 6, generator=g), torch.randn(V, 6, generator=g), torch.randn(V, generator=g)
+    for opts in ({}, {"beta": 0.0, "reduction": "sum"}, {"beta": 1.0}, {"beta": 0.3, "temperature": 0.7}):
+        for with_target in (False, True):
+            for pt_w in (Shard(0), R):  # the teacher's head sharded too, or replicated beside the student's
+                fn = lambda a, w_, b_, ta, tw, tb, o=opts, tg=with_target: opforge.linear_jsd(  # noqa: E731
+                    a, w_, ta, tw, t if tg else None, linear_bias=b_, teacher_linear_bias=tb, **o)
+                check(f"vocab-parallel linear_jsd {opts} target={with_target} teacher {pt_w}", fn,
+                      [x, W, b, xt, Wt, bt], [Shard(0), Shard(0), Shard(0), R, pt_w, pt_w], mesh, frozen=(3, 4, 5),
+                      rtol=1e-4, atol=1e-5)
+    # the post-training losses composed on linear_log_probs (opforge.losses) with the Shard(0) head: every input a
+    # DTensor (Replicate where not sharded), the policy's gradients against one process
+    B, T = 2, 5
+    hs = torch.randn(2 * B, T, H, generator=g)
+    ids = torch.randint(0, V, (2 * B, T), generator=g)
+    ids[:, :2] = -100  # the prompt
+    ref_lp = torch.randn(B, generator=g) - 5.0
+    for loss_type in ("sigmoid", "ipo", "simpo"):
+        check(f"vocab-parallel linear_preference_loss {loss_type}",
+              lambda a, w_, t_, rc, rr, lt=loss_type: opforge.losses.linear_preference_loss(
+                  a, w_, t_, ref_chosen_logps=rc, ref_rejected_logps=rr, loss_type=lt)[0],
+              [hs, W, ids, ref_lp, ref_lp + 0.3], [R, Shard(0), R, R, R], mesh, frozen=(3, 4), rtol=1e-4, atol=1e-5)
+    adv = torch.randn(2 * B, generator=g)
+    old = torch.randn(2 * B, T, generator=g) - 3.0
+    check("vocab-parallel linear_grpo_loss dapo",
+          lambda a, w_, t_, ad, ol: opforge.losses.linear_grpo_loss(a, w_, t_, ad, old_log_probs=ol)[0],
+          [hs, W, ids, adv, old], [R, Shard(0), R, R, R], mesh, frozen=(3, 4), rtol=1e-4, atol=1e-5)
+    if DEVICE == "cuda" and DTYPE == torch.float32:
         _cuda_loss_memory(mesh)
-    if DEVICE == "cpu":
+    if DEVICE == "cpu" and DTYPE == torch.float32:
         _cpu_loss_memory(mesh, g)
 
 
@@ -334,6 +518,19 @@ def _cpu_loss_memory(mesh, g):
         FAILURES.append(f"loss memory ratio {ratio:.3f} > 0.55")
     if not largest < N * V * 4 / mesh.size() + 1:
         FAILURES.append(f"a tensor of {largest} bytes: not less than the rank's slice of the logits")
+    # the post-training ops likewise: no tensor as large as the rank's slice of the logits (chunks of 32 rows)
+    from opforge.parallel.loss import vocab_parallel_jsd_forward, vocab_parallel_log_probs_forward
+    kw = dict(vocab_start=start, vocab_size=V, group=mesh.get_group())
+    xt, Wt = torch.randn(N, 16, generator=g), torch.randn(V, 16, generator=g)
+    for name, fn in (("linear_log_probs", lambda: vocab_parallel_log_probs_forward(
+                          x, local, t, return_entropy=True, chunk_size=32, **kw)),
+                     ("linear_jsd", lambda: vocab_parallel_jsd_forward(
+                          x, local, xt, Wt[start:start + size].contiguous(), chunk_size=32,
+                          grad_mask=(True, True, False), **kw))):
+        peak, largest = peak_bytes(fn, largest=True)
+        log(f"{name} memory: peak per rank {peak} bytes; largest tensor {largest} bytes (full logits {N * V * 4})")
+        if not largest < N * V * 4 / mesh.size() + 1:
+            FAILURES.append(f"{name}: a tensor of {largest} bytes, not less than the rank's slice of the logits")
 
 
 def _tiny_llama(device, family="llama", kv_heads=2):
@@ -460,6 +657,8 @@ def _compare_grads(model, reference, ids, dp, tp, family):
         if hasattr(m, "gate_up_proj"):
             sizes[f"{name}.gate_up_proj.weight"] = [m.gate_up_proj.out_features // 2] * 2
     for name, p in model.named_parameters():
+        if dp == 1:  # (under FSDP2 the gradients are FSDP's sharded ones)
+            _check_grad_placement(p, f"model {family} tp={tp}: gradient of {name}")
         g = full(p.grad)
         if name in sizes:
             g = unpermute_fused(g, sizes[name], tp)
@@ -523,12 +722,15 @@ def _count_collectives(model, ids, tp):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("suites", nargs="+", choices=["ops", "loss", "model"])
+    ap.add_argument("suites", nargs="+", choices=["ops", "loss", "edges", "model"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the floating inputs of the ops and loss suites (the model trains in float32)")
     a = ap.parse_args()
-    global DEVICE
+    global DEVICE, DTYPE
     DEVICE = a.device
+    DTYPE = getattr(torch, a.dtype)
     backend = "nccl" if a.device == "cuda" else "gloo"
     if a.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -550,9 +752,11 @@ def main():
                     log(f"model qwen3: not in transformers {transformers.__version__}, not run")
         else:
             mesh = init_device_mesh(a.device, (world,))
-            {"ops": suite_ops, "loss": suite_loss}[suite](mesh)
+            with _RecordOps():
+                {"ops": suite_ops, "loss": suite_loss, "edges": suite_edges}[suite](mesh)
         dist.barrier()
-        log(f"SUITE {suite} on {world} ranks ({a.device}): {len(FAILURES) - before} failure(s)")
+        log(f"SUITE {suite} on {world} ranks ({a.device}, {a.dtype}): {len(FAILURES) - before} failure(s)")
+    log("EXERCISED " + " ".join(sorted(EXERCISED)))
     n = len(FAILURES)
     for f in FAILURES:
         log(f"FAILURE {f}")

@@ -3,10 +3,13 @@ linear_cross_entropy, and a tiny patched Llama under TP + SP (+ FSDP2) against t
 
 The distributed checks run in tests/python/tensor_parallel_worker.py under torchrun: gloo on CPU ranks (CI), and
 nccl on 2 GPUs where this machine has them (scripts/multi_gpu_check.sh). Per launch: every op under each placement
-its rules support (values and gradients within 1e-5 relative of the single process, fp32), the vocabulary-parallel
-loss with every option (against opforge.linear_cross_entropy on one process) and its per-rank memory, the model's
-training losses (1e-5 relative; measured at most 2.1e-7 on 2 and 4 ranks and with FSDP2 on 2 x 2, CPU), every gradient,
-the logits without labels and, on the 1-D mesh, the exact count of collectives of one step.
+its rules support (values and gradients within 1e-5 relative of the single process, fp32; each DTensor gradient in
+its tensor's placements), the vocabulary-parallel loss with every option (against opforge.linear_cross_entropy on one
+process) and its per-rank memory (at most 0.55x one rank's on 2 ranks), odd shapes (tokens, heads, vocabulary not
+divisible by the ranks), ignored targets, every reduction and autocast, the model's training losses (1e-5 relative;
+measured at most 2.1e-7 on 2 and 4 ranks and with FSDP2 on 2 x 2, CPU), every gradient, the logits without labels
+and, on the 1-D mesh, the exact count of collectives of one step. Every op of torch.ops.opforge must be dispatched on
+DTensors by these suites. The same ops, loss and edge suites run on bf16 inputs (the worker's rounding rule).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import opforge
 import opforge.parallel as par
@@ -39,28 +43,75 @@ def _torchrun(ranks: int, device: str, *args: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("ranks, args", [(2, ("ops", "loss", "model")), (4, ("ops", "loss", "model", "--dp", "2"))],
-                         ids=["2-ranks", "4-ranks-dp2-tp2"])
+def _tensor_ops():
+    """Every op registered in the torch.ops.opforge namespace that takes a tensor (not the build's knob setters)."""
+    ops = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("opforge::"))
+    tensor_ops = [n for n in ops if any("Tensor" in str(a.type)
+                                        for a in getattr(torch.ops.opforge, n).default._schema.arguments)]
+    assert len(tensor_ops) >= 40, f"the opforge namespace lists only {tensor_ops}"
+    return tensor_ops
+
+
+def _exercised(out: str) -> set:
+    lines = [line for line in out.splitlines() if line.startswith("EXERCISED ")]
+    assert lines, "the worker printed no EXERCISED line"
+    return set(lines[-1].split()[1:])
+
+
+SUITES = ("ops", "loss", "edges", "model")
+
+
+@pytest.mark.parametrize("ranks, args", [(2, SUITES), (4, (*SUITES, "--dp", "2"))], ids=["2-ranks", "4-ranks-dp2-tp2"])
 def test_gloo(ranks, args):
     out = _torchrun(ranks, "cpu", *args)
-    for suite in ("ops", "loss", "model"):
-        assert f"SUITE {suite} on {ranks} ranks (cpu): 0 failure(s)" in out
+    for suite in SUITES:
+        assert f"SUITE {suite} on {ranks} ranks (cpu, float32): 0 failure(s)" in out
+    # every op of the namespace (public, private forward, backward) ran on DTensors in the suites
+    missing = sorted(set(_tensor_ops()) - _exercised(out))
+    assert not missing, f"opforge ops no distributed check dispatched on DTensors: {missing}"
+
+
+def test_gloo_bfloat16():
+    """The ops and the vocabulary-parallel loss with bf16 inputs, 2 ranks, against one process in bf16 (the worker's
+    rounding rule: `tolerances`)."""
+    out = _torchrun(2, "cpu", "ops", "loss", "edges", "--dtype", "bfloat16")
+    for suite in ("ops", "loss", "edges"):
+        assert f"SUITE {suite} on 2 ranks (cpu, bfloat16): 0 failure(s)" in out
 
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs (nccl)")
 def test_nccl_cuda_two_gpus():
-    out = _torchrun(2, "cuda", "ops", "loss", "model")
-    for suite in ("ops", "loss", "model"):
-        assert f"SUITE {suite} on 2 ranks (cuda): 0 failure(s)" in out
+    out = _torchrun(2, "cuda", *SUITES)
+    for suite in SUITES:
+        assert f"SUITE {suite} on 2 ranks (cuda, float32): 0 failure(s)" in out
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs (nccl)")
+def test_nccl_cuda_two_gpus_bfloat16():
+    out = _torchrun(2, "cuda", "ops", "loss", "edges", "--dtype", "bfloat16")
+    for suite in ("ops", "loss", "edges"):
+        assert f"SUITE {suite} on 2 ranks (cuda, bfloat16): 0 failure(s)" in out
 
 
 def test_every_op_has_a_sharding_rule():
-    ops = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("opforge::"))
-    tensor_ops = [n for n in ops if any("Tensor" in str(a.type)
-                                        for a in getattr(torch.ops.opforge, n).default._schema.arguments)]
-    assert tensor_ops, "no opforge op registered"
-    missing = sorted(set(tensor_ops) - set(par.covered_ops()))
+    missing = sorted(set(_tensor_ops()) - set(par.covered_ops()))
     assert not missing, f"opforge ops without a DTensor sharding rule or handler: {missing}"
+    registered = set(DTensor._op_dispatcher._custom_op_handlers) | set(
+        DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs)
+    unregistered = [n for n in _tensor_ops() if getattr(torch.ops.opforge, n).default not in registered]
+    assert not unregistered, f"opforge ops whose rule or handler DTensor does not know: {unregistered}"
+
+
+def test_grad_placements_rule():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from opforge.parallel.sharding import grad_placements
+
+    R, P, S0 = Replicate(), Partial(), Shard(0)
+    assert grad_placements((S0,), (R,)) == (S0,)  # a gathered parameter's gradient back to its shard
+    assert grad_placements((S0,), (P,)) == (S0,)
+    assert grad_placements((R,), (P,)) == (P,)    # a pending sum into a replicated parameter stays pending
+    assert grad_placements((R, S0), (S0, P)) == (R, S0)
 
 
 def test_permute_fused_gives_each_rank_its_parts():
@@ -168,3 +219,55 @@ def test_parallelize_refuses_the_families_its_plan_does_not_cover(family, match)
     patch.apply(model, strict=True)
     with pytest.raises(ValueError, match=match):
         par.tensor_parallel_plan(model)
+
+
+@pytest.mark.parametrize("opts", [{}, {"temperature": 0.7, "return_entropy": True},
+                                  {"softcap": 3.0, "return_entropy": True}, {"ignore_index": 2}], ids=str)
+def test_local_log_probs_math_equals_the_op(opts):
+    """vocab_parallel_log_probs_forward/backward on one rank equal opforge.linear_log_probs: outputs and gradients, in
+    float64 (the same math; in float32 the entropy gradient's (z − m) − (r − H) cancels to a few ulps of the op's)."""
+    from opforge.parallel.loss import vocab_parallel_log_probs_backward, vocab_parallel_log_probs_forward
+
+    g = torch.Generator().manual_seed(3)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((9, 6), (13, 6), (13,)))
+    t = torch.randint(0, 13, (9,), generator=g)
+    t[2] = opts.get("ignore_index", -100)
+    xr, wr, br = (a.clone().requires_grad_() for a in (x, w, b))
+    ref = opforge.linear_log_probs(xr, wr, t, br, **opts)
+    ref = ref if isinstance(ref, tuple) else (ref,)  # without return_entropy: the log-probs alone
+    ent = opts.get("return_entropy", False)
+    cots = [torch.randn(r.shape, generator=g, dtype=torch.float64) for r in ref[:1 + ent]]
+    sum((r * c).sum() for r, c in zip(ref, cots)).backward()
+    lp, h, stats = vocab_parallel_log_probs_forward(x, w, t, b, chunk_size=4, **opts)
+    torch.testing.assert_close(lp, ref[0].detach(), rtol=1e-10, atol=1e-12)
+    if ent:
+        torch.testing.assert_close(h, ref[1].detach(), rtol=1e-10, atol=1e-12)
+    grads = vocab_parallel_log_probs_backward(cots[0], cots[1] if ent else None, x, w, t, stats, h, b,
+                                              opts.get("temperature", 1.0), opts.get("ignore_index", -100),
+                                              opts.get("softcap"), [True, True, True], 4)
+    for got, want in zip(grads, (xr.grad, wr.grad, br.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("opts", [{}, {"beta": 0.0}, {"beta": 1.0, "reduction": "sum"}, {"beta": 0.3, "temperature": 0.7},
+                                  {"target": True}], ids=str)
+def test_local_jsd_math_equals_the_op(opts):
+    """vocab_parallel_jsd_forward on one rank equals opforge.linear_jsd in float64: loss and the student's
+    gradients."""
+    from opforge.parallel.loss import vocab_parallel_jsd_forward
+
+    opts = dict(opts)
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((9, 6), (13, 6), (13,)))
+    xt, wt = torch.randn(9, 5, generator=g, dtype=torch.float64), torch.randn(13, 5, generator=g, dtype=torch.float64)
+    t = None
+    if opts.pop("target", False):
+        t = torch.randint(0, 13, (9,), generator=g)
+        t[1:3] = -100
+    xr, wr, br = (a.clone().requires_grad_() for a in (x, w, b))
+    ref = opforge.linear_jsd(xr, wr, xt, wt, t, linear_bias=br, **opts)
+    ref.backward()
+    loss, gi, gw, gb = vocab_parallel_jsd_forward(x, w, xt, wt, t, b, None, chunk_size=4,
+                                                  grad_mask=(True, True, True), **opts)
+    for got, want in ((loss, ref.detach()), (gi, xr.grad), (gw, wr.grad), (gb, br.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -37,10 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
 from .sharding import HANDLED, P, R, _one_dim_mesh, _placement, to_local, wrap
 
-__all__ = ["vocab_parallel_forward", "vocab_parallel_backward", "vocab_slice"]
+__all__ = ["vocab_parallel_forward", "vocab_parallel_backward", "vocab_parallel_jsd_forward",
+           "vocab_parallel_log_probs_forward", "vocab_parallel_log_probs_backward", "vocab_slice"]
 
 #: rows per chunk when chunk_size is None: about 32 MiB of float32 logits of the local slice, a multiple of 64
 _BUDGET_BYTES = 32 << 20
@@ -116,7 +119,7 @@ class _Problem:
     for 16-bit operands on CUDA, a 16-bit copy of the logit gradient for the grad_input GEMM)."""
 
     def __init__(self, x, w, target, bias, class_weight, start, vocab, ignore_index, label_smoothing, z_loss,
-                 softcap, reduction, chunk_size, group):
+                 softcap, reduction, chunk_size, group, op="opforge::linear_cross_entropy"):
         self.acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         self.x, self.bias = x, None if bias is None else bias.to(self.acc)
         # the weight as the GEMMs read it: itself (float32/float64, or 16-bit on CUDA), else one float32 copy
@@ -129,7 +132,7 @@ class _Problem:
         self.bad = self.valid & ((self.t < 0) | (self.t >= vocab))
         if x.device.type == "cpu" and bool(self.bad.any()):
             i = int(self.bad.nonzero()[0, 0])
-            raise IndexError(f"opforge::linear_cross_entropy: expected targets in [0, {vocab}) or ignore_index "
+            raise IndexError(f"{op}: expected targets in [0, {vocab}) or ignore_index "
                              f"({ignore_index}), but got {int(self.t[i])} at position {i}")
         zero = torch.zeros((), dtype=self.acc, device=x.device)
         if class_weight is not None:
@@ -344,6 +347,255 @@ def vocab_parallel_backward(grad_output: Tensor, input: Tensor, linear_weight: T
     return None if gi is None else gi.reshape(input.shape), gw, gb
 
 
+def _check_log_probs(input: Tensor, linear_weight: Tensor, target: Tensor, temperature: float,
+                     softcap: Optional[float]) -> None:
+    op = "opforge::linear_log_probs"
+    if not (temperature > 0.0 and temperature != float("inf")):
+        raise ValueError(f"{op}: expected temperature > 0 and finite, but got {temperature}")
+    if softcap is not None and not softcap > 0.0:
+        raise ValueError(f"{op}: expected softcap > 0, but got {softcap}")
+    if target.dtype != torch.int64:
+        raise TypeError(f"{op}: expected target of dtype int64, but got {target.dtype}")
+    if input.shape[-1] != linear_weight.shape[-1]:
+        raise ValueError(f"{op}: expected input's last dim ({input.shape[-1]}) to equal linear_weight's "
+                         f"({linear_weight.shape[-1]})")
+
+
+def _log_probs_problem(input, linear_weight, target, linear_bias, ignore_index, softcap, chunk_size, vocab_start,
+                       vocab_size, group) -> _Problem:
+    x = input.reshape(-1, input.shape[-1])
+    vocab = linear_weight.shape[0] if vocab_size is None else vocab_size
+    return _Problem(x, linear_weight, target, linear_bias, None, vocab_start, vocab, ignore_index, 0.0, 0.0, softcap,
+                    "none", chunk_size, group, op="opforge::linear_log_probs")
+
+
+def vocab_parallel_log_probs_forward(input: Tensor, linear_weight: Tensor, target: Tensor,
+                                     linear_bias: Optional[Tensor] = None, temperature: float = 1.0,
+                                     ignore_index: int = -100, softcap: Optional[float] = None,
+                                     return_entropy: bool = False, chunk_size: Optional[int] = None, *,
+                                     vocab_start: int = 0, vocab_size: Optional[int] = None, group=None):
+    """(log_probs, entropy, stats) of linear_log_probs over a vocabulary split across `group`, on plain local tensors:
+    log_probs_i = z_t − m − r and entropy_i = r + m − Σ_j p_j z_j of z = cap(x · Wᵀ + b) / temperature, m = max_j z_j,
+    r = log Σ_j exp(z_j − m), p = softmax(z) (docs/ops/post_training.md), 0 where target == ignore_index.
+
+    Per chunk of rows: this slice's logits, the row max all-reduced (max), then (Σ exp(z − m), z_target,
+    Σ exp(z − m) · z) all-reduced (sum). No rank holds more than one `[chunk, V_r]` block of logits.
+
+    Args:
+        input: `(*, H)` float. The same hidden states on every rank.
+        linear_weight: `(V_r, H)`. This rank's slice, classes [vocab_start, vocab_start + V_r) of vocab_size (V).
+        target: `(*)` int64, the same on every rank. linear_bias: `(V_r,)` the slice's bias, or None.
+        temperature, ignore_index, softcap, return_entropy, chunk_size: as `opforge.linear_log_probs`.
+        vocab_start: int. Default 0. vocab_size: int or None (V_r: one rank). group: the process group, or None.
+
+    Returns:
+        log_probs `(*)` float32 (float64 for float64); entropy `(*)` of the same dtype, or an empty `(0,)` tensor
+        without return_entropy; stats `(*, 2)`: the global (m, r) per token, for `vocab_parallel_log_probs_backward`.
+
+    Raises:
+        ValueError: temperature not > 0 and finite; softcap <= 0; chunk_size < 1; input's H != linear_weight's H.
+        TypeError: target not int64.
+        IndexError: (CPU) a target outside [0, V) that is not ignore_index (CUDA: that token's values are NaN).
+    """
+    _check_log_probs(input, linear_weight, target, temperature, softcap)
+    lead = input.shape[:-1]
+    p = _log_probs_problem(input, linear_weight, target, linear_bias, ignore_index, softcap, chunk_size, vocab_start,
+                           vocab_size, group)
+    n = p.x.shape[0]
+    lp_all = torch.empty(n, dtype=p.acc, device=input.device)
+    ent_all = torch.empty(n, dtype=p.acc, device=input.device)
+    m_all = torch.empty(n, dtype=p.acc, device=input.device)
+    r_all = torch.empty(n, dtype=p.acc, device=input.device)
+    for a in range(0, n, p.rows):
+        b = min(a + p.rows, n)
+        z, _ = p.logits(a, b)
+        z.div_(temperature)
+        m = z.amax(1) if p.v_local else torch.full((b - a,), -float("inf"), dtype=p.acc, device=z.device)
+        m = _all_reduce(m, dist.ReduceOp.MAX, group)
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        zt = p.target_logit(z, a, b)
+        e = torch.exp(z - m_safe.unsqueeze(1))
+        sums = _all_reduce(torch.stack([e.sum(1), zt, (e * z).sum(1)], 1), dist.ReduceOp.SUM, group)
+        r = torch.log(sums[:, 0])
+        zero = torch.zeros((), dtype=p.acc, device=z.device)
+        valid, bad = p.valid[a:b], p.bad[a:b]
+        lp = torch.where(valid, sums[:, 1] - m_safe - r, zero)
+        ent = torch.where(valid, r + m_safe - sums[:, 2] / sums[:, 0], zero)
+        lp_all[a:b] = torch.where(bad, torch.full_like(lp, float("nan")), lp)
+        ent_all[a:b] = torch.where(bad, torch.full_like(ent, float("nan")), ent)
+        m_all[a:b], r_all[a:b] = m_safe, r
+    entropy = ent_all.reshape(lead) if return_entropy else torch.empty(0, dtype=p.acc, device=input.device)
+    return lp_all.reshape(lead), entropy, torch.stack([m_all, r_all], 1).reshape(*lead, 2)
+
+
+def vocab_parallel_log_probs_backward(grad_log_probs: Optional[Tensor], grad_entropy: Optional[Tensor],
+                                      input: Tensor, linear_weight: Tensor, target: Tensor, stats: Tensor,
+                                      entropy: Optional[Tensor], linear_bias: Optional[Tensor], temperature: float,
+                                      ignore_index: int, softcap: Optional[float], output_mask,
+                                      chunk_size: Optional[int] = None, *, vocab_start: int = 0,
+                                      vocab_size: Optional[int] = None, group=None):
+    """(grad_input, grad_linear_weight, grad_linear_bias) of this rank's slice of linear_log_probs from the global stats
+    of `vocab_parallel_log_probs_forward`: per chunk the logits recomputed, p = exp(z − m − r) and
+
+        dz_j = g_lp ([j = t] − p_j) − g_H p_j ((z_j − m) − (r − H)),   dl_j = dz_j · cap' / temperature
+
+    (0 for an ignored token). No collective: the stats and the entropy H are global.
+
+    Args:
+        grad_log_probs, grad_entropy: `(*)` float or None. The outputs' gradients.
+        stats: `(*, 2)`. The forward's (m, r). entropy: `(*)` the forward's entropy (needed with grad_entropy).
+        output_mask: which of the three gradients to compute. The rest: as `vocab_parallel_log_probs_forward`.
+
+    Returns:
+        grad_input `(*, H)` in input's dtype, this rank's partial sum; grad_linear_weight `(V_r, H)` and
+        grad_linear_bias `(V_r,)` of the slice in their dtypes; None where not asked.
+
+    Raises:
+        As `vocab_parallel_log_probs_forward`.
+    """
+    _check_log_probs(input, linear_weight, target, temperature, softcap)
+    p = _log_probs_problem(input, linear_weight, target, linear_bias, ignore_index, softcap, chunk_size, vocab_start,
+                           vocab_size, group)
+    n = p.x.shape[0]
+    st = stats.reshape(-1, 2).to(p.acc)
+    zero = torch.zeros((), dtype=p.acc, device=input.device)
+    g_lp = zero.expand(n) if grad_log_probs is None else grad_log_probs.reshape(-1).to(p.acc)
+    use_h = grad_entropy is not None and entropy is not None and entropy.numel() == n
+    g_h = grad_entropy.reshape(-1).to(p.acc) if use_h else None
+    h = entropy.reshape(-1).to(p.acc) if use_h else None
+    gi, gw, gb = _grad_buffers(p, output_mask)
+    for a in range(0, n, p.rows):
+        b = min(a + p.rows, n)
+        z, deriv = p.logits(a, b)
+        z.div_(temperature)
+        m, r = st[a:b, 0], st[a:b, 1]
+        probs = torch.exp(z - (m + r).unsqueeze(1))
+        valid = p.valid[a:b]
+        coef = g_lp[a:b].unsqueeze(1).expand_as(probs).clone()
+        if g_h is not None:
+            coef = coef + g_h[a:b].unsqueeze(1) * ((z - m.unsqueeze(1)) - (r - h[a:b]).unsqueeze(1))
+        dz = probs.mul_(coef).neg_()
+        if p.v_local:
+            hit = torch.where(p.inside[a:b], g_lp[a:b], zero)
+            dz.scatter_add_(1, p.local_t[a:b].unsqueeze(1), hit.unsqueeze(1))
+        dz = torch.where(valid.unsqueeze(1), dz, zero)
+        dz = torch.where(p.bad[a:b].unsqueeze(1), torch.full_like(dz, float("nan")), dz)
+        dz.div_(temperature)
+        if deriv is not None:
+            dz.mul_(deriv)
+        _accumulate(p, dz, a, b, gi, gw, gb)
+    gi, gw, gb = _finish(p, gi, gw, gb, input.dtype, linear_weight.dtype,
+                         None if linear_bias is None else linear_bias.dtype)
+    return None if gi is None else gi.reshape(input.shape), gw, gb
+
+
+def vocab_parallel_jsd_forward(input: Tensor, linear_weight: Tensor, teacher_input: Tensor,
+                               teacher_linear_weight: Tensor, target: Optional[Tensor] = None,
+                               linear_bias: Optional[Tensor] = None, teacher_linear_bias: Optional[Tensor] = None,
+                               beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
+                               reduction: str = "mean", chunk_size: Optional[int] = None,
+                               grad_mask=(False, False, False), *, vocab_start: int = 0,
+                               vocab_size: Optional[int] = None, group=None):
+    """(loss, grad_input, grad_linear_weight, grad_linear_bias) of linear_jsd over a vocabulary split across `group`,
+    on plain local tensors: both heads' slices of classes [vocab_start, vocab_start + V_r) of vocab_size (V).
+
+    Per token, with p_s, p_t the softmax of the student's and the teacher's logits / temperature and
+    m = β p_t + (1 − β) p_s: KL(p_t ‖ p_s) for β = 0, KL(p_s ‖ p_t) for β = 1, else β KL(p_t ‖ m) + (1 − β)
+    KL(p_s ‖ m) (docs/ops/post_training.md); summed over the tokens whose target is not ignore_index (all without
+    target), divided by their number for "mean". Per chunk: both slices' logits, both row maxima all-reduced (max),
+    both sums of exponentials all-reduced (sum), then the divergence sums all-reduced (sum); the student's logit
+    gradient (p_s − p_t; p_s (log p_s − log p_t − KL); (1 − β) p_s (log p_s − log m − K), over temperature) feeds the
+    gradients of the loss in the same loop.
+
+    Args:
+        input: `(*, H)`, teacher_input `(*, Ht)`: the same on every rank. linear_weight `(V_r, H)`,
+            teacher_linear_weight `(V_r, Ht)`: this rank's slices; the biases `(V_r,)` or None.
+        target: `(*)` int64 or None (the mask only). beta, temperature, ignore_index, reduction ("mean" or "sum"),
+            chunk_size: as `opforge.linear_jsd`.
+        grad_mask: which of (grad_input, grad_linear_weight, grad_linear_bias) of the loss to compute.
+        vocab_start: int. Default 0. vocab_size: int or None (V_r: one rank). group: the process group, or None.
+
+    Returns:
+        loss `()` float32 (float64 for float64); grad_input `(*, H)` this rank's partial sum; grad_linear_weight
+        `(V_r, H)`, grad_linear_bias `(V_r,)` of the slice; None where not asked.
+
+    Raises:
+        ValueError: beta outside [0, 1]; temperature not > 0; reduction not mean/sum; mismatched shapes.
+    """
+    op = "opforge::linear_jsd"
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"{op}: expected beta in [0, 1], but got {beta}")
+    if not (temperature > 0.0 and temperature != float("inf")):
+        raise ValueError(f"{op}: expected temperature > 0 and finite, but got {temperature}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"{op}: expected reduction of mean or sum, but got {reduction!r}")
+    if input.shape[:-1] != teacher_input.shape[:-1]:
+        raise ValueError(f"{op}: expected teacher_input's leading shape {list(input.shape[:-1])}, but got "
+                         f"{list(teacher_input.shape[:-1])}")
+    if linear_weight.shape[0] != teacher_linear_weight.shape[0]:
+        raise ValueError(f"{op}: expected both heads to have the same classes, but got {linear_weight.shape[0]} "
+                         f"and {teacher_linear_weight.shape[0]}")
+    x = input.reshape(-1, input.shape[-1])
+    xt = teacher_input.reshape(-1, teacher_input.shape[-1]).to(input.dtype)
+    n = x.shape[0]
+    if target is None:
+        mask_t = torch.zeros(n, dtype=torch.int64, device=x.device)
+        ignore = -1
+    else:
+        mask_t = torch.where(target.reshape(-1) != ignore_index, 0, -1).to(torch.int64)
+        ignore = -1
+    vocab = linear_weight.shape[0] if vocab_size is None else vocab_size
+    ps_ = _Problem(x, linear_weight, mask_t, linear_bias, None, 0, max(vocab, 1), ignore, 0.0, 0.0, None, "sum",
+                   chunk_size, group, op=op)
+    pt_ = _Problem(xt, teacher_linear_weight.to(input.dtype), mask_t, teacher_linear_bias, None, 0, max(vocab, 1),
+                   ignore, 0.0, 0.0, None, "sum", ps_.rows, group, op=op)
+    acc, valid = ps_.acc, ps_.valid
+    count = valid.sum().to(acc)
+    scale = 1.0 / count if reduction == "mean" else torch.ones((), dtype=acc, device=x.device)
+    gi, gw, gb = _grad_buffers(ps_, grad_mask)
+    total = torch.zeros((), dtype=acc, device=x.device)
+    neg_inf = -float("inf")
+    for a in range(0, n, ps_.rows):
+        b = min(a + ps_.rows, n)
+        zs, _ = ps_.logits(a, b)
+        zt, _ = pt_.logits(a, b)
+        zs.div_(temperature)
+        zt.div_(temperature)
+        if ps_.v_local:
+            m = torch.stack([zs.amax(1), zt.amax(1)], 1)
+        else:
+            m = torch.full((b - a, 2), neg_inf, dtype=acc, device=x.device)
+        m = _all_reduce(m, dist.ReduceOp.MAX, group)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        sums = _all_reduce(torch.stack([torch.exp(zs - m[:, :1]).sum(1), torch.exp(zt - m[:, 1:]).sum(1)], 1),
+                           dist.ReduceOp.SUM, group)
+        ls = zs.sub_((m[:, 0] + sums[:, 0].log()).unsqueeze(1))  # log p_s, in place
+        lt = zt.sub_((m[:, 1] + sums[:, 1].log()).unsqueeze(1))
+        p_s, p_t = ls.exp(), lt.exp()
+        if beta == 0.0:
+            div = _all_reduce((p_t * (lt - ls)).sum(1), dist.ReduceOp.SUM, group)
+            dz = p_s - p_t
+        elif beta == 1.0:
+            div = _all_reduce((p_s * (ls - lt)).sum(1), dist.ReduceOp.SUM, group)
+            dz = p_s * (ls - lt - div.unsqueeze(1))
+        else:
+            lm = torch.log(beta * p_t + (1.0 - beta) * p_s)
+            ak = _all_reduce(torch.stack([(p_t * (lt - lm)).sum(1), (p_s * (ls - lm)).sum(1)], 1), dist.ReduceOp.SUM,
+                             group)
+            div = beta * ak[:, 0] + (1.0 - beta) * ak[:, 1]
+            dz = (1.0 - beta) * p_s * (ls - lm - ak[:, 1:])
+        v = valid[a:b]
+        total = total + torch.where(v, div, torch.zeros_like(div)).sum()
+        if any(grad_mask):
+            dz = torch.where(v.unsqueeze(1), dz, torch.zeros((), dtype=acc, device=x.device))
+            dz.mul_(torch.where(count > 0, scale, torch.zeros_like(scale)) / temperature)
+            _accumulate(ps_, dz, a, b, gi, gw, gb)
+    loss = total * scale
+    gi, gw, gb = _finish(ps_, gi, gw, gb, input.dtype, linear_weight.dtype,
+                         None if linear_bias is None else linear_bias.dtype)
+    return loss, None if gi is None else gi.reshape(input.shape), gw, gb
+
+
 # ---- DTensor handlers ------------------------------------------------------------------------------------
 
 _ARGS = ("input", "linear_weight", "target", "linear_bias", "weight", "reduction", "ignore_index", "label_smoothing",
@@ -378,14 +630,21 @@ def _is_sharded_other(w) -> bool:
     return isinstance(w, DTensor) and not isinstance(w.placements[0], Replicate)
 
 
-def _common(a: dict, mesh):
+def _common(a: dict, mesh, op: str = "opforge::linear_cross_entropy"):
     """Local tensors of the vocabulary-parallel problem: input, target and class weights replicated."""
     w = a["linear_weight"]
     start, size = vocab_slice(w.shape[0], mesh.size(), mesh.get_local_rank())
-    assert size == w._local_tensor.shape[0]
+    if size != w._local_tensor.shape[0]:
+        raise ValueError(f"{op}: expected the Shard(0) linear_weight's local slice on rank "
+                         f"{mesh.get_local_rank()} to have {size} of its {w.shape[0]} rows (torch.chunk's split), but "
+                         f"got {w._local_tensor.shape[0]}")
+    b = a["linear_bias"]
+    if b is not None and tuple(b.shape) != (w.shape[0],):
+        raise ValueError(f"{op}: expected linear_bias of shape [{w.shape[0]}], but got "
+                         f"{list(b.shape)}")
     bias = to_local(a["linear_bias"], mesh, Shard(0))
     return dict(input=to_local(a["input"], mesh, R), linear_weight=w._local_tensor,
-                target=to_local(a["target"], mesh, R), linear_bias=bias, weight=to_local(a["weight"], mesh, R),
+                target=to_local(a["target"], mesh, R), linear_bias=bias, weight=to_local(a.get("weight"), mesh, R),
                 vocab_start=start, vocab_size=w.shape[0], group=mesh.get_group())
 
 
@@ -398,17 +657,18 @@ def _loss_shape(a: dict) -> tuple:
 
 
 def _grad_results(a: dict, res, mesh, placements):
-    """The gradients as DTensors in `placements`; a gradient of a plain-tensor argument (an input given as a torch
-    Tensor beside a DTensor weight) comes back as a plain tensor: reduced over the mesh where it is a partial sum."""
+    """The gradients as DTensors in `placements`; a gradient of a plain-tensor argument (an input or a bias given as a
+    torch Tensor beside a DTensor weight: replicated) comes back as a plain tensor, whole: all-reduced where it is a
+    partial sum, all-gathered where it is sharded (the Shard(0) bias gradient of the vocabulary-parallel loss)."""
     shapes = [tuple(a["input"].shape), tuple(a["linear_weight"].shape),
               None if a["linear_bias"] is None else tuple(a["linear_bias"].shape)]
     out = []
     for g, p, s, arg in zip(res, placements, shapes, (a["input"], a["linear_weight"], a["linear_bias"])):
         if g is not None and not isinstance(arg, DTensor):
-            if p == P:
-                dist.all_reduce(g, group=mesh.get_group())
-            elif p != R:
-                raise AssertionError("a sharded gradient of a plain tensor")
+            if p != R:
+                src = DTensorSpec(mesh, (p,), tensor_meta=TensorMeta(torch.Size(s), torch.empty(s, device="meta")
+                                                                     .stride(), g.dtype))
+                g = redistribute_local_tensor(g, src, DTensorSpec(mesh, (R,), tensor_meta=src.tensor_meta))
             out.append(g)
         else:
             out.append(wrap(g, mesh, p, s))
@@ -469,3 +729,91 @@ def _backward_handler(op_call, args, kwargs):
 
 HANDLED.update({"linear_cross_entropy": _forward_handler, "_linear_cross_entropy_forward": _forward_handler,
                 "linear_cross_entropy_backward": _backward_handler})
+
+
+# ---- linear_log_probs with a Shard(0) lm_head (the post-training losses' op) ------------------------------------
+
+_LP_DEFAULTS = {"linear_bias": None, "temperature": 1.0, "ignore_index": -100, "softcap": None,
+                "return_entropy": False, "chunk_size": None}
+
+
+def _log_probs_forward_handler(op_call, args, kwargs):
+    """linear_log_probs and _linear_log_probs_forward: vocabulary-parallel when linear_weight is Shard(0) (log-probs,
+    entropy and stats Replicate, the input gathered); otherwise DTensor's dispatch of the op's rule."""
+    from .sharding import _default_dispatch
+
+    names = [x.name for x in op_call._schema.arguments]
+    a = {**_LP_DEFAULTS, **dict(zip(names, args)), **kwargs}
+    if not _is_vocab_sharded(a["linear_weight"]):
+        return _default_dispatch(op_call, args, kwargs)
+    mesh = a["linear_weight"].device_mesh
+    _one_dim_mesh("linear_log_probs", mesh)
+    c = _common(a, mesh, op="opforge::linear_log_probs")
+    c.pop("weight")
+    lp, ent, stats = vocab_parallel_log_probs_forward(
+        **c, temperature=a["temperature"], ignore_index=a["ignore_index"], softcap=a["softcap"],
+        return_entropy=a["return_entropy"], chunk_size=a["chunk_size"])
+    out = (wrap(lp, mesh, R), wrap(ent, mesh, R))
+    return (*out, wrap(stats, mesh, R)) if op_call.name().endswith("_linear_log_probs_forward") else out
+
+
+def _log_probs_backward_handler(op_call, args, kwargs):
+    from .sharding import _default_dispatch
+
+    names = [x.name for x in op_call._schema.arguments]
+    a = {"chunk_size": None, **dict(zip(names, args)), **kwargs}
+    if not _is_vocab_sharded(a["linear_weight"]):
+        return _default_dispatch(op_call, args, kwargs)
+    mesh = a["linear_weight"].device_mesh
+    _one_dim_mesh("linear_log_probs_backward", mesh)
+    c = _common(a, mesh, op="opforge::linear_log_probs")
+    c.pop("weight")
+    res = vocab_parallel_log_probs_backward(
+        to_local(a["grad_log_probs"], mesh, R), to_local(a["grad_entropy"], mesh, R),
+        stats=to_local(a["stats"], mesh, R),
+        entropy=to_local(a["entropy"], mesh, R), temperature=a["temperature"], ignore_index=a["ignore_index"],
+        softcap=a["softcap"], output_mask=list(a["output_mask"]), chunk_size=a["chunk_size"], **c)
+    return _grad_results(a, res, mesh, [P, Shard(0), Shard(0)])
+
+
+HANDLED.update({"linear_log_probs": _log_probs_forward_handler,
+                "_linear_log_probs_forward": _log_probs_forward_handler,
+                "linear_log_probs_backward": _log_probs_backward_handler})
+
+
+# ---- linear_jsd with Shard(0) heads -------------------------------------------------------------------------------
+
+def _jsd_handler(op_call, args, kwargs):
+    """linear_jsd and _linear_jsd_forward: vocabulary-parallel when a head is Shard(0) (both heads and biases taken as
+    Shard(0), the inputs and target gathered; the loss Replicate, grad_input Partial, the student's weight and bias
+    gradients Shard(0)); otherwise DTensor's dispatch of the op's rule."""
+    from .sharding import _default_dispatch
+
+    names = [x.name for x in op_call._schema.arguments]
+    a = {"target": None, "linear_bias": None, "teacher_linear_bias": None, "beta": 0.5, "temperature": 1.0,
+         "ignore_index": -100, "reduction": "mean", "chunk_size": None, "grad_mask": [False, False, False],
+         **dict(zip(names, args)), **kwargs}
+    w, tw = a["linear_weight"], a["teacher_linear_weight"]
+    if not (_is_vocab_sharded(w) or _is_vocab_sharded(tw)):
+        return _default_dispatch(op_call, args, kwargs)
+    mesh = w.device_mesh if isinstance(w, DTensor) else tw.device_mesh
+    _one_dim_mesh("linear_jsd", mesh)
+    V = w.shape[0]
+    start, size = vocab_slice(V, mesh.size(), mesh.get_local_rank())
+    for name in ("linear_bias", "teacher_linear_bias"):
+        if a[name] is not None and tuple(a[name].shape) != (V,):
+            raise ValueError(f"opforge::linear_jsd: expected {name} of shape [{V}], but got {list(a[name].shape)}")
+    full = op_call.name().endswith("_linear_jsd_forward")
+    mask = list(a["grad_mask"]) if full else [False, False, False]
+    loss, gi, gw, gb = vocab_parallel_jsd_forward(
+        to_local(a["input"], mesh, R), to_local(w, mesh, Shard(0)), to_local(a["teacher_input"], mesh, R),
+        to_local(tw, mesh, Shard(0)), to_local(a["target"], mesh, R), to_local(a["linear_bias"], mesh, Shard(0)),
+        to_local(a["teacher_linear_bias"], mesh, Shard(0)), a["beta"], a["temperature"], a["ignore_index"],
+        a["reduction"], a["chunk_size"], mask, vocab_start=start, vocab_size=V, group=mesh.get_group())
+    loss = wrap(loss, mesh, R)
+    if not full:
+        return loss
+    return (loss, *_grad_results(a, (gi, gw, gb), mesh, [P, Shard(0), Shard(0)]))
+
+
+HANDLED.update({"linear_jsd": _jsd_handler, "_linear_jsd_forward": _jsd_handler})

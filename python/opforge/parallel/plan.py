@@ -318,7 +318,7 @@ def parallelize(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
     Raises:
         ValueError: not a patched model; heads or widths not divisible by the mesh size; tied embeddings.
     """
-    from .sharding import register_sharding_rules
+    from .sharding import keep_param_placements, register_sharding_rules
 
     register_sharding_rules()
     if tp_mesh.ndim != 1:
@@ -336,6 +336,9 @@ def parallelize(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
             raise ValueError(f"opforge.parallel.parallelize: expected the q/k/v widths {attn._opforge_sizes} to be "
                              f"whole heads ({attn.head_dim}) per rank of {ranks}")
     parallelize_module(model, tp_mesh, plan)
+    # every parameter's gradient in the parameter's own placements (what opforge's ops do for the tensors they get):
+    # torch's embedding backward computes the Shard(0) embedding's gradient replicated; its hook takes the local rows
+    keep_param_placements(list(model.parameters()))
     for m in model.modules():
         # the plan's own hooks: the patched forwards do their layout work on DTensors
         m._opforge_plan_hooks = frozenset([*m._forward_hooks, *m._forward_pre_hooks])

@@ -31,16 +31,21 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 | indexed_linear (and backward) | R; experts sharded (weight S(0), output P); weight S(1) (column-wise within each expert); token-sharded |
 | linear_cross_entropy (all its ops) | vocabulary-parallel when linear_weight is S(0) (opforge.parallel.loss); token-sharded for sum/none; R |
 | _linear_cross_entropy_scale_grads | each gradient keeps its placement |
-| linear_log_probs (and _forward, backward) | R; token-sharded (input, target, outputs S(d); lm_head R; its gradients P) |
-| linear_jsd, _linear_jsd_forward | R; token-sharded for reduction "sum" (loss P; both inputs and target S(d), heads R) |
+| linear_log_probs (and _forward, backward) | vocabulary-parallel when linear_weight is S(0) (opforge.parallel.loss); R; token-sharded (input, target, outputs S(d); lm_head R; its gradients P) |
+| linear_jsd, _linear_jsd_forward | vocabulary-parallel when a head is S(0) (opforge.parallel.loss); R; token-sharded for reduction "sum" (loss P; both inputs and target S(d), heads R) |
 
 The rules are registered when `opforge.parallel` is imported (`register_sharding_rules()`, idempotent). Ops whose
 sharding is not a pure placement rule (experts sharded: the expert index is shifted to the local experts; the
-vocabulary-parallel loss: all-reduces inside; linear_cat_backward: a list of gradients; square_add_backward: a plain
-shape carrier for `other`; _linear_cross_entropy_scale_grads: plain gradients beside DTensor ones) get a DTensor op
-handler, which redistributes, runs the op on local tensors and wraps the results. Handlers are defined on a 1-D mesh
-(the tensor-parallel one: FSDP2 gathers its own mesh dimension before compute) and raise NotImplementedError on
-another.
+vocabulary-parallel linear_cross_entropy, linear_log_probs and linear_jsd: all-reduce inside; linear_cat_backward: a
+list of gradients; square_add_backward: a plain shape carrier for `other`; _linear_cross_entropy_scale_grads: plain
+gradients beside DTensor ones) get a DTensor op handler, which redistributes, runs the op on local tensors and wraps
+the results. Handlers are defined on a 1-D mesh (the tensor-parallel one: FSDP2 gathers its own mesh dimension before
+compute) and raise NotImplementedError on another.
+
+Every forward op (public or private, not a backward) also goes through a handler that first registers, once per
+tensor, a gradient hook on each leaf DTensor input that requires grad (`keep_param_placements`): a parameter's
+gradient comes back in the parameter's placements even where a rule gathered it (a Partial gradient of a Replicate
+parameter stays Partial, as ATen's rules leave it); then the op's own handler runs, or DTensor's dispatch of its rule.
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.experimental import register_sharding
 
-__all__ = ["register_sharding_rules", "RULES", "HANDLED"]
+__all__ = ["register_sharding_rules", "RULES", "HANDLED", "grad_placements", "keep_param_placements"]
 
 R = Replicate()
 P = Partial()
@@ -662,6 +667,101 @@ HANDLED.update({"indexed_linear": _indexed_linear_handler, "indexed_linear_backw
                 "_linear_cross_entropy_scale_grads": _scale_grads_handler})
 
 
+# ---- gradients in their parameter's placements --------------------------------------------------------------
+# A rule may gather a parameter (a Shard(0) weight under a replicated-only op, an uneven head split...), and then the
+# backward computes its gradient in the gathered placement (R) or as a partial sum (P). A leaf DTensor that requires
+# grad (a parameter) gets, once, a gradient hook that redistributes every gradient reaching it to its own placements
+# before it is accumulated: R -> Shard is a local slice, P -> Shard a reduce-scatter, Shard(a) -> Shard(b) an
+# all-to-all. The one exception is a partial sum into a Replicate parameter, which stays Partial (as ATen's rules
+# leave a sequence-parallel norm weight's gradient): the pending sum is reduced where the gradient is used (the
+# optimizer step, FSDP2's reduction, a norm), with one all-reduce instead of one per use.
+
+import threading  # noqa: E402
+
+#: the attribute that marks a tensor whose gradient hook is registered (a tensor compares elementwise: no set of them)
+_HOOKED = "_opforge_grad_placements_hook"
+_DISPATCH_LOCK = threading.RLock()
+
+
+def grad_placements(param_placements, grad_placements_) -> tuple:
+    """The placements a parameter's gradient is brought to: the parameter's own, except that a Partial gradient of a
+    Replicate mesh dim stays Partial.
+
+    Args:
+        param_placements: the parameter's placements (one per mesh dim).
+        grad_placements_: the incoming gradient's placements.
+
+    Returns:
+        tuple of Placement.
+    """
+    return tuple(g if isinstance(q, Replicate) and isinstance(g, Partial) else q
+                 for q, g in zip(param_placements, grad_placements_))
+
+
+def _grad_hook(mesh, placements):
+    def hook(grad):
+        if not isinstance(grad, DTensor) or grad.device_mesh != mesh:
+            return grad
+        target = grad_placements(placements, grad.placements)
+        if tuple(grad.placements) == target:
+            return grad
+        return grad.redistribute(mesh, target)
+    return hook
+
+
+def _leaf_of(t):
+    """t when it is a leaf; the leaf under a dtype cast (autocast's copy of a parameter: ToCopyBackward over the
+    parameter's AccumulateGrad); else None."""
+    if t.is_leaf:
+        return t
+    fn = t.grad_fn
+    if fn is not None and fn.name().startswith("ToCopyBackward") and len(fn.next_functions) == 1:
+        nxt = fn.next_functions[0][0]
+        if nxt is not None and nxt.name().endswith("AccumulateGrad"):
+            return nxt.variable
+    return None
+
+
+def keep_param_placements(args) -> None:
+    """Registers, once per tensor, the gradient hook above on every leaf DTensor of `args` that requires grad (and on
+    the leaf of a dtype-cast copy, as autocast passes a parameter)."""
+    if torch.compiler.is_compiling():
+        return
+    for a in torch.utils._pytree.tree_leaves(args):
+        if not (isinstance(a, DTensor) and a.requires_grad):
+            continue
+        a = _leaf_of(a)
+        if isinstance(a, DTensor) and a.requires_grad and not getattr(a, _HOOKED, False):
+            a.register_hook(_grad_hook(a.device_mesh, tuple(a.placements)))
+            setattr(a, _HOOKED, True)
+
+
+def _default_dispatch(op_call, args, kwargs):
+    """op_call on DTensors through DTensor's own sharding propagation (its rule), bypassing this op's handler."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    with _DISPATCH_LOCK:
+        own = handlers.pop(op_call)
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            handlers[op_call] = own
+
+
+def _forward_handler_of(handler):
+    """The handler of a forward op (the ops that receive the parameters): the gradient hooks, then the op's own
+    handler, or DTensor's dispatch of its rule."""
+    def forward(op_call, args, kwargs):
+        keep_param_placements((args, kwargs))
+        if handler is None:
+            return _default_dispatch(op_call, args, kwargs)
+        return handler(op_call, args, kwargs)
+    return forward
+
+
+def _is_forward(name: str) -> bool:
+    return not name.endswith("_backward") and name != "_linear_cross_entropy_scale_grads"
+
+
 # ---- registration ----------------------------------------------------------------------------------------
 
 def _is_tensor_type(t) -> bool:
@@ -677,6 +777,25 @@ def _schema_info(op) -> RuntimeSchemaInfo:
     return RuntimeSchemaInfo(min(positional) if positional else 100, kw or None, needs_pytree=True)
 
 
+# ---- ATen ops that opforge's Python losses use and DTensor has no rule for ------------------------------------
+# opforge.losses' preference losses (sigmoid, simpo...) differentiate F.logsigmoid: its backward
+# aten.log_sigmoid_backward(grad_output, self, buffer) is pointwise (the buffer as self on the CPU, an empty tensor on
+# CUDA). Registered only where this torch has no rule of its own.
+
+def _log_sigmoid_backward(grad_output, self, buffer):
+    empty = _ndim(buffer) != _ndim(self) or _shape(buffer) != _shape(self)
+    out = [([p], [p, p, R if empty else p]) for p in _all_dims(self)]
+    out.append(([P], [P, R, R]))  # linear in grad_output
+    return out
+
+
+def _register_aten_gaps() -> None:
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten.log_sigmoid_backward.default
+    if op not in getattr(propagator, "op_strategy_funcs", {}) and op not in getattr(propagator, "op_to_rules", {}):
+        register_sharding(op)(_log_sigmoid_backward)
+
+
 _registered = False
 
 
@@ -688,6 +807,8 @@ def register_sharding_rules() -> None:
         return
     from . import loss  # noqa: F401  (adds the linear_cross_entropy handlers to HANDLED)
 
+    _register_aten_gaps()
+
     propagator = DTensor._op_dispatcher.sharding_propagator
     for name, fn in RULES.items():
         if not hasattr(torch.ops.opforge, name):
@@ -695,8 +816,13 @@ def register_sharding_rules() -> None:
         op = getattr(torch.ops.opforge, name).default
         register_sharding(op)(fn)
         propagator.op_to_schema_info[op] = _schema_info(op)
-    for name, fn in HANDLED.items():
-        if hasattr(torch.ops.opforge, name):
+    for name in sorted(set(RULES) | set(HANDLED)):
+        if not hasattr(torch.ops.opforge, name):
+            continue
+        fn = HANDLED.get(name)
+        if _is_forward(name):
+            fn = _forward_handler_of(fn)
+        if fn is not None:
             DTensor._op_dispatcher._custom_op_handlers[getattr(torch.ops.opforge, name).default] = fn
     _registered = True
 
