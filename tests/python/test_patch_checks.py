@@ -308,3 +308,16 @@ def test_self_check_still_reverts_a_wrong_bf16_moe_adapter(monkeypatch):
         report = patch.apply(model)
     assert not report.patched
     _assert_untouched(model, ref)
+
+
+def test_granite_multipliers_changed_after_apply_are_read():
+    # Was: the residual multiplier was copied at apply; a value set on the layer afterwards was ignored.
+    ref = _granite(residual_multiplier=0.3)
+    model = copy.deepcopy(ref)
+    patch.apply(model)
+    for m in (model, ref):
+        for layer in m.model.layers:
+            layer.residual_multiplier = 0.7
+        m.config.logits_scaling = 3.0
+        m.model.layers[0].self_attn.scaling = 0.11
+    _assert_same_training(model, ref, _ids())

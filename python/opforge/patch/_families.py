@@ -439,7 +439,7 @@ def patch_decoder_layer(family: Family, layer: torch.nn.Module, inductor_math: b
         m._opforge_recompute = bool(recompute)
     layer._opforge_layout = family.layout
     layer._opforge_dropout = family.resid_dropout
-    layer._opforge_residual_multiplier = float(layer.residual_multiplier) if family.residual_multiplier else None
+    layer._opforge_residual_multiplier = bool(family.residual_multiplier)  # the value is read at every forward
     attn._opforge_sizes = sizes
     attn._opforge_parts = () if family.packed else ("q_proj", "k_proj", "v_proj")
     attn._opforge_qk_norm = qk_norm

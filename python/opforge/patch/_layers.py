@@ -251,7 +251,7 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
         a = norm(self, self.post_attention_layernorm, a)
     if self._opforge_dropout:
         a = self.resid_attn_dropout(a)
-    mult = self._opforge_residual_multiplier
+    mult = self.residual_multiplier if self._opforge_residual_multiplier else None  # live, as transformers reads it
     if mult is not None:
         a = a * mult
     if layout == "post":
