@@ -321,3 +321,40 @@ def test_granite_multipliers_changed_after_apply_are_read():
         m.config.logits_scaling = 3.0
         m.model.layers[0].self_attn.scaling = 0.11
     _assert_same_training(model, ref, _ids())
+
+
+def _mixtral():
+    # (without output_router_logits: transformers' output-capturing hook, installed by a forward that records them,
+    # is a local function, which makes the unpatched model unpicklable too)
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(cfg).float()
+
+
+@pytest.mark.parametrize("make", [_llama, _mixtral])
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_patched_model_pickles(make, how, tmp_path):
+    # Was: PicklingError (the opforge subclasses are made at run time and have no importable name).
+    import pickle
+
+    ref = make()
+    model = copy.deepcopy(ref)
+    patch.apply(model)
+    if how == "pickle":
+        loaded = pickle.loads(pickle.dumps(model))
+    else:
+        torch.save(model, tmp_path / "m.pt")
+        loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert patch.is_patched(loaded)
+    assert [type(m).__name__ for m in loaded.modules()] == [type(m).__name__ for m in model.modules()]
+    _assert_same_training(loaded, ref, _ids())
+    with torch.no_grad():  # the loaded slices are rows of the loaded fused weight, not of the original's
+        loaded.model.layers[0].self_attn.k_proj.weight.zero_()
+    assert loaded.model.layers[0].self_attn.qkv_proj.weight.abs().sum() > 0
+    assert model.model.layers[0].self_attn.k_proj.weight.abs().sum() > 0
+    assert loaded.model.layers[0].self_attn.k_proj.weight.abs().sum() == 0
+    patch.revert(loaded)
+    assert not patch.is_patched(loaded)
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in ref.modules()]
+    sd, sd_ref = loaded.state_dict(), ref.state_dict()
+    assert list(sd) == list(sd_ref)

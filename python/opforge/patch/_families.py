@@ -509,16 +509,6 @@ def causal_lm_reason(family: Optional[Family], m: torch.nn.Module) -> Optional[s
     return None
 
 
-def _moe_aux(lb_loss):
-    def aux(self, outputs, kwargs, loss):
-        """transformers' router loss: load_balancing_loss_func of the router logits, added with its coefficient."""
-        if not kwargs.get("output_router_logits"):
-            return {"aux_loss": None}
-        a = lb_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok, kwargs.get("attention_mask"))
-        return {"aux_loss": a, "loss": loss + self.router_aux_loss_coef * a.to(loss.device)}
-    return aux
-
-
 def patch_causal_lm(family: Family, m: torch.nn.Module, inductor_math: bool) -> None:
     import dataclasses
 
@@ -530,5 +520,5 @@ def patch_causal_lm(family: Family, m: torch.nn.Module, inductor_math: bool) -> 
     m._opforge_output_fields = tuple(f.name for f in dataclasses.fields(out_cls))
     m._opforge_logits_divisor = family.logits_divisor
     m._opforge_final_softcap = family.final_softcap
-    m._opforge_aux_loss = _moe_aux(mod.load_balancing_loss_func) if family.moe else None
+    m._opforge_aux_loss = L.moe_aux_loss if family.moe else None
     m._opforge_moe = family.moe

@@ -50,6 +50,10 @@ class FusedProjectionSlice(torch.nn.Linear):
     def bias(self) -> Optional[torch.Tensor]:
         return self._alias("bias")
 
+    def __getstate__(self):
+        state = torch.nn.Module.__getstate__(self) if hasattr(torch.nn.Module, "__getstate__") else self.__dict__
+        return {k: v for k, v in state.items() if not k.startswith("_opforge_alias_")}  # made again on use
+
     def sync(self) -> None:
         """Write rows whose `.data` was replaced into the fused parameters."""
         self._alias("weight")
