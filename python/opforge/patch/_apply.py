@@ -303,6 +303,20 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             FP8 is switched on: it judges the patch's structure with its usual tolerances (FP8's rounding is the
             op's, tested against its own bound). Needs `decoder=True`. Default: None (the model's precision).
 
+    The fused projections (read docs/patching.md, "Fused projections", before training):
+        * **Build the optimizer after `apply`.** `model.parameters()` then holds one fused `qkv_proj.weight`
+          (`gate_up_proj.weight`) per layer in place of the q/k/v (gate/up) Parameters, whose storage is freed
+          until `revert`. A `torch.optim` optimizer built before still holds those: it raises `RuntimeError` at
+          its first `step()` (a global torch.optim step hook), as does one holding fused Parameters after
+          `revert`; an optimizer outside `torch.optim` is not checked and would train nothing there.
+        * `q_proj` etc. are parameter-less slices: their `weight` shares the fused rows' storage, `.grad` is the
+          fused gradient's rows, and freezing them (`q_proj.requires_grad_(False)`, or `.weight.requires_grad =
+          False`, seen at the next forward) freezes those rows (detached in the GEMM, kept by torch.optim steps; a
+          warning says the fused Parameter is partly frozen). Selecting parameters by name finds the fused names.
+        * `state_dict()` has transformers' keys with copies of the fused rows (writing into them changes nothing);
+          `state_dict(keep_vars=True)` gives the slices' Parameters. `torch.func.functional_call` accepts either
+          set of keys; the patched model pickles.
+
     Returns:
         `PatchReport`: the patched modules and those left unchanged, with the reason.
 

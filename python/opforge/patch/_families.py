@@ -212,8 +212,8 @@ def _group_reason(counts: Dict[int, int], group) -> Optional[str]:
     ps = [p for lin in group for p in lin.parameters()]
     if any(counts.get(id(p), 0) != 1 for p in ps):
         return "a projection weight is shared with another module (tied): left unfused"
-    if len({(p.dtype, p.device, p.requires_grad) for p in ps}) != 1 or len({lin.bias is None for lin in group}) != 1:
-        return "projections to fuse differ in dtype, device, requires_grad or bias"
+    if len({(p.dtype, p.device) for p in ps}) != 1 or len({lin.bias is None for lin in group}) != 1:
+        return "projections to fuse differ in dtype, device or bias"
     if any(p.device.type == "meta" for p in ps):
         return "parameters on the meta device (patch after loading the weights)"
     if len({lin.in_features for lin in group}) != 1:

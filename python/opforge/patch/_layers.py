@@ -363,6 +363,7 @@ def _lora_plan(m: torch.nn.Module, fused_name: str, parts: tuple):
         loras.append((i, w))
     if not torch.compiler.is_compiling():
         F.sync_slices(m)
+    base = F.gemm_operand(m, fused_name, base)  # frozen slices' rows detached; tensors assigned to slices in theirs
     return base, wrap, loras
 
 
