@@ -220,3 +220,19 @@ def test_assigning_a_wrong_shape_to_a_slice_is_refused():
     _, model = _patched()
     with pytest.raises(ValueError, match="slice.*takes a tensor of shape"):
         model.model.layers[0].self_attn.q_proj.weight = torch.zeros(3, 3)
+
+
+def test_frozen_rows_of_a_copied_model_stay_frozen():
+    _, model = _patched()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.model.layers[0].self_attn.q_proj.requires_grad_(False)
+    model = copy.deepcopy(model)
+    attn = model.model.layers[0].self_attn
+    q, k = attn.q_proj.weight.detach().clone(), attn.k_proj.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)
+    ids = _ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert torch.equal(attn.q_proj.weight, q)  # weight decay would have scaled it by 0.95
+    assert not torch.equal(attn.k_proj.weight, k)

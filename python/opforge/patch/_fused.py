@@ -65,6 +65,8 @@ class FusedProjectionSlice(torch.nn.Linear):
 
     def _in_step(self, name, alias, full, cached):
         flags = rows_trainable(self._fused, name)
+        if flags is not None:
+            _track(full, self._fused, name)  # (a copy or unpickled model is tracked from its first forward)
         rg = bool(flags[self.index]) if flags is not None else full.requires_grad
         if alias.requires_grad != rg:
             alias.requires_grad_(rg)
@@ -174,12 +176,20 @@ def set_rows_trainable(fused: torch.nn.Linear, name: str, index: int, value: boo
         _PARTIAL.pop(id(p), None)
         return
     st[name] = (p.requires_grad, tuple(flags))
-    _PARTIAL[id(p)] = (weakref.ref(p), weakref.ref(fused), name)
+    _track(p, fused, name)
     warnings.warn(f"opforge.patch: some rows of a fused projection are frozen while others train ({name} "
                   f"requires_grad per slice {tuple(flags)}): the fused Parameter trains, the frozen rows get a zero "
                   f"gradient and a torch.optim optimizer's step puts their values back (other code that writes into "
                   f"the fused weight, or an optimizer outside torch.optim, changes them)", stacklevel=3)
     _install_optimizer_hooks()
+
+
+def _track(p: torch.nn.Parameter, fused: torch.nn.Linear, name: str) -> None:
+    """Have torch.optim steps keep the frozen rows of `p` (see _step_pre_hook)."""
+    e = _PARTIAL.get(id(p))
+    if e is None or e[0]() is not p or e[1]() is not fused:
+        _PARTIAL[id(p)] = (weakref.ref(p), weakref.ref(fused), name)
+        _install_optimizer_hooks()
 
 
 def _operand_rows(fused: torch.nn.Linear, name: str, sl: "FusedProjectionSlice") -> Optional[torch.Tensor]:
