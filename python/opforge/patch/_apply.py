@@ -55,10 +55,15 @@ def gradients_by_name(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 # The self-check: the patched model must give the unpatched model's logits, loss and gradients on a probe batch.
 
 def _routers(model: torch.nn.Module) -> list:
-    """[(path, router)] of the mixture-of-experts blocks (a `gate` beside an `experts` bank) whose router returns
-    (logits, top-k weights, top-k indices), as transformers' softmax top-k routers do."""
-    return [(f"{n}.gate" if n else "gate", m.gate) for n, m in model.named_modules()
-            if "gate" in m._modules and "experts" in m._modules]
+    """[(path, router)] of the mixture-of-experts blocks (a `gate` beside an `experts` bank) of the families with an
+    adapter (their routers return (logits, top-k weights, top-k indices), the weights a softmax of the logits
+    gathered at the indices, optionally divided by their sum)."""
+    out = []
+    for n, m in model.named_modules():
+        fam = FAM.family_of(m)
+        if "gate" in m._modules and "experts" in m._modules and fam is not None and fam.moe:
+            out.append((f"{n}.gate" if n else "gate", m.gate))
+    return out
 
 
 def _route_hook(record: list, replay: Optional[list]):
