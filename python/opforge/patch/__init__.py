@@ -61,9 +61,11 @@ transformers' keys (`...self_attn.q_proj.weight` etc.; a state-dict hook splits 
 copies so that safetensors/`save_pretrained` see no shared storage) and `load_state_dict`/`from`-checkpoint
 loading accept transformers' keys (a load pre-hook concatenates them). `model.parameters()`/`named_parameters()`
 show the fused `qkv_proj.weight` and `gate_up_proj.weight` instead of the separate ones, so **build the optimizer
-after patching**; its state is per fused parameter (Adam's moments of q, k and v are rows of one tensor). `q_proj`
-etc. stay reachable as parameter-less modules whose `weight` is a view of the fused one (reads and in-place writes
-go to it). `gradients_by_name(model)` gives the gradients under transformers' names. Tied weights (`lm_head` and
+after patching** (a torch.optim optimizer holding the replaced Parameters raises at its first step); its state is
+per fused parameter (Adam's moments of q, k and v are rows of one tensor). `q_proj` etc. stay reachable as
+parameter-less modules whose `weight` is a Parameter sharing the fused rows' storage (reads and in-place writes go
+to it, `.grad` is the fused gradient's rows, `requires_grad_(False)` on the module or the weight freezes the rows;
+`state_dict(keep_vars=True)` gives these Parameters, `state_dict()` copies). `gradients_by_name(model)` gives the gradients under transformers' names. Tied weights (`lm_head` and
 `embed_tokens`) are untouched. `revert` puts back the original `torch.nn.Linear` modules, with their original
 `Parameter` objects holding the current values.
 

@@ -54,7 +54,50 @@ def gradients_by_name(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------
 # The self-check: the patched model must give the unpatched model's logits, loss and gradients on a probe batch.
 
-def _probe(model: torch.nn.Module) -> Optional[dict]:
+def _routers(model: torch.nn.Module) -> list:
+    """[(path, router)] of the mixture-of-experts blocks (a `gate` beside an `experts` bank) of the families with an
+    adapter (their routers return (logits, top-k weights, top-k indices), the weights a softmax of the logits
+    gathered at the indices, optionally divided by their sum)."""
+    out = []
+    for n, m in model.named_modules():
+        fam = FAM.family_of(m)
+        if "gate" in m._modules and "experts" in m._modules and fam is not None and fam.moe:
+            out.append((f"{n}.gate" if n else "gate", m.gate))
+    return out
+
+
+def _route_hook(record: list, replay: Optional[list]):
+    """Forward hook on a router: records its top-k indices (`replay` None), or replaces them by the recorded ones,
+    the weights recomputed from this run's router logits as the router computes them (softmax, gathered at the
+    indices, divided by their sum when the router normalises)."""
+    calls = iter(replay) if replay is not None else None
+
+    def hook(module, args, out):
+        if not (isinstance(out, tuple) and len(out) == 3 and torch.is_tensor(out[2])):
+            return None
+        logits, scores, index = out
+        if calls is None:
+            record.append(index.detach().clone())
+            return None
+        forced = next(calls, None)
+        if forced is None or forced.shape != index.shape:
+            return None
+        probs = torch.softmax(logits.float(), dim=-1)
+        mine = probs.gather(-1, index)
+        normalises = not torch.allclose(mine, scores.float(), rtol=1e-2, atol=1e-4)
+        w = probs.gather(-1, forced.to(index.device))
+        if normalises:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return logits, w.to(scores.dtype), forced.to(index.dtype)
+
+    return hook
+
+
+def _probe(model: torch.nn.Module, routes: Optional[dict] = None) -> Optional[dict]:
+    """The probe batch's logits (no grad), loss with labels and gradients. `routes`: {router path: [top-k indices
+    per call]} recorded by the unpatched run (`res["routes"]`) and replayed in the patched run, so that both runs
+    send every token to the same experts (a near-tie of two router logits may pick either expert in 16-bit,
+    in transformers' model alone as much as between it and the patched one; see `_mismatch`)."""
     cfg = getattr(model, "config", None)
     vocab = getattr(cfg, "vocab_size", None)
     p = next(model.parameters(), None)
@@ -66,6 +109,12 @@ def _probe(model: torch.nn.Module) -> Optional[dict]:
     modes = [(m, m.training) for m in model.modules()]
     params = list(model.parameters())
     saved = [(q, q.grad) for q in params]
+    recorded: Dict[str, list] = {}
+    handles = []
+    for path, gate in _routers(model):
+        recorded[path] = []
+        handles.append(gate.register_forward_hook(_route_hook(recorded[path], None if routes is None
+                                                                else routes.get(path))))
     model.eval()
     try:
         for q in params:
@@ -73,7 +122,7 @@ def _probe(model: torch.nn.Module) -> Optional[dict]:
         with torch.no_grad():
             out = model(input_ids=ids, use_cache=False)
         logits = (out.logits if hasattr(out, "logits") else out[0]).float()
-        res = {"logits": logits, "loss": None, "grads": None}
+        res = {"logits": logits, "loss": None, "grads": None, "routes": recorded}
         if any(q.requires_grad for q in params):
             with torch.enable_grad():
                 out = model(input_ids=ids, labels=ids, use_cache=False)
@@ -83,6 +132,8 @@ def _probe(model: torch.nn.Module) -> Optional[dict]:
             res["grads"] = {n: t.detach().float().clone() for n, t in F.split_gradients(model).items()}
         return res
     finally:
+        for h in handles:
+            h.remove()
         for m, t in modes:
             m.training = t
         for q, gr in saved:
@@ -243,7 +294,9 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             (the gradients the parameters had are put back afterwards; one gradient copy of the model is held
             meanwhile). If the logits differ by more than 1e-4 (float32/64) or 5e-2 (16-bit) of their largest
             magnitude, the loss by more than 1e-4 or 2e-2 relative, or a parameter's gradient by more than 1e-3 or
-            1e-1 of its largest value, undo everything and report why. Default: True.
+            1e-1 of its largest value, undo everything and report why. In a mixture of experts the patched run
+            replays the unpatched run's expert choices (a 16-bit near-tie of two router logits may flip between
+            two correct computations; docs/patching.md, "The check"). Default: True.
         strict: bool. Raise instead of warning when some module could not be patched; the model is then left as
             it was (nothing patched). Default: False.
         verbose: bool. Print the report. Default: False.
@@ -254,6 +307,20 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             `opforge.nn.Linear(..., fp8=...)` holding the same Parameters. The self-check (`check`) runs before
             FP8 is switched on: it judges the patch's structure with its usual tolerances (FP8's rounding is the
             op's, tested against its own bound). Needs `decoder=True`. Default: None (the model's precision).
+
+    The fused projections (read docs/patching.md, "Fused projections", before training):
+        * **Build the optimizer after `apply`.** `model.parameters()` then holds one fused `qkv_proj.weight`
+          (`gate_up_proj.weight`) per layer in place of the q/k/v (gate/up) Parameters, whose storage is freed
+          until `revert`. A `torch.optim` optimizer built before still holds those: it raises `RuntimeError` at
+          its first `step()` (a global torch.optim step hook), as does one holding fused Parameters after
+          `revert`; an optimizer outside `torch.optim` is not checked and would train nothing there.
+        * `q_proj` etc. are parameter-less slices: their `weight` shares the fused rows' storage, `.grad` is the
+          fused gradient's rows, and freezing them (`q_proj.requires_grad_(False)`, or `.weight.requires_grad =
+          False`, seen at the next forward) freezes those rows (detached in the GEMM, kept by torch.optim steps; a
+          warning says the fused Parameter is partly frozen). Selecting parameters by name finds the fused names.
+        * `state_dict()` has transformers' keys with copies of the fused rows (writing into them changes nothing);
+          `state_dict(keep_vars=True)` gives the slices' Parameters. `torch.func.functional_call` accepts either
+          set of keys; the patched model pickles.
 
     Returns:
         `PatchReport`: the patched modules and those left unchanged, with the reason.
@@ -287,7 +354,7 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
                linear=linear, rms_norm=rms_norm, mlp=mlp)
         if before is not None and report.patched:
             dtype = next(model.parameters()).dtype
-            reason = _mismatch(before, _probe(model), dtype)
+            reason = _mismatch(before, _probe(model, before["routes"]), dtype)
             if reason:
                 revert(model)
                 msg = f"opforge.patch.apply: the patched {name} {reason}; the model was left unpatched"

@@ -212,8 +212,8 @@ def _group_reason(counts: Dict[int, int], group) -> Optional[str]:
     ps = [p for lin in group for p in lin.parameters()]
     if any(counts.get(id(p), 0) != 1 for p in ps):
         return "a projection weight is shared with another module (tied): left unfused"
-    if len({(p.dtype, p.device, p.requires_grad) for p in ps}) != 1 or len({lin.bias is None for lin in group}) != 1:
-        return "projections to fuse differ in dtype, device, requires_grad or bias"
+    if len({(p.dtype, p.device) for p in ps}) != 1 or len({lin.bias is None for lin in group}) != 1:
+        return "projections to fuse differ in dtype, device or bias"
     if any(p.device.type == "meta" for p in ps):
         return "parameters on the meta device (patch after loading the weights)"
     if len({lin.in_features for lin in group}) != 1:
@@ -439,7 +439,7 @@ def patch_decoder_layer(family: Family, layer: torch.nn.Module, inductor_math: b
         m._opforge_recompute = bool(recompute)
     layer._opforge_layout = family.layout
     layer._opforge_dropout = family.resid_dropout
-    layer._opforge_residual_multiplier = float(layer.residual_multiplier) if family.residual_multiplier else None
+    layer._opforge_residual_multiplier = bool(family.residual_multiplier)  # the value is read at every forward
     attn._opforge_sizes = sizes
     attn._opforge_parts = () if family.packed else ("q_proj", "k_proj", "v_proj")
     attn._opforge_qk_norm = qk_norm
@@ -509,16 +509,6 @@ def causal_lm_reason(family: Optional[Family], m: torch.nn.Module) -> Optional[s
     return None
 
 
-def _moe_aux(lb_loss):
-    def aux(self, outputs, kwargs, loss):
-        """transformers' router loss: load_balancing_loss_func of the router logits, added with its coefficient."""
-        if not kwargs.get("output_router_logits"):
-            return {"aux_loss": None}
-        a = lb_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok, kwargs.get("attention_mask"))
-        return {"aux_loss": a, "loss": loss + self.router_aux_loss_coef * a.to(loss.device)}
-    return aux
-
-
 def patch_causal_lm(family: Family, m: torch.nn.Module, inductor_math: bool) -> None:
     import dataclasses
 
@@ -530,5 +520,5 @@ def patch_causal_lm(family: Family, m: torch.nn.Module, inductor_math: bool) -> 
     m._opforge_output_fields = tuple(f.name for f in dataclasses.fields(out_cls))
     m._opforge_logits_divisor = family.logits_divisor
     m._opforge_final_softcap = family.final_softcap
-    m._opforge_aux_loss = _moe_aux(mod.load_balancing_loss_func) if family.moe else None
+    m._opforge_aux_loss = L.moe_aux_loss if family.moe else None
     m._opforge_moe = family.moe

@@ -7,6 +7,7 @@ families is read from a few `_opforge_*` attributes the family adapters (`_famil
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from typing import Dict, Optional, Tuple
 
@@ -251,7 +252,7 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
         a = norm(self, self.post_attention_layernorm, a)
     if self._opforge_dropout:
         a = self.resid_attn_dropout(a)
-    mult = self._opforge_residual_multiplier
+    mult = self.residual_multiplier if self._opforge_residual_multiplier else None  # live, as transformers reads it
     if mult is not None:
         a = a * mult
     if layout == "post":
@@ -362,6 +363,7 @@ def _lora_plan(m: torch.nn.Module, fused_name: str, parts: tuple):
         loras.append((i, w))
     if not torch.compiler.is_compiling():
         F.sync_slices(m)
+    base = F.gemm_operand(m, fused_name, base)  # frozen slices' rows detached; tensors assigned to slices in theirs
     return base, wrap, loras
 
 
@@ -465,6 +467,16 @@ def causal_lm_forward(self, *args, **kwargs):
     return tuple(fields.get(f) for f in self._opforge_output_fields if f == "logits" or fields.get(f) is not None)
 
 
+def moe_aux_loss(self, outputs, kwargs, loss) -> dict:
+    """transformers' router loss of a mixture-of-experts *ForCausalLM: its modeling module's
+    load_balancing_loss_func of the router logits, added to the loss with router_aux_loss_coef."""
+    if not kwargs.get("output_router_logits"):
+        return {"aux_loss": None}
+    lb_loss = sys.modules[self._opforge_base.__module__].load_balancing_loss_func
+    a = lb_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok, kwargs.get("attention_mask"))
+    return {"aux_loss": a, "loss": loss + self.router_aux_loss_coef * a.to(loss.device)}
+
+
 def _onn_linear():
     from .. import nn as onn
 
@@ -480,6 +492,30 @@ def rms_norm_forward(self, hidden_states):
 # Subclasses.
 
 _SUBCLASSES: Dict[Tuple[type, str], type] = {}
+# Attributes read from the transformers modeling module at patch time: not pickled, read again on unpickling.
+_FROM_MODULE = {"_opforge_attention_functions": "ALL_ATTENTION_FUNCTIONS",
+                "_opforge_eager_attention": "eager_attention_forward"}
+
+
+def _rebuild(base: type, kind: str) -> torch.nn.Module:
+    """Unpickling a patched module: an empty instance of its opforge subclass (made again in this process)."""
+    cls = subclass(base, kind)
+    return cls.__new__(cls)
+
+
+def _reduce_ex(self, protocol):
+    """Pickles as (the transformers class, the kind of patch, the state): the opforge subclass is made at run time
+    and has no importable name."""
+    state = {k: v for k, v in self.__dict__.items() if k not in _FROM_MODULE and k != "_opforge_pending"}
+    return _rebuild, (self._opforge_base, self._opforge_kind), state
+
+
+def _setstate(self, state) -> None:
+    self._opforge_base.__setstate__(self, state)
+    mod = sys.modules.get(self._opforge_base.__module__)
+    if self._opforge_kind == "attention" and mod is not None:
+        for attr, name in _FROM_MODULE.items():
+            self.__dict__[attr] = getattr(mod, name)
 FORWARDS = {"decoder": decoder_layer_forward, "attention": attention_forward, "mlp": mlp_forward,
             "causal_lm": causal_lm_forward, "norm": rms_norm_forward, "experts": experts_forward}
 
@@ -491,7 +527,8 @@ def subclass(cls: type, kind: str) -> type:
         names = [p.name for p in list(inspect.signature(base_forward).parameters.values())[1 + (kind != "causal_lm"):]
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         ns = {"forward": FORWARDS[kind], "_opforge_base": cls, "_opforge_kind": kind,
-              "_opforge_arg_names": tuple(names), "__module__": "opforge.patch", "__doc__": cls.__doc__}
+              "_opforge_arg_names": tuple(names), "__module__": "opforge.patch", "__doc__": cls.__doc__,
+              "__reduce_ex__": _reduce_ex, "__setstate__": _setstate}
         _SUBCLASSES[key] = type(f"Opforge{cls.__name__}", (cls,), ns)
     return _SUBCLASSES[key]
 
