@@ -247,14 +247,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_meta(
     c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
     std::optional<at::ScalarType> bias_dtype) {
   check_fp8_linear_backward_args(grad_output, input, weight, granularity, grad_dtype, bias_dtype);
-  at::Tensor grad_input, grad_weight, grad_bias;
-  if (output_mask[0]) grad_input = at::empty_symint(input.sym_sizes(), input.options());
-  if (output_mask[1]) grad_weight = at::empty_symint(weight.sym_sizes(), weight.options());
-  if (output_mask[2]) {
-    grad_bias = at::empty_symint({weight.sym_size(0)},
-                                 input.options().dtype(linear_op::grad_bias_dtype(input, bias_dtype)));
-  }
-  return {grad_input, grad_weight, grad_bias};
+  return linear_op::empty_backward_outputs(input, weight, output_mask, bias_dtype);
 }
 
 // ---- Autograd ----------------------------------------------------------------------------------------

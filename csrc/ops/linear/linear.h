@@ -15,7 +15,9 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 
+#include <array>
 #include <optional>
+#include <tuple>
 
 #include "core/activation.h"
 #include "opforge/opforge.h"
@@ -91,6 +93,20 @@ inline at::Tensor as_output(const at::Tensor& Y, const at::Tensor& input, const 
 /// The dtype grad_bias is returned in: bias_dtype, or input's dtype when none is given.
 inline at::ScalarType grad_bias_dtype(const at::Tensor& input, std::optional<at::ScalarType> bias_dtype) {
   return bias_dtype.value_or(input.scalar_type());
+}
+
+/// Meta outputs of a linear-shaped backward, (grad_input, grad_weight, grad_bias): empty tensors of input's shape,
+/// weight's shape [N, K] and [N] in grad_bias_dtype, each only where output_mask asks for it (undefined otherwise).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_backward_outputs(
+    const at::Tensor& input, const at::Tensor& weight, std::array<bool, 3> output_mask,
+    std::optional<at::ScalarType> bias_dtype) {
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (output_mask[0]) grad_input = at::empty_symint(input.sym_sizes(), input.options());
+  if (output_mask[1]) grad_weight = at::empty_symint(weight.sym_sizes(), weight.options());
+  if (output_mask[2]) {
+    grad_bias = at::empty_symint({weight.sym_size(0)}, input.options().dtype(grad_bias_dtype(input, bias_dtype)));
+  }
+  return {grad_input, grad_weight, grad_bias};
 }
 
 /// grad_bias[N] = Σ_rows dZ[M, N], accumulated in fp32 (fp64 for float64), rounded once to `dtype`;

@@ -1,5 +1,6 @@
 // swiglu_linear: checkers, the public C++ API, the backend-independent backward, Meta kernels and autograd.
 #include "ops/swiglu_linear/swiglu_linear.h"
+#include "ops/linear/linear.h"
 
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -148,13 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_linear_backward_meta(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& pre_activation,
     std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype) {
   swiglu_linear_op::check_backward_args(grad_output, input, weight, pre_activation, bias_dtype);
-  at::Tensor grad_input, grad_weight, grad_bias;
-  if (output_mask[0]) grad_input = at::empty_symint(input.sym_sizes(), input.options());
-  if (output_mask[1]) grad_weight = at::empty_symint(weight.sym_sizes(), weight.options());
-  if (output_mask[2]) {
-    grad_bias = at::empty_symint({weight.sym_size(0)}, input.options().dtype(bias_dtype.value_or(input.scalar_type())));
-  }
-  return {grad_input, grad_weight, grad_bias};
+  return linear_op::empty_backward_outputs(input, weight, output_mask, bias_dtype);
 }
 
 // ---- Autograd: saved input, weight, bias (or undefined) and z; attribute: bias dtype (-1 without bias).
