@@ -859,40 +859,55 @@ def _fp8_rows(t: Tensor) -> Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+def fp8_linear_forward_with(gemm, input: Tensor, weight: Tensor, bias: Optional[Tensor], granularity: str) -> Tensor:
+    """fp8_linear's forward through `gemm(a, b, dtype_a, dtype_b, rowwise, out_dtype)`, an FP8 product of a (R_a, C)
+    and b (R_b, C) along C: the float64 reference's (`_fp8_gemm`) or a torch composition's."""
+    e4m3 = torch.float8_e4m3fn
+    y = gemm(_fp8_rows(input), weight, e4m3, e4m3, granularity == "rowwise", input.dtype)
+    if bias is not None:
+        y = y + bias.to(input.dtype)
+    return y.reshape(*input.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_setup_context(ctx, inputs, output) -> None:
+    """The autograd.Function context of fp8_linear's forward: the high-precision input and weight, the options."""
+    input, weight, bias, granularity, grad_dtype = inputs
+    ctx.save_for_backward(input, weight)
+    ctx.granularity, ctx.grad_dtype = granularity, grad_dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def fp8_linear_backward_with(gemm, ctx, grad: Tensor, weight_grad_in_input_dtype: bool):
+    """fp8_linear's gradients through `gemm` (as `fp8_linear_forward_with`): grad_input = q(grad) · q(weightᵀ)ᵀ,
+    grad_weight = q(gradᵀ) · q(inputᵀ)ᵀ (computed in input's dtype and then rounded to weight's, or in weight's
+    dtype directly), grad_bias = Σ grad in fp32 (fp64 for float64)."""
+    input, weight = ctx.saved_tensors
+    rowwise = ctx.granularity == "rowwise"
+    gdt, e4m3 = _fp8_grad_dtype(ctx.granularity, ctx.grad_dtype), torch.float8_e4m3fn
+    g2, x2 = _fp8_rows(grad), _fp8_rows(input)
+    gi = gw = gb = None
+    if ctx.needs_input_grad[0]:
+        gi = gemm(g2, weight.t(), gdt, e4m3, rowwise, input.dtype).reshape(input.shape)
+    if ctx.needs_input_grad[1]:
+        gw_dtype = input.dtype if weight_grad_in_input_dtype else weight.dtype
+        gw = gemm(g2.t(), x2.t(), gdt, e4m3, rowwise, gw_dtype).to(weight.dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        gb = g2.sum(0, dtype=torch.float64 if g2.dtype == torch.float64 else torch.float32).to(ctx.bias_dtype)
+    return gi, gw, gb, None, None
+
+
 class _FP8LinearReference(torch.autograd.Function):
     """fp8_linear's quantized math in the input's dtype with its FP8 gradients (torch.func-ready)."""
 
     @staticmethod
     def forward(input, weight, bias, granularity, grad_dtype):
-        rowwise = granularity == "rowwise"
-        e4m3 = torch.float8_e4m3fn
-        x2 = _fp8_rows(input)
-        y = _fp8_gemm(x2, weight, e4m3, e4m3, rowwise, input.dtype)
-        if bias is not None:
-            y = y + bias.to(input.dtype)
-        return y.reshape(*input.shape[:-1], weight.shape[0])
+        return fp8_linear_forward_with(_fp8_gemm, input, weight, bias, granularity)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        input, weight, bias, granularity, grad_dtype = inputs
-        ctx.save_for_backward(input, weight)
-        ctx.granularity, ctx.grad_dtype = granularity, grad_dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
+    setup_context = staticmethod(fp8_linear_setup_context)
 
     @staticmethod
     def backward(ctx, grad):
-        input, weight = ctx.saved_tensors
-        rowwise = ctx.granularity == "rowwise"
-        gdt, e4m3 = _fp8_grad_dtype(ctx.granularity, ctx.grad_dtype), torch.float8_e4m3fn
-        g2, x2 = _fp8_rows(grad), _fp8_rows(input)
-        gi = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gi = _fp8_gemm(g2, weight.t(), gdt, e4m3, rowwise, input.dtype).reshape(input.shape)
-        if ctx.needs_input_grad[1]:
-            gw = _fp8_gemm(g2.t(), x2.t(), gdt, e4m3, rowwise, input.dtype).to(weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            gb = g2.sum(0, dtype=torch.float64 if g2.dtype == torch.float64 else torch.float32).to(ctx.bias_dtype)
-        return gi, gw, gb, None, None
+        return fp8_linear_backward_with(_fp8_gemm, ctx, grad, weight_grad_in_input_dtype=True)
 
     generate_vmap_rule = True
 

@@ -2337,34 +2337,13 @@ class _FP8LinearTorch(torch.autograd.Function):
 
     @staticmethod
     def forward(input, weight, bias, granularity, grad_dtype):
-        y = _FP8LinearTorch._gemm(T._fp8_rows(input), weight, torch.float8_e4m3fn, torch.float8_e4m3fn,
-                                  granularity == "rowwise", input.dtype)
-        if bias is not None:
-            y = y + bias.to(input.dtype)
-        return y.reshape(*input.shape[:-1], weight.shape[0])
+        return T.fp8_linear_forward_with(_FP8LinearTorch._gemm, input, weight, bias, granularity)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        input, weight, bias, granularity, grad_dtype = inputs
-        ctx.save_for_backward(input, weight)
-        ctx.granularity, ctx.grad_dtype = granularity, grad_dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
+    setup_context = staticmethod(T.fp8_linear_setup_context)
 
     @staticmethod
     def backward(ctx, grad):
-        input, weight = ctx.saved_tensors
-        rowwise, e4 = ctx.granularity == "rowwise", torch.float8_e4m3fn
-        gdt = ctx.grad_dtype or (e4 if rowwise else torch.float8_e5m2)
-        g2, x2 = T._fp8_rows(grad), T._fp8_rows(input)
-        gi = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gi = _FP8LinearTorch._gemm(g2, weight.t(), gdt, e4, rowwise, input.dtype).reshape(input.shape)
-        if ctx.needs_input_grad[1]:
-            gw = _FP8LinearTorch._gemm(g2.t(), x2.t(), gdt, e4, rowwise, weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            acc = torch.float64 if g2.dtype == torch.float64 else torch.float32
-            gb = g2.sum(0, dtype=acc).to(ctx.bias_dtype)
-        return gi, gw, gb, None, None
+        return T.fp8_linear_backward_with(_FP8LinearTorch._gemm, ctx, grad, weight_grad_in_input_dtype=False)
 
     generate_vmap_rule = True
 
