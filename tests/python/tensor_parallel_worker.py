@@ -639,6 +639,8 @@ def suite_model(dp, device, steps=4, batch=4, seq=8, family="llama"):
         _check_state_dict(model, reference, batches[0], tp, family)
     if dp == 1 and family == "llama":
         _count_collectives(model, batches[0], tp)
+    if dp == 1:
+        _check_fresh_model(device, family, tp, batches[0])
 
 
 def _compare_grads(model, reference, ids, dp, tp, family):
@@ -685,6 +687,47 @@ def _check_state_dict(model, reference, ids, tp, family):
     close(full(got), reference(input_ids=ids, labels=ids).loss, f"{what} loaded: loss")
     model.zero_grad(set_to_none=True)
     reference.zero_grad(set_to_none=True)
+
+
+def _check_fresh_model(device, family, tp, ids):
+    """A freshly parallelized model: its first forward gathers no weight (as many all-gathers as the plan's, the
+    fused projections' slices read locally), the slices (`self_attn.q_proj`, `mlp.up_proj`...) have transformers'
+    rows (their weights and their outputs equal the single process's), and freezing one of them alone raises."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from opforge.parallel import parallelize
+
+    import copy
+
+    what = f"model {family} tp={tp} fresh"
+    model = _tiny_llama(device, family, kv_heads=max(2, tp))
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh(device, (tp,))
+    parallelize(model, mesh)
+    mode = CommDebugMode()
+    with mode:
+        model(input_ids=ids, labels=ids)
+    gathers = sum(v for k, v in mode.get_comm_counts().items() if "all_gather" in str(k))
+    want = 2 * model.config.num_hidden_layers + 1
+    if gathers != want:
+        FAILURES.append(f"{what}: first forward {gathers} all-gathers, expected {want} (a weight gathered)")
+        log(f"FAIL {what}: first forward {gathers} all-gathers, expected {want}")
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(device)
+    for owner, parts in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+        for part in parts:
+            got = getattr(getattr(model.model.layers[0], owner), part)
+            want_m = getattr(getattr(reference.model.layers[0], owner), part)
+            close(full(got.weight), want_m.weight, f"{what}: {owner}.{part}.weight", rtol=0, atol=0)
+            y = got(distribute_tensor(x, mesh, [R]))
+            close(full(y), want_m(x), f"{what}: {owner}.{part}(x)")
+    # one part frozen alone: the plan trains the fused projection as one parameter, so it refuses (no wrong rows)
+    model.model.layers[0].self_attn.k_proj.weight.requires_grad_(False)
+    try:
+        model(input_ids=ids, labels=ids)
+        FAILURES.append(f"{what}: k_proj frozen alone: no error")
+    except NotImplementedError as e:
+        if "fused projection" not in str(e):
+            FAILURES.append(f"{what}: k_proj frozen alone: {e}")
 
 
 def _count_collectives(model, ids, tp):

@@ -146,6 +146,79 @@ class FusedColwiseParallel(ColwiseParallel):
         return module
 
 
+def _slice_rows(sl, name: str, grad: bool):
+    """Rows of a fused projection's slice (`q_proj`, `up_proj`...) as a `Shard(0)` DTensor of transformers' rows,
+    without a collective: under the plan rank r's shard of the fused weight is `[p_0's r-th chunk | p_1's | ...]`, so
+    a part starting at row `start` of the fused weight sits at local row `start / ranks`. None where the fused
+    parameter is not a `Shard(0)` DTensor of a 1-D mesh (FSDP2's sharded parameter between steps: the slice's own
+    rules apply)."""
+    full = getattr(sl._fused, name)
+    if not (isinstance(full, DTensor) and full.device_mesh.ndim == 1 and tuple(full.placements) == (Shard(0),)):
+        return None
+    ranks = full.device_mesh.size()
+    local = full.to_local() if grad else full._local_tensor.detach()
+    rows = local[sl.start // ranks:sl.stop // ranks]
+    shape = torch.Size((sl.stop - sl.start, *full.shape[1:]))
+    return DTensor.from_local(rows, full.device_mesh, [Shard(0)], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+class TensorParallelSlice:
+    """Mixed into the class of a fused projection's slice under the plan (`self_attn.q_proj`, `mlp.up_proj`...):
+    its `weight`/`bias` are `Shard(0)` DTensor views of this rank's rows of the part, in transformers' row order (a
+    slice of the row-reordered fused DTensor would gather the whole part to every rank, cached there, and take the
+    wrong rows); calling it computes that part column-wise. Freezing the part alone is refused: the plan trains a
+    fused projection as one parameter."""
+
+    def _alias(self, name: str):
+        over = self.__dict__.get("_opforge_override")
+        if over and name in over:
+            return over[name]
+        rows = _slice_rows(self, name, grad=False)
+        if rows is None:
+            return super()._alias(name)
+        full = getattr(self._fused, name)
+        cached = self.__dict__.get("_opforge_tp_alias_" + name)
+        if cached is not None and cached[1] is full and cached[0].to_local().data_ptr() == rows.to_local().data_ptr():
+            alias = cached[0]
+            if alias.requires_grad != cached[2]:
+                raise NotImplementedError(
+                    f"opforge.parallel: freezing {name} of one part (rows [{self.start}, {self.stop})) of a fused "
+                    "projection is not supported under tensor parallelism; set requires_grad on the fused "
+                    "projection (qkv_proj, gate_up_proj) instead")
+            if alias.requires_grad != full.requires_grad:
+                alias.requires_grad_(full.requires_grad)
+                cached[2] = full.requires_grad
+            return alias
+        alias = torch.nn.Parameter(rows, requires_grad=full.requires_grad)
+        self.__dict__["_opforge_tp_alias_" + name] = [alias, full, full.requires_grad]
+        return alias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = _slice_rows(self, "weight", grad=True)
+        if w is None:
+            return super().forward(x)
+        b = _slice_rows(self, "bias", grad=True) if getattr(self._fused, "bias", None) is not None else None
+        return torch.nn.functional.linear(x, w, b)
+
+
+_SLICE_CLASSES: Dict[type, type] = {}
+
+
+def _tensor_parallel_slices(module: torch.nn.Module) -> None:
+    """Swaps the class of every slice of module's fused projections for one with `TensorParallelSlice` mixed in."""
+    for _, (_, parts) in module.__dict__.get("_opforge_fused", {}).items():
+        for _, _, _, sl in parts:
+            cls = type(sl)
+            if issubclass(cls, TensorParallelSlice):
+                continue
+            if cls not in _SLICE_CLASSES:
+                _SLICE_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (TensorParallelSlice, cls), {})
+            sl.__class__ = _SLICE_CLASSES[cls]
+            for name in ("weight", "bias"):  # a cached alias of the unsharded weight
+                sl.__dict__.pop("_opforge_alias_" + name, None)
+
+
 def _local_input(mesh, name: str):
     """A forward pre-hook: the module's input `name` (positional 0 or keyword), a `Shard(1)` DTensor, gathered to
     every rank and passed on as the local tensor; its gradient goes back as a partial sum (each rank's heads or
@@ -355,4 +428,5 @@ def parallelize(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
             m._opforge_tp_ranks = ranks
             if _fused_parts(m):
                 _hooks_first(m)
+                _tensor_parallel_slices(m)
     return model
