@@ -298,6 +298,11 @@ def _check_patched(model: torch.nn.Module) -> None:
         raise ValueError("opforge.parallel: expected a model patched by opforge.patch.apply (decoder layers of the "
                          "Llama family), but found no patched decoder layer")
     for layer in layers:
+        moe = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+        if moe is not None and hasattr(moe, "experts"):
+            raise ValueError(f"opforge.parallel: expected decoder layers with a dense MLP, but {type(layer).__name__}'s "
+                             f"is a mixture of experts ({type(moe).__name__}, e.g. Mixtral, Qwen2-MoE, Qwen3-MoE): "
+                             "not supported by the tensor-parallel plan")
         if not hasattr(layer.self_attn, "qkv_proj") or not hasattr(layer.mlp, "gate_up_proj"):
             raise ValueError("opforge.parallel: expected patched decoder layers with self_attn.qkv_proj and "
                              "mlp.gate_up_proj (opforge.patch.apply(model) with decoder=True)")
