@@ -720,6 +720,12 @@ def _check_fresh_model(device, family, tp, ids):
             close(full(got.weight), want_m.weight, f"{what}: {owner}.{part}.weight", rtol=0, atol=0)
             y = got(distribute_tensor(x, mesh, [R]))
             close(full(y), want_m(x), f"{what}: {owner}.{part}(x)")
+    try:  # a second parallelize would reorder the fused rows again
+        parallelize(model, mesh)
+        FAILURES.append(f"{what}: parallelized twice: no error")
+    except ValueError as e:
+        if "already a DTensor" not in str(e):
+            FAILURES.append(f"{what}: parallelized twice: {e}")
     # one part frozen alone: the plan trains the fused projection as one parameter, so it refuses (no wrong rows)
     model.model.layers[0].self_attn.k_proj.weight.requires_grad_(False)
     try:

@@ -394,13 +394,18 @@ def parallelize(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
         model, its parameters now DTensors on tp_mesh.
 
     Raises:
-        ValueError: not a patched model; heads or widths not divisible by the mesh size; tied embeddings.
+        ValueError: not a patched model; heads or widths not divisible by the mesh size; tied embeddings; a parameter
+            already a DTensor (parallelized twice, or after fully_shard).
     """
     from .sharding import keep_param_placements, register_sharding_rules
 
     register_sharding_rules()
     if tp_mesh.ndim != 1:
         raise ValueError(f"opforge.parallel.parallelize: expected a 1-D tensor-parallel mesh, but got {tp_mesh.ndim}-D")
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise ValueError(f"opforge.parallel.parallelize: expected a model of plain-tensor parameters (parallelize "
+                             f"it once, before fully_shard), but {name} is already a DTensor {tuple(p.placements)}")
     plan = tensor_parallel_plan(model)
     ranks = tp_mesh.size()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
