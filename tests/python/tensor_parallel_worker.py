@@ -344,6 +344,21 @@ def suite_edges(mesh):
         check(f"vocab-parallel loss V={V} ignore_index=1", lambda a, w_: opforge.linear_cross_entropy(
             a, w_, t2.to(DEVICE), ignore_index=1), [xh, Wv], [R, S0], mesh)
 
+    # the default chunk rows (a memory budget, here scaled down) are the same on every rank, also where the slices
+    # are uneven (11 classes: 6 and 5 on 2 ranks, 3, 3, 3, 2 on 4): every rank runs the same chunks, each a collective
+    import opforge.parallel.loss as vp
+
+    budget = vp._BUDGET_BYTES
+    vp._BUDGET_BYTES = 12 * 64 * 5  # float32 rows: 128 (6 classes) and 192 (5); 320 (3 classes) and 480 (2)
+    try:
+        for fn_name, fn in (("linear_cross_entropy", lambda a, w_, t_: opforge.linear_cross_entropy(a, w_, t_)),
+                            ("linear_log_probs", lambda a, w_, t_: opforge.linear_log_probs(a, w_, t_)[0])):
+            check(f"vocab-parallel {fn_name} default chunks, uneven slices", fn,
+                  [rn(400, H), rn(11, H), torch.randint(0, 11, (400,), generator=g)], [R, S0, R], mesh, rtol=1e-4,
+                  atol=1e-5)
+    finally:
+        vp._BUDGET_BYTES = budget
+
     def autocast(fn):
         def run(*a):
             with torch.autocast(DEVICE, dtype=torch.bfloat16):
