@@ -147,39 +147,53 @@ class FusedColwiseParallel(ColwiseParallel):
 
 
 def _slice_rows(sl, name: str, grad: bool):
-    """Rows of a fused projection's slice (`q_proj`, `up_proj`...) as a `Shard(0)` DTensor of transformers' rows,
-    without a collective: under the plan rank r's shard of the fused weight is `[p_0's r-th chunk | p_1's | ...]`, so
-    a part starting at row `start` of the fused weight sits at local row `start / ranks`. None where the fused
-    parameter is not a `Shard(0)` DTensor of a 1-D mesh (FSDP2's sharded parameter between steps: the slice's own
-    rules apply)."""
+    """Rows of a fused projection's slice (`q_proj`, `up_proj`...) as a DTensor of transformers' rows, or None where
+    the fused parameter is not a DTensor.
+
+    Under the plan rank r's shard of the fused weight is `[p_0's r-th chunk | p_1's | ...]`, so a part starting at
+    row `start` sits at local row `start / ranks`: a `Shard(0)` view of the local rows, without a collective (grad:
+    with its gradient to the fused parameter). Where the fused parameter is another DTensor (FSDP2's sharded one
+    between steps) the rows come from the gathered weight put back in transformers' order, as a `Replicate` DTensor
+    (not with grad: FSDP2 gathers the parameter for a forward)."""
     full = getattr(sl._fused, name)
-    if not (isinstance(full, DTensor) and full.device_mesh.ndim == 1 and tuple(full.placements) == (Shard(0),)):
+    if not isinstance(full, DTensor):
         return None
-    ranks = full.device_mesh.size()
-    local = full.to_local() if grad else full._local_tensor.detach()
-    rows = local[sl.start // ranks:sl.stop // ranks]
-    shape = torch.Size((sl.stop - sl.start, *full.shape[1:]))
-    return DTensor.from_local(rows, full.device_mesh, [Shard(0)], run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+    mesh = full.device_mesh
+    if mesh.ndim == 1 and tuple(full.placements) == (Shard(0),):
+        ranks = mesh.size()
+        local = full.to_local() if grad else full._local_tensor.detach()
+        rows = local[sl.start // ranks:sl.stop // ranks]
+        shape = torch.Size((sl.stop - sl.start, *full.shape[1:]))
+        return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
+    if grad:
+        raise NotImplementedError(
+            f"opforge.parallel: calling the slice of rows [{sl.start}, {sl.stop}) of a fused projection needs its "
+            f"{name} as the plan's Shard(0) DTensor of the tensor-parallel mesh, but it is {tuple(full.placements)} "
+            f"on a {mesh.ndim}-D mesh (FSDP2's sharded parameter between steps): call it inside the model's forward")
+    sizes = [b - a for a, b in sl._opforge_tp_parts]
+    rows = unpermute_fused(full.detach().full_tensor(), sizes, sl._opforge_tp_size)[sl.start:sl.stop]
+    return DTensor.from_local(rows, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 class TensorParallelSlice:
     """Mixed into the class of a fused projection's slice under the plan (`self_attn.q_proj`, `mlp.up_proj`...):
-    its `weight`/`bias` are `Shard(0)` DTensor views of this rank's rows of the part, in transformers' row order (a
-    slice of the row-reordered fused DTensor would gather the whole part to every rank, cached there, and take the
-    wrong rows); calling it computes that part column-wise. Freezing the part alone is refused: the plan trains a
-    fused projection as one parameter."""
+    its `weight`/`bias` are DTensors of transformers' rows of the part (`_slice_rows`: a slice of the row-reordered
+    fused DTensor would gather the whole part to every rank, cached there, and take the wrong rows); calling it
+    computes that part column-wise. Freezing the part alone is refused: the plan trains a fused projection as one
+    parameter."""
 
     def _alias(self, name: str):
         over = self.__dict__.get("_opforge_override")
         if over and name in over:
             return over[name]
-        rows = _slice_rows(self, name, grad=False)
-        if rows is None:
-            return super()._alias(name)
         full = getattr(self._fused, name)
+        if not isinstance(full, DTensor):
+            return super()._alias(name)
+        local = full._local_tensor
+        key = (local.data_ptr(), local._version if full.device_mesh.ndim > 1 else 0)
         cached = self.__dict__.get("_opforge_tp_alias_" + name)
-        if cached is not None and cached[1] is full and cached[0].to_local().data_ptr() == rows.to_local().data_ptr():
+        if cached is not None and cached[1] is full and cached[3] == key:
             alias = cached[0]
             if alias.requires_grad != cached[2]:
                 raise NotImplementedError(
@@ -190,8 +204,8 @@ class TensorParallelSlice:
                 alias.requires_grad_(full.requires_grad)
                 cached[2] = full.requires_grad
             return alias
-        alias = torch.nn.Parameter(rows, requires_grad=full.requires_grad)
-        self.__dict__["_opforge_tp_alias_" + name] = [alias, full, full.requires_grad]
+        alias = torch.nn.Parameter(_slice_rows(self, name, grad=False), requires_grad=full.requires_grad)
+        self.__dict__["_opforge_tp_alias_" + name] = [alias, full, full.requires_grad, key]
         return alias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -215,6 +229,8 @@ def _tensor_parallel_slices(module: torch.nn.Module) -> None:
             if cls not in _SLICE_CLASSES:
                 _SLICE_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (TensorParallelSlice, cls), {})
             sl.__class__ = _SLICE_CLASSES[cls]
+            sl._opforge_tp_size = module._opforge_tp_ranks
+            sl._opforge_tp_parts = [(a, b) for _, a, b, _ in parts]
             for name in ("weight", "bias"):  # a cached alias of the unsharded weight
                 sl.__dict__.pop("_opforge_alias_" + name, None)
 
