@@ -225,6 +225,23 @@ def test_parallelize_refuses_the_families_its_plan_does_not_cover(family, match,
         par.tensor_parallel_plan(model)
 
 
+@pytest.mark.parametrize("fp8", ["tensorwise", "rowwise"])
+def test_parallelize_refuses_fp8_projections(fp8):
+    """FP8 projections (apply(model, fp8=...)) are refused with the reason: fp8_linear has no row-wise sharding, so
+    the plan's o_proj and down_proj would be gathered at every step."""
+    transformers = pytest.importorskip("transformers")
+    from opforge import patch
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    patch.apply(model, fp8=fp8)
+    with pytest.raises(ValueError, match="FP8 projections"):
+        par.tensor_parallel_plan(model)
+
+
 @pytest.mark.parametrize("opts", [{}, {"temperature": 0.7, "return_entropy": True},
                                   {"softcap": 3.0, "return_entropy": True}, {"ignore_index": 2}], ids=str)
 def test_local_log_probs_math_equals_the_op(opts):

@@ -316,17 +316,25 @@ def _check_patched(model: torch.nn.Module) -> None:
     for layer in layers:
         moe = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
         if moe is not None and hasattr(moe, "experts"):
-            raise ValueError(f"opforge.parallel: expected decoder layers with a dense MLP, but {type(layer).__name__}'s "
-                             f"is a mixture of experts ({type(moe).__name__}, e.g. Mixtral, Qwen2-MoE, Qwen3-MoE): "
-                             "not supported by the tensor-parallel plan")
+            raise ValueError(f"opforge.parallel: expected decoder layers with a dense MLP, but "
+                             f"{type(layer).__name__}'s is a mixture of experts ({type(moe).__name__}, e.g. Mixtral, "
+                             "Qwen2-MoE, Qwen3-MoE): not supported by the tensor-parallel plan")
         if not hasattr(layer.self_attn, "qkv_proj") or not hasattr(layer.mlp, "gate_up_proj"):
             raise ValueError("opforge.parallel: expected patched decoder layers with self_attn.qkv_proj and "
                              "mlp.gate_up_proj (opforge.patch.apply(model) with decoder=True)")
         # What the plan does not cover is refused, never run: checkpoint-fused projections (Phi-3: no record of
         # the parts, so state_dict could not undo the row reordering), norms other than the two the plan shards
-        # (Gemma 2/3 and OLMo 2's sandwich norms), and q/k norms over the whole projection width (OLMo 2) rather
-        # than per head.
+        # (Gemma 2/3 and OLMo 2's sandwich norms), q/k norms over the whole projection width (OLMo 2) rather
+        # than per head, mixture-of-experts MLPs and FP8 projections.
         for part in (layer.self_attn, layer.mlp):
+            fp8 = part.__dict__.get("_opforge_fp8")
+            if fp8:
+                raise ValueError(f"opforge.parallel: expected projections in the model's precision, but "
+                                 f"{type(part).__name__} runs FP8 projections (opforge.patch.apply(model, "
+                                 f"fp8={fp8!r})): fp8_linear has no row-wise sharding (its scales span whole rows), "
+                                 "so o_proj and down_proj would be gathered to every rank at every step, and a "
+                                 "tensorwise scale of a weight shard is not the whole weight's: not supported by the "
+                                 "tensor-parallel plan")
             if not _fused_parts(part):
                 raise ValueError(f"opforge.parallel: expected {type(part).__name__}'s fused projection to be fused "
                                  "by opforge.patch from separate checkpoint projections (Llama, Mistral, Qwen2, "
