@@ -344,6 +344,21 @@ def suite_edges(mesh):
         check(f"vocab-parallel loss V={V} ignore_index=1", lambda a, w_: opforge.linear_cross_entropy(
             a, w_, t2.to(DEVICE), ignore_index=1), [xh, Wv], [R, S0], mesh)
 
+    # the default chunk rows (a memory budget, here scaled down) are the same on every rank, also where the slices
+    # are uneven (11 classes: 6 and 5 on 2 ranks, 3, 3, 3, 2 on 4): every rank runs the same chunks, each a collective
+    import opforge.parallel.loss as vp
+
+    budget = vp._BUDGET_BYTES
+    vp._BUDGET_BYTES = 12 * 64 * 5  # float32 rows: 128 (6 classes) and 192 (5); 320 (3 classes) and 480 (2)
+    try:
+        for fn_name, fn in (("linear_cross_entropy", lambda a, w_, t_: opforge.linear_cross_entropy(a, w_, t_)),
+                            ("linear_log_probs", lambda a, w_, t_: opforge.linear_log_probs(a, w_, t_)[0])):
+            check(f"vocab-parallel {fn_name} default chunks, uneven slices", fn,
+                  [rn(400, H), rn(11, H), torch.randint(0, 11, (400,), generator=g)], [R, S0, R], mesh, rtol=1e-4,
+                  atol=1e-5)
+    finally:
+        vp._BUDGET_BYTES = budget
+
     def autocast(fn):
         def run(*a):
             with torch.autocast(DEVICE, dtype=torch.bfloat16):
@@ -629,6 +644,12 @@ def suite_model(dp, device, steps=4, batch=4, seq=8, family="llama"):
     if not rel <= 1e-5:
         FAILURES.append(f"model {family} dp={dp} tp={tp}: losses differ from the single-process run by {rel:.2e} relative")
     _compare_grads(model, reference, batches[0], dp, tp, family)
+    if dp > 1:  # between steps the fused parameters are FSDP2's sharded ones: the slices still read transformers' rows
+        for owner, part in (("self_attn", "q_proj"), ("self_attn", "v_proj"), ("mlp", "up_proj")):
+            got = getattr(getattr(model.model.layers[0], owner), part).weight
+            want = getattr(getattr(reference.model.layers[0], owner), part).weight
+            close(full(got), want, f"model {family} dp={dp} tp={tp}: {owner}.{part}.weight between steps", rtol=1e-4,
+                  atol=1e-6)
     # without labels (inference, generate): the lm_head's logits gathered, equal to the single process's
     ids = batches[0].chunk(dp, 0)[r]
     with torch.no_grad():
@@ -639,6 +660,8 @@ def suite_model(dp, device, steps=4, batch=4, seq=8, family="llama"):
         _check_state_dict(model, reference, batches[0], tp, family)
     if dp == 1 and family == "llama":
         _count_collectives(model, batches[0], tp)
+    if dp == 1:
+        _check_fresh_model(device, family, tp, batches[0])
 
 
 def _compare_grads(model, reference, ids, dp, tp, family):
@@ -685,6 +708,53 @@ def _check_state_dict(model, reference, ids, tp, family):
     close(full(got), reference(input_ids=ids, labels=ids).loss, f"{what} loaded: loss")
     model.zero_grad(set_to_none=True)
     reference.zero_grad(set_to_none=True)
+
+
+def _check_fresh_model(device, family, tp, ids):
+    """A freshly parallelized model: its first forward gathers no weight (as many all-gathers as the plan's, the
+    fused projections' slices read locally), the slices (`self_attn.q_proj`, `mlp.up_proj`...) have transformers'
+    rows (their weights and their outputs equal the single process's), and freezing one of them alone raises."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from opforge.parallel import parallelize
+
+    import copy
+
+    what = f"model {family} tp={tp} fresh"
+    model = _tiny_llama(device, family, kv_heads=max(2, tp))
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh(device, (tp,))
+    parallelize(model, mesh)
+    mode = CommDebugMode()
+    with mode:
+        model(input_ids=ids, labels=ids)
+    gathers = sum(v for k, v in mode.get_comm_counts().items() if "all_gather" in str(k))
+    want = 2 * model.config.num_hidden_layers + 1
+    if gathers != want:
+        FAILURES.append(f"{what}: first forward {gathers} all-gathers, expected {want} (a weight gathered)")
+        log(f"FAIL {what}: first forward {gathers} all-gathers, expected {want}")
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(device)
+    for owner, parts in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+        for part in parts:
+            got = getattr(getattr(model.model.layers[0], owner), part)
+            want_m = getattr(getattr(reference.model.layers[0], owner), part)
+            close(full(got.weight), want_m.weight, f"{what}: {owner}.{part}.weight", rtol=0, atol=0)
+            y = got(distribute_tensor(x, mesh, [R]))
+            close(full(y), want_m(x), f"{what}: {owner}.{part}(x)")
+    try:  # a second parallelize would reorder the fused rows again
+        parallelize(model, mesh)
+        FAILURES.append(f"{what}: parallelized twice: no error")
+    except ValueError as e:
+        if "already a DTensor" not in str(e):
+            FAILURES.append(f"{what}: parallelized twice: {e}")
+    # one part frozen alone: the plan trains the fused projection as one parameter, so it refuses (no wrong rows)
+    model.model.layers[0].self_attn.k_proj.weight.requires_grad_(False)
+    try:
+        model(input_ids=ids, labels=ids)
+        FAILURES.append(f"{what}: k_proj frozen alone: no error")
+    except NotImplementedError as e:
+        if "fused projection" not in str(e):
+            FAILURES.append(f"{what}: k_proj frozen alone: {e}")
 
 
 def _count_collectives(model, ids, tp):

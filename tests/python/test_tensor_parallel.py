@@ -202,22 +202,43 @@ def test_parallelize_refuses_an_unpatched_model():
         par.tensor_parallel_plan(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
-@pytest.mark.parametrize("family, match", [
-    ("Phi3", "fused in the checkpoint"),            # checkpoint-fused qkv_proj / gate_up_proj
-    ("Gemma2", "sandwich norms"),                   # pre/post feed-forward norms
-    ("Olmo2", "sandwich norms"),                    # no input_layernorm; q/k norms over the whole projection
+@pytest.mark.parametrize("family, match, extra", [
+    ("Phi3", "fused in the checkpoint", {}),        # checkpoint-fused qkv_proj / gate_up_proj
+    ("Gemma2", "sandwich norms", {}),               # pre/post feed-forward norms
+    ("Olmo2", "sandwich norms", {}),                # no input_layernorm; q/k norms over the whole projection
+    ("Mixtral", "mixture of experts", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ("Qwen3Moe", "mixture of experts", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
 ])
-def test_parallelize_refuses_the_families_its_plan_does_not_cover(family, match):
+def test_parallelize_refuses_the_families_its_plan_does_not_cover(family, match, extra):
     transformers = pytest.importorskip("transformers")
     from opforge import patch
 
+    if not hasattr(transformers, f"{family}Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
     cfg = getattr(transformers, f"{family}Config")(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                                    head_dim=8, pad_token_id=0)
+                                                    head_dim=8, pad_token_id=0, **extra)
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(cfg)
     patch.apply(model, strict=True)
     with pytest.raises(ValueError, match=match):
+        par.tensor_parallel_plan(model)
+
+
+@pytest.mark.parametrize("fp8", ["tensorwise", "rowwise"])
+def test_parallelize_refuses_fp8_projections(fp8):
+    """FP8 projections (apply(model, fp8=...)) are refused with the reason: fp8_linear has no row-wise sharding, so
+    the plan's o_proj and down_proj would be gathered at every step."""
+    transformers = pytest.importorskip("transformers")
+    from opforge import patch
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    patch.apply(model, fp8=fp8)
+    with pytest.raises(ValueError, match="FP8 projections"):
         par.tensor_parallel_plan(model)
 
 

@@ -45,7 +45,8 @@ from .sharding import HANDLED, P, R, _one_dim_mesh, _placement, to_local, wrap
 __all__ = ["vocab_parallel_forward", "vocab_parallel_backward", "vocab_parallel_jsd_forward",
            "vocab_parallel_log_probs_forward", "vocab_parallel_log_probs_backward", "vocab_slice"]
 
-#: rows per chunk when chunk_size is None: about 32 MiB of float32 logits of the local slice, a multiple of 64
+#: rows per chunk when chunk_size is None: about 32 MiB of float32 logits of the widest slice (ceil(V / ranks),
+#: the same on every rank), a multiple of 64
 _BUDGET_BYTES = 32 << 20
 
 
@@ -64,12 +65,12 @@ def vocab_slice(vocab: int, ranks: int, rank: int) -> Tuple[int, int]:
     return start, min(step, vocab - start)
 
 
-def _chunk_rows(n: int, v_local: int, chunk_size: Optional[int], acc_bytes: int) -> int:
+def _chunk_rows(n: int, width: int, chunk_size: Optional[int], acc_bytes: int) -> int:
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"opforge::linear_cross_entropy: expected chunk_size >= 1, but got {chunk_size}")
         return min(chunk_size, max(n, 1))
-    rows = _BUDGET_BYTES // max(v_local * acc_bytes, 1)
+    rows = _BUDGET_BYTES // max(width * acc_bytes, 1)
     rows = max(64, rows // 64 * 64)
     return min(rows, max(n, 1))
 
@@ -147,7 +148,10 @@ class _Problem:
         local_t = self.t - start
         self.inside = self.valid & (local_t >= 0) & (local_t < self.v_local)
         self.local_t = local_t.clamp(0, max(self.v_local - 1, 0))
-        self.rows = _chunk_rows(x.shape[0], self.v_local, chunk_size, torch.finfo(self.acc).bits // 8)
+        # the default chunk rows from a width every rank shares (ceil(V / ranks), not this rank's slice): each chunk
+        # is a collective, so every rank must run the same chunks
+        ranks = dist.get_world_size(group) if group is not None else 1
+        self.rows = _chunk_rows(x.shape[0], -(-vocab // ranks), chunk_size, torch.finfo(self.acc).bits // 8)
 
     def denominator(self) -> Tensor:
         return self.w_t.sum()

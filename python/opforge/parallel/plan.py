@@ -146,6 +146,95 @@ class FusedColwiseParallel(ColwiseParallel):
         return module
 
 
+def _slice_rows(sl, name: str, grad: bool):
+    """Rows of a fused projection's slice (`q_proj`, `up_proj`...) as a DTensor of transformers' rows, or None where
+    the fused parameter is not a DTensor.
+
+    Under the plan rank r's shard of the fused weight is `[p_0's r-th chunk | p_1's | ...]`, so a part starting at
+    row `start` sits at local row `start / ranks`: a `Shard(0)` view of the local rows, without a collective (grad:
+    with its gradient to the fused parameter). Where the fused parameter is another DTensor (FSDP2's sharded one
+    between steps) the rows come from the gathered weight put back in transformers' order, as a `Replicate` DTensor
+    (not with grad: FSDP2 gathers the parameter for a forward)."""
+    full = getattr(sl._fused, name)
+    if not isinstance(full, DTensor):
+        return None
+    mesh = full.device_mesh
+    if mesh.ndim == 1 and tuple(full.placements) == (Shard(0),):
+        ranks = mesh.size()
+        local = full.to_local() if grad else full._local_tensor.detach()
+        rows = local[sl.start // ranks:sl.stop // ranks]
+        shape = torch.Size((sl.stop - sl.start, *full.shape[1:]))
+        return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
+    if grad:
+        raise NotImplementedError(
+            f"opforge.parallel: calling the slice of rows [{sl.start}, {sl.stop}) of a fused projection needs its "
+            f"{name} as the plan's Shard(0) DTensor of the tensor-parallel mesh, but it is {tuple(full.placements)} "
+            f"on a {mesh.ndim}-D mesh (FSDP2's sharded parameter between steps): call it inside the model's forward")
+    sizes = [b - a for a, b in sl._opforge_tp_parts]
+    rows = unpermute_fused(full.detach().full_tensor(), sizes, sl._opforge_tp_size)[sl.start:sl.stop]
+    return DTensor.from_local(rows, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+class TensorParallelSlice:
+    """Mixed into the class of a fused projection's slice under the plan (`self_attn.q_proj`, `mlp.up_proj`...):
+    its `weight`/`bias` are DTensors of transformers' rows of the part (`_slice_rows`: a slice of the row-reordered
+    fused DTensor would gather the whole part to every rank, cached there, and take the wrong rows); calling it
+    computes that part column-wise. Freezing the part alone is refused: the plan trains a fused projection as one
+    parameter."""
+
+    def _alias(self, name: str):
+        over = self.__dict__.get("_opforge_override")
+        if over and name in over:
+            return over[name]
+        full = getattr(self._fused, name)
+        if not isinstance(full, DTensor):
+            return super()._alias(name)
+        local = full._local_tensor
+        key = (local.data_ptr(), local._version if full.device_mesh.ndim > 1 else 0)
+        cached = self.__dict__.get("_opforge_tp_alias_" + name)
+        if cached is not None and cached[1] is full and cached[3] == key:
+            alias = cached[0]
+            if alias.requires_grad != cached[2]:
+                raise NotImplementedError(
+                    f"opforge.parallel: freezing {name} of one part (rows [{self.start}, {self.stop})) of a fused "
+                    "projection is not supported under tensor parallelism; set requires_grad on the fused "
+                    "projection (qkv_proj, gate_up_proj) instead")
+            if alias.requires_grad != full.requires_grad:
+                alias.requires_grad_(full.requires_grad)
+                cached[2] = full.requires_grad
+            return alias
+        alias = torch.nn.Parameter(_slice_rows(self, name, grad=False), requires_grad=full.requires_grad)
+        self.__dict__["_opforge_tp_alias_" + name] = [alias, full, full.requires_grad, key]
+        return alias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = _slice_rows(self, "weight", grad=True)
+        if w is None:
+            return super().forward(x)
+        b = _slice_rows(self, "bias", grad=True) if getattr(self._fused, "bias", None) is not None else None
+        return torch.nn.functional.linear(x, w, b)
+
+
+_SLICE_CLASSES: Dict[type, type] = {}
+
+
+def _tensor_parallel_slices(module: torch.nn.Module) -> None:
+    """Swaps the class of every slice of module's fused projections for one with `TensorParallelSlice` mixed in."""
+    for _, (_, parts) in module.__dict__.get("_opforge_fused", {}).items():
+        for _, _, _, sl in parts:
+            cls = type(sl)
+            if issubclass(cls, TensorParallelSlice):
+                continue
+            if cls not in _SLICE_CLASSES:
+                _SLICE_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (TensorParallelSlice, cls), {})
+            sl.__class__ = _SLICE_CLASSES[cls]
+            sl._opforge_tp_size = module._opforge_tp_ranks
+            sl._opforge_tp_parts = [(a, b) for _, a, b, _ in parts]
+            for name in ("weight", "bias"):  # a cached alias of the unsharded weight
+                sl.__dict__.pop("_opforge_alias_" + name, None)
+
+
 def _local_input(mesh, name: str):
     """A forward pre-hook: the module's input `name` (positional 0 or keyword), a `Shard(1)` DTensor, gathered to
     every rank and passed on as the local tensor; its gradient goes back as a partial sum (each rank's heads or
@@ -225,14 +314,27 @@ def _check_patched(model: torch.nn.Module) -> None:
         raise ValueError("opforge.parallel: expected a model patched by opforge.patch.apply (decoder layers of the "
                          "Llama family), but found no patched decoder layer")
     for layer in layers:
+        moe = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+        if moe is not None and hasattr(moe, "experts"):
+            raise ValueError(f"opforge.parallel: expected decoder layers with a dense MLP, but "
+                             f"{type(layer).__name__}'s is a mixture of experts ({type(moe).__name__}, e.g. Mixtral, "
+                             "Qwen2-MoE, Qwen3-MoE): not supported by the tensor-parallel plan")
         if not hasattr(layer.self_attn, "qkv_proj") or not hasattr(layer.mlp, "gate_up_proj"):
             raise ValueError("opforge.parallel: expected patched decoder layers with self_attn.qkv_proj and "
                              "mlp.gate_up_proj (opforge.patch.apply(model) with decoder=True)")
         # What the plan does not cover is refused, never run: checkpoint-fused projections (Phi-3: no record of
         # the parts, so state_dict could not undo the row reordering), norms other than the two the plan shards
-        # (Gemma 2/3 and OLMo 2's sandwich norms), and q/k norms over the whole projection width (OLMo 2) rather
-        # than per head.
+        # (Gemma 2/3 and OLMo 2's sandwich norms), q/k norms over the whole projection width (OLMo 2) rather
+        # than per head, mixture-of-experts MLPs and FP8 projections.
         for part in (layer.self_attn, layer.mlp):
+            fp8 = part.__dict__.get("_opforge_fp8")
+            if fp8:
+                raise ValueError(f"opforge.parallel: expected projections in the model's precision, but "
+                                 f"{type(part).__name__} runs FP8 projections (opforge.patch.apply(model, "
+                                 f"fp8={fp8!r})): fp8_linear has no row-wise sharding (its scales span whole rows), "
+                                 "so o_proj and down_proj would be gathered to every rank at every step, and a "
+                                 "tensorwise scale of a weight shard is not the whole weight's: not supported by the "
+                                 "tensor-parallel plan")
             if not _fused_parts(part):
                 raise ValueError(f"opforge.parallel: expected {type(part).__name__}'s fused projection to be fused "
                                  "by opforge.patch from separate checkpoint projections (Llama, Mistral, Qwen2, "
@@ -316,13 +418,18 @@ def parallelize(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
         model, its parameters now DTensors on tp_mesh.
 
     Raises:
-        ValueError: not a patched model; heads or widths not divisible by the mesh size; tied embeddings.
+        ValueError: not a patched model; heads or widths not divisible by the mesh size; tied embeddings; a parameter
+            already a DTensor (parallelized twice, or after fully_shard).
     """
     from .sharding import keep_param_placements, register_sharding_rules
 
     register_sharding_rules()
     if tp_mesh.ndim != 1:
         raise ValueError(f"opforge.parallel.parallelize: expected a 1-D tensor-parallel mesh, but got {tp_mesh.ndim}-D")
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise ValueError(f"opforge.parallel.parallelize: expected a model of plain-tensor parameters (parallelize "
+                             f"it once, before fully_shard), but {name} is already a DTensor {tuple(p.placements)}")
     plan = tensor_parallel_plan(model)
     ranks = tp_mesh.size()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -355,4 +462,5 @@ def parallelize(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
             m._opforge_tp_ranks = ranks
             if _fused_parts(m):
                 _hooks_first(m)
+                _tensor_parallel_slices(m)
     return model
