@@ -292,3 +292,19 @@ def test_local_jsd_math_equals_the_op(opts):
                                                   grad_mask=(True, True, True), **opts)
     for got, want in ((loss, ref.detach()), (gi, xr.grad), (gw, wr.grad), (gb, br.grad)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_revert_refuses_a_parallelized_model():
+    """revert of a model parallelize sharded raises (its fused weights are shards in the plan's row order; un-fusing
+    them would build wrong Linears), and leaves the model patched."""
+    transformers = pytest.importorskip("transformers")
+    from opforge import patch
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = transformers.LlamaForCausalLM(cfg)
+    patch.apply(model)
+    model.model.layers[0].self_attn._opforge_tp_ranks = 2  # what parallelize marks on each layer it shards
+    with pytest.raises(RuntimeError, match="opforge.patch.revert: expected a model not sharded"):
+        patch.revert(model)
+    assert patch.is_patched(model)

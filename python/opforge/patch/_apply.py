@@ -400,9 +400,16 @@ def revert(model: torch.nn.Module) -> int:
 
     Raises:
         TypeError: model is not a torch.nn.Module.
+        RuntimeError: model was sharded by `opforge.parallel.parallelize` (its fused weights are DTensor shards in
+            the plan's row order: un-fusing them would not give transformers' Linears; revert a model before
+            parallelizing it, or load its `state_dict` into an unpatched one).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"opforge.patch.revert: expected a torch.nn.Module, but got {type(model).__name__}")
+    if any("_opforge_tp_ranks" in m.__dict__ for m in model.modules()):
+        raise RuntimeError("opforge.patch.revert: expected a model not sharded by opforge.parallel.parallelize, but "
+                           "this one is (its fused weights are tensor-parallel shards); load its state_dict "
+                           "(transformers' keys and values) into an unpatched model instead")
     n = 0
     for m in list(model.modules()):
         swapped = m.__dict__.pop("_opforge_swapped", None)
