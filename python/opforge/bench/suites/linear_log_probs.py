@@ -161,13 +161,24 @@ class _Chunked(torch.autograd.Function):
         return gx * g.to(gx.dtype), gw * g.to(gw.dtype), None, None, None, *([None] * ctx.extra)
 
 
+def _chunked(x, w, loss, chunk, dim, *extra):
+    """`_Chunked` when a gradient is wanted, else the chunks' losses summed (no gradient work in a forward only)."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _Chunked.apply(x, w, loss, chunk, dim, *extra)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for i in range(0, x.shape[dim], chunk):
+        sl = tuple([slice(None)] * dim + [slice(i, i + chunk)])
+        total += loss(x[sl], w, *[e[sl] for e in extra]).float()
+    return total
+
+
 def chunked_log_probs(x, w, t):
-    return _Chunked.apply(x, w, eager_log_probs, CHUNK_ROWS, 0, t)
+    return _chunked(x, w, eager_log_probs, CHUNK_ROWS, 0, t)
 
 
 def chunked_jsd(x, w, xt, wt):
     n = x.shape[0]
-    return _Chunked.apply(x, w, lambda a, b, c, d: eager_jsd(a, b, c, d) * a.shape[0] / n, CHUNK_ROWS, 0, xt, wt)
+    return _chunked(x, w, lambda a, b, c: eager_jsd(a, b, c, wt) * a.shape[0] / n, CHUNK_ROWS, 0, xt)
 
 
 def chunked_dpo(x, w, t, xr, wr):
@@ -177,7 +188,7 @@ def chunked_dpo(x, w, t, xr, wr):
 
     def loss(xc, wc, tc, xrc):
         return _dpo(xc.flatten(0, 1), wc, tc.flatten(0, 1), xrc.flatten(0, 1), wr, DPO_PAIRS)
-    return _Chunked.apply(xs, w, loss, max(1, CHUNK_ROWS // (2 * T)), 1, ts, xrs)
+    return _chunked(xs, w, loss, max(1, CHUNK_ROWS // (2 * T)), 1, ts, xrs)
 
 
 def make_liger_dpo():
