@@ -3,8 +3,9 @@ linear_jsd and GRPO's loss on linear_log_probs (opforge.linear_grpo_loss), forwa
 GEMMs alone, eager PyTorch (F.linear, log_softmax in float32, the gather and the entropy: TRL's selective_log_softmax
 and entropy_from_logits; for DPO those log-probabilities summed per sequence into the DPO formula; for the JSD TRL's
 generalized_jsd_loss on both heads' logits; for GRPO those log-probabilities into opforge.grpo_loss), the same eager
-math chunked ("eager chunked": 1024-row chunks, or whole pairs for DPO, each chunk's gradients taken in the forward
-as Liger-Kernel's chunked losses do; not for GRPO), torch.compile of the eager math and, on CUDA, Liger-Kernel's
+math chunked ("eager chunked": 1024-row chunks, or whole pairs for DPO; for the scalar losses, DPO and the JSD, each
+chunk's gradients taken in the forward as Liger-Kernel's chunked losses do; for the per-token log-probabilities each
+chunk recomputed in backward, torch.utils.checkpoint; not for GRPO), torch.compile of the eager math and, on CUDA, Liger-Kernel's
 chunked losses (LigerFusedLinearDPOLoss with its reference head, LigerFusedLinearJSDLoss with only its soft loss,
 LigerFusedLinearGRPOLoss; their defaults, compiled). Rows: time and its ratio to the GEMMs alone (unit "xGEMM";
 GEMMs: log-probs and GRPO forward 1, forward+backward 4; DPO 2 and 5 (the reference head's forward); JSD 2 and 4; the
@@ -172,8 +173,19 @@ def _chunked(x, w, loss, chunk, dim, *extra):
     return total
 
 
+def _lp_ent(x, w, t):
+    logp = torch.log_softmax(F.linear(x, w).float(), -1)
+    return logp.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
 def chunked_log_probs(x, w, t):
-    return _chunked(x, w, eager_log_probs, CHUNK_ROWS, 0, t)
+    """The per-token log-probabilities and entropies chunk by chunk, each chunk's logits recomputed in backward
+    (torch.utils.checkpoint): per-token outputs, whose gradients are not known in the forward, as opforge's."""
+    from torch.utils.checkpoint import checkpoint
+
+    parts = [checkpoint(_lp_ent, x[i:i + CHUNK_ROWS], w, t[i:i + CHUNK_ROWS], use_reentrant=False)
+             for i in range(0, x.shape[0], CHUNK_ROWS)]
+    return sum(lp.sum() + ent.sum() for lp, ent in parts)
 
 
 def chunked_jsd(x, w, xt, wt):
