@@ -22,6 +22,8 @@ not timed.
     python benchmarks/bench_linear_log_probs.py                  # CUDA: the shapes below, bf16
     python benchmarks/bench_linear_log_probs.py --quick --no-compile   # CUDA: the goal shape 8192 x 4096 x 128256
     python benchmarks/bench_linear_log_probs.py --device cpu     # CPU: 2048 x 512 x 32000, float32
+    python benchmarks/bench_linear_log_probs.py --device cpu --no-compile --paired 7   # the same, rounds of one
+                                                                 # call each in turn (a loaded machine)
 """
 from __future__ import annotations
 
@@ -249,10 +251,39 @@ def make_liger_jsd():
     return fn
 
 
+def _paired(run, name, pass_, shape, dtype, steps, gemms, rounds):
+    """`rounds` rounds of one call of each step (the order rotated each round), so that a load that changes
+    during the run weighs on every implementation alike; the median call per implementation and, per
+    implementation, the median over the rounds of its time over opforge's in the same round."""
+    import time
+
+    for fn in steps.values():  # warm-up
+        fn()
+    times = {k: [] for k in steps}
+    keys = list(steps)
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            gc.collect()
+            t0 = time.perf_counter()
+            steps[k]()
+            times[k].append((time.perf_counter() - t0) * 1e6)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    line = []
+    for k, v in times.items():
+        rel = sorted(a / b for a, b in zip(v, times["opforge"]))[len(v) // 2]
+        run.add(name, shape, dtype, k, pass_, med[k], med[k] / med["GEMMs"], "xGEMM")
+        line.append(f"{k} {med[k] / 1e3:.1f} ms ({med[k] / med['GEMMs']:.2f}x GEMMs, {rel:.2f}x opforge)")
+    print(f"  {name} {pass_} {harness.dtype_str(dtype)} {shape} (median of {rounds} paired rounds): " + "; ".join(line))
+
+
 def main(argv=None) -> int:
     """Run the suite (the harness's command line); 0 when it ran."""
+    p = harness.parser(__doc__)
+    p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                   help="forward+backward only, ROUNDS rounds of one call of each implementation in turn (for a "
+                        "loaded machine: the ratios are taken within a round); no memory rows")
     run = harness.start(NAME, __doc__, argv, dtypes=harness.cuda_or_cpu([torch.bfloat16], [torch.float32]),
-                       warmup=(3, 1), reps=((10, 10), (3, 3)))
+                       warmup=(3, 1), reps=((10, 10), (3, 3)), arg_parser=p)
     dev, cuda = run.device, run.cuda
     shapes = run.shapes(CUDA_SHAPES, CPU_SHAPES, CUDA_QUICK_SHAPES, CPU_QUICK_SHAPES)
     cases = {NAME: {"opforge": ours_log_probs, "eager": eager_log_probs, "eager chunked": chunked_log_probs},
@@ -298,6 +329,17 @@ def main(argv=None) -> int:
             harness.check_reference(f"{JSD} {harness.dtype_str(dtype)} {shape}", ours_jsd(xs, w, xts, wt), ref_jsd,
                                     eager_jsd(xs, w, xts, wt),
                                     bound=testing.linear_jsd_error_bound(xs, w, xts, wt, reference=ref_jsd))
+            if run.args.paired:
+                for name, impls in cases.items():
+                    gemms = {NAME: 4, DPO: 5, JSD: 4, GRPO: 4}[name]
+                    extra = {NAME: [t], DPO: [td, xt, wt], JSD: [xt, wt], GRPO: [tg, adv, old, ref]}[name]
+                    xi, wi = x.detach().requires_grad_(), w.detach().requires_grad_()
+                    steps = {"GEMMs": lambda n=gemms: [torch.mm(x, w.t()) for _ in range(n)]}
+                    steps.update({impl: harness.fwd_bwd(fn, [xi, wi, *extra]) for impl, fn in impls.items()
+                                  if impl != "torch.compile"})
+                    _paired(run, name, "fwd+bwd", shape, dtype, steps, gemms, run.args.paired)
+                    gc.collect()
+                continue
             gemm = run.time(lambda: torch.mm(x, w.t()))
             try:
                 gemm_mem = peak(lambda: torch.mm(x, w.t()))
