@@ -18,7 +18,7 @@ only by the fused kernels' summation order (about 1e-7 relative per step), which
 this many steps; a wrong loss or gradient (a missing term, a wrong sign, a wrong normaliser) moves the curves by far
 more than 1e-3 within a few steps. The exit status is 1 when a pair disagrees.
 
-    python examples/post_training.py                         # ~1 minute on 2 CPU cores
+    python examples/post_training.py                         # about 80 s on 2 loaded CPU cores
     python examples/post_training.py --plot docs/performance/post_training.png
     python examples/post_training.py --tiny                  # a few seconds (the test's size)
 """
