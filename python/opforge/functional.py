@@ -13,6 +13,7 @@ tensors on any one device; inputs on different devices, integer, bool or complex
 from __future__ import annotations
 
 import operator
+import os
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -581,6 +582,25 @@ __all__ += ["linear_log_probs"]
 _linear_log_probs_op = torch.ops.opforge.linear_log_probs.default
 
 
+#: linear_log_probs' and linear_jsd's float32 logits per chunk on the CPU where the call passes no chunk_size (and
+#: OPFORGE_LCE_CHUNK_SIZE is unset): 128 MiB, 1024 rows at V = 32000. The engine's own CPU budget (32 MiB, 256 rows
+#: there) suits linear_cross_entropy's gradient-in-forward loop; these two ops' chunk loops add each chunk's weight
+#: gradient into a float32 V x H accumulator (the backward's recompute, the teacher's second GEMM), whose traffic
+#: four times the chunks multiply: at 2048 x 512 x 32000 forward+backward, 1024-row chunks took 0.4-0.6 of the time
+#: of 256-row ones (docs/performance/post_training.md).
+CPU_LOG_PROBS_CHUNK_BYTES = 128 << 20
+
+
+def _cpu_chunk(chunk_size: Optional[int], input: Tensor, linear_weight: Tensor) -> Optional[int]:
+    """chunk_size, or on the CPU without one (and without OPFORGE_LCE_CHUNK_SIZE) the rows of
+    `CPU_LOG_PROBS_CHUNK_BYTES` of float32 logits (a multiple of 64, at least 64); None elsewhere (the engine's)."""
+    if chunk_size is not None or not isinstance(input, Tensor) or input.device.type != "cpu" \
+            or os.environ.get("OPFORGE_LCE_CHUNK_SIZE", "").strip() or linear_weight.dim() != 2:
+        return chunk_size
+    rows = CPU_LOG_PROBS_CHUNK_BYTES // (4 * max(1, linear_weight.shape[0]))
+    return max(64, rows - rows % 64)
+
+
 def linear_log_probs(input: Tensor, linear_weight: Tensor, target: Tensor, linear_bias: Optional[Tensor] = None, *,
                      temperature: float = 1.0, ignore_index: int = -100, softcap: Optional[float] = None,
                      return_entropy: bool = False,
@@ -608,7 +628,8 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, target: Tensor, linea
             final logit softcapping). Default: None.
         return_entropy: bool. Also return the per-token entropy (one more pass over each chunk's logits in the
             forward). Default: False.
-        chunk_size: int or None. Tokens per chunk. Default: None: as `linear_cross_entropy`'s.
+        chunk_size: int or None. Tokens per chunk. Default: None: as `linear_cross_entropy`'s on CUDA; on the CPU
+            the rows of `CPU_LOG_PROBS_CHUNK_BYTES` of float32 logits (1024 at V = 32000).
 
     Returns:
         log_probs `(*)`, or `(log_probs, entropy)` with `return_entropy`, float32 (float64 for float64 input),
@@ -633,7 +654,7 @@ def linear_log_probs(input: Tensor, linear_weight: Tensor, target: Tensor, linea
     try:
         lp, ent = _linear_log_probs_op(input, linear_weight, target, linear_bias, float(temperature), ignore_index,
                                        None if softcap is None else float(softcap), bool(return_entropy),
-                                       chunk_size)
+                                       _cpu_chunk(chunk_size, input, linear_weight))
     except NotImplementedError:
         _missing_tensor("linear_log_probs", input=input, linear_weight=linear_weight, target=target)
         raise
@@ -681,7 +702,7 @@ def linear_jsd(input: Tensor, linear_weight: Tensor, teacher_input: Tensor, teac
         reduction: str. `"mean"` (over the counted tokens: TRL's "batchmean" with labels) or `"sum"`. Default:
             `"mean"`.
         chunk_size: int or None. Tokens per chunk (two `chunk_size × V` float32 logit buffers). Default: None: as
-            `linear_cross_entropy`'s, for the two buffers.
+            `linear_cross_entropy`'s, for the two buffers, on CUDA; on the CPU as `linear_log_probs`'s.
 
     Returns:
         `()` float32 (float64 for float64 input). `"mean"` with no counted token is NaN (0/0) and its gradients
@@ -705,7 +726,7 @@ def linear_jsd(input: Tensor, linear_weight: Tensor, teacher_input: Tensor, teac
     try:
         return _linear_jsd_op(input, linear_weight, teacher_input, teacher_linear_weight, target, linear_bias,
                               teacher_linear_bias, float(beta), float(temperature), ignore_index, reduction,
-                              chunk_size)
+                              _cpu_chunk(chunk_size, input, linear_weight))
     except NotImplementedError:
         _missing_tensor("linear_jsd", input=input, linear_weight=linear_weight, teacher_input=teacher_input,
                         teacher_linear_weight=teacher_linear_weight)

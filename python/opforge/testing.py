@@ -506,6 +506,108 @@ def linear_jsd_reference(input: Tensor, linear_weight: Tensor, teacher_input: Te
     return total if reduction == "sum" else total / valid.sum()
 
 
+__all__ += ["linear_jsd_error_bound", "linear_jsd_grad_error_bounds"]
+
+
+def _jsd_bound_terms(input, linear_weight, teacher_input, teacher_linear_weight, target, linear_bias,
+                     teacher_linear_bias, temperature, ignore_index, reduction):
+    """The float64 logits of both heads as (N, V) rows, the per-token magnitude max |z_s| / τ + max |z_t| / τ + log V,
+    the counted tokens and the mean's divisor, shared by the two bounds below."""
+    def rows(t):
+        return t.detach().double().flatten(0, -2) if t.dim() >= 2 else t.detach().double().unsqueeze(0)
+
+    def logits(a, m, b):
+        z = a @ m.detach().double().t()
+        return z if b is None else z + b.detach().double()
+    x2, xt2 = rows(input), rows(teacher_input)
+    zs, zt = logits(x2, linear_weight, linear_bias), logits(xt2, teacher_linear_weight, teacher_linear_bias)
+    mag = (zs.abs().amax(-1) + zt.abs().amax(-1)) / temperature + math.log(linear_weight.shape[0])
+    valid = (torch.ones(zs.shape[0], dtype=torch.bool, device=zs.device) if target is None
+             else (target.reshape(-1) != ignore_index).to(zs.device))
+    count = valid.sum().clamp(min=1) if reduction == "mean" else 1
+    return x2, xt2, zs, zt, mag, valid, count
+
+
+def linear_jsd_error_bound(input: Tensor, linear_weight: Tensor, teacher_input: Tensor, teacher_linear_weight: Tensor,
+                           target: Optional[Tensor] = None, *, linear_bias: Optional[Tensor] = None,
+                           teacher_linear_bias: Optional[Tensor] = None, temperature: float = 1.0,
+                           ignore_index: int = -100, reduction: str = "mean",
+                           reference: Optional[Tensor] = None) -> Tensor:
+    """|loss − loss₆₄| ≤ Σ_valid 2 (2 δz + 4 u' (max |z_s| + max |z_t| + log V)) / T + u' |loss₆₄|: an a-priori bound
+    of the float32 rounding of `opforge.linear_jsd`'s loss (any β), u' = eps(float32), δz the per-token largest
+    `gemm_error_bound` of both heads' logits in float32, z / τ the logits.
+
+    Every path (opforge's kernels and the eager float32 reference) forms the logits and the log-softmaxes in float32:
+    each logit carries the GEMM's rounding (products of 16-bit inputs are exact in float32, the sum is not) and
+    each log-probability a few float32 roundings of its magnitude (≤ max |z| + log V); the divergence weighs them
+    by probabilities that sum to 1 with coefficients ≤ 2, so one token's value is off by at most
+    2 (2 δz + 4 u' mag); the mean divides by the T counted tokens, and the final rounding adds u' |loss|.
+
+    Args:
+        input, linear_weight, teacher_input, teacher_linear_weight, target, linear_bias, teacher_linear_bias,
+            temperature, ignore_index, reduction: as `opforge.linear_jsd`.
+        reference: `()` floating or None. The float64 loss (`linear_jsd_reference`) for the last term. Default:
+            None (no last term).
+
+    Returns:
+        `()` float64.
+    """
+    f32 = torch.float32
+    eps = torch.finfo(f32).eps
+    x2, xt2, _, _, mag, valid, count = _jsd_bound_terms(input, linear_weight, teacher_input, teacher_linear_weight,
+                                                        target, linear_bias, teacher_linear_bias, temperature,
+                                                        ignore_index, reduction)
+    dz = (gemm_error_bound(x2, linear_weight, f32).amax(-1)
+          + gemm_error_bound(xt2, teacher_linear_weight, f32).amax(-1)) / temperature
+    per = 2 * (2 * dz + 4 * eps * mag)
+    bound = torch.where(valid, per, torch.zeros_like(per)).sum() / count
+    if reference is not None:
+        bound = bound + eps * reference.detach().double().abs().to(bound.device)
+    return bound
+
+
+def linear_jsd_grad_error_bounds(input: Tensor, linear_weight: Tensor, teacher_input: Tensor,
+                                 teacher_linear_weight: Tensor, grad_output: Tensor, target: Optional[Tensor] = None,
+                                 *, linear_bias: Optional[Tensor] = None, teacher_linear_bias: Optional[Tensor] = None,
+                                 beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
+                                 reduction: str = "mean") -> tuple[Tensor, Tensor]:
+    """Elementwise a-priori bounds of the float32 rounding of `opforge.linear_jsd`'s gradients in input and
+    linear_weight: the logit gradient dz = (1 − β) p_s ((ls − lm) − K) g / T (its float64 value from
+    `linear_jsd_reference`) is off by at most 8 u' g p_s mag / T + u' |dz| per logit (mag as in
+    `linear_jsd_error_bound`), carried through |W| and |X|, plus the two gradient GEMMs' own rounding
+    (`gemm_error_bound` of |dz| and the other operand in float32). Materialises (N, V) and (V, V): small shapes only.
+
+    Args:
+        input, linear_weight, teacher_input, teacher_linear_weight, target, linear_bias, teacher_linear_bias, beta,
+            temperature, ignore_index, reduction: as `opforge.linear_jsd`.
+        grad_output: `()` floating. The loss's incoming gradient g.
+
+    Returns:
+        (input's shape, linear_weight's shape), float64.
+    """
+    f32 = torch.float32
+    eps = torch.finfo(f32).eps
+    x2, _, zs, zt, mag, valid, count = _jsd_bound_terms(input, linear_weight, teacher_input, teacher_linear_weight,
+                                                        target, linear_bias, teacher_linear_bias, temperature,
+                                                        ignore_index, reduction)
+    V = linear_weight.shape[0]
+    zl = zs.clone().requires_grad_()
+    eye = torch.eye(V, dtype=torch.float64, device=zs.device)
+    with torch.enable_grad():
+        loss = linear_jsd_reference(zl, eye, zt, eye, None if target is None else target.reshape(-1), beta=beta,
+                                    temperature=temperature, ignore_index=ignore_index, reduction=reduction)
+        (dz,) = torch.autograd.grad(loss, zl)
+    g = grad_output.detach().double().abs().to(zs.device)
+    dz = dz.abs() * g
+    ps = torch.softmax(zs / temperature, -1)
+    err = 8 * eps * g * ps * mag.unsqueeze(-1) / temperature / count + eps * dz  # [N, V]
+    err = torch.where(valid.unsqueeze(-1), err, torch.zeros_like(err))
+    w = linear_weight.detach().double()
+    grad_input = (err @ w.abs() + gemm_error_bound(dz, linear_weight.detach().t(), f32)).reshape(input.shape)
+    grad_weight = err.t() @ x2.abs() + gemm_error_bound(dz.t(), x2.t(), f32)
+    return grad_input, grad_weight
+
+
 # ---- post-training losses (opforge.losses) ---------------------------------------------------------------
 
 __all__ += ["preference_loss_reference", "kto_loss_reference"]

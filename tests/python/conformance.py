@@ -1073,59 +1073,21 @@ def _jsd_native(input, linear_weight, teacher_input, teacher_linear_weight, targ
 
 
 def _jsd_check(what, ours, ref, base, args, gouts, **kwargs):
-    """The tolerance rule with a-priori bounds: for the loss, one of its float32 rounding (a scalar: PyTorch's own
-    float32 result can be luckily close, and one unit in the last place is then already past the rule). Every path
-    computes the logits and log-softmaxes in float32: each logit carries the GEMM's error (gemm_error_bound in
-    float32: the products of 16-bit inputs are exact there) and each log-probability a few float32 roundings of its
-    magnitude (≤ max |z| + log V); the divergence weighs those by probabilities that sum to 1 (coefficients ≤ 2 in
-    its value), so a token's value is off by at most 2 (2 max δz + 4 eps (max |z_s| + max |z_t| + log V)) / T.
-    For the gradients, the same per-logit rounding: the logit gradient (1 − β) p_s ((ls − lm) − K) g / T (its
-    float64 value dz from the reference) is off by at most 8 eps g p_s mag / T + eps |dz| per logit, and the two
-    gradient GEMMs add their own rounding (gemm_error_bound of |dz| and the other operand)."""
-    bound = None
+    """The tolerance rule with a-priori bounds of the float32 rounding (`opforge.testing.linear_jsd_error_bound` for
+    the loss, a scalar: PyTorch's own float32 result can be luckily close, and one unit in the last place is then
+    already past the rule; `linear_jsd_grad_error_bounds` for the gradients)."""
     opts = {**(args[2] if len(args) > 2 and isinstance(args[2], dict) else {}), **kwargs}
     x, w = args[0], args[1]
     if what not in ("output 0", "grad 0", "grad 1") or x.numel() == 0:
         return T.assert_matches_reference(ours, ref, base, what=what)
-    xt, wt = opts["teacher_input"], opts["teacher_linear_weight"]
-    temp = opts.get("temperature", 1.0)
-    f32 = torch.float32
-    eps = torch.finfo(f32).eps
-    V = w.shape[0]
-    x2, xt2 = _rows(x.detach().double()), _rows(xt.detach().double())
-
-    def logits(a, m, b):
-        z = a @ m.detach().double().t()
-        return z if b is None else z + b.detach().double()
-    zs, zt = logits(x2, w, opts.get("linear_bias")), logits(xt2, wt, opts.get("teacher_linear_bias"))
-    mag = (zs.abs().amax(-1) + zt.abs().amax(-1)) / temp + math.log(V)  # [N]
-    target = opts.get("target")
-    valid = (torch.ones(zs.shape[0], dtype=torch.bool, device=zs.device) if target is None
-             else (target.reshape(-1) != opts.get("ignore_index", -100)).to(zs.device))
-    mean = opts.get("reduction", "mean") == "mean"
-    count = valid.sum().clamp(min=1) if mean else 1
+    heads = (x, w, opts["teacher_input"], opts["teacher_linear_weight"])
+    kw = {k: opts[k] for k in ("linear_bias", "teacher_linear_bias", "temperature", "ignore_index", "reduction")
+          if k in opts}
     if what == "output 0":
-        dz = (T.gemm_error_bound(x2, w, f32).amax(-1) + T.gemm_error_bound(xt2, wt, f32).amax(-1)) / temp
-        per = 2 * (2 * dz + 4 * eps * mag)
-        bound = torch.where(valid, per, torch.zeros_like(per)).sum() / count + eps * ref.detach().double().abs()
+        bound = T.linear_jsd_error_bound(*heads, opts.get("target"), reference=ref, **kw)
     else:
-        zl = zs.clone().requires_grad_()
-        eye = torch.eye(V, dtype=torch.float64, device=zs.device)
-        loss = T.linear_jsd_reference(zl, eye, zt, eye, None if target is None else target.reshape(-1),
-                                      beta=opts.get("beta", 0.5), temperature=temp,
-                                      ignore_index=opts.get("ignore_index", -100),
-                                      reduction=opts.get("reduction", "mean"))
-        g = gouts[0].detach().double().abs().to(zs.device)
-        (dz,) = torch.autograd.grad(loss, zl)
-        dz = dz.abs() * g
-        ps = torch.softmax(zs / temp, -1)
-        err = 8 * eps * g * ps * mag.unsqueeze(-1) / temp / count + eps * dz  # [N, V]
-        err = torch.where(valid.unsqueeze(-1), err, torch.zeros_like(err))
-        if what == "grad 0":
-            bound = err @ w.detach().double().abs() + T.gemm_error_bound(dz, w.detach().t(), f32)
-            bound = bound.reshape(x.shape)
-        else:
-            bound = err.t() @ x2.abs() + T.gemm_error_bound(dz.t(), x2.t(), f32)
+        bounds = T.linear_jsd_grad_error_bounds(*heads, gouts[0], opts.get("target"), beta=opts.get("beta", 0.5), **kw)
+        bound = bounds[0] if what == "grad 0" else bounds[1]
     T.assert_matches_reference(ours, ref, base, what=what, bound=bound)
 
 
