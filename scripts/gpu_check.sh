@@ -39,7 +39,8 @@
 #   GPU_CHECK_JOBS            16      ninja parallelism
 #   GPU_CHECK_BUILD_DIR       build/gpu (build/gpu-cpu with GPU_CHECK_NO_CUDA=1)
 #   GPU_CHECK_NO_CUDA         0       1: CPU-only build and runs (to exercise this script without a GPU)
-#   GPU_CHECK_PYTEST_ARGS     tests/python   what pytest runs (e.g. "tests/python/test_rms_norm.py -x");
+#   GPU_CHECK_PYTEST_ARGS     tests/python   what pytest runs (e.g. "tests/python/test_rms_norm.py -x"; split as a shell
+#                                            command line: "-k 'fp8 or jsd' tests/python" keeps the -k expression whole);
 #                                            "none": no pytest step
 #   GPU_CHECK_CPP_TESTS       1       0: do not build or run the C++ tests (a quicker build)
 #   GPU_CHECK_RUN                     extra steps, one a line: "NAME: COMMAND" (bash), run after ctest with
@@ -338,10 +339,11 @@ elif [ "$BUILT" = 1 ]; then
   cap=$(( $(remaining) - 60 )); [ "$cap" -gt "$PYTEST_TIMEOUT" ] && cap=$PYTEST_TIMEOUT
   [ "$cap" -lt 30 ] && cap=30
   echo "pytest (cap ${cap}s) -> $OUT/pytest.log"
-  # shellcheck disable=SC2086
+  # the arguments split as the shell splits a command line, so quoted ones stay whole (-k 'fp8 or jsd')
+  eval "pytest_args=(${GPU_CHECK_PYTEST_ARGS:-tests/python})"
   OPFORGE_LIBRARY=$LIB PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} \
     timeout --kill-after=10 "$cap" "$PY" -m pytest -v -rs -p no:cacheprovider --durations=15 \
-      --junitxml="$OUT/junit.xml" ${GPU_CHECK_PYTEST_ARGS:-tests/python} > "$OUT/pytest.log" 2>&1
+      --junitxml="$OUT/junit.xml" "${pytest_args[@]}" > "$OUT/pytest.log" 2>&1
   rc=$?
   tail -n 5 "$OUT/pytest.log"
   if [ -s "$OUT/junit.xml" ] && read -r total failed errors skipped cuda_skipped < <(junit_counts); then
