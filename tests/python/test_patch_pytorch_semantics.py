@@ -236,3 +236,21 @@ def test_frozen_rows_of_a_copied_model_stay_frozen():
     opt.step()
     assert torch.equal(attn.q_proj.weight, q)  # weight decay would have scaled it by 0.95
     assert not torch.equal(attn.k_proj.weight, k)
+
+
+def test_patched_forwards_keep_transformers_signatures():
+    """Code reading a forward's parameter names sees transformers' (the HF Trainer keeps only the dataset columns
+    the model's forward names: with `(*args, **kwargs)` it dropped input_ids and labels and refused the batch)."""
+    import inspect
+
+    ref, model = _patched()
+    pairs = [(model, ref), (model.model.layers[0], ref.model.layers[0]),
+             (model.model.layers[0].self_attn, ref.model.layers[0].self_attn),
+             (model.model.layers[0].mlp, ref.model.layers[0].mlp)]
+    for m, r in pairs:
+        assert type(m) is not type(r)  # patched
+        assert inspect.signature(m.forward) == inspect.signature(r.forward), type(r).__name__
+    names = list(inspect.signature(model.forward).parameters)
+    assert "input_ids" in names and "labels" in names
+    ids = _ids()
+    torch.testing.assert_close(model(ids, labels=ids).loss, ref(ids, labels=ids).loss, rtol=1e-5, atol=0)
