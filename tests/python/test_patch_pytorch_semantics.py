@@ -254,3 +254,46 @@ def test_patched_forwards_keep_transformers_signatures():
     assert "input_ids" in names and "labels" in names
     ids = _ids()
     torch.testing.assert_close(model(ids, labels=ids).loss, ref(ids, labels=ids).loss, rtol=1e-5, atol=0)
+
+
+def test_freezing_a_slice_of_a_compiled_model_recompiles():
+    """A slice frozen after the first compiled call: Dynamo guards on the rows' flags, so the next call recompiles
+    and reads those rows detached (zero gradient, as eager)."""
+    ref, model = _patched()
+    compiled = torch.compile(model, backend="eager")  # the guards are Dynamo's: no Inductor needed
+    ids = _ids()
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m.model.layers[0].self_attn.q_proj.requires_grad_(False)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss_ref = ref(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
+    loss.backward()
+    loss_ref.backward()
+    fused = model.model.layers[0].self_attn.qkv_proj.weight
+    assert torch.count_nonzero(fused.grad[:64]) == 0
+    grads, grads_ref = patch.gradients_by_name(model), patch.gradients_by_name(ref)
+    assert grads.keys() == grads_ref.keys()
+    for k in grads_ref:
+        torch.testing.assert_close(grads[k], grads_ref[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_frozen_rows_are_forgotten_with_their_model():
+    """The optimizer hooks' record of partly frozen fused Parameters goes with the model (no per-step look-ups left
+    behind for other optimizers)."""
+    import gc
+
+    from opforge.patch import _fused
+
+    _, model = _patched()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.model.layers[0].self_attn.q_proj.requires_grad_(False)
+    key = id(model.model.layers[0].self_attn.qkv_proj.weight)
+    assert key in _fused._PARTIAL
+    del model
+    gc.collect()
+    assert key not in _fused._PARTIAL

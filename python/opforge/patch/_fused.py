@@ -157,7 +157,7 @@ class FusedProjectionSlice(torch.nn.Linear):
 def rows_trainable(fused: torch.nn.Linear, name: str) -> Optional[tuple]:
     """One requires_grad flag per slice of fused.<name>, or None when they all follow the parameter's."""
     p = fused._parameters.get(name)
-    st = fused.__dict__.get("_opforge_rows_rg")
+    st = getattr(fused, "_opforge_rows_rg", None)  # an attribute read: torch.compile guards on it (recompiles)
     cur = st.get(name) if st else None
     if p is None or cur is None or not isinstance(p, torch.nn.Parameter) or cur[0] != p.requires_grad:
         return None
@@ -188,8 +188,16 @@ def _track(p: torch.nn.Parameter, fused: torch.nn.Linear, name: str) -> None:
     """Have torch.optim steps keep the frozen rows of `p` (see _step_pre_hook)."""
     e = _PARTIAL.get(id(p))
     if e is None or e[0]() is not p or e[1]() is not fused:
-        _PARTIAL[id(p)] = (weakref.ref(p), weakref.ref(fused), name)
+        key = id(p)  # the entry goes with the Parameter (else every later step of every optimizer looks it up)
+        _PARTIAL[key] = (weakref.ref(p, lambda r, k=key: _drop(_PARTIAL, k, r)), weakref.ref(fused), name)
         _install_optimizer_hooks()
+
+
+def _drop(table: dict, key: int, ref) -> None:
+    """Weakref callback: forget `key` when its entry is still the one of the Parameter that died."""
+    e = table.get(key)
+    if e is not None and e[0] is ref:
+        del table[key]
 
 
 def _operand_rows(fused: torch.nn.Linear, name: str, sl: "FusedProjectionSlice") -> Optional[torch.Tensor]:
@@ -247,7 +255,7 @@ _HOOKS: list = []
 
 def retire(p: torch.nn.Parameter, what: str) -> None:
     key = id(p)
-    _RETIRED[key] = (weakref.ref(p, lambda _r, k=key: _RETIRED.pop(k, None)), what)
+    _RETIRED[key] = (weakref.ref(p, lambda r, k=key: _drop(_RETIRED, k, r)), what)
     _GENERATION[0] += 1
     _install_optimizer_hooks()
 
