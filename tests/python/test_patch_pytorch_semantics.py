@@ -297,3 +297,26 @@ def test_frozen_rows_are_forgotten_with_their_model():
     del model
     gc.collect()
     assert key not in _fused._PARTIAL
+
+
+def test_weight_flag_set_before_a_compiled_model_runs_freezes_the_rows():
+    """`k_proj.weight.requires_grad = False`, then only compiled forwards (no eager one syncs the slices): the rows
+    are read detached under compile and kept through SGD with momentum and weight decay, as the frozen Linear."""
+    ref, model = _patched()
+    for m in (model, ref):
+        m.model.layers[0].self_attn.k_proj.weight.requires_grad = False
+    compiled = torch.compile(model, backend="eager")
+    runs = []
+    for m, fwd in ((ref, ref), (model, compiled)):
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5, momentum=0.9,
+                              weight_decay=0.1)
+        for seed in (1, 2):
+            opt.zero_grad()
+            ids = _ids(seed)
+            fwd(input_ids=ids, labels=ids).loss.backward()
+            runs.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9))  # the gradient norm clipping reads
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt.step()
+    torch.testing.assert_close(runs[2:], runs[:2], rtol=1e-4, atol=0)
+    _assert_same_state(model, ref)

@@ -60,6 +60,7 @@ class FusedProjectionSlice(torch.nn.Linear):
         rows = full.data[self.start:self.stop]
         alias = torch.nn.Parameter(rows, requires_grad=False)
         cached = [alias, full, full.data_ptr(), alias.data_ptr(), False]
+        _ALIASED.add(self)
         self.__dict__["_opforge_alias_" + name] = cached
         return self._in_step(name, alias, full, cached)
 
@@ -209,7 +210,23 @@ def _operand_rows(fused: torch.nn.Linear, name: str, sl: "FusedProjectionSlice")
         return None
     t = full[sl.start:sl.stop]
     flags = rows_trainable(fused, name) if isinstance(full, torch.nn.Parameter) else None
-    return t.detach() if flags is not None and not flags[sl.index] else t
+    trains = _flag_set_on_alias(sl, name, full)
+    if trains is None:
+        trains = flags is None or flags[sl.index]
+    return t if trains else t.detach()
+
+
+def _flag_set_on_alias(sl: "FusedProjectionSlice", name: str, full) -> Optional[bool]:
+    """Under torch.compile, where the slices are not synced: requires_grad set on the Parameter standing for the
+    rows since the last sync (`q_proj.weight.requires_grad = False`), else None. Dynamo guards on that flag; the
+    next optimizer step records it (see _step_pre_hook)."""
+    if not torch.compiler.is_compiling() or not isinstance(full, torch.nn.Parameter):
+        return None
+    _TRACED[0] = True  # a store, no read (no guard): the optimizer pre-hook looks at the slices from now on
+    cached = sl.__dict__.get("_opforge_alias_" + name)
+    if cached is None or cached[1] is not full or cached[0].requires_grad == cached[4]:
+        return None
+    return bool(cached[0].requires_grad)
 
 
 class _Operand:
@@ -231,6 +248,7 @@ def gemm_operand(module: torch.nn.Module, fused_name: str, base):
         full = getattr(fused, name)
         special = full is not None and (
             (isinstance(full, torch.nn.Parameter) and rows_trainable(fused, name) is not None)
+            or any(_flag_set_on_alias(sl, name, full) is not None for _, _, _, sl in parts)
             or any(name in (sl.__dict__.get("_opforge_override") or ()) for _, _, _, sl in parts))
         if not special:
             out.append(full)
@@ -246,6 +264,8 @@ def gemm_operand(module: torch.nn.Module, fused_name: str, base):
 # a gradient. A global torch.optim step pre-hook refuses such an optimizer; it also keeps frozen rows of a fused
 # parameter (see set_rows_trainable) at their values across the step.
 
+_ALIASED: "weakref.WeakSet" = weakref.WeakSet()  # slices whose rows' Parameters were handed out
+_TRACED = [False]  # Dynamo has traced a patched forward reading fused rows in this process
 _RETIRED: Dict[int, tuple] = {}   # id -> (weakref to the Parameter, what it was)
 _PARTIAL: Dict[int, tuple] = {}   # id -> (weakref to the fused Parameter, weakref to its Linear, name)
 _GENERATION = [0]
@@ -272,6 +292,12 @@ def _params(opt) -> list:
 
 
 def _step_pre_hook(opt, args, kwargs) -> None:
+    for sl in list(_ALIASED) if _TRACED[0] else ():  # requires_grad set on a slice's Parameter that no eager
+        # forward has seen (compiled forwards do not sync the slices)
+        for name in ("weight", "bias"):
+            cached = sl.__dict__.get("_opforge_alias_" + name)
+            if cached is not None and cached[0].requires_grad != cached[4]:
+                sl.sync()
     if _RETIRED:
         key = (_GENERATION[0], sum(len(g["params"]) for g in opt.param_groups))
         if _CHECKED.get(opt) != key:
