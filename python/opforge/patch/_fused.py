@@ -448,6 +448,7 @@ def fuse(module: torch.nn.Module, names: List[str], fused_name: str) -> List[int
     if b is not None:
         fused.bias = torch.nn.Parameter(b, requires_grad=lins[0].bias.requires_grad)
     fused._opforge_rows = []
+    fused._opforge_rows_rg = {}  # per-slice flags where they differ (see rows_trainable); present: a plain read
     with torch.no_grad():  # accumulated gradients travel with the weights
         if all(l.weight.grad is not None for l in lins):
             fused.weight.grad = torch.cat([l.weight.grad for l in lins], 0)
