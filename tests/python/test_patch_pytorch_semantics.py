@@ -236,3 +236,87 @@ def test_frozen_rows_of_a_copied_model_stay_frozen():
     opt.step()
     assert torch.equal(attn.q_proj.weight, q)  # weight decay would have scaled it by 0.95
     assert not torch.equal(attn.k_proj.weight, k)
+
+
+def test_patched_forwards_keep_transformers_signatures():
+    """Code reading a forward's parameter names sees transformers' (the HF Trainer keeps only the dataset columns
+    the model's forward names: with `(*args, **kwargs)` it dropped input_ids and labels and refused the batch)."""
+    import inspect
+
+    ref, model = _patched()
+    pairs = [(model, ref), (model.model.layers[0], ref.model.layers[0]),
+             (model.model.layers[0].self_attn, ref.model.layers[0].self_attn),
+             (model.model.layers[0].mlp, ref.model.layers[0].mlp)]
+    for m, r in pairs:
+        assert type(m) is not type(r)  # patched
+        assert inspect.signature(m.forward) == inspect.signature(r.forward), type(r).__name__
+    names = list(inspect.signature(model.forward).parameters)
+    assert "input_ids" in names and "labels" in names
+    ids = _ids()
+    torch.testing.assert_close(model(ids, labels=ids).loss, ref(ids, labels=ids).loss, rtol=1e-5, atol=0)
+
+
+def test_freezing_a_slice_of_a_compiled_model_recompiles():
+    """A slice frozen after the first compiled call: Dynamo guards on the rows' flags, so the next call recompiles
+    and reads those rows detached (zero gradient, as eager)."""
+    ref, model = _patched()
+    compiled = torch.compile(model, backend="eager")  # the guards are Dynamo's: no Inductor needed
+    ids = _ids()
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m.model.layers[0].self_attn.q_proj.requires_grad_(False)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss_ref = ref(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
+    loss.backward()
+    loss_ref.backward()
+    fused = model.model.layers[0].self_attn.qkv_proj.weight
+    assert torch.count_nonzero(fused.grad[:64]) == 0
+    grads, grads_ref = patch.gradients_by_name(model), patch.gradients_by_name(ref)
+    assert grads.keys() == grads_ref.keys()
+    for k in grads_ref:
+        torch.testing.assert_close(grads[k], grads_ref[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_frozen_rows_are_forgotten_with_their_model():
+    """The optimizer hooks' record of partly frozen fused Parameters goes with the model (no per-step look-ups left
+    behind for other optimizers)."""
+    import gc
+
+    from opforge.patch import _fused
+
+    _, model = _patched()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.model.layers[0].self_attn.q_proj.requires_grad_(False)
+    key = id(model.model.layers[0].self_attn.qkv_proj.weight)
+    assert key in _fused._PARTIAL
+    del model
+    gc.collect()
+    assert key not in _fused._PARTIAL
+
+
+def test_weight_flag_set_before_a_compiled_model_runs_freezes_the_rows():
+    """`k_proj.weight.requires_grad = False`, then only compiled forwards (no eager one syncs the slices): the rows
+    are read detached under compile and kept through SGD with momentum and weight decay, as the frozen Linear."""
+    ref, model = _patched()
+    for m in (model, ref):
+        m.model.layers[0].self_attn.k_proj.weight.requires_grad = False
+    compiled = torch.compile(model, backend="eager")
+    runs = []
+    for m, fwd in ((ref, ref), (model, compiled)):
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5, momentum=0.9,
+                              weight_decay=0.1)
+        for seed in (1, 2):
+            opt.zero_grad()
+            ids = _ids(seed)
+            fwd(input_ids=ids, labels=ids).loss.backward()
+            runs.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9))  # the gradient norm clipping reads
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt.step()
+    torch.testing.assert_close(runs[2:], runs[:2], rtol=1e-4, atol=0)
+    _assert_same_state(model, ref)

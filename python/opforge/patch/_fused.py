@@ -60,6 +60,7 @@ class FusedProjectionSlice(torch.nn.Linear):
         rows = full.data[self.start:self.stop]
         alias = torch.nn.Parameter(rows, requires_grad=False)
         cached = [alias, full, full.data_ptr(), alias.data_ptr(), False]
+        _ALIASED.add(self)
         self.__dict__["_opforge_alias_" + name] = cached
         return self._in_step(name, alias, full, cached)
 
@@ -157,7 +158,7 @@ class FusedProjectionSlice(torch.nn.Linear):
 def rows_trainable(fused: torch.nn.Linear, name: str) -> Optional[tuple]:
     """One requires_grad flag per slice of fused.<name>, or None when they all follow the parameter's."""
     p = fused._parameters.get(name)
-    st = fused.__dict__.get("_opforge_rows_rg")
+    st = getattr(fused, "_opforge_rows_rg", None)  # an attribute read: torch.compile guards on it (recompiles)
     cur = st.get(name) if st else None
     if p is None or cur is None or not isinstance(p, torch.nn.Parameter) or cur[0] != p.requires_grad:
         return None
@@ -188,8 +189,16 @@ def _track(p: torch.nn.Parameter, fused: torch.nn.Linear, name: str) -> None:
     """Have torch.optim steps keep the frozen rows of `p` (see _step_pre_hook)."""
     e = _PARTIAL.get(id(p))
     if e is None or e[0]() is not p or e[1]() is not fused:
-        _PARTIAL[id(p)] = (weakref.ref(p), weakref.ref(fused), name)
+        key = id(p)  # the entry goes with the Parameter (else every later step of every optimizer looks it up)
+        _PARTIAL[key] = (weakref.ref(p, lambda r, k=key: _drop(_PARTIAL, k, r)), weakref.ref(fused), name)
         _install_optimizer_hooks()
+
+
+def _drop(table: dict, key: int, ref) -> None:
+    """Weakref callback: forget `key` when its entry is still the one of the Parameter that died."""
+    e = table.get(key)
+    if e is not None and e[0] is ref:
+        del table[key]
 
 
 def _operand_rows(fused: torch.nn.Linear, name: str, sl: "FusedProjectionSlice") -> Optional[torch.Tensor]:
@@ -201,7 +210,23 @@ def _operand_rows(fused: torch.nn.Linear, name: str, sl: "FusedProjectionSlice")
         return None
     t = full[sl.start:sl.stop]
     flags = rows_trainable(fused, name) if isinstance(full, torch.nn.Parameter) else None
-    return t.detach() if flags is not None and not flags[sl.index] else t
+    trains = _flag_set_on_alias(sl, name, full)
+    if trains is None:
+        trains = flags is None or flags[sl.index]
+    return t if trains else t.detach()
+
+
+def _flag_set_on_alias(sl: "FusedProjectionSlice", name: str, full) -> Optional[bool]:
+    """Under torch.compile, where the slices are not synced: requires_grad set on the Parameter standing for the
+    rows since the last sync (`q_proj.weight.requires_grad = False`), else None. Dynamo guards on that flag; the
+    next optimizer step records it (see _step_pre_hook)."""
+    if not torch.compiler.is_compiling() or not isinstance(full, torch.nn.Parameter):
+        return None
+    _TRACED[0] = True  # a store, no read (no guard): the optimizer pre-hook looks at the slices from now on
+    cached = sl.__dict__.get("_opforge_alias_" + name)
+    if cached is None or cached[1] is not full or cached[0].requires_grad == cached[4]:
+        return None
+    return bool(cached[0].requires_grad)
 
 
 class _Operand:
@@ -223,6 +248,7 @@ def gemm_operand(module: torch.nn.Module, fused_name: str, base):
         full = getattr(fused, name)
         special = full is not None and (
             (isinstance(full, torch.nn.Parameter) and rows_trainable(fused, name) is not None)
+            or any(_flag_set_on_alias(sl, name, full) is not None for _, _, _, sl in parts)
             or any(name in (sl.__dict__.get("_opforge_override") or ()) for _, _, _, sl in parts))
         if not special:
             out.append(full)
@@ -238,6 +264,8 @@ def gemm_operand(module: torch.nn.Module, fused_name: str, base):
 # a gradient. A global torch.optim step pre-hook refuses such an optimizer; it also keeps frozen rows of a fused
 # parameter (see set_rows_trainable) at their values across the step.
 
+_ALIASED: "weakref.WeakSet" = weakref.WeakSet()  # slices whose rows' Parameters were handed out
+_TRACED = [False]  # Dynamo has traced a patched forward reading fused rows in this process
 _RETIRED: Dict[int, tuple] = {}   # id -> (weakref to the Parameter, what it was)
 _PARTIAL: Dict[int, tuple] = {}   # id -> (weakref to the fused Parameter, weakref to its Linear, name)
 _GENERATION = [0]
@@ -247,7 +275,7 @@ _HOOKS: list = []
 
 def retire(p: torch.nn.Parameter, what: str) -> None:
     key = id(p)
-    _RETIRED[key] = (weakref.ref(p, lambda _r, k=key: _RETIRED.pop(k, None)), what)
+    _RETIRED[key] = (weakref.ref(p, lambda r, k=key: _drop(_RETIRED, k, r)), what)
     _GENERATION[0] += 1
     _install_optimizer_hooks()
 
@@ -264,6 +292,12 @@ def _params(opt) -> list:
 
 
 def _step_pre_hook(opt, args, kwargs) -> None:
+    for sl in list(_ALIASED) if _TRACED[0] else ():  # requires_grad set on a slice's Parameter that no eager
+        # forward has seen (compiled forwards do not sync the slices)
+        for name in ("weight", "bias"):
+            cached = sl.__dict__.get("_opforge_alias_" + name)
+            if cached is not None and cached[0].requires_grad != cached[4]:
+                sl.sync()
     if _RETIRED:
         key = (_GENERATION[0], sum(len(g["params"]) for g in opt.param_groups))
         if _CHECKED.get(opt) != key:
@@ -414,6 +448,7 @@ def fuse(module: torch.nn.Module, names: List[str], fused_name: str) -> List[int
     if b is not None:
         fused.bias = torch.nn.Parameter(b, requires_grad=lins[0].bias.requires_grad)
     fused._opforge_rows = []
+    fused._opforge_rows_rg = {}  # per-slice flags where they differ (see rows_trainable); present: a plain read
     with torch.no_grad():  # accumulated gradients travel with the weights
         if all(l.weight.grad is not None for l in lins):
             fused.weight.grad = torch.cat([l.weight.grad for l in lins], 0)

@@ -7,6 +7,7 @@ families is read from a few `_opforge_*` attributes the family adapters (`_famil
 from __future__ import annotations
 
 import inspect
+import types
 import sys
 import warnings
 from typing import Dict, Optional, Tuple
@@ -520,13 +521,26 @@ FORWARDS = {"decoder": decoder_layer_forward, "attention": attention_forward, "m
             "causal_lm": causal_lm_forward, "norm": rms_norm_forward, "experts": experts_forward}
 
 
+def _with_signature(fn, original):
+    """A copy of the patched forward `fn` whose inspect.signature is the original forward's: code that reads the
+    parameter names (the HF Trainer drops dataset columns the forward does not name; generate checks its model
+    kwargs) sees what it sees on the unpatched module."""
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__, out.__qualname__, out.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    try:
+        out.__signature__ = inspect.signature(original)
+    except (TypeError, ValueError):  # no signature to give: the patched one's stays
+        pass
+    return out
+
+
 def subclass(cls: type, kind: str) -> type:
     key = (cls, kind)
     if key not in _SUBCLASSES:
         base_forward = inspect.unwrap(cls.forward)
         names = [p.name for p in list(inspect.signature(base_forward).parameters.values())[1 + (kind != "causal_lm"):]
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        ns = {"forward": FORWARDS[kind], "_opforge_base": cls, "_opforge_kind": kind,
+        ns = {"forward": _with_signature(FORWARDS[kind], cls.forward), "_opforge_base": cls, "_opforge_kind": kind,
               "_opforge_arg_names": tuple(names), "__module__": "opforge.patch", "__doc__": cls.__doc__,
               "__reduce_ex__": _reduce_ex, "__setstate__": _setstate}
         _SUBCLASSES[key] = type(f"Opforge{cls.__name__}", (cls,), ns)
