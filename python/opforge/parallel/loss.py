@@ -81,6 +81,17 @@ def _all_reduce(t: Tensor, op, group) -> Tensor:
     return t
 
 
+def _check_head(op: str, input: Tensor, linear_weight: Tensor, target: Tensor, softcap: Optional[float]) -> None:
+    """The checks every vocabulary-parallel head loss shares: softcap, target's dtype, the hidden dims."""
+    if softcap is not None and not softcap > 0.0:
+        raise ValueError(f"{op}: expected softcap > 0, but got {softcap}")
+    if target.dtype != torch.int64:
+        raise TypeError(f"{op}: expected target of dtype int64, but got {target.dtype}")
+    if input.shape[-1] != linear_weight.shape[-1]:
+        raise ValueError(f"{op}: expected input's last dim ({input.shape[-1]}) to equal linear_weight's "
+                         f"({linear_weight.shape[-1]})")
+
+
 def _check(input: Tensor, linear_weight: Tensor, target: Tensor, reduction: str, label_smoothing: float,
            z_loss: float, softcap: Optional[float]) -> None:
     op = "opforge::linear_cross_entropy"
@@ -90,13 +101,7 @@ def _check(input: Tensor, linear_weight: Tensor, target: Tensor, reduction: str,
         raise ValueError(f"{op}: expected label_smoothing in [0, 1], but got {label_smoothing}")
     if not z_loss >= 0.0:
         raise ValueError(f"{op}: expected z_loss >= 0, but got {z_loss}")
-    if softcap is not None and not softcap > 0.0:
-        raise ValueError(f"{op}: expected softcap > 0, but got {softcap}")
-    if target.dtype != torch.int64:
-        raise TypeError(f"{op}: expected target of dtype int64, but got {target.dtype}")
-    if input.shape[-1] != linear_weight.shape[-1]:
-        raise ValueError(f"{op}: expected input's last dim ({input.shape[-1]}) to equal linear_weight's "
-                         f"({linear_weight.shape[-1]})")
+    _check_head(op, input, linear_weight, target, softcap)
 
 
 def _mm(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
@@ -356,13 +361,7 @@ def _check_log_probs(input: Tensor, linear_weight: Tensor, target: Tensor, tempe
     op = "opforge::linear_log_probs"
     if not (temperature > 0.0 and temperature != float("inf")):
         raise ValueError(f"{op}: expected temperature > 0 and finite, but got {temperature}")
-    if softcap is not None and not softcap > 0.0:
-        raise ValueError(f"{op}: expected softcap > 0, but got {softcap}")
-    if target.dtype != torch.int64:
-        raise TypeError(f"{op}: expected target of dtype int64, but got {target.dtype}")
-    if input.shape[-1] != linear_weight.shape[-1]:
-        raise ValueError(f"{op}: expected input's last dim ({input.shape[-1]}) to equal linear_weight's "
-                         f"({linear_weight.shape[-1]})")
+    _check_head(op, input, linear_weight, target, softcap)
 
 
 def _log_probs_problem(input, linear_weight, target, linear_bias, ignore_index, softcap, chunk_size, vocab_start,
