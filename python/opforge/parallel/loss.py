@@ -607,13 +607,10 @@ _DEFAULTS = {"linear_bias": None, "weight": None, "reduction": "mean", "ignore_i
              "z_loss": 0.0, "softcap": None, "chunk_size": None, "grad_mask": [False, False, False]}
 
 
-def _bind(op_call, args, kwargs) -> dict:
+def _bind(op_call, args, kwargs, defaults: Optional[dict] = None) -> dict:
+    """op_call's arguments by their schema names, `defaults` (linear_cross_entropy's by default) where not given."""
     names = [a.name for a in op_call._schema.arguments]
-    out = dict(zip(names, args))
-    out.update(kwargs)
-    for k, v in _DEFAULTS.items():
-        out.setdefault(k, v)
-    return out
+    return {**(_DEFAULTS if defaults is None else defaults), **dict(zip(names, args)), **kwargs}
 
 
 def _is_vocab_sharded(w) -> bool:
@@ -708,10 +705,7 @@ def _forward_handler(op_call, args, kwargs):
 
 
 def _backward_handler(op_call, args, kwargs):
-    names = [x.name for x in op_call._schema.arguments]
-    a = dict(zip(names, args))
-    a.update(kwargs)
-    a.setdefault("chunk_size", None)
+    a = _bind(op_call, args, kwargs, {"chunk_size": None})
     mesh = next(x.device_mesh for x in (a["input"], a["linear_weight"], a["grad_output"]) if isinstance(x, DTensor))
     _one_dim_mesh("linear_cross_entropy_backward", mesh)
     mask = list(a["output_mask"])
@@ -740,19 +734,27 @@ _LP_DEFAULTS = {"linear_bias": None, "temperature": 1.0, "ignore_index": -100, "
                 "return_entropy": False, "chunk_size": None}
 
 
+def _log_probs_call(op_call, args, kwargs, defaults: dict, name: str):
+    """(arguments by name, mesh, _common's local tensors without the class weights) of a linear_log_probs op with a
+    Shard(0) linear_weight on a 1-D mesh; mesh None when the head is not vocabulary-sharded."""
+    a = _bind(op_call, args, kwargs, defaults)
+    if not _is_vocab_sharded(a["linear_weight"]):
+        return a, None, None
+    mesh = a["linear_weight"].device_mesh
+    _one_dim_mesh(name, mesh)
+    c = _common(a, mesh, op="opforge::linear_log_probs")
+    c.pop("weight")
+    return a, mesh, c
+
+
 def _log_probs_forward_handler(op_call, args, kwargs):
     """linear_log_probs and _linear_log_probs_forward: vocabulary-parallel when linear_weight is Shard(0) (log-probs,
     entropy and stats Replicate, the input gathered); otherwise DTensor's dispatch of the op's rule."""
     from .sharding import _default_dispatch
 
-    names = [x.name for x in op_call._schema.arguments]
-    a = {**_LP_DEFAULTS, **dict(zip(names, args)), **kwargs}
-    if not _is_vocab_sharded(a["linear_weight"]):
+    a, mesh, c = _log_probs_call(op_call, args, kwargs, _LP_DEFAULTS, "linear_log_probs")
+    if mesh is None:
         return _default_dispatch(op_call, args, kwargs)
-    mesh = a["linear_weight"].device_mesh
-    _one_dim_mesh("linear_log_probs", mesh)
-    c = _common(a, mesh, op="opforge::linear_log_probs")
-    c.pop("weight")
     lp, ent, stats = vocab_parallel_log_probs_forward(
         **c, temperature=a["temperature"], ignore_index=a["ignore_index"], softcap=a["softcap"],
         return_entropy=a["return_entropy"], chunk_size=a["chunk_size"])
@@ -763,14 +765,9 @@ def _log_probs_forward_handler(op_call, args, kwargs):
 def _log_probs_backward_handler(op_call, args, kwargs):
     from .sharding import _default_dispatch
 
-    names = [x.name for x in op_call._schema.arguments]
-    a = {"chunk_size": None, **dict(zip(names, args)), **kwargs}
-    if not _is_vocab_sharded(a["linear_weight"]):
+    a, mesh, c = _log_probs_call(op_call, args, kwargs, {"chunk_size": None}, "linear_log_probs_backward")
+    if mesh is None:
         return _default_dispatch(op_call, args, kwargs)
-    mesh = a["linear_weight"].device_mesh
-    _one_dim_mesh("linear_log_probs_backward", mesh)
-    c = _common(a, mesh, op="opforge::linear_log_probs")
-    c.pop("weight")
     res = vocab_parallel_log_probs_backward(
         to_local(a["grad_log_probs"], mesh, R), to_local(a["grad_entropy"], mesh, R),
         stats=to_local(a["stats"], mesh, R),
@@ -792,10 +789,9 @@ def _jsd_handler(op_call, args, kwargs):
     gradients Shard(0)); otherwise DTensor's dispatch of the op's rule."""
     from .sharding import _default_dispatch
 
-    names = [x.name for x in op_call._schema.arguments]
-    a = {"target": None, "linear_bias": None, "teacher_linear_bias": None, "beta": 0.5, "temperature": 1.0,
-         "ignore_index": -100, "reduction": "mean", "chunk_size": None, "grad_mask": [False, False, False],
-         **dict(zip(names, args)), **kwargs}
+    a = _bind(op_call, args, kwargs, {
+        "target": None, "linear_bias": None, "teacher_linear_bias": None, "beta": 0.5, "temperature": 1.0,
+        "ignore_index": -100, "reduction": "mean", "chunk_size": None, "grad_mask": [False, False, False]})
     w, tw = a["linear_weight"], a["teacher_linear_weight"]
     if not (_is_vocab_sharded(w) or _is_vocab_sharded(tw)):
         return _default_dispatch(op_call, args, kwargs)
