@@ -528,13 +528,18 @@ def run_family(a: argparse.Namespace) -> list:
     print()
     print(f"| variant | tokens/s | vs HF eager | ms/step | peak memory | first loss | last loss | max loss diff vs HF |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    liger_fn = FAMILIES[getattr(a, "family", "llama")][2]
+
+    def label(variant: str) -> str:  # the Liger rows name the family's own patch function
+        return VARIANTS[variant].replace("apply_liger_kernel_to_llama", liger_fn)
+
     for row in rows:
         if row["status"] != "ok":
-            print(f"| {VARIANTS[row['variant']]} | {row['status']} | | | | | | |")
+            print(f"| {label(row['variant'])} | {row['status']} | | | | | | |")
             continue
         ratio = row["tokens_per_s"] / base["tokens_per_s"] if base else math.nan
         flag = "" if not (row["max_rel_loss_diff_vs_hf"] > a.loss_bound) else f" (> {a.loss_bound:g}!)"
-        print(f"| {VARIANTS[row['variant']]} | {row['tokens_per_s']:,.0f} | {ratio:.2f}x | {row['ms_per_step']:.1f} | "
+        print(f"| {label(row['variant'])} | {row['tokens_per_s']:,.0f} | {ratio:.2f}x | {row['ms_per_step']:.1f} | "
               f"{row['peak_mem_gib']:.2f} GiB | {row['first_loss']:.4f} | {row['last_loss']:.4f} | "
               f"{row['max_rel_loss_diff_vs_hf']:.1e}{flag} |")
     for r in results:
