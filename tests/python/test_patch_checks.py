@@ -6,6 +6,7 @@ on tiny random configs (nothing downloaded), float32.
 Tolerances: the patched model computes the same math with other kernels, so values differ by float32 rounding
 only (measured ≤ 1e-6 relative on losses, ≤ 1e-5 on gradients); the bounds are 1e-5 and 1e-4 relative."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -368,3 +369,60 @@ def test_self_check_keeps_bf16_moe_on_cuda():
         model = _mixtral_bf16(seed).cuda()
         report = patch.apply(model, strict=True)
         assert patch.is_patched(model) and not report.skipped, seed
+
+
+def _qwen3_moe_bf16(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
+    return transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+
+
+def test_self_check_judges_a_16bit_gradient_difference_against_float32(monkeypatch):
+    # A 16-bit gradient bound the patched model's rounding exceeds (made tight here; a router's gradient on the
+    # H200's 1.5B Qwen3-MoE did): the check then runs the unpatched model in float32 and keeps the patch when the
+    # patched gradients are no farther from it than transformers' own 16-bit ones (the model is patched again).
+    from opforge.patch import _apply
+
+    monkeypatch.setitem(_apply._BOUNDS, "16-bit", {**_apply._BOUNDS["16-bit"], "grad": 1e-6})
+    ref = _qwen3_moe_bf16()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = patch.apply(model, strict=True)
+    assert patch.is_patched(model) and report.patched and not report.skipped
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = model(input_ids=ids, labels=ids).loss.double()
+        b = ref(input_ids=ids, labels=ids).loss.double()
+    assert abs(a - b) <= 2e-2 * abs(b)  # the 16-bit loss bound of the check itself
+
+
+def test_self_check_against_float32_still_reverts_a_wrong_16bit_gradient(monkeypatch):
+    # The float32 verdict must not excuse an error: a gate/up gradient scaled by 1.5 in backward (the forward, the
+    # logits and the loss unchanged) is reverted with the float32 comparison in the reason.
+    from opforge.patch import _apply, _layers
+
+    class ScaleGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return 1.5 * g
+
+    real = _layers.FORWARDS["experts"]
+
+    def wrong(self, h, index, weights):
+        return real(self, ScaleGrad.apply(h), index, weights)
+
+    monkeypatch.setitem(_layers.FORWARDS, "experts", wrong)
+    monkeypatch.setattr(_layers, "_SUBCLASSES", {})
+    ref = _qwen3_moe_bf16()
+    model = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match="farther from a float32 run"):
+        report = patch.apply(model)
+    assert not report.patched
+    _assert_untouched(model, ref)
