@@ -24,9 +24,9 @@
 // size comes from a 512 MiB budget for the one 16-bit [chunk, V] buffer (two with linear_jsd's teacher): 2048 rows at
 // V = 128256 in bf16 (1024 for linear_jsd). Numerics: the logits are rounded to the storage dtype before the softmax,
 // as Hugging Face's own lm_head output (and torch.compile's unfused loss over it) is: each logit carries a relative
-// error of at most 2^-9 (bf16; 2^-11 for fp16), so the row's log-sum-exp and the loss move by at most
-// 2^-9 · (|z_t| + Σ_j p_j |z_j|) per token, and p_j by at most p_j · 2^-9 · (|z_j| + Σ_k p_k |z_k|) (first order);
-// (m, r), the loss and every accumulation stay fp32. The logit gradient is rounded to the storage dtype as in the
+// error of at most u = 2^-8 for bf16 (2^-11 for fp16: half the dtype's eps), so to first order the loss moves by at
+// most u · Σ_j |∂loss/∂z_j| · |z_j| (for the plain cross-entropy row: u · (|z_t| + Σ_j p_j |z_j|) per token) and
+// p_j by at most p_j · u · (|z_j| + Σ_k p_k |z_k|); (m, r), the loss and every accumulation stay fp32. The logit gradient is rounded to the storage dtype as in the
 // default mode (where the gradient GEMMs read a 16-bit copy of it).
 //
 // Two autograd paths (linear_cross_entropy.cpp, docs/ops/linear_cross_entropy.md):
