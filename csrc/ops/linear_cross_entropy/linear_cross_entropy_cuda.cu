@@ -138,6 +138,30 @@ constexpr int kVec = cuda::vec_size<lg_t>();
 template <typename lg_t>
 using LVec = cuda::Vec<lg_t, kVec<lg_t>>;
 
+// f(a_j, b_j, j) for this thread's elements j of one row (b: a second row read alongside, or null), the elements
+// read as acc_t, kVec per 16-byte load with VEC (V a multiple of kVec, rows 16-byte aligned).
+template <typename acc_t, typename lg_t, bool VEC, typename F>
+__device__ __forceinline__ void for_row(const lg_t* __restrict__ a, const lg_t* __restrict__ b, int64_t V, F&& f) {
+  if constexpr (VEC) {
+    constexpr int kN = kVec<lg_t>;
+    const LVec<lg_t>* av = reinterpret_cast<const LVec<lg_t>*>(a);
+    const LVec<lg_t>* bv = reinterpret_cast<const LVec<lg_t>*>(b);
+    for (int64_t k = threadIdx.x; k < V / kN; k += blockDim.x) {
+      const LVec<lg_t> x = av[k];
+      LVec<lg_t> y;
+      if (b) y = bv[k];
+#pragma unroll
+      for (int u = 0; u < kN; ++u) {
+        f(static_cast<acc_t>(x.val[u]), b ? static_cast<acc_t>(y.val[u]) : acc_t(0), kN * k + u);
+      }
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+      f(static_cast<acc_t>(a[j]), b ? static_cast<acc_t>(b[j]) : acc_t(0), j);
+    }
+  }
+}
+
 // Pass 1 of a row (no writes): m = max z, s = Σ exp(z − m), a = Σ_j w_j (z_j − z0) (label smoothing only), over
 // z = cap(l).
 template <typename acc_t, typename lg_t, bool VEC>
@@ -198,14 +222,14 @@ __device__ __forceinline__ void fill_row(lg_t* l, out_t* o, bool write_l, int64_
 
 // The entropy pass of a row (no writes), after (m, r): H = r + Σ_j p_j (m − z_j), p_j = exp(z_j − m − r) (both
 // terms >= 0: no cancellation). Contains __syncthreads (block_reduce), result in every thread.
-template <typename acc_t, typename lg_t>
+template <typename acc_t, typename lg_t, bool VEC>
 __device__ __forceinline__ acc_t row_entropy(const lg_t* __restrict__ l, const RowArgs<acc_t>& q, acc_t m, acc_t r) {
   __syncthreads();  // every thread's reads of the previous block_reduce's shared memory before its reuse
   acc_t sm = -INFINITY, ss = 0, a = 0;
-  for (int64_t j = threadIdx.x; j < q.V; j += blockDim.x) {
-    const acc_t z = capped(static_cast<acc_t>(l[j]), q);
+  for_row<acc_t, lg_t, VEC>(l, nullptr, q.V, [&](acc_t x, acc_t, int64_t) {
+    const acc_t z = capped(x, q);
     a += dev_exp((z - m) - r) * (m - z);
-  }
+  });
   block_reduce(sm, ss, a);
   return r + a;
 }
@@ -309,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) lce_forward_rows(lg_t* __restrict__ 
     loss[row] = valid ? row_loss(q, t, m, r, a, z0, zt) : acc_t(NAN);  // an out-of-range target is never read
   }
   if (ent) {
-    const acc_t h = row_entropy(l, q, m, r);  // before pass 2 overwrites the row
+    const acc_t h = row_entropy<acc_t, lg_t, VEC>(l, q, m, r);  // before pass 2 overwrites the row
     if (threadIdx.x == 0) ent[row] = h;
     __syncthreads();  // every thread's entropy pass reads the row before pass 2 writes it
   }
@@ -366,7 +390,7 @@ struct JsdBeta {
   acc_t beta, lb, l1b, one_m;  // β, log β, log(1 − β), 1 − β
 };
 
-template <typename acc_t, typename lg_t, typename out_t, bool GRAD>
+template <typename acc_t, typename lg_t, typename out_t, bool VEC, bool GRAD>
 __global__ void __launch_bounds__(kThreads) jsd_rows(lg_t* __restrict__ ls_buf,           // [c, V]
                                                      const lg_t* __restrict__ lt_buf,     // [c, V]
                                                      out_t* __restrict__ out_lp,          // [c, V] or null
@@ -387,12 +411,12 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(lg_t* __restrict__ ls_buf, 
   }
   const acc_t sc = q.scale;
   acc_t ms = -INFINITY, ss = 0, a = 0;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) online(ms, ss, static_cast<acc_t>(l[j]) * sc);
+  for_row<acc_t, lg_t, VEC>(l, nullptr, V, [&](acc_t x, acc_t, int64_t) { online(ms, ss, x * sc); });
   block_reduce(ms, ss, a);
   __syncthreads();  // the shared memory of block_reduce is reused
   acc_t mt = -INFINITY, st = 0;
   a = 0;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) online(mt, st, static_cast<acc_t>(u[j]) * sc);
+  for_row<acc_t, lg_t, VEC>(u, nullptr, V, [&](acc_t x, acc_t, int64_t) { online(mt, st, x * sc); });
   block_reduce(mt, st, a);
   // the log-softmax as (z − m) − log s: rounding m + log s would scale every exp(ls) by one common error factor,
   // which the gradient does not cancel
@@ -400,8 +424,8 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(lg_t* __restrict__ ls_buf, 
   const acc_t beta = jb.beta, lb = jb.lb, l1b = jb.l1b;
   const bool fwd_kl = beta == acc_t(0), rev_kl = beta == acc_t(1);
   acc_t A = 0, K = 0;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    const acc_t lsj = (static_cast<acc_t>(l[j]) * sc - ms) - lss, ltj = (static_cast<acc_t>(u[j]) * sc - mt) - lst;
+  for_row<acc_t, lg_t, VEC>(l, u, V, [&](acc_t xs, acc_t xt, int64_t) {
+    const acc_t lsj = (xs * sc - ms) - lss, ltj = (xt * sc - mt) - lst;
     if (fwd_kl) {
       A += dev_exp(ltj) * (ltj - lsj);
     } else if (rev_kl) {
@@ -411,7 +435,7 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(lg_t* __restrict__ ls_buf, 
       A += dev_exp(ltj) * (ltj - lm);
       K += dev_exp(lsj) * (lsj - lm);
     }
-  }
+  });
   acc_t dm = -INFINITY, ds = 0;
   __syncthreads();
   block_reduce(dm, ds, A);
@@ -422,9 +446,8 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(lg_t* __restrict__ ls_buf, 
   if (threadIdx.x == 0) loss[row] = fwd_kl ? A : rev_kl ? K : beta * A + jb.one_m * K;
   if constexpr (GRAD) {
     const acc_t gs = G[0] * sc;
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-      const acc_t lsj = (static_cast<acc_t>(l[j]) * sc - ms) - lss;
-      const acc_t ltj = (static_cast<acc_t>(u[j]) * sc - mt) - lst, ps = dev_exp(lsj);
+    auto grad = [&](acc_t xs, acc_t xt) {
+      const acc_t lsj = (xs * sc - ms) - lss, ltj = (xt * sc - mt) - lst, ps = dev_exp(lsj);
       acc_t d;
       if (fwd_kl) {
         d = ps - dev_exp(ltj);
@@ -433,9 +456,29 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(lg_t* __restrict__ ls_buf, 
       } else {
         d = jb.one_m * ps * ((lsj - log_add_exp(ltj + lb, lsj + l1b)) - K);
       }
-      d *= gs;
-      if (write_l) l[j] = static_cast<lg_t>(d);
-      if (o) o[j] = static_cast<out_t>(d);
+      return d * gs;
+    };
+    if constexpr (VEC) {  // in place, kVec per 16-byte load and store
+      constexpr int kN = kVec<lg_t>;
+      LVec<lg_t>* lv = reinterpret_cast<LVec<lg_t>*>(l);
+      const LVec<lg_t>* uv = reinterpret_cast<const LVec<lg_t>*>(u);
+      for (int64_t k = threadIdx.x; k < V / kN; k += blockDim.x) {
+        const LVec<lg_t> xs = lv[k], xt = uv[k];
+        LVec<lg_t> w;
+#pragma unroll
+        for (int e = 0; e < kN; ++e) {
+          const acc_t d = grad(static_cast<acc_t>(xs.val[e]), static_cast<acc_t>(xt.val[e]));
+          w.val[e] = static_cast<lg_t>(d);
+          if (o) o[kN * k + e] = static_cast<out_t>(d);
+        }
+        if (write_l) lv[k] = w;
+      }
+    } else {
+      for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+        const acc_t d = grad(static_cast<acc_t>(l[j]), static_cast<acc_t>(u[j]));
+        if (write_l) l[j] = static_cast<lg_t>(d);
+        if (o) o[j] = static_cast<out_t>(d);
+      }
     }
   }
 }
@@ -564,10 +607,17 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
           const lg_t* Tp = static_cast<const lg_t*>(Lt.const_data_ptr());
           const JsdBeta<acc_t> b{static_cast<acc_t>(beta), static_cast<acc_t>(std::log(beta)),
                                  static_cast<acc_t>(std::log1p(-beta)), static_cast<acc_t>(1.0 - beta)};
-          if (need_grad) {
-            jsd_rows<acc_t, lg_t, out_t, true><<<c, kThreads, 0, stream>>>(Lp, Tp, op, write_l, T, q, b, gp, lp);
+          if (need_grad && vec) {
+            jsd_rows<acc_t, lg_t, out_t, true, true>
+                <<<c, kThreads, 0, stream>>>(Lp, Tp, op, write_l, T, q, b, gp, lp);
+          } else if (need_grad) {
+            jsd_rows<acc_t, lg_t, out_t, false, true>
+                <<<c, kThreads, 0, stream>>>(Lp, Tp, op, write_l, T, q, b, gp, lp);
+          } else if (vec) {
+            jsd_rows<acc_t, lg_t, out_t, true, false>
+                <<<c, kThreads, 0, stream>>>(Lp, Tp, nullptr, false, T, q, b, nullptr, lp);
           } else {
-            jsd_rows<acc_t, lg_t, out_t, false>
+            jsd_rows<acc_t, lg_t, out_t, false, false>
                 <<<c, kThreads, 0, stream>>>(Lp, Tp, nullptr, false, T, q, b, nullptr, lp);
           }
           C10_CUDA_KERNEL_LAUNCH_CHECK();
