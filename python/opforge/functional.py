@@ -558,7 +558,11 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     still gives log V); every sum (logsumexp, the loss, the weight and bias gradients across chunks) accumulates
     in float32 (the knob `OPFORGE_LCE_DW_ACCUM=1`: the weight and bias gradients of float16/bfloat16 parameters
     of input's dtype accumulate in that dtype, one rounding per chunk, as Liger-Kernel's default; no float32 V x H
-    buffer). `"mean"` with every target ignored gives NaN and zero gradients, as `F.cross_entropy`.
+    buffer). The knob `OPFORGE_LCE_LEAN=1` (CUDA, float16/bfloat16 input, weight and bias of one dtype) holds each
+    chunk's logits in that dtype instead (rounded once by the GEMM before the softmax, as Hugging Face's own lm_head
+    output is: a relative error of at most 2^-8 per bf16 logit), the logit gradient in place, dW accumulated in
+    the 16-bit gradient and 2048-row chunks at V = 128256: one 16-bit [chunk, V] buffer, no float32 V x H buffer.
+    `"mean"` with every target ignored gives NaN and zero gradients, as `F.cross_entropy`.
     Gradients: for `"mean"` and `"sum"` they are computed in the forward's chunk loop (3 GEMMs in all; only
     for inputs that require grad) and backward scales them by the scalar grad_output; for `"none"` they are
     recomputed in backward (one more logits GEMM per chunk) with the given per-token grad_output, so per-token

@@ -120,3 +120,76 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# ---- linear_cross_entropy's lean mode (knob OPFORGE_LCE_LEAN, csrc/core/knobs.h): the CUDA tests of the chunked head
+# losses (linear_cross_entropy, linear_log_probs, linear_jsd) run once per mode. A module opts in by defining
+# `device = lce_device_fixture()`. ----------------------------------------------------------------------------------
+LCE_LEAN = "OPFORGE_LCE_LEAN"
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+
+
+def lce_device_fixture():
+    """A `device` fixture for the chunked head-loss tests: "cpu", "cuda" (OPFORGE_LCE_LEAN=0: fp32 logits chunks)
+    and "cuda-lean" (OPFORGE_LCE_LEAN=1: 16-bit logits chunks for 16-bit inputs), the knob restored after the test;
+    the test sees "cuda" for both CUDA ids. The CPU path ignores the knob; the CUDA ids skip without a GPU."""
+    @pytest.fixture(params=["cpu", pytest.param("cuda", marks=_NO_CUDA), pytest.param("cuda-lean", marks=_NO_CUDA)])
+    def device(request, knob):
+        if request.param == "cpu":
+            return "cpu"
+        knob(LCE_LEAN, 1 if request.param == "cuda-lean" else 0)
+        return "cuda"
+
+    return device
+
+
+def lce_lean(input, linear_weight, linear_bias=None) -> bool:
+    """Whether a chunked head-loss call on these tensors runs in lean mode now: the knob OPFORGE_LCE_LEAN is 1,
+    input is on CUDA in float16/bfloat16, and linear_weight (and linear_bias) share its dtype (csrc's lce::lean_mode)."""
+    dt = input.dtype
+    if not input.is_cuda or dt not in (torch.float16, torch.bfloat16) or linear_weight.dtype != dt:
+        return False
+    if linear_bias is not None and linear_bias.dtype != dt:
+        return False
+    now = torch.ops.opforge._set_knob(LCE_LEAN, 0)
+    torch.ops.opforge._set_knob(LCE_LEAN, now)
+    return now == 1
+
+
+def lean_rounding_bound(value_fn, logits, reference):
+    """The a-priori error bound lean mode adds to a value computed from logits rounded to their 16-bit dtype.
+
+    Derivation: lean mode rounds each raw logit l (x · w + b, before any softcap or temperature) once to the
+    storage dtype, a relative error of at most u = eps / 2 (2^-8 for bfloat16, 2^-11 for float16); everything after
+    runs in float32. To first order the value f(l) then moves by at most u · Σ_j |∂f/∂l_j| · |l_j| (per output
+    element: each token's value depends on its own row of logits only, so the rows' sums are the elements' bounds).
+    The bound is 2× that first-order term (the tolerance rule's own factor, covering the second-order terms,
+    O((u·|l|)²), which are far smaller at these sizes) plus 8 float32 eps of (|reference| + the first-order term) for
+    the float32 evaluation of the softmax sums.
+
+    Args:
+        value_fn: callable taking the float64 logits list (each [N, V], requiring grad) and returning the value
+            (a scalar or one element per token), differentiable.
+        logits: list of (float64 raw logits [N, V], dtype they are rounded to in lean mode).
+        reference: the float64 reference value (value_fn's output shape).
+
+    Returns:
+        float64 tensor of reference's shape: the bound per element.
+    """
+    ls = [l.detach().double().clone().requires_grad_() for l, _ in logits]
+    out = value_fn(ls)
+    grads = torch.autograd.grad(out.sum(), ls)
+    first = 0
+    for (l, dt), g, lv in zip(logits, grads, ls):
+        u = torch.finfo(dt).eps / 2
+        s = (g.abs() * lv.detach().abs())
+        first = first + u * (s.sum() if out.dim() == 0 else s.reshape(out.numel(), -1).sum(1).reshape(out.shape))
+    eps32 = torch.finfo(torch.float32).eps
+    return 2 * first + 8 * eps32 * (reference.detach().double().abs() + first)
+
+
+def lean_accum_factor(k: int) -> float:
+    """The tolerance rule's factor for a weight gradient accumulated in its 16-bit dtype over k chunks (lean mode, or
+    OPFORGE_LCE_DW_ACCUM=1): 2 × k for k > 1 (k roundings of a partial sum of dW's size, each at most the baseline's
+    one; test_linear_cross_entropy._accum_factor derives it), the rule's own 2 for k = 1."""
+    return 2.0 * k if k > 1 else 2.0

@@ -1,6 +1,7 @@
 """linear_jsd: the divergence and the student's gradients against float64 for β = 0, 1 and between, with a
 temperature, biases and ignored tokens; every token ignored (zero gradients for any grad_output); the teacher gets
-no gradient; opcheck, torch.compile, gradcheck, torch.func. The shared checks run from the conformance entry."""
+no gradient; opcheck, torch.compile, gradcheck, torch.func. The shared checks run from the conformance entry. On CUDA
+every test runs in both modes of OPFORGE_LCE_LEAN (ids "cuda" and "cuda-lean", conftest.lce_device_fixture)."""
 import math
 
 import pytest
@@ -8,6 +9,10 @@ import torch
 
 import opforge
 from opforge.testing import assert_matches_reference, linear_jsd_reference
+
+from conftest import lce_device_fixture, lce_lean, lean_accum_factor, lean_rounding_bound
+
+device = lce_device_fixture()  # "cpu", "cuda" (OPFORGE_LCE_LEAN=0), "cuda-lean" (OPFORGE_LCE_LEAN=1)
 
 
 def _data(N, H, Ht, V, dtype, device, *, ignore_frac=0.0, seed=0):
@@ -24,6 +29,27 @@ def _data(N, H, Ht, V, dtype, device, *, ignore_frac=0.0, seed=0):
     return x, w, b, xt, wt, bt, t.to(device)
 
 
+def _jsd64(zs, zt, t, beta, temperature, ignore_index=-100, reduction="mean"):
+    """linear_jsd's value from the raw float64 logits of both heads (zs, zt [N, V], biases included), differentiable
+    in both (linear_jsd_reference detaches the teacher): the same formulas as linear_jsd_reference."""
+    ls, lt = torch.log_softmax(zs / temperature, -1), torch.log_softmax(zt / temperature, -1)
+    ps, pt = ls.exp(), lt.exp()
+
+    def kl(p, lp, lq):
+        return (p * (lp - lq)).sum(-1)
+
+    if beta == 0:
+        per = kl(pt, lt, ls)
+    elif beta == 1:
+        per = kl(ps, ls, lt)
+    else:
+        lm = torch.log(beta * pt + (1 - beta) * ps)
+        per = beta * kl(pt, lt, lm) + (1 - beta) * kl(ps, ls, lm)
+    valid = t != ignore_index
+    total = torch.where(valid, per, torch.zeros_like(per)).sum()
+    return total if reduction == "sum" else total / valid.sum()
+
+
 def _run(fn, x, w, b):
     x, w, b = (v.detach().clone().requires_grad_() for v in (x, w, b))
     loss = fn(x, w, b)
@@ -33,8 +59,9 @@ def _run(fn, x, w, b):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 0.9, 1.0])
-def test_matches_float64(device, dtype, beta):
-    x, w, b, xt, wt, bt, t = _data(29, 16, 24, 53, dtype, device, ignore_frac=0.2)
+@pytest.mark.parametrize("V", [53, 56])  # CUDA: 56 rows take the 16-byte row access (V % 8 == 0), 53 do not
+def test_matches_float64(device, dtype, beta, V):
+    x, w, b, xt, wt, bt, t = _data(29, 16, 24, V, dtype, device, ignore_frac=0.2)
     kw = dict(beta=beta, temperature=0.8)
     ours = _run(lambda x, w, b: opforge.linear_jsd(x, w, xt, wt, t, linear_bias=b, teacher_linear_bias=bt,
                                                     chunk_size=8, **kw), x, w, b)
@@ -42,8 +69,18 @@ def test_matches_float64(device, dtype, beta):
                x, w, b)
     base = _run(lambda x, w, b: linear_jsd_reference(x, w, xt, wt, t, linear_bias=b, teacher_linear_bias=bt,
                                                      compute_dtype=dtype, **kw), x, w, b)
+    factors, bounds = {}, {}
+    if lce_lean(x, w, b):
+        # lean mode: dW accumulates in bf16 over the 4 chunks (lean_accum_factor), and the loss carries both heads'
+        # logits rounded to bf16 (lean_rounding_bound over the student's and the teacher's raw logits)
+        factors["grad_linear_weight"] = lean_accum_factor(math.ceil(29 / 8))
+        zs = x.double() @ w.double().t() + b.double()
+        zt = xt.double() @ wt.double().t() + bt.double()
+        bounds["loss"] = lean_rounding_bound(lambda ls: _jsd64(ls[0], ls[1], t, **kw), [(zs, dtype), (zt, dtype)],
+                                             ref[0])
     for name, o, r, bl in zip(["loss", "grad_input", "grad_linear_weight", "grad_linear_bias"], ours, ref, base):
-        assert_matches_reference(o, r.to(o.dtype) if o.dtype == torch.float64 else r, bl.to(o.dtype), what=name)
+        assert_matches_reference(o, r.to(o.dtype) if o.dtype == torch.float64 else r, bl.to(o.dtype), what=name,
+                                 factor=factors.get(name, 2.0), bound=bounds.get(name))
 
 
 def test_float64_sum_without_target_and_chunking(device):

@@ -1,7 +1,8 @@
 """linear_log_probs: log-probabilities and entropies against float64 (each output's gradient alone and together),
 every target ignored (zero gradients whatever grad_output is), large logit offsets, chunking, opcheck,
 torch.compile, gradcheck, torch.func and the saved tensors. The shared checks (dtypes, views, bad inputs, autocast,
-compiled autograd) run from the conformance entry."""
+compiled autograd) run from the conformance entry. On CUDA every test runs in both modes of OPFORGE_LCE_LEAN (ids
+"cuda" and "cuda-lean", conftest.lce_device_fixture)."""
 import math
 
 import pytest
@@ -9,6 +10,10 @@ import torch
 
 import opforge
 from opforge.testing import assert_matches_reference, linear_log_probs_reference
+
+from conftest import lce_device_fixture, lce_lean, lean_accum_factor, lean_rounding_bound
+
+device = lce_device_fixture()  # "cpu", "cuda" (OPFORGE_LCE_LEAN=0), "cuda-lean" (OPFORGE_LCE_LEAN=1)
 
 
 def _data(N, H, V, dtype, device, *, ignore_frac=0.0, scale=1.0, seed=0):
@@ -33,8 +38,9 @@ def _run(fn, x, w, b, glp, gent, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("which", ["log_probs", "entropy", "both"])
-def test_gradients_of_each_output(device, dtype, which):
-    x, w, b, t = _data(45, 32, 101, dtype, device, ignore_frac=0.2, scale=2.0)
+@pytest.mark.parametrize("V", [101, 104])  # CUDA: 104 rows take the 16-byte row access (V % 8 == 0), 101 do not
+def test_gradients_of_each_output(device, dtype, which, V):
+    x, w, b, t = _data(45, 32, V, dtype, device, ignore_frac=0.2, scale=2.0)
     glp = torch.randn(45, device=device) if which != "entropy" else None
     gent = torch.randn(45, device=device) if which != "log_probs" else None
     kw = dict(temperature=0.7, return_entropy=True)
@@ -43,9 +49,21 @@ def test_gradients_of_each_output(device, dtype, which):
     ref = _run(lambda x, w, b, **k: linear_log_probs_reference(x, w, t, b, **k), x, w, b, glp, gent, **kw)
     base = _run(lambda x, w, b, **k: linear_log_probs_reference(x, w, t, b, compute_dtype=dtype, **k), x, w, b, glp,
                 gent, **kw)
+    factors, bounds = {}, {}
+    if lce_lean(x, w, b):
+        # lean mode: dW accumulates in bf16 over the 3 chunks (lean_accum_factor), and log_probs / entropy carry the
+        # logits' rounding to bf16 (lean_rounding_bound, from the float64 values as functions of the raw logits)
+        factors["grad_linear_weight"] = lean_accum_factor(math.ceil(45 / 16))
+        L = x.double() @ w.double().t() + b.double()
+        eye = torch.eye(V, dtype=torch.float64, device=device)
+        for i, name in enumerate(["log_probs", "entropy"]):
+            def value(ls, i=i):
+                return linear_log_probs_reference(ls[0], eye, t, temperature=0.7, return_entropy=True)[i]
+            bounds[name] = lean_rounding_bound(value, [(L, dtype)], ref[i])
     for name, o, r, bl in zip(["log_probs", "entropy", "grad_input", "grad_linear_weight", "grad_linear_bias"],
                               ours, ref, base):
-        assert_matches_reference(o, r, bl.to(o.dtype), what=name)
+        assert_matches_reference(o, r, bl.to(o.dtype), what=name, factor=factors.get(name, 2.0),
+                                 bound=bounds.get(name))
 
 
 def test_chunk_sizes_agree_and_ignored_tokens_are_zero(device):

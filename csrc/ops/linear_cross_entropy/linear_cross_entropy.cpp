@@ -147,6 +147,15 @@ bool accumulate_in_param_dtype(at::ScalarType param, at::ScalarType input) {
          knobs::get(knobs::Knob::kLceDwAccum) == 1;
 }
 
+bool lean_mode(const at::Tensor& input, const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias) {
+  const auto dtype = input.scalar_type();
+  if (!input.is_cuda() || (dtype != at::kHalf && dtype != at::kBFloat16) || linear_weight.scalar_type() != dtype) {
+    return false;
+  }
+  if (linear_bias.has_value() && linear_bias->defined() && linear_bias->scalar_type() != dtype) return false;
+  return knobs::get(knobs::Knob::kLceLean) == 1;
+}
+
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
                      Reduction reduction, int64_t ignore_index, double label_smoothing, double z_loss,
@@ -167,7 +176,8 @@ Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, c
   p.label_smoothing = label_smoothing;
   p.z_loss = z_loss;
   p.softcap = softcap.value_or(0.0);
-  p.dw_dtype = accumulate_in_param_dtype(linear_weight.scalar_type(), dtype) ? dtype : acc;
+  p.lean = lean_mode(input, linear_weight, linear_bias);
+  p.dw_dtype = p.lean || accumulate_in_param_dtype(linear_weight.scalar_type(), dtype) ? dtype : acc;
   p.db_dtype = p.b.defined() && accumulate_in_param_dtype(linear_bias->scalar_type(), dtype) ? dtype : acc;
   return p;
 }

@@ -15,6 +15,20 @@
 // accumulate in that dtype instead (Problem::dw_dtype / db_dtype): the dW GEMM adds into the 16-bit gradient with
 // beta = 1 (fp32 math inside, one rounding per GEMM), no fp32 V x H buffer, no final cast.
 //
+// Lean mode (CUDA, knob OPFORGE_LCE_LEAN=1, where input, linear_weight and linear_bias share one 16-bit dtype): the
+// logits chunk is held in that storage dtype instead of fp32. The logits GEMM accumulates in fp32, adds the bias in its
+// epilogue and rounds once to bf16/fp16; the row kernels read it with 16-byte loads and compute in fp32; the logit
+// gradient overwrites the same buffer in place and feeds the dX and dW GEMMs directly (no second [chunk, V] buffer);
+// db sums that 16-bit gradient with fp32 accumulation. dW accumulates in the 16-bit gradient itself (beta = 1 GEMMs,
+// fp32 math inside, one rounding per chunk, as OPFORGE_LCE_DW_ACCUM=1), so no fp32 V x H buffer exists. The chunk
+// size comes from a 512 MiB budget for the one 16-bit [chunk, V] buffer (two with linear_jsd's teacher): 2048 rows at
+// V = 128256 in bf16 (1024 for linear_jsd). Numerics: the logits are rounded to the storage dtype before the softmax,
+// as Hugging Face's own lm_head output (and torch.compile's unfused loss over it) is: each logit carries a relative
+// error of at most u = 2^-8 for bf16 (2^-11 for fp16: half the dtype's eps), so to first order the loss moves by at
+// most u · Σ_j |∂loss/∂z_j| · |z_j| (for the plain cross-entropy row: u · (|z_t| + Σ_j p_j |z_j|) per token) and
+// p_j by at most p_j · u · (|z_j| + Σ_k p_k |z_k|); (m, r), the loss and every accumulation stay fp32. The logit gradient is rounded to the storage dtype as in the
+// default mode (where the gradient GEMMs read a 16-bit copy of it).
+//
 // Two autograd paths (linear_cross_entropy.cpp, docs/ops/linear_cross_entropy.md):
 //   gradient in forward (reduction "mean" / "sum", the default): the forward's chunk loop also computes the logit
 //     gradient of the loss (grad_output = 1) and from it dX_c (written once per chunk), dW (fp32 across chunks, cast
@@ -100,6 +114,10 @@ int64_t resolve_chunk(std::optional<int64_t> chunk_size, int64_t N, int64_t V, i
 /// `input`: the knob OPFORGE_LCE_DW_ACCUM is 1, `param` is float16/bfloat16 and equals `input`.
 bool accumulate_in_param_dtype(at::ScalarType param, at::ScalarType input);
 
+/// Whether the chunk loops run in lean mode (see "Lean mode" above): the knob OPFORGE_LCE_LEAN is 1, input is a CUDA
+/// tensor of a 16-bit dtype and linear_weight (and linear_bias, when given) share that dtype.
+bool lean_mode(const at::Tensor& input, const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias);
+
 /// The canonical problem the kernels see.
 struct Problem {
   at::Tensor X;   // [N, H] contiguous, input's dtype
@@ -118,6 +136,9 @@ struct Problem {
   // dtypes of the dW and db accumulators across chunks: the acc dtype, or with the knob OPFORGE_LCE_DW_ACCUM=1 the
   // parameter's own dtype where it is 16-bit and equals input's (the GEMMs then add into the returned gradient)
   at::ScalarType dw_dtype = at::kFloat, db_dtype = at::kFloat;
+  // lean mode (lean_mode; CUDA only): the logits chunk in input's 16-bit dtype, dW accumulated in that dtype
+  // (dw_dtype), the chunk size from the lean budget
+  bool lean = false;
 };
 Problem make_problem(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
                      const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,

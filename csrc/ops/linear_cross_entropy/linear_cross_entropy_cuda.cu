@@ -19,6 +19,13 @@
 // buffers themselves (lce::Problem::dw_dtype / db_dtype): the same dW GEMM writes its 16-bit D with beta = 0 on the
 // first chunk and adds with beta = 1 after (fp32 math inside cuBLAS, one rounding per GEMM), so no fp32 V x H
 // accumulator exists and no final cast runs.
+// Lean mode (lce::Problem::lean, knob OPFORGE_LCE_LEAN=1, 16-bit input, weight and bias of one dtype;
+// linear_cross_entropy.h has its numerics): the logits GEMM writes the chunk in the storage dtype (fp32 accumulation
+// and the bias epilogue inside the GEMM, one rounding), the row kernels read it 8 elements per 16-byte load and compute
+// in fp32, and the logit gradient overwrites the same buffer in place, which the dX and dW GEMMs then read: one
+// [chunk, V] 16-bit buffer instead of an fp32 one plus a 16-bit copy. dW accumulates in the 16-bit gradient (as
+// OPFORGE_LCE_DW_ACCUM=1); db sums the 16-bit gradient with fp32 accumulation; the chunk size comes from
+// kLeanChunkBudget.
 // A target outside [0, V) that is not ignore_index is never read: its token gets a NaN loss and NaN gradients.
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -48,6 +55,11 @@ using lce::Problem;
 // GiB (the fp32 dW accumulator, V x H x 4 bytes, sets the floor). Each chunk's fp32 dW accumulation re-reads and
 // re-writes V x H, so fewer, larger chunks amortise it; 768 MiB keeps the peak near the floor.
 constexpr int64_t kCudaChunkBudget = int64_t{768} << 20;
+// Lean mode's budget for its one 16-bit [chunk, V] buffer (two with linear_jsd's teacher): 512 MiB gives 2048 rows at
+// V = 128256 in bf16 (1024 for linear_jsd), half as many chunks as the default mode's 1024 rows, so half as many
+// passes of the dW GEMM over the V x H gradient. The bound on lean mode's memory above the inputs and the
+// gradients' own storage: this buffer, plus per-token vectors, cuBLAS's workspace and the [V] fp32 bias-gradient sum.
+constexpr int64_t kLeanChunkBudget = int64_t{512} << 20;
 constexpr int kThreads = 512;
 
 // ---- the row kernels -------------------------------------------------------------------------------------
@@ -119,10 +131,41 @@ __device__ __forceinline__ acc_t capped(acc_t x, const RowArgs<acc_t>& q) {
   return (q.cap > acc_t(0) ? q.cap * tanh(x / q.cap) : x) * q.scale;
 }
 
+// The logits chunk's element type lg_t: acc_t (float32 / float64), or in lean mode the 16-bit storage dtype, read
+// into acc_t and computed in acc_t. VEC: rows read and written kVec elements (16 bytes) at a time.
+template <typename lg_t>
+constexpr int kVec = cuda::vec_size<lg_t>();
+template <typename lg_t>
+using LVec = cuda::Vec<lg_t, kVec<lg_t>>;
+
+// f(a_j, b_j, j) for this thread's elements j of one row (b: a second row read alongside, or null), the elements
+// read as acc_t, kVec per 16-byte load with VEC (V a multiple of kVec, rows 16-byte aligned).
+template <typename acc_t, typename lg_t, bool VEC, typename F>
+__device__ __forceinline__ void for_row(const lg_t* __restrict__ a, const lg_t* __restrict__ b, int64_t V, F&& f) {
+  if constexpr (VEC) {
+    constexpr int kN = kVec<lg_t>;
+    const LVec<lg_t>* av = reinterpret_cast<const LVec<lg_t>*>(a);
+    const LVec<lg_t>* bv = reinterpret_cast<const LVec<lg_t>*>(b);
+    for (int64_t k = threadIdx.x; k < V / kN; k += blockDim.x) {
+      const LVec<lg_t> x = av[k];
+      LVec<lg_t> y;
+      if (b) y = bv[k];
+#pragma unroll
+      for (int u = 0; u < kN; ++u) {
+        f(static_cast<acc_t>(x.val[u]), b ? static_cast<acc_t>(y.val[u]) : acc_t(0), kN * k + u);
+      }
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+      f(static_cast<acc_t>(a[j]), b ? static_cast<acc_t>(b[j]) : acc_t(0), j);
+    }
+  }
+}
+
 // Pass 1 of a row (no writes): m = max z, s = Σ exp(z − m), a = Σ_j w_j (z_j − z0) (label smoothing only), over
-// z = cap(l). VEC: float32 rows read 4 at a time.
-template <typename acc_t, bool VEC>
-__device__ __forceinline__ void row_stats(const acc_t* __restrict__ l, const RowArgs<acc_t>& q, acc_t z0, acc_t& m,
+// z = cap(l).
+template <typename acc_t, typename lg_t, bool VEC>
+__device__ __forceinline__ void row_stats(const lg_t* __restrict__ l, const RowArgs<acc_t>& q, acc_t z0, acc_t& m,
                                           acc_t& s, acc_t& a) {
   const int64_t V = q.V;
   const bool smooth = q.eps > acc_t(0);
@@ -130,21 +173,21 @@ __device__ __forceinline__ void row_stats(const acc_t* __restrict__ l, const Row
   s = 0;
   a = 0;
   if constexpr (VEC) {
-    const int64_t n4 = V / 4;
-    const float4* l4 = reinterpret_cast<const float4*>(l);
-    for (int64_t k = threadIdx.x; k < n4; k += blockDim.x) {
-      const float4 v = l4[k];
-      const float e[4] = {v.x, v.y, v.z, v.w};
+    constexpr int kN = kVec<lg_t>;
+    const int64_t nv = V / kN;
+    const LVec<lg_t>* lv = reinterpret_cast<const LVec<lg_t>*>(l);
+    for (int64_t k = threadIdx.x; k < nv; k += blockDim.x) {
+      const LVec<lg_t> v = lv[k];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const acc_t x = capped(static_cast<acc_t>(e[u]), q);
+      for (int u = 0; u < kN; ++u) {
+        const acc_t x = capped(static_cast<acc_t>(v.val[u]), q);
         online(m, s, x);
-        if (smooth) a += (q.cw ? q.cw[4 * k + u] : acc_t(1)) * (x - z0);
+        if (smooth) a += (q.cw ? q.cw[kN * k + u] : acc_t(1)) * (x - z0);
       }
     }
   } else {
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-      const acc_t x = capped(l[j], q);
+      const acc_t x = capped(static_cast<acc_t>(l[j]), q);
       online(m, s, x);
       if (smooth) a += (q.cw ? q.cw[j] : acc_t(1)) * (x - z0);
     }
@@ -167,25 +210,26 @@ __device__ __forceinline__ acc_t row_loss(const RowArgs<acc_t>& q, int64_t t, ac
   return l;
 }
 
-// Fills a row's gradient with `fill` (0 for an ignored token, NaN for an out-of-range target).
-template <typename acc_t, typename out_t>
-__device__ __forceinline__ void fill_row(acc_t* l, out_t* o, bool write_acc, int64_t V, acc_t fill) {
+// Fills a row's gradient with `fill` (0 for an ignored token, NaN for an out-of-range target): in place in l when
+// write_l, and in o when given.
+template <typename acc_t, typename lg_t, typename out_t>
+__device__ __forceinline__ void fill_row(lg_t* l, out_t* o, bool write_l, int64_t V, acc_t fill) {
   for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    if (write_acc) l[j] = fill;
+    if (write_l) l[j] = static_cast<lg_t>(fill);
     if (o) o[j] = static_cast<out_t>(fill);
   }
 }
 
 // The entropy pass of a row (no writes), after (m, r): H = r + Σ_j p_j (m − z_j), p_j = exp(z_j − m − r) (both
 // terms >= 0: no cancellation). Contains __syncthreads (block_reduce), result in every thread.
-template <typename acc_t>
-__device__ __forceinline__ acc_t row_entropy(const acc_t* __restrict__ l, const RowArgs<acc_t>& q, acc_t m, acc_t r) {
+template <typename acc_t, typename lg_t, bool VEC>
+__device__ __forceinline__ acc_t row_entropy(const lg_t* __restrict__ l, const RowArgs<acc_t>& q, acc_t m, acc_t r) {
   __syncthreads();  // every thread's reads of the previous block_reduce's shared memory before its reuse
   acc_t sm = -INFINITY, ss = 0, a = 0;
-  for (int64_t j = threadIdx.x; j < q.V; j += blockDim.x) {
-    const acc_t z = capped(l[j], q);
+  for_row<acc_t, lg_t, VEC>(l, nullptr, q.V, [&](acc_t x, acc_t, int64_t) {
+    const acc_t z = capped(x, q);
     a += dev_exp((z - m) - r) * (m - z);
-  }
+  });
   block_reduce(sm, ss, a);
   return r + a;
 }
@@ -195,9 +239,10 @@ __device__ __forceinline__ acc_t row_entropy(const acc_t* __restrict__ l, const 
 //   c = cap(l) (or l), z = c · scale, p = exp((z − m) − r),
 //   dz_j = g ((1 − ε) w_t (p_j − [j = t]) + ε/V (W p_j − w_j) + 2 z_loss (m + r) p_j) − ge p_j ((z_j − m) − em),
 //   dl_j = dz_j · scale · (1 − (c_j/cap)²) (without a softcap dz_j · scale),
-// written as fp32 in place when write_acc and, when o is given, in the storage dtype.
-template <typename acc_t, typename out_t, bool VEC>
-__device__ __forceinline__ void grad_row(acc_t* __restrict__ l, out_t* __restrict__ o, bool write_acc, int64_t t,
+// written in place (lg_t: fp32, or the storage dtype in lean mode) when write_l and, when o is given, in the storage
+// dtype there.
+template <typename acc_t, typename lg_t, typename out_t, bool VEC>
+__device__ __forceinline__ void grad_row(lg_t* __restrict__ l, out_t* __restrict__ o, bool write_l, int64_t t,
                                          const RowArgs<acc_t>& q, acc_t m, acc_t r, acc_t g, acc_t ge = acc_t(0),
                                          acc_t em = acc_t(0)) {
   const int64_t V = q.V;
@@ -221,23 +266,29 @@ __device__ __forceinline__ void grad_row(acc_t* __restrict__ l, out_t* __restric
     return d * gz;
   };
   if constexpr (VEC) {
-    const int64_t n4 = V / 4;
-    float4* l4 = reinterpret_cast<float4*>(l);
-    for (int64_t k = threadIdx.x; k < n4; k += blockDim.x) {
-      const float4 v = l4[k];
-      const float4 d = make_float4(grad(v.x, 4 * k), grad(v.y, 4 * k + 1), grad(v.z, 4 * k + 2), grad(v.w, 4 * k + 3));
-      if (write_acc) l4[k] = d;
+    constexpr int kN = kVec<lg_t>;
+    const int64_t nv = V / kN;
+    LVec<lg_t>* lv = reinterpret_cast<LVec<lg_t>*>(l);
+    for (int64_t k = threadIdx.x; k < nv; k += blockDim.x) {
+      const LVec<lg_t> v = lv[k];
+      acc_t d[kN];
+#pragma unroll
+      for (int u = 0; u < kN; ++u) d[u] = grad(static_cast<acc_t>(v.val[u]), kN * k + u);
+      if (write_l) {
+        LVec<lg_t> w;
+#pragma unroll
+        for (int u = 0; u < kN; ++u) w.val[u] = static_cast<lg_t>(d[u]);
+        lv[k] = w;
+      }
       if (o) {
-        o[4 * k] = static_cast<out_t>(d.x);
-        o[4 * k + 1] = static_cast<out_t>(d.y);
-        o[4 * k + 2] = static_cast<out_t>(d.z);
-        o[4 * k + 3] = static_cast<out_t>(d.w);
+#pragma unroll
+        for (int u = 0; u < kN; ++u) o[kN * k + u] = static_cast<out_t>(d[u]);
       }
     }
   } else {
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-      const acc_t d = grad(l[j], j);
-      if (write_acc) l[j] = d;
+      const acc_t d = grad(static_cast<acc_t>(l[j]), j);
+      if (write_l) l[j] = static_cast<lg_t>(d);
       if (o) o[j] = static_cast<out_t>(d);
     }
   }
@@ -245,10 +296,10 @@ __device__ __forceinline__ void grad_row(acc_t* __restrict__ l, out_t* __restric
 
 // Forward, one block per token row of the chunk: loss and (m, r) per row; with GRAD also the logit gradient of
 // the loss scaled by G[0] (pass 2, after the block reduction has ordered every read of pass 1 before any write).
-template <typename acc_t, typename out_t, bool VEC, bool GRAD>
-__global__ void __launch_bounds__(kThreads) lce_forward_rows(acc_t* __restrict__ logits,      // [c, V]
+template <typename acc_t, typename lg_t, typename out_t, bool VEC, bool GRAD>
+__global__ void __launch_bounds__(kThreads) lce_forward_rows(lg_t* __restrict__ logits,       // [c, V]
                                                              out_t* __restrict__ out_lp,      // [c, V] or null
-                                                             bool write_acc,
+                                                             bool write_l,
                                                              const int64_t* __restrict__ T,   // [c]
                                                              RowArgs<acc_t> q,
                                                              const acc_t* __restrict__ G,     // [1] (GRAD)
@@ -258,7 +309,7 @@ __global__ void __launch_bounds__(kThreads) lce_forward_rows(acc_t* __restrict__
   const int64_t row = blockIdx.x;
   const int64_t t = T[row];
   const int64_t V = q.V;
-  acc_t* l = logits + row * V;
+  lg_t* l = logits + row * V;
   out_t* o = out_lp ? out_lp + row * V : nullptr;
   if (t == q.ignore_index) {
     if (threadIdx.x == 0) {
@@ -267,14 +318,14 @@ __global__ void __launch_bounds__(kThreads) lce_forward_rows(acc_t* __restrict__
       stats[2 * row + 1] = acc_t(0);
       if (ent) ent[row] = acc_t(0);
     }
-    if constexpr (GRAD) fill_row(l, o, write_acc, V, acc_t(0));
+    if constexpr (GRAD) fill_row(l, o, write_l, V, acc_t(0));
     return;
   }
   const bool valid = t >= 0 && t < V;
-  const acc_t z0 = capped(l[0], q);
-  const acc_t zt = valid && threadIdx.x == 0 ? capped(l[t], q) : acc_t(0);  // read before any write
+  const acc_t z0 = capped(static_cast<acc_t>(l[0]), q);
+  const acc_t zt = valid && threadIdx.x == 0 ? capped(static_cast<acc_t>(l[t]), q) : acc_t(0);  // before any write
   acc_t m, s, a;
-  row_stats<acc_t, VEC>(l, q, z0, m, s, a);  // ends past a __syncthreads
+  row_stats<acc_t, lg_t, VEC>(l, q, z0, m, s, a);  // ends past a __syncthreads
   const acc_t r = log(s);
   if (threadIdx.x == 0) {
     stats[2 * row] = m;
@@ -282,25 +333,25 @@ __global__ void __launch_bounds__(kThreads) lce_forward_rows(acc_t* __restrict__
     loss[row] = valid ? row_loss(q, t, m, r, a, z0, zt) : acc_t(NAN);  // an out-of-range target is never read
   }
   if (ent) {
-    const acc_t h = row_entropy(l, q, m, r);  // before pass 2 overwrites the row
+    const acc_t h = row_entropy<acc_t, lg_t, VEC>(l, q, m, r);  // before pass 2 overwrites the row
     if (threadIdx.x == 0) ent[row] = h;
     __syncthreads();  // every thread's entropy pass reads the row before pass 2 writes it
   }
   if constexpr (GRAD) {
     if (!valid) {
-      fill_row(l, o, write_acc, V, acc_t(NAN));
+      fill_row(l, o, write_l, V, acc_t(NAN));
     } else {
-      grad_row<acc_t, out_t, VEC>(l, o, write_acc, t, q, m, r, G[0]);
+      grad_row<acc_t, lg_t, out_t, VEC>(l, o, write_l, t, q, m, r, G[0]);
     }
   }
 }
 
 // Backward, one block per token row: the logit gradient from the raw logits (in place) and the saved (m, r),
 // scaled by the token's G; ignored rows zeros, out-of-range targets NaN.
-template <typename acc_t, typename out_t, bool VEC>
-__global__ void __launch_bounds__(kThreads) lce_backward_rows(acc_t* __restrict__ logits,       // [c, V]
+template <typename acc_t, typename lg_t, typename out_t, bool VEC>
+__global__ void __launch_bounds__(kThreads) lce_backward_rows(lg_t* __restrict__ logits,        // [c, V]
                                                               out_t* __restrict__ out_lp,       // [c, V] or null
-                                                              bool write_acc,
+                                                              bool write_l,
                                                               const int64_t* __restrict__ T,    // [c]
                                                               RowArgs<acc_t> q,
                                                               const acc_t* __restrict__ stats,  // [c, 2]
@@ -311,13 +362,13 @@ __global__ void __launch_bounds__(kThreads) lce_backward_rows(acc_t* __restrict_
   const int64_t row = blockIdx.x;
   const int64_t t = T[row];
   const int64_t V = q.V;
-  acc_t* l = logits + row * V;
+  lg_t* l = logits + row * V;
   out_t* o = out_lp ? out_lp + row * V : nullptr;
   if (t == q.ignore_index || t < 0 || t >= V) {
-    fill_row(l, o, write_acc, V, t == q.ignore_index ? acc_t(0) : acc_t(NAN));
+    fill_row(l, o, write_l, V, t == q.ignore_index ? acc_t(0) : acc_t(NAN));
     return;
   }
-  grad_row<acc_t, out_t, VEC>(l, o, write_acc, t, q, stats[2 * row], stats[2 * row + 1], G[g_stride * row],
+  grad_row<acc_t, lg_t, out_t, VEC>(l, o, write_l, t, q, stats[2 * row], stats[2 * row + 1], G[g_stride * row],
                               GE ? GE[row] : acc_t(0), GE ? Em[row] : acc_t(0));
 }
 
@@ -339,33 +390,33 @@ struct JsdBeta {
   acc_t beta, lb, l1b, one_m;  // β, log β, log(1 − β), 1 − β
 };
 
-template <typename acc_t, typename out_t, bool GRAD>
-__global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,          // [c, V]
-                                                     const acc_t* __restrict__ lt_buf,    // [c, V]
+template <typename acc_t, typename lg_t, typename out_t, bool VEC, bool GRAD>
+__global__ void __launch_bounds__(kThreads) jsd_rows(lg_t* __restrict__ ls_buf,           // [c, V]
+                                                     const lg_t* __restrict__ lt_buf,     // [c, V]
                                                      out_t* __restrict__ out_lp,          // [c, V] or null
-                                                     bool write_acc,
+                                                     bool write_l,
                                                      const int64_t* __restrict__ T,       // [c]
                                                      RowArgs<acc_t> q, JsdBeta<acc_t> jb,
                                                      const acc_t* __restrict__ G,         // [1] (GRAD)
                                                      acc_t* __restrict__ loss) {          // [c]
   const int64_t row = blockIdx.x;
   const int64_t V = q.V;
-  acc_t* l = ls_buf + row * V;
-  const acc_t* u = lt_buf + row * V;
+  lg_t* l = ls_buf + row * V;
+  const lg_t* u = lt_buf + row * V;
   out_t* o = out_lp ? out_lp + row * V : nullptr;
   if (T[row] == q.ignore_index) {
     if (threadIdx.x == 0) loss[row] = acc_t(0);
-    if constexpr (GRAD) fill_row(l, o, write_acc, V, acc_t(0));
+    if constexpr (GRAD) fill_row(l, o, write_l, V, acc_t(0));
     return;
   }
   const acc_t sc = q.scale;
   acc_t ms = -INFINITY, ss = 0, a = 0;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) online(ms, ss, l[j] * sc);
+  for_row<acc_t, lg_t, VEC>(l, nullptr, V, [&](acc_t x, acc_t, int64_t) { online(ms, ss, x * sc); });
   block_reduce(ms, ss, a);
   __syncthreads();  // the shared memory of block_reduce is reused
   acc_t mt = -INFINITY, st = 0;
   a = 0;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) online(mt, st, u[j] * sc);
+  for_row<acc_t, lg_t, VEC>(u, nullptr, V, [&](acc_t x, acc_t, int64_t) { online(mt, st, x * sc); });
   block_reduce(mt, st, a);
   // the log-softmax as (z − m) − log s: rounding m + log s would scale every exp(ls) by one common error factor,
   // which the gradient does not cancel
@@ -373,8 +424,8 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,
   const acc_t beta = jb.beta, lb = jb.lb, l1b = jb.l1b;
   const bool fwd_kl = beta == acc_t(0), rev_kl = beta == acc_t(1);
   acc_t A = 0, K = 0;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    const acc_t lsj = (l[j] * sc - ms) - lss, ltj = (u[j] * sc - mt) - lst;
+  for_row<acc_t, lg_t, VEC>(l, u, V, [&](acc_t xs, acc_t xt, int64_t) {
+    const acc_t lsj = (xs * sc - ms) - lss, ltj = (xt * sc - mt) - lst;
     if (fwd_kl) {
       A += dev_exp(ltj) * (ltj - lsj);
     } else if (rev_kl) {
@@ -384,7 +435,7 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,
       A += dev_exp(ltj) * (ltj - lm);
       K += dev_exp(lsj) * (lsj - lm);
     }
-  }
+  });
   acc_t dm = -INFINITY, ds = 0;
   __syncthreads();
   block_reduce(dm, ds, A);
@@ -395,8 +446,8 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,
   if (threadIdx.x == 0) loss[row] = fwd_kl ? A : rev_kl ? K : beta * A + jb.one_m * K;
   if constexpr (GRAD) {
     const acc_t gs = G[0] * sc;
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-      const acc_t lsj = (l[j] * sc - ms) - lss, ltj = (u[j] * sc - mt) - lst, ps = dev_exp(lsj);
+    auto grad = [&](acc_t xs, acc_t xt) {
+      const acc_t lsj = (xs * sc - ms) - lss, ltj = (xt * sc - mt) - lst, ps = dev_exp(lsj);
       acc_t d;
       if (fwd_kl) {
         d = ps - dev_exp(ltj);
@@ -405,9 +456,29 @@ __global__ void __launch_bounds__(kThreads) jsd_rows(acc_t* __restrict__ ls_buf,
       } else {
         d = jb.one_m * ps * ((lsj - log_add_exp(ltj + lb, lsj + l1b)) - K);
       }
-      d *= gs;
-      if (write_acc) l[j] = d;
-      if (o) o[j] = static_cast<out_t>(d);
+      return d * gs;
+    };
+    if constexpr (VEC) {  // in place, kVec per 16-byte load and store
+      constexpr int kN = kVec<lg_t>;
+      LVec<lg_t>* lv = reinterpret_cast<LVec<lg_t>*>(l);
+      const LVec<lg_t>* uv = reinterpret_cast<const LVec<lg_t>*>(u);
+      for (int64_t k = threadIdx.x; k < V / kN; k += blockDim.x) {
+        const LVec<lg_t> xs = lv[k], xt = uv[k];
+        LVec<lg_t> w;
+#pragma unroll
+        for (int e = 0; e < kN; ++e) {
+          const acc_t d = grad(static_cast<acc_t>(xs.val[e]), static_cast<acc_t>(xt.val[e]));
+          w.val[e] = static_cast<lg_t>(d);
+          if (o) o[kN * k + e] = static_cast<out_t>(d);
+        }
+        if (write_l) lv[k] = w;
+      }
+    } else {
+      for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+        const acc_t d = grad(static_cast<acc_t>(l[j]), static_cast<acc_t>(u[j]));
+        if (write_l) l[j] = static_cast<lg_t>(d);
+        if (o) o[j] = static_cast<out_t>(d);
+      }
     }
   }
 }
@@ -421,11 +492,12 @@ RowArgs<acc_t> row_args(const Problem& p, const at::Tensor& wsum) {
   return q;
 }
 
-// float4 access is possible: float32 rows of a multiple of 4 with 16-byte aligned class weights (the chunk buffer
-// itself comes aligned from the allocator, and each row starts at a multiple of V floats).
-template <typename acc_t>
+// 16-byte row access is possible: fp32 (4 per access) or, in lean mode, 16-bit (8 per access) logits with V a
+// multiple of that count, and 16-byte aligned class weights (the chunk buffer itself comes aligned from the
+// allocator, and each row then starts at a multiple of 16 bytes). float64 rows are read one element at a time.
+template <typename acc_t, typename lg_t>
 bool row_vec(const Problem& p) {
-  if (!std::is_same_v<acc_t, float> || p.V % 4 != 0) return false;
+  if (!std::is_same_v<acc_t, float> || p.V % kVec<lg_t> != 0) return false;
   return !p.cw.defined() || cuda::is_aligned16(p.cw.const_data_ptr());
 }
 
@@ -435,20 +507,28 @@ void check_cuda_dims(const Problem& p, int64_t chunk) {
               num_str(p.H));
 }
 
-// The chunk's logits [c, V] (fp32; float64 for float64) = X_c · Wᵀ + b, the bias fused into the GEMM.
-void logits_gemm(const at::Tensor& L, const at::Tensor& Xc, const Problem& p) {
+// The bias in the dtype of the logits chunk (the GEMM's epilogue takes its D's dtype): p.b itself (acc dtype), or
+// in lean mode p.b in the storage dtype (exact for linear_cross_entropy's own bias, which lean mode requires in that
+// dtype; linear_jsd's teacher bias of another dtype is rounded once); undefined without a bias.
+at::Tensor chunk_bias(const Problem& p, at::ScalarType logits_dtype) {
+  return p.b.defined() ? p.b.to(logits_dtype) : at::Tensor();
+}
+
+// The chunk's logits [c, V] = X_c · Wᵀ + b, the bias (chunk_bias, L's dtype) fused into the GEMM: fp32 (float64 for
+// float64), or in lean mode the storage dtype (fp32 accumulation inside the GEMM, one rounding).
+void logits_gemm(const at::Tensor& L, const at::Tensor& Xc, const Problem& p, const at::Tensor& bias) {
   gemm::GemmArgs args;
   args.trans_b = true;
-  if (p.b.defined()) args.bias = p.b;  // [V] in L's dtype
+  if (bias.defined()) args.bias = bias;  // [V] in L's dtype
   gemm::gemm(L, Xc, p.W, args);
 }
 
 // The chunk's own gradient work from its logit gradient D [c, V] (the storage dtype): dX_c = D · W (written once);
-// db += Σ_rows of the fp32 gradient L.
+// db += Σ_rows of the gradient L, summed in the acc dtype (L: the fp32 gradient, or in lean mode D itself).
 void chunk_grads(const at::Tensor& D, const at::Tensor& L, const Problem& p, int64_t s0, const at::Tensor& dX,
                  const at::Tensor& db) {
   if (dX.defined()) gemm::gemm(dX.narrow(0, s0, D.size(0)), D, p.W);
-  if (db.defined()) db.add_(L.sum(0));
+  if (db.defined()) db.add_(at::sum(L, {0}, /*keepdim=*/false, lce::acc_dtype(p.X.scalar_type())));
 }
 
 // dW (+)= D_cᵀ · X_c for the chunk [s0, s0 + c) from its logit gradient D [c, V] (beta = 0 for the first chunk: dW
@@ -465,18 +545,26 @@ void chunk_dw(const at::Tensor& D, const Problem& p, int64_t s0, const at::Tenso
 // where `entropy` [N] is defined, the entropy; with a gradient in `need`, also the gradients of Σ token_value · G
 // (the reduction's unit scale) in the same loop. grads: dX [N, H]; dW [V, H] fp32 or p.dw_dtype (the first chunk's
 // GEMM writes it); db [V] fp32 or p.db_dtype. With a `teacher` (linear_jsd), each chunk also gets the teacher's
-// logits (a second GEMM, bias fused) and the row kernel is jsd_rows (no stats, no entropy).
+// logits (a second GEMM, bias fused) and the row kernel is jsd_rows (no stats, no entropy). In lean mode (p.lean)
+// the logits chunks are in the storage dtype and the logit gradient overwrites the student's in place.
 void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<int64_t> chunk_size,
                     const at::Tensor& token_value, const at::Tensor& stats, const at::Tensor& entropy,
                     const lce::GradBuffers& grads, const Problem* teacher = nullptr, double beta = 0.0) {
   const auto dtype = p.X.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
-  const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
+  const bool lean = p.lean;
+  const auto lg_dtype = lean ? dtype : acc;  // the logits chunk's dtype
+  // float16 / bfloat16 outside lean mode: the gradient GEMMs read a storage-dtype copy of dZ
+  const bool low = dtype != acc && !lean;
   const bool need_grad = need.any();
-  const bool write_acc = !low || need.db;  // the fp32 gradient is read again (fp32 GEMMs, the bias column sum)
-  const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
-                                           at::elementSize(acc) * (teacher ? 2 : 1) +
-                                               (need_grad && low ? at::elementSize(dtype) : 0));
+  // the gradient in place in the logits chunk: fp32 where it is read again (fp32 GEMMs, the bias column sum); always
+  // in lean mode (the 16-bit chunk is what the gradient GEMMs read)
+  const bool write_l = lean || !low || need.db;
+  const int64_t chunk =
+      lean ? lce::resolve_chunk(chunk_size, p.N, p.V, kLeanChunkBudget, at::elementSize(dtype) * (teacher ? 2 : 1))
+           : lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
+                                at::elementSize(acc) * (teacher ? 2 : 1) +
+                                    (need_grad && low ? at::elementSize(dtype) : 0));
   check_cuda_dims(p, chunk);
   if (teacher) check_cuda_dims(*teacher, chunk);
   if (need.dw && p.N == 0) grads.dW.zero_();
@@ -484,69 +572,87 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
   const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
   const at::Tensor G = need_grad ? lce::unit_grad_scale(p) : at::Tensor();  // [1] on the device: no sync
   const int64_t rows = std::min(chunk, p.N);
-  at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));                       // [chunk, V]
-  // the logit gradient in the storage dtype [chunk, V]
+  at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(lg_dtype));  // [chunk, V]
+  // the logit gradient in the storage dtype [chunk, V] (outside lean mode)
   at::Tensor dlow = need_grad && low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();
-  at::Tensor tlogits = teacher ? at::empty({rows, p.V}, p.X.options().dtype(acc)) : at::Tensor();  // [chunk, V]
+  at::Tensor tlogits = teacher ? at::empty({rows, p.V}, p.X.options().dtype(lg_dtype)) : at::Tensor();  // [chunk, V]
+  const at::Tensor bias = chunk_bias(p, lg_dtype);
+  const at::Tensor tbias = teacher ? chunk_bias(*teacher, lg_dtype) : at::Tensor();
   auto stream = at::cuda::getCurrentCUDAStream();
   OPFORGE_DISPATCH_FLOATING(dtype, "opforge::linear_cross_entropy", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    using out_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, scalar_t>;
+    using out_t = scalar_t;
     const auto q = row_args<acc_t>(p, wsum);
-    const bool vec = row_vec<acc_t>(p);
     const acc_t* gp = need_grad ? G.const_data_ptr<acc_t>() : nullptr;
-    for (int64_t s0 = 0; s0 < p.N; s0 += chunk) {
-      const int64_t c = std::min(chunk, p.N - s0);
-      const at::Tensor Xc = p.X.narrow(0, s0, c);  // [c, H]
-      at::Tensor L = logits.narrow(0, 0, c);       // [c, V]
-      logits_gemm(L, Xc, p);
-      const int64_t* T = p.T.const_data_ptr<int64_t>() + s0;
-      acc_t* lp = token_value.mutable_data_ptr<acc_t>() + s0;
-      acc_t* sp = stats.defined() ? stats.mutable_data_ptr<acc_t>() + 2 * s0 : nullptr;
-      acc_t* ep = entropy.defined() ? entropy.mutable_data_ptr<acc_t>() + s0 : nullptr;
-      acc_t* Lp = L.mutable_data_ptr<acc_t>();
-      if (teacher) {
-        at::Tensor Lt = tlogits.narrow(0, 0, c);
-        logits_gemm(Lt, teacher->X.narrow(0, s0, c), *teacher);
-        const acc_t* Tp = Lt.const_data_ptr<acc_t>();
+    // the loop for logits of element type lg_t (acc_t, or scalar_t in lean mode)
+    auto run = [&](auto tag) {
+      using lg_t = decltype(tag);
+      const bool vec = row_vec<acc_t, lg_t>(p);
+      for (int64_t s0 = 0; s0 < p.N; s0 += chunk) {
+        const int64_t c = std::min(chunk, p.N - s0);
+        const at::Tensor Xc = p.X.narrow(0, s0, c);  // [c, H]
+        at::Tensor L = logits.narrow(0, 0, c);       // [c, V]
+        logits_gemm(L, Xc, p, bias);
+        const int64_t* T = p.T.const_data_ptr<int64_t>() + s0;
+        acc_t* lp = token_value.mutable_data_ptr<acc_t>() + s0;
+        acc_t* sp = stats.defined() ? stats.mutable_data_ptr<acc_t>() + 2 * s0 : nullptr;
+        acc_t* ep = entropy.defined() ? entropy.mutable_data_ptr<acc_t>() + s0 : nullptr;
+        lg_t* Lp = static_cast<lg_t*>(L.mutable_data_ptr());
+        // dZ_c in the storage dtype: the copy outside lean mode (16-bit), else L itself
         at::Tensor D = need_grad && low ? dlow.narrow(0, 0, c) : L;
-        out_t* op = need_grad && low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
-        const JsdBeta<acc_t> b{static_cast<acc_t>(beta), static_cast<acc_t>(std::log(beta)),
-                               static_cast<acc_t>(std::log1p(-beta)), static_cast<acc_t>(1.0 - beta)};
-        if (need_grad) {
-          jsd_rows<acc_t, out_t, true><<<c, kThreads, 0, stream>>>(Lp, Tp, op, write_acc, T, q, b, gp, lp);
+        out_t* op = need_grad && low ? static_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
+        if (teacher) {
+          at::Tensor Lt = tlogits.narrow(0, 0, c);
+          logits_gemm(Lt, teacher->X.narrow(0, s0, c), *teacher, tbias);
+          const lg_t* Tp = static_cast<const lg_t*>(Lt.const_data_ptr());
+          const JsdBeta<acc_t> b{static_cast<acc_t>(beta), static_cast<acc_t>(std::log(beta)),
+                                 static_cast<acc_t>(std::log1p(-beta)), static_cast<acc_t>(1.0 - beta)};
+          if (need_grad && vec) {
+            jsd_rows<acc_t, lg_t, out_t, true, true>
+                <<<c, kThreads, 0, stream>>>(Lp, Tp, op, write_l, T, q, b, gp, lp);
+          } else if (need_grad) {
+            jsd_rows<acc_t, lg_t, out_t, false, true>
+                <<<c, kThreads, 0, stream>>>(Lp, Tp, op, write_l, T, q, b, gp, lp);
+          } else if (vec) {
+            jsd_rows<acc_t, lg_t, out_t, true, false>
+                <<<c, kThreads, 0, stream>>>(Lp, Tp, nullptr, false, T, q, b, nullptr, lp);
+          } else {
+            jsd_rows<acc_t, lg_t, out_t, false, false>
+                <<<c, kThreads, 0, stream>>>(Lp, Tp, nullptr, false, T, q, b, nullptr, lp);
+          }
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          if (!need_grad) continue;
+          chunk_grads(D, L, p, s0, grads.dX, grads.db);
+          chunk_dw(D, p, s0, grads.dW);
+          continue;
+        }
+        if (!need_grad) {
+          if (vec) {
+            lce_forward_rows<acc_t, lg_t, out_t, true, false>
+                <<<c, kThreads, 0, stream>>>(Lp, nullptr, false, T, q, nullptr, lp, sp, ep);
+          } else {
+            lce_forward_rows<acc_t, lg_t, out_t, false, false>
+                <<<c, kThreads, 0, stream>>>(Lp, nullptr, false, T, q, nullptr, lp, sp, ep);
+          }
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          continue;
+        }
+        if (vec) {
+          lce_forward_rows<acc_t, lg_t, out_t, true, true>
+              <<<c, kThreads, 0, stream>>>(Lp, op, write_l, T, q, gp, lp, sp, ep);
         } else {
-          jsd_rows<acc_t, out_t, false><<<c, kThreads, 0, stream>>>(Lp, Tp, nullptr, false, T, q, b, nullptr, lp);
+          lce_forward_rows<acc_t, lg_t, out_t, false, true>
+              <<<c, kThreads, 0, stream>>>(Lp, op, write_l, T, q, gp, lp, sp, ep);
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        if (!need_grad) continue;
         chunk_grads(D, L, p, s0, grads.dX, grads.db);
         chunk_dw(D, p, s0, grads.dW);
-        continue;
       }
-      if (!need_grad) {
-        if (vec) {
-          lce_forward_rows<acc_t, out_t, true, false>
-              <<<c, kThreads, 0, stream>>>(Lp, nullptr, false, T, q, nullptr, lp, sp, ep);
-        } else {
-          lce_forward_rows<acc_t, out_t, false, false>
-              <<<c, kThreads, 0, stream>>>(Lp, nullptr, false, T, q, nullptr, lp, sp, ep);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        continue;
-      }
-      at::Tensor D = low ? dlow.narrow(0, 0, c) : L;  // dZ_c in the storage dtype
-      out_t* op = low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
-      if (vec) {
-        lce_forward_rows<acc_t, out_t, true, true>
-            <<<c, kThreads, 0, stream>>>(Lp, op, write_acc, T, q, gp, lp, sp, ep);
-      } else {
-        lce_forward_rows<acc_t, out_t, false, true>
-            <<<c, kThreads, 0, stream>>>(Lp, op, write_acc, T, q, gp, lp, sp, ep);
-      }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      chunk_grads(D, L, p, s0, grads.dX, grads.db);
-      chunk_dw(D, p, s0, grads.dW);
+    };
+    if (lean) {
+      run(scalar_t{});
+    } else {
+      run(acc_t{});
     }
   });
 }
@@ -568,53 +674,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_forwa
 }
 
 // The backward chunk loop of both ops (lce::BackwardKernel). grads: dX [N, H]; dW: float32 accumulator [V, H] (the
-// gradient buffer itself for float32/float64 weights, and for 16-bit ones with OPFORGE_LCE_DW_ACCUM=1), not zeroed;
-// db [V]
+// gradient buffer itself for float32/float64 weights, and for 16-bit ones with OPFORGE_LCE_DW_ACCUM=1 or in lean
+// mode), not zeroed; db [V]. In lean mode (p.lean) the logits chunk is in the storage dtype and the gradient
+// overwrites it in place.
 void backward_cuda(const Problem& p, const lce::RowGrad& rg, const at::Tensor& stats, const lce::GradNeeds& need,
                    std::optional<int64_t> chunk_size, const lce::GradBuffers& grads) {
   const auto dtype = p.X.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
-  const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
-  const bool write_acc = !low || need.db;
-  const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
-                                           at::elementSize(acc) + (low ? at::elementSize(dtype) : 0));
+  const bool lean = p.lean;
+  const auto lg_dtype = lean ? dtype : acc;  // the logits chunk's dtype
+  // float16 / bfloat16 outside lean mode: the gradient GEMMs read a storage-dtype copy of dZ
+  const bool low = dtype != acc && !lean;
+  const bool write_l = lean || !low || need.db;
+  const int64_t chunk =
+      lean ? lce::resolve_chunk(chunk_size, p.N, p.V, kLeanChunkBudget, at::elementSize(dtype))
+           : lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
+                                at::elementSize(acc) + (low ? at::elementSize(dtype) : 0));
   check_cuda_dims(p, chunk);
   if (need.dw && p.N == 0) grads.dW.zero_();
   if (!need.any() || p.N == 0) return;
   const at::Tensor S = stats.reshape({p.N, 2}).contiguous();
   const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
   const int64_t rows = std::min(chunk, p.N);
-  at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));        // [chunk, V] fp32
+  at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(lg_dtype));   // [chunk, V]
   at::Tensor dlow = low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();  // [chunk, V]
+  const at::Tensor bias = chunk_bias(p, lg_dtype);
   auto stream = at::cuda::getCurrentCUDAStream();
   OPFORGE_DISPATCH_FLOATING(dtype, "opforge::linear_cross_entropy_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    using out_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, scalar_t>;
+    using out_t = scalar_t;
     const auto q = row_args<acc_t>(p, wsum);
-    const bool vec = row_vec<acc_t>(p);
-    for (int64_t s0 = 0; s0 < p.N; s0 += chunk) {
-      const int64_t c = std::min(chunk, p.N - s0);
-      const at::Tensor Xc = p.X.narrow(0, s0, c);  // [c, H]
-      at::Tensor L = logits.narrow(0, 0, c);       // [c, V]
-      logits_gemm(L, Xc, p);
-      at::Tensor D = low ? dlow.narrow(0, 0, c) : L;  // dZ_c in the storage dtype
-      out_t* op = low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
-      const int64_t* T = p.T.const_data_ptr<int64_t>() + s0;
-      const acc_t* sp = S.const_data_ptr<acc_t>() + 2 * s0;
-      const acc_t* gp = rg.G.const_data_ptr<acc_t>() + rg.g_stride * s0;
-      const acc_t* gep = rg.GE.defined() ? rg.GE.const_data_ptr<acc_t>() + s0 : nullptr;
-      const acc_t* emp = rg.GE.defined() ? rg.Em.const_data_ptr<acc_t>() + s0 : nullptr;
-      if (vec) {
-        lce_backward_rows<acc_t, out_t, true><<<c, kThreads, 0, stream>>>(L.mutable_data_ptr<acc_t>(), op, write_acc,
-                                                                          T, q, sp, gp, rg.g_stride, gep, emp);
-      } else {
-        lce_backward_rows<acc_t, out_t, false><<<c, kThreads, 0, stream>>>(L.mutable_data_ptr<acc_t>(), op,
-                                                                           write_acc, T, q, sp, gp, rg.g_stride, gep,
-                                                                           emp);
+    // the loop for logits of element type lg_t (acc_t, or scalar_t in lean mode)
+    auto run = [&](auto tag) {
+      using lg_t = decltype(tag);
+      const bool vec = row_vec<acc_t, lg_t>(p);
+      for (int64_t s0 = 0; s0 < p.N; s0 += chunk) {
+        const int64_t c = std::min(chunk, p.N - s0);
+        const at::Tensor Xc = p.X.narrow(0, s0, c);  // [c, H]
+        at::Tensor L = logits.narrow(0, 0, c);       // [c, V]
+        logits_gemm(L, Xc, p, bias);
+        at::Tensor D = low ? dlow.narrow(0, 0, c) : L;  // dZ_c in the storage dtype
+        out_t* op = low ? static_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
+        lg_t* Lp = static_cast<lg_t*>(L.mutable_data_ptr());
+        const int64_t* T = p.T.const_data_ptr<int64_t>() + s0;
+        const acc_t* sp = S.const_data_ptr<acc_t>() + 2 * s0;
+        const acc_t* gp = rg.G.const_data_ptr<acc_t>() + rg.g_stride * s0;
+        const acc_t* gep = rg.GE.defined() ? rg.GE.const_data_ptr<acc_t>() + s0 : nullptr;
+        const acc_t* emp = rg.GE.defined() ? rg.Em.const_data_ptr<acc_t>() + s0 : nullptr;
+        if (vec) {
+          lce_backward_rows<acc_t, lg_t, out_t, true>
+              <<<c, kThreads, 0, stream>>>(Lp, op, write_l, T, q, sp, gp, rg.g_stride, gep, emp);
+        } else {
+          lce_backward_rows<acc_t, lg_t, out_t, false>
+              <<<c, kThreads, 0, stream>>>(Lp, op, write_l, T, q, sp, gp, rg.g_stride, gep, emp);
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        chunk_grads(D, L, p, s0, grads.dX, grads.db);
+        chunk_dw(D, p, s0, grads.dW);
       }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      chunk_grads(D, L, p, s0, grads.dX, grads.db);
-      chunk_dw(D, p, s0, grads.dW);
+    };
+    if (lean) {
+      run(scalar_t{});
+    } else {
+      run(acc_t{});
     }
   });
 }

@@ -93,6 +93,9 @@ Problems forward_problems(const at::Tensor& input, const at::Tensor& linear_weig
              lce::make_problem(to_input_dtype(teacher_input, input.scalar_type()), teacher_linear_weight, tgt,
                                teacher_linear_bias, std::nullopt, r, ignore, 0.0, 0.0, std::nullopt),
              beta};
+  // lean mode is the student's decision (its weight and bias dtypes); the teacher's logits then share the 16-bit
+  // chunk dtype (its weight is already in input's dtype; a bias of another dtype is rounded to it in the CUDA loop)
+  p.t.lean = p.s.lean;
   p.s.scale = p.t.scale = 1.0 / temperature;
   p.s.op = p.t.op = kOp;
   return p;

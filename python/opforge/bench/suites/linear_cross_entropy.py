@@ -1,7 +1,8 @@
 """linear_cross_entropy (forward, forward+backward) against eager F.linear + F.cross_entropy (fp32 loss),
 torch.compile of it, Liger-Kernel's LigerFusedLinearCrossEntropyLoss and cut_cross_entropy's linear_cross_entropy
 (when importable), torch's F.linear_cross_entropy chunked path (torch >= 2.13), and the floor: the three GEMMs
-(logits, dX, dW; 2·BT·H·V FLOPs each) measured alone with torch.mm (cuBLAS on CUDA).
+(logits, dX, dW; 2·BT·H·V FLOPs each) measured alone with torch.mm (cuBLAS on CUDA). On CUDA also opforge's lean
+mode (the knob OPFORGE_LCE_LEAN=1 around the call: "opforge(lean)"), beside "opforge" in the process's default mode.
 
 Rows: for each (shape, pass, impl) the time in µs with metric = time / the GEMM floor of that pass (unit
 "xGEMM": forward's floor is one GEMM, forward+backward's three), and a second row (op linear_cross_entropy_mem)
@@ -55,6 +56,16 @@ def ours_recompute(x, w, t):
         return opforge.linear_cross_entropy(x, w, t)
     finally:
         torch.ops.opforge._set_knob("OPFORGE_LCE_GRAD_IN_FORWARD", prev)
+
+
+def ours_lean(x, w, t):
+    """Lean mode (OPFORGE_LCE_LEAN=1 through the knob: 16-bit logits chunks, the gradient in place, 16-bit dW
+    accumulation, 2048-row chunks at V = 128256), to measure it beside the process's default in one run."""
+    prev = torch.ops.opforge._set_knob("OPFORGE_LCE_LEAN", 1)
+    try:
+        return opforge.linear_cross_entropy(x, w, t)
+    finally:
+        torch.ops.opforge._set_knob("OPFORGE_LCE_LEAN", prev)
 
 
 def torch_chunked(x, w, t):
@@ -139,6 +150,7 @@ def main(argv=None) -> int:
     if hasattr(F, "linear_cross_entropy"):
         impls["F.linear_cross_entropy(chunked)"] = torch_chunked
     if cuda:
+        impls["opforge(lean)"] = ours_lean
         for name, make in (("liger", make_liger), ("cut_cross_entropy", make_cce)):
             fn = make()
             if fn is not None:
