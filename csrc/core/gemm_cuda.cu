@@ -559,7 +559,7 @@ bool gemm_swiglu(const at::Tensor& Z, const at::Tensor& H, const at::Tensor& A, 
   const int64_t mode = knobs::get(knobs::Knob::kGemmSm90);
   if (is_empty(p) || mode == 0) return false;
   // Which kernel: the table (mode -1), else the test hook: 4 the cooperative kernel, 1..3 the ping-pong one (1: the
-  // cooperative one where ping-pong cannot take the problem).
+  // cooperative one where the ping-pong one cannot take the problem; the table: two passes there).
   SwiGLUPath path = mode < 0 ? swiglu_choice(p.m, p.n, p.k, want_z)
                              : (mode == 4 ? SwiGLUPath::kCooperative : SwiGLUPath::kPingPong);
   if (path == SwiGLUPath::kTwoPass) return false;
@@ -571,8 +571,9 @@ bool gemm_swiglu(const at::Tensor& Z, const at::Tensor& H, const at::Tensor& A, 
                                   "must be a multiple of 8 and its base 16-byte aligned"
                                 : nullptr;
   if (refusal == nullptr && path == SwiGLUPath::kPingPong && tma_refusal != nullptr) {
-    if (mode == 1 || mode < 0) {
-      path = SwiGLUPath::kCooperative;  // "wherever a fused kernel can run" / the table's fused choice: the other one
+    if (mode < 0) return false;  // the table measured the ping-pong kernel, not the cooperative one: two passes
+    if (mode == 1) {
+      path = SwiGLUPath::kCooperative;  // wherever a fused kernel can run: the other one
     } else {
       refusal = tma_refusal;
     }

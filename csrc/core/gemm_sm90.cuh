@@ -16,7 +16,9 @@
 // Why cooperative and not ping-pong: ping-pong overlaps one warp group's epilogue with the other's mainloop,
 // which pays off when the epilogue is long relative to the K loop; the Llama projections have K = 2048 or
 // 8192 (32 to 128 k-tiles per output tile), where the mainloop dominates and the larger 128 × 256 tile (half
-// the operand traffic per flop of 128 × 128) wins. The SwiGLU epilogue stays short too (one exp per pair).
+// the operand traffic per flop of 128 × 128) wins. The SwiGLU epilogue stays short too (one exp per pair); the
+// SwiGLU kernels exist in both schedules all the same (the ping-pong ones store h by TMA, Note [SwiGLU through shared
+// memory]) and swiglu_linear picks between them and two passes by measurement (core/gemm_cuda.cu, kSwiGLUTable).
 //
 // ---- Note [SwiGLU pairs in the accumulator] ---------------------------------------------------------
 //
@@ -30,6 +32,20 @@
 // by the epilogue's ordinary TMA path (backward needs z). Each element's coordinates come from the
 // epilogue's coordinate tensor (tCcD, relative to the thread's first element, whose absolute position is
 // (M, N) - residue), the same tensor that masks the tile's edges.
+//
+// ---- Note [SwiGLU through shared memory] ------------------------------------------------------------
+//
+// The ping-pong SwiGLU kernels (SwiGLUTmaStore) store h the way the epilogue stores D: each epilogue subtile
+// (64 × 32 of z) has its h subtile (64 × 16) in a shared-memory buffer of the epilogue's store stages (swizzled as
+// the builder swizzles D's), written by the threads and stored by one TMA store per subtile, issued beside D's and
+// committed in the same bulk group, so the epilogue's store pipeline (which waits for a stage's stores before its
+// buffers are written again) guards both buffers. visit() computes each thread's h values into registers (the
+// pairing of Note [SwiGLU pairs in the accumulator]); postreduce() writes them to the stage's buffer (it runs after
+// the epilogue has acquired that stage, also when the TMA store of the previous subtile is delayed); tma_store() runs
+// after the epilogue's fence and barrier. A thread's element lies in its CTA tile at its first element's position
+// (residue_cD - residue_tCcD) plus its tCcD coordinate; less the subtile's origin, and with the column halved, that
+// is the element's place in the h buffer. TMA clips the stores at the matrix's edges. Built without D (ElementD void),
+// the same epilogue stores h alone: z never leaves the registers.
 #pragma once
 
 #include <cutlass/cutlass.h>
