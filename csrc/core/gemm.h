@@ -47,9 +47,10 @@
 //                           (no algorithm for the alignment/shape, float64, an empty problem, or cuBLASLt
 //                           switched off); the caller then picks its own fallback (linear does, to keep
 //                           its one-pass activation kernels).
-//   gemm_swiglu(Z, H, A, B, bias)  Z = A · Bᵀ + bias and H = silu(Z[:, 0::2]) · Z[:, 1::2] in one sm90 kernel;
-//                           false, having written nothing, where it cannot run (the caller falls back to gemm and
-//                           an elementwise pass).
+//   gemm_swiglu(Z, H, A, B, bias)  Z = A · Bᵀ + bias and H = silu(Z[:, 0::2]) · Z[:, 1::2] in one sm90 kernel
+//                           (Z undefined: H alone, z never stored); false, having written nothing, where it cannot
+//                           run or where the measured table kSwiGLUTable (gemm_cuda.cu) found two passes faster (the
+//                           caller falls back to gemm and an elementwise pass).
 //   gemm_ex(D, A, B, args)  cublasGemmEx / cublasGemmStridedBatchedEx only (any dtype incl. float64);
 //                           args.epilogue must be kNone and args.bias undefined.
 //   lt_enabled(dtype)       Whether gemm_lt may take this dtype (not float64; not switched off).
@@ -114,8 +115,10 @@ void gemm(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const G
 bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args = {});
 
 /// Z[m, n] = A · Bᵀ + bias (B stored [n, k]) and H[m, j] = silu(Z[m, 2j]) · Z[m, 2j + 1], in one sm90 kernel.
-/// Z [m, n], H [m, n / 2], bias [n] or undefined, all of A's dtype. Returns false, having written nothing, when
-/// that kernel cannot take the problem (no CUTLASS in the build, another GPU, dtype, alignment; core/gemm_sm90.h).
+/// Z [m, n] or undefined (then only H is written: the inference form), H [m, n / 2], bias [n] or undefined, all of
+/// A's dtype. Returns false, having written nothing, when no fused kernel can take the problem (no CUTLASS in the
+/// build, another GPU, dtype, alignment; core/gemm_sm90.h) or when kSwiGLUTable (gemm_cuda.cu, measured on the
+/// H200) picks the two-pass path for this shape; the test hook gemm_sm90 overrides the table (core/knobs.h).
 bool gemm_swiglu(const at::Tensor& Z, const at::Tensor& H, const at::Tensor& A, const at::Tensor& B,
                  const at::Tensor& bias);
 

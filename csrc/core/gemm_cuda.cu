@@ -331,6 +331,28 @@ bool sm90_choice(int64_t M, int64_t N, int64_t K) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+/// What swiglu_linear's forward runs per (M, N, K) bucket: the first row whose bounds hold wins. kTwoPass: the GEMM
+/// (gemm_lt) then the swiglu kernel over z; kPingPong: kSwiGLUBF16PingPong (z and h; kSwiGLUBF16PingPongH when z is
+/// not wanted); kCooperative: kSwiGLUBF16 (z and h; z into a scratch buffer when not wanted). `train` is the choice
+/// where z is wanted (backward reads it), `infer` where only h is. Measured by benchmarks/bench_gemm.py's swiglu_linear
+/// rows on the H200 (docs/performance/gemm.md); a fused row falls back to two passes where its kernel cannot run.
+enum class SwiGLUPath : uint8_t { kTwoPass, kPingPong, kCooperative };
+struct SwiGLUBucket {
+  int64_t min_m, min_n, min_k;  // the bucket: M >= min_m, N >= min_n, K >= min_k (N counts z's columns, 2 I)
+  SwiGLUPath train, infer;
+};
+constexpr SwiGLUBucket kSwiGLUTable[] = {
+    // the cooperative kernel lost 17 % to cuBLASLt + swiglu_packed at 8192x2048x{3072,16384}; ping-pong unmeasured
+    {1, 1, 1, SwiGLUPath::kTwoPass, SwiGLUPath::kTwoPass},
+};
+
+SwiGLUPath swiglu_choice(int64_t M, int64_t N, int64_t K, bool want_z) {
+  for (const auto& row : kSwiGLUTable) {
+    if (M >= row.min_m && N >= row.min_n && K >= row.min_k) return want_z ? row.train : row.infer;
+  }
+  return SwiGLUPath::kTwoPass;
+}
+
 /// Why the sm90 kernel cannot take this problem (nullptr: it can). D = op(A) · op(B) (+ bias).
 const char* sm90_refusal(const Problem& p, const at::Tensor& D, const at::Tensor& A, const GemmArgs& args) {
   if (!sm90::available()) return "this build has no CUTLASS sm90 kernels (OPFORGE_CUTLASS)";
@@ -408,6 +430,8 @@ size_t workspace_size(Kernel kernel, const Problem& p) {
     case Kernel::kLinearFP16: return workspace_linear_fp16(p);
     case Kernel::kSwiGLUBF16: return workspace_swiglu_bf16(p);
     case Kernel::kLinearBF16PingPong: return workspace_linear_bf16_pingpong(p);
+    case Kernel::kSwiGLUBF16PingPong: return workspace_swiglu_bf16_pingpong(p);
+    case Kernel::kSwiGLUBF16PingPongH: return workspace_swiglu_bf16_pingpong_h(p);
   }
   return 0;
 }
@@ -418,6 +442,8 @@ Status run(Kernel kernel, const Problem& p, void* workspace, cudaStream_t stream
     case Kernel::kLinearFP16: return run_linear_fp16(p, workspace, stream);
     case Kernel::kSwiGLUBF16: return run_swiglu_bf16(p, workspace, stream);
     case Kernel::kLinearBF16PingPong: return run_linear_bf16_pingpong(p, workspace, stream);
+    case Kernel::kSwiGLUBF16PingPong: return run_swiglu_bf16_pingpong(p, workspace, stream);
+    case Kernel::kSwiGLUBF16PingPongH: return run_swiglu_bf16_pingpong_h(p, workspace, stream);
   }
   return Status::kCannotImplement;
 }
@@ -505,29 +531,73 @@ bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, cons
 
 bool gemm_swiglu(const at::Tensor& Z, const at::Tensor& H, const at::Tensor& A, const at::Tensor& B,
                  const at::Tensor& bias) {
+  const bool want_z = Z.defined();
+  TORCH_CHECK(H.dim() == 2 && A.dim() == 2 && B.dim() == 2 && H.size(0) == A.size(0) && 2 * H.size(1) == B.size(0),
+              "opforge::gemm: expected H of shape [m, n / 2] for A [m, k] and B [n, k]");
+  TORCH_CHECK(H.scalar_type() == A.scalar_type() && H.device() == A.device() &&
+                  (H.size(0) <= 1 || H.stride(0) >= H.size(1)) && (H.size(1) <= 1 || H.stride(1) == 1),
+              "opforge::gemm: expected H of shape [m, n / 2] with a unit last stride and A's dtype");
   GemmArgs args;
   args.trans_b = true;
   args.bias = bias;
-  const Problem p = problem_of(Z, A, B, args);
-  TORCH_CHECK(H.dim() == 2 && H.size(0) == p.m && 2 * H.size(1) == p.n && H.scalar_type() == Z.scalar_type() &&
-                  H.device() == Z.device() && (H.size(0) <= 1 || H.stride(0) >= H.size(1)) && H.stride(1) == 1,
-              "opforge::gemm: expected H of shape [m, n / 2] with a unit last stride and Z's dtype");
+  // Z's problem; without Z, the same sizes with a contiguous z that is never stored (H stands in for D's dtype and
+  // device in the checks)
+  Problem p{};
+  if (want_z) {
+    p = problem_of(Z, A, B, args);
+  } else {
+    TORCH_CHECK(B.scalar_type() == A.scalar_type() && A.device() == B.device() && B.size(1) == A.size(1),
+                "opforge::gemm: expected A [m, k] and B [n, k] of one dtype and device");
+    p.a = mat_of(A, "A");
+    p.b = mat_of(B, "B");
+    p.m = A.size(0);
+    p.n = B.size(0);
+    p.k = A.size(1);
+    p.batch = 1;
+    p.d = {p.m, p.n, std::max<int64_t>(p.n, 1), 0, nullptr};
+  }
   const int64_t mode = knobs::get(knobs::Knob::kGemmSm90);
   if (is_empty(p) || mode == 0) return false;
-  // The fused kernel replaces two passes (GEMM, then swiglu over z): taken wherever it can run.
-  const char* refusal = sm90_refusal(p, Z, A, args);
-  if (refusal == nullptr && Z.scalar_type() != at::kBFloat16) refusal = "the SwiGLU kernel is built for bfloat16 only";
+  // Which kernel: the table (mode -1), else the test hook: 4 the cooperative kernel, 1..3 the ping-pong one (1: the
+  // cooperative one where the ping-pong one cannot take the problem; the table: two passes there).
+  SwiGLUPath path = mode < 0 ? swiglu_choice(p.m, p.n, p.k, want_z)
+                             : (mode == 4 ? SwiGLUPath::kCooperative : SwiGLUPath::kPingPong);
+  if (path == SwiGLUPath::kTwoPass) return false;
+  const char* refusal = sm90_refusal(p, want_z ? Z : H, A, args);
+  if (refusal == nullptr && A.scalar_type() != at::kBFloat16) refusal = "the SwiGLU kernels are built for bfloat16 only";
+  const int64_t ldh = H.size(0) <= 1 ? H.size(1) : H.stride(0);
+  const char* tma_refusal = ldh % 8 != 0 || !aligned16(H.const_data_ptr())
+                                ? "the ping-pong SwiGLU kernel stores H by TMA: H's row stride (n / 2 when contiguous) "
+                                  "must be a multiple of 8 and its base 16-byte aligned"
+                                : nullptr;
+  if (refusal == nullptr && path == SwiGLUPath::kPingPong && tma_refusal != nullptr) {
+    if (mode < 0) return false;  // the table measured the ping-pong kernel, not the cooperative one: two passes
+    if (mode == 1) {
+      path = SwiGLUPath::kCooperative;  // wherever a fused kernel can run: the other one
+    } else {
+      refusal = tma_refusal;
+    }
+  }
   TORCH_CHECK(mode < 2 || refusal == nullptr, "opforge::gemm: the sm90 kernel cannot take this problem (test hook "
               "gemm_sm90 >= 2): ", refusal ? refusal : "");
   if (refusal != nullptr) return false;
   check_int(p);
   at::Tensor b = bias;
   if (b.defined()) b = cuda::aligned16_or_copy(b);
-  sm90::Problem q = sm90_problem(p, Z);
+  at::Tensor z = Z;
+  if (!want_z && path == SwiGLUPath::kCooperative) z = at::empty({p.m, p.n}, H.options());  // the kernel writes z
+  sm90::Problem q = sm90_problem(p, z.defined() ? z : H);
+  if (!z.defined()) q.D = nullptr;  // the kernel without D
+  q.ldd = want_z ? p.d.ld : p.n;
   q.bias = b.defined() ? b.const_data_ptr() : nullptr;
   q.H = H.mutable_data_ptr();
-  q.ldh = H.size(0) <= 1 ? H.size(1) : H.stride(0);
-  return sm90_run(sm90::Kernel::kSwiGLUBF16, q, Z);
+  q.ldh = ldh;
+  const sm90::Kernel kernel = path == SwiGLUPath::kCooperative ? sm90::Kernel::kSwiGLUBF16
+                              : want_z                         ? sm90::Kernel::kSwiGLUBF16PingPong
+                                                               : sm90::Kernel::kSwiGLUBF16PingPongH;
+  const bool ran = sm90_run(kernel, q, H);
+  TORCH_CHECK(ran || mode < 2, "opforge::gemm: the sm90 kernel declined the problem (test hook gemm_sm90 >= 2)");
+  return ran;
 }
 
 void gemm_ex(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args) {

@@ -20,8 +20,9 @@
 //
 //   TMA moves A, B and D: every base address 16-byte aligned, every row stride (lda, ldb, ldd) and K and N
 //   multiples of 8 elements (16 bytes). M, N and K are otherwise free: tiles past the edges are zero-filled
-//   on load and masked on store. bias: 16-byte aligned. kSwiGLU: N even; H is written element by element
-//   (row stride ldh, no alignment beyond the dtype's). Anything else is the caller's to route to cuBLASLt.
+//   on load and masked on store. bias: 16-byte aligned. kSwiGLUBF16: N even; H is written element by element
+//   (row stride ldh, no alignment beyond the dtype's). kSwiGLUBF16PingPong(H): N even, H stored by TMA (base and
+//   ldh 16-byte aligned, ldh a multiple of 8). Anything else is the caller's to route to cuBLASLt.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -35,7 +36,11 @@ namespace sm90 {
 
 /// The compiled kernels: (epilogue, dtype). One .cu file each.
 /// kLinearBF16PingPong: kLinearBF16 in the ping-pong schedule, measured against it (test hook gemm_sm90 = 3).
-enum class Kernel : int { kLinearBF16, kLinearFP16, kSwiGLUBF16, kLinearBF16PingPong };
+/// kSwiGLUBF16PingPong: kSwiGLU in the ping-pong schedule with H through shared memory and a TMA store (H's row
+/// stride and base 16-byte aligned); kSwiGLUBF16PingPongH: the same without D (D may be null: z is not stored).
+enum class Kernel : int {
+  kLinearBF16, kLinearFP16, kSwiGLUBF16, kLinearBF16PingPong, kSwiGLUBF16PingPong, kSwiGLUBF16PingPongH
+};
 
 /// One call's operands and sizes (row-major, element strides).
 struct Problem {
@@ -74,6 +79,10 @@ size_t workspace_swiglu_bf16(const Problem& p);
 Status run_swiglu_bf16(const Problem& p, void* workspace, cudaStream_t stream);
 size_t workspace_linear_bf16_pingpong(const Problem& p);
 Status run_linear_bf16_pingpong(const Problem& p, void* workspace, cudaStream_t stream);
+size_t workspace_swiglu_bf16_pingpong(const Problem& p);
+Status run_swiglu_bf16_pingpong(const Problem& p, void* workspace, cudaStream_t stream);
+size_t workspace_swiglu_bf16_pingpong_h(const Problem& p);
+Status run_swiglu_bf16_pingpong_h(const Problem& p, void* workspace, cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace gemm

@@ -1,6 +1,8 @@
 """swiglu_linear and swiglu_linear_backward: values and gradients against float64 over dtypes and odd shapes, bias or
-none, views; on an H100/H200 with CUTLASS the fused GEMM + SwiGLU epilogue (bfloat16) and the unfused path (float16,
-shapes it does not take), with the test hook gemm_sm90 proving which ran.
+none, views; on an H100/H200 with CUTLASS the fused GEMM + SwiGLU epilogue kernels (bfloat16: the ping-pong kernel with
+z and h, its h-only inference form, the cooperative kernel) and the unfused path (float16, shapes they do not take),
+with the test hook gemm_sm90 proving which ran (2: the ping-pong kernel, 4: the cooperative one, each raising where it
+cannot take the problem; 1: whichever can run).
 
 The common checks of every op (opcheck, compile, gradcheck, gradgradcheck, Meta, bad inputs, ...): test_conformance.py."""
 import pytest
@@ -103,24 +105,65 @@ def test_odd_weight_rows_raise(device):
         opforge.swiglu_linear(torch.randn(2, 8, device=device), torch.randn(7, 8, device=device))
 
 
+# The ping-pong SwiGLU kernel stores h by TMA: I (h's row stride) a multiple of 8. One row, odd rows, K off the
+# k-tile, z's columns off the 128-wide tile (2 I = 2000), several tiles each way.
+PINGPONG_SHAPES = [((1,), 8, 8), ((7,), 72, 72), ((3, 43), 136, 136), ((300,), 520, 1000), ((2, 1024), 2048, 2048)]
+# (gemm_sm90, shape): 2 the ping-pong SwiGLU kernel (its h-only form without gradients), 4 the cooperative one
+FUSED_CASES = ([pytest.param(2, shape, id=f"pingpong-{shape}") for shape in PINGPONG_SHAPES]
+               + [pytest.param(4, shape, id=f"cooperative-{shape}") for shape in SHAPES + [((2, 1024), 2048, 2048)]])
+
+
 @needs_sm90
-@pytest.mark.parametrize("shape", SHAPES + [((2, 1024), 2048, 2048)])
+@pytest.mark.parametrize("mode,shape", FUSED_CASES)
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_fused_epilogue_cuda(knob, shape, with_bias):
-    knob("gemm_sm90", 2)  # the fused kernel must run (raises where it cannot)
+def test_fused_epilogue_cuda(knob, mode, shape, with_bias):
+    knob("gemm_sm90", mode)  # the fused kernel must run (raises where it cannot)
     lead, K, I = shape
     x, w, b = _leaves(lead, K, I, "cuda", torch.bfloat16, with_bias)
     dy = torch.randn(*lead, I, device="cuda").to(torch.bfloat16)
     # backward's GEMMs (dX, dW) are not of the engine's form: gemm_sm90 = 2 would refuse them
     _check(x, w, b, dy, before_backward=lambda: knob("gemm_sm90", 1))
-    knob("gemm_sm90", 2)
+    knob("gemm_sm90", mode)
     # the fused path's z is what backward reads: equal to the unfused GEMM within one rounding
     y_fused, z_fused = torch.ops.opforge._swiglu_linear_forward(x.detach(), w.detach(), b)
+    # without gradients the public op asks for y alone (the ping-pong kernel then never stores z): the same y
+    with torch.no_grad():
+        y_alone = opforge.swiglu_linear(x, w, b)
+    assert_matches_reference(y_alone, swiglu_linear_reference(x, w, b), _baseline(x, w, b),
+                             bound=_output_bound(x, w, b))
+    torch.testing.assert_close(y_alone, y_fused, rtol=0, atol=0)  # one kernel configuration, one summation order
     knob("gemm_sm90", 0)
     y_plain, z_plain = torch.ops.opforge._swiglu_linear_forward(x.detach(), w.detach(), b)
     tol = 2**-7 * max(z_plain.abs().max().item(), 1.0)
     torch.testing.assert_close(z_fused, z_plain, rtol=2**-7, atol=tol)
     torch.testing.assert_close(y_fused, y_plain, rtol=2**-6, atol=tol)
+
+
+@needs_sm90
+@pytest.mark.parametrize("I", [4, 68, 132])
+def test_pingpong_declines_unaligned_h_rows_cuda(knob, I):
+    # h's rows of I elements are not whole 16-byte TMA granules: the ping-pong kernel cannot store them
+    x, w, b = _leaves((33,), 136, I, "cuda", torch.bfloat16)
+    knob("gemm_sm90", 2)
+    with pytest.raises(RuntimeError, match="sm90 kernel cannot take this problem.*H's row stride"):
+        opforge.swiglu_linear(x.detach(), w.detach(), b.detach())
+    knob("gemm_sm90", 1)  # wherever a fused kernel can run: the cooperative one takes it
+    dy = torch.randn(33, I, device="cuda").to(torch.bfloat16)
+    _check(x, w, b, dy)
+    with torch.no_grad():
+        y = opforge.swiglu_linear(x, w, b)
+    assert_matches_reference(y, swiglu_linear_reference(x, w, b), _baseline(x, w, b), bound=_output_bound(x, w, b))
+
+
+@needs_sm90
+def test_default_path_matches_float64_cuda(knob):
+    knob("gemm_sm90", -1)  # the measured table's choice (fused or two passes) at a Llama-like shape
+    x, w, b = _leaves((2, 256), 2048, 1024, "cuda", torch.bfloat16, with_bias=False)
+    dy = torch.randn(2, 256, 1024, device="cuda").to(torch.bfloat16)
+    _check(x, w, b, dy)
+    with torch.no_grad():
+        y = opforge.swiglu_linear(x, w, b)
+    assert_matches_reference(y, swiglu_linear_reference(x, w, b), _baseline(x, w, b), bound=_output_bound(x, w, b))
 
 
 @needs_sm90
@@ -131,6 +174,7 @@ def test_unfused_path_where_fused_kernel_cannot_run_cuda(knob, case):
     dy = torch.randn(33, 40, device="cuda").to(dtype)
     knob("gemm_sm90", 1)
     _check(x, w, b, dy)
-    knob("gemm_sm90", 2)
-    with pytest.raises(RuntimeError, match="sm90 kernel cannot take this problem"):
-        opforge.swiglu_linear(x.detach(), w.detach(), b.detach())
+    for mode in (2, 4):
+        knob("gemm_sm90", mode)
+        with pytest.raises(RuntimeError, match="sm90 kernel cannot take this problem"):
+            opforge.swiglu_linear(x.detach(), w.detach(), b.detach())

@@ -7,9 +7,15 @@ Rows per (M, K, N), forward only (every GEMM of a training step is one of these,
                     bfloat16's ping-pong variant on 128 x 128 tiles), "cuBLASLt" (gemm_sm90 = 0),
                     "opforge" (the default: sm90_choice's table in core/gemm_cuda.cu), F.linear (cuBLAS);
     linear_bias     the same with a bias in the epilogue;
-    swiglu_linear   N = 2I: opforge.swiglu_linear "fused" (one kernel: z and y = silu(z[:, 0::2]) · z[:, 1::2]),
-                    "unfused" (gemm_sm90 = 0: cuBLASLt GEMM, then opforge.swiglu on z's interleaved columns), and
-                    the patch's path today: F.linear on the [gate | up] weight, then opforge.swiglu_packed.
+    swiglu_linear   N = 2I, y = silu(z[:, 0::2]) · z[:, 1::2] with z = x · Wᵀ: the training form (the forward
+                    autograd runs when a gradient is needed, _swiglu_linear_forward: z kept for backward) and the
+                    inference form (opforge.swiglu_linear without gradients: y alone) of
+                    "fused pingpong" (gemm_sm90 = 2: one ping-pong kernel, z and y through shared memory and TMA
+                    stores; the inference form stores y alone), "fused cooperative" (gemm_sm90 = 4: the cooperative
+                    kernel, y stored from registers; z stored in both forms), "unfused" (gemm_sm90 = 0: cuBLASLt GEMM,
+                    then opforge.swiglu on z's interleaved columns), "opforge" (the default: kSwiGLUTable's choice in
+                    core/gemm_cuda.cu); and the patch's path today (inference form only): F.linear on the [gate | up]
+                    weight, then opforge.swiglu_packed. The training-form rows are named "... (z, y)".
 Metric: TFLOP/s (2·M·N·K per call); each printed line gives µs, TFLOP/s and the fraction of the H200's dense
 bf16/fp16 peak (PEAK_TFLOPS). Timing: harness.time_cuda_graph (back-to-back calls in one CUDA graph). Before
 timing, each implementation's output on the first rows is checked against opforge.testing's float64 reference.
@@ -72,6 +78,11 @@ def packed_path(x, w_packed, b):
     return opforge.swiglu_packed(F.linear(x, w_packed, b))
 
 
+def forward_z_y(x, w, b):
+    """swiglu_linear's training-form forward (z and y, as autograd runs it when a gradient is needed); returns y."""
+    return torch.ops.opforge._swiglu_linear_forward(x, w, b)[0]
+
+
 def line(impl: str, t: float, flops: float, method: str) -> str:
     tf = harness.tflops(flops, t)
     return (f"{impl} {harness._fmt(t)}us {harness._fmt(tf)}TF ({harness._fmt(100 * tf / PEAK_TFLOPS, 0)}% peak)"
@@ -116,10 +127,16 @@ def main(argv=None) -> int:
                 run.say_case(op, "fwd", dtype, (M, K, N), group)
             if dtype == torch.bfloat16 and N % 2 == 0 and N <= 32768:
                 wi = interleave(w)
-                sw = {"fused": with_knob(opforge.swiglu_linear, 2) if have_sm90 else None,
-                      "unfused": with_knob(opforge.swiglu_linear, 0),
+                ys = opforge.swiglu_linear
+                sw = {"fused pingpong (z, y)": with_knob(forward_z_y, 2) if have_sm90 else None,
+                      "fused pingpong": with_knob(ys, 2) if have_sm90 else None,
+                      "fused cooperative (z, y)": with_knob(forward_z_y, 4) if have_sm90 else None,
+                      "unfused (z, y)": with_knob(forward_z_y, 0),
+                      "unfused": with_knob(ys, 0),
+                      "opforge (z, y)": forward_z_y,
+                      "opforge": ys,
                       "F.linear + swiglu_packed": packed_path}
-                operands = {"fused": wi, "unfused": wi, "F.linear + swiglu_packed": w}
+                operands = {impl: (w if impl == "F.linear + swiglu_packed" else wi) for impl in sw}
                 ref = testing.swiglu_linear_reference(xs.double(), wi.double())
                 base = packed_path(xs, w, None)
                 group = []
