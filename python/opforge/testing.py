@@ -487,6 +487,25 @@ def linear_jsd_reference(input: Tensor, linear_weight: Tensor, teacher_input: Te
         zs = zs + linear_bias.to(cd)
     if teacher_linear_bias is not None:
         zt = zt + teacher_linear_bias.detach().to(cd)
+    return linear_jsd_from_logits(zs, zt, target, beta=beta, temperature=temperature, ignore_index=ignore_index,
+                                  reduction=reduction)
+
+
+__all__ += ["linear_jsd_from_logits"]
+
+
+def linear_jsd_from_logits(zs: Tensor, zt: Tensor, target: Optional[Tensor] = None, *, beta: float = 0.5,
+                           temperature: float = 1.0, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """linear_jsd's value from both heads' logits `zs`, `zt` `(N, V)` (biases included; differentiable in both).
+
+    The divergences from their definitions on the probabilities: KL(P ‖ Q) = Σ P (log P − log Q) with
+    m = β p_t + (1 − β) p_s formed as probabilities (not log-add-exp); β = 0 is KL(teacher ‖ student), β = 1
+    KL(student ‖ teacher).
+
+    Returns:
+        `()` in the logits' dtype: the per-token divergences summed over the tokens whose target is not
+        ignore_index (every token when target is None), divided by their number for "mean".
+    """
     ls, lt = torch.log_softmax(zs / temperature, -1), torch.log_softmax(zt / temperature, -1)
     ps, pt = ls.exp(), lt.exp()
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import opforge
-from opforge.testing import assert_matches_reference, linear_jsd_reference
+from opforge.testing import assert_matches_reference, linear_jsd_from_logits, linear_jsd_reference
 
 from conftest import lce_device_fixture, lce_lean, lean_accum_factor, lean_rounding_bound
 
@@ -31,23 +31,9 @@ def _data(N, H, Ht, V, dtype, device, *, ignore_frac=0.0, seed=0):
 
 def _jsd64(zs, zt, t, beta, temperature, ignore_index=-100, reduction="mean"):
     """linear_jsd's value from the raw float64 logits of both heads (zs, zt [N, V], biases included), differentiable
-    in both (linear_jsd_reference detaches the teacher): the same formulas as linear_jsd_reference."""
-    ls, lt = torch.log_softmax(zs / temperature, -1), torch.log_softmax(zt / temperature, -1)
-    ps, pt = ls.exp(), lt.exp()
-
-    def kl(p, lp, lq):
-        return (p * (lp - lq)).sum(-1)
-
-    if beta == 0:
-        per = kl(pt, lt, ls)
-    elif beta == 1:
-        per = kl(ps, ls, lt)
-    else:
-        lm = torch.log(beta * pt + (1 - beta) * ps)
-        per = beta * kl(pt, lt, lm) + (1 - beta) * kl(ps, ls, lm)
-    valid = t != ignore_index
-    total = torch.where(valid, per, torch.zeros_like(per)).sum()
-    return total if reduction == "sum" else total / valid.sum()
+    in both (linear_jsd_reference detaches the teacher)."""
+    return linear_jsd_from_logits(zs, zt, t, beta=beta, temperature=temperature, ignore_index=ignore_index,
+                                  reduction=reduction)
 
 
 def _run(fn, x, w, b):
