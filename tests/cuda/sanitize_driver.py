@@ -205,6 +205,10 @@ def families(quick: bool):
                 t = host_randint(0, v, (bt,))
                 t[::3] = -100
                 backward(opforge.linear_cross_entropy(x, w, t, linear_bias=b))
+                if dt in LOW:  # lean mode: the 16-bit logits chunk (row kernels on 16-bit logits, in place)
+                    with knobs(OPFORGE_LCE_LEAN=1):
+                        backward(opforge.linear_cross_entropy(x, w, t, linear_bias=b))
+                        backward(opforge.linear_cross_entropy(x, w, t, linear_bias=b, reduction="none"))
             # the separate backward (lce_backward_rows): reduction "none", and "mean" with the gradients not
             # computed in the forward (OPFORGE_LCE_GRAD_IN_FORWARD=0); smoothing, z-loss and softcap once
             x, w, b = make((7, 32), dt, u), make((50, 32), dt, u), make((50,), dt, u)
@@ -228,6 +232,14 @@ def families(quick: bool):
             xt, wt = make((7, 32), dt, u, requires_grad=False), make((50, 32), dt, u, requires_grad=False)
             for beta in (0.0, 0.5, 1.0):
                 backward(opforge.linear_jsd(x, w, xt, wt, t, linear_bias=b, beta=beta, temperature=2.0))
+            if dt in LOW:  # lean mode, V a multiple of 8 (the 16-byte row access) and not
+                for v in (50, 104):
+                    w, b = make((v, 32), dt, u), make((v,), dt, u)
+                    wt = make((v, 32), dt, u, requires_grad=False)
+                    t = host_randint(0, v, (7,))
+                    with knobs(OPFORGE_LCE_LEAN=1):
+                        backward(opforge.linear_log_probs(x, w, t, b, return_entropy=True))
+                        backward(opforge.linear_jsd(x, w, xt, wt, t, linear_bias=b, beta=0.5))
         out.append(("post_training", post_training))
     if hasattr(ops, "quantize_fp8"):
         def fp8(dt, u):
