@@ -12,11 +12,14 @@ import torch.nn.functional as TF
 import opforge
 from opforge.testing import assert_matches_reference, linear_cross_entropy_reference, relative_error
 
-from conftest import LCE_LEAN, lce_device_fixture, lce_lean, lean_rounding_bound
+from conftest import _NO_CUDA, LCE_LEAN, lce_device_fixture, lce_lean, lean_rounding_bound
 
 LOSS_DTYPES = [torch.float32, torch.bfloat16]
 
 device = lce_device_fixture()  # "cpu", "cuda" (OPFORGE_LCE_LEAN=0), "cuda-lean" (OPFORGE_LCE_LEAN=1)
+# the tests of OPFORGE_LCE_DW_ACCUM, which lean mode overrides (it accumulates dW in the 16-bit dtype): the default
+# mode only (the knob OPFORGE_LCE_LEAN is 0 unless set, and these tests set nothing else)
+_DEFAULT_MODE_DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_NO_CUDA)])
 
 
 def _data(N, H, V, dtype, device, *, bias=False, ignore_frac=0.0, scale=1.0):
@@ -774,6 +777,7 @@ _PATHS = [("mean", "forward"), ("mean", "recompute"), ("sum", "forward"), ("sum"
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("chunk", [48, 16, 7])  # k = 1, 3, 7 chunks of N = 48 tokens (the last one partial at 7)
 @pytest.mark.parametrize("reduction,path", _PATHS)
+@_DEFAULT_MODE_DEVICES
 def test_dw_accum_matches_float64(device, knob, dtype, chunk, reduction, path):
     """OPFORGE_LCE_DW_ACCUM=1: grad_linear_weight and grad_linear_bias in the parameters' 16-bit dtype against
     float64 by the rule with _accum_factor(k) (loss and grad_input by the plain rule), with a bias, ignored tokens
@@ -781,12 +785,11 @@ def test_dw_accum_matches_float64(device, knob, dtype, chunk, reduction, path):
     0 (it changes only the parameter gradients), the parameter gradients are not (for k > 1: the knob took effect)."""
     N = 48
     x, w, b, t = _data(N, 24, 83, dtype, device, bias=True, ignore_frac=0.2, scale=2.0)
-    if lce_lean(x, w, b):
-        pytest.skip("lean mode accumulates dW in the 16-bit dtype whatever OPFORGE_LCE_DW_ACCUM says")
     t[t == -100] = 5
     gw = torch.rand(N, device=device).to(dtype) if reduction == "none" else None
     kw = dict(reduction=reduction, chunk_size=chunk, ignore_index=5, grad_weights=gw)
     knob(_KNOB, 0 if path == "recompute" else 1)
+    knob(LCE_LEAN, 0)  # the default mode, whatever the build's default
     knob(_ACCUM, 1)
     k = math.ceil(N / chunk)
     (on, _) = _check_all(x, w, b, t, param_factor=_accum_factor(k), **kw)
@@ -812,16 +815,16 @@ def test_dw_accum_partial_last_chunk(device, knob, chunk, reduction):
 
 
 @pytest.mark.parametrize("reduction,path", [("mean", "forward"), ("sum", "recompute"), ("none", "recompute")])
+@_DEFAULT_MODE_DEVICES
 def test_dw_accum_rounds_once_per_chunk(device, knob, reduction, path):
     """The knob's dW is the 16-bit accumulation, one rounding per chunk: 8 chunks' result is close to the emulation
     _emulate_accum (from the float64 logit gradient) — at most a quarter of the knob-0 result's distance from it
     (float32 accumulation, one rounding at the end) — not merely within the tolerance of the right answer."""
     N, H, V, chunk = 256, 64, 300, 32
     x, w, b, t = _data(N, H, V, torch.bfloat16, device, bias=True, ignore_frac=0.1)
-    if lce_lean(x, w, b):
-        pytest.skip("lean mode accumulates dW in the 16-bit dtype whatever OPFORGE_LCE_DW_ACCUM says")
     gw = torch.rand(N, device=device).to(torch.bfloat16) if reduction == "none" else None
     knob(_KNOB, 0 if path == "recompute" else 1)
+    knob(LCE_LEAN, 0)  # the default mode, whatever the build's default
     knob(_ACCUM, 1)
     on = _grads(_ours(x, w, t), x, w, b, reduction=reduction, chunk_size=chunk, grad_weights=gw)[2]
     knob(_ACCUM, 0)
