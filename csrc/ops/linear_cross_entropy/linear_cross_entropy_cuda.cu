@@ -465,20 +465,26 @@ void chunk_dw(const at::Tensor& D, const Problem& p, int64_t s0, const at::Tenso
 // where `entropy` [N] is defined, the entropy; with a gradient in `need`, also the gradients of Σ token_value · G
 // (the reduction's unit scale) in the same loop. grads: dX [N, H]; dW [V, H] fp32 or p.dw_dtype (the first chunk's
 // GEMM writes it); db [V] fp32 or p.db_dtype. With a `teacher` (linear_jsd), each chunk also gets the teacher's
-// logits (a second GEMM, bias fused) and the row kernel is jsd_rows (no stats, no entropy).
+// logits (a second GEMM, bias fused) and the row kernel is jsd_rows (no stats, no entropy). With `groups`
+// (linear_preference_loss), chunks of whole groups and the gradient scale from the groups' values
+// (lce::GroupedRows): the forward rows without a gradient (they leave the logits as they are), the reference head's
+// logits and forward rows, then the backward rows on the same logits with the rows' G.
 void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<int64_t> chunk_size,
                     const at::Tensor& token_value, const at::Tensor& stats, const at::Tensor& entropy,
-                    const lce::GradBuffers& grads, const Problem* teacher = nullptr, double beta = 0.0) {
+                    const lce::GradBuffers& grads, const Problem* teacher = nullptr, double beta = 0.0,
+                    const lce::GroupedRows* groups = nullptr) {
   const auto dtype = p.X.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
   const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
   const bool need_grad = need.any();
   const bool write_acc = !low || need.db;  // the fp32 gradient is read again (fp32 GEMMs, the bias column sum)
-  const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
-                                           at::elementSize(acc) * (teacher ? 2 : 1) +
-                                               (need_grad && low ? at::elementSize(dtype) : 0));
+  const Problem* second = teacher ? teacher : groups ? groups->ref : nullptr;  // a second head's logits per chunk
+  int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
+                                     at::elementSize(acc) * (second ? 2 : 1) +
+                                         (need_grad && low ? at::elementSize(dtype) : 0));
+  if (groups) chunk = std::max(groups->group_rows, chunk - chunk % groups->group_rows);
   check_cuda_dims(p, chunk);
-  if (teacher) check_cuda_dims(*teacher, chunk);
+  if (second) check_cuda_dims(*second, chunk);
   if (need.dw && p.N == 0) grads.dW.zero_();
   if (p.N == 0) return;
   const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
@@ -487,7 +493,9 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
   at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));                       // [chunk, V]
   // the logit gradient in the storage dtype [chunk, V]
   at::Tensor dlow = need_grad && low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();
-  at::Tensor tlogits = teacher ? at::empty({rows, p.V}, p.X.options().dtype(acc)) : at::Tensor();  // [chunk, V]
+  at::Tensor tlogits = second ? at::empty({rows, p.V}, p.X.options().dtype(acc)) : at::Tensor();  // [chunk, V]
+  // the reference head's stats [chunk, 2] (written by its forward rows, not kept)
+  at::Tensor rstats = groups && second ? at::empty({rows, 2}, p.X.options().dtype(acc)) : at::Tensor();
   auto stream = at::cuda::getCurrentCUDAStream();
   OPFORGE_DISPATCH_FLOATING(dtype, "opforge::linear_cross_entropy", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -505,6 +513,29 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
       acc_t* sp = stats.defined() ? stats.mutable_data_ptr<acc_t>() + 2 * s0 : nullptr;
       acc_t* ep = entropy.defined() ? entropy.mutable_data_ptr<acc_t>() + s0 : nullptr;
       acc_t* Lp = L.mutable_data_ptr<acc_t>();
+      if (groups) {
+        const auto fwd = vec ? lce_forward_rows<acc_t, out_t, true, false> : lce_forward_rows<acc_t, out_t, false, false>;
+        fwd<<<c, kThreads, 0, stream>>>(Lp, nullptr, false, T, q, nullptr, lp, sp, nullptr);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (second) {
+          at::Tensor Lt = tlogits.narrow(0, 0, c);
+          logits_gemm(Lt, second->X.narrow(0, s0, c), *second);
+          fwd<<<c, kThreads, 0, stream>>>(Lt.mutable_data_ptr<acc_t>(), nullptr, false, T, q, nullptr,
+                                          groups->ref_value.mutable_data_ptr<acc_t>() + s0,
+                                          rstats.mutable_data_ptr<acc_t>(), nullptr);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        if (!need_grad) continue;
+        const at::Tensor Gc = groups->scale(s0, c);  // [c], on the stream after the rows' values
+        at::Tensor D = low ? dlow.narrow(0, 0, c) : L;
+        out_t* op = low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
+        const auto bwd = vec ? lce_backward_rows<acc_t, out_t, true> : lce_backward_rows<acc_t, out_t, false>;
+        bwd<<<c, kThreads, 0, stream>>>(Lp, op, write_acc, T, q, sp, Gc.const_data_ptr<acc_t>(), 1, nullptr, nullptr);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        chunk_grads(D, L, p, s0, grads.dX, grads.db);
+        chunk_dw(D, p, s0, grads.dW);
+        continue;
+      }
       if (teacher) {
         at::Tensor Lt = tlogits.narrow(0, 0, c);
         logits_gemm(Lt, teacher->X.narrow(0, s0, c), *teacher);
@@ -648,6 +679,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> jsd_forward_cuda(
   return jsd::forward_outputs(pp, value, grads, input, linear_weight, linear_bias);
 }
 
+// ---- linear_preference_loss: the forward loop over whole pairs, the pair losses' gradient scale ---------------
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> pref_forward_cuda(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& ref_input,
+    const std::optional<at::Tensor>& ref_linear_weight, const std::optional<at::Tensor>& ref_linear_bias,
+    const std::optional<at::Tensor>& ref_chosen_logps, const std::optional<at::Tensor>& ref_rejected_logps,
+    c10::string_view loss_type, double beta, double label_smoothing, double simpo_gamma, double cpo_alpha,
+    double temperature, int64_t ignore_index, std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask) {
+  c10::cuda::CUDAGuard guard(input.device());
+  const pref::Problems pp = pref::forward_problems(input, linear_weight, target, linear_bias, ref_input,
+                                                   ref_linear_weight, ref_linear_bias, ref_chosen_logps,
+                                                   ref_rejected_logps, loss_type, beta, label_smoothing, simpo_gamma,
+                                                   cpo_alpha, temperature, ignore_index, chunk_size);
+  const auto opts = pp.s.X.options().dtype(lce::acc_dtype(input.scalar_type()));
+  at::Tensor value = at::empty({pp.s.N}, opts);     // [N]
+  at::Tensor stats = at::empty({pp.s.N, 2}, opts);  // [N, 2]
+  const lce::GradBuffers grads(pp.s, grad_mask, /*zero_dw=*/false);
+  const lce::GroupedRows groups = pref::grouped_rows(pp, value);
+  forward_chunks(pp.s, lce::GradNeeds(pp.s, grad_mask), chunk_size, value, stats, at::Tensor(), grads, nullptr, 0.0,
+                 &groups);
+  return pref::forward_outputs(pp, value, groups, grads, input, linear_weight, linear_bias);
+}
+
 // ---- linear_log_probs: the same loops, the row value −log p(target) and the entropy -------------------------
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> llp_forward_cuda(
@@ -686,6 +741,7 @@ TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
   m.impl("_linear_log_probs_forward", &llp_forward_cuda);
   m.impl("linear_log_probs_backward", &llp_backward_cuda);
   m.impl("_linear_jsd_forward", &jsd_forward_cuda);
+  m.impl("_linear_preference_forward", &pref_forward_cuda);
 }
 
 }  // namespace opforge
