@@ -237,6 +237,28 @@ def test_compile_and_double_backward(device):
         gx.sum().backward()
 
 
+def test_autocast_and_torch_func(device):
+    """Under autocast both heads' GEMM operands go to the autocast dtype (as torch's linear) and the loss stays
+    float32: the same as the call on bf16 inputs; torch.func.grad gives autograd's gradients."""
+    x, w, b, xr, wr, br, t, rc, rr = _data(2, 5, 8, 13, torch.float32, device)
+    lowp = torch.bfloat16
+    with torch.autocast(device, dtype=lowp):
+        auto = linear_preference_loss(x, w, t, b, ref_input=xr, ref_linear_weight=wr, ref_linear_bias=br)[0]
+    cast = linear_preference_loss(x.to(lowp), w.to(lowp), t, b.to(lowp), ref_input=xr.to(lowp),
+                                  ref_linear_weight=wr.to(lowp), ref_linear_bias=br.to(lowp))[0]
+    assert auto.dtype == cast.dtype == torch.float32
+    torch.testing.assert_close(auto, cast, rtol=0, atol=0)
+
+    def f(x, w, b):
+        return linear_preference_loss(x, w, t, b, loss_type="simpo", beta=0.5, chunk_size=10)[0]
+
+    ours = torch.func.grad(f, argnums=(0, 1, 2))(x, w, b)
+    xs = [v.clone().requires_grad_() for v in (x, w, b)]
+    f(*xs).backward()
+    for o, v in zip(ours, xs):
+        torch.testing.assert_close(o, v.grad, rtol=0, atol=0)
+
+
 def test_bad_inputs(device):
     x, w, b, xr, wr, br, t, rc, rr = _data(2, 4, 4, 7, torch.float32, device)
     pre = "opforge::linear_preference_loss: "
