@@ -292,7 +292,8 @@ def linear_preference_loss(input: Tensor, linear_weight: Tensor, target: Tensor,
         loss_type, beta, label_smoothing, simpo_gamma: as `preference_loss`.
         cpo_alpha: float. The NLL weight of "cpo". Default: 1.0.
         temperature, ignore_index, chunk_size: as `linear_log_probs` (chunk_size in tokens, rounded down to whole
-            pairs of 2T tokens, at least one pair).
+            pairs of 2T tokens; the default budget too, at least one pair; a chunk_size below 2T keeps its memory
+            and recomputes the logits in a second sweep instead).
 
     Returns:
         (loss, chosen_rewards, rejected_rewards) as `preference_loss` (reduction "mean"): the `()` loss in float32

@@ -93,11 +93,13 @@ def _kwargs(ref, xr, wr, br, rc, rr):
     return {}
 
 
-@pytest.mark.parametrize("chunk_size", [1, 42, None], ids=["one_pair", "three_of_five_pairs", "default"])
+@pytest.mark.parametrize("chunk_size", [5, 14, 42, None], ids=["two_sweeps", "one_pair", "three_of_five_pairs",
+                                                             "default"])
 @pytest.mark.parametrize("loss_type,ref,label_smoothing", CASES)
 def test_float64_matches_composed_and_reference(device, loss_type, ref, label_smoothing, chunk_size):
     """float64: the fused op, the composed path and the materialised-logits reference agree to float64 rounding. 5
-    pairs of T = 7 tokens: chunk_size 42 tokens is 3 pairs (chunks of 3 and 2), 1 token rounds up to one pair."""
+    pairs of T = 7 tokens: chunk_size 42 tokens is 3 pairs (chunks of 3 and 2), 14 one pair; 5 tokens, less than a
+    pair, takes two sweeps (values, then the logits recomputed) in chunks of 5 rows that split the sequences."""
     x, w, b, xr, wr, br, t, rc, rr = _data(5, 7, 6, 23, torch.float64, device, Hr=6 if ref == "shared_head" else 5)
     if ref == "shared_head":
         xr = x
@@ -257,6 +259,30 @@ def test_autocast_and_torch_func(device):
     f(*xs).backward()
     for o, v in zip(ours, xs):
         torch.testing.assert_close(o, v.grad, rtol=0, atol=0)
+
+
+def _gemm_calls(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::addmm_"))
+
+
+def test_gemms_per_chunk():
+    """The gradient in the forward: 3 GEMMs per chunk for the policy (logits, dX, dW) and 1 for the reference head,
+    against the composition's 4 + 1 (its backward recomputes the logits); a chunk_size below a pair: two sweeps,
+    4 + 1. 3 pairs of T = 6 tokens, one pair (12 tokens) a chunk."""
+    x, w, b, xr, wr, br, t, rc, rr = _data(3, 6, 4, 9, torch.float32, "cpu")
+
+    def step(f, chunk):
+        def run():
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            f(xx, ww, t, ref_input=xr, ref_linear_weight=wr, chunk_size=chunk)[0].backward()
+        return run
+
+    assert _gemm_calls(step(linear_preference_loss, 12)) == 3 * (3 + 1)
+    assert _gemm_calls(step(_linear_preference_loss_composed, 12)) == 3 * (4 + 1)
+    assert _gemm_calls(step(linear_preference_loss, 9)) == 4 * (4 + 1)  # 36 tokens in chunks of 9
 
 
 def test_bad_inputs(device):

@@ -225,18 +225,23 @@ void mark_not_differentiable(const char* op, const at::Tensor& gi, const at::Ten
                              const std::optional<at::Tensor>& linear_bias);
 
 /// A loss whose per-row gradient scale depends on whole groups of rows (linear_preference_loss: a pair's chosen and
-/// rejected sequences), its gradient computed in the forward chunk loop all the same. Given one, the loop makes each
-/// chunk whole groups (`group_rows` rows each: the chunk rounded down to a multiple, at least one group) and per
-/// chunk: the logits GEMM; every row's value and stats (m, r) without a gradient; with `ref`, the reference head's
-/// logits GEMM on the same rows and its row values into `ref_value` (no gradient); then, when a gradient is wanted,
-/// `scale(s0, c)` (called after those values are written, on the device's stream: no host sync) gives the rows'
-/// G [c] (acc dtype, RowGrad's G with stride 1), and the backward row function turns the same logits into the logit
-/// gradient (no recompute GEMM), which feeds the chunk's dX, dW and db as in the plain gradient-in-forward path.
+/// rejected sequences), its gradient computed in the forward chunk loop all the same. Given one, the loop writes per
+/// chunk every row's value and stats (m, r) without a gradient after the logits GEMM and, with `ref`, the reference
+/// head's row values into `ref_value` (its own logits GEMM on the same rows, no gradient). When a gradient is wanted
+/// and a chunk can hold whole groups (the default chunk, or a chunk_size of at least `group_rows`), the loop sets
+/// `fused`, makes each chunk whole groups (rounded down to a multiple of group_rows, at least one group: the default
+/// budget may be exceeded by up to one group) and per chunk asks `scale(s0, c)` (called after the chunk's values are
+/// written, on the device's stream: no host sync) for the rows' G [c] (acc dtype, RowGrad's G with stride 1); the
+/// backward row function turns the same logits into the logit gradient (no recompute GEMM), which feeds the chunk's
+/// dX, dW and db as in the plain gradient-in-forward path. Otherwise (a chunk_size smaller than a group: the memory
+/// the caller asked for) the loop leaves `fused` false and computes no gradient: the caller runs the backward loop
+/// with G = scale(0, N) (two sweeps, the logits recomputed).
 struct GroupedRows {
   int64_t group_rows = 1;
   const Problem* ref = nullptr;  // the reference head's problem (its X, W, b; target and scale as the policy's)
   at::Tensor ref_value;          // [N] acc dtype, written by the loop (with ref)
   std::function<at::Tensor(int64_t s0, int64_t c)> scale;
+  bool fused = false;            // set by the loop: whether it computed the gradient
 };
 
 /// Writes p's scalar row parameters into a backend's row-parameter struct q (the CPU RowParams, the CUDA RowArgs):

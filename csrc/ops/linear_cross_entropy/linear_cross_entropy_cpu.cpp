@@ -282,12 +282,15 @@ void chunk_grads(const at::Tensor& L, const at::Tensor& Xc, const at::Tensor& Wf
 void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<int64_t> chunk_size,
                     const at::Tensor& token_value, const at::Tensor& stats, const at::Tensor& entropy,
                     const lce::GradBuffers& grads, const Problem* teacher = nullptr, double beta = 0.0,
-                    const lce::GroupedRows* groups = nullptr) {
+                    lce::GroupedRows* groups = nullptr) {
   const auto acc = lce::acc_dtype(p.X.scalar_type());
   const bool need_grad = need.any();
   const Problem* second = teacher ? teacher : groups ? groups->ref : nullptr;  // a second head's logits per chunk
   int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCpuChunkBudget, at::elementSize(acc) * (second ? 2 : 1));
-  if (groups) chunk = std::max(groups->group_rows, chunk - chunk % groups->group_rows);
+  // lce::GroupedRows: the gradient here when a chunk may hold whole groups
+  const bool fused_groups = groups && need_grad && (!chunk_size.has_value() || chunk >= groups->group_rows);
+  if (groups) groups->fused = fused_groups;
+  if (fused_groups) chunk = std::max(groups->group_rows, chunk - chunk % groups->group_rows);
   AT_DISPATCH_FLOATING_TYPES(acc, "opforge::linear_cross_entropy", [&] {
     using acc_t = scalar_t;
     const auto q = row_params<acc_t>(p);
@@ -325,7 +328,7 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
             if (rv) rv[row] = forward_row(Tp + i * p.V, T[row], qt, m, r, static_cast<acc_t*>(nullptr));
           }
         });
-        if (!need_grad) continue;
+        if (!fused_groups) continue;
         const at::Tensor Gc = groups->scale(s0, c);  // [c]
         const acc_t* gc = Gc.const_data_ptr<acc_t>();
         at::parallel_for(0, c, row_grain(p.V), [&](int64_t begin, int64_t end) {
@@ -461,9 +464,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor value = at::empty({pp.s.N}, opts);     // [N]
   at::Tensor stats = at::empty({pp.s.N, 2}, opts);  // [N, 2]
   lce::GradBuffers grads(pp.s, grad_mask, /*zero_dw=*/true);
-  const lce::GroupedRows groups = pref::grouped_rows(pp, value);
-  forward_chunks(pp.s, lce::GradNeeds(pp.s, grad_mask), chunk_size, value, stats, at::Tensor(), grads, nullptr, 0.0,
-                 &groups);
+  lce::GroupedRows groups = pref::grouped_rows(pp, value);
+  const lce::GradNeeds need(pp.s, grad_mask);
+  forward_chunks(pp.s, need, chunk_size, value, stats, at::Tensor(), grads, nullptr, 0.0, &groups);
+  if (need.any() && !groups.fused && pp.s.N > 0) {  // chunks smaller than a pair: the second sweep recomputes
+    lce::RowGrad rg;
+    rg.G = groups.scale(0, pp.s.N);
+    rg.g_stride = 1;
+    backward_cpu(pp.s, rg, stats, need, chunk_size, grads);
+  }
   return pref::forward_outputs(pp, value, groups, grads, input, linear_weight, linear_bias);
 }
 

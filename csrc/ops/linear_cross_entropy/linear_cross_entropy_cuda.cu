@@ -472,7 +472,7 @@ void chunk_dw(const at::Tensor& D, const Problem& p, int64_t s0, const at::Tenso
 void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<int64_t> chunk_size,
                     const at::Tensor& token_value, const at::Tensor& stats, const at::Tensor& entropy,
                     const lce::GradBuffers& grads, const Problem* teacher = nullptr, double beta = 0.0,
-                    const lce::GroupedRows* groups = nullptr) {
+                    lce::GroupedRows* groups = nullptr) {
   const auto dtype = p.X.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
   const bool low = dtype != acc;  // float16 / bfloat16: the gradient GEMMs read a storage-dtype copy of dZ
@@ -482,7 +482,10 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
   int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
                                      at::elementSize(acc) * (second ? 2 : 1) +
                                          (need_grad && low ? at::elementSize(dtype) : 0));
-  if (groups) chunk = std::max(groups->group_rows, chunk - chunk % groups->group_rows);
+  // lce::GroupedRows: the gradient here when a chunk may hold whole groups
+  const bool fused_groups = groups && need_grad && (!chunk_size.has_value() || chunk >= groups->group_rows);
+  if (groups) groups->fused = fused_groups;
+  if (fused_groups) chunk = std::max(groups->group_rows, chunk - chunk % groups->group_rows);
   check_cuda_dims(p, chunk);
   if (second) check_cuda_dims(*second, chunk);
   if (need.dw && p.N == 0) grads.dW.zero_();
@@ -525,7 +528,7 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
                                           rstats.mutable_data_ptr<acc_t>(), nullptr);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
-        if (!need_grad) continue;
+        if (!fused_groups) continue;
         const at::Tensor Gc = groups->scale(s0, c);  // [c], on the stream after the rows' values
         at::Tensor D = low ? dlow.narrow(0, 0, c) : L;
         out_t* op = low ? reinterpret_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
@@ -697,9 +700,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor value = at::empty({pp.s.N}, opts);     // [N]
   at::Tensor stats = at::empty({pp.s.N, 2}, opts);  // [N, 2]
   const lce::GradBuffers grads(pp.s, grad_mask, /*zero_dw=*/false);
-  const lce::GroupedRows groups = pref::grouped_rows(pp, value);
-  forward_chunks(pp.s, lce::GradNeeds(pp.s, grad_mask), chunk_size, value, stats, at::Tensor(), grads, nullptr, 0.0,
-                 &groups);
+  lce::GroupedRows groups = pref::grouped_rows(pp, value);
+  const lce::GradNeeds need(pp.s, grad_mask);
+  forward_chunks(pp.s, need, chunk_size, value, stats, at::Tensor(), grads, nullptr, 0.0, &groups);
+  if (need.any() && !groups.fused && pp.s.N > 0) {  // chunks smaller than a pair: the second sweep recomputes
+    lce::RowGrad rg;
+    rg.G = groups.scale(0, pp.s.N);
+    rg.g_stride = 1;
+    backward_cuda(pp.s, rg, stats, need, chunk_size, grads);
+  }
   return pref::forward_outputs(pp, value, groups, grads, input, linear_weight, linear_bias);
 }
 

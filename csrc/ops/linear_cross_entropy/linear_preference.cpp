@@ -20,6 +20,11 @@
 // chosen sequence, then its rejected one: a copy of input, N x H, and of grad_input back) so that a chunk of whole
 // pairs is one contiguous block of rows and the chunk loop stays the one of the other losses (one logits GEMM and one
 // dX GEMM per chunk, dW from the chunk's rows as they are).
+//
+// Chunk size: the engine's byte budget rounded down to whole pairs, at least one pair (a pair of long sequences may
+// exceed the budget: 2T x V logits, as Liger-Kernel's pair chunks). A chunk_size argument smaller than a pair (2T
+// tokens) is kept as the memory the caller asked for: the forward loop then only writes the rows' values and stats,
+// and linear_log_probs's backward loop recomputes each chunk's logits with G for all rows (two sweeps, 4 + 1 GEMMs).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
