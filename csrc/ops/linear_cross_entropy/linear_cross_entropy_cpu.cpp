@@ -320,12 +320,13 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
       }
       if (groups) {
         acc_t* rv = Tp ? groups->ref_value.mutable_data_ptr<acc_t>() : nullptr;
+        acc_t* no_entropy = nullptr;
         at::parallel_for(0, c, row_grain(p.V), [&](int64_t begin, int64_t end) {
           for (int64_t i = begin; i < end; ++i) {
             const int64_t row = s0 + i;
-            value[row] = forward_row(Lp + i * p.V, T[row], q, st[2 * row], st[2 * row + 1], static_cast<acc_t*>(nullptr));
+            value[row] = forward_row(Lp + i * p.V, T[row], q, st[2 * row], st[2 * row + 1], no_entropy);
             acc_t m, r;
-            if (rv) rv[row] = forward_row(Tp + i * p.V, T[row], qt, m, r, static_cast<acc_t*>(nullptr));
+            if (rv) rv[row] = forward_row(Tp + i * p.V, T[row], qt, m, r, no_entropy);
           }
         });
         if (!fused_groups) continue;

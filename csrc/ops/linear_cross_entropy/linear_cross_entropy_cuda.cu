@@ -495,7 +495,9 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
   const int64_t rows = std::min(chunk, p.N);
   at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(acc));                       // [chunk, V]
   // the logit gradient in the storage dtype [chunk, V]
-  at::Tensor dlow = need_grad && low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();
+  // (none where lce::GroupedRows leaves the gradient to a second sweep)
+  const bool grad_here = need_grad && (!groups || fused_groups);
+  at::Tensor dlow = grad_here && low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();
   at::Tensor tlogits = second ? at::empty({rows, p.V}, p.X.options().dtype(acc)) : at::Tensor();  // [chunk, V]
   // the reference head's stats [chunk, 2] (written by its forward rows, not kept)
   at::Tensor rstats = groups && second ? at::empty({rows, 2}, p.X.options().dtype(acc)) : at::Tensor();
@@ -517,7 +519,8 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
       acc_t* ep = entropy.defined() ? entropy.mutable_data_ptr<acc_t>() + s0 : nullptr;
       acc_t* Lp = L.mutable_data_ptr<acc_t>();
       if (groups) {
-        const auto fwd = vec ? lce_forward_rows<acc_t, out_t, true, false> : lce_forward_rows<acc_t, out_t, false, false>;
+        const auto fwd =
+            vec ? lce_forward_rows<acc_t, out_t, true, false> : lce_forward_rows<acc_t, out_t, false, false>;
         fwd<<<c, kThreads, 0, stream>>>(Lp, nullptr, false, T, q, nullptr, lp, sp, nullptr);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (second) {

@@ -94,7 +94,8 @@ PairTerms robust_terms(const Params& a, const at::Tensor& h) {
   const at::Tensor bh = h.mul(a.beta);
   const at::Tensor loss =
       at::log_sigmoid(bh).mul(-(1.0 - eps)).add(at::log_sigmoid(bh.neg()).mul(eps)).div(1.0 - 2.0 * eps);
-  const at::Tensor d = at::sigmoid(bh.neg()).mul(-(1.0 - eps)).sub(at::sigmoid(bh).mul(eps)).mul(a.beta / (1.0 - 2.0 * eps));
+  const at::Tensor d =
+      at::sigmoid(bh.neg()).mul(-(1.0 - eps)).sub(at::sigmoid(bh).mul(eps)).mul(a.beta / (1.0 - 2.0 * eps));
   return of_margin(loss, d);
 }
 
@@ -200,9 +201,9 @@ std::pair<LossType, bool> check_args(
                                   {"ref_rejected_logps", &*ref_rejected_logps}}) {
       check_floating(kOp, name, *t);
       check_same_device(kOp, "input", input, name, *t);
-      TORCH_CHECK_VALUE(t->dim() == 1 && t->sym_size(0) * 2 == target.sym_size(0), "opforge::", kOp, ": expected ",
-                        name, " of shape (B,) = [", num_str(target.sym_size(0) / 2), "] (half of target's 2B), but got ",
-                        shape_str(t->sym_sizes()));
+      TORCH_CHECK_VALUE(t->dim() == 1 && t->sym_size(0) * 2 == target.sym_size(0), "opforge::", kOp,
+                        ": expected ", name, " of shape (B,) = [", num_str(target.sym_size(0) / 2),
+                        "] (half of target's 2B), but got ", shape_str(t->sym_sizes()));
     }
     return {type, false};
   }
