@@ -182,6 +182,10 @@ def test_reference_is_a_constant_and_frozen_parts(device):
     w2 = w.clone().requires_grad_()
     _linear_preference_loss_composed(x, w2, t, ref_input=xr.detach(), ref_linear_weight=wr.detach())[0].backward()
     torch.testing.assert_close(ww.grad, w2.grad, rtol=1e-5, atol=1e-7)
+    # a grad_output other than 1 scales the gradients computed in the forward
+    w3 = w.clone().requires_grad_()
+    (-2.5 * linear_preference_loss(x, w3, t, ref_input=xr, ref_linear_weight=wr)[0]).backward()
+    torch.testing.assert_close(w3.grad, -2.5 * ww.grad, rtol=1e-6, atol=1e-8)
 
 
 def test_gradcheck_opcheck_meta(device):
