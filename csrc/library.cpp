@@ -128,6 +128,14 @@ TORCH_LIBRARY(opforge, m) {
   // of the loss computed in the same chunk loop (undefined where not asked); its autograd scales them by grad_output
   // (_linear_cross_entropy_scale_grads)
   m.def("_linear_jsd_forward(Tensor input, Tensor linear_weight, Tensor teacher_input, Tensor teacher_linear_weight, Tensor? target=None, Tensor? linear_bias=None, Tensor? teacher_linear_bias=None, float beta=0.5, float temperature=1.0, int ignore_index=-100, str reduction=\"mean\", int? chunk_size=None, bool[3] grad_mask=[False, False, False]) -> (Tensor loss, Tensor grad_input, Tensor grad_linear_weight, Tensor grad_linear_bias)");
+  // ---- linear_preference_loss (csrc/ops/linear_cross_entropy: the chunk engine over whole (chosen, rejected) pairs) ----
+  // opforge.losses.linear_preference_loss's DPO-family loss (loss_type sigmoid, ipo, hinge, robust, simpo, cpo, orpo)
+  // from the policy head, the reference's log-probabilities given or from its head: (loss, policy_logps (2B,),
+  // ref_logps (2B,) from the reference head, else empty), float32 (float64 for float64); only the loss differentiable
+  m.def("_linear_preference_loss(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, Tensor? ref_input=None, Tensor? ref_linear_weight=None, Tensor? ref_linear_bias=None, Tensor? ref_chosen_logps=None, Tensor? ref_rejected_logps=None, str loss_type=\"sigmoid\", float beta=0.1, float label_smoothing=0.0, float simpo_gamma=0.5, float cpo_alpha=1.0, float temperature=1.0, int ignore_index=-100, int? chunk_size=None) -> (Tensor loss, Tensor policy_logps, Tensor ref_logps)");
+  // _linear_preference_loss plus, where grad_mask asks, the loss's (grad_input, grad_linear_weight, grad_linear_bias)
+  // computed in the same chunk loop (undefined where not asked); its autograd scales them by grad_output
+  m.def("_linear_preference_forward(Tensor input, Tensor linear_weight, Tensor target, Tensor? linear_bias=None, Tensor? ref_input=None, Tensor? ref_linear_weight=None, Tensor? ref_linear_bias=None, Tensor? ref_chosen_logps=None, Tensor? ref_rejected_logps=None, str loss_type=\"sigmoid\", float beta=0.1, float label_smoothing=0.0, float simpo_gamma=0.5, float cpo_alpha=1.0, float temperature=1.0, int ignore_index=-100, int? chunk_size=None, bool[3] grad_mask=[False, False, False]) -> (Tensor loss, Tensor policy_logps, Tensor ref_logps, Tensor grad_input, Tensor grad_linear_weight, Tensor grad_linear_bias)");
   // ---- linear variants: linear_cat, indexed_linear (csrc/ops/linear_cat, csrc/ops/indexed_linear) ----
   // y = linear(cat(inputs, -1), weight, bias) without the concatenated buffer; inputs (*, K_i) of one leading shape, weight (N, ΣK_i), bias (N,)
   m.def("linear_cat(Tensor[] inputs, Tensor weight, Tensor? bias=None) -> Tensor");

@@ -8,8 +8,9 @@ on per-sequence log-probabilities, composed of PyTorch ops (autograd differentia
     sequence_log_probs(input, linear_weight, target)   Σ_t log p(target_t) per sequence (or the mean over its tokens)
     preference_loss(chosen_logps, rejected_logps, ...)  the loss of one of `PREFERENCE_LOSS_TYPES` from those
     kto_loss(...)                                       KTO, whose examples are unpaired
-    linear_preference_loss(input, linear_weight, target, ...)   both steps in one call: a policy head, and the
-                                                        reference log-probabilities given or from a reference head
+    linear_preference_loss(input, linear_weight, target, ...)   both steps in one native op, the gradient computed
+                                                        in its forward chunk loop: a policy head, and the reference
+                                                        log-probabilities given or from a reference head
     grpo_loss(log_probs, advantages, mask, ...)         the clipped policy-gradient loss of GRPO on per-token
                                                         log-probabilities, with a KL penalty to a reference
     linear_grpo_loss(input, linear_weight, target, advantages, ...)   the same from a policy head (fused
@@ -29,6 +30,11 @@ import torch.nn.functional as TF
 from torch import Tensor
 
 from .functional import linear_log_probs
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch without distributed support
+    _DTensor = None
 
 __all__ = ["PREFERENCE_LOSS_TYPES", "GRPO_LOSS_TYPES", "sequence_log_probs", "preference_loss", "kto_loss",
            "linear_preference_loss", "grpo_loss", "linear_grpo_loss"]
@@ -254,7 +260,7 @@ def linear_preference_loss(input: Tensor, linear_weight: Tensor, target: Tensor,
                            beta: float = 0.1, label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
                            cpo_alpha: float = 1.0, temperature: float = 1.0, ignore_index: int = -100,
                            chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """`preference_loss` from a policy head's hidden states: the log-probabilities fused (`linear_log_probs`).
+    """`preference_loss` from a policy head's hidden states, fused: loss = mean_pairs f(l_c, l_r) (+ the chosen NLL).
 
     The batch holds the B chosen sequences first, then the B rejected ones (TRL's concatenated forward). The
     reference log-probabilities (types "sigmoid", "robust", "hinge", "ipo") are the given ref_chosen_logps /
@@ -262,31 +268,90 @@ def linear_preference_loss(input: Tensor, linear_weight: Tensor, target: Tensor,
     default: `input`) and `ref_linear_weight` / `ref_linear_bias`. "cpo" adds cpo_alpha × the chosen sequences'
     NLL, "orpo" the chosen NLL (each the mean over the chosen tokens, as TRL's; 0 when no chosen token counts).
 
+    One native op (csrc/ops/linear_cross_entropy/linear_preference.cpp) runs linear_log_probs's chunk loop over
+    whole (chosen, rejected) pairs and computes the gradient in the forward: per chunk the policy's logits GEMM, the
+    per-token log-probabilities summed per sequence, the reference head's logits GEMM (no gradient), the pair loss's
+    closed-form derivative in each sequence's log-probability broadcast to its tokens, then the logit gradient from
+    the same logits and its dX, dW GEMMs: 3 GEMMs per chunk for the policy and 1 for a reference head, where
+    composing `linear_log_probs` with `preference_loss` recomputes each chunk's logits in backward (4 + 1). The
+    `(*, V)` logits never exist. With DTensor arguments (`opforge.parallel`) the loss is that composition, whose
+    `linear_log_probs` is vocabulary-parallel for a Shard(0) head.
+
     Args:
         input: `(2B, T, H)` floating. The policy's final hidden states, aligned with target.
         linear_weight: `(V, H)` floating. The policy's lm_head weight.
         target: `(2B, T)` int64. Token ids, ignore_index on prompt and padding.
         linear_bias: `(V,)` floating or None. Default: None.
-        ref_input: `(2B, T, H)` floating or None. The reference model's hidden states. Default: None (input).
-        ref_linear_weight: `(V, H)` floating or None. The reference lm_head. Default: None.
+        ref_input: `(2B, T, Hr)` floating or None. The reference model's hidden states (converted to input's
+            dtype). Default: None (input).
+        ref_linear_weight: `(V, Hr)` floating or None. The reference lm_head. Default: None.
         ref_linear_bias: `(V,)` floating or None. Default: None.
-        ref_chosen_logps: `(B,)` floating or None. Precomputed reference log-probabilities. Default: None.
+        ref_chosen_logps: `(B,)` floating or None. Precomputed reference log-probabilities (summed, or averaged for
+            "ipo", as the policy's). Default: None.
         ref_rejected_logps: `(B,)` floating or None. Default: None.
         loss_type, beta, label_smoothing, simpo_gamma: as `preference_loss`.
         cpo_alpha: float. The NLL weight of "cpo". Default: 1.0.
-        temperature, ignore_index, chunk_size: as `linear_log_probs`.
+        temperature, ignore_index, chunk_size: as `linear_log_probs` (chunk_size in tokens, rounded down to whole
+            pairs of 2T tokens; the default budget too, at least one pair; a chunk_size below 2T keeps its memory
+            and recomputes the logits in a second sweep instead).
 
     Returns:
-        (loss, chosen_rewards, rejected_rewards) as `preference_loss` (reduction "mean").
+        (loss, chosen_rewards, rejected_rewards) as `preference_loss` (reduction "mean"): the `()` loss in float32
+            (float64 for float64 input); the rewards `(B,)`, detached.
 
     Raises:
-        ValueError: an odd batch; a type that needs a reference given neither reference log-probabilities nor a
-            reference head; as `preference_loss` and `linear_log_probs`.
+        ValueError: target not `(2B, T)` (an odd batch); a type that needs a reference given neither reference
+            log-probabilities nor a reference head, or only one of ref_chosen_logps / ref_rejected_logps; shapes
+            that do not match; beta <= 0; label_smoothing outside [0, 0.5); as `linear_log_probs`.
+        TypeError: a non-floating input, weight, bias or reference; a target that is not int64.
+        RuntimeError: tensors on different devices.
+
+    Source: TRL's `DPOTrainer` (concatenated forward, `dpo_loss`), `CPOTrainer.cpo_loss`,
+    `ORPOTrainer.odds_ratio_loss`; the papers under `preference_loss`.
     """
+    if _any_dtensor(input, linear_weight, linear_bias, ref_input, ref_linear_weight, ref_linear_bias):
+        return _linear_preference_loss_composed(
+            input, linear_weight, target, linear_bias, ref_input=ref_input, ref_linear_weight=ref_linear_weight,
+            ref_linear_bias=ref_linear_bias, ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps,
+            loss_type=loss_type, beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma,
+            cpo_alpha=cpo_alpha, temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size)
+    loss, logps, ref_logps = _linear_preference_op(
+        input, linear_weight, target, linear_bias, ref_input, ref_linear_weight, ref_linear_bias, ref_chosen_logps,
+        ref_rejected_logps, loss_type, beta, label_smoothing, simpo_gamma, cpo_alpha, temperature, ignore_index,
+        chunk_size)
+    b = logps.shape[0] // 2
+    if loss_type in _REFERENCE:
+        if ref_chosen_logps is not None:
+            ref_c, ref_r = ref_chosen_logps.detach(), ref_rejected_logps.detach()
+        else:
+            ref_c, ref_r = ref_logps[:b], ref_logps[b:]
+        return loss, beta * (logps[:b] - ref_c), beta * (logps[b:] - ref_r)
+    return loss, beta * logps[:b], beta * logps[b:]
+
+
+_linear_preference_op = torch.ops.opforge._linear_preference_loss.default
+
+
+def _any_dtensor(*tensors) -> bool:
+    return _DTensor is not None and any(isinstance(t, _DTensor) for t in tensors)
+
+
+def _linear_preference_loss_composed(input: Tensor, linear_weight: Tensor, target: Tensor,
+                                     linear_bias: Optional[Tensor] = None, *, ref_input: Optional[Tensor] = None,
+                                     ref_linear_weight: Optional[Tensor] = None,
+                                     ref_linear_bias: Optional[Tensor] = None,
+                                     ref_chosen_logps: Optional[Tensor] = None,
+                                     ref_rejected_logps: Optional[Tensor] = None, loss_type: str = "sigmoid",
+                                     beta: float = 0.1, label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
+                                     cpo_alpha: float = 1.0, temperature: float = 1.0, ignore_index: int = -100,
+                                     chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """`linear_preference_loss` composed of `linear_log_probs` and `preference_loss` (autograd differentiates the
+    composition: each chunk's logits recomputed in backward); the DTensor path (a vocabulary-parallel
+    `linear_log_probs`) and the fused op's cross-check in the tests. Same arguments, returns and errors."""
     op = "linear_preference_loss"
-    if target.dim() < 1 or target.shape[0] % 2:
-        raise ValueError(f"opforge::{op}: expected a batch of 2B sequences (chosen, then rejected), but got target of "
-                         f"shape {list(target.shape)}")
+    if target.dim() != 2 or target.shape[0] % 2:
+        raise ValueError(f"opforge::{op}: expected a batch of 2B sequences (chosen, then rejected): target of shape "
+                         f"(2B, T), but got target of shape {list(target.shape)}")
     avg = loss_type in _AVERAGED
     kw = dict(temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size)
     lp = linear_log_probs(input, linear_weight, target, linear_bias, **kw)  # (2B, T)

@@ -502,6 +502,14 @@ def suite_loss(mesh):
               lambda a, w_, t_, rc, rr, lt=loss_type: opforge.losses.linear_preference_loss(
                   a, w_, t_, ref_chosen_logps=rc, ref_rejected_logps=rr, loss_type=lt)[0],
               [hs, W, ids, ref_lp, ref_lp + 0.3], [R, Shard(0), R, R, R], mesh, frozen=(3, 4), rtol=1e-4, atol=1e-5)
+    # the fused op itself (linear_preference_loss composes linear_log_probs on DTensors): replicated, a Shard(0) head
+    # gathered; without gradients (the op itself on DTensors) and with them (its private forward)
+    for loss_type, grads in (("sigmoid", True), ("orpo", True), ("ipo", False)):
+        check(f"linear_preference_loss's fused op {loss_type} grads={grads}",
+              lambda a, w_, t_, rc, rr, lt=loss_type: torch.ops.opforge._linear_preference_loss(
+                  a, w_, t_, ref_chosen_logps=rc, ref_rejected_logps=rr, loss_type=lt),
+              [hs, W, ids, ref_lp, ref_lp + 0.3], [R, Shard(0), R, R, R], mesh, grads=grads, frozen=(3, 4),
+              rtol=1e-4, atol=1e-5)
     adv = torch.randn(2 * B, generator=g)
     old = torch.randn(2 * B, T, generator=g) - 3.0
     check("vocab-parallel linear_grpo_loss dapo",

@@ -44,6 +44,7 @@
 #include <c10/util/string_view.h>
 
 #include <array>
+#include <functional>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -244,6 +245,26 @@ void mark_not_differentiable(const char* op, const at::Tensor& gi, const at::Ten
                              const at::Tensor& input, const at::Tensor& linear_weight,
                              const std::optional<at::Tensor>& linear_bias);
 
+/// A loss whose per-row gradient scale depends on whole groups of rows (linear_preference_loss: a pair's chosen and
+/// rejected sequences), its gradient computed in the forward chunk loop all the same. Given one, the loop writes per
+/// chunk every row's value and stats (m, r) without a gradient after the logits GEMM and, with `ref`, the reference
+/// head's row values into `ref_value` (its own logits GEMM on the same rows, no gradient). When a gradient is wanted
+/// and a chunk can hold whole groups (the default chunk, or a chunk_size of at least `group_rows`), the loop sets
+/// `fused`, makes each chunk whole groups (rounded down to a multiple of group_rows, at least one group: the default
+/// budget may be exceeded by up to one group) and per chunk asks `scale(s0, c)` (called after the chunk's values are
+/// written, on the device's stream: no host sync) for the rows' G [c] (acc dtype, RowGrad's G with stride 1); the
+/// backward row function turns the same logits into the logit gradient (no recompute GEMM), which feeds the chunk's
+/// dX, dW and db as in the plain gradient-in-forward path. Otherwise (a chunk_size smaller than a group: the memory
+/// the caller asked for) the loop leaves `fused` false and computes no gradient: the caller runs the backward loop
+/// with G = scale(0, N) (two sweeps, the logits recomputed).
+struct GroupedRows {
+  int64_t group_rows = 1;
+  const Problem* ref = nullptr;  // the reference head's problem (its X, W, b; target and scale as the policy's)
+  at::Tensor ref_value;          // [N] acc dtype, written by the loop (with ref)
+  std::function<at::Tensor(int64_t s0, int64_t c)> scale;
+  bool fused = false;            // set by the loop: whether it computed the gradient
+};
+
 /// Writes p's scalar row parameters into a backend's row-parameter struct q (the CPU RowParams, the CUDA RowArgs):
 /// q.V, q.ignore_index, and q.eps (label_smoothing), q.z_loss, q.cap (softcap, 0: none), q.scale in q's
 /// accumulation type.
@@ -351,4 +372,98 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(
     const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias);
 
 }  // namespace jsd
+// ---- linear_preference_loss: the forward loop over whole (chosen, rejected) pairs (lce::GroupedRows), the policy's
+// per-token log-probabilities summed per sequence, the pair losses' closed-form derivatives (linear_preference.cpp)
+// as the rows' gradient scale; the gradients computed in the forward (a scalar loss), scaled in backward ----
+
+/// The DPO-family loss of opforge.losses.linear_preference_loss: (loss, policy_logps, ref_logps). loss 0-dim; the
+/// policy's per-sequence log-probabilities (2B,) as the loss type uses them (summed, or averaged over each sequence's
+/// counted tokens for "ipo", "simpo", "orpo"), chosen first; ref_logps (2B,) likewise from the reference head when
+/// one is used, else an empty (0,) tensor; all in float32 (float64 for float64 input). Only the loss is
+/// differentiable (in input, linear_weight, linear_bias); the reference is a constant.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _linear_preference_loss(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& ref_input,
+    const std::optional<at::Tensor>& ref_linear_weight, const std::optional<at::Tensor>& ref_linear_bias,
+    const std::optional<at::Tensor>& ref_chosen_logps, const std::optional<at::Tensor>& ref_rejected_logps,
+    c10::string_view loss_type, double beta, double label_smoothing, double simpo_gamma, double cpo_alpha,
+    double temperature, int64_t ignore_index, std::optional<int64_t> chunk_size);
+
+/// _linear_preference_loss's outputs, then (grad_input, grad_linear_weight, grad_linear_bias) of the loss computed in
+/// the same chunk loop where grad_mask asks (undefined otherwise), each in its parameter's shape and dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _linear_preference_forward(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& ref_input,
+    const std::optional<at::Tensor>& ref_linear_weight, const std::optional<at::Tensor>& ref_linear_bias,
+    const std::optional<at::Tensor>& ref_chosen_logps, const std::optional<at::Tensor>& ref_rejected_logps,
+    c10::string_view loss_type, double beta, double label_smoothing, double simpo_gamma, double cpo_alpha,
+    double temperature, int64_t ignore_index, std::optional<int64_t> chunk_size,
+    std::array<bool, 3> grad_mask = {false, false, false});
+
+namespace pref {
+
+enum class LossType : int64_t { kSigmoid, kIpo, kHinge, kRobust, kSimpo, kCpo, kOrpo };
+
+/// The hyper-parameters of the pair losses (TRL's names).
+struct Params {
+  LossType type;
+  double beta, label_smoothing, simpo_gamma, cpo_alpha;
+};
+
+/// One pair loss f(l_c, l_r) over a batch of pairs: its value and ∂f/∂l_c, ∂f/∂l_r, each (P,) in the acc dtype.
+struct PairTerms {
+  at::Tensor loss, d_chosen, d_rejected;
+};
+
+/// f and its derivatives for the policy's (l_c, l_r) and the reference's (rc, rr; undefined for the reference-free
+/// types), each (P,): the closed forms of linear_preference.cpp, one function per loss type.
+PairTerms pair_terms(const Params& a, const at::Tensor& lc, const at::Tensor& lr, const at::Tensor& rc,
+                     const at::Tensor& rr);
+
+/// The checked problem: the policy's and the reference head's lce problems over the rows reordered pair by pair
+/// (row block k holds pair k's chosen, then its rejected sequence: a chunk of whole pairs is contiguous), and what
+/// the pair math needs.
+struct Problems {
+  lce::Problem s, r;     // r: only with a reference head (has_ref_head)
+  bool has_ref_head = false;
+  at::Tensor ref_given;  // (B, 2) acc dtype: the given reference log-probabilities, or undefined
+  at::Tensor den;        // (B, 2) acc dtype: each sequence's divisor (its counted tokens, at least 1, for the
+                         // averaged types; 1 otherwise)
+  at::Tensor nll_scale;  // (1,) acc dtype: the chosen NLL's weight over the chosen tokens' count (at least 1), or
+                         // undefined for the types without it
+  int64_t B = 0, T = 0;
+  Params a;
+};
+
+/// Symbolic-safe checks shared by the kernels and Meta (ValueError for shapes and values, TypeError for dtypes,
+/// RuntimeError for devices, each naming linear_preference_loss); returns the loss type and whether the reference
+/// head is used.
+std::pair<LossType, bool> check_args(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& ref_input,
+    const std::optional<at::Tensor>& ref_linear_weight, const std::optional<at::Tensor>& ref_linear_bias,
+    const std::optional<at::Tensor>& ref_chosen_logps, const std::optional<at::Tensor>& ref_rejected_logps,
+    c10::string_view loss_type, double beta, double label_smoothing, double temperature,
+    std::optional<int64_t> chunk_size);
+
+/// The checked problems (CPU and CUDA).
+Problems forward_problems(const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+                          const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& ref_input,
+                          const std::optional<at::Tensor>& ref_linear_weight,
+                          const std::optional<at::Tensor>& ref_linear_bias,
+                          const std::optional<at::Tensor>& ref_chosen_logps,
+                          const std::optional<at::Tensor>& ref_rejected_logps, c10::string_view loss_type,
+                          double beta, double label_smoothing, double simpo_gamma, double cpo_alpha,
+                          double temperature, int64_t ignore_index, std::optional<int64_t> chunk_size);
+
+/// The forward loop's hook (lce::GroupedRows) for the problems and the policy's row values [N] (−log p per token,
+/// written by the loop): groups of 2T rows (a pair), the reference head, and the rows' G = −∂loss/∂log p.
+lce::GroupedRows grouped_rows(const Problems& pp, const at::Tensor& value);
+
+/// _linear_preference_forward's outputs from the loop's row values and gradient buffers.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_outputs(
+    const Problems& pp, const at::Tensor& value, const lce::GroupedRows& groups, const lce::GradBuffers& grads,
+    const at::Tensor& input, const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias);
+
+}  // namespace pref
 }  // namespace opforge

@@ -276,14 +276,21 @@ void chunk_grads(const at::Tensor& L, const at::Tensor& Xc, const at::Tensor& Wf
 // (the reduction's unit scale, lce::unit_grad_scale) in the same loop: each chunk's logit gradient (from the row's
 // capped logits, in place, right after its value) feeds dX_c = dZ_c · W, dW += dZ_cᵀ X_c and db += Σ_rows dZ_c
 // (fp32 accumulators, zeroed). With a `teacher` (linear_jsd), each chunk also gets the teacher's logits (a second
-// GEMM) and the row is jsd_row (no stats, no entropy).
+// GEMM) and the row is jsd_row (no stats, no entropy). With `groups` (linear_preference_loss), chunks of whole groups
+// and the gradient scale from the groups' values (lce::GroupedRows): the rows' values and stats, the reference head's
+// values (a second GEMM), then each row's logit gradient from its capped logits with the row's G.
 void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<int64_t> chunk_size,
                     const at::Tensor& token_value, const at::Tensor& stats, const at::Tensor& entropy,
-                    const lce::GradBuffers& grads, const Problem* teacher = nullptr, double beta = 0.0) {
+                    const lce::GradBuffers& grads, const Problem* teacher = nullptr, double beta = 0.0,
+                    lce::GroupedRows* groups = nullptr) {
   const auto acc = lce::acc_dtype(p.X.scalar_type());
   const bool need_grad = need.any();
-  const int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCpuChunkBudget,
-                                           at::elementSize(acc) * (teacher ? 2 : 1));
+  const Problem* second = teacher ? teacher : groups ? groups->ref : nullptr;  // a second head's logits per chunk
+  int64_t chunk = lce::resolve_chunk(chunk_size, p.N, p.V, kCpuChunkBudget, at::elementSize(acc) * (second ? 2 : 1));
+  // lce::GroupedRows: the gradient here when a chunk may hold whole groups
+  const bool fused_groups = groups && need_grad && (!chunk_size.has_value() || chunk >= groups->group_rows);
+  if (groups) groups->fused = fused_groups;
+  if (fused_groups) chunk = std::max(groups->group_rows, chunk - chunk % groups->group_rows);
   AT_DISPATCH_FLOATING_TYPES(acc, "opforge::linear_cross_entropy", [&] {
     using acc_t = scalar_t;
     const auto q = row_params<acc_t>(p);
@@ -292,9 +299,9 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
     const at::Tensor Wf = p.W.to(acc);                                        // [V, H]
     at::Tensor logits = at::empty({std::min(chunk, p.N), p.V}, Wf.options());  // [chunk, V]
     // the teacher's weight and logits chunk [chunk, V] (linear_jsd)
-    const at::Tensor Wt = teacher ? teacher->W.to(acc) : at::Tensor();
-    at::Tensor tlogits = teacher ? at::empty_like(logits) : at::Tensor();
-    const auto qt = teacher ? row_params<acc_t>(*teacher) : q;
+    const at::Tensor Wt = second ? second->W.to(acc) : at::Tensor();
+    at::Tensor tlogits = second ? at::empty_like(logits) : at::Tensor();
+    const auto qt = second ? row_params<acc_t>(*second) : q;
     const int64_t* T = p.T.const_data_ptr<int64_t>();
     acc_t* value = token_value.mutable_data_ptr<acc_t>();
     acc_t* st = stats.defined() ? stats.mutable_data_ptr<acc_t>() : nullptr;
@@ -306,10 +313,33 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
       at::mm_out(L, Xc, Wf.t());                           // [c, V] = X_c · Wᵀ
       acc_t* Lp = L.mutable_data_ptr<acc_t>();
       acc_t* Tp = nullptr;
-      if (teacher) {
+      if (second) {
         at::Tensor Lt = tlogits.narrow(0, 0, c);
-        at::mm_out(Lt, teacher->X.narrow(0, s0, c).to(acc), Wt.t());  // [c, V] = X_t,c · W_tᵀ
+        at::mm_out(Lt, second->X.narrow(0, s0, c).to(acc), Wt.t());  // [c, V] = X_t,c · W_tᵀ
         Tp = Lt.mutable_data_ptr<acc_t>();
+      }
+      if (groups) {
+        acc_t* rv = Tp ? groups->ref_value.mutable_data_ptr<acc_t>() : nullptr;
+        acc_t* no_entropy = nullptr;
+        at::parallel_for(0, c, row_grain(p.V), [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            const int64_t row = s0 + i;
+            value[row] = forward_row(Lp + i * p.V, T[row], q, st[2 * row], st[2 * row + 1], no_entropy);
+            acc_t m, r;
+            if (rv) rv[row] = forward_row(Tp + i * p.V, T[row], qt, m, r, no_entropy);
+          }
+        });
+        if (!fused_groups) continue;
+        const at::Tensor Gc = groups->scale(s0, c);  // [c]
+        const acc_t* gc = Gc.const_data_ptr<acc_t>();
+        at::parallel_for(0, c, row_grain(p.V), [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            const int64_t row = s0 + i;
+            backward_row<acc_t, false>(Lp + i * p.V, T[row], q, st[2 * row], st[2 * row + 1], gc[i]);
+          }
+        });
+        chunk_grads(L, Xc, Wf, p, s0, grads);
+        continue;
       }
       at::parallel_for(0, c, row_grain(p.V), [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
@@ -417,6 +447,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> jsd_forward_cpu(
   return jsd::forward_outputs(pp, value, grads, input, linear_weight, linear_bias);
 }
 
+// ---- linear_preference_loss: the forward loop over whole pairs, the pair losses' gradient scale ---------------
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> pref_forward_cpu(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& ref_input,
+    const std::optional<at::Tensor>& ref_linear_weight, const std::optional<at::Tensor>& ref_linear_bias,
+    const std::optional<at::Tensor>& ref_chosen_logps, const std::optional<at::Tensor>& ref_rejected_logps,
+    c10::string_view loss_type, double beta, double label_smoothing, double simpo_gamma, double cpo_alpha,
+    double temperature, int64_t ignore_index, std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask) {
+  const pref::Problems pp = pref::forward_problems(input, linear_weight, target, linear_bias, ref_input,
+                                                   ref_linear_weight, ref_linear_bias, ref_chosen_logps,
+                                                   ref_rejected_logps, loss_type, beta, label_smoothing, simpo_gamma,
+                                                   cpo_alpha, temperature, ignore_index, chunk_size);
+  check_targets(pp.s, pp.s.op);
+  const auto opts = pp.s.X.options().dtype(lce::acc_dtype(input.scalar_type()));
+  at::Tensor value = at::empty({pp.s.N}, opts);     // [N]
+  at::Tensor stats = at::empty({pp.s.N, 2}, opts);  // [N, 2]
+  lce::GradBuffers grads(pp.s, grad_mask, /*zero_dw=*/true);
+  lce::GroupedRows groups = pref::grouped_rows(pp, value);
+  const lce::GradNeeds need(pp.s, grad_mask);
+  forward_chunks(pp.s, need, chunk_size, value, stats, at::Tensor(), grads, nullptr, 0.0, &groups);
+  if (need.any() && !groups.fused && pp.s.N > 0) {  // chunks smaller than a pair: the second sweep recomputes
+    lce::RowGrad rg;
+    rg.G = groups.scale(0, pp.s.N);
+    rg.g_stride = 1;
+    backward_cpu(pp.s, rg, stats, need, chunk_size, grads);
+  }
+  return pref::forward_outputs(pp, value, groups, grads, input, linear_weight, linear_bias);
+}
+
 // ---- linear_log_probs: the same loops, the row value −log p(target) and the entropy -------------------------
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> llp_forward_cpu(
@@ -454,6 +514,7 @@ TORCH_LIBRARY_IMPL(opforge, CPU, m) {
   m.impl("_linear_log_probs_forward", &llp_forward_cpu);
   m.impl("linear_log_probs_backward", &llp_backward_cpu);
   m.impl("_linear_jsd_forward", &jsd_forward_cpu);
+  m.impl("_linear_preference_forward", &pref_forward_cpu);
 }
 
 }  // namespace opforge

@@ -545,11 +545,15 @@ void chunk_dw(const at::Tensor& D, const Problem& p, int64_t s0, const at::Tenso
 // where `entropy` [N] is defined, the entropy; with a gradient in `need`, also the gradients of Σ token_value · G
 // (the reduction's unit scale) in the same loop. grads: dX [N, H]; dW [V, H] fp32 or p.dw_dtype (the first chunk's
 // GEMM writes it); db [V] fp32 or p.db_dtype. With a `teacher` (linear_jsd), each chunk also gets the teacher's
-// logits (a second GEMM, bias fused) and the row kernel is jsd_rows (no stats, no entropy). In lean mode (p.lean)
-// the logits chunks are in the storage dtype and the logit gradient overwrites the student's in place.
+// logits (a second GEMM, bias fused) and the row kernel is jsd_rows (no stats, no entropy). With `groups`
+// (linear_preference_loss), chunks of whole groups and the gradient scale from the groups' values
+// (lce::GroupedRows): the forward rows without a gradient (they leave the logits as they are), the reference head's
+// logits and forward rows, then the backward rows on the same logits with the rows' G. In lean mode (p.lean) the
+// logits chunks are in the storage dtype and the logit gradient overwrites the student's in place.
 void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<int64_t> chunk_size,
                     const at::Tensor& token_value, const at::Tensor& stats, const at::Tensor& entropy,
-                    const lce::GradBuffers& grads, const Problem* teacher = nullptr, double beta = 0.0) {
+                    const lce::GradBuffers& grads, const Problem* teacher = nullptr, double beta = 0.0,
+                    lce::GroupedRows* groups = nullptr) {
   const auto dtype = p.X.scalar_type();
   const auto acc = lce::acc_dtype(dtype);
   const bool lean = p.lean;
@@ -560,24 +564,33 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
   // the gradient in place in the logits chunk: fp32 where it is read again (fp32 GEMMs, the bias column sum); always
   // in lean mode (the 16-bit chunk is what the gradient GEMMs read)
   const bool write_l = lean || !low || need.db;
-  const int64_t chunk =
-      lean ? lce::resolve_chunk(chunk_size, p.N, p.V, kLeanChunkBudget, at::elementSize(dtype) * (teacher ? 2 : 1))
+  const Problem* second = teacher ? teacher : groups ? groups->ref : nullptr;  // a second head's logits per chunk
+  int64_t chunk =
+      lean ? lce::resolve_chunk(chunk_size, p.N, p.V, kLeanChunkBudget, at::elementSize(dtype) * (second ? 2 : 1))
            : lce::resolve_chunk(chunk_size, p.N, p.V, kCudaChunkBudget,
-                                at::elementSize(acc) * (teacher ? 2 : 1) +
+                                at::elementSize(acc) * (second ? 2 : 1) +
                                     (need_grad && low ? at::elementSize(dtype) : 0));
+  // lce::GroupedRows: the gradient here when a chunk may hold whole groups
+  const bool fused_groups = groups && need_grad && (!chunk_size.has_value() || chunk >= groups->group_rows);
+  if (groups) groups->fused = fused_groups;
+  if (fused_groups) chunk = std::max(groups->group_rows, chunk - chunk % groups->group_rows);
   check_cuda_dims(p, chunk);
-  if (teacher) check_cuda_dims(*teacher, chunk);
+  if (second) check_cuda_dims(*second, chunk);
   if (need.dw && p.N == 0) grads.dW.zero_();
   if (p.N == 0) return;
   const at::Tensor wsum = p.cw.defined() && p.label_smoothing > 0 ? p.cw.sum().reshape({1}) : at::Tensor();
   const at::Tensor G = need_grad ? lce::unit_grad_scale(p) : at::Tensor();  // [1] on the device: no sync
   const int64_t rows = std::min(chunk, p.N);
   at::Tensor logits = at::empty({rows, p.V}, p.X.options().dtype(lg_dtype));  // [chunk, V]
-  // the logit gradient in the storage dtype [chunk, V] (outside lean mode)
-  at::Tensor dlow = need_grad && low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();
-  at::Tensor tlogits = teacher ? at::empty({rows, p.V}, p.X.options().dtype(lg_dtype)) : at::Tensor();  // [chunk, V]
+  // the logit gradient in the storage dtype [chunk, V] (outside lean mode; none where lce::GroupedRows leaves the
+  // gradient to a second sweep)
+  const bool grad_here = need_grad && (!groups || fused_groups);
+  at::Tensor dlow = grad_here && low ? at::empty({rows, p.V}, p.X.options()) : at::Tensor();
+  at::Tensor tlogits = second ? at::empty({rows, p.V}, p.X.options().dtype(lg_dtype)) : at::Tensor();  // [chunk, V]
+  // the reference head's stats [chunk, 2] (written by its forward rows, not kept)
+  at::Tensor rstats = groups && second ? at::empty({rows, 2}, p.X.options().dtype(acc)) : at::Tensor();
   const at::Tensor bias = chunk_bias(p, lg_dtype);
-  const at::Tensor tbias = teacher ? chunk_bias(*teacher, lg_dtype) : at::Tensor();
+  const at::Tensor tbias = second ? chunk_bias(*second, lg_dtype) : at::Tensor();
   auto stream = at::cuda::getCurrentCUDAStream();
   OPFORGE_DISPATCH_FLOATING(dtype, "opforge::linear_cross_entropy", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -599,8 +612,31 @@ void forward_chunks(const Problem& p, const lce::GradNeeds& need, std::optional<
         acc_t* ep = entropy.defined() ? entropy.mutable_data_ptr<acc_t>() + s0 : nullptr;
         lg_t* Lp = static_cast<lg_t*>(L.mutable_data_ptr());
         // dZ_c in the storage dtype: the copy outside lean mode (16-bit), else L itself
-        at::Tensor D = need_grad && low ? dlow.narrow(0, 0, c) : L;
-        out_t* op = need_grad && low ? static_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
+        at::Tensor D = grad_here && low ? dlow.narrow(0, 0, c) : L;
+        out_t* op = grad_here && low ? static_cast<out_t*>(D.mutable_data_ptr()) : nullptr;
+        if (groups) {
+          const auto fwd = vec ? lce_forward_rows<acc_t, lg_t, out_t, true, false>
+                               : lce_forward_rows<acc_t, lg_t, out_t, false, false>;
+          fwd<<<c, kThreads, 0, stream>>>(Lp, nullptr, false, T, q, nullptr, lp, sp, nullptr);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          if (second) {
+            at::Tensor Lt = tlogits.narrow(0, 0, c);
+            logits_gemm(Lt, second->X.narrow(0, s0, c), *second, tbias);
+            fwd<<<c, kThreads, 0, stream>>>(static_cast<lg_t*>(Lt.mutable_data_ptr()), nullptr, false, T, q, nullptr,
+                                            groups->ref_value.mutable_data_ptr<acc_t>() + s0,
+                                            rstats.mutable_data_ptr<acc_t>(), nullptr);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          }
+          if (!fused_groups) continue;
+          const at::Tensor Gc = groups->scale(s0, c);  // [c], on the stream after the rows' values
+          const auto bwd =
+              vec ? lce_backward_rows<acc_t, lg_t, out_t, true> : lce_backward_rows<acc_t, lg_t, out_t, false>;
+          bwd<<<c, kThreads, 0, stream>>>(Lp, op, write_l, T, q, sp, Gc.const_data_ptr<acc_t>(), 1, nullptr, nullptr);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          chunk_grads(D, L, p, s0, grads.dX, grads.db);
+          chunk_dw(D, p, s0, grads.dW);
+          continue;
+        }
         if (teacher) {
           at::Tensor Lt = tlogits.narrow(0, 0, c);
           logits_gemm(Lt, teacher->X.narrow(0, s0, c), *teacher, tbias);
@@ -770,6 +806,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> jsd_forward_cuda(
   return jsd::forward_outputs(pp, value, grads, input, linear_weight, linear_bias);
 }
 
+// ---- linear_preference_loss: the forward loop over whole pairs, the pair losses' gradient scale ---------------
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> pref_forward_cuda(
+    const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& ref_input,
+    const std::optional<at::Tensor>& ref_linear_weight, const std::optional<at::Tensor>& ref_linear_bias,
+    const std::optional<at::Tensor>& ref_chosen_logps, const std::optional<at::Tensor>& ref_rejected_logps,
+    c10::string_view loss_type, double beta, double label_smoothing, double simpo_gamma, double cpo_alpha,
+    double temperature, int64_t ignore_index, std::optional<int64_t> chunk_size, std::array<bool, 3> grad_mask) {
+  c10::cuda::CUDAGuard guard(input.device());
+  const pref::Problems pp = pref::forward_problems(input, linear_weight, target, linear_bias, ref_input,
+                                                   ref_linear_weight, ref_linear_bias, ref_chosen_logps,
+                                                   ref_rejected_logps, loss_type, beta, label_smoothing, simpo_gamma,
+                                                   cpo_alpha, temperature, ignore_index, chunk_size);
+  const auto opts = pp.s.X.options().dtype(lce::acc_dtype(input.scalar_type()));
+  at::Tensor value = at::empty({pp.s.N}, opts);     // [N]
+  at::Tensor stats = at::empty({pp.s.N, 2}, opts);  // [N, 2]
+  const lce::GradBuffers grads(pp.s, grad_mask, /*zero_dw=*/false);
+  lce::GroupedRows groups = pref::grouped_rows(pp, value);
+  const lce::GradNeeds need(pp.s, grad_mask);
+  forward_chunks(pp.s, need, chunk_size, value, stats, at::Tensor(), grads, nullptr, 0.0, &groups);
+  if (need.any() && !groups.fused && pp.s.N > 0) {  // chunks smaller than a pair: the second sweep recomputes
+    lce::RowGrad rg;
+    rg.G = groups.scale(0, pp.s.N);
+    rg.g_stride = 1;
+    backward_cuda(pp.s, rg, stats, need, chunk_size, grads);
+  }
+  return pref::forward_outputs(pp, value, groups, grads, input, linear_weight, linear_bias);
+}
+
 // ---- linear_log_probs: the same loops, the row value −log p(target) and the entropy -------------------------
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> llp_forward_cuda(
@@ -808,6 +874,7 @@ TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
   m.impl("_linear_log_probs_forward", &llp_forward_cuda);
   m.impl("linear_log_probs_backward", &llp_backward_cuda);
   m.impl("_linear_jsd_forward", &jsd_forward_cuda);
+  m.impl("_linear_preference_forward", &pref_forward_cuda);
 }
 
 }  // namespace opforge

@@ -33,6 +33,7 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 | _linear_cross_entropy_scale_grads | each gradient keeps its placement |
 | linear_log_probs (and _forward, backward) | vocabulary-parallel when linear_weight is S(0) (opforge.parallel.loss); R; token-sharded (input, target, outputs S(d); lm_head R; its gradients P) |
 | linear_jsd, _linear_jsd_forward | vocabulary-parallel when a head is S(0) (opforge.parallel.loss); R; token-sharded for reduction "sum" (loss P; both inputs and target S(d), heads R) |
+| _linear_preference_loss, _linear_preference_forward | R (linear_preference_loss composes the vocabulary-parallel linear_log_probs on DTensors) |
 
 The rules are registered when `opforge.parallel` is imported (`register_sharding_rules()`, idempotent). Ops whose
 sharding is not a pure placement rule (experts sharded: the expert index is shifted to the local experts; the
@@ -472,6 +473,31 @@ def _linear_jsd_forward(input, linear_weight, teacher_input, teacher_linear_weig
     return [([loss, _grad_of(s, grad_mask[0]), _grad_of(s, grad_mask[1], reduced=True), _grad_of(s, gb, reduced=True)],
              [s, R, s, R, _opt(target, s), b, tb, None, None, None, None, None, None])
             for loss, s, b, tb in _jsd_strategies(input, linear_bias, teacher_linear_bias, reduction)]
+
+
+# ---- linear_preference_loss's ops: replicated only (a pair's loss needs both of its sequences and the whole
+# vocabulary; a Shard(0) head is gathered first). opforge.losses.linear_preference_loss composes linear_log_probs on
+# DTensors instead, whose vocabulary-parallel form keeps the head sharded.
+
+@_rule("_linear_preference_loss")
+def _linear_preference_loss(input, linear_weight, target, linear_bias=None, ref_input=None, ref_linear_weight=None,
+                            ref_linear_bias=None, ref_chosen_logps=None, ref_rejected_logps=None, loss_type="sigmoid",
+                            beta=0.1, label_smoothing=0.0, simpo_gamma=0.5, cpo_alpha=1.0, temperature=1.0,
+                            ignore_index=-100, chunk_size=None):
+    tensors = [R, R, R] + [_opt(t, R) for t in (linear_bias, ref_input, ref_linear_weight, ref_linear_bias,
+                                                 ref_chosen_logps, ref_rejected_logps)]
+    return [([R, R, R], tensors + [None] * 8)]
+
+
+@_rule("_linear_preference_forward")
+def _linear_preference_forward(input, linear_weight, target, linear_bias=None, ref_input=None, ref_linear_weight=None,
+                               ref_linear_bias=None, ref_chosen_logps=None, ref_rejected_logps=None,
+                               loss_type="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5, cpo_alpha=1.0,
+                               temperature=1.0, ignore_index=-100, chunk_size=None, grad_mask=(False, False, False)):
+    tensors = [R, R, R] + [_opt(t, R) for t in (linear_bias, ref_input, ref_linear_weight, ref_linear_bias,
+                                                 ref_chosen_logps, ref_rejected_logps)]
+    gb = grad_mask[2] and linear_bias is not None
+    return [([R, R, R, _grad_of(R, grad_mask[0]), _grad_of(R, grad_mask[1]), _grad_of(R, gb)], tensors + [None] * 9)]
 
 
 # ---- handlers: ops whose sharding needs more than placements (1-D mesh) ----------------------------------
