@@ -333,17 +333,17 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 /// What swiglu_linear's forward runs per (M, N, K) bucket: the first row whose bounds hold wins. kTwoPass: the GEMM
 /// (gemm_lt) then the swiglu kernel over z; kPingPong: kSwiGLUBF16PingPong (z and h; kSwiGLUBF16PingPongH when z is
-/// not wanted); kCooperative: kSwiGLUBF16 (z and h; z into a scratch buffer when not wanted). `train` is the choice
-/// where z is wanted (backward reads it), `infer` where only h is. Measured by benchmarks/bench_gemm.py's swiglu_linear
-/// rows on the H200 (docs/performance/gemm.md); a fused row falls back to two passes where its kernel cannot run.
-enum class SwiGLUPath : uint8_t { kTwoPass, kPingPong, kCooperative };
+/// not wanted). `train` is the choice where z is wanted (backward reads it), `infer` where only h is. Measured by
+/// benchmarks/bench_gemm.py's swiglu_linear rows on the H200 (docs/performance/gemm.md); a fused row falls back to two
+/// passes where its kernel cannot run.
+enum class SwiGLUPath : uint8_t { kTwoPass, kPingPong };
 struct SwiGLUBucket {
   int64_t min_m, min_n, min_k;  // the bucket: M >= min_m, N >= min_n, K >= min_k (N counts z's columns, 2 I)
   SwiGLUPath train, infer;
 };
 constexpr SwiGLUBucket kSwiGLUTable[] = {
     // H200, bf16, 8192x2048x{3072,16384} (K 2048, N = 2 I), µs: ping-pong with z and h 144.3 / 786.6 against two
-    // passes 156.2 / 820.1, h alone 141.0 / 740.0 against 156.6 / 819.8; the cooperative kernel 182.3 / 972.4.
+    // passes 156.2 / 820.1, h alone 141.0 / 740.0 against 156.6 / 819.8.
     // Smaller M is not measured: two passes there.
     {4096, 1, 1, SwiGLUPath::kPingPong, SwiGLUPath::kPingPong},
     {1, 1, 1, SwiGLUPath::kTwoPass, SwiGLUPath::kTwoPass},
@@ -431,7 +431,6 @@ size_t workspace_size(Kernel kernel, const Problem& p) {
   switch (kernel) {
     case Kernel::kLinearBF16: return workspace_linear_bf16(p);
     case Kernel::kLinearFP16: return workspace_linear_fp16(p);
-    case Kernel::kSwiGLUBF16: return workspace_swiglu_bf16(p);
     case Kernel::kLinearBF16PingPong: return workspace_linear_bf16_pingpong(p);
     case Kernel::kSwiGLUBF16PingPong: return workspace_swiglu_bf16_pingpong(p);
     case Kernel::kSwiGLUBF16PingPongH: return workspace_swiglu_bf16_pingpong_h(p);
@@ -443,7 +442,6 @@ Status run(Kernel kernel, const Problem& p, void* workspace, cudaStream_t stream
   switch (kernel) {
     case Kernel::kLinearBF16: return run_linear_bf16(p, workspace, stream);
     case Kernel::kLinearFP16: return run_linear_fp16(p, workspace, stream);
-    case Kernel::kSwiGLUBF16: return run_swiglu_bf16(p, workspace, stream);
     case Kernel::kLinearBF16PingPong: return run_linear_bf16_pingpong(p, workspace, stream);
     case Kernel::kSwiGLUBF16PingPong: return run_swiglu_bf16_pingpong(p, workspace, stream);
     case Kernel::kSwiGLUBF16PingPongH: return run_swiglu_bf16_pingpong_h(p, workspace, stream);
@@ -561,25 +559,16 @@ bool gemm_swiglu(const at::Tensor& Z, const at::Tensor& H, const at::Tensor& A, 
   }
   const int64_t mode = knobs::get(knobs::Knob::kGemmSm90);
   if (is_empty(p) || mode == 0) return false;
-  // Which kernel: the table (mode -1), else the test hook: 4 the cooperative kernel, 1..3 the ping-pong one (1: the
-  // cooperative one where the ping-pong one cannot take the problem; the table: two passes there).
-  SwiGLUPath path = mode < 0 ? swiglu_choice(p.m, p.n, p.k, want_z)
-                             : (mode == 4 ? SwiGLUPath::kCooperative : SwiGLUPath::kPingPong);
+  // Which path: the table (mode -1), else the test hook: the ping-pong kernel (1: where it takes the problem, else
+  // two passes; 2 and 3: it or raise).
+  const SwiGLUPath path = mode < 0 ? swiglu_choice(p.m, p.n, p.k, want_z) : SwiGLUPath::kPingPong;
   if (path == SwiGLUPath::kTwoPass) return false;
   const char* refusal = sm90_refusal(p, want_z ? Z : H, A, args);
   if (refusal == nullptr && A.scalar_type() != at::kBFloat16) refusal = "the SwiGLU kernels are built for bfloat16 only";
   const int64_t ldh = H.size(0) <= 1 ? H.size(1) : H.stride(0);
-  const char* tma_refusal = ldh % 8 != 0 || !aligned16(H.const_data_ptr())
-                                ? "the ping-pong SwiGLU kernel stores H by TMA: H's row stride (n / 2 when contiguous) "
-                                  "must be a multiple of 8 and its base 16-byte aligned"
-                                : nullptr;
-  if (refusal == nullptr && path == SwiGLUPath::kPingPong && tma_refusal != nullptr) {
-    if (mode < 0) return false;  // the table measured the ping-pong kernel, not the cooperative one: two passes
-    if (mode == 1) {
-      path = SwiGLUPath::kCooperative;  // wherever a fused kernel can run: the other one
-    } else {
-      refusal = tma_refusal;
-    }
+  if (refusal == nullptr && (ldh % 8 != 0 || !aligned16(H.const_data_ptr()))) {
+    refusal = "the SwiGLU kernels store H by TMA: H's row stride (n / 2 when contiguous) must be a multiple of 8 and "
+              "its base 16-byte aligned";
   }
   TORCH_CHECK(mode < 2 || refusal == nullptr, "opforge::gemm: the sm90 kernel cannot take this problem (test hook "
               "gemm_sm90 >= 2): ", refusal ? refusal : "");
@@ -587,17 +576,13 @@ bool gemm_swiglu(const at::Tensor& Z, const at::Tensor& H, const at::Tensor& A, 
   check_int(p);
   at::Tensor b = bias;
   if (b.defined()) b = cuda::aligned16_or_copy(b);
-  at::Tensor z = Z;
-  if (!want_z && path == SwiGLUPath::kCooperative) z = at::empty({p.m, p.n}, H.options());  // the kernel writes z
-  sm90::Problem q = sm90_problem(p, z.defined() ? z : H);
-  if (!z.defined()) q.D = nullptr;  // the kernel without D
+  sm90::Problem q = sm90_problem(p, want_z ? Z : H);
+  if (!want_z) q.D = nullptr;  // the kernel without D
   q.ldd = want_z ? p.d.ld : p.n;
   q.bias = b.defined() ? b.const_data_ptr() : nullptr;
   q.H = H.mutable_data_ptr();
   q.ldh = ldh;
-  const sm90::Kernel kernel = path == SwiGLUPath::kCooperative ? sm90::Kernel::kSwiGLUBF16
-                              : want_z                         ? sm90::Kernel::kSwiGLUBF16PingPong
-                                                               : sm90::Kernel::kSwiGLUBF16PingPongH;
+  const sm90::Kernel kernel = want_z ? sm90::Kernel::kSwiGLUBF16PingPong : sm90::Kernel::kSwiGLUBF16PingPongH;
   const bool ran = sm90_run(kernel, q, H);
   TORCH_CHECK(ran || mode < 2, "opforge::gemm: the sm90 kernel declined the problem (test hook gemm_sm90 >= 2)");
   return ran;

@@ -16,9 +16,9 @@
 // Why cooperative and not ping-pong: ping-pong overlaps one warp group's epilogue with the other's mainloop,
 // which pays off when the epilogue is long relative to the K loop; the Llama projections have K = 2048 or
 // 8192 (32 to 128 k-tiles per output tile), where the mainloop dominates and the larger 128 × 256 tile (half
-// the operand traffic per flop of 128 × 128) wins. The SwiGLU epilogue stays short too (one exp per pair); the
-// SwiGLU kernels exist in both schedules all the same (the ping-pong ones store h by TMA, Note [SwiGLU through shared
-// memory]) and swiglu_linear picks between them and two passes by measurement (core/gemm_cuda.cu, kSwiGLUTable).
+// the operand traffic per flop of 128 × 128) wins. The SwiGLU kernels are the exception: they run the ping-pong
+// schedule and store h by TMA (Note [SwiGLU through shared memory]), the form that measured ahead of two passes,
+// and swiglu_linear picks between them and two passes by measurement (core/gemm_cuda.cu, kSwiGLUTable).
 //
 // ---- Note [SwiGLU pairs in the accumulator] ---------------------------------------------------------
 //
@@ -26,12 +26,10 @@
 // columns 2q and 2q + 1 (q = lane % 4) of rows r and r + 8. The epilogue hands a visitor node these values
 // in register order (FragmentSize of them at a time, the first two of every four being one row's column
 // pair). So with the gate's and the up projection's rows interleaved in B, each (gate, up) pair of one
-// output element sits in one thread's consecutive registers: SwiGLUStore combines them with no shuffle and
-// no shared memory, and writes h = silu(g) · u straight to global memory (one 16-bit store per pair, the
-// four lanes of a quad writing 8 contiguous bytes). The node passes z through unchanged, so D = z is stored
-// by the epilogue's ordinary TMA path (backward needs z). Each element's coordinates come from the
-// epilogue's coordinate tensor (tCcD, relative to the thread's first element, whose absolute position is
-// (M, N) - residue), the same tensor that masks the tile's edges.
+// output element sits in one thread's consecutive registers: SwiGLUTmaStore combines them with no shuffle,
+// h = silu(g) · u, and passes z through unchanged, so D = z is stored by the epilogue's ordinary TMA path
+// (backward needs z). Each element's coordinates come from the epilogue's coordinate tensor (tCcD, relative to
+// the thread's first element), the same tensor that masks the tile's edges.
 //
 // ---- Note [SwiGLU through shared memory] ------------------------------------------------------------
 //
@@ -99,95 +97,6 @@ using BiasRow = fusion::Sm90RowBroadcast<0, Tile, T, float, Stride<_0, _1, int64
 template <class T, class Out, class Tile = TileShape>
 using BiasAdd = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::plus, Out, float, cutlass::FloatRoundStyle::round_to_nearest>,
                                 fusion::Sm90AccFetch, BiasRow<T, Tile>>;
-
-/// The visitor node of Note [SwiGLU pairs in the accumulator]: passes z through and writes
-/// H[m, n / 2] = silu(z[m, n]) · z[m, n + 1] for every even n of the thread's fragment.
-template <class T>
-struct SwiGLUStore {
-  struct SharedStorage {};
-  struct Arguments {
-    T* ptr_h = nullptr;
-    int64_t ldh = 0;
-  };
-  using Params = Arguments;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
-    return args.ptr_h != nullptr && get<1>(problem_shape) % 2 == 0;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  CUTLASS_HOST_DEVICE SwiGLUStore() {}
-  CUTLASS_HOST_DEVICE SwiGLUStore(Params const& params, SharedStorage const&) : params(params) {}
-
-  Params params;
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(fusion::detail::ProducerLoadArgs<Args...> const&) {
-    return fusion::detail::EmptyProducerLoadCallbacks{};
-  }
-
-  template <class CTensor, class ThrResidue>
-  struct ConsumerStoreCallbacks : fusion::detail::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CTensor tCcD, ThrResidue residue, int64_t m0, int64_t n0, Params const& params)
-        : tCcD(tCcD), residue(residue), m0(m0), n0(n0), params(params) {}
-
-    CTensor tCcD;        // (CPY, CPY_M, CPY_N, EPI_M, EPI_N): coordinates relative to the thread's first element
-    ThrResidue residue;  // (M, N) minus the thread's first element's coordinates
-    int64_t m0, n0;      // the thread's first element's absolute coordinates
-    Params params;
-
-    template <class ElementAccumulator, class ElementInput, int FragmentSize>
-    CUTLASS_DEVICE cutlass::Array<ElementInput, FragmentSize> visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v,
-                                                            int epi_m, int epi_n,
-                                                            cutlass::Array<ElementInput, FragmentSize> const& z) {
-      static_assert(FragmentSize % 2 == 0, "SwiGLUStore: a fragment holds whole column pairs");
-      Tensor crd = tCcD(_, _, _, epi_m, epi_n);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; i += 2) {
-        const auto c = crd(epi_v * FragmentSize + i);  // the gate's column is even, the up column next to it
-        const auto c_up = crd(epi_v * FragmentSize + i + 1);
-        // the pairing the note relies on (static coordinates: the compiler folds this check away when it holds)
-        if (get<0>(c_up) != get<0>(c) || get<1>(c_up) != get<1>(c) + 1 || get<1>(c) % 2 != 0) __trap();
-        if (elem_less(c, residue)) {
-          const float g = static_cast<float>(z[i]), u = static_cast<float>(z[i + 1]);
-          const float h = g / (1.0f + __expf(-g)) * u;
-          const int64_t m = m0 + get<0>(c), n = n0 + get<1>(c);
-          params.ptr_h[m * params.ldh + (n >> 1)] = T(h);
-        }
-      }
-      return z;
-    }
-  };
-
-  template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(fusion::detail::ConsumerStoreArgs<Args...> const& args) {
-    const auto M = get<0>(args.problem_shape_mnkl), N = get<1>(args.problem_shape_mnkl);
-    const int64_t m0 = static_cast<int64_t>(M) - static_cast<int64_t>(get<0>(args.residue_tCcD));
-    const int64_t n0 = static_cast<int64_t>(N) - static_cast<int64_t>(get<1>(args.residue_tCcD));
-    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(args.tCcD, args.residue_tCcD, m0,
-                                                                                     n0, params);
-  }
-};
-
-/// H = swiglu(z) beside D = z (z = acc + bias, kept in fp32 until each is stored).
-template <class T>
-using SwiGLUTree = fusion::Sm90EVT<SwiGLUStore<T>, BiasAdd<T, float>>;
 
 /// The visitor node of Note [SwiGLU through shared memory]: passes z through and stores
 /// H[m, n / 2] = silu(z[m, n]) · z[m, n + 1] (every even n) through a shared-memory buffer and a TMA store, in step
@@ -376,11 +285,6 @@ struct Sm90Gemm {
 template <class T, class Tile = TileShape>
 typename BiasAdd<T, T, Tile>::Arguments bias_args(const Problem& p) {
   return {{}, {static_cast<const T*>(p.bias), T(0), {}}, {}};
-}
-
-template <class T>
-typename SwiGLUTree<T>::Arguments swiglu_args(const Problem& p) {
-  return {{{}, {static_cast<const T*>(p.bias), T(0), {}}, {}}, {static_cast<T*>(p.H), p.ldh}};
 }
 
 template <class T, class Tile>

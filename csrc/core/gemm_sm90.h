@@ -20,9 +20,8 @@
 //
 //   TMA moves A, B and D: every base address 16-byte aligned, every row stride (lda, ldb, ldd) and K and N
 //   multiples of 8 elements (16 bytes). M, N and K are otherwise free: tiles past the edges are zero-filled
-//   on load and masked on store. bias: 16-byte aligned. kSwiGLUBF16: N even; H is written element by element
-//   (row stride ldh, no alignment beyond the dtype's). kSwiGLUBF16PingPong(H): N even, H stored by TMA (base and
-//   ldh 16-byte aligned, ldh a multiple of 8). Anything else is the caller's to route to cuBLASLt.
+//   on load and masked on store. bias: 16-byte aligned. kSwiGLUBF16PingPong(H): N even, H stored by TMA (base
+//   and ldh 16-byte aligned, ldh a multiple of 8). Anything else is the caller's to route to cuBLASLt.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -39,7 +38,7 @@ namespace sm90 {
 /// kSwiGLUBF16PingPong: kSwiGLU in the ping-pong schedule with H through shared memory and a TMA store (H's row
 /// stride and base 16-byte aligned); kSwiGLUBF16PingPongH: the same without D (D may be null: z is not stored).
 enum class Kernel : int {
-  kLinearBF16, kLinearFP16, kSwiGLUBF16, kLinearBF16PingPong, kSwiGLUBF16PingPong, kSwiGLUBF16PingPongH
+  kLinearBF16, kLinearFP16, kLinearBF16PingPong, kSwiGLUBF16PingPong, kSwiGLUBF16PingPongH
 };
 
 /// One call's operands and sizes (row-major, element strides).
@@ -75,8 +74,6 @@ size_t workspace_linear_bf16(const Problem& p);
 Status run_linear_bf16(const Problem& p, void* workspace, cudaStream_t stream);
 size_t workspace_linear_fp16(const Problem& p);
 Status run_linear_fp16(const Problem& p, void* workspace, cudaStream_t stream);
-size_t workspace_swiglu_bf16(const Problem& p);
-Status run_swiglu_bf16(const Problem& p, void* workspace, cudaStream_t stream);
 size_t workspace_linear_bf16_pingpong(const Problem& p);
 Status run_linear_bf16_pingpong(const Problem& p, void* workspace, cudaStream_t stream);
 size_t workspace_swiglu_bf16_pingpong(const Problem& p);

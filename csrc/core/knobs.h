@@ -34,13 +34,12 @@
 //                        (sm90_choice in core/gemm_cuda.cu); 0: never; 1: wherever they take the problem; 2: as 1,
 //                        and a problem they cannot take raises instead of falling back to cuBLASLt (the tests' proof
 //                        that the kernel ran); 3: as 2 with bfloat16's ping-pong variant (kLinearBF16PingPong), for
-//                        the benchmark that measures it against the chosen kernel; 4: as 2 (linear's chosen kernels).
+//                        the benchmark that measures it against the chosen kernel.
 //                        swiglu_linear's forward (gemm_swiglu) reads it too: -1 kSwiGLUTable's choice between the
-//                        fused kernels and two passes; 0 two passes; 1 the ping-pong SwiGLU kernel wherever it takes
-//                        the problem, else the cooperative one, else two passes; 2 and 3 the ping-pong SwiGLU kernel
-//                        (kSwiGLUBF16PingPong, or kSwiGLUBF16PingPongH where z is not wanted) or raise; 4 the
-//                        cooperative SwiGLU kernel (kSwiGLUBF16) or raise. A build without CUTLASS, or a GPU other
-//                        than sm_90, always falls back.
+//                        fused kernel and two passes; 0 two passes; 1 the ping-pong SwiGLU kernel wherever it takes
+//                        the problem, else two passes; 2 and 3 the ping-pong SwiGLU kernel (kSwiGLUBF16PingPong, or
+//                        kSwiGLUBF16PingPongH where z is not wanted) or raise. A build without CUTLASS, or a GPU
+//                        other than sm_90, always falls back.
 //   linear_gemv          -1 (default): linear's GEMV kernel where the bucket table picks it (gemv_choice in
 //                        ops/linear/linear_cuda.cu); 1: for every 1 <= M <= 16; 0: never.
 //   rms_norm_forward     -1 (default): rms_norm's forward chooser (default_forward_variant); 0: the register-cached

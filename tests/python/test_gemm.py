@@ -61,21 +61,6 @@ def test_pingpong_variant_matches_float64_cuda(knob, shape):
 
 
 @needs_sm90
-def test_cooperative_mode_keeps_linear_kernels_cuda(knob):
-    # gemm_sm90 = 4 selects swiglu_linear's cooperative SwiGLU kernel; linear keeps its chosen kernels (as 2)
-    x = torch.randn(300, 520, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(264, 520, device="cuda", dtype=torch.bfloat16) / 520**0.5
-    b = torch.randn(264, device="cuda", dtype=torch.bfloat16)
-    knob("gemm_sm90", 2)
-    y2 = opforge.linear(x, w, b)
-    knob("gemm_sm90", 4)
-    y4 = _check_linear(x, w, b)
-    torch.testing.assert_close(y4, y2, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="sm90 kernel cannot take this problem"):
-        opforge.linear(x[:, :83], w[:, :83])  # strict, as 2: K = 83 is not a multiple of 8
-
-
-@needs_sm90
 def test_engine_and_cublaslt_agree_cuda(knob):
     x = torch.randn(3, 333, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2056, 1024, device="cuda", dtype=torch.bfloat16) / 32

@@ -11,9 +11,8 @@ Rows per (M, K, N), forward only (every GEMM of a training step is one of these,
                     autograd runs when a gradient is needed, _swiglu_linear_forward: z kept for backward) and the
                     inference form (opforge.swiglu_linear without gradients: y alone) of
                     "fused pingpong" (gemm_sm90 = 2: one ping-pong kernel, z and y through shared memory and TMA
-                    stores; the inference form stores y alone), "fused cooperative" (gemm_sm90 = 4: the cooperative
-                    kernel, y stored from registers; z stored in both forms), "unfused" (gemm_sm90 = 0: cuBLASLt GEMM,
-                    then opforge.swiglu on z's interleaved columns), "opforge" (the default: kSwiGLUTable's choice in
+                    stores; the inference form stores y alone), "unfused" (gemm_sm90 = 0: cuBLASLt GEMM, then
+                    opforge.swiglu on z's interleaved columns), "opforge" (the default: kSwiGLUTable's choice in
                     core/gemm_cuda.cu); and the patch's path today (inference form only): F.linear on the [gate | up]
                     weight, then opforge.swiglu_packed. The training-form rows are named "... (z, y)".
 Metric: TFLOP/s (2·M·N·K per call); each printed line gives µs, TFLOP/s and the fraction of the H200's dense
@@ -130,7 +129,6 @@ def main(argv=None) -> int:
                 ys = opforge.swiglu_linear
                 sw = {"fused pingpong (z, y)": with_knob(forward_z_y, 2) if have_sm90 else None,
                       "fused pingpong": with_knob(ys, 2) if have_sm90 else None,
-                      "fused cooperative (z, y)": with_knob(forward_z_y, 4) if have_sm90 else None,
                       "unfused (z, y)": with_knob(forward_z_y, 0),
                       "unfused": with_knob(ys, 0),
                       "opforge (z, y)": forward_z_y,
