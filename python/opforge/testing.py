@@ -589,20 +589,23 @@ def linear_jsd_grad_error_bounds(input: Tensor, linear_weight: Tensor, teacher_i
                                  teacher_linear_weight: Tensor, grad_output: Tensor, target: Optional[Tensor] = None,
                                  *, linear_bias: Optional[Tensor] = None, teacher_linear_bias: Optional[Tensor] = None,
                                  beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
-                                 reduction: str = "mean") -> tuple[Tensor, Tensor]:
+                                 reduction: str = "mean", return_bias: bool = False) -> tuple[Tensor, ...]:
     """Elementwise a-priori bounds of the float32 rounding of `opforge.linear_jsd`'s gradients in input and
-    linear_weight: the logit gradient dz = (1 − β) p_s ((ls − lm) − K) g / T (its float64 value from
+    linear_weight (and linear_bias): the logit gradient dz = (1 − β) p_s ((ls − lm) − K) g / T (its float64 value from
     `linear_jsd_reference`) is off by at most 8 u' g p_s mag / T + u' |dz| per logit (mag as in
     `linear_jsd_error_bound`), carried through |W| and |X|, plus the two gradient GEMMs' own rounding
-    (`gemm_error_bound` of |dz| and the other operand in float32). Materialises (N, V) and (V, V): small shapes only.
+    (`gemm_error_bound` of |dz| and the other operand in float32); the bias gradient's bound is the column sum of
+    the per-logit bounds plus N · eps · Σ_n |dz| (a sum of N terms in any order). Materialises (N, V) and (V, V):
+    small shapes only.
 
     Args:
         input, linear_weight, teacher_input, teacher_linear_weight, target, linear_bias, teacher_linear_bias, beta,
             temperature, ignore_index, reduction: as `opforge.linear_jsd`.
         grad_output: `()` floating. The loss's incoming gradient g.
+        return_bias: bool. Also return the bias gradient's bound. Default: False.
 
     Returns:
-        (input's shape, linear_weight's shape), float64.
+        (input's shape, linear_weight's shape), float64; with return_bias also `(V,)`.
     """
     f32 = torch.float32
     eps = torch.finfo(f32).eps
@@ -624,7 +627,11 @@ def linear_jsd_grad_error_bounds(input: Tensor, linear_weight: Tensor, teacher_i
     w = linear_weight.detach().double()
     grad_input = (err @ w.abs() + gemm_error_bound(dz, linear_weight.detach().t(), f32)).reshape(input.shape)
     grad_weight = err.t() @ x2.abs() + gemm_error_bound(dz.t(), x2.t(), f32)
-    return grad_input, grad_weight
+    if not return_bias:
+        return grad_input, grad_weight
+    # the bias gradient Σ_n dz[n, v]: each term's error, plus the sum's own rounding in any order (γ_N, Higham §3.1)
+    grad_bias = err.sum(0) + dz.shape[0] * eps * dz.sum(0)
+    return grad_input, grad_weight, grad_bias
 
 
 # ---- post-training losses (opforge.losses) ---------------------------------------------------------------

@@ -60,9 +60,9 @@ def test_matches_float64(device, dtype, beta, V):
     if dtype == torch.float32:
         # the a-priori float32 bounds of the gradients: the row kernel's summation order (16-byte rows or not) may be
         # less lucky than PyTorch's on one shape while within the rounding any order allows
-        bounds["grad_input"], bounds["grad_linear_weight"] = linear_jsd_grad_error_bounds(
+        bounds["grad_input"], bounds["grad_linear_weight"], bounds["grad_linear_bias"] = linear_jsd_grad_error_bounds(
             x, w, xt, wt, torch.ones((), dtype=torch.float64, device=device), t, linear_bias=b,
-            teacher_linear_bias=bt, **kw)
+            teacher_linear_bias=bt, return_bias=True, **kw)
     if lce_lean(x, w, b):
         # lean mode: dW accumulates in bf16 over the 4 chunks (lean_accum_factor), and the loss carries both heads'
         # logits rounded to bf16 (lean_rounding_bound over the student's and the teacher's raw logits)
