@@ -143,6 +143,22 @@ def lce_device_fixture():
     return device
 
 
+def assert_compile_matches_eager(fn, inputs):
+    """fn(*inputs), a scalar loss, compiled with fullgraph=True (static, then dynamic shapes) gives eager's value and
+    the same gradients in every input (each run on fresh leaf copies of `inputs`)."""
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        xs = [v.clone().requires_grad_() for v in inputs]
+        ys = [v.clone().requires_grad_() for v in inputs]
+        le = fn(*xs)
+        le.backward()
+        lc = torch.compile(fn, fullgraph=True, dynamic=dynamic)(*ys)
+        lc.backward()
+        torch.testing.assert_close(lc, le)
+        for a, c in zip(xs, ys):
+            torch.testing.assert_close(c.grad, a.grad)
+
+
 def lce_lean(input, linear_weight, linear_bias=None) -> bool:
     """Whether a chunked head-loss call on these tensors runs in lean mode now: the knob OPFORGE_LCE_LEAN is 1,
     input is on CUDA in float16/bfloat16, and linear_weight (and linear_bias) share its dtype (csrc's lce::lean_mode)."""

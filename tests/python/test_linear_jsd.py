@@ -11,7 +11,7 @@ import opforge
 from opforge.testing import (assert_matches_reference, linear_jsd_from_logits, linear_jsd_grad_error_bounds,
                              linear_jsd_reference)
 
-from conftest import lce_device_fixture, lce_lean, lean_accum_factor, lean_rounding_bound
+from conftest import assert_compile_matches_eager, lce_device_fixture, lce_lean, lean_accum_factor, lean_rounding_bound
 
 device = lce_device_fixture()  # "cpu", "cuda" (OPFORGE_LCE_LEAN=0), "cuda-lean" (OPFORGE_LCE_LEAN=1)
 
@@ -180,17 +180,7 @@ def test_opcheck_compile_gradcheck_func(device):
     def g(x, w, b):
         return opforge.linear_jsd(x, w, xt.float(), wt.float(), t, linear_bias=b, beta=0.5)
 
-    for dynamic in (False, True):
-        torch._dynamo.reset()
-        xs = [v.clone().requires_grad_() for v in (xf, wf, bf)]
-        ys = [v.clone().requires_grad_() for v in (xf, wf, bf)]
-        le = g(*xs)
-        le.backward()
-        lc = torch.compile(g, fullgraph=True, dynamic=dynamic)(*ys)
-        lc.backward()
-        torch.testing.assert_close(lc, le)
-        for a, c in zip(xs, ys):
-            torch.testing.assert_close(c.grad, a.grad)
+    assert_compile_matches_eager(g, (xf, wf, bf))
     with pytest.raises(RuntimeError, match="double backward is not supported"):
         xx = x.clone().requires_grad_()
         (gx,) = torch.autograd.grad(f(xx, w, b), xx, create_graph=True)

@@ -465,5 +465,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const Problems& pp, const at::Tensor& value, const lce::GroupedRows& groups, const lce::GradBuffers& grads,
     const at::Tensor& input, const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias);
 
+/// A backend's forward chunk loop with the pair hook: (problem, gradients wanted, row values [N], stats [N, 2],
+/// gradient buffers, hook), its forward_chunks with `groups`.
+using GroupedLoop = std::function<void(const lce::Problem&, const lce::GradNeeds&, const at::Tensor&, const at::Tensor&,
+                                       const lce::GradBuffers&, lce::GroupedRows*)>;
+
+/// _linear_preference_forward on one backend once the problems are checked: `loop` over chunks of whole pairs
+/// (gradients in the forward), then, where the chunk was smaller than a pair (lce::GroupedRows::fused false), a second
+/// sweep by `kernel` (the backend's backward loop) with the rows' G; the gradient buffers' dW zeroed when `zero_dw`.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
+    const Problems& pp, const GroupedLoop& loop, lce::BackwardKernel kernel, bool zero_dw, const at::Tensor& input,
+    const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias, std::optional<int64_t> chunk_size,
+    std::array<bool, 3> grad_mask);
+
 }  // namespace pref
 }  // namespace opforge

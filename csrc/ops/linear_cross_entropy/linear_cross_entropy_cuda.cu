@@ -820,20 +820,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                                                    ref_linear_weight, ref_linear_bias, ref_chosen_logps,
                                                    ref_rejected_logps, loss_type, beta, label_smoothing, simpo_gamma,
                                                    cpo_alpha, temperature, ignore_index, chunk_size);
-  const auto opts = pp.s.X.options().dtype(lce::acc_dtype(input.scalar_type()));
-  at::Tensor value = at::empty({pp.s.N}, opts);     // [N]
-  at::Tensor stats = at::empty({pp.s.N, 2}, opts);  // [N, 2]
-  const lce::GradBuffers grads(pp.s, grad_mask, /*zero_dw=*/false);
-  lce::GroupedRows groups = pref::grouped_rows(pp, value);
-  const lce::GradNeeds need(pp.s, grad_mask);
-  forward_chunks(pp.s, need, chunk_size, value, stats, at::Tensor(), grads, nullptr, 0.0, &groups);
-  if (need.any() && !groups.fused && pp.s.N > 0) {  // chunks smaller than a pair: the second sweep recomputes
-    lce::RowGrad rg;
-    rg.G = groups.scale(0, pp.s.N);
-    rg.g_stride = 1;
-    backward_cuda(pp.s, rg, stats, need, chunk_size, grads);
-  }
-  return pref::forward_outputs(pp, value, groups, grads, input, linear_weight, linear_bias);
+  const auto loop = [&](const Problem& p, const lce::GradNeeds& need, const at::Tensor& value, const at::Tensor& stats,
+                        const lce::GradBuffers& grads, lce::GroupedRows* groups) {
+    forward_chunks(p, need, chunk_size, value, stats, at::Tensor(), grads, nullptr, 0.0, groups);
+  };
+  return pref::forward(pp, loop, backward_cuda, /*zero_dw=*/false, input, linear_weight, linear_bias, chunk_size,
+                       grad_mask);
 }
 
 // ---- linear_log_probs: the same loops, the row value −log p(target) and the entropy -------------------------

@@ -360,6 +360,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {loss, logps, ref_logps, gi, gw, gb};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
+    const Problems& pp, const GroupedLoop& loop, lce::BackwardKernel kernel, bool zero_dw, const at::Tensor& input,
+    const at::Tensor& linear_weight, const std::optional<at::Tensor>& linear_bias, std::optional<int64_t> chunk_size,
+    std::array<bool, 3> grad_mask) {
+  const auto opts = pp.s.X.options().dtype(lce::acc_dtype(input.scalar_type()));
+  at::Tensor value = at::empty({pp.s.N}, opts);     // [N]
+  at::Tensor stats = at::empty({pp.s.N, 2}, opts);  // [N, 2]
+  const lce::GradBuffers grads(pp.s, grad_mask, zero_dw);
+  lce::GroupedRows groups = grouped_rows(pp, value);
+  const lce::GradNeeds need(pp.s, grad_mask);
+  loop(pp.s, need, value, stats, grads, &groups);
+  if (need.any() && !groups.fused && pp.s.N > 0) {  // chunks smaller than a pair: the second sweep recomputes
+    lce::RowGrad rg;
+    rg.G = groups.scale(0, pp.s.N);
+    rg.g_stride = 1;
+    kernel(pp.s, rg, stats, need, chunk_size, grads);
+  }
+  return forward_outputs(pp, value, groups, grads, input, linear_weight, linear_bias);
+}
+
 }  // namespace pref
 
 // ---- C++ entry points: typed dispatcher calls ------------------------------------------------------------
