@@ -204,6 +204,42 @@ def lean_rounding_bound(value_fn, logits, reference):
     return 2 * first + 8 * eps32 * (reference.detach().double().abs() + first)
 
 
+def lce_lean_loss_bound(input, linear_weight, target, linear_bias=None, **kwargs):
+    """lean_rounding_bound of opforge.linear_cross_entropy's loss when the call runs in lean mode (lce_lean), else None.
+
+    The float64 loss (opforge.testing.linear_cross_entropy_reference) as a function of the raw logits
+    x · linear_weightᵀ + linear_bias (float64), through an identity head; softcap and the other options act on them
+    as in the op.
+
+    Args:
+        input: (*, H) floating. The hidden states of the call.
+        linear_weight: (V, H) floating.
+        target: input's leading shape, int64.
+        linear_bias: (V,) floating or None.
+        **kwargs: the call's options (weight, reduction, ignore_index, label_smoothing, z_loss, softcap);
+            chunk_size is ignored.
+
+    Returns:
+        float64 tensor of the loss's shape (a scalar, or target's shape for reduction="none"), or None outside
+        lean mode or without tokens.
+    """
+    if not lce_lean(input, linear_weight, linear_bias) or target.numel() == 0:
+        return None
+    from opforge.testing import linear_cross_entropy_reference
+
+    kwargs = {k: v for k, v in kwargs.items() if k != "chunk_size"}
+    V = linear_weight.shape[0]
+    L = input.detach().reshape(-1, input.shape[-1]).double() @ linear_weight.detach().double().t()
+    if linear_bias is not None:
+        L = L + linear_bias.detach().double()
+    eye = torch.eye(V, dtype=torch.float64, device=input.device)
+
+    def loss(ls):
+        return linear_cross_entropy_reference(ls[0].reshape(*target.shape, V), eye, target, **kwargs)
+
+    return lean_rounding_bound(loss, [(L, input.dtype)], loss([L]))
+
+
 def lean_accum_factor(k: int) -> float:
     """The tolerance rule's factor for a weight gradient accumulated in its 16-bit dtype over k chunks (lean mode, or
     OPFORGE_LCE_DW_ACCUM=1): 2 × k for k > 1 (k roundings of a partial sum of dW's size, each at most the baseline's

@@ -12,7 +12,7 @@ import torch.nn.functional as TF
 import opforge
 from opforge.testing import assert_matches_reference, linear_cross_entropy_reference, relative_error
 
-from conftest import _NO_CUDA, LCE_LEAN, lce_device_fixture, lce_lean, lean_rounding_bound
+from conftest import _NO_CUDA, LCE_LEAN, lce_device_fixture, lce_lean, lce_lean_loss_bound
 
 LOSS_DTYPES = [torch.float32, torch.bfloat16]
 
@@ -57,20 +57,14 @@ def _lean_terms(x, w, b, t, kw):
     """In lean mode (conftest.lce_lean): (the rule's factor for grad_linear_weight, lean_rounding_bound of the
     loss) for a call with keyword arguments kw; (None, None) otherwise. The weight gradient accumulates in its
     16-bit dtype over the chunks (_accum_factor(k), k > 1 chunks; the bias gradient stays fp32-accumulated), and the
-    loss carries the rounding of the logits to the storage dtype (lean_rounding_bound, from the float64 loss as a
-    function of the raw logits)."""
+    loss carries the rounding of the logits to the storage dtype (conftest.lce_lean_loss_bound: lean_rounding_bound
+    from the float64 loss as a function of the raw logits)."""
     if not lce_lean(x, w, b):
         return None, None
     N = t.numel()
     k = math.ceil(N / (kw.get("chunk_size") or max(N, 1)))
-    rkw = {n: v for n, v in kw.items() if n not in ("chunk_size", "grad_weights")}
-    L = x.detach().reshape(N, -1).double() @ w.detach().double().t()
-    if b is not None:
-        L = L + b.detach().double()
-    eye = torch.eye(w.shape[0], dtype=torch.float64, device=x.device)
-    ref = linear_cross_entropy_reference(L, eye, t, **rkw)
-    bound = lean_rounding_bound(lambda ls: linear_cross_entropy_reference(ls[0], eye, t, **rkw), [(L, x.dtype)], ref)
-    return (_accum_factor(k) if k > 1 else None), bound
+    rkw = {n: v for n, v in kw.items() if n != "grad_weights"}
+    return (_accum_factor(k) if k > 1 else None), lce_lean_loss_bound(x, w, t, b, **rkw)
 
 
 def _check_all(x, w, b, t, *, param_factor=2.0, **kw):

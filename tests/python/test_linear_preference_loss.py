@@ -12,7 +12,7 @@ import torch
 
 from opforge.losses import PREFERENCE_LOSS_TYPES, _linear_preference_loss_composed, linear_preference_loss
 from opforge.testing import assert_matches_reference, linear_log_probs_reference, preference_loss_reference
-from conftest import assert_compile_matches_eager
+from conftest import assert_compile_matches_eager, lce_lean, lean_rounding_bound
 
 REFERENCE_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 AVERAGED = ("ipo", "simpo", "orpo")
@@ -40,7 +40,10 @@ def _data(B, T, H, V, dtype, device, *, Hr=None, seed=0):
 def _reference(x, w, t, b, *, loss_type, ref_head=None, ref_logps=None, beta=0.1, label_smoothing=0.0,
                simpo_gamma=0.5, cpo_alpha=1.0, temperature=1.0, compute_dtype=torch.float64):
     """The loss and rewards from materialised logits (linear_log_probs_reference) and the papers' formulas
-    (preference_loss_reference), in compute_dtype; the chosen NLL of cpo / orpo over the chosen tokens."""
+    (preference_loss_reference), in compute_dtype; the chosen NLL of cpo / orpo over the chosen tokens. The reference
+    log-probabilities are differentiable in ref_head's tensors (the tests pass constants; lean mode's bound
+    differentiates through its logits): the DPO types get the differences s − s_ref with zero references, the same h
+    (preference_loss_reference takes its reference arguments as constants)."""
     lp = linear_log_probs_reference(x, w, t, b, temperature=temperature, compute_dtype=compute_dtype)
     cnt = (t != -100).sum(-1).clamp(min=1).to(lp.dtype)
     avg = loss_type in AVERAGED
@@ -52,12 +55,14 @@ def _reference(x, w, t, b, *, loss_type, ref_head=None, ref_logps=None, beta=0.1
             rc, rr = (r.to(lp.dtype) for r in ref_logps)
         else:
             xr, wr, br = ref_head
-            with torch.no_grad():
-                rl = linear_log_probs_reference(xr, wr, t, br, temperature=temperature,
-                                                compute_dtype=compute_dtype).sum(-1)
-                rl = rl / cnt if avg else rl
+            rl = linear_log_probs_reference(xr, wr, t, br, temperature=temperature, compute_dtype=compute_dtype).sum(-1)
+            rl = rl / cnt if avg else rl
             rc, rr = rl[:B], rl[B:]
-    losses = preference_loss_reference(s[:B], s[B:], rc, rr, loss_type=loss_type, beta=beta,
+    pc, pr, zc, zr = s[:B], s[B:], None, None
+    if rc is not None:
+        pc, pr = pc.double() - rc.double(), pr.double() - rr.double()  # h's float64 differences, as it forms them
+        zc, zr = torch.zeros_like(pc), torch.zeros_like(pr)
+    losses = preference_loss_reference(pc, pr, zc, zr, loss_type=loss_type, beta=beta,
                                        label_smoothing=label_smoothing, simpo_gamma=simpo_gamma)
     loss = losses.mean()
     if loss_type in ("cpo", "orpo"):
@@ -123,7 +128,8 @@ def test_float64_matches_composed_and_reference(device, loss_type, ref, label_sm
 @pytest.mark.parametrize("loss_type", PREFERENCE_LOSS_TYPES)
 def test_low_precision_matches_reference(device, dtype, loss_type):
     """float32 and bfloat16 inputs against float64 by the tolerance rule (baseline: the same math in the input's
-    dtype), and against the composed path within the same rule."""
+    dtype), and against the composed path within the same rule; in lean mode (conftest.lce_lean) the loss may also
+    pass by the a-priori bound of the policy's and the reference head's logits rounded to bfloat16."""
     x, w, b, xr, wr, br, t, rc, rr = _data(3, 9, 16, 53, dtype, device)
     kw = dict(loss_type=loss_type, beta=0.5, temperature=0.9)
     rk = dict(ref_input=xr, ref_linear_weight=wr, ref_linear_bias=br) if loss_type in REFERENCE_TYPES else {}
@@ -138,6 +144,17 @@ def test_low_precision_matches_reference(device, dtype, loss_type):
     lp = linear_log_probs_reference(x, w, t, b, temperature=0.9)
     nll = lp[:3].abs().sum() / (t[:3] != -100).sum()
     loss_bound = 8 * torch.finfo(torch.float32).eps * (1 + ref[0].abs() + nll)
+    if lce_lean(x, w, b):
+        # lean mode: the loss from the raw logits of both heads (the reference head's too: one chunk loop), each
+        # rounded to bfloat16 (lean_rounding_bound through identity heads)
+        eye = torch.eye(w.shape[0], dtype=torch.float64, device=device)
+        heads = [(x, w, b)] + ([head] if loss_type in REFERENCE_TYPES else [])
+        logits = [(hx.double() @ hw.double().t() + hb.double(), dtype) for hx, hw, hb in heads]
+
+        def value(ls):
+            return _reference(ls[0], eye, t, None, ref_head=(ls[1], eye, None) if len(ls) > 1 else None, **kw)[0]
+
+        loss_bound = loss_bound + lean_rounding_bound(value, logits, ref[0])
     for name, o, c, r, bl in zip(NAMES, ours, comp, ref, base):
         bl = bl.to(o.dtype)
         bound = loss_bound if name == "loss" else None
