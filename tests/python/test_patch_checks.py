@@ -426,3 +426,27 @@ def test_self_check_against_float32_still_reverts_a_wrong_16bit_gradient(monkeyp
         report = patch.apply(model)
     assert not report.patched
     _assert_untouched(model, ref)
+
+
+def test_self_check_without_room_for_a_float32_copy_keeps_the_16bit_verdict(monkeypatch):
+    # No memory for the float32 copy (reported by the room check): no copy is attempted and the 16-bit verdict
+    # stands, the model reverted with the 16-bit reason.
+    from opforge.patch import _apply
+
+    monkeypatch.setitem(_apply._BOUNDS, "16-bit", {**_apply._BOUNDS["16-bit"], "grad": 1e-6})
+    ref = _qwen3_moe_bf16()
+    model = copy.deepcopy(ref)
+    monkeypatch.setattr(_apply, "_room_for_float32_copy", lambda model: False)
+    monkeypatch.setattr(_apply.copy, "deepcopy", lambda *a, **k: pytest.fail("a copy was attempted"))
+    with pytest.warns(UserWarning, match="different gradients with labels \\(max difference"):
+        report = patch.apply(model)
+    assert not report.patched
+    _assert_untouched(model, ref)
+
+
+def test_room_for_a_float32_copy_counts_ten_bytes_a_parameter():
+    from opforge.patch import _apply
+
+    small = torch.nn.Linear(4, 4)
+    assert _apply._room_for_float32_copy(small)
+    assert not _apply._room_for_float32_copy(torch.nn.Linear(4, 4, device="meta"))

@@ -180,9 +180,36 @@ def _mismatch(before: dict, after: dict, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
+def _room_for_float32_copy(model: torch.nn.Module) -> bool:
+    """Whether each device holding `model`'s parameters has the free memory a float32 copy and its probe need: about
+    10 bytes a parameter (4 for the copy, 4 for its gradients, the 16-bit copy before the cast and the activations of
+    the 2×7-token probe). CUDA devices report their free memory; the host its available physical memory (Linux
+    sysconf); any other device (meta among them) counts as no room, so the copy is never attempted blind."""
+    import os
+
+    need: Dict[torch.device, int] = {}
+    for q in model.parameters():
+        need[q.device] = need.get(q.device, 0) + 10 * q.numel()
+    for dev, n in need.items():
+        if dev.type == "cuda":
+            free = torch.cuda.mem_get_info(dev)[0]
+        elif dev.type == "cpu":
+            try:
+                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError, AttributeError):
+                return False
+        else:
+            return False
+        if free < n:
+            return False
+    return True
+
+
 def _float32_probe(model: torch.nn.Module, routes: dict) -> Optional[dict]:
     """`_probe` of a float32 copy of `model` (unpatched) with the expert choices `routes`, or None when no copy can
-    be made (not enough memory, a module that does not deep-copy)."""
+    be made (not enough free memory on a device, `_room_for_float32_copy`; a module that does not deep-copy)."""
+    if not _room_for_float32_copy(model):
+        return None
     try:
         ref = copy.deepcopy(model)
         for q in ref.parameters():
