@@ -340,7 +340,7 @@ lce::GroupedRows grouped_rows(const Problems& pp, const at::Tensor& value) {
     if (pp.den.defined()) d = d.div(pp.den.narrow(0, k0, np));
     at::Tensor G = d.neg();
     if (pp.nll_scale.defined()) G.select(1, 0).add_(pp.nll_scale);
-    return G.unsqueeze(-1).expand({np, 2, T}).reshape({c}).contiguous();
+    return G.unsqueeze(-1).expand({np, 2, T}).reshape({c});  // a copy: reshape of an expanded view
   };
   return g;
 }
