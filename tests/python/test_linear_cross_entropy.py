@@ -697,6 +697,42 @@ def test_grad_in_forward_retain_graph_and_repeat(device):
         torch.testing.assert_close(v.grad, 4 * g)
 
 
+def _saved_storages(run):
+    """The data pointers of the tensors an autograd node saves while `run()` records the graph."""
+    ptrs = []
+
+    def pack(t):
+        ptrs.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, ptrs
+
+
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd"])
+def test_grad_in_forward_hands_its_saved_gradients_over(device, op):
+    """Without retain_graph, the backward scales the gradients the forward saved in place and they become .grad (no
+    second copy of the V x H weight gradient); with retain_graph it leaves them as they were, so a second backward
+    gives the same gradients. Both ways the values are grad_output times the forward's gradients."""
+    x, w, b, t = _sample(device)
+    if op == "linear_cross_entropy":
+        run = lambda: opforge.linear_cross_entropy(x, w, t, linear_bias=b)  # noqa: E731
+    else:
+        teacher = torch.randn_like(w).detach()
+        run = lambda: opforge.linear_jsd(x, w, x.detach(), teacher, t, linear_bias=b)  # noqa: E731
+    loss, ptrs = _saved_storages(run)
+    (2.5 * loss).backward(retain_graph=True)
+    kept = [v.grad.clone() for v in (x, w, b)]
+    assert not {v.grad.untyped_storage().data_ptr() for v in (x, w, b)} & set(ptrs)
+    for v in (x, w, b):
+        v.grad = None
+    (2.5 * loss).backward()
+    for v, g in zip((x, w, b), kept):
+        assert torch.equal(v.grad, g)
+    assert {v.grad.untyped_storage().data_ptr() for v in (x, w, b)} <= set(ptrs)
+
+
 def test_grad_in_forward_compiled_autograd(device):
     torch._dynamo.reset()
     x, w, b, t = _sample(device)
@@ -1006,3 +1042,22 @@ def test_lean_peak_memory_is_one_16bit_chunk(knob, path):
     grads = N * H * 2 + V * H * 2
     assert peaks[1] <= 2048 * V * 2 + grads + (16 << 20), peaks
     assert peaks[0] > peaks[1], peaks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA memory counters)")
+def test_grad_in_forward_backward_peaks_under_a_weight_gradient(knob):
+    """CUDA, bf16, V = 128256, H = 256: on the gradient-in-forward path the backward scales the saved gradients in
+    place, so it peaks above the memory held before it by far less than one more V x H bf16 weight gradient (62.6 MiB;
+    16 MiB allowed for the scalar's kernels and allocator rounding)."""
+    N, H, V = 1024, 256, 128256
+    x, w, _, t = _data(N, H, V, torch.bfloat16, "cuda")
+    x.requires_grad_()
+    w.requires_grad_()
+    knob(_KNOB, 1)
+    loss = opforge.linear_cross_entropy(x, w, t)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= (16 << 20)

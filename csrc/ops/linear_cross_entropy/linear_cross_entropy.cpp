@@ -15,7 +15,9 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -293,6 +295,20 @@ at::Tensor unit_grad_scale(const Problem& p) {
 // token's logit gradient is zero whatever grad_output is). grad_output can then be non-finite: transformers divides
 // a "sum" loss by num_items_in_batch, which is 0 for a batch without a target, and 0 * inf would make every
 // gradient NaN. So grad_output is replaced by 0 when no target counts (a 0-dim select on the device: no sync).
+// Note [saved gradients scaled in place]: the saved gradients are the node's own (the forward op returned them to
+// this node alone), so when the engine will release them after this backward (no retain_graph, no create_graph)
+// they are scaled in place and handed on as the gradients: the backward allocates nothing the size of the lm_head's
+// weight (a V x H copy, 1 GiB at 128256 x 4096 in bfloat16), and the gradient accumulator takes the storage over.
+// The product is the scale op's (one multiply in the gradient's dtype), so both paths give the same bits. A graph
+// kept for another backward, and tensors seen by a tracer (FakeTensor, functionalization, functorch wrappers:
+// torch.compile, compiled autograd, torch.func), take the scale op, which leaves the saved tensors as they were.
+bool scale_in_place(const BackwardArgs& a) {
+  if (torch::autograd::get_current_graph_task_keep_graph() || at::GradMode::is_enabled()) return false;
+  for (const at::Tensor& t : {a.grads[0], a.saved[0], a.saved[1], a.saved[2]})
+    if (t.defined() && at::isTensorSubclassLike(t)) return false;
+  return true;
+}
+
 variable_list saved_grads_backward(const BackwardArgs& a) {
   if (!a.grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
   auto pick = [&](int k) -> std::optional<at::Tensor> {
@@ -300,6 +316,15 @@ variable_list saved_grads_backward(const BackwardArgs& a) {
   };
   const at::Tensor& any_target = a.saved[3];
   const at::Tensor grad_output = at::where(any_target, a.grads[0], at::zeros_like(a.grads[0]));
+  if (scale_in_place(a)) {
+    // Note [saved gradients scaled in place]
+    auto scale = [&](const std::optional<at::Tensor>& g) -> at::Tensor {
+      if (!g.has_value()) return at::Tensor();
+      at::Tensor t = *g;
+      return t.mul_(grad_output.to(t.scalar_type()));
+    };
+    return {scale(pick(0)), scale(pick(1)), scale(pick(2))};
+  }
   auto [gi, gw, gb] = opforge::_linear_cross_entropy_scale_grads(grad_output, pick(0), pick(1), pick(2));
   return {gi, gw, gb};
 }

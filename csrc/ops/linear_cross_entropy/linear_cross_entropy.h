@@ -235,7 +235,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
 /// grad_input, grad_linear_weight, grad_linear_bias (each undefined where its input needs no gradient) and a 0-dim
 /// bool, whether any target counts; edges input, linear_weight, linear_bias. Returns the saved gradients times
 /// grad_output (_linear_cross_entropy_scale_grads), grad_output taken as 0 when no target counts (Note [all targets
-/// ignored] in linear_cross_entropy.cpp).
+/// ignored] in linear_cross_entropy.cpp); the saved gradients themselves, scaled in place, when the graph is not
+/// kept and no tracer is involved (Note [saved gradients scaled in place]).
 std::vector<at::Tensor> saved_grads_backward(const BackwardArgs& a);
 
 /// Gives the gradients a forward computed (gi, gw, gb, undefined allowed) a history that raises
