@@ -142,9 +142,9 @@ TORCH_LIBRARY(opforge, m) {
   // (grad_inputs (one per input, an empty list unless output_mask[0]), grad_weight, grad_bias in bias_dtype) of linear_cat
   m.def("linear_cat_backward(Tensor grad_output, Tensor[] inputs, Tensor weight, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor[] grad_inputs, Tensor grad_weight, Tensor grad_bias)");
   // y[t] = input[t] · weight[index[t]]ᵀ + bias[index[t]]; input (T, K), weight (E, N, K), index (T,) int64 (−1: a zero row), bias (E, N)
-  m.def("indexed_linear(Tensor input, Tensor weight, Tensor index, Tensor? bias=None) -> Tensor");
+  m.def("indexed_linear(Tensor input, Tensor weight, Tensor index, Tensor? bias=None, *, bool index_sorted=False) -> Tensor");
   // (grad_input, grad_weight, grad_bias in bias_dtype) of indexed_linear, each only if its output_mask entry is set; experts without tokens get zeros
-  m.def("indexed_linear_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor index, bool[3] output_mask, ScalarType? bias_dtype=None) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  m.def("indexed_linear_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor index, bool[3] output_mask, ScalarType? bias_dtype=None, *, bool index_sorted=False) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // the backward of the gradient-in-forward path: each defined gradient the forward computed, times the scalar
   // grad_output (in the gradient's dtype); not differentiable (double backward raises lazily)
   m.def("_linear_cross_entropy_scale_grads(Tensor grad_output, Tensor? grad_input, Tensor? grad_linear_weight, Tensor? grad_linear_bias) -> (Tensor, Tensor, Tensor)");

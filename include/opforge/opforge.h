@@ -254,15 +254,21 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor> linear_cat_backward(
 /// input's dtype. index[t] == −1: row t is exactly zero (and gets no gradient). index ≥ E or < −1: an error on
 /// CPU (IndexError); on CUDA such a row is treated as −1 (zero row, no gradient, no out-of-bounds read, no host
 /// synchronisation). fp32 accumulation.
+/// index_sorted: the caller promises the rows in expert order (index non-decreasing over the experts' rows, rows
+/// of −1 last), which lets CUDA run the grouped GEMM on the rows in place (no sort, gather or scatter). A broken
+/// promise is a ValueError on CPU; on CUDA (which cannot look without a host synchronisation) the rows that break
+/// the order come out NaN, never silently wrong.
 at::Tensor indexed_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
-                          const std::optional<at::Tensor>& bias = std::nullopt);
+                          const std::optional<at::Tensor>& bias = std::nullopt, bool index_sorted = false);
 
 /// Gradients of indexed_linear for grad_output (T, N): (grad_input (T, K), grad_weight (E, N, K) in weight's dtype,
 /// grad_bias (E, N) in bias_dtype); entry i only when output_mask[i]. Experts that received no token get exactly
-/// zero gradients; rows with index −1 get a zero grad_input.
+/// zero gradients; rows with index −1 get a zero grad_input. index_sorted as indexed_linear's (on CUDA a broken
+/// order makes grad_input's misplaced rows and grad_weight / grad_bias NaN).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
-    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype = std::nullopt);
+    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype = std::nullopt,
+    bool index_sorted = false);
 /// (q_out, k_out): rotary position embedding (RoFormer; Hugging Face's apply_rotary_pos_emb) of q (B, Hq, S, D) and
 /// k (B, Hk, S, D), any strides, same dtype; outputs in q's / k's dtype and layout (contiguous where the input is
 /// not dense). cos, sin: (S, R), (B or 1, S, R) or (B or 1, 1, S, R), floating (a float32 table with bf16 q is

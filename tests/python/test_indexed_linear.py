@@ -553,3 +553,87 @@ def test_cuda_unaligned_operands_every_path(path, dtype, T, unaligned, knob):
     assert_matches_reference(x.grad, gx, bx, what="grad_input", factor=3.0)
     assert_matches_reference(w.grad, gw, bw, what="grad_weight", factor=3.0)
     assert_matches_reference(b.grad, gb, bb, what="grad_bias", factor=3.0)
+
+
+# ---- index_sorted: the caller's rows already in expert order --------------------------------------------------
+
+def _sorted_index(T, E, device, invalid=True):
+    """A random index sorted by expert with rows of −1 last (some experts empty when T is small)."""
+    index = torch.randint(0, E, (T,)).sort().values
+    if invalid and T > 2:
+        index[-(T // 5 + 1):] = -1
+    return index.to(device)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("T, E, N, K", [(5, 3, 16, 24), (83, 5, 24, 40), (300, 4, 64, 72), (300, 64, 16, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_index_sorted_matches_float64_and_the_unsorted_call(dev, dtype, T, E, N, K, bias):
+    """index_sorted=True: values and gradients within the rounding rule of float64 and, rounding aside, the
+    unsorted call's (the same grouped GEMMs over the same rows, without the gather and scatter)."""
+    x, w, index, b = _make(dev, dtype, T, E, N, K, bias, _sorted_index(T, E, "cpu"))
+    y = opforge.indexed_linear(x, w, index, b, index_sorted=True)
+    assert_matches_reference(y, indexed_linear_reference(x, w, index, b), _torch_baseline(x, w, index, b), factor=3.0)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    got = [v.grad for v in (x, w, b) if v is not None]
+    gx, gw, gb = _grads64(x, w, index, b, dy)
+    bx, bw, bb = _baseline_grads(x, w, index, b, dy)
+    assert_matches_reference(got[0], gx, bx, what="grad_input", factor=3.0)
+    assert_matches_reference(got[1], gw, bw, what="grad_weight", factor=3.0)
+    if b is not None:
+        assert_matches_reference(got[2], gb, bb, what="grad_bias", factor=3.0)
+    assert torch.equal(y[index.eq(-1)], torch.zeros_like(y[index.eq(-1)]))
+    for v in (x, w, b):
+        if v is not None:
+            v.grad = None
+    y2 = opforge.indexed_linear(x, w, index, b)
+    y2.backward(dy)
+    if dev == "cpu":  # one code path: the same bits
+        assert torch.equal(y, y2)
+        for g, v in zip(got, (x, w, b)):
+            assert torch.equal(g, v.grad)
+
+
+@pytest.mark.parametrize("index, pos", [([0, 1, 1, 0], 3), ([2, 2, -1, 1], 3), ([-1, 0], 1)])
+def test_index_sorted_out_of_order_is_an_error_on_cpu(index, pos):
+    x, w, index, b = _make("cpu", torch.float32, len(index), 3, 4, 5, True, torch.tensor(index))
+    with pytest.raises(ValueError, match=rf"opforge::indexed_linear: expected index sorted by expert .* at position "
+                                         rf"{pos} after"):
+        opforge.indexed_linear(x, w, index, b, index_sorted=True)
+    dy = torch.ones(len(index), 4)
+    with pytest.raises(ValueError, match=r"opforge::indexed_linear_backward: expected index sorted by expert"):
+        torch.ops.opforge.indexed_linear_backward(dy, x.detach(), w.detach(), index, [True, True, True],
+                                                  index_sorted=True)
+    opforge.indexed_linear(x, w, index, b)  # the same index unsorted is fine
+
+
+def test_index_sorted_opcheck_and_compile(dev):
+    x, w, index, b = _make(dev, torch.float32, 40, 4, 8, 16, True, _sorted_index(40, 4, "cpu"))
+    args = (x.detach(), w.detach(), index, b.detach())
+    torch.library.opcheck(torch.ops.opforge.indexed_linear.default, args, {"index_sorted": True})
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: opforge.indexed_linear(*a, index_sorted=True), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(fn(*args), opforge.indexed_linear(*args))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("path", ["auto", "grouped", "grouped_mm"])
+def test_index_sorted_out_of_order_rows_are_nan_on_cuda(path, knob):
+    """CUDA cannot raise without a host synchronisation: the rows that break the promised order (the misplaced row,
+    and rows its key moves out of their expert's group) come out NaN, the others keep their values, and the weight
+    and bias gradients are NaN (never silently wrong)."""
+    if path != "auto":
+        knob("indexed_linear_path", PATH_HOOK[path])
+    T, E, N, K = 64, 4, 32, 64
+    index = _sorted_index(T, E, "cpu", invalid=False)
+    index[10] = E - 1  # out of order: an expert above its neighbours' inside expert 0's rows
+    x, w, index, b = _make("cuda", torch.bfloat16, T, E, N, K, True, index)
+    y = opforge.indexed_linear(x, w, index, b, index_sorted=True)
+    ref = opforge.indexed_linear(x, w, index, b)
+    assert y[10].isnan().all().item()
+    ok = ~y.isnan().any(1)  # every other row: NaN as a whole, or the unsorted call's value
+    assert torch.equal(y.isnan().all(1), ~ok)
+    torch.testing.assert_close(y[ok], ref[ok])
+    y.backward(torch.ones_like(y))
+    assert w.grad.isnan().all().item() and b.grad.isnan().all().item()

@@ -66,6 +66,17 @@ void check_index_values_cpu(const char* op, const at::Tensor& index, int64_t E) 
   }
 }
 
+void check_index_sorted_cpu(const char* op, const at::Tensor& index) {
+  const auto* idx = index.const_data_ptr<int64_t>();
+  for (int64_t t = 1; t < index.numel(); ++t) {
+    const int64_t prev = idx[t - 1], cur = idx[t];
+    const bool ok = cur == -1 || (prev != -1 && cur >= prev);
+    TORCH_CHECK_VALUE(ok, "opforge::", op, ": expected index sorted by expert (non-decreasing, rows of -1 last) as "
+                      "index_sorted=True promises, but got ", num_str(cur), " at position ", num_str(t), " after ",
+                      num_str(prev));
+  }
+}
+
 void check_indexed_linear_backward_args(const at::Tensor& grad_output, const at::Tensor& input,
                                         const at::Tensor& weight, const at::Tensor& index,
                                         std::optional<at::ScalarType> bias_dtype) {
@@ -94,16 +105,16 @@ IndexedLinearProblem check_indexed_linear_backward(const at::Tensor& grad_output
 // ---- public C++ API ----------------------------------------------------------------------------------
 
 at::Tensor indexed_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
-                          const std::optional<at::Tensor>& bias) {
+                          const std::optional<at::Tensor>& bias, bool index_sorted) {
   static auto op = typed_op<decltype(indexed_linear)>("opforge::indexed_linear");
-  return op.call(input, weight, index, bias);
+  return op.call(input, weight, index, bias, index_sorted);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
-    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype) {
+    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype, bool index_sorted) {
   static auto op = typed_op<decltype(indexed_linear_backward)>("opforge::indexed_linear_backward");
-  return op.call(grad_output, input, weight, index, output_mask, bias_dtype);
+  return op.call(grad_output, input, weight, index, output_mask, bias_dtype, index_sorted);
 }
 
 namespace {
@@ -111,14 +122,14 @@ namespace {
 // ---- Meta ------------------------------------------------------------------------------------------------
 
 at::Tensor indexed_linear_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
-                               const std::optional<at::Tensor>& bias) {
+                               const std::optional<at::Tensor>& bias, bool /*index_sorted*/) {
   indexed_linear_op::check_indexed_linear_args("indexed_linear", input, weight, index, bias);
   return at::empty_symint({input.sym_size(0), weight.sym_size(1)}, input.options());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_meta(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
-    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype) {
+    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype, bool /*index_sorted*/) {
   indexed_linear_op::check_indexed_linear_backward_args(grad_output, input, weight, index, bias_dtype);
   at::Tensor gi, gw, gb;
   if (output_mask[0]) gi = at::empty_symint(input.sym_sizes(), input.options());
@@ -130,14 +141,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_meta(
 }
 
 // ---- Autograd ----------------------------------------------------------------------------------------------
-// Saved: input, weight, index. Attributes: bias dtype (-1 without bias). Edges: input, weight, bias.
+// Saved: input, weight, index. Attributes: bias dtype (-1 without bias), index_sorted. Edges: input, weight, bias.
 
 variable_list indexed_linear_backward_fn(const BackwardArgs& a) {
   const int64_t bias_dtype = a.attrs[0].toInt();
   std::optional<at::ScalarType> bdt;
   if (bias_dtype >= 0) bdt = static_cast<at::ScalarType>(bias_dtype);
   auto [gi, gw, gb] = opforge::indexed_linear_backward(a.grads[0], a.saved[0], a.saved[1], a.saved[2],
-                                                       {a.needs[0], a.needs[1], bdt.has_value() && a.needs[2]}, bdt);
+                                                       {a.needs[0], a.needs[1], bdt.has_value() && a.needs[2]}, bdt,
+                                                       a.attrs[1].toBool());
   return {gi, gw, gb};
 }
 
@@ -162,16 +174,17 @@ variable_list indexed_linear_double_backward_fn(const BackwardArgs& a) {
 }
 
 at::Tensor indexed_linear_autograd(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
-                                   const std::optional<at::Tensor>& bias) {
+                                   const std::optional<at::Tensor>& bias, bool index_sorted) {
   return autograd_op(
       {"indexed_linear", "opforge::IndexedLinearBackward", indexed_linear_backward_fn,
        indexed_linear_double_backward_fn},
-      {kDifferentiable}, [&](bool) { return opforge::indexed_linear(input, weight, index, bias); },
+      {kDifferentiable}, [&](bool) { return opforge::indexed_linear(input, weight, index, bias, index_sorted); },
       [&](OpNode& n, const at::Tensor&) {
         n.save(input);
         n.save(weight);
         n.save(index);
         n.attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
+        n.attr(index_sorted);
       },
       input, weight, bias);
 }

@@ -40,6 +40,11 @@ IndexedLinearProblem check_indexed_linear(const char* op, const at::Tensor& inpu
 /// CPU only: raises IndexError "opforge::<op>: expected every index in [-1, E), but got <v> at position <t>".
 void check_index_values_cpu(const char* op, const at::Tensor& index, int64_t E);
 
+/// CPU only, for index_sorted: raises ValueError "opforge::<op>: expected index sorted by expert (...) as
+/// index_sorted=True promises, but ..." naming the first position that breaks the order (an expert below the
+/// previous row's, or an expert after a row of −1).
+void check_index_sorted_cpu(const char* op, const at::Tensor& index);
+
 /// Checks of indexed_linear_backward (symbolic-safe): the forward checks, grad_output floating, on input's device,
 /// of shape [T, N]; bias_dtype floating.
 void check_indexed_linear_backward_args(const at::Tensor& grad_output, const at::Tensor& input,

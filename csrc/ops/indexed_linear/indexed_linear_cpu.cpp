@@ -33,9 +33,10 @@ Groups group_tokens(const at::Tensor& index, int64_t E) {
 }
 
 at::Tensor indexed_linear_cpu(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
-                              const std::optional<at::Tensor>& bias) {
+                              const std::optional<at::Tensor>& bias, bool index_sorted) {
   const auto p = indexed_linear_op::check_indexed_linear("indexed_linear", input, weight, index, bias);
   indexed_linear_op::check_index_values_cpu("indexed_linear", p.index, p.E);
+  if (index_sorted) indexed_linear_op::check_index_sorted_cpu("indexed_linear", p.index);
   at::Tensor Y = at::zeros({p.T, p.N}, input.options());  // rows with index −1 stay zero
   if (p.T == 0 || p.N == 0) return Y;
   const Groups g = group_tokens(p.index, p.E);
@@ -56,9 +57,10 @@ at::Tensor indexed_linear_cpu(const at::Tensor& input, const at::Tensor& weight,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_cpu(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
-    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype) {
+    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype, bool index_sorted) {
   const auto p = indexed_linear_op::check_indexed_linear_backward(grad_output, input, weight, index, bias_dtype);
   indexed_linear_op::check_index_values_cpu("indexed_linear_backward", p.index, p.E);
+  if (index_sorted) indexed_linear_op::check_index_sorted_cpu("indexed_linear_backward", p.index);
   const auto dtype = input.scalar_type();
   const at::Tensor dY = to_input_dtype(grad_output, dtype);  // [T, N]
   at::Tensor gi, gw, gb;

@@ -21,6 +21,10 @@
 //       - otherwise our tiled grouped GEMM (64 × 64 tiles, shared memory, fp32 accumulation) that reads rows
 //         through the permutation and the offsets from device memory; one kernel for forward and grad_input, one
 //         for grad_weight (+ grad_bias) over each expert's rows.
+//     With index_sorted (the caller's rows already in expert order, rows without an expert last) there is no
+//     sort, no gather and no scatter: the groups come from at::searchsorted of the index itself, _grouped_mm
+//     reads and writes the caller's rows in place, and one kernel (finish_rows_kernel) then adds the bias, zeroes
+//     the rows without an expert and sets to NaN every row that breaks the order (never a silently wrong row).
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -269,12 +273,18 @@ void gather_gemv(const at::Tensor& A, const at::Tensor& W, const at::Tensor& bia
 
 // ---- sorting tokens by expert --------------------------------------------------------------------------------
 
-/// Tokens sorted by expert, all on the device: perm [T] (token ids in expert order, invalid ones last), key [T]
-/// (the sorted expert of each position, E for invalid), offsets [E + 1] (group e = [offsets[e], offsets[e + 1]);
-/// offsets[E] = the number of valid tokens).
+/// Tokens sorted by expert, all on the device: perm [T] (token ids in expert order, invalid ones last; undefined:
+/// the identity, the caller's rows already in order), key [T] (the expert of each position, E for invalid),
+/// offsets [E + 1] (group e = [offsets[e], offsets[e + 1]), non-decreasing; offsets[E] = the number of valid
+/// tokens).
 struct Sorted {
   at::Tensor perm, key, offsets;
 };
+
+/// perm's pointer, or null for the identity (kernels read row r as perm ? perm[r] : r).
+const int64_t* perm_ptr(const Sorted& s) { return s.perm.defined() ? s.perm.const_data_ptr<int64_t>() : nullptr; }
+
+__device__ __forceinline__ int64_t row_of(const int64_t* perm, int64_t r) { return perm != nullptr ? perm[r] : r; }
 
 Sorted sort_tokens(const at::Tensor& index, int64_t E) {
   const at::Tensor valid = index.ge(0).logical_and_(index.lt(E));
@@ -283,6 +293,28 @@ Sorted sort_tokens(const at::Tensor& index, int64_t E) {
   const at::Tensor experts = at::arange(E + 1, index.options());
   const at::Tensor offsets = at::searchsorted(key, experts, /*out_int32=*/false, /*right=*/false);
   return {perm, key, offsets};
+}
+
+/// The groups of an index the caller sorted (index_sorted): key as sort_tokens's, no permutation, offsets by
+/// at::searchsorted of the key itself, made non-decreasing by a running max so that they are groups whatever the
+/// index holds (a row that breaks the order lies outside its expert's group: finish_rows_kernel catches it).
+Sorted given_order(const at::Tensor& index, int64_t E) {
+  const at::Tensor valid = index.ge(0).logical_and_(index.lt(E));
+  const at::Tensor key = at::where(valid, index, at::scalar_tensor(E, index.options()));
+  const at::Tensor experts = at::arange(E + 1, index.options());
+  const at::Tensor found = at::searchsorted(key, experts, /*out_int32=*/false, /*right=*/false);
+  return {at::Tensor(), key, std::get<0>(at::cummax(found, 0))};
+}
+
+/// The group holding sorted row r < offsets[E]: the last e with offsets[e] ≤ r (a binary search of the E + 1
+/// non-decreasing offsets).
+__device__ __forceinline__ int64_t group_of(const int64_t* __restrict__ offsets, int64_t E, int64_t r) {
+  int64_t lo = 0, hi = E;  // offsets[lo] ≤ r < offsets[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (offsets[mid] <= r) lo = mid; else hi = mid;
+  }
+  return lo;
 }
 
 // ---- tiled grouped GEMM --------------------------------------------------------------------------------------
@@ -308,11 +340,13 @@ __global__ void grouped_rows_kernel(const scalar_t* __restrict__ A,  // [T, Q]
   // invalid rows of this tile: zeros
   for (int i = threadIdx.x; i < kBM * kBN; i += kThreads) {
     const int64_t r = r0 + i / kBN, o = o0 + i % kBN;
-    if (r < r_end && r >= nvalid && o < O) out[perm[r] * O + o] = scalar_t(0);
+    if (r < r_end && r >= nvalid && o < O) out[row_of(perm, r) * O + o] = scalar_t(0);
   }
   const int64_t v_end = min(r_end, nvalid);
   if (r0 >= v_end) return;
-  const int64_t e_first = key[r0], e_last = key[v_end - 1];
+  // the experts whose groups meet [r0, v_end): from the offsets (non-decreasing), so every row below nvalid is
+  // written once whatever the keys hold
+  const int64_t e_first = group_of(offsets, E, r0), e_last = group_of(offsets, E, v_end - 1);
   for (int64_t e = e_first; e <= e_last; ++e) {
     const int64_t g0 = max(r0, offsets[e]), g1 = min(v_end, offsets[e + 1]);
     if (g0 >= g1) continue;  // block-uniform
@@ -323,7 +357,7 @@ __global__ void grouped_rows_kernel(const scalar_t* __restrict__ A,  // [T, Q]
       for (int i = threadIdx.x; i < kBK * kBM; i += kThreads) {
         const int q = i % kBK, m = i / kBK;
         const int64_t r = g0 + m;
-        As[q][m] = (r < g1 && q0 + q < Q) ? static_cast<acc_t>(A[perm[r] * Q + q0 + q]) : acc_t(0);
+        As[q][m] = (r < g1 && q0 + q < Q) ? static_cast<acc_t>(A[row_of(perm, r) * Q + q0 + q]) : acc_t(0);
       }
       // B tile: Bs[q][n] = B[o0 + n, q0 + q], the faster index along the unit stride
       for (int i = threadIdx.x; i < kBK * kBN; i += kThreads) {
@@ -351,7 +385,7 @@ __global__ void grouped_rows_kernel(const scalar_t* __restrict__ A,  // [T, Q]
     for (int i = 0; i < 4; ++i) {
       const int64_t r = g0 + ty * 4 + i;
       if (r >= g1) continue;
-      const int64_t row = perm[r];
+      const int64_t row = row_of(perm, r);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int64_t o = o0 + tx * 4 + j;
@@ -387,13 +421,13 @@ __global__ void grouped_weight_grad_kernel(const scalar_t* __restrict__ dY,  // 
     for (int i = threadIdx.x; i < kBK * kBN; i += kThreads) {
       const int n = i % kBN, r = i / kBN;
       const int64_t rr = r0 + r;
-      As[r][n] = (rr < g1 && n0 + n < N) ? static_cast<acc_t>(dY[perm[rr] * N + n0 + n]) : acc_t(0);
+      As[r][n] = (rr < g1 && n0 + n < N) ? static_cast<acc_t>(dY[row_of(perm, rr) * N + n0 + n]) : acc_t(0);
     }
     if (dW != nullptr) {
       for (int i = threadIdx.x; i < kBK * kBM; i += kThreads) {
         const int k = i % kBM, r = i / kBM;
         const int64_t rr = r0 + r;
-        Bs[r][k] = (rr < g1 && k0 + k < K) ? static_cast<acc_t>(X[perm[rr] * K + k0 + k]) : acc_t(0);
+        Bs[r][k] = (rr < g1 && k0 + k < K) ? static_cast<acc_t>(X[row_of(perm, rr) * K + k0 + k]) : acc_t(0);
       }
     }
     __syncthreads();
@@ -454,6 +488,47 @@ __global__ void scatter_rows_kernel(const scalar_t* __restrict__ Ys, int64_t ld_
   }
 }
 
+// The rows of an index_sorted result, after the grouped GEMM (one block per row, grid-stride; block-uniform
+// branches): a row in its expert's group gets bias[e] added (when bias is given); a row without an expert
+// (key E) at or after offsets[E] is zeroed; any other row breaks the order the caller promised and is set to NaN.
+// Only rows that need a change are written, so without a bias the kernel reads T keys and little else.
+template <typename scalar_t>
+__global__ void finish_rows_kernel(scalar_t* __restrict__ out, int64_t ld,      // [T, O] (row stride ld)
+                                   const scalar_t* __restrict__ bias,            // [E, O] or null
+                                   const int64_t* __restrict__ key, const int64_t* __restrict__ offsets,
+                                   int64_t T, int64_t O, int64_t E) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t r = blockIdx.x; r < T; r += gridDim.x) {
+    const int64_t e = key[r];
+    scalar_t* row = out + r * ld;
+    if (e < E && offsets[e] <= r && r < offsets[e + 1]) {
+      if (bias == nullptr) continue;
+      for (int64_t o = threadIdx.x; o < O; o += blockDim.x)
+        row[o] = static_cast<scalar_t>(static_cast<acc_t>(row[o]) + static_cast<acc_t>(bias[e * O + o]));
+      continue;
+    }
+    const scalar_t fill = (e >= E && r >= offsets[E]) ? scalar_t(0) : scalar_t(NAN);
+    for (int64_t o = threadIdx.x; o < O; o += blockDim.x) row[o] = fill;
+  }
+}
+
+// dW [E, NK] of the _grouped_mm path: the slices of experts that received no row are zeroed (some torch
+// versions' _grouped_mm leave them unwritten); with a `poison` flag set (an index_sorted call whose index broke
+// the order) every slice is set to NaN. Blocks of experts with rows exit at once: no pass over the whole dW.
+template <typename scalar_t>
+__global__ void fix_weight_grad_kernel(scalar_t* __restrict__ dW, int64_t NK,
+                                       const int64_t* __restrict__ offsets,  // [E + 1]
+                                       const bool* __restrict__ poison) {
+  const int64_t e = blockIdx.y;
+  const bool bad = poison != nullptr && *poison;
+  if (!bad && offsets[e + 1] > offsets[e]) return;
+  const scalar_t fill = bad ? scalar_t(NAN) : scalar_t(0);
+  scalar_t* slice = dW + e * NK;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < NK;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    slice[i] = fill;
+}
+
 unsigned blocks_for(int64_t n, int threads) {
   const int64_t b = (n + threads - 1) / threads;
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, int64_t{1} << 20)));
@@ -476,9 +551,8 @@ void grouped_rows(const at::Tensor& A, const at::Tensor& W, const at::Tensor& bi
   OPFORGE_DISPATCH_FLOATING(A.scalar_type(), "indexed_linear_grouped", [&] {
     grouped_rows_kernel<scalar_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         A.const_data_ptr<scalar_t>(), W.const_data_ptr<scalar_t>(),
-        bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr, s.perm.const_data_ptr<int64_t>(),
-        s.key.const_data_ptr<int64_t>(), s.offsets.const_data_ptr<int64_t>(), out.mutable_data_ptr<scalar_t>(), T, O,
-        Q, E, sBe, sBo, sBq);
+        bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr, perm_ptr(s), s.key.const_data_ptr<int64_t>(),
+        s.offsets.const_data_ptr<int64_t>(), out.mutable_data_ptr<scalar_t>(), T, O, Q, E, sBe, sBo, sBq);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -492,6 +566,48 @@ void scatter_rows(const at::Tensor& Ys, const at::Tensor& bias, const Sorted& s,
         Ys.const_data_ptr<scalar_t>(), Ys.stride(0), bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr,
         s.perm.const_data_ptr<int64_t>(), s.key.const_data_ptr<int64_t>(), s.offsets.const_data_ptr<int64_t>(),
         out.mutable_data_ptr<scalar_t>(), T, O, E);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+/// Runs finish_rows_kernel over out [T, O] (row stride out.stride(0)); bias undefined for none.
+void finish_rows(at::Tensor& out, const at::Tensor& bias, const Sorted& s, int64_t E) {
+  const int64_t T = out.size(0), O = out.size(1);
+  if (T == 0 || O == 0) return;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(T, sms * 32)));
+  OPFORGE_DISPATCH_FLOATING(out.scalar_type(), "indexed_linear_finish", [&] {
+    finish_rows_kernel<scalar_t><<<blocks, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+        out.mutable_data_ptr<scalar_t>(), out.stride(0), bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr,
+        s.key.const_data_ptr<int64_t>(), s.offsets.const_data_ptr<int64_t>(), T, O, E);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+/// Whether an index_sorted index broke its promise, as a 0-d bool on the device (no host synchronisation): some
+/// row with an expert lies outside that expert's group, or a row without one lies before offsets[E].
+at::Tensor order_broken(const Sorted& s, int64_t E) {
+  const int64_t T = s.key.size(0);
+  const at::Tensor r = at::arange(T, s.key.options());
+  const at::Tensor lo = s.offsets.index_select(0, s.key);
+  const at::Tensor hi = s.offsets.index_select(0, (s.key + 1).clamp_max_(E));
+  const at::Tensor with_expert = s.key.lt(E);
+  const at::Tensor in_group = with_expert.logical_and(lo.le(r)).logical_and_(r.lt(hi));
+  const at::Tensor tail = with_expert.logical_not().logical_and_(r.ge(s.offsets[E]));
+  return in_group.logical_or_(tail).logical_not_().any();
+}
+
+/// fix_weight_grad_kernel over dW [E, N, K] (contiguous); poison undefined for none.
+void fix_weight_grad(at::Tensor& dW, const Sorted& s, const at::Tensor& poison) {
+  const int64_t E = dW.size(0), NK = dW.numel() / std::max<int64_t>(E, 1);
+  if (E == 0 || NK == 0) return;
+  TORCH_CHECK(E <= 65535, "opforge::indexed_linear_backward: expected at most 65535 experts on CUDA, but got ",
+              num_str(E));
+  const dim3 grid(std::min<unsigned>(blocks_for(NK, 256), 1024u), static_cast<unsigned>(E));
+  OPFORGE_DISPATCH_FLOATING(dW.scalar_type(), "indexed_linear_fix_weight_grad", [&] {
+    fix_weight_grad_kernel<scalar_t><<<grid, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+        dW.mutable_data_ptr<scalar_t>(), NK, s.offsets.const_data_ptr<int64_t>(),
+        poison.defined() ? poison.const_data_ptr<bool>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -513,7 +629,7 @@ bool use_gemv(const indexed_linear_op::IndexedLinearProblem& p, Path path) {
 }
 
 at::Tensor indexed_linear_cuda(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
-                               const std::optional<at::Tensor>& bias) {
+                               const std::optional<at::Tensor>& bias, bool index_sorted) {
   const auto p = indexed_linear_op::check_indexed_linear("indexed_linear", input, weight, index, bias);
   c10::cuda::CUDAGuard guard(input.device());
   at::Tensor Y = at::empty({p.T, p.N}, input.options());
@@ -523,7 +639,14 @@ at::Tensor indexed_linear_cuda(const at::Tensor& input, const at::Tensor& weight
     gemv_rows(p.X, p.W, p.b, p.index, Y, p.N, p.K, p.E);
     return Y;
   }
-  const Sorted s = sort_tokens(p.index, p.E);
+  const Sorted s = index_sorted ? given_order(p.index, p.E) : sort_tokens(p.index, p.E);
+  if (grouped_mm_eligible(p, path) && index_sorted) {
+    // the caller's rows in place: no gather, no scatter
+    const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);
+    at::Tensor Ys = at::_grouped_mm(p.X, cuda::aligned16_or_copy(p.W).transpose(1, 2), offs);  // [T, N]
+    finish_rows(Ys, p.b, s, p.E);
+    return Ys.is_contiguous() ? Ys : Ys.contiguous();
+  }
   if (grouped_mm_eligible(p, path)) {
     const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);  // group ends
     const at::Tensor Xs = p.X.index_select(0, s.perm);
@@ -534,12 +657,13 @@ at::Tensor indexed_linear_cuda(const at::Tensor& input, const at::Tensor& weight
     return Y;
   }
   grouped_rows(p.X, p.W, p.b, s, Y, p.N, p.K, p.E, p.N * p.K, p.K, 1);
+  if (index_sorted) finish_rows(Y, at::Tensor(), s, p.E);  // rows that break the order: NaN
   return Y;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, const at::Tensor& index,
-    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype) {
+    std::array<bool, 3> output_mask, std::optional<at::ScalarType> bias_dtype, bool index_sorted) {
   const auto p = indexed_linear_op::check_indexed_linear_backward(grad_output, input, weight, index, bias_dtype);
   c10::cuda::CUDAGuard guard(input.device());
   const auto dtype = input.scalar_type();
@@ -559,26 +683,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_cuda(
     if (output_mask[2]) gb = at::zeros({p.E, p.N}, input.options().dtype(bias_dtype.value_or(dtype)));
     return {gi, gw, gb};
   }
-  const Sorted s = sort_tokens(p.index, p.E);
+  const Sorted s = index_sorted ? given_order(p.index, p.E) : sort_tokens(p.index, p.E);
+  // an index_sorted index that broke the order poisons the weight gradients (the rows' own are NaN already)
+  const at::Tensor poison = index_sorted ? order_broken(s, p.E) : at::Tensor();
   const bool gmm = grouped_mm_eligible(p, path) && !gemv;
   if (output_mask[0] && !gemv && p.N > 0) {
-    if (gmm) {
+    if (gmm && index_sorted) {
+      const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);
+      at::Tensor dX = at::_grouped_mm(dY, cuda::aligned16_or_copy(p.W), offs);  // [T, K], the rows in place
+      finish_rows(dX, at::Tensor(), s, p.E);
+      gi = dX.is_contiguous() ? dX : dX.contiguous();
+    } else if (gmm) {
       const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);
       const at::Tensor dXs =
           at::_grouped_mm(dY.index_select(0, s.perm), cuda::aligned16_or_copy(p.W), offs);  // [T, K]
       scatter_rows(dXs, at::Tensor(), s, gi, p.E);
     } else {
       grouped_rows(dY, p.W, at::Tensor(), s, gi, p.K, p.N, p.E, p.N * p.K, 1, p.K);
+      if (index_sorted) finish_rows(gi, at::Tensor(), s, p.E);
     }
   }
   at::Tensor dW, db;
   if (output_mask[1] && gmm && p.T > 0) {
-    // dW[e] = dY_eᵀ · X_e through _grouped_mm's 2-D × 2-D form; experts without tokens zeroed here
+    // dW[e] = dY_eᵀ · X_e through _grouped_mm's 2-D × 2-D form; experts without tokens zeroed after
     const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);
-    const at::Tensor dYs = dY.index_select(0, s.perm), Xs = p.X.index_select(0, s.perm);
-    dW = at::_grouped_mm(dYs.t(), Xs, offs);  // [E, N, K]
-    const at::Tensor empty = s.offsets.narrow(0, 1, p.E).eq(s.offsets.narrow(0, 0, p.E)).view({p.E, 1, 1});
-    dW = dW.masked_fill(empty, 0).contiguous();
+    if (index_sorted) {
+      dW = at::_grouped_mm(dY.t(), p.X, offs);  // [E, N, K]
+    } else {
+      dW = at::_grouped_mm(dY.index_select(0, s.perm).t(), p.X.index_select(0, s.perm), offs);
+    }
+    if (!dW.is_contiguous()) dW = dW.contiguous();
+    fix_weight_grad(dW, s, poison);
   }
   const bool dw_kernel = output_mask[1] && !dW.defined();
   if (dw_kernel) dW = at::empty({p.E, p.N, p.K}, input.options());
@@ -592,12 +727,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_cuda(
               static_cast<unsigned>(p.E));
     OPFORGE_DISPATCH_FLOATING(dtype, "indexed_linear_weight_grad", [&] {
       grouped_weight_grad_kernel<scalar_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-          dY.const_data_ptr<scalar_t>(), p.X.const_data_ptr<scalar_t>(), s.perm.const_data_ptr<int64_t>(),
+          dY.const_data_ptr<scalar_t>(), p.X.const_data_ptr<scalar_t>(), perm_ptr(s),
           s.offsets.const_data_ptr<int64_t>(), dw_kernel ? dW.mutable_data_ptr<scalar_t>() : nullptr,
           output_mask[2] ? db.mutable_data_ptr<at::opmath_type<scalar_t>>() : nullptr, p.N, p.K);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
+  if (dw_kernel && poison.defined()) fix_weight_grad(dW, s, poison);  // empty experts are zero already
+  if (output_mask[2] && poison.defined()) db.masked_fill_(poison, NAN);
   if (output_mask[1]) gw = dW.to(weight.scalar_type());
   if (output_mask[2]) gb = db.to(bias_dtype.value_or(dtype));
   return {gi, gw, gb};

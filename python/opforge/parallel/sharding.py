@@ -573,6 +573,8 @@ def _indexed_linear_handler(op_call, args, kwargs):
     bias = args[3] if len(args) > 3 else kwargs.get("bias")
     pw, pi = _placement(weight), _placement(input)
     t = lambda x, p: to_local(x, mesh, p)  # noqa: E731
+    # index_sorted holds for every local index except the expert-sharded one (other ranks' rows become -1 in place)
+    kw = {"index_sorted": bool(kwargs.get("index_sorted", False))}
     if isinstance(pw, Shard) and pw.dim == 0:  # experts sharded
         _even_experts("indexed_linear", weight, mesh)
         w = weight._local_tensor
@@ -580,15 +582,15 @@ def _indexed_linear_handler(op_call, args, kwargs):
         out = op_call(t(input, R), w, idx, t(bias, Shard(0)))
         return wrap(out, mesh, P)
     if isinstance(pw, Shard) and pw.dim == 1:  # column-wise inside every expert
-        out = op_call(t(input, R), weight._local_tensor, t(index, R), t(bias, Shard(1)))
+        out = op_call(t(input, R), weight._local_tensor, t(index, R), t(bias, Shard(1)), **kw)
         return wrap(out, mesh, Shard(1), (input.shape[0], weight.shape[1]))
     if isinstance(pw, Shard) and pw.dim == 2 and bias is None:  # row-wise
-        out = op_call(t(input, Shard(1)), weight._local_tensor, t(index, R), None)
+        out = op_call(t(input, Shard(1)), weight._local_tensor, t(index, R), None, **kw)
         return wrap(out, mesh, P)
     if isinstance(pi, Shard) and pi.dim == 0:  # token-sharded
-        out = op_call(input._local_tensor, t(weight, R), t(index, Shard(0)), t(bias, R))
+        out = op_call(input._local_tensor, t(weight, R), t(index, Shard(0)), t(bias, R), **kw)
         return wrap(out, mesh, Shard(0), (input.shape[0], weight.shape[1]))
-    out = op_call(t(input, R), t(weight, R), t(index, R), t(bias, R))
+    out = op_call(t(input, R), t(weight, R), t(index, R), t(bias, R), **kw)
     return wrap(out, mesh, R)
 
 
@@ -597,6 +599,9 @@ def _indexed_linear_backward_handler(op_call, args, kwargs):
     _one_dim_mesh("indexed_linear_backward", mesh)
     grad_output, input, weight, index, output_mask = args[:5]
     rest = tuple(args[5:])
+    if "bias_dtype" in kwargs:
+        rest = (kwargs["bias_dtype"],)
+    kw = {"index_sorted": bool(kwargs.get("index_sorted", False))}  # as in the forward's handler
     pw, pi = _placement(weight), _placement(input)
     t = lambda x, p: to_local(x, mesh, p)  # noqa: E731
     gshape = [tuple(input.shape), tuple(weight.shape), tuple(weight.shape[:2])]
@@ -612,14 +617,15 @@ def _indexed_linear_backward_handler(op_call, args, kwargs):
         return out(op_call(t(grad_output, R), t(input, R), w, idx, output_mask, *rest), [P, Shard(0), Shard(0)])
     if isinstance(pw, Shard) and pw.dim == 1:
         return out(op_call(t(grad_output, Shard(1)), t(input, R), weight._local_tensor, t(index, R), output_mask,
-                           *rest), [P, Shard(1), Shard(1)])
+                           *rest, **kw), [P, Shard(1), Shard(1)])
     if isinstance(pw, Shard) and pw.dim == 2:
         return out(op_call(t(grad_output, R), t(input, Shard(1)), weight._local_tensor, t(index, R), output_mask,
-                           *rest), [Shard(1), Shard(2), R])
+                           *rest, **kw), [Shard(1), Shard(2), R])
     if isinstance(pi, Shard) and pi.dim == 0:
         return out(op_call(t(grad_output, Shard(0)), input._local_tensor, t(weight, R), t(index, Shard(0)),
-                           output_mask, *rest), [Shard(0), P, P])
-    return out(op_call(t(grad_output, R), t(input, R), t(weight, R), t(index, R), output_mask, *rest), [R, R, R])
+                           output_mask, *rest, **kw), [Shard(0), P, P])
+    return out(op_call(t(grad_output, R), t(input, R), t(weight, R), t(index, R), output_mask, *rest, **kw),
+               [R, R, R])
 
 
 def _linear_cat_backward_handler(op_call, args, kwargs):

@@ -400,20 +400,28 @@ def mlp_forward(self, x):
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts of a mixture-of-experts block (weights stored as (E, 2I, D) gate/up and (E, D, I) down
-    banks) on `opforge.indexed_linear`: each (token, chosen expert) pair is one row, its gate/up GEMM and down GEMM
-    pick the expert's weights from the bank, the rows are scaled by the router's weights and summed per token.
+    banks) on `opforge.indexed_linear`: each (token, chosen expert) pair is one row; the pairs are sorted by expert
+    once, so both GEMMs run on rows already grouped (`index_sorted=True`: no sort, gather or scatter inside either);
+    the rows are put back in pair order, scaled by the router's weights and summed per token. Every step is a
+    gather through a permutation or a sum over the k choices, so the result and its gradients are deterministic.
     The router (top-k, its weights, the auxiliary loss) stays transformers'."""
     if bypassed_hooks(self):
         return _fall_back(self, _HOOKS, hidden_states, top_k_index, top_k_weights)
     T, D = hidden_states.shape
     k = top_k_index.shape[-1]
+    E = self.gate_up_proj.shape[0]
     index = top_k_index.reshape(-1).long()
-    index = torch.where(index < self.gate_up_proj.shape[0], index, -1)  # transformers skips index E (no expert)
-    x = hidden_states.repeat_interleave(k, dim=0) if k > 1 else hidden_states
-    gu = INDEXED_LINEAR(x, self.gate_up_proj, index)
+    # transformers skips index E (no expert): such pairs are keyed E, sort last and get index -1
+    key = torch.where(index.ge(0) & index.lt(E), index, E)
+    key, order = torch.sort(key, stable=True)
+    index = torch.where(key.lt(E), key, -1)
+    x = hidden_states.unsqueeze(1).expand(T, k, D).reshape(T * k, D) if k > 1 else hidden_states
+    x = x.index_select(0, order)
+    gu = INDEXED_LINEAR(x, self.gate_up_proj, index, index_sorted=True)
     h = gated_act(self, gu)
-    y = INDEXED_LINEAR(h, self.down_proj, index)
-    y = y * top_k_weights.reshape(-1, 1).to(y.dtype)
+    y = INDEXED_LINEAR(h, self.down_proj, index, index_sorted=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    y = y.index_select(0, inverse) * top_k_weights.reshape(-1, 1).to(y.dtype)
     return y.view(T, k, D).sum(1).to(hidden_states.dtype)
 
 
