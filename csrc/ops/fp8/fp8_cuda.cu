@@ -202,6 +202,7 @@ void launch_vec(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool r
 
 // ---- Xᵀ from X [R, C]: the column amax and the cast-transpose -------------------------------------------------
 
+/// Warps of a kThreads block.
 constexpr int kWarps = kThreads / 32;
 
 /// Rowwise pass 1 of Xᵀ: the amax of each column of X [R, C] (C % VEC == 0) as |x|'s bit patterns, atomicMax'ed into
