@@ -225,7 +225,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int j = 0; j < VEC; ++j) m[j] = 0;
   if (c < C) {  // the vector lies wholly inside the row (C % VEC == 0)
-    for (int64_t r = r_begin + warp; r < r_end; r += kWarps) {
+#pragma unroll 4
+    for (int64_t r = r_begin + warp; r < r_end; r += kWarps) {  // unrolled: 4 loads in flight a thread
       const cuda::Vec<scalar_t, VEC> in = *reinterpret_cast<const cuda::Vec<scalar_t, VEC>*>(X + r * C + c);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
