@@ -246,12 +246,19 @@ def families(quick: bool):
             # the amax reductions and the casts of quantize_fp8 (tensorwise, rowwise; e4m3, e5m2) on ragged sizes;
             # fp8_linear forward and backward (its GEMMs are torch._scaled_mm, sm_89+, 16-byte multiples) except in
             # vendor-safe mode: racecheck dies inside cuBLAS's FP8 GEMMs for every input dtype and alignment, and
-            # quantize_fp8 alone launches every fp8 kernel of opforge (fp8_linear's quantization is the same)
+            # quantize_fp8 with the GEMM-free backward calls below launches every fp8 kernel of opforge
             for shape in ((7,), (5, 769), (3, 64)):
                 x = make(shape, dt, u, requires_grad=False)
                 for fdt in (torch.float8_e4m3fn, torch.float8_e5m2):
                     opforge.quantize_fp8(x, fdt)
                     opforge.quantize_fp8(x, fdt, granularity="rowwise")
+            # fp8_linear_backward's transposed quantizers (quantize_cols, quantize_both) with no GEMM, in every mode:
+            # with K = 0 or N = 0 the scaled GEMMs are empty and skipped, while dY (K = 0; both ways tensorwise, per
+            # column rowwise) or xᵀ (N = 0) is quantized
+            for g in ("tensorwise", "rowwise"):
+                for k, n in ((0, 72), (72, 0)):
+                    gy, x, w = (make(s, dt, u, requires_grad=False) for s in ((33, n), (33, k), (n, k)))
+                    torch.ops.opforge.fp8_linear_backward(gy, x, w, [True, True, False], g, None, None)
             if torch.cuda.get_device_capability() >= (8, 9) and not VENDOR_SAFE:
                 x, w, b = make((32, 64), dt, u), make((48, 64), dt, u), make((48,), dt, u)
                 for g in ("tensorwise", "rowwise"):

@@ -117,3 +117,109 @@ def test_nn_linear_fp8_bad_options():
         opforge.nn.Linear(4, 3, fp8="blockwise")
     with pytest.raises(ValueError, match=r"but got fp8='rowwise', activation='silu'"):
         opforge.nn.Linear(4, 3, fp8="rowwise", activation="silu")
+
+
+# ---- the backward's quantizations of transposes (read from the untransposed tensors) against quantize_fp8 of a
+# transposed copy, through fp8_linear's gradients compared bit for bit with the same GEMMs composed from torch ops
+
+def _bits(t):
+    """t's bit patterns as integers (NaN payloads and signed zeros included), for bitwise comparisons."""
+    return t.view({torch.float64: torch.int64, torch.float32: torch.int32}.get(t.dtype, torch.int16))
+
+
+def _quantized(x, fp8, granularity):
+    """(data, 1-D scale) of opforge.quantize_fp8 on a row-major copy of the 2-D x: for x = t.t(), q(tᵀ) as the
+    row quantizer gives it from a transposed copy."""
+    d, s = opforge.quantize_fp8(x.contiguous(), fp8, granularity)
+    return d, s.reshape(-1)
+
+
+def _pad_fp8(t, rows, cols):
+    """The 2-D FP8 t zero-padded to (rows, cols) through its bytes (as fp8.cpp's pad_fp8)."""
+    return torch.nn.functional.pad(t.view(torch.uint8), (0, cols - t.shape[1], 0, rows - t.shape[0])).view(t.dtype)
+
+
+def _scaled_gemm(a, b, rowwise, out_dtype):
+    """(A · Bᵀ) / (s_a ⊗ s_b) of quantized operands a = (A [R_a, C], s_a), b = (B [R_b, C], s_b) composed as
+    fp8_linear composes it: torch._scaled_mm with the reciprocal scales, bfloat16 for rowwise (float32 for a float64
+    out_dtype), on CUDA C and R_b zero-padded to multiples of 16 and the padding's columns dropped."""
+    (A, sa), (B, sb) = a, b
+    Ra, Rb, C = A.shape[0], B.shape[0], A.shape[1]
+    if Ra == 0 or Rb == 0 or C == 0:
+        return torch.zeros(Ra, Rb, dtype=out_dtype, device=A.device)
+    ia, ib = sa.reciprocal(), sb.reciprocal()
+    Rb_pad = Rb
+    if A.is_cuda:
+        C_pad, Rb_pad = -(-C // 16) * 16, -(-Rb // 16) * 16
+        A, B = _pad_fp8(A, Ra, C_pad), _pad_fp8(B, Rb_pad, C_pad)
+        if rowwise:
+            ib = torch.nn.functional.pad(ib, (0, Rb_pad - Rb), value=1.0)
+    ia, ib = (ia.view(Ra, 1), ib.view(1, Rb_pad)) if rowwise else (ia.reshape(()), ib.reshape(()))
+    gemm_dtype = torch.bfloat16 if rowwise else (torch.float32 if out_dtype == torch.float64 else out_dtype)
+    y = torch._scaled_mm(A, B.t(), ia, ib, out_dtype=gemm_dtype, use_fast_accum=False)
+    return y[:, :Rb].to(out_dtype)
+
+
+def _check_grads_against_composition(x, w, g, granularity, grad_dtype):
+    """fp8_linear's input and weight gradients (those x and w require) equal bit for bit the GEMMs of
+    quantize_fp8 of dY, of transposed copies of W, dY and x, composed by _scaled_gemm."""
+    rowwise, e4 = granularity == "rowwise", torch.float8_e4m3fn
+    gdt = grad_dtype or (e4 if rowwise else torch.float8_e5m2)
+    M, K, N = x.shape[:-1].numel(), w.shape[1], w.shape[0]
+    G, X = g.reshape(M, N), x.detach().reshape(M, K)
+    ref_x = _scaled_gemm(_quantized(G, gdt, granularity), _quantized(w.detach().t(), e4, granularity), rowwise,
+                         x.dtype).view(x.shape)
+    ref_w = _scaled_gemm(_quantized(G.t(), gdt, granularity), _quantized(X.t(), e4, granularity), rowwise, w.dtype)
+    opforge.fp8_linear(x, w, granularity=granularity, grad_dtype=grad_dtype).backward(g)
+    if x.requires_grad:
+        assert x.grad.dtype == x.dtype and torch.equal(_bits(x.grad), _bits(ref_x))
+    if w.requires_grad:
+        assert w.grad.dtype == w.dtype and torch.equal(_bits(w.grad), _bits(ref_w))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("x_shape, N", [((1, 33), 17), ((17, 1), 33), ((17, 33), 1), ((130, 257), 17),
+                                        ((256, 80), 144), ((2, 65, 40), 24), ((0, 16), 8), ((4, 0), 8)])
+def test_fp8_linear_backward_equals_transposed_copies(device, granularity, grad_dtype, dtype, x_shape, N):
+    torch.manual_seed(0)
+    x = (torch.randn(x_shape, dtype=torch.float64) * 3).to(dtype=dtype, device=device).requires_grad_()
+    w = torch.randn(N, x_shape[-1], dtype=torch.float64).to(dtype=dtype, device=device).requires_grad_()
+    g = torch.randn(*x_shape[:-1], N, dtype=torch.float64).to(dtype=dtype, device=device)
+    _check_grads_against_composition(x, w, g, granularity, grad_dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_backward_special_values(device, granularity, dtype):
+    # a NaN, an inf and an all-zero column in each of x, dY and W (the columns the backward's transposes quantize
+    # as rows), and a NaN and an inf in a row of each
+    torch.manual_seed(0)
+    x = torch.randn(40, 24, dtype=dtype)
+    w = torch.randn(16, 24, dtype=dtype)
+    g = torch.randn(40, 16, dtype=dtype)
+    for t in (x, w, g):
+        t[3, 2], t[5, 4], t[:, 6], t[7, 9], t[7, 11] = float("nan"), -float("inf"), 0, float("nan"), float("inf")
+    x, w, g = x.to(device).requires_grad_(), w.to(device).requires_grad_(), g.to(device)
+    for grad_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x.grad = w.grad = None
+        _check_grads_against_composition(x, w, g, granularity, grad_dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("needs", [(True, False), (False, True)])
+def test_fp8_linear_backward_one_gradient(device, granularity, needs):
+    # only dX (dY quantized along its rows) or only dW (along its columns), the weight given as a transposed view
+    torch.manual_seed(0)
+    x = torch.randn(96, 48, device=device).requires_grad_(needs[0])
+    w = torch.randn(48, 32, device=device).t().requires_grad_(needs[1])
+    g = torch.randn(96, 32, device=device)
+    _check_grads_against_composition(x, w, g, granularity, None)
+    if needs[1]:
+        w2 = w.detach().contiguous().requires_grad_()
+        opforge.fp8_linear(x.detach(), w2, granularity=granularity).backward(g)
+        assert torch.equal(w2.grad, w.grad)

@@ -84,14 +84,37 @@ Granularity check_fp8_linear_backward_args(const at::Tensor& grad_output, const 
   return g;
 }
 
-Operand quantize_operand(QuantizeRowsFn rows, const at::Tensor& X, at::ScalarType dtype, bool rowwise) {
+Operand quantize_operand(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise) {
   TORCH_INTERNAL_ASSERT(X.dim() == 2);
   const at::Tensor Xc = X.contiguous();
   Operand out;
   out.data = at::empty(Xc.sizes(), Xc.options().dtype(dtype));
   out.scale = at::empty({rowwise ? Xc.size(0) : 1}, Xc.options().dtype(at::kFloat));
-  rows(Xc, out.data, out.scale, rowwise);
+  be.rows(Xc, out.data, out.scale, rowwise);
   return out;
+}
+
+Operand quantize_operand_t(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise) {
+  TORCH_INTERNAL_ASSERT(X.dim() == 2);
+  if (!X.is_contiguous() && X.t().is_contiguous()) return quantize_operand(be, X.t(), dtype, rowwise);
+  const at::Tensor Xc = X.contiguous();
+  Operand out;
+  out.data = at::empty({Xc.size(1), Xc.size(0)}, Xc.options().dtype(dtype));
+  out.scale = at::empty({rowwise ? Xc.size(1) : 1}, Xc.options().dtype(at::kFloat));
+  be.cols(Xc, out.data, out.scale, rowwise);
+  return out;
+}
+
+std::pair<Operand, Operand> quantize_operand_both(const Backend& be, const at::Tensor& X, at::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(X.dim() == 2);
+  const at::Tensor Xc = X.contiguous();
+  Operand q, qt;
+  q.data = at::empty(Xc.sizes(), Xc.options().dtype(dtype));
+  qt.data = at::empty({Xc.size(1), Xc.size(0)}, Xc.options().dtype(dtype));
+  q.scale = at::empty({1}, Xc.options().dtype(at::kFloat));
+  qt.scale = q.scale;
+  be.both(Xc, q.data, qt.data, q.scale);
+  return {q, qt};
 }
 
 namespace {
@@ -151,31 +174,31 @@ at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::Sca
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_fp8_impl(QuantizeRowsFn rows, const at::Tensor& input,
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_impl(const Backend& be, const at::Tensor& input,
                                                      std::optional<at::ScalarType> dtype,
                                                      c10::string_view granularity) {
   const auto [t, g] = check_quantize_fp8_args(input, dtype, granularity);
   const bool rowwise = g == Granularity::kRowwise;
   const int64_t K = input.dim() == 0 ? 1 : input.size(-1);
-  Operand q = quantize_operand(rows, input.reshape({rows_of(input), K}), t, rowwise);
+  Operand q = quantize_operand(be, input.reshape({rows_of(input), K}), t, rowwise);
   return {q.data.view(input.sizes()), q.scale.view_symint(scale_sym_sizes(input, g))};
 }
 
-at::Tensor fp8_linear_impl(QuantizeRowsFn rows, const at::Tensor& input, const at::Tensor& weight,
+at::Tensor fp8_linear_impl(const Backend& be, const at::Tensor& input, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias, c10::string_view granularity,
                            std::optional<at::ScalarType> grad_dtype) {
   const bool rowwise = check_fp8_linear_args(input, weight, bias, granularity, grad_dtype) == Granularity::kRowwise;
   const int64_t M = rows_of(input), K = weight.size(1);
   // input per token, weight per output channel (rowwise), both in e4m3; the weight from its own precision
-  const Operand x = quantize_operand(rows, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
-  const Operand w = quantize_operand(rows, weight, at::kFloat8_e4m3fn, rowwise);
+  const Operand x = quantize_operand(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
+  const Operand w = quantize_operand(be, weight, at::kFloat8_e4m3fn, rowwise);
   at::Tensor Y = scaled_gemm(x, w, rowwise, input.scalar_type());
   if (bias.has_value() && bias->defined()) Y.add_(to_input_dtype(*bias, input.scalar_type()));
   return linear_op::as_output(Y, input, weight);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_impl(
-    QuantizeRowsFn rows, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    const Backend& be, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     std::array<bool, 3> output_mask, c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
     std::optional<at::ScalarType> bias_dtype) {
   const Granularity g =
@@ -184,19 +207,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_impl(
   const at::ScalarType gdt = grad_dtype_of("fp8_linear_backward", grad_dtype, g);
   const int64_t M = rows_of(input), K = weight.size(1), N = weight.size(0);
   const at::Tensor G = grad_output.reshape({M, N});
+  // q(dY) [M, N] for dX and q(dYᵀ) [N, M] for dW: tensorwise, one scale serves both, so when both are needed one
+  // pass writes both orientations; rowwise, the scales run along different axes (per row of dY, per column)
+  Operand g_rows, g_cols;
+  if (!rowwise && output_mask[0] && output_mask[1]) {
+    std::tie(g_rows, g_cols) = quantize_operand_both(be, G, gdt);
+  } else {
+    if (output_mask[0]) g_rows = quantize_operand(be, G, gdt, rowwise);
+    if (output_mask[1]) g_cols = quantize_operand_t(be, G, gdt, rowwise);
+  }
   at::Tensor grad_input, grad_weight, grad_bias;
   if (output_mask[0]) {
-    // dX[M, K] = dY[M, N] · W[N, K]: contraction over N, so dY per row and W per column (Wᵀ per row)
-    const Operand gq = quantize_operand(rows, G, gdt, rowwise);
-    const Operand wq = quantize_operand(rows, weight.t(), at::kFloat8_e4m3fn, rowwise);
-    grad_input = scaled_gemm(gq, wq, rowwise, input.scalar_type()).view(input.sizes());
+    // dX[M, K] = dY[M, N] · W[N, K]: contraction over N, so dY per row and W per column (Wᵀ per row, read from W)
+    const Operand wq = quantize_operand_t(be, weight, at::kFloat8_e4m3fn, rowwise);
+    grad_input = scaled_gemm(g_rows, wq, rowwise, input.scalar_type()).view(input.sizes());
   }
   if (output_mask[1]) {
     // dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over the tokens M, so dY and X per column (their transposes
-    // per row)
-    const Operand gq = quantize_operand(rows, G.t(), gdt, rowwise);
-    const Operand xq = quantize_operand(rows, input.reshape({M, K}).t(), at::kFloat8_e4m3fn, rowwise);
-    grad_weight = scaled_gemm(gq, xq, rowwise, weight.scalar_type());
+    // per row, read from dY and X)
+    const Operand xq = quantize_operand_t(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
+    grad_weight = scaled_gemm(g_cols, xq, rowwise, weight.scalar_type());
   }
   if (output_mask[2]) grad_bias = linear_op::sum_rows(G, linear_op::grad_bias_dtype(input, bias_dtype));
   return {grad_input, grad_weight, grad_bias};

@@ -11,9 +11,12 @@
 // quantized along their rows (the contraction runs along C): at::_scaled_mm, fp32 accumulation. For rowwise
 // scales each operand's scale must be constant along the contraction, so each GEMM quantizes its operands with the
 // contraction dim last: dY for dX (contraction N), dYᵀ and Xᵀ for dW (contraction M), Wᵀ for dX (per column of W).
-// Tensorwise scales do not depend on the axis; the same code path serves both (the transposed copies of a
-// tensorwise quantization are the transposes of the forward's: fusing them into the forward's quantization, and
-// the quantization into the producers' epilogues, removes those extra passes).
+// The transposes are never copied in high precision: the backend's transposed quantizer (quantize_cols) reads W,
+// dY and X in their row-major layout and writes q(Wᵀ), q(dYᵀ), q(Xᵀ) row-major. Tensorwise scales do not depend on the axis, so
+// when both gradients are needed q(dY) and q(dYᵀ) share one scale and come from one pass (quantize_both); rowwise,
+// q(dY) is per row of dY and q(dYᵀ) per column, two quantizations. (q(Wᵀ) and q(Xᵀ) of a tensorwise quantization
+// are the transposes of the forward's q(W) and q(X): keeping those from the forward, and fusing the quantization
+// into the producers' epilogues, removes those passes.)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -69,14 +72,46 @@ void quantize_rows_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& scale,
 void quantize_rows_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwise);
 using QuantizeRowsFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, bool);
 
+/// Backend kernel: quantizes Xᵀ along its rows straight from X [R, C] (contiguous, floating), with no transposed
+/// copy of X: data_t [C, R] (contiguous, of the FP8 dtype to produce) and scale (float32, contiguous: 1 element
+/// tensorwise, C rowwise: one per row of Xᵀ, i.e. per column of X) get the bits that quantize_rows gives for
+/// Xᵀ.contiguous(). Defined by each backend.
+void quantize_cols_cpu(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise);
+void quantize_cols_cuda(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise);
+using QuantizeColsFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, bool);
+
+/// Backend kernel, tensorwise only: quantizes X [R, C] (contiguous, floating) in both orientations with its one
+/// scale, from one amax pass and one cast pass: data [R, C] and data_t [C, R] (contiguous, of the FP8 dtype to
+/// produce) and scale (float32, 1 element) get the bits of quantize_rows of X and of Xᵀ.contiguous() (whose
+/// tensorwise scales are equal). Defined by each backend.
+void quantize_both_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale);
+void quantize_both_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale);
+using QuantizeBothFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);
+
+/// One backend's quantization kernels: the set that the kernel bodies shared by CPU and CUDA call.
+struct Backend {
+  QuantizeRowsFn rows;  ///< X along its rows
+  QuantizeColsFn cols;  ///< Xᵀ along its rows, read from X
+  QuantizeBothFn both;  ///< tensorwise: X and Xᵀ in one pass
+};
+
 /// One quantized GEMM operand: data [R, C] FP8 row-major, scale float32 [1] (tensorwise) or [R] (rowwise).
 struct Operand {
   at::Tensor data;
   at::Tensor scale;
 };
 
-/// Quantizes X [R, C] (made contiguous) to `dtype` with the backend's kernel.
-Operand quantize_operand(QuantizeRowsFn rows, const at::Tensor& X, at::ScalarType dtype, bool rowwise);
+/// Quantizes X [R, C] (made contiguous) along its rows to `dtype` with the backend's row kernel.
+Operand quantize_operand(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise);
+
+/// Quantizes Xᵀ [C, R] along its rows (X's columns) to `dtype`, from X [R, C]: the backend's transposed kernel on
+/// X made contiguous (no transposed copy), or its row kernel on Xᵀ in place when Xᵀ is the row-major one (X a
+/// transposed view). The bits of quantize_operand(be, X.t(), dtype, rowwise).
+Operand quantize_operand_t(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise);
+
+/// Tensorwise: (q(X) [R, C], q(Xᵀ) [C, R]) in `dtype` from X [R, C] (made contiguous), one amax pass and one cast
+/// pass; both operands hold the same one-element scale tensor. The bits of quantize_operand of X and of X.t().
+std::pair<Operand, Operand> quantize_operand_both(const Backend& be, const at::Tensor& X, at::ScalarType dtype);
 
 /// out[R_a, R_b] = (A · Bᵀ) / (s_a ⊗ s_b) in out_dtype by at::_scaled_mm (fp32 accumulation; the product in
 /// bfloat16 for rowwise scales, float32 for a float64 out_dtype, else out_dtype; then converted). On CUDA, C and
@@ -85,39 +120,39 @@ Operand quantize_operand(QuantizeRowsFn rows, const at::Tensor& X, at::ScalarTyp
 at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::ScalarType out_dtype);
 
 /// quantize_fp8's kernel body shared by CPU and CUDA.
-std::tuple<at::Tensor, at::Tensor> quantize_fp8_impl(QuantizeRowsFn rows, const at::Tensor& input,
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_impl(const Backend& be, const at::Tensor& input,
                                                      std::optional<at::ScalarType> dtype,
                                                      c10::string_view granularity);
 
 /// fp8_linear's kernel body shared by CPU and CUDA.
-at::Tensor fp8_linear_impl(QuantizeRowsFn rows, const at::Tensor& input, const at::Tensor& weight,
+at::Tensor fp8_linear_impl(const Backend& be, const at::Tensor& input, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias, c10::string_view granularity,
                            std::optional<at::ScalarType> grad_dtype);
 
 /// fp8_linear_backward's kernel body shared by CPU and CUDA.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_impl(
-    QuantizeRowsFn rows, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    const Backend& be, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     std::array<bool, 3> output_mask, c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
     std::optional<at::ScalarType> bias_dtype);
 
-/// The backend kernels around one backend's quantize_rows (`Rows`), written once for the CPU and CUDA.
-template <QuantizeRowsFn Rows>
+/// The op kernels around one backend's quantization kernels (`B`), written once for the CPU and CUDA.
+template <const Backend& B>
 struct Kernels {
   static std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& input,
                                                          std::optional<at::ScalarType> dtype,
                                                          c10::string_view granularity) {
-    return quantize_fp8_impl(Rows, input, dtype, granularity);
+    return quantize_fp8_impl(B, input, dtype, granularity);
   }
   static at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                std::optional<at::ScalarType> grad_dtype) {
-    return fp8_linear_impl(Rows, input, weight, bias, granularity, grad_dtype);
+    return fp8_linear_impl(B, input, weight, bias, granularity, grad_dtype);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward(
       const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
       std::array<bool, 3> output_mask, c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
       std::optional<at::ScalarType> bias_dtype) {
-    return fp8_linear_backward_impl(Rows, grad_output, input, weight, output_mask, granularity, grad_dtype,
+    return fp8_linear_backward_impl(B, grad_output, input, weight, output_mask, granularity, grad_dtype,
                                     bias_dtype);
   }
   /// Registers the three kernels for the library's dispatch key.

@@ -4,6 +4,13 @@
 //               then the saturated cast of the row (its second read hits L1/L2);
 //   tensorwise  two kernels: a grid-stride amax into one device word (atomicMax), then the cast, each block
 //               computing the scale from that word. No host synchronization.
+// Xᵀ from X [R, C] (quantize_cols, quantize_both), with no high-precision transposed copy:
+//   amax        rowwise, per column of X: a column-amax kernel (each block a band of rows of 32 column vectors,
+//               16-byte loads along the rows, atomicMax into one word per column); tensorwise, the amax kernel;
+//   cast        one cast-transpose kernel: each block casts a tile of 16·VEC rows x 64 columns of X (16-byte loads,
+//               one per thread), packs each column's 4 consecutive FP8 bytes into a word of a shared-memory tile
+//               holding the tile's transpose, then writes data_t's 64 rows of the tile with 16-byte stores;
+//               quantize_both's variant also stores each row's bytes into data as it casts them.
 // amax is reduced as the bit patterns of |x|: for non-negative IEEE values the unsigned order is the numeric order,
 // and every NaN pattern is above inf's, so the integer max propagates NaN as the recipe asks.
 // The GEMMs are at::_scaled_mm (fp8.cpp: scaled_gemm). Fusing this quantization into the producers' epilogues
@@ -13,7 +20,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "core/cuda_utils.cuh"
 #include "core/dispatch.h"
@@ -147,6 +156,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+/// Tensorwise pass 1 on the current stream: atomicMax of |x|'s bit patterns over X [n] into *amax (zeroed).
+template <typename scalar_t, int VEC>
+void launch_amax(const scalar_t* x, int64_t n, typename AmaxTraits<scalar_t>::bits_t* amax) {
+  const int64_t blocks = cuda::grid_for((n + VEC - 1) / VEC, kThreads);
+  amax_kernel<scalar_t, VEC><<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      x, n, amax);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename scalar_t, typename fp8_t, int VEC>
 void launch(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwise) {
   const int64_t R = X.size(0), C = X.size(1), n = R * C;
@@ -164,9 +182,8 @@ void launch(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwi
   using bits_t = typename AmaxTraits<scalar_t>::bits_t;
   at::Tensor amax = at::zeros({static_cast<int64_t>(sizeof(bits_t))}, X.options().dtype(at::kByte));
   bits_t* a = reinterpret_cast<bits_t*>(amax.mutable_data_ptr());
+  launch_amax<scalar_t, VEC>(x, n, a);
   const int64_t blocks = cuda::grid_for((n + VEC - 1) / VEC, kThreads);
-  amax_kernel<scalar_t, VEC><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, n, a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   cast_tensorwise_kernel<scalar_t, fp8_t, VEC><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, y, n, a, s);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -183,16 +200,222 @@ void launch_vec(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool r
   }
 }
 
+// ---- Xᵀ from X [R, C]: the column amax and the cast-transpose -------------------------------------------------
+
+/// Warps of a kThreads block.
+constexpr int kWarps = kThreads / 32;
+
+/// Rowwise pass 1 of Xᵀ: the amax of each column of X [R, C] (C % VEC == 0) as |x|'s bit patterns, atomicMax'ed into
+/// amax[C] (zero-initialised). Block (bx, by) covers the 32·VEC columns from bx·32·VEC over the rows
+/// [by·rows_per_band, (by + 1)·rows_per_band): lane l of warp w reads the VEC columns at l·VEC of rows w, w + 8, ...
+/// (a warp reads 32 consecutive 16-byte vectors of one row); the 8 warps' maxima meet in shared memory.
+template <typename scalar_t, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    column_amax_kernel(const scalar_t* __restrict__ X, int64_t R, int64_t C, int64_t rows_per_band,
+                       typename AmaxTraits<scalar_t>::bits_t* __restrict__ amax) {
+  using T = AmaxTraits<scalar_t>;
+  using bits_t = typename T::bits_t;
+  constexpr int kCols = 32 * VEC;
+  __shared__ bits_t part[kWarps][VEC][32];  // [warp][j][lane]: the warp's max of column lane·VEC + j
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kCols + lane * VEC;
+  const int64_t r_begin = static_cast<int64_t>(blockIdx.y) * rows_per_band;
+  const int64_t r_end = r_begin + rows_per_band < R ? r_begin + rows_per_band : R;
+  bits_t m[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) m[j] = 0;
+  if (c < C) {  // the vector lies wholly inside the row (C % VEC == 0)
+#pragma unroll 4
+    for (int64_t r = r_begin + warp; r < r_end; r += kWarps) {  // unrolled: 4 loads in flight a thread
+      const cuda::Vec<scalar_t, VEC> in = *reinterpret_cast<const cuda::Vec<scalar_t, VEC>*>(X + r * C + c);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const bits_t b = T::bits_of_abs(in.val[j]);
+        m[j] = b > m[j] ? b : m[j];
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) part[warp][j][lane] = m[j];
+  __syncthreads();
+  for (int i = threadIdx.x; i < kCols; i += kThreads) {
+    const int l = i / VEC, j = i % VEC;
+    bits_t v = part[0][j][l];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) v = part[w][j][l] > v ? part[w][j][l] : v;
+    const int64_t col = static_cast<int64_t>(blockIdx.x) * kCols + i;
+    if (col < C && v != 0) atomicMax(amax + col, v);
+  }
+}
+
+/// Columns of X in one cast-transpose tile (rows of data_t).
+constexpr int kTileCols = 64;
+
+/// Rows of X in one cast-transpose tile: each of the kThreads threads casts a block of 4 rows x VEC columns, so
+/// 16·VEC rows (128 for 16-bit inputs, 64 for float32, 32 for float64, 16 unvectorized).
+template <int VEC>
+constexpr int tile_rows() {
+  return 4 * kThreads * VEC / kTileCols;
+}
+
+/// Pass 2 of Xᵀ: data_t [C, R] = cast(Xᵀ) from X [R, C] (C % VEC == 0), with the scale of each column of X
+/// (kRowwise: from amax[C], computed once per tile into shared memory and stored into scale[C] by the blocks of
+/// the first row tile) or of the tensor (from amax[0], stored into scale[0] by block 0); kStraight (tensorwise) also writes data [R, C] = cast(X), the same
+/// bytes. Block b casts the tile of rows [r0, r0 + 16·VEC) and columns [c0, c0 + 64) of X, b = (r0 / (16·VEC)) ·
+/// col_tiles + c0 / 64. Thread t casts rows r0 + 4q .. r0 + 4q + 3 (q = t / (64 / VEC)) of the VEC columns from
+/// c0 + (t % (64 / VEC))·VEC (16-byte loads along X's rows), and packs each column's 4 FP8 bytes into one word of
+/// the tile's transpose in shared memory; the block then writes data_t's 64 rows of the tile in 16-byte stores
+/// (byte stores in a tile cut by R's end, or when R % 16 != 0).
+template <typename scalar_t, typename fp8_t, int VEC, bool kRowwise, bool kStraight>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_kernel(const scalar_t* __restrict__ X, fp8_t* __restrict__ Yt, fp8_t* __restrict__ Y, int64_t R,
+                          int64_t C, int64_t col_tiles, const typename AmaxTraits<scalar_t>::bits_t* __restrict__ amax,
+                          float* __restrict__ scale) {
+  using T = AmaxTraits<scalar_t>;
+  constexpr float hi = fp8::max_of<fp8_t>();
+  constexpr int kRows = tile_rows<VEC>(), kVecs = kTileCols / VEC, kWords = kRows / 4, kPieces = kRows / 16;
+  static_assert(kThreads * VEC == kTileCols * kWords, "one 4 x VEC block of the tile per thread");
+  // tile_t[c][q]: X's bytes at column c0 + c of rows r0 + 4q + k in byte k, i.e. data_t's row c0 + c, columns
+  // r0 + 4q .. r0 + 4q + 3; the padding word makes the row stride odd (fewer bank conflicts)
+  __shared__ uint32_t tile_t[kTileCols][kWords + 1];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) / col_tiles * kRows;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) % col_tiles * kTileCols;
+  // the scales of the tile's columns (rowwise) or of the tensor, by fp8_math.h's scale_of as the row kernels
+  __shared__ float tile_scale[kRowwise ? kTileCols : 1];
+  const float s_tensor = kRowwise ? 0.0f : fp8::scale_of(T::value_of(amax[0]), hi);
+  if constexpr (kRowwise) {
+    if (threadIdx.x < kTileCols) {
+      const int64_t col = c0 + threadIdx.x;
+      const float s = col < C ? fp8::scale_of(T::value_of(amax[col]), hi) : 0.0f;
+      tile_scale[threadIdx.x] = s;
+      if (r0 == 0 && col < C) scale[col] = s;
+    }
+    __syncthreads();
+  } else if (blockIdx.x == 0 && threadIdx.x == 0) {
+    scale[0] = s_tensor;
+  }
+
+  const int q = threadIdx.x / kVecs, cv = (threadIdx.x % kVecs) * VEC;
+  const int64_t c = c0 + cv;
+  uint32_t word[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) word[j] = 0;
+  if (c < C) {  // the vector lies wholly inside the row (C % VEC == 0)
+    float s[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s[j] = kRowwise ? tile_scale[cv + j] : s_tensor;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t r = r0 + 4 * q + k;
+      if (r < R) {
+        const cuda::Vec<scalar_t, VEC> in = *reinterpret_cast<const cuda::Vec<scalar_t, VEC>*>(X + r * C + c);
+        cuda::Vec<fp8_t, VEC> out;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          out.val[j] = fp8::saturate_cast<fp8_t>(static_cast<float>(in.val[j]), s[j]);
+          word[j] |= static_cast<uint32_t>(out.val[j].x) << (8 * k);
+        }
+        if constexpr (kStraight) *reinterpret_cast<cuda::Vec<fp8_t, VEC>*>(Y + r * C + c) = out;
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) tile_t[cv + j][q] = word[j];
+  __syncthreads();
+
+  // data_t's rows c0 .. c0 + 63 of the tile: kRows bytes each, in kPieces pieces of 16 bytes (4 words)
+  const bool full = r0 + kRows <= R && R % 16 == 0;  // every piece 16-byte aligned and inside the row
+  for (int i = threadIdx.x; i < kTileCols * kPieces; i += kThreads) {
+    const int cc = i / kPieces, p = i % kPieces;
+    if (c0 + cc >= C) continue;
+    const uint32_t* w = &tile_t[cc][4 * p];
+    const int64_t r = r0 + 16 * p;  // data_t's first column of the piece
+    fp8_t* out = Yt + (c0 + cc) * R + r;
+    if (full) {
+      *reinterpret_cast<uint4*>(out) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      for (int b = 0; b < 16 && r + b < R; ++b) {
+        out[b] = fp8_t(static_cast<uint8_t>(w[b / 4] >> (8 * (b % 4))), fp8_t::from_bits());
+      }
+    }
+  }
+}
+
+/// Xᵀ's quantization on the current stream (quantize_cols; quantize_both when y, X's own data, is non-null,
+/// tensorwise): the amax pass (per column rowwise, of the tensor else) into a zeroed buffer of words, then the
+/// cast-transpose. X [R, C] non-empty, C % VEC == 0 and X 16-byte aligned when VEC > 1.
+template <typename scalar_t, typename fp8_t, int VEC>
+void launch_transposed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise, fp8_t* y) {
+  using bits_t = typename AmaxTraits<scalar_t>::bits_t;
+  const int64_t R = X.size(0), C = X.size(1);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const scalar_t* x = X.const_data_ptr<scalar_t>();
+  fp8_t* yt = reinterpret_cast<fp8_t*>(data_t.mutable_data_ptr());
+  float* s = scale.mutable_data_ptr<float>();
+  const int64_t words = rowwise ? C : 1;
+  at::Tensor amax = at::zeros({words * static_cast<int64_t>(sizeof(bits_t))}, X.options().dtype(at::kByte));
+  bits_t* a = reinterpret_cast<bits_t*>(amax.mutable_data_ptr());
+  if (rowwise) {
+    // bands of at least 64 rows (few atomics), enough blocks to fill the device several times over
+    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int64_t col_blocks = (C + 32 * VEC - 1) / (32 * VEC);
+    const int64_t bands = std::max<int64_t>(
+        1, std::min<int64_t>({sms * 8 / col_blocks, (R + 63) / 64, int64_t{65535}}));
+    const int64_t rows_per_band = (R + bands - 1) / bands;
+    TORCH_CHECK(col_blocks <= std::numeric_limits<int32_t>::max(), "opforge::fp8_linear_backward: ", C,
+                " columns exceed one grid");
+    column_amax_kernel<scalar_t, VEC>
+        <<<dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>((R + rows_per_band - 1) / rows_per_band)),
+           kThreads, 0, stream>>>(x, R, C, rows_per_band, a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else if (cuda::is_aligned16(x)) {
+    launch_amax<scalar_t, cuda::vec_size<scalar_t>()>(x, R * C, a);
+  } else {
+    launch_amax<scalar_t, 1>(x, R * C, a);
+  }
+  const int64_t col_tiles = (C + kTileCols - 1) / kTileCols;
+  const int64_t tiles = col_tiles * ((R + tile_rows<VEC>() - 1) / tile_rows<VEC>());
+  TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "opforge::fp8_linear_backward: a ", R, " x ", C,
+              " operand exceeds one grid of transposition tiles");
+  const auto grid = static_cast<unsigned>(tiles);
+  if (rowwise) {
+    cast_transpose_kernel<scalar_t, fp8_t, VEC, true, false>
+        <<<grid, kThreads, 0, stream>>>(x, yt, nullptr, R, C, col_tiles, a, s);
+  } else if (y != nullptr) {
+    cast_transpose_kernel<scalar_t, fp8_t, VEC, false, true>
+        <<<grid, kThreads, 0, stream>>>(x, yt, y, R, C, col_tiles, a, s);
+  } else {
+    cast_transpose_kernel<scalar_t, fp8_t, VEC, false, false>
+        <<<grid, kThreads, 0, stream>>>(x, yt, nullptr, R, C, col_tiles, a, s);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+/// launch_transposed with 16-byte accesses when X is aligned and its rows start on vector boundaries.
+template <typename scalar_t, typename fp8_t>
+void launch_transposed_vec(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise, fp8_t* y) {
+  constexpr int kVec = cuda::vec_size<scalar_t>();
+  if (cuda::is_aligned16(X.const_data_ptr()) && X.size(1) % kVec == 0) {
+    launch_transposed<scalar_t, fp8_t, kVec>(X, data_t, scale, rowwise, y);
+  } else {
+    launch_transposed<scalar_t, fp8_t, 1>(X, data_t, scale, rowwise, y);
+  }
+}
+
+/// Fills scale with the scale of an empty group (amax 0: the floor's), for the FP8 dtype `fp8`.
+void fill_empty_scale(at::ScalarType fp8, at::Tensor& scale) {
+  const float s = fp8 == at::kFloat8_e4m3fn ? fp8::scale_of(0.0, fp8::max_of<c10::Float8_e4m3fn>())
+                                            : fp8::scale_of(0.0, fp8::max_of<c10::Float8_e5m2>());
+  if (scale.numel() > 0) scale.fill_(s);
+}
+
 }  // namespace
 
 void quantize_rows_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwise) {
   TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous());
   const c10::cuda::CUDAGuard device_guard(X.device());
   if (X.numel() == 0) {  // empty groups: amax 0, the floor's scale (as the CPU kernel)
-    const float s = data.scalar_type() == at::kFloat8_e4m3fn
-                        ? fp8::scale_of(0.0, fp8::max_of<c10::Float8_e4m3fn>())
-                        : fp8::scale_of(0.0, fp8::max_of<c10::Float8_e5m2>());
-    if (scale.numel() > 0) scale.fill_(s);
+    fill_empty_scale(data.scalar_type(), scale);
     return;
   }
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
@@ -204,8 +427,45 @@ void quantize_rows_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& scale
   });
 }
 
+void quantize_cols_cuda(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise) {
+  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data_t.is_contiguous());
+  const c10::cuda::CUDAGuard device_guard(X.device());
+  if (X.numel() == 0) {
+    fill_empty_scale(data_t.scalar_type(), scale);
+    return;
+  }
+  OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
+    if (data_t.scalar_type() == at::kFloat8_e4m3fn) {
+      launch_transposed_vec<scalar_t, c10::Float8_e4m3fn>(X, data_t, scale, rowwise, nullptr);
+    } else {
+      launch_transposed_vec<scalar_t, c10::Float8_e5m2>(X, data_t, scale, rowwise, nullptr);
+    }
+  });
+}
+
+void quantize_both_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale) {
+  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous() && data_t.is_contiguous());
+  const c10::cuda::CUDAGuard device_guard(X.device());
+  if (X.numel() == 0) {
+    fill_empty_scale(data.scalar_type(), scale);
+    return;
+  }
+  OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
+    if (data.scalar_type() == at::kFloat8_e4m3fn) {
+      using fp8_t = c10::Float8_e4m3fn;
+      launch_transposed_vec<scalar_t, fp8_t>(X, data_t, scale, false, reinterpret_cast<fp8_t*>(data.mutable_data_ptr()));
+    } else {
+      using fp8_t = c10::Float8_e5m2;
+      launch_transposed_vec<scalar_t, fp8_t>(X, data_t, scale, false, reinterpret_cast<fp8_t*>(data.mutable_data_ptr()));
+    }
+  });
+}
+
+/// The CUDA quantization kernels.
+constexpr Backend kCudaBackend{&quantize_rows_cuda, &quantize_cols_cuda, &quantize_both_cuda};
+
 }  // namespace fp8_op
 
-TORCH_LIBRARY_IMPL(opforge, CUDA, m) { fp8_op::Kernels<&fp8_op::quantize_rows_cuda>::register_for(m); }
+TORCH_LIBRARY_IMPL(opforge, CUDA, m) { fp8_op::Kernels<fp8_op::kCudaBackend>::register_for(m); }
 
 }  // namespace opforge
