@@ -939,6 +939,16 @@ def test_dw_accum_knob_from_environment():
         assert p.stdout.strip().splitlines()[-1] == expect, (value, p.stdout)
 
 
+def _cuda_peak(run):
+    """(bytes allocated at the peak of `run()` above what was allocated before it, run()'s result)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, out
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA memory counters)")
 @pytest.mark.parametrize("path", ["forward", "recompute"])
 def test_dw_accum_allocates_no_float32_weight_buffer(knob, path):
@@ -1004,6 +1014,16 @@ def test_lean_applies_to_16bit_cuda_only(dev, knob, case, path):
         assert not torch.equal(res[0][0], res[1][0])
 
 
+def _cuda_peak(run):
+    """(bytes allocated at the peak of `run()` above what was allocated before it, run()'s result)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, out
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA memory counters)")
 @pytest.mark.parametrize("path", ["forward", "recompute"])
 def test_lean_peak_memory_is_one_16bit_chunk(knob, path):
@@ -1025,19 +1045,11 @@ def test_lean_peak_memory_is_one_16bit_chunk(knob, path):
     for lean in (1, 0):
         knob(LCE_LEAN, lean)
         x.grad = w.grad = None
-        torch.cuda.synchronize()
         if path == "forward":
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            loss = opforge.linear_cross_entropy(x, w, t)
+            peaks[lean], loss = _cuda_peak(lambda: opforge.linear_cross_entropy(x, w, t))
         else:
             loss = opforge.linear_cross_entropy(x, w, t)
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            loss.backward()
-        torch.cuda.synchronize()
-        peaks[lean] = torch.cuda.max_memory_allocated() - base
+            peaks[lean], _ = _cuda_peak(loss.backward)
         del loss
     grads = N * H * 2 + V * H * 2
     assert peaks[1] <= 2048 * V * 2 + grads + (16 << 20), peaks
@@ -1055,9 +1067,5 @@ def test_grad_in_forward_backward_peaks_under_a_weight_gradient(knob):
     w.requires_grad_()
     knob(_KNOB, 1)
     loss = opforge.linear_cross_entropy(x, w, t)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    loss.backward()
-    torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base <= (16 << 20)
+    peak, _ = _cuda_peak(loss.backward)
+    assert peak <= (16 << 20)
