@@ -60,11 +60,11 @@ from .model import DTYPES, SIZES, estimate_cpu_memory, fp8_unavailable_message
 from .report import plot, print_table, unique_path, write_csv
 from .train import (BF16_FINAL_REL_TOL, BF16_REL_TOL, FP32_REL_TOL, Dist, Result, Trainer, _threads, check_agreement,  # noqa: F401 (_threads: tests)
                     init_distributed, lr_at, train_lockstep, unwrap, wrap_parallel)
-from .convergence import check_run, convergence, plot_convergence, run_specs, seed_spread
+from .convergence import check_run, plot_convergence, run_convergence, run_specs, seed_spread
 from .cli import build_parser, main, parse_args, report, run
 
 __all__ = ["main", "run", "report", "parse_args", "build_parser", "load_text", "make_batches", "Batches", "DATA_FILE",
            "SIZES", "DTYPES", "FP32_REL_TOL", "BF16_REL_TOL", "BF16_FINAL_REL_TOL", "check_agreement", "Result",
            "Trainer", "Dist", "init_distributed", "wrap_parallel", "unwrap", "train_lockstep", "lr_at",
            "estimate_cpu_memory", "plot", "print_table", "write_csv", "unique_path", "fp8_unavailable_message",
-           "convergence", "seed_spread", "check_run", "run_specs", "plot_convergence"]
+           "run_convergence", "seed_spread", "check_run", "run_specs", "plot_convergence"]

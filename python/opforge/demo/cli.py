@@ -18,7 +18,7 @@ from . import __doc__ as _DEMO_DOC
 from .data import DATA_FILE, make_batches
 from .model import DTYPES, SIZES, _config, _initial_state, fp8_unavailable_message
 from .report import _commit, _device_name, _fmt_mem, plot, print_table, unique_path, write_csv
-from .convergence import CPU_DEFAULTS, CPU_STEPS, CUDA_DEFAULTS, CUDA_STEPS, GRANULARITIES as FP8_GRANULARITIES, convergence
+from .convergence import CPU_DEFAULTS, CPU_STEPS, CUDA_DEFAULTS, CUDA_STEPS, GRANULARITIES as FP8_GRANULARITIES, run_convergence
 from .train import Dist, Result, Trainer, _threads, check_agreement, init_distributed, train_lockstep, trainers_warmup, unwrap
 
 def run(args) -> dict:
@@ -427,7 +427,7 @@ def main(argv=None, prog: str = "python -m opforge demo") -> int:
             print(reason, file=sys.stderr)
             return 2
         if args.convergence:
-            return 0 if convergence(args)["ok"] else 1
+            return 0 if run_convergence(args)["ok"] else 1
         if args.report:
             out = report(args)
             return 0 if not out["failures"] and all(a["ok"] for a in out["agreement"].values()) else 1

@@ -238,7 +238,7 @@ def _free_stem(folder: Path, stem: str) -> Path:
     return folder / name
 
 
-def convergence(args) -> dict:
+def run_convergence(args) -> dict:
     """Runs the comparison (see the module docstring), prints the table and the checks, writes the CSV, JSON and PNG.
 
     Args:
