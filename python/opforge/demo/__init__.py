@@ -36,25 +36,35 @@ allocator and GEMM-algorithm warm-up) are not timed. Prints a table, appends one
 `--out benchmarks/results`) and draws the four runs' loss curves in a PNG beside it. `python -m opforge llama`
 is the same command as `demo`.
 
+FP8: `--fp8 tensorwise|rowwise` trains the opforge model alone with its decoder projections (attention q/k/v and o,
+MLP gate/up and down) in FP8 (`opforge.nn.Linear(fp8=...)`, `opforge.fp8_linear`); the embedding, norms, lm_head
+and loss keep `--dtype`. It is refused with the torch backend and with `--report`, and (exit status 2, one line)
+where `fp8_linear` cannot run on the device in the dtype. `--convergence` measures FP8 training against bf16:
+two bf16 runs from two init seeds give the bound, and every logged loss of the FP8 runs must stay within it
+(`opforge.demo.convergence`; docs/performance/fp8_convergence.md).
+
 Distributed: run under `torchrun --nproc_per_node=N -m opforge.demo --parallel ddp|fsdp`; every rank
 takes an equal slice of the same global batch (gloo on CPU, nccl on CUDA; FSDP2 is
 `torch.distributed.fsdp.fully_shard` on every block and the root).
 
 Modules: `opforge.demo.data` (text, batches), `opforge.demo.model` (sizes, configuration,
-initial weights), `opforge.demo.train` (distributed set-up, trainer, agreement rule),
-`opforge.demo.report` (tables, CSV, plots), `opforge.demo.cli` (command line, run, report).
+initial weights, the FP8 probe), `opforge.demo.train` (distributed set-up, trainer, agreement rule),
+`opforge.demo.report` (tables, CSV, plots), `opforge.demo.convergence` (FP8 against bf16),
+`opforge.demo.cli` (command line, run, report).
 """
 from __future__ import annotations
 from __future__ import annotations
 
 from .data import DATA_FILE, Batches, load_text, make_batches
-from .model import DTYPES, SIZES, estimate_cpu_memory
+from .model import DTYPES, SIZES, estimate_cpu_memory, fp8_unavailable_message
 from .report import plot, print_table, unique_path, write_csv
 from .train import (BF16_FINAL_REL_TOL, BF16_REL_TOL, FP32_REL_TOL, Dist, Result, Trainer, _threads, check_agreement,  # noqa: F401 (_threads: tests)
                     init_distributed, lr_at, train_lockstep, unwrap, wrap_parallel)
+from .convergence import check_run, plot_convergence, run_convergence, run_specs, seed_spread
 from .cli import build_parser, main, parse_args, report, run
 
 __all__ = ["main", "run", "report", "parse_args", "build_parser", "load_text", "make_batches", "Batches", "DATA_FILE",
            "SIZES", "DTYPES", "FP32_REL_TOL", "BF16_REL_TOL", "BF16_FINAL_REL_TOL", "check_agreement", "Result",
            "Trainer", "Dist", "init_distributed", "wrap_parallel", "unwrap", "train_lockstep", "lr_at",
-           "estimate_cpu_memory", "plot", "print_table", "write_csv", "unique_path"]
+           "estimate_cpu_memory", "plot", "print_table", "write_csv", "unique_path", "fp8_unavailable_message",
+           "run_convergence", "seed_spread", "check_run", "run_specs", "plot_convergence"]

@@ -16,8 +16,9 @@ import torch
 from ..models.llama import BACKENDS
 from . import __doc__ as _DEMO_DOC
 from .data import DATA_FILE, make_batches
-from .model import DTYPES, SIZES, _config, _initial_state
+from .model import DTYPES, SIZES, _config, _initial_state, fp8_unavailable_message
 from .report import _commit, _device_name, _fmt_mem, plot, print_table, unique_path, write_csv
+from .convergence import CPU_DEFAULTS, CPU_STEPS, CUDA_DEFAULTS, CUDA_STEPS, GRANULARITIES as FP8_GRANULARITIES, run_convergence
 from .train import Dist, Result, Trainer, _threads, check_agreement, init_distributed, train_lockstep, trainers_warmup, unwrap
 
 def run(args) -> dict:
@@ -54,7 +55,8 @@ def run(args) -> dict:
         if d.main and not args.quiet:
             print(f"opforge demo: Llama d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads} d_ff={cfg.d_ff} "
                   f"({cfg.num_parameters() / 1e6:.2f} M params), seq {args.seq}, global batch {args.batch}, {args.steps} steps, "
-                  f"{args.dtype}, {_device_name(device)}{', compiled' if args.compile else ''}"
+                  f"{args.dtype}{f', FP8 {args.fp8} projections' if args.fp8 else ''}, {_device_name(device)}"
+                  f"{', compiled' if args.compile else ''}"
                   f"{f', {d.parallel} x{d.world}' if d.on else ''}; text: {DATA_FILE.name} ({len(batches.tokens):,} bytes)")
         torch.manual_seed(args.seed)
         trainers = [Trainer(b, cfg, state, batches, args, device, dtype, d, args.steps, bool(args.compile))
@@ -96,9 +98,10 @@ def _report_training(out: dict, results: Dict[str, Result], args, device, d: Dis
                  else "cpu estimate: params+grads+AdamW state+saved activations")
     rows = []
     base = results.get("torch")
+    fp8 = f" fp8 {args.fp8}" if getattr(args, "fp8", None) else ""
     for name, r in results.items():
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and base.tokens_per_s else "-"
-        rows.append([name + (" (compiled)" if r.compiled else ""), f"{r.train_loss[-1]:.4f}",
+        rows.append([name + (fp8 if name == "opforge" else "") + (" (compiled)" if r.compiled else ""), f"{r.train_loss[-1]:.4f}",
                      f"{r.val_loss[-1]:.4f}" if r.val_loss else "-", f"{r.tokens_per_s:,.0f}", ratio, _fmt_mem(r.peak_mem)])
     if not args.quiet:
         print()
@@ -119,8 +122,9 @@ def _report_training(out: dict, results: Dict[str, Result], args, device, d: Dis
     if args.csv:
         now = datetime.datetime.now().isoformat(timespec="seconds")
         rows = [dict(date=now, mode="train", device=_device_name(device), torch=torch.__version__, commit=_commit(),
-                     backend=r.backend, compiled=r.compiled, dtype=args.dtype, d_model=args.d_model, layers=args.layers,
-                     seq=args.seq, batch=args.batch, steps=args.steps, world=d.world, parallel=d.parallel,
+                     backend=r.backend + (fp8 if r.backend == "opforge" else ""), compiled=r.compiled, dtype=args.dtype,
+                     d_model=args.d_model, layers=args.layers, seq=args.seq, batch=args.batch, steps=args.steps,
+                     world=d.world, parallel=d.parallel,
                      final_train_loss=round(r.train_loss[-1], 5), final_val_loss=round(r.val_loss[-1], 5) if r.val_loss else "",
                      tokens_per_s=round(r.tokens_per_s, 1), peak_mem_bytes=r.peak_mem, peak_mem_kind=mem_label)
                 for r in results.values()]
@@ -131,7 +135,8 @@ def _report_training(out: dict, results: Dict[str, Result], args, device, d: Dis
     if sample is not None and not args.quiet:
         print("\nsample from the opforge model:\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
     if not args.quiet:
-        print(f"opforge demo: {out['wall_seconds']:.0f}s (both models, {args.steps} steps each, evaluations and sample)")
+        models = "both models" if len(results) == 2 else f"{len(results)} model{'s' if len(results) > 1 else ''}"
+        print(f"opforge demo: {out['wall_seconds']:.0f}s ({models}, {args.steps} steps each, evaluations and sample)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
@@ -255,6 +260,9 @@ def build_parser(prog: str = "python -m opforge demo") -> argparse.ArgumentParse
                                        f"  {prog} --size tiny          # CPU: about 10 seconds\n"
                                        f"  {prog} --device cuda --compile\n"
                                        f"  {prog} --report --device cuda   # GPU tokens/s table, bf16, size h200\n"
+                                       f"  {prog} --size tiny --fp8 tensorwise   # the opforge model's projections in FP8\n"
+                                       f"  {prog} --convergence        # FP8 against bf16 (CPU: size tiny, {CPU_STEPS} steps, lr 1e-3)\n"
+                                       f"  {prog} --convergence --device cuda   # size h200, {CUDA_STEPS} steps\n"
                                        "  torchrun --nproc_per_node=2 -m opforge.demo --parallel fsdp")
     p.add_argument("--size", choices=sorted(SIZES), default=None,
                    help="named size (default: small on CPU, medium on CUDA, h200 with --report)")
@@ -277,7 +285,19 @@ def build_parser(prog: str = "python -m opforge demo") -> argparse.ArgumentParse
     p.add_argument("--report", action="store_true", help="GPU throughput table: eager and compiled, both backends")
     p.add_argument("--modes", default="eager,compiled", help="with --report: comma-separated subset of eager,compiled")
     p.add_argument("--allow-cpu-report", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--backends", default="opforge,torch", help="comma-separated subset of opforge,torch")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated subset of opforge,torch (default: both; opforge alone with --fp8 or "
+                        "--convergence)")
+    p.add_argument("--fp8", choices=["tensorwise", "rowwise"], default=None,
+                   help="the opforge model's decoder projections (attention q/k/v and o, MLP gate/up and down) in FP8 "
+                        "through opforge.nn.Linear(fp8=...): FP8 GEMMs with current scaling of that granularity; the "
+                        "embedding, norms, lm_head and loss keep --dtype. Trains the opforge model alone. With "
+                        "--convergence: only that granularity (default: both)")
+    p.add_argument("--convergence", action="store_true",
+                   help="FP8 against bf16: bf16 runs from two init seeds (their spread gives the bound), FP8 "
+                        "tensorwise and rowwise from the first seed, the same batches; checks every logged FP8 loss "
+                        "against the bound, writes <out>/fp8_convergence_<device>.csv/.json/.png; exit status 1 if a "
+                        "check fails (default size: tiny on the CPU, h200 on CUDA; see opforge.demo.convergence)")
     p.add_argument("--out", default=".", help="folder of the default output files (default: the current directory; "
                                               "the recorded runs use benchmarks/results)")
     p.add_argument("--plot", default=None,
@@ -310,18 +330,35 @@ def parse_args(argv=None, prog: str = "python -m opforge demo"):
             CSV paths resolved.
 
     Raises:
-        SystemExit: an unknown `--modes` or `--backends` entry (or argparse's own errors).
+        SystemExit: an unknown `--modes` or `--backends` entry; `--fp8` or `--convergence` with `--report`, or with
+            the torch backend in `--backends` (or argparse's own errors).
     """
     args = build_parser(prog).parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.report and (args.fp8 or args.convergence):
+        raise SystemExit(f"opforge demo: --report compares the opforge and torch.nn models' throughput; expected no "
+                         f"{'--fp8' if args.fp8 else '--convergence'} with it (run --convergence for FP8)")
+    if args.backends is None:
+        args.backends = "opforge" if args.fp8 or args.convergence else "opforge,torch"
+    elif (args.fp8 or args.convergence) and "torch" in [b.strip() for b in args.backends.split(",")]:
+        raise SystemExit(f"opforge demo: {'--convergence' if args.convergence else f'--fp8 {args.fp8}'} trains the "
+                         f"opforge model only (FP8 projections are opforge.nn.Linear(fp8=...); the torch.nn model has "
+                         f"none), but got --backends {args.backends}: leave out --backends or pass --backends opforge")
+    if args.convergence and args.parallel != "none":
+        raise SystemExit(f"opforge demo: --convergence trains on one device, but got --parallel {args.parallel}")
+    if args.convergence and args.size is None:  # its own defaults: size, steps and learning rate
+        conv = CUDA_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS
+        for k, v in conv.items():
+            if getattr(args, k, None) is None:
+                setattr(args, k, v)
     if args.size is None:
         args.size = "h200" if args.report else ("medium" if args.device.startswith("cuda") else "small")
     for k, v in SIZES[args.size].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
     if args.dtype is None:
-        args.dtype = "bf16" if args.report else "fp32"
+        args.dtype = "bf16" if args.report or args.convergence else "fp32"
     if args.threads is None:
         args.threads = 1 if args.device == "cpu" and args.size in ("tiny", "small") and args.d_model <= 256 else 0
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -332,6 +369,8 @@ def parse_args(argv=None, prog: str = "python -m opforge demo"):
         if b not in BACKENDS:
             raise SystemExit(f"opforge demo: expected --backends from {BACKENDS}, but got {b!r}")
     args.plot_given = args.plot is not None
+    if args.convergence:  # None: the convergence run's own names in --out (opforge.demo.convergence)
+        return args
     if args.plot is None:
         args.plot = "" if args.report else str(Path(args.out) / "opforge_demo_<device>.png")
         if args.report:
@@ -374,15 +413,21 @@ def main(argv=None, prog: str = "python -m opforge demo") -> int:
         prog: str. The program name in messages. Default: `"python -m opforge demo"`.
 
     Returns:
-        The exit status: 0 when the run passed, 1 if the loss curves disagree (or a `--report` run failed),
-            2 for a device this machine does not have (one line on stderr says why).
+        The exit status: 0 when the run passed, 1 if the loss curves disagree (or a `--report` run failed, or a
+            `--convergence` check failed), 2 for a device this machine does not have or an `--fp8` that cannot run
+            on it (one line on stderr says why).
     """
     args = parse_args(argv, prog)
     reason = cuda_unavailable_message(args.device)
-    if reason:
-        print(reason, file=sys.stderr)
-        return 2
     with _threads(args.threads):
+        if not reason and (args.fp8 or args.convergence):
+            for g in [args.fp8] if args.fp8 else list(FP8_GRANULARITIES):
+                reason = reason or fp8_unavailable_message(g, args.device, args.dtype)
+        if reason:
+            print(reason, file=sys.stderr)
+            return 2
+        if args.convergence:
+            return 0 if run_convergence(args)["ok"] else 1
         if args.report:
             out = report(args)
             return 0 if not out["failures"] and all(a["ok"] for a in out["agreement"].values()) else 1

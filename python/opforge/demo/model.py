@@ -3,7 +3,7 @@ weights for every backend, and a CPU memory estimate (`opforge.models.llama.Llam
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -84,3 +84,37 @@ def _initial_state(cfg: LlamaConfig, seed: int) -> dict:
     return {k: v.clone() for k, v in ref.state_dict().items()}
 
 
+
+
+def fp8_unavailable_message(fp8: str, device: str, dtype_name: str) -> Optional[str]:
+    """One line saying why `--fp8 fp8` cannot train on `device` in `dtype_name`, or None when it can.
+
+    Runs `opforge.fp8_linear` (forward and backward) once on a `(16, 32)` input of the dtype on the device, so a
+    combination that `fp8_linear` or the device's scaled GEMM refuses (e.g. a GPU without FP8 tensor cores, compute
+    capability below 8.9) is told before any training.
+
+    Args:
+        fp8: str. `"tensorwise"` or `"rowwise"`.
+        device: str. A torch device string.
+        dtype_name: str. A key of `DTYPES`.
+
+    Returns:
+        None when it runs; else the reason, naming the option, the device and the dtype, in one line.
+    """
+    where = f"opforge demo: --fp8 {fp8} on {device} with --dtype {dtype_name}"
+    if not hasattr(torch.ops.opforge, "fp8_linear"):
+        return f"{where}: this build of the opforge library has no fp8_linear (rebuild it from this source tree)"
+    from .. import functional as OF
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(16, 32, generator=g).to(device=device, dtype=DTYPES[dtype_name]).requires_grad_()
+        w = torch.randn(16, 32, generator=g).to(device=device, dtype=DTYPES[dtype_name]).requires_grad_()
+        OF.fp8_linear(x, w, granularity=fp8).float().sum().backward()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001  (any refusal becomes the one-line reason)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        hint = (" (FP8 GEMMs need a GPU of compute capability 8.9 or newer, e.g. Ada or Hopper, or the CPU)"
+                if torch.device(device).type == "cuda" else "")
+        return f"{where}: opforge.fp8_linear refused it: {type(e).__name__}: {first[:300]}{hint}"
+    return None

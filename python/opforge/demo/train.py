@@ -230,7 +230,8 @@ class Trainer:
         cfg: LlamaConfig. The model's shape.
         state: dict. The initial state_dict (the same for every trainer).
         batches: Batches. The data order.
-        args: argparse.Namespace. The command line (lr, clip, compile scope).
+        args: argparse.Namespace. The command line (lr, clip, compile scope, `fp8`: None or the FP8 granularity
+            of the model's decoder projections).
         device: torch.device. Where the model trains.
         dtype: torch.dtype. Parameter and activation dtype.
         d: Dist. The distributed set-up.
@@ -241,7 +242,8 @@ class Trainer:
     def __init__(self, backend: str, cfg: LlamaConfig, state: dict, batches: Batches, args, device: torch.device,
                  dtype, d: Dist, steps: int, compiled: bool):
         self.backend, self.batches, self.args, self.device, self.d, self.steps = backend, batches, args, device, d, steps
-        model = Llama(cfg, backend=backend, device=device, dtype=dtype)
+        # args.fp8 (--fp8): the opforge model's decoder projections in FP8 (Llama refuses it for backend="torch")
+        model = Llama(cfg, backend=backend, device=device, dtype=dtype, fp8=getattr(args, "fp8", None))
         model.load_state_dict(state)
         self.cpu_peak = 0
         if device.type != "cuda":

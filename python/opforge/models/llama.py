@@ -15,6 +15,8 @@ either and the two train the same function from the same weights; only the kerne
 | embedding | `torch.nn.Embedding` | the same |
 
 q/k/v and gate/up are stored fused (one weight each) in both backends, so their state_dicts stay identical.
+`Llama(..., fp8="tensorwise" | "rowwise")` (backend="opforge") computes the four projections of every block
+(qkv_proj, o_proj, gate_up_proj, down_proj) with `opforge.fp8_linear`; the state_dict is the same.
 
 Source: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"; Su et al. 2021,
 "RoFormer" (rotary position embedding); Hugging Face transformers' `modeling_llama.py` (module names).
@@ -111,6 +113,19 @@ def _check_backend(backend: str) -> str:
     return backend
 
 
+def _fp8_kw(backend: str, fp8: Optional[str]) -> dict:
+    """The `fp8` keyword of an FP8 projection (`{}` for None); ValueError for a bad value or backend="torch"."""
+    if fp8 is None:
+        return {}
+    from ..functional import FP8_GRANULARITIES
+    if fp8 not in FP8_GRANULARITIES:
+        raise ValueError(f"opforge.models.llama: expected fp8 to be None, 'tensorwise' or 'rowwise', but got {fp8!r}")
+    if backend != "opforge":
+        raise ValueError(f"opforge.models.llama: fp8={fp8!r} needs backend='opforge' (its projections are "
+                         f"opforge.nn.Linear(..., fp8=...)), but got backend={backend!r}")
+    return {"fp8": fp8}
+
+
 def _linear(backend: str, in_features: int, out_features: int, bias: bool = False, **kw) -> torch.nn.Linear:
     if backend == "opforge":
         from .. import nn as onn
@@ -183,15 +198,17 @@ class Attention(torch.nn.Module):
         backend: str. `"opforge"` or `"torch"`: which Linear and RoPE the attention uses.
         device: torch.device or None. Factory keyword argument for the parameters. Default: None.
         dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
+        fp8: str or None. `"tensorwise"` or `"rowwise"`: qkv_proj and o_proj are `opforge.nn.Linear(..., fp8=fp8)`
+            (FP8 GEMMs, backend="opforge" only). Default: None (the parameters' dtype).
 
     Parameters: `qkv_proj.weight` `((heads + 2·kv_heads)·H, D)`, `o_proj.weight` `(D, heads·H)`.
 
     Shape: x `(B, T, D)`, cos/sin `(T, H)` -> `(B, T, D)`.
     """
 
-    def __init__(self, config: LlamaConfig, backend: str, device=None, dtype=None):
+    def __init__(self, config: LlamaConfig, backend: str, device=None, dtype=None, fp8: Optional[str] = None):
         super().__init__()
-        kw = {"device": device, "dtype": dtype}
+        kw = {"device": device, "dtype": dtype, **_fp8_kw(backend, fp8)}
         D, hd = config.d_model, config.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
         self.backend = backend
@@ -238,6 +255,9 @@ class FusedGatedMLP(torch.nn.Module):
         bias: bool. Biases on the projections. Default: False.
         device: torch.device or None. Factory keyword argument for the parameters. Default: None.
         dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
+        fp8: str or None. `"tensorwise"` or `"rowwise"`: gate_up_proj and down_proj are
+            `opforge.nn.Linear(..., fp8=fp8)` (FP8 GEMMs, backend="opforge" only). Default: None (the parameters'
+            dtype).
 
     Parameters: `gate_up_proj.weight` `(2F, D)` (gate rows first, then up), `down_proj.weight` `(D, F)`.
 
@@ -245,9 +265,9 @@ class FusedGatedMLP(torch.nn.Module):
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, backend: str, bias: bool = False, device=None,
-                 dtype=None):
+                 dtype=None, fp8: Optional[str] = None):
         super().__init__()
-        kw = {"device": device, "dtype": dtype}
+        kw = {"device": device, "dtype": dtype, **_fp8_kw(backend, fp8)}
         self.backend = backend
         self.intermediate_size = intermediate_size
         self.gate_up_proj = _linear(backend, hidden_size, 2 * intermediate_size, bias=bias, **kw)
@@ -323,17 +343,18 @@ class Block(torch.nn.Module):
         backend: str. `"opforge"` or `"torch"`.
         device: torch.device or None. Factory keyword argument for the parameters. Default: None.
         dtype: torch.dtype or None. Factory keyword argument for the parameters. Default: None.
+        fp8: str or None. FP8 projections of the attention and the MLP (see `Attention`). Default: None.
 
     Shape: x, residual `(B, T, D)` -> (mlp_out, residual), each `(B, T, D)`; residual=None for the first block.
     """
 
-    def __init__(self, config: LlamaConfig, backend: str, device=None, dtype=None):
+    def __init__(self, config: LlamaConfig, backend: str, device=None, dtype=None, fp8: Optional[str] = None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = _add_norm(backend, config, **kw)
-        self.attn = Attention(config, backend, **kw)
+        self.attn = Attention(config, backend, fp8=fp8, **kw)
         self.mlp_norm = _add_norm(backend, config, **kw)
-        self.mlp = FusedGatedMLP(config.d_model, config.d_ff, backend, **kw)
+        self.mlp = FusedGatedMLP(config.d_model, config.d_ff, backend, fp8=fp8, **kw)
 
     def forward(self, x: Tensor, residual: Optional[Tensor], cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
         """(mlp_out, residual) of this block.
@@ -364,6 +385,11 @@ class Llama(torch.nn.Module):
         device: torch.device or None. Factory keyword argument for the parameters. Default: None.
         dtype: torch.dtype or None. Factory keyword argument for the parameters (all parameters share one
             dtype; activations run in it). Default: None.
+        fp8: str or None. `"tensorwise"` or `"rowwise"`: every decoder block's projections (qkv_proj, o_proj,
+            gate_up_proj, down_proj) are `opforge.nn.Linear(..., fp8=fp8)`, whose three GEMMs run in FP8
+            (`opforge.functional.fp8_linear`, current scaling); the embedding, the norms, lm_head and the loss keep
+            the parameters' dtype. backend="opforge" only; the parameters and the state_dict are unchanged.
+            Default: None.
 
     Parameters (identical names and shapes for both backends): `embed.weight` `(V, D)`;
     `layers.{i}.attn_norm.weight` `(D,)`; `layers.{i}.attn.qkv_proj.weight` `(D + 2·kv_heads·H, D)` (q, k, v
@@ -374,7 +400,8 @@ class Llama(torch.nn.Module):
     Shape: tokens `(B, T)` int64 with T ≤ config.max_seq_len -> logits `(B, T, V)` in the parameters' dtype.
 
     Raises:
-        ValueError: unknown backend; T > config.max_seq_len (in forward).
+        ValueError: unknown backend; fp8 other than None, "tensorwise" or "rowwise", or fp8 with backend="torch";
+            T > config.max_seq_len (in forward).
 
     Numerics: RoPE tables in float32, cast to the activation dtype; norms accumulate in float32.
     Initialisation: embeddings and linear weights ~ N(0, init_std²), output projections (o_proj,
@@ -384,13 +411,16 @@ class Llama(torch.nn.Module):
     Source: Touvron et al. 2023 (LLaMA); Hugging Face transformers' LlamaForCausalLM.
     """
 
-    def __init__(self, config: LlamaConfig, backend: str = "opforge", device=None, dtype=None):
+    def __init__(self, config: LlamaConfig, backend: str = "opforge", device=None, dtype=None,
+                 fp8: Optional[str] = None):
         super().__init__()
         self.config = config
         self.backend = _check_backend(backend)
+        _fp8_kw(backend, fp8)
+        self.fp8 = fp8
         kw = {"device": device, "dtype": dtype}
         self.embed = torch.nn.Embedding(config.vocab_size, config.d_model, **kw)
-        self.layers = torch.nn.ModuleList(Block(config, backend, **kw) for _ in range(config.n_layers))
+        self.layers = torch.nn.ModuleList(Block(config, backend, fp8=fp8, **kw) for _ in range(config.n_layers))
         self.norm = _add_norm(backend, config, **kw)
         self.lm_head = _linear(backend, config.d_model, config.vocab_size, **kw)
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta, device=device)
