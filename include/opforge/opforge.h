@@ -236,7 +236,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward(
 /// fp8_linear's forward for autograd, tensorwise only: (output, input_t_data [K, M] float8_e4m3fn, input_t_scale
 /// [1] float32) with output = fp8_linear(input, weight, bias) bit for bit and q(inputᵀ) the transpose of the
 /// forward's q(input) (the same scale), written by the same quantization pass: what grad_weight's GEMM reads. With
-/// weight_data/weight_scale (quantize_fp8(weight) in float8_e4m3fn) the weight is not quantized here. Raises:
+/// weight_data/weight_scale (quantize_fp8(weight) in float8_e4m3fn) the weight is not quantized here. Not
+/// differentiable (its outputs carry no history: fp8_linear's Autograd kernel calls it below autograd). Raises:
 /// fp8_linear's errors, rowwise (ValueError), malformed weight operands (ValueError, TypeError).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias = std::nullopt,
@@ -261,7 +262,7 @@ at::Tensor _fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weig
 /// weight_t_scale) when given, else quantizes weight. The bits of fp8_linear_backward. grad_input has input's
 /// shape and dtype, or (*, K) of grad_output's leading dims in grad_output's dtype when input is not given.
 /// Raises: fp8_linear_backward's errors; grad_weight asked for with neither input nor input_t_data (ValueError).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_backward_quantized(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_quantized_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,

@@ -122,8 +122,8 @@ def test_private_ops_bad_inputs(device):
         OPS._fp8_linear_forward(x, w, granularity="rowwise")
     with pytest.raises(ValueError, match="opforge::_fp8_linear_forward: expected weight_data and weight_scale both"):
         OPS._fp8_linear_forward(x, w, None, d)
-    with pytest.raises(ValueError, match="opforge::_fp8_linear_backward_quantized: expected input or input_t_data"):
-        OPS._fp8_linear_backward_quantized(torch.randn(4, 8, device=device), None, None, None, w, None, None,
+    with pytest.raises(ValueError, match="opforge::_fp8_linear_quantized_backward: expected input or input_t_data"):
+        OPS._fp8_linear_quantized_backward(torch.randn(4, 8, device=device), None, None, None, w, None, None,
                                            [False, True, False])
     if device == "cpu":
         with pytest.raises(RuntimeError, match=pre + "expected weight_data and weight to be on the same device"):
@@ -142,7 +142,7 @@ def test_private_ops_meta_shapes(granularity):
         assert (y.shape, d.shape, d.dtype, s.shape) == (ry.shape, rd.shape, rd.dtype, rs.shape) == \
             ((2, 5, 8), (16, 10), E4, (1,))
     g = torch.randn(2, 5, 8, device="meta")
-    gi, gw, gb = OPS._fp8_linear_backward_quantized(g, None, None, None, meta[1], *meta[5:7], [True, False, True],
+    gi, gw, gb = OPS._fp8_linear_quantized_backward(g, None, None, None, meta[1], *meta[5:7], [True, False, True],
                                                     granularity, None, torch.float64)
     assert gi.shape == (2, 5, 16) and gw is None and gb.shape == (8,) and gb.dtype == torch.float64
 

@@ -127,13 +127,13 @@ Granularity check_fp8_linear_quantized_args(const at::Tensor& input, const at::T
   return g;
 }
 
-Granularity check_fp8_linear_backward_quantized_args(
+Granularity check_fp8_linear_quantized_backward_args(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
     const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
     std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
-  constexpr const char* op = "_fp8_linear_backward_quantized";
+  constexpr const char* op = "_fp8_linear_quantized_backward";
   check_floating(op, "grad_output", grad_output);
   check_floating(op, "weight", weight);
   check_same_device(op, "grad_output", grad_output, "weight", weight);
@@ -373,16 +373,16 @@ at::Tensor fp8_linear_quantized_impl(const Backend& be, const at::Tensor& input,
   return forward_gemm(x, as_operand(weight_data, weight_scale), input, weight, bias, rowwise);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_quantized_impl(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_impl(
     const Backend& be, const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
     const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
     std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
-  const Granularity g = check_fp8_linear_backward_quantized_args(grad_output, input, input_t_data, input_t_scale,
+  const Granularity g = check_fp8_linear_quantized_backward_args(grad_output, input, input_t_data, input_t_scale,
                                                                  weight, weight_t_data, weight_t_scale, output_mask,
                                                                  granularity, grad_dtype, bias_dtype);
-  const at::ScalarType gdt = grad_dtype_of("_fp8_linear_backward_quantized", grad_dtype, g);
+  const at::ScalarType gdt = grad_dtype_of("_fp8_linear_quantized_backward", grad_dtype, g);
   std::optional<Operand> xt, wt;
   if (given(input_t_data)) xt = as_operand(*input_t_data, *input_t_scale);
   if (given(weight_t_data)) wt = as_operand(*weight_t_data, *weight_t_scale);
@@ -465,13 +465,13 @@ at::Tensor _fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weig
   return op.call(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias, granularity,
                  grad_dtype);
 }
-std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_backward_quantized(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_quantized_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
     const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
     std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
-  static auto op = typed_op<decltype(_fp8_linear_backward_quantized)>("opforge::_fp8_linear_backward_quantized");
+  static auto op = typed_op<decltype(_fp8_linear_quantized_backward)>("opforge::_fp8_linear_quantized_backward");
   return op.call(grad_output, input, input_t_data, input_t_scale, weight, weight_t_data, weight_t_scale, output_mask,
                  granularity, grad_dtype, bias_dtype);
 }
@@ -523,13 +523,13 @@ at::Tensor fp8_linear_quantized_meta(const at::Tensor& input, const at::Tensor& 
   return at::empty_symint(linear_op::output_sym_sizes(input, weight), input.options());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_quantized_meta(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_meta(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
     const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
     std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
-  check_fp8_linear_backward_quantized_args(grad_output, input, input_t_data, input_t_scale, weight, weight_t_data,
+  check_fp8_linear_quantized_backward_args(grad_output, input, input_t_data, input_t_scale, weight, weight_t_data,
                                            weight_t_scale, output_mask, granularity, grad_dtype, bias_dtype);
   if (input.has_value() && input->defined()) {
     return linear_op::empty_backward_outputs(*input, weight, output_mask, bias_dtype);
@@ -566,7 +566,7 @@ variable_list fp8_linear_backward_fn(const BackwardArgs& a) {
     auto [gi, gw, gb] = opforge::fp8_linear_backward(a.grads[0], a.saved[0], a.saved[1], mask, granularity, gdt, bdt);
     return {gi, gw, gb};
   }
-  auto [gi, gw, gb] = opforge::_fp8_linear_backward_quantized(a.grads[0], opt(a.saved[0]), opt(a.saved[2]),
+  auto [gi, gw, gb] = opforge::_fp8_linear_quantized_backward(a.grads[0], opt(a.saved[0]), opt(a.saved[2]),
                                                               opt(a.saved[3]), a.saved[1], opt(a.saved[4]),
                                                               opt(a.saved[5]), mask, granularity, gdt, bdt);
   return {gi, gw, gb};
@@ -654,6 +654,17 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_autograd(const at::Tensor& input
   return opforge::quantize_fp8(input, dtype, granularity);
 }
 
+// _fp8_linear_forward is what the Autograd kernels above call below autograd; called directly its outputs carry
+// no history (as quantize_fp8's: fp8_linear and _fp8_linear_quantized are the differentiable ops).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_autograd(
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+  check_no_forward_ad("_fp8_linear_forward", input, weight, bias);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return opforge::_fp8_linear_forward(input, weight, bias, weight_data, weight_scale, granularity, grad_dtype);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opforge, Meta, m) {
@@ -662,7 +673,7 @@ TORCH_LIBRARY_IMPL(opforge, Meta, m) {
   m.impl("fp8_linear_backward", &fp8_linear_backward_meta);
   m.impl("_fp8_linear_forward", &fp8_linear_forward_meta);
   m.impl("_fp8_linear_quantized", &fp8_linear_quantized_meta);
-  m.impl("_fp8_linear_backward_quantized", &fp8_linear_backward_quantized_meta);
+  m.impl("_fp8_linear_quantized_backward", &fp8_linear_quantized_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
@@ -670,8 +681,8 @@ TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   m.impl("fp8_linear", &fp8_linear_autograd);
   register_backward_op_autograd(m, "fp8_linear_backward");
   m.impl("_fp8_linear_quantized", &fp8_linear_quantized_autograd);
-  register_not_differentiable_autograd(m, "_fp8_linear_forward");
-  register_backward_op_autograd(m, "_fp8_linear_backward_quantized");
+  m.impl("_fp8_linear_forward", &fp8_linear_forward_autograd);
+  register_backward_op_autograd(m, "_fp8_linear_quantized_backward");
 }
 
 // torch.autocast (core/autocast.h): input and bias to the autocast dtype, the weight left as it is (quantized to
@@ -681,7 +692,7 @@ OPFORGE_AUTOCAST(fp8, {{"fp8_linear", AutocastPolicy::kLowerPrecision, {"input",
                        {"_fp8_linear_forward", AutocastPolicy::kLowerPrecision, {"input", "bias"}},
                        {"_fp8_linear_quantized", AutocastPolicy::kLowerPrecision, {"input", "bias"}},
                        {"fp8_linear_backward", AutocastPolicy::kInputDtype},
-                       {"_fp8_linear_backward_quantized", AutocastPolicy::kInputDtype},
+                       {"_fp8_linear_quantized_backward", AutocastPolicy::kInputDtype},
                        {"quantize_fp8", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

@@ -82,10 +82,10 @@ void check_weight_operand(const char* op, const char* data_name, const at::Tenso
                           const at::Tensor& scale, const c10::SymInt& rows, const c10::SymInt& cols,
                           const c10::SymInt& scale_numel, const at::Tensor& like);
 
-/// Checks of _fp8_linear_backward_quantized (Meta too): grad_output floating of shape (*, N) (input's leading dims
+/// Checks of _fp8_linear_quantized_backward (Meta too): grad_output floating of shape (*, N) (input's leading dims
 /// when input is given, with linear's checks of input and weight), the saved operands' shapes (check_weight_operand:
 /// q(inputᵀ) [K, M], q(weightᵀ) [K, N]), grad_weight needing input or q(inputᵀ), the granularity and grad_dtype.
-Granularity check_fp8_linear_backward_quantized_args(
+Granularity check_fp8_linear_quantized_backward_args(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
@@ -175,8 +175,8 @@ at::Tensor fp8_linear_quantized_impl(const Backend& be, const at::Tensor& input,
                                      const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                      std::optional<at::ScalarType> grad_dtype);
 
-/// _fp8_linear_backward_quantized's kernel body shared by CPU and CUDA.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_quantized_impl(
+/// _fp8_linear_quantized_backward's kernel body shared by CPU and CUDA.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_impl(
     const Backend& be, const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
@@ -223,14 +223,14 @@ struct Kernels {
     return fp8_linear_quantized_impl(B, input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale,
                                      bias, granularity, grad_dtype);
   }
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_quantized(
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward(
       const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
       const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
       const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
       const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask,
       c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
       std::optional<at::ScalarType> bias_dtype) {
-    return fp8_linear_backward_quantized_impl(B, grad_output, input, input_t_data, input_t_scale, weight,
+    return fp8_linear_quantized_backward_impl(B, grad_output, input, input_t_data, input_t_scale, weight,
                                               weight_t_data, weight_t_scale, output_mask, granularity, grad_dtype,
                                               bias_dtype);
   }
@@ -241,7 +241,7 @@ struct Kernels {
     m.impl("fp8_linear_backward", &Kernels::fp8_linear_backward);
     m.impl("_fp8_linear_forward", &Kernels::fp8_linear_forward);
     m.impl("_fp8_linear_quantized", &Kernels::fp8_linear_quantized);
-    m.impl("_fp8_linear_backward_quantized", &Kernels::fp8_linear_backward_quantized);
+    m.impl("_fp8_linear_quantized_backward", &Kernels::fp8_linear_quantized_backward);
   }
 };
 
