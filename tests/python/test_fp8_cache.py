@@ -257,6 +257,28 @@ def test_layer_never_serves_stale_operands(device, granularity, change):
     assert _same(m2(x.double()).detach(), _fresh(m2, x.double())), name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+def test_cached_layer_under_autocast_is_fp8_linear(device, granularity):
+    """float32 master weights under bfloat16 autocast: the cache quantizes the weight in its own precision, as
+    fp8_linear does; output and gradients bit for bit."""
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(64, 32, device=device, fp8=granularity)
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+    w = m.weight.detach().clone().requires_grad_()
+    b = m.bias.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        m(x)  # cached now
+        y, ref = m(x), opforge.fp8_linear(x2, w, b, granularity=granularity)
+    assert y.dtype == torch.bfloat16 and _same(y.detach(), ref.detach())
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref.backward(g)
+    for a, c in ((x.grad, x2.grad), (m.weight.grad, w.grad), (m.bias.grad, b.grad)):
+        assert _same(a, c)
+
+
 def test_deepcopy_and_functional_call_give_the_uncached_values():
     torch.manual_seed(0)
     m = opforge.nn.Linear(32, 16, fp8="tensorwise")
