@@ -96,8 +96,8 @@ def operands(weight: torch.nn.Parameter, granularity: str, extra: Tuple = (),
     if entry is not None and entry.key == key and not entry.storage.expired() \
             and entry.storage.cdata == weight.untyped_storage()._cdata:
         return entry.operands
-    with torch.no_grad():
-        w = weight.detach()
+    with torch.no_grad(), torch.inference_mode(False):  # (normal tensors even when first made under inference
+        w = weight.detach()                             # mode: a later training forward saves them for backward)
         d, s = torch.ops.opforge.quantize_fp8(w, None, granularity)
         dt, st = torch.ops.opforge.quantize_fp8(w.t(), None, granularity)
     QUANTIZED[0] += 1

@@ -257,6 +257,19 @@ def test_layer_never_serves_stale_operands(device, granularity, change):
     assert _same(m2(x.double()).detach(), _fresh(m2, x.double())), name
 
 
+def test_operands_cached_under_inference_mode_serve_training():
+    """Operands first made under torch.inference_mode are normal tensors: a training forward saves them."""
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(32, 16, fp8="rowwise")
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        y0 = m(x)
+    n0 = _fp8_cache.QUANTIZED[0]
+    y = m(x)
+    y.sum().backward()
+    assert _fp8_cache.QUANTIZED[0] == n0 and _same(y.detach(), y0) and m.weight.grad is not None
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("granularity", GRANS)
 def test_cached_layer_under_autocast_is_fp8_linear(device, granularity):
