@@ -844,7 +844,7 @@ def fake_quantize_weight(weight: Tensor, bits: int = 4, group_size: int = -1,
         _missing_tensor("fake_quantize_weight", weight=weight)
         raise
 # ---- fp8: quantize_fp8, fp8_linear ---------------------------------------------------------------------
-__all__ += ["quantize_fp8", "fp8_linear", "FP8_GRANULARITIES"]
+__all__ += ["quantize_fp8", "fp8_linear", "fp8_cache_clear", "FP8_GRANULARITIES"]
 
 #: The scale granularities of `quantize_fp8` and `fp8_linear`.
 FP8_GRANULARITIES = ("tensorwise", "rowwise")
@@ -939,8 +939,9 @@ def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, 
     same recipe): grad_input = q(grad)·q(weightᵀ)ᵀ / scales, grad_weight = q(gradᵀ)·q(inputᵀ)ᵀ / scales, with
     rowwise scales per row of grad and per column of weight (grad_input), per column of grad and of input
     (grad_weight): the scale of each operand is constant along the contraction, as the scaled GEMM needs.
-    grad_bias = Σ_rows grad, float32 accumulation, not quantized. Autograd saves the high-precision input and
-    weight. Under `torch.autocast` the input and bias are cast to the autocast dtype and the weight is quantized
+    grad_bias = Σ_rows grad, float32 accumulation, not quantized. Autograd saves the weight and, tensorwise with a
+    weight gradient to compute, q(inputᵀ) (the forward's q(input) transposed, same scale: FP8, written by the forward's
+    quantization pass) in place of the input; otherwise the high-precision input. Under `torch.autocast` the input and bias are cast to the autocast dtype and the weight is quantized
     in its own precision.
 
     Source: torchao's `Float8Linear` (`torchao/float8/float8_linear.py`: the three GEMMs and their scaling axes;
@@ -951,6 +952,26 @@ def fp8_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, 
     except NotImplementedError:
         _missing_tensor("fp8_linear", input=input, weight=weight)
         raise
+
+
+def fp8_cache_clear() -> None:
+    """Drops the FP8 weight operands that opforge's FP8 layers cached: each layer quantizes its weight again at its next
+    forward.
+
+    `opforge.nn.Linear(..., fp8=...)` and the projections of `opforge.patch.apply(model, fp8=...)` keep each weight's
+    quantized operands (q(W) and q(Wᵀ) with their scales) and reuse them while the weight is unchanged: the same
+    Parameter, version counter, storage, data_ptr, dtype and device, and no `torch.optim` step since they were made
+    (docs/ops/fp8.md: The weight cache). A write that none of these record — through `weight.data`, or by code outside
+    torch — is not seen: call this after it.
+
+    Returns:
+        None.
+
+    Source: opforge (the cache lives in `opforge/_fp8_cache.py`).
+    """
+    from . import _fp8_cache
+
+    _fp8_cache.clear()
 
 
 # ---- linear variants: linear_cat, indexed_linear ----------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import _fp8_cache
 from . import functional as F
 
 __all__ = ["FusedAddRMSNorm", "GatedMLP", "Linear", "RMSNorm", "Sigmoid"]
@@ -33,7 +34,10 @@ class Linear(torch.nn.Linear):
             `"gelu"`, `"gelu_tanh"`, `"silu"`). Default: `"none"` (torch.nn.Linear's math).
         fp8: str or None, keyword-only. `"tensorwise"` or `"rowwise"`: compute the layer with
             `opforge.functional.fp8_linear` (FP8 GEMMs, current scaling; activation must be `"none"`). Default: None
-            (off).
+            (off). The layer keeps its weight's quantized operands and reuses them while the weight is unchanged
+            (until an optimizer step or an in-place write; bit-identical to quantizing each call): set the attribute
+            `fp8_cache = False` to quantize in every call; `opforge.functional.fp8_cache_clear` after writes
+            through `weight.data` (docs/ops/fp8.md: The weight cache).
 
     Shape: input `(*, K)` -> output `(*, N)`.
 
@@ -45,6 +49,7 @@ class Linear(torch.nn.Linear):
 
     activation: str = "none"  # (a class default too: modules pickled before the attribute existed load)
     fp8: Optional[str] = None
+    fp8_cache: bool = True  # reuse the weight's FP8 operands while it is unchanged (see fp8)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  activation: str = "none", fp8: Optional[str] = None) -> None:
@@ -60,6 +65,8 @@ class Linear(torch.nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
+            if self.fp8_cache:
+                return _fp8_cache.linear(input, self.weight, self.bias, self.fp8)
             return F.fp8_linear(input, self.weight, self.bias, granularity=self.fp8)
         return F.linear(input, self.weight, self.bias, self.activation)
 

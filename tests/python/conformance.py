@@ -2421,6 +2421,8 @@ ENTRIES.append(OpEntry(
     native=_fp8_linear_native, samples=_fp8_linear_samples, small_samples=_fp8_linear_small,
     bad_inputs=_fp8_linear_bad, double_backward=False, vmap_in_dims=(0, None, None), autocast="lower_precision",
     check=_fp8_linear_check,
+    # a node that saved q(inputᵀ) (tensorwise, weight trained) runs the backward op reading it
+    double_backward_error="(fp8_linear_backward|_fp8_linear_quantized_backward)",
     # the input and weight gradients are the FP8 GEMMs of the quantized operands, not the derivative of the
     # quantized forward (a step function); checked against the reference's above; gradcheck sees the bias only
     gradcheck_args=(2,)))

@@ -206,6 +206,13 @@ def suite_ops(mesh):
                   [xl], [p], mesh, grads=False)
         check("quantize_fp8 tensorwise", lambda a: [q.float() for q in opforge.quantize_fp8(a)], [xl], [S0], mesh,
               grads=False)
+
+        def quantized(a, w_, b_, gr):  # fp8_linear with the weight's operands precomputed (the layers' cache)
+            ops = [t.detach() for t in (*opforge.quantize_fp8(w_, None, gr), *opforge.quantize_fp8(w_.t(), None, gr))]
+            return torch.ops.opforge._fp8_linear_quantized(a, w_, *ops, b_, granularity=gr)
+        for gran in ("tensorwise", "rowwise"):
+            check(f"_fp8_linear_quantized {gran}", lambda a, w_, b_, gr=gran: quantized(a, w_, b_, gr), [xl, W, b],
+                  [R, R, R], mesh, rtol=1e-4, atol=1e-5)
     x1, x2, Wc = rn(4, 6, 3), rn(4, 6, 5), rn(12, 8)
     for px, pw, pb in ((R, R, R), (R, S0, S0), (S0, R, R)):
         check("linear_cat", lambda a, c, w_, b_: opforge.linear_cat([a, c], w_, b_), [x1, x2, Wc, b],

@@ -95,8 +95,13 @@ def test_opcheck(device, entry):
             continue
         for func, args, kwargs in calls[:2]:
             if name.endswith("_backward"):  # not differentiable (lazy error): schema, fake tensor, AOT dispatch
+                # (not test_schema where an argument is FP8: torch's schema check compares each argument before and
+                # after the call with allclose, which has no float8 kernel)
+                fp8_arg = any(isinstance(a, torch.Tensor) and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                              for a in args)
+                utils = tuple(u for u in BACKWARD_UTILS if not (fp8_arg and u == "test_schema"))
                 for variant in mask_variants(args):
-                    opcheck(func, variant, kwargs, test_utils=BACKWARD_UTILS)
+                    opcheck(func, variant, kwargs, test_utils=utils)
             elif name.split("::")[1] in entry.gradient_ops:  # computes gradients: every mask, on detached args
                 for variant in mask_variants(args):
                     opcheck(func, variant, kwargs)

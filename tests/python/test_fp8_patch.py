@@ -72,13 +72,18 @@ def _errors(run, ref):
     return out
 
 
+#: the ops an FP8 projection's forward dispatches below autograd: fp8_linear, or with the weight's cached operands
+#: _fp8_linear_quantized, or (tensorwise, the weight trained) the private forward that also returns q(inputᵀ)
+FORWARD_OPS = ("opforge::fp8_linear", "opforge::_fp8_linear_quantized", "opforge::_fp8_linear_forward")
+
+
 class _CountFP8(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.shapes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.name().startswith("opforge::fp8_linear") and not func.name().endswith("backward"):
+        if func.name() in FORWARD_OPS:
             self.shapes.append(tuple(args[1].shape))
         return func(*args, **(kwargs or {}))
 

@@ -1,4 +1,4 @@
-// quantize_fp8 and fp8_linear: checkers, the kernel bodies shared by the backends (the scaled GEMM, the
+// quantize_fp8, fp8_linear and their private forms: checkers, the kernel bodies shared by the backends (the scaled GEMM, the
 // quantized operands of each GEMM), the public C++ API, Meta kernels, autograd and autocast.
 #include "ops/fp8/fp8.h"
 
@@ -60,6 +60,114 @@ Granularity check_fp8_linear_args(const at::Tensor& input, const at::Tensor& wei
   linear_op::check_linear_args(op, input, weight, bias);
   const Granularity g = parse_granularity(op, granularity);
   grad_dtype_of(op, grad_dtype, g);
+  return g;
+}
+
+void check_weight_operand(const char* op, const char* data_name, const at::Tensor& data, const char* scale_name,
+                          const at::Tensor& scale, const c10::SymInt& rows, const c10::SymInt& cols,
+                          const c10::SymInt& scale_numel, const at::Tensor& like) {
+  TORCH_CHECK_TYPE(data.scalar_type() == at::kFloat8_e4m3fn, "opforge::", op, ": expected ", data_name,
+                   " to be torch.float8_e4m3fn, but got ", data.scalar_type());
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, "opforge::", op, ": expected ", scale_name,
+                   " to be torch.float32, but got ", scale.scalar_type());
+  check_same_device(op, data_name, data, "weight", like);
+  check_same_device(op, scale_name, scale, "weight", like);
+  TORCH_CHECK_VALUE(data.dim() == 2 && data.sym_size(0) == rows && data.sym_size(1) == cols, "opforge::", op,
+                    ": expected ", data_name, " of shape [", num_str(rows), ", ", num_str(cols), "], but got ",
+                    shape_str(data.sym_sizes()));
+  TORCH_CHECK_VALUE(scale.sym_numel() == scale_numel, "opforge::", op, ": expected ", scale_name, " with ",
+                    num_str(scale_numel), " element(s), but got shape ", shape_str(scale.sym_sizes()));
+}
+
+namespace {
+/// M: the product of input's leading dims, symbolic.
+c10::SymInt sym_rows_of(const at::Tensor& t) {
+  c10::SymInt M = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) M = M * t.sym_size(d);
+  return M;
+}
+bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+}  // namespace
+
+void check_fp8_linear_forward_args(const at::Tensor& input, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& weight_data,
+                                   const std::optional<at::Tensor>& weight_scale, c10::string_view granularity,
+                                   std::optional<at::ScalarType> grad_dtype) {
+  constexpr const char* op = "_fp8_linear_forward";
+  linear_op::check_linear_args(op, input, weight, bias);
+  const Granularity g = parse_granularity(op, granularity);
+  grad_dtype_of(op, grad_dtype, g);
+  TORCH_CHECK_VALUE(g == Granularity::kTensorwise, "opforge::", op,
+                    ": expected granularity \"tensorwise\" (a rowwise q(inputᵀ) is scaled per column of input, "
+                    "not the forward's per-row scales), but got \"rowwise\"");
+  TORCH_CHECK_VALUE(given(weight_data) == given(weight_scale), "opforge::", op,
+                    ": expected weight_data and weight_scale both given or both None, but got ",
+                    given(weight_data) ? "weight_data alone" : "weight_scale alone");
+  if (given(weight_data)) {
+    check_weight_operand(op, "weight_data", *weight_data, "weight_scale", *weight_scale, weight.sym_size(0),
+                         weight.sym_size(1), 1, weight);
+  }
+}
+
+Granularity check_fp8_linear_quantized_args(const at::Tensor& input, const at::Tensor& weight,
+                                            const at::Tensor& weight_data, const at::Tensor& weight_scale,
+                                            const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                            const std::optional<at::Tensor>& bias, c10::string_view granularity,
+                                            std::optional<at::ScalarType> grad_dtype) {
+  constexpr const char* op = "_fp8_linear_quantized";
+  linear_op::check_linear_args(op, input, weight, bias);
+  const Granularity g = parse_granularity(op, granularity);
+  grad_dtype_of(op, grad_dtype, g);
+  const bool rowwise = g == Granularity::kRowwise;
+  const c10::SymInt N = weight.sym_size(0), K = weight.sym_size(1);
+  check_weight_operand(op, "weight_data", weight_data, "weight_scale", weight_scale, N, K,
+                       rowwise ? N : c10::SymInt(1), weight);
+  check_weight_operand(op, "weight_t_data", weight_t_data, "weight_t_scale", weight_t_scale, K, N,
+                       rowwise ? K : c10::SymInt(1), weight);
+  return g;
+}
+
+Granularity check_fp8_linear_quantized_backward_args(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
+    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
+  constexpr const char* op = "_fp8_linear_quantized_backward";
+  check_floating(op, "grad_output", grad_output);
+  check_floating(op, "weight", weight);
+  check_same_device(op, "grad_output", grad_output, "weight", weight);
+  TORCH_CHECK_VALUE(weight.dim() == 2, "opforge::", op, ": expected weight to be 2-D (out_features, in_features), ",
+                    "but got shape ", shape_str(weight.sym_sizes()));
+  TORCH_CHECK_TYPE(!bias_dtype.has_value() || is_supported_floating(*bias_dtype), "opforge::", op,
+                   ": expected bias_dtype to be a floating dtype (float64, float32, float16 or bfloat16), but got ",
+                   *bias_dtype);
+  TORCH_CHECK_VALUE(grad_output.dim() >= 1 && grad_output.sym_size(-1) == weight.sym_size(0), "opforge::", op,
+                    ": expected grad_output of shape (*, ", num_str(weight.sym_size(0)),
+                    ") (out_features last), but got ", shape_str(grad_output.sym_sizes()));
+  if (given(input)) {
+    linear_op::check_linear_args(op, *input, weight, std::nullopt);
+    const auto expected = linear_op::output_sym_sizes(*input, weight);
+    TORCH_CHECK_VALUE(grad_output.sym_sizes().equals(expected), "opforge::", op, ": expected grad_output of shape ",
+                      shape_str(expected), " (input's leading dims, out_features), but got ",
+                      shape_str(grad_output.sym_sizes()));
+  }
+  const Granularity g = parse_granularity(op, granularity);
+  grad_dtype_of(op, grad_dtype, g);
+  const bool rowwise = g == Granularity::kRowwise;
+  const c10::SymInt N = weight.sym_size(0), K = weight.sym_size(1);
+  TORCH_CHECK_VALUE(given(input_t_data) == given(input_t_scale) && given(weight_t_data) == given(weight_t_scale),
+                    "opforge::", op, ": expected each saved operand's data and scale both given or both None");
+  if (given(input_t_data)) {
+    check_weight_operand(op, "input_t_data", *input_t_data, "input_t_scale", *input_t_scale, K,
+                         sym_rows_of(grad_output), rowwise ? K : c10::SymInt(1), weight);
+  }
+  if (given(weight_t_data)) {
+    check_weight_operand(op, "weight_t_data", *weight_t_data, "weight_t_scale", *weight_t_scale, K, N,
+                         rowwise ? K : c10::SymInt(1), weight);
+  }
+  TORCH_CHECK_VALUE(!output_mask[1] || given(input) || given(input_t_data), "opforge::", op,
+                    ": expected input or input_t_data for grad_weight (output_mask[1]), but got neither");
   return g;
 }
 
@@ -180,32 +288,36 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_impl(const Backend& be, const at
   const auto [t, g] = check_quantize_fp8_args(input, dtype, granularity);
   const bool rowwise = g == Granularity::kRowwise;
   const int64_t K = input.dim() == 0 ? 1 : input.size(-1);
-  Operand q = quantize_operand(be, input.reshape({rows_of(input), K}), t, rowwise);
+  // a transposed 2-D view (weight.t()): its rows are the columns of the row-major tensor under it, quantized by
+  // the transposed kernel with no high-precision copy (the bits of quantizing a contiguous copy)
+  const bool transposed = input.dim() == 2 && !input.is_contiguous() && input.t().is_contiguous();
+  Operand q = transposed ? quantize_operand_t(be, input.t(), t, rowwise)
+                         : quantize_operand(be, input.reshape({rows_of(input), K}), t, rowwise);
   return {q.data.view(input.sizes()), q.scale.view_symint(scale_sym_sizes(input, g))};
 }
 
-at::Tensor fp8_linear_impl(const Backend& be, const at::Tensor& input, const at::Tensor& weight,
-                           const std::optional<at::Tensor>& bias, c10::string_view granularity,
-                           std::optional<at::ScalarType> grad_dtype) {
-  const bool rowwise = check_fp8_linear_args(input, weight, bias, granularity, grad_dtype) == Granularity::kRowwise;
-  const int64_t M = rows_of(input), K = weight.size(1);
-  // input per token, weight per output channel (rowwise), both in e4m3; the weight from its own precision
-  const Operand x = quantize_operand(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
-  const Operand w = quantize_operand(be, weight, at::kFloat8_e4m3fn, rowwise);
+namespace {
+
+/// A precomputed operand as scaled_gemm reads it: data row-major, scale flat.
+Operand as_operand(const at::Tensor& data, const at::Tensor& scale) {
+  return {data.contiguous(), scale.reshape({-1}).contiguous()};
+}
+
+/// The forward GEMM and bias of fp8_linear from its quantized operands: Y (*, N) in input's dtype.
+at::Tensor forward_gemm(const Operand& x, const Operand& w, const at::Tensor& input, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, bool rowwise) {
   at::Tensor Y = scaled_gemm(x, w, rowwise, input.scalar_type());
   if (bias.has_value() && bias->defined()) Y.add_(to_input_dtype(*bias, input.scalar_type()));
   return linear_op::as_output(Y, input, weight);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_impl(
-    const Backend& be, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
-    std::array<bool, 3> output_mask, c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
-    std::optional<at::ScalarType> bias_dtype) {
-  const Granularity g =
-      check_fp8_linear_backward_args(grad_output, input, weight, granularity, grad_dtype, bias_dtype);
-  const bool rowwise = g == Granularity::kRowwise;
-  const at::ScalarType gdt = grad_dtype_of("fp8_linear_backward", grad_dtype, g);
-  const int64_t M = rows_of(input), K = weight.size(1), N = weight.size(0);
+/// The gradients of fp8_linear from grad_output and whichever operands were kept: q(Xᵀ) (`xt`) or X [M, K]
+/// (`X`, quantized here), q(Wᵀ) (`wt`) or the weight (quantized here). grad_input [M, K] in `x_dtype`.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_gemms(
+    const Backend& be, const at::Tensor& grad_output, const at::Tensor& X, const Operand* xt, const at::Tensor& weight,
+    const Operand* wt, std::array<bool, 3> output_mask, bool rowwise, at::ScalarType gdt, at::ScalarType x_dtype,
+    at::ScalarType bias_dtype) {
+  const int64_t K = weight.size(1), N = weight.size(0), M = rows_of(grad_output);
   const at::Tensor G = grad_output.reshape({M, N});
   // q(dY) [M, N] for dX and q(dYᵀ) [N, M] for dW: tensorwise, one scale serves both, so when both are needed one
   // pass writes both orientations; rowwise, the scales run along different axes (per row of dY, per column)
@@ -219,17 +331,101 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_impl(
   at::Tensor grad_input, grad_weight, grad_bias;
   if (output_mask[0]) {
     // dX[M, K] = dY[M, N] · W[N, K]: contraction over N, so dY per row and W per column (Wᵀ per row, read from W)
-    const Operand wq = quantize_operand_t(be, weight, at::kFloat8_e4m3fn, rowwise);
-    grad_input = scaled_gemm(g_rows, wq, rowwise, input.scalar_type()).view(input.sizes());
+    const Operand wq = wt != nullptr ? *wt : quantize_operand_t(be, weight, at::kFloat8_e4m3fn, rowwise);
+    grad_input = scaled_gemm(g_rows, wq, rowwise, x_dtype);
   }
   if (output_mask[1]) {
     // dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over the tokens M, so dY and X per column (their transposes
-    // per row, read from dY and X)
-    const Operand xq = quantize_operand_t(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
+    // per row, read from dY and X, or q(Xᵀ) as the forward wrote it)
+    const Operand xq = xt != nullptr ? *xt : quantize_operand_t(be, X.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
     grad_weight = scaled_gemm(g_cols, xq, rowwise, weight.scalar_type());
   }
-  if (output_mask[2]) grad_bias = linear_op::sum_rows(G, linear_op::grad_bias_dtype(input, bias_dtype));
+  if (output_mask[2]) grad_bias = linear_op::sum_rows(G, bias_dtype);
   return {grad_input, grad_weight, grad_bias};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_impl(
+    const Backend& be, const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+  check_fp8_linear_forward_args(input, weight, bias, weight_data, weight_scale, granularity, grad_dtype);
+  const int64_t M = rows_of(input), K = weight.size(1);
+  // q(X) for the forward GEMM and q(Xᵀ) for the backward's dW from one amax pass and one cast pass
+  auto [x, xt] = quantize_operand_both(be, input.reshape({M, K}), at::kFloat8_e4m3fn);
+  const Operand w = weight_data.has_value() && weight_data->defined()
+                        ? as_operand(*weight_data, *weight_scale)
+                        : quantize_operand(be, weight, at::kFloat8_e4m3fn, /*rowwise=*/false);
+  return {forward_gemm(x, w, input, weight, bias, /*rowwise=*/false), xt.data, xt.scale};
+}
+
+at::Tensor fp8_linear_quantized_impl(const Backend& be, const at::Tensor& input, const at::Tensor& weight,
+                                     const at::Tensor& weight_data, const at::Tensor& weight_scale,
+                                     const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                     const std::optional<at::Tensor>& bias, c10::string_view granularity,
+                                     std::optional<at::ScalarType> grad_dtype) {
+  const bool rowwise = check_fp8_linear_quantized_args(input, weight, weight_data, weight_scale, weight_t_data,
+                                                       weight_t_scale, bias, granularity,
+                                                       grad_dtype) == Granularity::kRowwise;
+  const int64_t M = rows_of(input), K = weight.size(1);
+  const Operand x = quantize_operand(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
+  return forward_gemm(x, as_operand(weight_data, weight_scale), input, weight, bias, rowwise);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_impl(
+    const Backend& be, const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
+    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
+  const Granularity g = check_fp8_linear_quantized_backward_args(grad_output, input, input_t_data, input_t_scale,
+                                                                 weight, weight_t_data, weight_t_scale, output_mask,
+                                                                 granularity, grad_dtype, bias_dtype);
+  const at::ScalarType gdt = grad_dtype_of("_fp8_linear_quantized_backward", grad_dtype, g);
+  std::optional<Operand> xt, wt;
+  if (given(input_t_data)) xt = as_operand(*input_t_data, *input_t_scale);
+  if (given(weight_t_data)) wt = as_operand(*weight_t_data, *weight_t_scale);
+  const bool has_input = given(input);
+  const at::ScalarType x_dtype = has_input ? input->scalar_type() : grad_output.scalar_type();
+  auto [gi, gw, gb] = backward_gemms(be, grad_output, has_input ? *input : at::Tensor(), xt ? &*xt : nullptr, weight,
+                                     wt ? &*wt : nullptr, output_mask, g == Granularity::kRowwise, gdt, x_dtype,
+                                     bias_dtype.value_or(x_dtype));
+  if (gi.defined()) {
+    if (has_input) {
+      gi = gi.view(input->sizes());
+    } else {
+      std::vector<int64_t> sizes(grad_output.sizes().begin(), grad_output.sizes().end());
+      sizes.back() = weight.size(1);
+      gi = gi.view(sizes);
+    }
+  }
+  return {gi, gw, gb};
+}
+
+at::Tensor fp8_linear_impl(const Backend& be, const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias, c10::string_view granularity,
+                           std::optional<at::ScalarType> grad_dtype) {
+  const bool rowwise = check_fp8_linear_args(input, weight, bias, granularity, grad_dtype) == Granularity::kRowwise;
+  const int64_t M = rows_of(input), K = weight.size(1);
+  // input per token, weight per output channel (rowwise), both in e4m3; the weight from its own precision
+  const Operand x = quantize_operand(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
+  const Operand w = quantize_operand(be, weight, at::kFloat8_e4m3fn, rowwise);
+  return forward_gemm(x, w, input, weight, bias, rowwise);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_impl(
+    const Backend& be, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    std::array<bool, 3> output_mask, c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
+    std::optional<at::ScalarType> bias_dtype) {
+  const Granularity g =
+      check_fp8_linear_backward_args(grad_output, input, weight, granularity, grad_dtype, bias_dtype);
+  const at::ScalarType gdt = grad_dtype_of("fp8_linear_backward", grad_dtype, g);
+  auto [gi, gw, gb] = backward_gemms(be, grad_output, input, nullptr, weight, nullptr, output_mask,
+                                     g == Granularity::kRowwise, gdt, input.scalar_type(),
+                                     linear_op::grad_bias_dtype(input, bias_dtype));
+  if (gi.defined()) gi = gi.view(input.sizes());
+  return {gi, gw, gb};
 }
 
 }  // namespace fp8_op
@@ -252,6 +448,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward(
     std::optional<at::ScalarType> bias_dtype) {
   static auto op = typed_op<decltype(fp8_linear_backward)>("opforge::fp8_linear_backward");
   return op.call(grad_output, input, weight, output_mask, granularity, grad_dtype, bias_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_forward(
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+  static auto op = typed_op<decltype(_fp8_linear_forward)>("opforge::_fp8_linear_forward");
+  return op.call(input, weight, bias, weight_data, weight_scale, granularity, grad_dtype);
+}
+at::Tensor _fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_data,
+                                 const at::Tensor& weight_scale, const at::Tensor& weight_t_data,
+                                 const at::Tensor& weight_t_scale, const std::optional<at::Tensor>& bias,
+                                 c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+  static auto op = typed_op<decltype(_fp8_linear_quantized)>("opforge::_fp8_linear_quantized");
+  return op.call(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias, granularity,
+                 grad_dtype);
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_quantized_backward(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
+    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
+  static auto op = typed_op<decltype(_fp8_linear_quantized_backward)>("opforge::_fp8_linear_quantized_backward");
+  return op.call(grad_output, input, input_t_data, input_t_scale, weight, weight_t_data, weight_t_scale, output_mask,
+                 granularity, grad_dtype, bias_dtype);
 }
 
 namespace {
@@ -280,35 +502,146 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_meta(
   return linear_op::empty_backward_outputs(input, weight, output_mask, bias_dtype);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_meta(
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+  check_fp8_linear_forward_args(input, weight, bias, weight_data, weight_scale, granularity, grad_dtype);
+  c10::SymInt M = 1;
+  for (int64_t d = 0; d + 1 < input.dim(); ++d) M = M * input.sym_size(d);
+  return {at::empty_symint(linear_op::output_sym_sizes(input, weight), input.options()),
+          at::empty_symint({weight.sym_size(1), M}, input.options().dtype(at::kFloat8_e4m3fn)),
+          at::empty({1}, input.options().dtype(at::kFloat))};
+}
+
+at::Tensor fp8_linear_quantized_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_data,
+                                     const at::Tensor& weight_scale, const at::Tensor& weight_t_data,
+                                     const at::Tensor& weight_t_scale, const std::optional<at::Tensor>& bias,
+                                     c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+  check_fp8_linear_quantized_args(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias,
+                                  granularity, grad_dtype);
+  return at::empty_symint(linear_op::output_sym_sizes(input, weight), input.options());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_meta(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
+    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
+  check_fp8_linear_quantized_backward_args(grad_output, input, input_t_data, input_t_scale, weight, weight_t_data,
+                                           weight_t_scale, output_mask, granularity, grad_dtype, bias_dtype);
+  if (input.has_value() && input->defined()) {
+    return linear_op::empty_backward_outputs(*input, weight, output_mask, bias_dtype);
+  }
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (output_mask[0]) {
+    c10::SymDimVector sizes(grad_output.sym_sizes().begin(), grad_output.sym_sizes().end());
+    sizes.back() = weight.sym_size(1);
+    grad_input = at::empty_symint(sizes, grad_output.options());
+  }
+  if (output_mask[1]) grad_weight = at::empty_symint(weight.sym_sizes(), weight.options());
+  if (output_mask[2]) {
+    grad_bias = at::empty_symint({weight.sym_size(0)},
+                                 grad_output.options().dtype(bias_dtype.value_or(grad_output.scalar_type())));
+  }
+  return {grad_input, grad_weight, grad_bias};
+}
+
 // ---- Autograd ----------------------------------------------------------------------------------------
 
-// Saved: 0 input, 1 weight (high precision: the backward quantizes each GEMM's operands along its own axes).
-// Attributes: granularity (0 tensorwise, 1 rowwise), grad_dtype (-1 for the default), bias's dtype (-1 without
-// bias). Edges: 0 input, 1 weight, 2 bias.
+// Saved: 0 input (undefined when q(inputᵀ) was kept instead), 1 weight, 2 input_t_data, 3 input_t_scale (q(inputᵀ)
+// from the forward: tensorwise with a weight gradient to compute), 4 weight_t_data, 5 weight_t_scale (q(weightᵀ) given
+// to _fp8_linear_quantized). Attributes: granularity (0 tensorwise, 1 rowwise), grad_dtype (-1 for the default),
+// bias's dtype (-1 without bias). Edges: 0 input, 1 weight, 2 bias. With only high-precision tensors saved the
+// public fp8_linear_backward runs; else its private form reading the saved FP8 operands.
 variable_list fp8_linear_backward_fn(const BackwardArgs& a) {
   const char* granularity = a.attrs[0].toInt() == 1 ? "rowwise" : "tensorwise";
   std::optional<at::ScalarType> gdt, bdt;
   if (a.attrs[1].toInt() >= 0) gdt = static_cast<at::ScalarType>(a.attrs[1].toInt());
   if (a.attrs[2].toInt() >= 0) bdt = static_cast<at::ScalarType>(a.attrs[2].toInt());
-  auto [grad_input, grad_weight, grad_bias] = opforge::fp8_linear_backward(
-      a.grads[0], a.saved[0], a.saved[1], {a.needs[0], a.needs[1], bdt && a.needs[2]}, granularity, gdt, bdt);
-  return {grad_input, grad_weight, grad_bias};
+  const std::array<bool, 3> mask{a.needs[0], a.needs[1], bdt && a.needs[2]};
+  const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+  if (!a.saved[2].defined() && !a.saved[4].defined()) {
+    auto [gi, gw, gb] = opforge::fp8_linear_backward(a.grads[0], a.saved[0], a.saved[1], mask, granularity, gdt, bdt);
+    return {gi, gw, gb};
+  }
+  auto [gi, gw, gb] = opforge::_fp8_linear_quantized_backward(a.grads[0], opt(a.saved[0]), opt(a.saved[2]),
+                                                              opt(a.saved[3]), a.saved[1], opt(a.saved[4]),
+                                                              opt(a.saved[5]), mask, granularity, gdt, bdt);
+  return {gi, gw, gb};
 }
+
+/// The forward of both differentiable ops' Autograd kernels: (output, q(inputᵀ) data, its scale), the last two
+/// defined only when they are to be saved (a node is recorded, tensorwise, the weight needs a gradient).
+/// `weight_q`: q(weight) and q(weightᵀ) precomputed (_fp8_linear_quantized), else null (fp8_linear).
+struct Fp8LinearCall {
+  const at::Tensor& input;
+  const at::Tensor& weight;
+  const std::optional<at::Tensor>& bias;
+  c10::string_view granularity;
+  std::optional<at::ScalarType> grad_dtype;
+  const std::array<at::Tensor, 4>* weight_q;
+
+  bool keeps_input_t(bool grad) const {
+    return grad && weight.requires_grad() && parse_granularity("fp8_linear", granularity) == Granularity::kTensorwise;
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(bool grad) const {
+    if (keeps_input_t(grad)) {
+      std::optional<at::Tensor> wd, ws;
+      if (weight_q != nullptr) wd = (*weight_q)[0], ws = (*weight_q)[1];
+      return opforge::_fp8_linear_forward(input, weight, bias, wd, ws, granularity, grad_dtype);
+    }
+    if (weight_q == nullptr) return {opforge::fp8_linear(input, weight, bias, granularity, grad_dtype), {}, {}};
+    const auto& q = *weight_q;
+    return {opforge::_fp8_linear_quantized(input, weight, q[0], q[1], q[2], q[3], bias, granularity, grad_dtype), {},
+            {}};
+  }
+
+  void save(OpNode& n, const std::tuple<at::Tensor, at::Tensor, at::Tensor>& r) const {
+    const bool kept = std::get<1>(r).defined();
+    n.save(kept ? at::Tensor() : input);
+    n.save(weight);
+    n.save(std::get<1>(r));
+    n.save(std::get<2>(r));
+    n.save(weight_q != nullptr ? (*weight_q)[2] : at::Tensor());
+    n.save(weight_q != nullptr ? (*weight_q)[3] : at::Tensor());
+    n.attr(static_cast<int64_t>(parse_granularity("fp8_linear", granularity) == Granularity::kRowwise ? 1 : 0));
+    n.attr(grad_dtype.has_value() ? static_cast<int64_t>(*grad_dtype) : int64_t{-1});
+    n.attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
+  }
+};
+
+constexpr Differentiability kFp8LinearOutputs[3] = {kDifferentiable, kNotDifferentiable, kNotDifferentiable};
 
 at::Tensor fp8_linear_autograd(const at::Tensor& input, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                std::optional<at::ScalarType> grad_dtype) {
-  return autograd_op(
-      {"fp8_linear", "opforge::Fp8LinearBackward", fp8_linear_backward_fn, nullptr}, {kDifferentiable},
-      [&](bool) { return opforge::fp8_linear(input, weight, bias, granularity, grad_dtype); },
-      [&](OpNode& n, const at::Tensor&) {
-        n.save(input);
-        n.save(weight);
-        n.attr(static_cast<int64_t>(parse_granularity("fp8_linear", granularity) == Granularity::kRowwise ? 1 : 0));
-        n.attr(grad_dtype.has_value() ? static_cast<int64_t>(*grad_dtype) : int64_t{-1});
-        n.attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
-      },
-      input, weight, bias);
+  const Fp8LinearCall call{input, weight, bias, granularity, grad_dtype, nullptr};
+  return std::get<0>(autograd_op(
+      {"fp8_linear", "opforge::Fp8LinearBackward", fp8_linear_backward_fn, nullptr}, kFp8LinearOutputs,
+      [&](bool grad) { return call.forward(grad); },
+      [&](OpNode& n, const std::tuple<at::Tensor, at::Tensor, at::Tensor>& r) { call.save(n, r); }, input, weight,
+      bias));
+}
+
+at::Tensor fp8_linear_quantized_autograd(const at::Tensor& input, const at::Tensor& weight,
+                                         const at::Tensor& weight_data, const at::Tensor& weight_scale,
+                                         const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                         const std::optional<at::Tensor>& bias, c10::string_view granularity,
+                                         std::optional<at::ScalarType> grad_dtype) {
+  // the operands' checks before anything runs (the forward's op checks them again): a malformed operand is
+  // reported by this op's name
+  check_fp8_linear_quantized_args(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias,
+                                  granularity, grad_dtype);
+  const std::array<at::Tensor, 4> q{weight_data, weight_scale, weight_t_data, weight_t_scale};
+  const Fp8LinearCall call{input, weight, bias, granularity, grad_dtype, &q};
+  return std::get<0>(autograd_op(
+      {"_fp8_linear_quantized", "opforge::Fp8LinearBackward", fp8_linear_backward_fn, nullptr}, kFp8LinearOutputs,
+      [&](bool grad) { return call.forward(grad); },
+      [&](OpNode& n, const std::tuple<at::Tensor, at::Tensor, at::Tensor>& r) { call.save(n, r); }, input, weight,
+      bias));
 }
 
 // quantize_fp8 is not differentiable (its outputs carry no history; fp8_linear is the differentiable op): it
@@ -321,25 +654,45 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_autograd(const at::Tensor& input
   return opforge::quantize_fp8(input, dtype, granularity);
 }
 
+// _fp8_linear_forward is what the Autograd kernels above call below autograd; called directly its outputs carry
+// no history (as quantize_fp8's: fp8_linear and _fp8_linear_quantized are the differentiable ops).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_autograd(
+    const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+  check_no_forward_ad("_fp8_linear_forward", input, weight, bias);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return opforge::_fp8_linear_forward(input, weight, bias, weight_data, weight_scale, granularity, grad_dtype);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opforge, Meta, m) {
   m.impl("quantize_fp8", &quantize_fp8_meta);
   m.impl("fp8_linear", &fp8_linear_meta);
   m.impl("fp8_linear_backward", &fp8_linear_backward_meta);
+  m.impl("_fp8_linear_forward", &fp8_linear_forward_meta);
+  m.impl("_fp8_linear_quantized", &fp8_linear_quantized_meta);
+  m.impl("_fp8_linear_quantized_backward", &fp8_linear_quantized_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   m.impl("quantize_fp8", &quantize_fp8_autograd);
   m.impl("fp8_linear", &fp8_linear_autograd);
   register_backward_op_autograd(m, "fp8_linear_backward");
+  m.impl("_fp8_linear_quantized", &fp8_linear_quantized_autograd);
+  m.impl("_fp8_linear_forward", &fp8_linear_forward_autograd);
+  register_backward_op_autograd(m, "_fp8_linear_quantized_backward");
 }
 
 // torch.autocast (core/autocast.h): input and bias to the autocast dtype, the weight left as it is (quantized to
 // e4m3 from its own precision, e.g. float32 master weights, as torchao's Float8Linear does under autocast). The
 // backward and the quantizer keep their dtypes.
 OPFORGE_AUTOCAST(fp8, {{"fp8_linear", AutocastPolicy::kLowerPrecision, {"input", "bias"}},
+                       {"_fp8_linear_forward", AutocastPolicy::kLowerPrecision, {"input", "bias"}},
+                       {"_fp8_linear_quantized", AutocastPolicy::kLowerPrecision, {"input", "bias"}},
                        {"fp8_linear_backward", AutocastPolicy::kInputDtype},
+                       {"_fp8_linear_quantized_backward", AutocastPolicy::kInputDtype},
                        {"quantize_fp8", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

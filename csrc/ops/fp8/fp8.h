@@ -1,4 +1,4 @@
-// quantize_fp8, fp8_linear and fp8_linear_backward: FP8 training with current (dynamic) scaling.
+// quantize_fp8, fp8_linear, fp8_linear_backward and their private forms: FP8 training with current (dynamic) scaling.
 //
 //   quantize_fp8(X, dtype, granularity)   (data, scale): data = fp8(clamp(X · scale, ±max)), scale from max|X|
 //                                         over the tensor or each row (fp8_math.h: the recipe and its special values)
@@ -14,9 +14,11 @@
 // The transposes are never copied in high precision: the backend's transposed quantizer (quantize_cols) reads W,
 // dY and X in their row-major layout and writes q(Wᵀ), q(dYᵀ), q(Xᵀ) row-major. Tensorwise scales do not depend on the axis, so
 // when both gradients are needed q(dY) and q(dYᵀ) share one scale and come from one pass (quantize_both); rowwise,
-// q(dY) is per row of dY and q(dYᵀ) per column, two quantizations. (q(Wᵀ) and q(Xᵀ) of a tensorwise quantization
-// are the transposes of the forward's q(W) and q(X): keeping those from the forward, and fusing the quantization
-// into the producers' epilogues, removes those passes.)
+// q(dY) is per row of dY and q(dYᵀ) per column, two quantizations. Tensorwise, q(Xᵀ) is the transpose of the
+// forward's q(X) (one scale): when the weight needs a gradient the forward writes both from one pass
+// (_fp8_linear_forward) and autograd saves q(Xᵀ) (FP8, half of a bf16 X) instead of X; rowwise scales of Xᵀ run
+// per column of X, so the rowwise backward quantizes Xᵀ from the saved X. _fp8_linear_quantized takes q(W) and
+// q(Wᵀ) precomputed (opforge's Python layers cache them per optimizer step) and skips both weight passes.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -58,6 +60,37 @@ c10::SymDimVector scale_sym_sizes(const at::Tensor& input, Granularity g);
 Granularity check_fp8_linear_args(const at::Tensor& input, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                   std::optional<at::ScalarType> grad_dtype);
+
+/// Checks of _fp8_linear_forward (Meta too): fp8_linear's, tensorwise only, weight_data and weight_scale given
+/// together and each well formed (check_weight_operand).
+void check_fp8_linear_forward_args(const at::Tensor& input, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& weight_data,
+                                   const std::optional<at::Tensor>& weight_scale, c10::string_view granularity,
+                                   std::optional<at::ScalarType> grad_dtype);
+
+/// Checks of _fp8_linear_quantized (Meta too): fp8_linear's, then the four weight operands (check_weight_operand).
+Granularity check_fp8_linear_quantized_args(const at::Tensor& input, const at::Tensor& weight,
+                                            const at::Tensor& weight_data, const at::Tensor& weight_scale,
+                                            const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                            const std::optional<at::Tensor>& bias, c10::string_view granularity,
+                                            std::optional<at::ScalarType> grad_dtype);
+
+/// One precomputed operand of `op`: `data` float8_e4m3fn of shape [rows, cols] on `like`'s device (TypeError for
+/// another dtype, ValueError for another shape, RuntimeError for another device), `scale` float32 on that device
+/// with `scale_numel` elements (1 tensorwise; rows rowwise).
+void check_weight_operand(const char* op, const char* data_name, const at::Tensor& data, const char* scale_name,
+                          const at::Tensor& scale, const c10::SymInt& rows, const c10::SymInt& cols,
+                          const c10::SymInt& scale_numel, const at::Tensor& like);
+
+/// Checks of _fp8_linear_quantized_backward (Meta too): grad_output floating of shape (*, N) (input's leading dims
+/// when input is given, with linear's checks of input and weight), the saved operands' shapes (check_weight_operand:
+/// q(inputᵀ) [K, M], q(weightᵀ) [K, N]), grad_weight needing input or q(inputᵀ), the granularity and grad_dtype.
+Granularity check_fp8_linear_quantized_backward_args(
+    const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
+    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype);
 
 /// Checks of fp8_linear_backward (Meta too): linear_backward's shape checks, the granularity, grad_dtype.
 Granularity check_fp8_linear_backward_args(const at::Tensor& grad_output, const at::Tensor& input,
@@ -129,6 +162,27 @@ at::Tensor fp8_linear_impl(const Backend& be, const at::Tensor& input, const at:
                            const std::optional<at::Tensor>& bias, c10::string_view granularity,
                            std::optional<at::ScalarType> grad_dtype);
 
+/// _fp8_linear_forward's kernel body shared by CPU and CUDA.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_impl(
+    const Backend& be, const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype);
+
+/// _fp8_linear_quantized's kernel body shared by CPU and CUDA.
+at::Tensor fp8_linear_quantized_impl(const Backend& be, const at::Tensor& input, const at::Tensor& weight,
+                                     const at::Tensor& weight_data, const at::Tensor& weight_scale,
+                                     const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                     const std::optional<at::Tensor>& bias, c10::string_view granularity,
+                                     std::optional<at::ScalarType> grad_dtype);
+
+/// _fp8_linear_quantized_backward's kernel body shared by CPU and CUDA.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_impl(
+    const Backend& be, const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
+    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype);
+
 /// fp8_linear_backward's kernel body shared by CPU and CUDA.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_impl(
     const Backend& be, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
@@ -155,11 +209,39 @@ struct Kernels {
     return fp8_linear_backward_impl(B, grad_output, input, weight, output_mask, granularity, grad_dtype,
                                     bias_dtype);
   }
-  /// Registers the three kernels for the library's dispatch key.
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward(
+      const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+      const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+      c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+    return fp8_linear_forward_impl(B, input, weight, bias, weight_data, weight_scale, granularity, grad_dtype);
+  }
+  static at::Tensor fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weight,
+                                         const at::Tensor& weight_data, const at::Tensor& weight_scale,
+                                         const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                         const std::optional<at::Tensor>& bias, c10::string_view granularity,
+                                         std::optional<at::ScalarType> grad_dtype) {
+    return fp8_linear_quantized_impl(B, input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale,
+                                     bias, granularity, grad_dtype);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward(
+      const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
+      const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+      const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
+      const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask,
+      c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
+      std::optional<at::ScalarType> bias_dtype) {
+    return fp8_linear_quantized_backward_impl(B, grad_output, input, input_t_data, input_t_scale, weight,
+                                              weight_t_data, weight_t_scale, output_mask, granularity, grad_dtype,
+                                              bias_dtype);
+  }
+  /// Registers the kernels for the library's dispatch key.
   static void register_for(torch::Library& m) {
     m.impl("quantize_fp8", &Kernels::quantize_fp8);
     m.impl("fp8_linear", &Kernels::fp8_linear);
     m.impl("fp8_linear_backward", &Kernels::fp8_linear_backward);
+    m.impl("_fp8_linear_forward", &Kernels::fp8_linear_forward);
+    m.impl("_fp8_linear_quantized", &Kernels::fp8_linear_quantized);
+    m.impl("_fp8_linear_quantized_backward", &Kernels::fp8_linear_quantized_backward);
   }
 };
 

@@ -27,7 +27,8 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 | their backward | the three strategies' gradients (column-wise: grad_input P; token-sharded: grad_weight P) |
 | quantize_fp8 | R; rowwise: S(d) on a leading dim (data and scale alike) |
 | fp8_linear | R; rowwise: column-wise (weight S(0), bias S(0), output S(-1)) and token-sharded (input S(d), weight R) |
-| fp8_linear_backward | R (its rowwise scales run across tokens and output channels) |
+| fp8_linear_backward, _fp8_linear_quantized_backward | R (its rowwise scales run across tokens and output channels) |
+| _fp8_linear_forward, _fp8_linear_quantized | R (quantized operands precomputed for whole tensors) |
 | indexed_linear (and backward) | R; experts sharded (weight S(0), output P); weight S(1) (column-wise within each expert); token-sharded |
 | linear_cross_entropy (all its ops) | vocabulary-parallel when linear_weight is S(0) (opforge.parallel.loss); token-sharded for sum/none; R |
 | _linear_cross_entropy_scale_grads | each gradient keeps its placement |
@@ -376,6 +377,26 @@ def _fp8_linear(input, weight, bias=None, *, granularity="tensorwise", grad_dtyp
 def _fp8_linear_backward(grad_output, input, weight, output_mask, granularity="tensorwise", grad_dtype=None,
                          bias_dtype=None):
     return [(_masked(output_mask, R, R, R), [R, R, R, None, None, None, None])]
+
+
+@_rule("_fp8_linear_forward")
+def _fp8_linear_forward(input, weight, bias=None, weight_data=None, weight_scale=None, *, granularity="tensorwise",
+                        grad_dtype=None):
+    return [([R, R, R], [R, R, _opt(bias, R), _opt(weight_data, R), _opt(weight_scale, R)])]
+
+
+@_rule("_fp8_linear_quantized")
+def _fp8_linear_quantized(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias=None, *,
+                          granularity="tensorwise", grad_dtype=None):
+    return [([R], [R, R, R, R, R, R, _opt(bias, R)])]
+
+
+@_rule("_fp8_linear_quantized_backward")
+def _fp8_linear_quantized_backward(grad_output, input, input_t_data, input_t_scale, weight, weight_t_data,
+                                   weight_t_scale, output_mask, granularity="tensorwise", grad_dtype=None,
+                                   bias_dtype=None):
+    return [(_masked(output_mask, R, R, R), [R, _opt(input, R), _opt(input_t_data, R), _opt(input_t_scale, R), R,
+                                             _opt(weight_t_data, R), _opt(weight_t_scale, R), None, None, None, None])]
 
 
 @_rule("linear_cat")

@@ -1,10 +1,14 @@
 """FP8 projections of the patched decoder layers (`apply(model, fp8=...)`).
 
 The fused q/k/v and gate/up GEMMs of a patched attention / MLP read the granularity from the module
-(`_opforge_fp8`, see `_layers.proj`); o_proj and down_proj, which the patched forwards call as modules, are swapped
-for `opforge.nn.Linear(..., fp8=...)` holding the same Parameter objects (so state_dict, the optimizer and `revert`
-see the module's own parameters). Everything else (embedding, norms, lm_head, the loss, the experts of a
-mixture-of-experts block) keeps the model's precision.
+(`_opforge_fp8`, see `_layers.proj`, which calls `linear` here); o_proj and down_proj, which the patched forwards call
+as modules, are swapped for `opforge.nn.Linear(..., fp8=...)` holding the same Parameter objects (so state_dict, the
+optimizer and `revert` see the module's own parameters). Everything else (embedding, norms, lm_head, the loss, the
+experts of a mixture-of-experts block) keeps the model's precision.
+
+Every FP8 projection reuses its weight's quantized operands while the weight is unchanged (`opforge._fp8_cache`).
+A fused projection's rows are also reachable through the Parameters standing for q_proj, k_proj, ... (which share
+its storage but not its version counter): their identities and version counters are part of the cache key.
 """
 from __future__ import annotations
 
@@ -12,9 +16,9 @@ from typing import Optional
 
 import torch
 
+from .. import _fp8_cache
 from .. import functional as OF
 from .. import nn as onn
-from . import _modules as M
 from ._report import PatchReport
 
 #: module kinds of the patched classes (`_layers.subclass`) whose projections go FP8, with the projection each
@@ -30,7 +34,39 @@ def check_fp8(fp8: Optional[str]) -> None:
                          f"{' or '.join(repr(g) for g in OF.FP8_GRANULARITIES)}, but got {fp8!r}")
 
 
+def linear(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Module, fp8: str) -> torch.Tensor:
+    """fp8_linear(x, lin.weight, lin.bias) of a patched layer's projection (fused q/k/v or gate/up: `lin` the fused
+    Linear, or the operand object of `_fused.gemm_operand`), with the weight's quantized operands cached."""
+    w = lin.weight
+    if not _fp8_cache.usable(w):
+        return OF.fp8_linear(x, w, lin.bias, granularity=fp8)
+    extra, keep = _alias_key(owner, w)
+    return _fp8_cache.linear(x, w, lin.bias, fp8, extra=extra, keep=keep)
+
+
+def _alias_key(owner: torch.nn.Module, weight: torch.Tensor):
+    """(ids and version counters, the objects) of the Parameters standing for rows of `weight` when it is a fused
+    projection's weight of `owner`: writes through them change the fused rows without bumping its counter (and
+    replacing their `.data` makes new ones)."""
+    fused = owner.__dict__.get("_opforge_fused")
+    if not fused:
+        return (), ()
+    extra, keep = [], []
+    for base, parts in fused.values():
+        if base.__dict__.get("_parameters", {}).get("weight") is not weight:
+            continue
+        for *_, sl in parts:
+            cached = sl.__dict__.get("_opforge_alias_weight")
+            if cached is not None:
+                alias = cached[0]
+                extra.append((id(alias), alias._version, alias.data_ptr()))
+                keep.append(alias)
+    return tuple(extra), tuple(keep)
+
+
 def _fp8_linear(old: torch.nn.Linear, fp8: str) -> onn.Linear:
+    from . import _modules as M
+
     new = M._linear(old)
     new.fp8 = fp8
     return new
@@ -49,6 +85,8 @@ def enable(model: torch.nn.Module, report: PatchReport, fp8: str) -> int:
             report.skipped.append((f"{name}.{called}", type(sub).__name__,
                                    f"not a plain Linear: left in the model's precision (fp8={fp8!r})"))
         else:
+            from . import _modules as M
+
             M._set(model, f"{name}.{called}", _fp8_linear(sub, fp8))
         m._opforge_fp8 = fp8
         report.patched.append((name, type(m).__dict__["_opforge_base"].__name__,

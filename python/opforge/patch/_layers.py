@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as TF
 
 from .. import functional as OF
+from . import _fp8 as FP8
 from . import _fused as F
 from . import _peft as P
 from . import _recompute as R
@@ -81,7 +82,7 @@ def add_norm(owner: torch.nn.Module, n: torch.nn.Module, x: torch.Tensor,
 def proj(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
     fp8 = owner.__dict__.get("_opforge_fp8")  # apply(model, fp8=...): the FP8 GEMM, also under compile
     if fp8 is not None:
-        return OF.fp8_linear(x, lin.weight, lin.bias, granularity=fp8)
+        return FP8.linear(owner, x, lin, fp8)  # the weight's FP8 operands cached while it is unchanged
     if torch_math(owner):
         return TF.linear(x, lin.weight, lin.bias)
     return OF.linear(x, lin.weight, lin.bias)

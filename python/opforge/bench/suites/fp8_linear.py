@@ -1,4 +1,5 @@
-"""fp8_linear (FP8 GEMMs with current scaling, tensorwise and rowwise) forward and forward+backward against
+"""fp8_linear (FP8 GEMMs with current scaling, tensorwise and rowwise) forward and forward+backward (and with the weight's
+FP8 operands precomputed, as opforge's layers cache them: "cached") against
 F.linear in bfloat16 and torchao's float8 training (`convert_to_float8_training`, tensorwise and rowwise recipes)
 when torchao imports, at the Hugging Face Llama 1.5B layer shapes (8192 tokens; fused q/k/v 2048→3072, o 2048→2048,
 fused gate/up 2048→16384, down 8192→2048).
@@ -41,6 +42,13 @@ GRANULARITIES = ("tensorwise", "rowwise")
 def ours(granularity: str):
     """opforge.fp8_linear with the granularity's default gradient format."""
     return lambda x, w: opforge.fp8_linear(x, w, granularity=granularity)
+
+
+def cached(granularity: str, w: torch.Tensor):
+    """fp8_linear with the weight's FP8 operands precomputed once (what opforge.nn.Linear(fp8=...) and the patch's
+    FP8 projections run between optimizer steps: `_fp8_linear_quantized`, no weight quantization in the call)."""
+    ops = (*opforge.quantize_fp8(w, None, granularity), *opforge.quantize_fp8(w.t(), None, granularity))
+    return lambda x, w: torch.ops.opforge._fp8_linear_quantized(x, w, *ops, granularity=granularity)
 
 
 def bf16_linear(x, w):
@@ -96,6 +104,7 @@ def main(argv=None) -> int:
                 check_against_reference(x[:CHECK_ROWS], w, g, f"{NAME} {g} {harness.dtype_str(dtype)} "
                                                               f"{harness.shape_str((M, K, N))}")
             impls = {f"opforge {g}": ours(g) for g in GRANULARITIES}
+            impls.update({f"opforge {g} cached": cached(g, w) for g in GRANULARITIES})
             impls["F.linear"] = bf16_linear
             for g in GRANULARITIES:
                 impls[f"torchao float8 {g}"] = torchao_module(K, N, w, g)
@@ -117,7 +126,8 @@ def main(argv=None) -> int:
                     group.append(f"{impl} {harness._fmt(t)}us {harness._fmt(tf)}TF" + harness.method_note(method))
                 run.say_case(NAME, pass_, dtype, (M, K, N), group)
                 print("    F.linear / fp8_linear: " + ", ".join(
-                    f"{g} {by['F.linear'] / by[f'opforge {g}']:.3f}" for g in GRANULARITIES), flush=True)
+                    f"{g} {by['F.linear'] / by[f'opforge {g}']:.3f} (cached weight "
+                    f"{by['F.linear'] / by[f'opforge {g} cached']:.3f})" for g in GRANULARITIES), flush=True)
             # the quantizer alone (the cast fp8_linear runs on each operand): GB/s of its minimal bytes (read the
             # input, write the FP8 data)
             nb = M * K * (x.element_size() + 1)

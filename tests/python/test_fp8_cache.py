@@ -1,0 +1,380 @@
+"""The FP8 weight-operand cache and the saved q(inputᵀ): `_fp8_linear_quantized` (the weight's operands precomputed)
+is bit-identical to fp8_linear in the output and every gradient; fp8_linear saves q(inputᵀ) (FP8) in place of the
+input where the scales allow; opforge.nn.Linear(fp8=...) and the patch's FP8 projections reuse the cached operands
+while the weight is unchanged and never serve stale ones (after optimizer steps of every torch.optim implementation,
+in-place writes, load_state_dict, .to(), .data replacement, writes through a fused projection's row Parameters)."""
+import copy
+
+import pytest
+import torch
+
+import opforge
+from opforge import _fp8_cache
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+GRANS = ["tensorwise", "rowwise"]
+E4 = torch.float8_e4m3fn
+OPS = torch.ops.opforge
+
+
+def _bits(t):
+    return t.view({torch.float64: torch.int64, torch.float32: torch.int32}.get(t.dtype, torch.int16))
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _operands(w, granularity):
+    with torch.no_grad():
+        return (*opforge.quantize_fp8(w.detach(), None, granularity),
+                *opforge.quantize_fp8(w.detach().t(), None, granularity))
+
+
+def _grads(fn, tensors, g):
+    for t in tensors:
+        t.grad = None
+    y = fn()
+    y.backward(g)
+    return y.detach(), [t.grad for t in tensors]
+
+
+# ---- _fp8_linear_quantized and the saved q(inputᵀ): the bits of fp8_linear ------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("x_shape, N", [((7, 33), 17), ((2, 5, 48), 24), ((130, 64), 1), ((0, 16), 8)])
+@pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True)])
+def test_quantized_op_is_fp8_linear_bitwise(device, granularity, dtype, x_shape, N, needs):
+    torch.manual_seed(0)
+    x = (torch.randn(x_shape, dtype=torch.float64) * 3).to(dtype=dtype, device=device).requires_grad_(needs[0])
+    w = torch.randn(N, x_shape[-1], dtype=torch.float64).to(dtype=dtype, device=device).requires_grad_(needs[1])
+    b = torch.randn(N, dtype=torch.float64).to(dtype=dtype, device=device).requires_grad_(needs[2])
+    g = torch.randn(*x_shape[:-1], N, dtype=torch.float64).to(dtype=dtype, device=device)
+    ops = _operands(w, granularity)
+    leaves = [t for t in (x, w, b) if t.requires_grad]
+    y1, g1 = _grads(lambda: OPS._fp8_linear_quantized(x, w, *ops, b, granularity=granularity), leaves, g)
+    y2, g2 = _grads(lambda: opforge.fp8_linear(x, w, b, granularity=granularity), leaves, g)
+    assert _same(y1, y2)
+    for a, c in zip(g1, g2):
+        assert _same(a, c)
+    with torch.no_grad():  # no node: the op's own kernel
+        assert _same(OPS._fp8_linear_quantized(x, w, *ops, b, granularity=granularity), y2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+def test_fp8_linear_saves_fp8_input_t_where_the_scale_allows(device, granularity):
+    """Tensorwise with a weight gradient: autograd keeps q(inputᵀ) [K, M] in e4m3 (one scale) and not the input;
+    rowwise (per-column scales of inputᵀ), or without a weight gradient: the input, as before."""
+    x = torch.randn(2, 6, 32, device=device, requires_grad=True)
+    for w_grad in (True, False):
+        w = torch.randn(16, 32, device=device, requires_grad=w_grad)
+        saved = []
+
+        def pack(t):
+            saved.append((t.dtype, tuple(t.shape)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            opforge.fp8_linear(x, w, granularity=granularity)
+        kept_t = granularity == "tensorwise" and w_grad
+        assert ((E4, (32, 12)) in saved) == kept_t
+        assert ((torch.float32, (2, 6, 32)) in saved) == (not kept_t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_quantize_fp8_of_a_transposed_view_is_that_of_a_copy(device, granularity, dtype):
+    """quantize_fp8(w.t()) reads w in place (the transposed kernel): the bits of quantizing a contiguous copy,
+    special values included."""
+    w = (torch.randn(24, 40, dtype=torch.float64) * 3).to(dtype)
+    w[3, 2], w[5, 4], w[:, 6], w[7, :] = float("nan"), -float("inf"), 0, 0
+    w = w.to(device)
+    for fp8 in (E4, torch.float8_e5m2):
+        d, s = opforge.quantize_fp8(w.t(), fp8, granularity)
+        rd, rs = opforge.quantize_fp8(w.t().contiguous(), fp8, granularity)
+        assert d.shape == (40, 24) and d.is_contiguous() and s.shape == rs.shape
+        assert torch.equal(d.view(torch.uint8), rd.view(torch.uint8))
+        torch.testing.assert_close(s, rs, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_private_ops_bad_inputs(device):
+    x, w = torch.randn(4, 16, device=device), torch.randn(8, 16, device=device)
+    d, s, dt, st = _operands(w, "tensorwise")
+    pre = "opforge::_fp8_linear_quantized: "
+    with pytest.raises(TypeError, match=pre + "expected weight_data to be torch.float8_e4m3fn, but got Float8_e5m2"):
+        OPS._fp8_linear_quantized(x, w, d.view(torch.float8_e5m2), s, dt, st)
+    with pytest.raises(TypeError, match=pre + "expected weight_t_scale to be torch.float32, but got Double"):
+        OPS._fp8_linear_quantized(x, w, d, s, dt, st.double())
+    with pytest.raises(ValueError, match=pre + r"expected weight_t_data of shape \[16, 8\], but got \[8, 16\]"):
+        OPS._fp8_linear_quantized(x, w, d, s, d, st)
+    with pytest.raises(ValueError, match=pre + r"expected weight_scale with 8 element\(s\), but got shape \[\]"):
+        OPS._fp8_linear_quantized(x, w, d, s, dt, st, granularity="rowwise")
+    with pytest.raises(ValueError, match=pre + "expected granularity"):
+        OPS._fp8_linear_quantized(x, w, d, s, dt, st, granularity="blockwise")
+    with pytest.raises(ValueError, match=pre + "expected input's last dimension"):
+        OPS._fp8_linear_quantized(torch.randn(4, 15, device=device), w, d, s, dt, st)
+    with pytest.raises(ValueError, match="opforge::_fp8_linear_forward: expected granularity \"tensorwise\""):
+        OPS._fp8_linear_forward(x, w, granularity="rowwise")
+    with pytest.raises(ValueError, match="opforge::_fp8_linear_forward: expected weight_data and weight_scale both"):
+        OPS._fp8_linear_forward(x, w, None, d)
+    with pytest.raises(ValueError, match="opforge::_fp8_linear_quantized_backward: expected input or input_t_data"):
+        OPS._fp8_linear_quantized_backward(torch.randn(4, 8, device=device), None, None, None, w, None, None,
+                                           [False, True, False])
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match=pre + "expected weight_data and weight to be on the same device"):
+            OPS._fp8_linear_quantized(x.to("meta"), w.to("meta"), d, s, dt.to("meta"), st.to("meta"))
+
+
+@pytest.mark.parametrize("granularity", GRANS)
+def test_private_ops_meta_shapes(granularity):
+    x, w, b = torch.randn(2, 5, 16), torch.randn(8, 16), torch.randn(8)
+    ops = _operands(w, granularity)
+    meta = [t.to("meta") for t in (x, w, b, *ops)]
+    assert OPS._fp8_linear_quantized(meta[0], meta[1], *meta[3:], meta[2], granularity=granularity).shape == (2, 5, 8)
+    if granularity == "tensorwise":
+        y, d, s = OPS._fp8_linear_forward(*meta[:3])
+        ry, rd, rs = OPS._fp8_linear_forward(x, w, b)
+        assert (y.shape, d.shape, d.dtype, s.shape) == (ry.shape, rd.shape, rd.dtype, rs.shape) == \
+            ((2, 5, 8), (16, 10), E4, (1,))
+    g = torch.randn(2, 5, 8, device="meta")
+    gi, gw, gb = OPS._fp8_linear_quantized_backward(g, None, None, None, meta[1], *meta[5:7], [True, False, True],
+                                                    granularity, None, torch.float64)
+    assert gi.shape == (2, 5, 16) and gw is None and gb.shape == (8,) and gb.dtype == torch.float64
+
+
+# ---- the cache of opforge.nn.Linear(fp8=...) --------------------------------------------------------------------
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the opforge ops dispatched below autograd, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        self.n[name] = self.n.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _fresh(m, x, g=None):
+    """The layer's output (and gradients) through fp8_linear itself, the weight quantized in the op."""
+    w = m.weight.detach().clone().requires_grad_()
+    b = m.bias.detach().clone().requires_grad_()
+    x = x.detach().clone().requires_grad_()
+    y = opforge.fp8_linear(x, w, b, granularity=m.fp8)
+    if g is None:
+        return y.detach()
+    y.backward(g)
+    return y.detach(), x.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+def test_layer_reuses_the_operands_until_the_weight_changes(device, granularity):
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(48, 24, device=device, fp8=granularity)
+    x = torch.randn(3, 5, 48, device=device, requires_grad=True)
+    g = torch.randn(3, 5, 24, device=device)
+    n0 = _fp8_cache.QUANTIZED[0]
+    with _CountOps() as rec:
+        for _ in range(3):  # forward and backward three times, no update: one quantization of the weight
+            x.grad = m.weight.grad = m.bias.grad = None
+            y = m(x)
+            y.backward(g)
+    assert _fp8_cache.QUANTIZED[0] - n0 == 1
+    assert rec.n.get("opforge::quantize_fp8", 0) == 2  # q(W), q(Wᵀ), once
+    assert "opforge::fp8_linear" not in rec.n and "opforge::fp8_linear_backward" not in rec.n
+    # the cached layer's output and gradients are the uncached op's, bit for bit
+    ref = _fresh(m, x, g)
+    for a, b in zip((y.detach(), x.grad, m.weight.grad, m.bias.grad), ref):
+        assert _same(a, b)
+    with torch.no_grad():  # evaluation reuses them too
+        assert _same(m(x), ref[0])
+    assert _fp8_cache.QUANTIZED[0] - n0 == 1
+
+
+def _changes(device):
+    """(name, fn(module)) of the ways a weight changes (each followed by a check against a fresh computation)."""
+    def step(opt_cls, **kw):
+        def fn(m):
+            opt = opt_cls(m.parameters(), lr=0.5, **kw)
+            m(torch.randn(4, 48, device=device)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return fn
+
+    def no_grad_add(m):
+        with torch.no_grad():
+            m.weight.add_(1)
+
+    def load(m):
+        sd = {k: torch.randn_like(v) for k, v in m.state_dict().items()}
+        m.load_state_dict(sd)
+
+    def to_and_back(m):  # new storages (the first one's freed: its address may come back) and rounded values
+        m.to(torch.bfloat16)
+        m.to(torch.float32)
+
+    def replace_data(m):
+        m.weight.data = torch.randn_like(m.weight)
+
+    def data_write_then_clear(m):
+        m.weight.data.mul_(2)  # not recorded by any counter: the documented case for fp8_cache_clear
+        opforge.functional.fp8_cache_clear()
+
+    out = [("sgd", step(torch.optim.SGD)), ("adamw_foreach", step(torch.optim.AdamW, foreach=True)),
+           ("adamw_single", step(torch.optim.AdamW, foreach=False)), ("no_grad_add", no_grad_add),
+           ("load_state_dict", load), ("to_and_back", to_and_back), ("replace_data", replace_data),
+           ("data_write_then_clear", data_write_then_clear)]
+    if device == "cpu" or torch.cuda.is_available():
+        out.append(("adamw_fused", step(torch.optim.AdamW, fused=True)))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("change", range(9))
+def test_layer_never_serves_stale_operands(device, granularity, change):
+    changes = _changes(device)
+    if change >= len(changes):
+        pytest.skip("no such change on this device")
+    name, fn = changes[change]
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(48, 24, device=device, fp8=granularity)
+    x = torch.randn(6, 48, device=device)
+    y0 = m(x).detach()  # cached
+    fn(m)
+    fresh = _fresh(m, x)
+    assert not torch.equal(fresh, y0), name  # the change shows in the output: a stale operand would be seen
+    assert _same(m(x).detach(), fresh), name
+    m2 = m.to(torch.float64)  # a dtype change re-quantizes from the new weight
+    assert _same(m2(x.double()).detach(), _fresh(m2, x.double())), name
+
+
+def test_operands_cached_under_inference_mode_serve_training():
+    """Operands first made under torch.inference_mode are normal tensors: a training forward saves them."""
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(32, 16, fp8="rowwise")
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        y0 = m(x)
+    n0 = _fp8_cache.QUANTIZED[0]
+    y = m(x)
+    y.sum().backward()
+    assert _fp8_cache.QUANTIZED[0] == n0 and _same(y.detach(), y0) and m.weight.grad is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+def test_cached_layer_under_autocast_is_fp8_linear(device, granularity):
+    """float32 master weights under bfloat16 autocast: the cache quantizes the weight in its own precision, as
+    fp8_linear does; output and gradients bit for bit."""
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(64, 32, device=device, fp8=granularity)
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+    w = m.weight.detach().clone().requires_grad_()
+    b = m.bias.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        m(x)  # cached now
+        y, ref = m(x), opforge.fp8_linear(x2, w, b, granularity=granularity)
+    assert y.dtype == torch.bfloat16 and _same(y.detach(), ref.detach())
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref.backward(g)
+    for a, c in ((x.grad, x2.grad), (m.weight.grad, w.grad), (m.bias.grad, b.grad)):
+        assert _same(a, c)
+
+
+def test_deepcopy_and_functional_call_give_the_uncached_values():
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(32, 16, fp8="tensorwise")
+    x = torch.randn(5, 32)
+    m(x)
+    c = copy.deepcopy(m)
+    with torch.no_grad():
+        c.weight.mul_(3)
+    assert _same(c(x).detach(), _fresh(c, x)) and _same(m(x).detach(), _fresh(m, x))
+    n0 = _fp8_cache.QUANTIZED[0]
+    w2 = torch.randn(16, 32)  # a plain tensor in the parameter's place: quantized in the op, not cached
+    y = torch.func.functional_call(m, {"weight": w2}, (x,))
+    assert _fp8_cache.QUANTIZED[0] == n0
+    assert _same(y, opforge.fp8_linear(x, w2, m.bias.detach(), granularity="tensorwise"))
+    m.fp8_cache = False
+    with _CountOps() as rec, torch.no_grad():
+        m(x)
+    assert rec.n == {"opforge::fp8_linear": 1}
+
+
+def test_compiled_layer_quantizes_in_the_op():
+    """Under torch.compile the layer calls fp8_linear (no cache lookup in the graph): eager's values."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(32, 16, fp8="tensorwise")
+    x = torch.randn(5, 32)
+    ref = _fresh(m, x)
+    torch._dynamo.reset()
+    n0 = _fp8_cache.QUANTIZED[0]
+    y = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+    assert _fp8_cache.QUANTIZED[0] == n0 and _same(y.detach(), ref)
+    torch._dynamo.reset()
+
+
+# ---- the patch's FP8 projections ---------------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=64, max_position_embeddings=32)
+
+
+def _run(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("granularity", GRANS)
+def test_patched_model_steps_as_without_the_cache(granularity, monkeypatch):
+    """Three fused-AdamW steps (which bump no version counter) and a write through q_proj's row Parameter: the same
+    loss and gradients, bit for bit, as the model quantizing in the op; the weights are quantized once per step."""
+    from opforge import patch
+
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().train()
+    patch.apply(base, fp8=granularity)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for cached in (True, False):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        with monkeypatch.context() as mp:
+            if not cached:
+                mp.setattr(_fp8_cache, "usable", lambda w: False)
+            out = []
+            for step in range(3):
+                n0 = _fp8_cache.QUANTIZED[0]
+                out.append(_run(model, ids))
+                with torch.no_grad():
+                    model(input_ids=ids)  # a second forward: the same operands
+                if cached:
+                    assert _fp8_cache.QUANTIZED[0] - n0 == 4 * TINY["num_hidden_layers"], step
+                opt.step()
+            with torch.no_grad():
+                model(input_ids=ids)  # operands cached after the last step
+                # q_proj's rows written through the Parameter standing for them (the fused weight's version counter
+                # does not move)
+                model.model.layers[0].self_attn.q_proj.weight.mul_(-1)
+            out.append(_run(model, ids))
+        runs.append(out)
+    for a, b in zip(*runs):
+        for x, y in zip(a, b):
+            assert _same(x, y)
