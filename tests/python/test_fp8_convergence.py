@@ -32,14 +32,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _CountFP8(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the weight shape of every fp8_linear forward."""
+    """Records the weight shape of every FP8 linear forward (fp8_linear, or its private forms below autograd: the
+    forward that also returns q(inputᵀ), the one with the weight's operands precomputed)."""
 
     def __init__(self):
         super().__init__()
         self.shapes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.name().startswith("opforge::fp8_linear") and not func.name().endswith("backward"):
+        name = func.name()
+        if name.startswith(("opforge::fp8_linear", "opforge::_fp8_linear")) and "backward" not in name:
             self.shapes.append(tuple(args[1].shape))
         return func(*args, **(kwargs or {}))
 
