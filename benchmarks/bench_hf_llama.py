@@ -97,6 +97,10 @@ VARIANTS = {
     "opforge+compile-layers": "HF + opforge.patch.apply + torch.compile per layer",
     "opforge-fp8": "HF + opforge.patch.apply(fp8=\"tensorwise\")",
     "opforge-fp8-rowwise": "HF + opforge.patch.apply(fp8=\"rowwise\")",
+    "opforge-fp8-fast": "HF + opforge.patch.apply(fp8=\"tensorwise\"), OPFORGE_FP8_FAST_ACCUM=1 (the forward GEMM's "
+                        "fast accumulation, torchao's default)",
+    "opforge-fp8-rowwise-fast": "HF + opforge.patch.apply(fp8=\"rowwise\"), OPFORGE_FP8_FAST_ACCUM=2 (every GEMM's fast "
+                                "accumulation, torchao's rowwise recipe)",
     "opforge-fp8+compile-layers": "HF + opforge.patch.apply(fp8=\"tensorwise\") + torch.compile per layer",
     "opforge-fp8+compile-model": "HF + opforge.patch.apply(fp8=\"tensorwise\") + torch.compile(model)",
     "opforge-fp8-rowwise+compile-model": "HF + opforge.patch.apply(fp8=\"rowwise\") + torch.compile(model)",
@@ -111,6 +115,8 @@ DEFAULT_VARIANTS = ["hf", "liger", "opforge", "opforge-norecompute", "hf+compile
 # and that with 2048-token loss chunks.
 VARIANT_ENV = {
     "opforge-lean": {"OPFORGE_LCE_LEAN": "1"},
+    "opforge-fp8-fast": {"OPFORGE_FP8_FAST_ACCUM": "1"},
+    "opforge-fp8-rowwise-fast": {"OPFORGE_FP8_FAST_ACCUM": "2"},
     "opforge-dwbf16": {"OPFORGE_LCE_DW_ACCUM": "1"},
     "opforge-dwbf16-c2048": {"OPFORGE_LCE_DW_ACCUM": "1", "OPFORGE_LCE_CHUNK_SIZE": "2048"},
 }

@@ -24,6 +24,11 @@
 //                        gradient itself and the chunk size comes from a 512 MiB budget (2048 rows at V = 128256).
 //                        The CPU path ignores it. Read when the chunk loop starts, as OPFORGE_LCE_DW_ACCUM
 //                        (ops/linear_cross_entropy/linear_cross_entropy.h, "Lean mode").
+//   OPFORGE_FP8_FAST_ACCUM  0 (unset, default): every FP8 GEMM of fp8_linear on CUDA with use_fast_accum=false
+//                        (the tensor cores' partial sum moved to fp32 every 128 products); 1: the forward GEMM with
+//                        fast accumulation (no such move: torchao's default Float8LinearConfig), the two backward
+//                        GEMMs without; 2: all three with it (torchao's rowwise recipe). The CPU ignores it. Read
+//                        when each GEMM runs (ops/fp8/fp8.cpp, scaled_gemm; docs/ops/fp8.md, Numerics).
 //
 // Test hooks: read from no environment variable. Tests, benchmarks and tests/cuda/sanitize_driver.py set them with
 // `torch.ops.opforge._set_knob("<hook>", value)` to reach, on small inputs, every kernel that a chooser picks for some
@@ -61,7 +66,7 @@ namespace knobs {
 
 enum class Knob : int {
   // user-facing modes (environment variables)
-  kLceGradInForward, kLceDwAccum, kLceChunkSize, kLceLean,
+  kLceGradInForward, kLceDwAccum, kLceChunkSize, kLceLean, kFp8FastAccum,
   // test hooks
   kLinearLt, kGemmSm90, kLinearGemv, kRmsForward, kRmsBackward, kRopeRowsKernel, kIndexedLinearPath
 };

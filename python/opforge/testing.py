@@ -924,7 +924,8 @@ def quantize_fp8_reference(input: Tensor, dtype: Optional[torch.dtype] = None,
     return torch.where(v.isnan(), float("nan"), v).to(dtype), scale
 
 
-def fp8_gemm_bound(a: Tensor, b: Tensor, out_dtype: torch.dtype, rowwise: bool, cuda: bool) -> Tensor:
+def fp8_gemm_bound(a: Tensor, b: Tensor, out_dtype: torch.dtype, rowwise: bool, cuda: bool,
+                   fast_accum: bool = False) -> Tensor:
     """|scaled FP8 GEMM − deq(a) · deq(b)ᵀ| ≤ this, elementwise: the a-priori rounding bound of `opforge.fp8_linear`'s
     GEMMs (torch._scaled_mm, use_fast_accum=False) on their dequantized operands.
 
@@ -937,7 +938,8 @@ def fp8_gemm_bound(a: Tensor, b: Tensor, out_dtype: torch.dtype, rowwise: bool, 
     and every addend is at most Σ|a_k·b_k| over its block of 128. With t = min(C rounded up to 16, 128) products
     and at most t/16 partial sums per block, tc = (t + t/16)·2⁻¹³. Measured on an H200 (torch 2.11, cuBLAS of CUDA
     13): a product 2⁻¹⁴ of the block's largest is dropped (2⁻¹³ kept, 3·2⁻¹⁵ truncated to 2·2⁻¹⁵), one in the next
-    block of 128 kept at fp32 precision.
+    block of 128 kept at fp32 precision. With fast accumulation (use_fast_accum=True, OPFORGE_FP8_FAST_ACCUM) the
+    partial sum never moves to fp32: one block of all C products, t = C rounded up to 16.
 
     Args:
         a: `(R_a, C)` float64. The dequantized first operand (its rows along the output's rows).
@@ -945,6 +947,7 @@ def fp8_gemm_bound(a: Tensor, b: Tensor, out_dtype: torch.dtype, rowwise: bool, 
         out_dtype: torch.dtype. The dtype the op returns (float64, float32, float16 or bfloat16).
         rowwise: bool. Rowwise scales (the GEMM writes bfloat16).
         cuda: bool. The GEMM ran on a CUDA device (the tensor-core term).
+        fast_accum: bool. The GEMM ran with fast accumulation (CUDA). Default: False.
 
     Returns:
         `(R_a, R_b)` float64.
@@ -958,7 +961,7 @@ def fp8_gemm_bound(a: Tensor, b: Tensor, out_dtype: torch.dtype, rowwise: bool, 
     ur = torch.finfo(torch.bfloat16 if rowwise else gemm_dt).eps / 2
     uo = torch.finfo(gemm_dt).eps / 2
     C = a.shape[1]
-    t = min(-(-C // 16) * 16, 128)
+    t = -(-C // 16) * 16 if fast_accum else min(-(-C // 16) * 16, 128)
     tc = (t + t // 16) * 2.0 ** -13 if cuda else 0.0
     return (C * u + 2 * u + ur + uo + tc) * prod
 

@@ -78,6 +78,36 @@ def test_fp8_linear_matches_quantized_reference(device, granularity, dtype, MKN)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("mode", [1, 2])
+def test_fp8_fast_accumulation_within_its_bound(device, granularity, mode, knob):
+    """OPFORGE_FP8_FAST_ACCUM=1 (the forward GEMM) and 2 (all three GEMMs): each GEMM within the rounding bound of
+    its accumulation (opforge.testing.fp8_gemm_bound with fast_accum: one truncating accumulator over the whole
+    contraction on CUDA; the CPU ignores the knob), K = 1024 so that the bound differs from the default's."""
+    knob("OPFORGE_FP8_FAST_ACCUM", mode)
+    M, K, N = 64, 1024, 48
+    rowwise = granularity == "rowwise"
+    cuda = device == "cuda"
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    w = (torch.randn(N, K, dtype=torch.bfloat16, device=device) * 0.05).requires_grad_()
+    y = opforge.fp8_linear(x, w, granularity=granularity)
+    e4 = torch.float8_e4m3fn
+    xd, wd = _deq(x.detach().cpu(), e4, rowwise), _deq(w.detach().cpu(), e4, rowwise)
+    fwd = T.fp8_gemm_bound(xd, wd, torch.bfloat16, rowwise, cuda, fast_accum=cuda) + 1e-30
+    assert ((y.detach().cpu().double() - xd @ wd.t()).abs() <= fwd).all()
+    g = torch.randn(M, N, dtype=torch.bfloat16, device=device)
+    y.backward(g)
+    gdt = e4 if rowwise else torch.float8_e5m2
+    fast_bwd = cuda and mode == 2
+    a, b = _deq(g.cpu(), gdt, rowwise), _deq(w.detach().cpu().t(), e4, rowwise)
+    bound = T.fp8_gemm_bound(a, b, torch.bfloat16, rowwise, cuda, fast_accum=fast_bwd) + 1e-30
+    assert ((x.grad.cpu().double() - a @ b.t()).abs() <= bound).all()
+    a, b = _deq(g.cpu().t(), gdt, rowwise), _deq(x.detach().cpu().t(), e4, rowwise)
+    bound = T.fp8_gemm_bound(a, b, torch.bfloat16, rowwise, cuda, fast_accum=fast_bwd) + 1e-30
+    assert ((w.grad.cpu().double() - a @ b.t()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fp8_linear_bad_inputs(device):
     x, w = torch.randn(4, 16, device=device), torch.randn(8, 16, device=device)
     with pytest.raises(ValueError, match="opforge::fp8_linear: expected granularity"):

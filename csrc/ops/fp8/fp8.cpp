@@ -8,6 +8,7 @@
 #include "core/autograd.h"
 #include "core/check.h"
 #include "core/dispatch.h"
+#include "core/knobs.h"
 #include "core/layout.h"
 #include "ops/linear/linear.h"
 
@@ -239,7 +240,11 @@ int64_t round_up16(int64_t v) { return (v + 15) / 16 * 16; }
 
 }  // namespace
 
-at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::ScalarType out_dtype) {
+bool fast_accum_forward() { return knobs::get(knobs::Knob::kFp8FastAccum) >= 1; }
+bool fast_accum_backward() { return knobs::get(knobs::Knob::kFp8FastAccum) >= 2; }
+
+at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::ScalarType out_dtype,
+                       bool fast_accum) {
   const int64_t Ra = A.data.size(0), Rb = B.data.size(0), C = A.data.size(1);
   TORCH_INTERNAL_ASSERT(B.data.size(1) == C);
   const auto opts = A.data.options().dtype(out_dtype);
@@ -267,13 +272,14 @@ at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::Sca
   }
   // The rowwise scaled GEMM writes bfloat16 (torchao's rowwise recipe; the only rowwise output type of the CUDA
   // scaled GEMM in earlier torch releases; the CPU follows it so both backends round alike); tensorwise writes the
-  // output dtype (float32 for float64, which the scaled GEMM lacks). use_fast_accum=false: on sm_89/sm_90 the FP8
-  // tensor cores still sum each step with a 13-bit truncating accumulator, but cuBLAS then moves the partial sum
-  // to an fp32 register every 128 products (docs/ops/fp8.md: Numerics); fast accumulation never does.
+  // output dtype (float32 for float64, which the scaled GEMM lacks). use_fast_accum=false (the default): on
+  // sm_89/sm_90 the FP8 tensor cores still sum each step with a 13-bit truncating accumulator, but cuBLAS then
+  // moves the partial sum to an fp32 register every 128 products (docs/ops/fp8.md: Numerics); fast accumulation
+  // (OPFORGE_FP8_FAST_ACCUM) never does.
   const at::ScalarType gemm_dtype =
       rowwise ? at::kBFloat16 : (out_dtype == at::kDouble ? at::kFloat : out_dtype);
   at::Tensor Y = at::_scaled_mm(a, b.t(), inv_a, inv_b, std::nullopt, std::nullopt, gemm_dtype,
-                                /*use_fast_accum=*/false);
+                                /*use_fast_accum=*/fast_accum);
   if (Rb_pad == Rb) return Y.scalar_type() == out_dtype ? Y : Y.to(out_dtype);
   // the padded columns sliced off into a fresh [R_a, R_b] tensor with row-major strides (the Meta kernel's): a
   // .contiguous() of the slice would keep its stride R_b_pad where a dim has size 1
@@ -306,7 +312,7 @@ Operand as_operand(const at::Tensor& data, const at::Tensor& scale) {
 /// The forward GEMM and bias of fp8_linear from its quantized operands: Y (*, N) in input's dtype.
 at::Tensor forward_gemm(const Operand& x, const Operand& w, const at::Tensor& input, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias, bool rowwise) {
-  at::Tensor Y = scaled_gemm(x, w, rowwise, input.scalar_type());
+  at::Tensor Y = scaled_gemm(x, w, rowwise, input.scalar_type(), fast_accum_forward());
   if (bias.has_value() && bias->defined()) Y.add_(to_input_dtype(*bias, input.scalar_type()));
   return linear_op::as_output(Y, input, weight);
 }
@@ -332,13 +338,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_gemms(
   if (output_mask[0]) {
     // dX[M, K] = dY[M, N] · W[N, K]: contraction over N, so dY per row and W per column (Wᵀ per row, read from W)
     const Operand wq = wt != nullptr ? *wt : quantize_operand_t(be, weight, at::kFloat8_e4m3fn, rowwise);
-    grad_input = scaled_gemm(g_rows, wq, rowwise, x_dtype);
+    grad_input = scaled_gemm(g_rows, wq, rowwise, x_dtype, fast_accum_backward());
   }
   if (output_mask[1]) {
     // dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over the tokens M, so dY and X per column (their transposes
     // per row, read from dY and X, or q(Xᵀ) as the forward wrote it)
     const Operand xq = xt != nullptr ? *xt : quantize_operand_t(be, X.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
-    grad_weight = scaled_gemm(g_cols, xq, rowwise, weight.scalar_type());
+    grad_weight = scaled_gemm(g_cols, xq, rowwise, weight.scalar_type(), fast_accum_backward());
   }
   if (output_mask[2]) grad_bias = linear_op::sum_rows(G, bias_dtype);
   return {grad_input, grad_weight, grad_bias};

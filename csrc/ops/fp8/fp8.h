@@ -149,8 +149,15 @@ std::pair<Operand, Operand> quantize_operand_both(const Backend& be, const at::T
 /// out[R_a, R_b] = (A · Bᵀ) / (s_a ⊗ s_b) in out_dtype by at::_scaled_mm (fp32 accumulation; the product in
 /// bfloat16 for rowwise scales, float32 for a float64 out_dtype, else out_dtype; then converted). On CUDA, C and
 /// R_b are padded with zeros to multiples of 16 (the scaled GEMM's requirement) and the first R_b columns copied
-/// into a fresh row-major [R_a, R_b] tensor.
-at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::ScalarType out_dtype);
+/// into a fresh row-major [R_a, R_b] tensor. fast_accum: CUDA's use_fast_accum (the tensor cores' partial sum never
+/// moved to fp32; the CPU ignores it).
+at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::ScalarType out_dtype,
+                       bool fast_accum = false);
+
+/// Which of fp8_linear's GEMMs run with fast accumulation (the knob OPFORGE_FP8_FAST_ACCUM: 1 the forward's, 2
+/// all three; 0, the default, none).
+bool fast_accum_forward();
+bool fast_accum_backward();
 
 /// quantize_fp8's kernel body shared by CPU and CUDA.
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_impl(const Backend& be, const at::Tensor& input,
