@@ -225,6 +225,15 @@ def suite_ops(mesh):
               [px, pw, pidx, pb], mesh)
     check("indexed_linear row-wise", lambda a, w_, i: opforge.indexed_linear(a, w_, i), [xi, We, idx],
           [S1, Shard(2), R], mesh)
+    # index_sorted: every placement's local index keeps the order, except the expert-sharded one (other ranks' rows
+    # become -1 in place), whose handler drops the flag (a kept flag raises on CPU)
+    sidx = torch.tensor([0, 0, 1, 1, 2, 3, 3, 3, -1, -1])
+    for px, pw, pidx, pb in ((R, R, R, R), (R, S0, R, S0), (R, S1, R, S1), (S0, R, S0, R)):
+        check("indexed_linear index_sorted",
+              lambda a, w_, i, b_: opforge.indexed_linear(a, w_, i, b_, index_sorted=True), [xi, We, sidx, be],
+              [px, pw, pidx, pb], mesh)
+    check("indexed_linear index_sorted row-wise", lambda a, w_, i: opforge.indexed_linear(a, w_, i, index_sorted=True),
+          [xi, We, sidx], [S1, Shard(2), R], mesh)
     if mesh.size() == 4:  # a handler on a 2-D mesh: a clear error, not a wrong result
         mesh2 = init_device_mesh(DEVICE, (2, 2))
         try:

@@ -733,6 +733,30 @@ def test_grad_in_forward_hands_its_saved_gradients_over(device, op):
     assert {v.grad.untyped_storage().data_ptr() for v in (x, w, b)} <= set(ptrs)
 
 
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd", "linear_preference_loss"])
+@pytest.mark.parametrize("retain", [False, True])
+def test_grad_in_forward_gradients_carry_no_history(device, op, retain):
+    """The gradients the backward hands on are plain tensors, as every backward's without create_graph, whether the
+    saved gradients were scaled in place (graph released) or by the scale op (graph kept): torch.autograd.grad
+    returns them without requires_grad or grad_fn, and so does a hook on the weight see them. (The saved gradients
+    carry a node that refuses double backward; the in-place path must not hand that history on.)"""
+    import opforge.losses  # noqa: F401
+
+    x, w, b, t = _sample(device)
+    if op == "linear_cross_entropy":
+        loss = opforge.linear_cross_entropy(x, w, t, linear_bias=b)
+    elif op == "linear_jsd":
+        loss = opforge.linear_jsd(x, w, x.detach(), torch.randn_like(w).detach(), t, linear_bias=b)
+    else:  # 2 pairs of 3-token sequences: (2B, T, H) = (4, 3, 8)
+        loss = opforge.losses.linear_preference_loss(x.view(4, 3, 8), w, t.view(4, 3).clamp(min=0), b,
+                                                    loss_type="simpo")[0]
+    seen = []
+    w.register_hook(lambda g: seen.append((g.requires_grad, g.grad_fn)))
+    grads = torch.autograd.grad(2.5 * loss, (x, w, b), retain_graph=retain)
+    assert [(g.requires_grad, g.grad_fn) for g in grads] == [(False, None)] * 3
+    assert seen == [(False, None)]
+
+
 def test_grad_in_forward_compiled_autograd(device):
     torch._dynamo.reset()
     x, w, b, t = _sample(device)

@@ -299,6 +299,8 @@ at::Tensor unit_grad_scale(const Problem& p) {
 // this node alone), so when the engine will release them after this backward (no retain_graph, no create_graph)
 // they are scaled in place and handed on as the gradients: the backward allocates nothing the size of the lm_head's
 // weight (a V x H copy, 1 GiB at 128256 x 4096 in bfloat16), and the gradient accumulator takes the storage over.
+// What is handed on is a detached alias: the saved tensors carry mark_not_differentiable's node, and a gradient
+// with that history would reach torch.autograd.grad's results and tensor hooks as requires_grad=True.
 // The product is the scale op's (one multiply in the gradient's dtype), so both paths give the same bits. A graph
 // kept for another backward, and tensors seen by a tracer (FakeTensor, functionalization, functorch wrappers:
 // torch.compile, compiled autograd, torch.func), take the scale op, which leaves the saved tensors as they were.
@@ -320,7 +322,7 @@ variable_list saved_grads_backward(const BackwardArgs& a) {
     // Note [saved gradients scaled in place]
     auto scale = [&](const std::optional<at::Tensor>& g) -> at::Tensor {
       if (!g.has_value()) return at::Tensor();
-      at::Tensor t = *g;
+      at::Tensor t = g->detach();  // the storage without the history mark_not_differentiable gave the saved tensor
       return t.mul_(grad_output.to(t.scalar_type()));
     };
     return {scale(pick(0)), scale(pick(1)), scale(pick(2))};
