@@ -36,6 +36,34 @@ def test_quantize_fp8_special_values(device, granularity):
     torch.testing.assert_close(s.cpu(), rs, equal_nan=True, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_fp8_is_torchao_recipe(device, granularity, fp8, dtype):
+    """Data and scales bit-identical to torchao's float8 training recipe on the same inputs (its
+    hp_tensor_to_float8_dynamic: current scaling, rowwise as its axiswise scaling along the last dim), over values
+    spread across the formats' range, an all-zero row and a saturating row. Runs where torchao imports (the GPU
+    machine carries it)."""
+    S = pytest.importorskip("torchao.float8.float8_scaling_utils")
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 40, generator=g) * torch.logspace(-6, 4, 40)
+    x[2] = 0
+    x[4, 7] = 3e4
+    x = x.to(device=device, dtype=dtype)
+    d, s = opforge.quantize_fp8(x, fp8, granularity)
+    axiswise = granularity == "rowwise"
+    t = S.hp_tensor_to_float8_dynamic(
+        x, fp8, LinearMMConfig(),
+        scaling_granularity=ScalingGranularity.AXISWISE if axiswise else ScalingGranularity.TENSORWISE,
+        axiswise_dim=-1 if axiswise else None)
+    assert torch.equal(s, t._scale.reshape(s.shape)), granularity
+    assert torch.equal(d.view(torch.uint8), t._data.view(torch.uint8))
+
+
 def _bound(a, b, out_dtype, rowwise, device):
     """Rounding bound of the scaled GEMM on dequantized operands (opforge.testing.fp8_gemm_bound: fp32
     accumulation, the dequantization, the product's rounding (bf16 for rowwise), the output's; on CUDA the FP8
