@@ -734,7 +734,7 @@ def _bias_bound(b, dt):
 
 
 def _rows(t):
-    """t as a 2-D (rows, last dim) tensor."""
+    """t as a 2-D (rows, last dim) tensor ((*, K) as (N, K), also for K = 0)."""
     return t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t.reshape(1, -1)
 
 
@@ -926,11 +926,6 @@ def _llp_native(input, linear_weight, target, linear_bias=None, temperature=1.0,
         return lp
     ent = -(logp.exp() * logp).sum(-1)
     return lp, torch.where(valid, ent, torch.zeros_like(ent))
-
-
-def _rows(t):
-    """(*, K) as (N, K), also for K = 0."""
-    return t.flatten(0, -2) if t.dim() >= 2 else t.unsqueeze(0)
 
 
 def _llp_check(what, ours, ref, base, args, gouts, **kwargs):

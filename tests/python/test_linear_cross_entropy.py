@@ -1038,16 +1038,6 @@ def test_lean_applies_to_16bit_cuda_only(dev, knob, case, path):
         assert not torch.equal(res[0][0], res[1][0])
 
 
-def _cuda_peak(run):
-    """(bytes allocated at the peak of `run()` above what was allocated before it, run()'s result)."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = run()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base, out
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA memory counters)")
 @pytest.mark.parametrize("path", ["forward", "recompute"])
 def test_lean_peak_memory_is_one_16bit_chunk(knob, path):
