@@ -514,19 +514,21 @@ __global__ void finish_rows_kernel(scalar_t* __restrict__ out, int64_t ld,      
 
 // dW [E, NK] of the _grouped_mm path: the slices of experts that received no row are zeroed (some torch
 // versions' _grouped_mm leave them unwritten); with a `poison` flag set (an index_sorted call whose index broke
-// the order) every slice is set to NaN. Blocks of experts with rows exit at once: no pass over the whole dW.
+// the order) every slice is set to NaN. Blocks skip the experts with rows at once: no pass over the whole dW.
+// Experts e = blockIdx.y, blockIdx.y + gridDim.y, ... (any E with gridDim.y ≤ 65535).
 template <typename scalar_t>
-__global__ void fix_weight_grad_kernel(scalar_t* __restrict__ dW, int64_t NK,
+__global__ void fix_weight_grad_kernel(scalar_t* __restrict__ dW, int64_t E, int64_t NK,
                                        const int64_t* __restrict__ offsets,  // [E + 1]
                                        const bool* __restrict__ poison) {
-  const int64_t e = blockIdx.y;
   const bool bad = poison != nullptr && *poison;
-  if (!bad && offsets[e + 1] > offsets[e]) return;
   const scalar_t fill = bad ? scalar_t(NAN) : scalar_t(0);
-  scalar_t* slice = dW + e * NK;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < NK;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    slice[i] = fill;
+  for (int64_t e = blockIdx.y; e < E; e += gridDim.y) {
+    if (!bad && offsets[e + 1] > offsets[e]) continue;
+    scalar_t* slice = dW + e * NK;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < NK;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      slice[i] = fill;
+  }
 }
 
 unsigned blocks_for(int64_t n, int threads) {
@@ -601,12 +603,11 @@ at::Tensor order_broken(const Sorted& s, int64_t E) {
 void fix_weight_grad(at::Tensor& dW, const Sorted& s, const at::Tensor& poison) {
   const int64_t E = dW.size(0), NK = dW.numel() / std::max<int64_t>(E, 1);
   if (E == 0 || NK == 0) return;
-  TORCH_CHECK(E <= 65535, "opforge::indexed_linear_backward: expected at most 65535 experts on CUDA, but got ",
-              num_str(E));
-  const dim3 grid(std::min<unsigned>(blocks_for(NK, 256), 1024u), static_cast<unsigned>(E));
+  const dim3 grid(std::min<unsigned>(blocks_for(NK, 256), 1024u),
+                  static_cast<unsigned>(std::min<int64_t>(E, 65535)));
   OPFORGE_DISPATCH_FLOATING(dW.scalar_type(), "indexed_linear_fix_weight_grad", [&] {
     fix_weight_grad_kernel<scalar_t><<<grid, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
-        dW.mutable_data_ptr<scalar_t>(), NK, s.offsets.const_data_ptr<int64_t>(),
+        dW.mutable_data_ptr<scalar_t>(), E, NK, s.offsets.const_data_ptr<int64_t>(),
         poison.defined() ? poison.const_data_ptr<bool>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -641,9 +642,11 @@ at::Tensor indexed_linear_cuda(const at::Tensor& input, const at::Tensor& weight
   }
   const Sorted s = index_sorted ? given_order(p.index, p.E) : sort_tokens(p.index, p.E);
   if (grouped_mm_eligible(p, path) && index_sorted) {
-    // the caller's rows in place: no gather, no scatter
+    // the caller's rows in place: no gather, no scatter (_grouped_mm rejects an unaligned operand: an input at
+    // an odd storage offset is copied, as the bank)
     const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);
-    at::Tensor Ys = at::_grouped_mm(p.X, cuda::aligned16_or_copy(p.W).transpose(1, 2), offs);  // [T, N]
+    at::Tensor Ys =
+        at::_grouped_mm(cuda::aligned16_or_copy(p.X), cuda::aligned16_or_copy(p.W).transpose(1, 2), offs);  // [T, N]
     finish_rows(Ys, p.b, s, p.E);
     return Ys.is_contiguous() ? Ys : Ys.contiguous();
   }
@@ -679,6 +682,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_cuda(
   if (output_mask[0] && gemv) gather_gemv(dY, p.W, at::Tensor(), p.index, gi, p.K, p.N, p.E, p.N * p.K, 1, p.K);
   const bool need_sorted = (output_mask[0] && !gemv && p.N > 0) || output_mask[1] || output_mask[2];
   if (!need_sorted || p.E == 0) {
+    // no expert (E = 0): every row is treated as −1, so the grouped path's input gradient is zero
+    if (output_mask[0] && !gemv && p.E == 0) gi.zero_();
     if (output_mask[1]) gw = at::zeros(weight.sizes(), weight.options().memory_format(at::MemoryFormat::Contiguous));
     if (output_mask[2]) gb = at::zeros({p.E, p.N}, input.options().dtype(bias_dtype.value_or(dtype)));
     return {gi, gw, gb};
@@ -687,10 +692,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_cuda(
   // an index_sorted index that broke the order poisons the weight gradients (the rows' own are NaN already)
   const at::Tensor poison = index_sorted ? order_broken(s, p.E) : at::Tensor();
   const bool gmm = grouped_mm_eligible(p, path) && !gemv;
+  // _grouped_mm on the caller's rows (index_sorted) rejects an operand at an odd storage offset: copied then
+  const at::Tensor dYg = gmm && index_sorted ? cuda::aligned16_or_copy(dY) : dY;
+  const at::Tensor Xg = gmm && index_sorted && output_mask[1] ? cuda::aligned16_or_copy(p.X) : p.X;
   if (output_mask[0] && !gemv && p.N > 0) {
     if (gmm && index_sorted) {
       const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);
-      at::Tensor dX = at::_grouped_mm(dY, cuda::aligned16_or_copy(p.W), offs);  // [T, K], the rows in place
+      at::Tensor dX = at::_grouped_mm(dYg, cuda::aligned16_or_copy(p.W), offs);  // [T, K], the rows in place
       finish_rows(dX, at::Tensor(), s, p.E);
       gi = dX.is_contiguous() ? dX : dX.contiguous();
     } else if (gmm) {
@@ -708,7 +716,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_cuda(
     // dW[e] = dY_eᵀ · X_e through _grouped_mm's 2-D × 2-D form; experts without tokens zeroed after
     const at::Tensor offs = s.offsets.narrow(0, 1, p.E).to(at::kInt);
     if (index_sorted) {
-      dW = at::_grouped_mm(dY.t(), p.X, offs);  // [E, N, K]
+      dW = at::_grouped_mm(dYg.t(), Xg, offs);  // [E, N, K]
     } else {
       dW = at::_grouped_mm(dY.index_select(0, s.perm).t(), p.X.index_select(0, s.perm), offs);
     }
