@@ -690,7 +690,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> indexed_linear_backward_cuda(
   }
   const Sorted s = index_sorted ? given_order(p.index, p.E) : sort_tokens(p.index, p.E);
   // an index_sorted index that broke the order poisons the weight gradients (the rows' own are NaN already)
-  const at::Tensor poison = index_sorted ? order_broken(s, p.E) : at::Tensor();
+  const at::Tensor poison =
+      index_sorted && (output_mask[1] || output_mask[2]) ? order_broken(s, p.E) : at::Tensor();
   const bool gmm = grouped_mm_eligible(p, path) && !gemv;
   // _grouped_mm on the caller's rows (index_sorted) rejects an operand at an odd storage offset: copied then
   const at::Tensor dYg = gmm && index_sorted ? cuda::aligned16_or_copy(dY) : dY;
