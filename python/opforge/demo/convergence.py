@@ -181,13 +181,10 @@ def plot_convergence(path: Path, runs: Dict[str, Result], ref: str, other: str, 
     Returns:
         bool: False (and a note on stderr) when matplotlib is not installed.
     """
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        import sys
-        print("(no plot: matplotlib is not installed; pip install matplotlib)", file=sys.stderr)
+    from .report import pyplot
+
+    plt = pyplot("plot")
+    if plt is None:
         return False
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), dpi=120, sharex=True,
                                       gridspec_kw=dict(height_ratios=[3, 2]))

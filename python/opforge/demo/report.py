@@ -52,6 +52,19 @@ def write_csv(path: Path, rows: List[dict]) -> None:
         w.writerows(rows)
 
 
+
+def pyplot(what: str):
+    """matplotlib.pyplot on the Agg backend (files only), or None with "(no <what>: matplotlib is not installed;
+    pip install matplotlib)" on stderr."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(no {what}: matplotlib is not installed; pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
 def plot(path: Path, results: List[Result], title: str) -> bool:
     """Draws the results' loss curves (train every step, validation at its steps) into the PNG `path`.
 
@@ -63,12 +76,8 @@ def plot(path: Path, results: List[Result], title: str) -> bool:
     Returns:
         bool: False (and a note on stderr) when matplotlib is not installed.
     """
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no loss-curve PNG: matplotlib is not installed; pip install matplotlib)", file=sys.stderr)
+    plt = pyplot("loss-curve PNG")
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     colors = {"opforge": "tab:red", "torch": "tab:blue"}
