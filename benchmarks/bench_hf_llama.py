@@ -82,7 +82,7 @@ VARIANTS = {
     "liger": "HF + Liger (apply_liger_kernel_to_llama)",
     "opforge": "HF + opforge.patch.apply",
     "opforge-norecompute": "HF + opforge.patch.apply(recompute=False)",
-    "opforge-lean": "HF + opforge.patch.apply, OPFORGE_LCE_LEAN=1 (16-bit loss chunks)",
+    "opforge-nolean": "HF + opforge.patch.apply, OPFORGE_LCE_LEAN=0 (float32 loss chunks)",
     "opforge-dwbf16": "HF + opforge.patch.apply, OPFORGE_LCE_DW_ACCUM=1",
     "opforge-dwbf16-c2048": "HF + opforge.patch.apply, OPFORGE_LCE_DW_ACCUM=1, OPFORGE_LCE_CHUNK_SIZE=2048",
     "hf+compile": "HF + torch.compile",
@@ -111,10 +111,10 @@ VARIANTS = {
 #: "-dwbf16" ones are measured by name)
 DEFAULT_VARIANTS = ["hf", "liger", "opforge", "opforge-norecompute", "hf+compile", "opforge+compile", "liger+compile"]
 # Environment variables of a variant's own process (read once there by opforge's knobs and chunk-size resolution):
-# the loss with 16-bit logits chunks (lean mode); the lm_head's dW accumulated in bf16 (no fp32 V x H accumulator),
+# the loss with float32 logits chunks (lean mode off); the lm_head's dW accumulated in bf16 (no fp32 V x H accumulator),
 # and that with 2048-token loss chunks.
 VARIANT_ENV = {
-    "opforge-lean": {"OPFORGE_LCE_LEAN": "1"},
+    "opforge-nolean": {"OPFORGE_LCE_LEAN": "0"},
     "opforge-fp8-fast": {"OPFORGE_FP8_FAST_ACCUM": "1"},
     "opforge-fp8-rowwise-fast": {"OPFORGE_FP8_FAST_ACCUM": "2"},
     "opforge-dwbf16": {"OPFORGE_LCE_DW_ACCUM": "1"},

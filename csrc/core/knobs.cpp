@@ -33,7 +33,7 @@ constexpr Entry kEntries[] = {
     {"OPFORGE_LCE_GRAD_IN_FORWARD", 1, Read::kUnlessZero, "linear_cross_entropy"},
     {"OPFORGE_LCE_DW_ACCUM", 0, Read::kInteger, "linear_cross_entropy"},
     {"OPFORGE_LCE_CHUNK_SIZE", 0, Read::kPositive, "linear_cross_entropy"},
-    {"OPFORGE_LCE_LEAN", 0, Read::kInteger, "linear_cross_entropy"},
+    {"OPFORGE_LCE_LEAN", 1, Read::kUnlessZero, "linear_cross_entropy"},
     {"OPFORGE_FP8_FAST_ACCUM", 0, Read::kInteger, "fp8_linear"},
     {"linear_lt", 1, Read::kNone, "linear"},
     {"gemm_sm90", -1, Read::kNone, "linear"},

@@ -17,12 +17,12 @@
 //   OPFORGE_LCE_CHUNK_SIZE  0 (unset or empty, default): linear_cross_entropy's token rows per chunk from its memory
 //                        budget; N >= 1: N rows where the call passes no chunk_size (lce::resolve_chunk). Any other
 //                        text is a ValueError at the first call that needs the chunk size.
-//   OPFORGE_LCE_LEAN     0 (unset, default, or any value but 1): linear_cross_entropy, linear_log_probs and linear_jsd
-//                        hold each chunk's logits in float32 on CUDA; 1: on CUDA, where input, linear_weight and
-//                        linear_bias share one 16-bit dtype, the logits chunk is in that dtype (the GEMM rounds its
-//                        fp32 sums once, the logit gradient overwrites it in place), dW accumulates in the 16-bit
-//                        gradient itself and the chunk size comes from a 512 MiB budget (2048 rows at V = 128256).
-//                        The CPU path ignores it. Read when the chunk loop starts, as OPFORGE_LCE_DW_ACCUM
+//   OPFORGE_LCE_LEAN     1 (unset, default, or any value but 0): on CUDA, where input, linear_weight and
+//                        linear_bias share one 16-bit dtype, the logits chunk of linear_cross_entropy,
+//                        linear_log_probs and linear_jsd is in that dtype (the GEMM rounds its fp32 sums once, the
+//                        logit gradient overwrites it in place), dW accumulates in the 16-bit gradient itself and the
+//                        chunk size comes from a 512 MiB budget (2048 rows at V = 128256); 0: each chunk's logits in
+//                        float32. The CPU path ignores it. Read when the chunk loop starts, as OPFORGE_LCE_DW_ACCUM
 //                        (ops/linear_cross_entropy/linear_cross_entropy.h, "Lean mode").
 //   OPFORGE_FP8_FAST_ACCUM  0 (unset, default): every FP8 GEMM of fp8_linear on CUDA with use_fast_accum=false
 //                        (the tensor cores' partial sum moved to fp32 every 128 products); 1: the forward GEMM with

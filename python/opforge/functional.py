@@ -558,8 +558,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     still gives log V); every sum (logsumexp, the loss, the weight and bias gradients across chunks) accumulates
     in float32 (the knob `OPFORGE_LCE_DW_ACCUM=1`: the weight and bias gradients of float16/bfloat16 parameters
     of input's dtype accumulate in that dtype, one rounding per chunk, as Liger-Kernel's default; no float32 V x H
-    buffer). The knob `OPFORGE_LCE_LEAN=1` (CUDA, float16/bfloat16 input, weight and bias of one dtype) holds each
-    chunk's logits in that dtype instead (rounded once by the GEMM before the softmax, as Hugging Face's own lm_head
+    buffer). On CUDA, where input, weight and bias share one float16/bfloat16 dtype, lean mode (the default; the
+    knob `OPFORGE_LCE_LEAN=0` turns it off) holds each chunk's logits in that dtype instead (rounded once by the GEMM before the softmax, as Hugging Face's own lm_head
     output is: a relative error of at most 2^-8 per bf16 logit), the logit gradient in place, dW accumulated in
     the 16-bit gradient and 2048-row chunks at V = 128256: one 16-bit [chunk, V] buffer, no float32 V x H buffer.
     `"mean"` with every target ignored gives NaN and zero gradients, as `F.cross_entropy`.

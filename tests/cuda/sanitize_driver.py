@@ -300,6 +300,17 @@ def families(quick: bool):
                         x, w, b = make((t, 32), dt, u), make((4, 24, 32), dt, u), make((4, 24), dt, u)
                         idx = host_randint(-1, 4, (t,))
                         backward(opforge.indexed_linear(x, w, idx, b))
+                        sorted_rows(x, w, b, t)
+
+        def sorted_rows(x, w, b, t):
+            # index_sorted: rows in expert order with the expert-less rows last (finish_rows_kernel,
+            # fix_weight_grad_kernel with no poison), then one row out of order (every row kernel's NaN branch and
+            # the poisoned weight gradients)
+            idx = torch.sort(host_randint(0, 4, (t,))).values
+            idx[t - t // 4:] = -1
+            backward(opforge.indexed_linear(x, w, idx, b, index_sorted=True))
+            idx[0] = 3
+            backward(opforge.indexed_linear(x, w, idx, b, index_sorted=True))
 
         def grouped_mm_epilogue(dt, u):
             # indexed_linear's _grouped_mm path (bfloat16 on sm_90; bfloat16 cases only): torch._grouped_mm
@@ -310,6 +321,7 @@ def families(quick: bool):
                 with knobs(indexed_linear_path=INDEXED_LINEAR_PATH[path]):
                     x, w, b = make((300, 32), dt, u), make((4, 24, 32), dt, u), make((4, 24), dt, u)
                     backward(opforge.indexed_linear(x, w, host_randint(-1, 4, (300,)), b))
+                    sorted_rows(x, w, b, 300)
         out.append(("indexed_linear", indexed_linear))
         out.append(("grouped_mm_epilogue", grouped_mm_epilogue))
     if hasattr(ops, "fake_quant_linear"):

@@ -13,7 +13,7 @@ import torch
 import opforge  # noqa: F401  (loads the library)
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = {"OPFORGE_LCE_GRAD_IN_FORWARD": 1, "OPFORGE_LCE_DW_ACCUM": 0, "OPFORGE_LCE_CHUNK_SIZE": 0, "OPFORGE_LCE_LEAN": 0,
+MODES = {"OPFORGE_LCE_GRAD_IN_FORWARD": 1, "OPFORGE_LCE_DW_ACCUM": 0, "OPFORGE_LCE_CHUNK_SIZE": 0, "OPFORGE_LCE_LEAN": 1,
          "OPFORGE_FP8_FAST_ACCUM": 0}
 HOOKS = {"linear_lt": 1, "linear_gemv": -1, "rms_norm_forward": -1, "rms_norm_backward": -1, "rope_rows_kernel": 0,
          "indexed_linear_path": 0}
@@ -71,14 +71,14 @@ def test_environment_sets_modes_not_hooks():
         "    print(e)",
     ])
     env = _clean_env(OPFORGE_LCE_GRAD_IN_FORWARD="0", OPFORGE_LCE_DW_ACCUM="1", OPFORGE_LCE_CHUNK_SIZE="12x",
-                     OPFORGE_LCE_LEAN="1", OPFORGE_FP8_FAST_ACCUM="2",
+                     OPFORGE_LCE_LEAN="0", OPFORGE_FP8_FAST_ACCUM="2",
                      OPFORGE_LINEAR_LT="0", linear_lt="0", OPFORGE_LINEAR_GEMV="1", OPFORGE_ROPE_KERNEL="1",
                      rope_rows_kernel="1", OPFORGE_INDEXED_LINEAR_PATH="gemv", OPFORGE_RMS_FWD="2")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     lines = p.stdout.strip().splitlines()
-    # GRAD_IN_FORWARD 0, DW_ACCUM 1, LEAN 1, FP8_FAST_ACCUM 2 from the environment; hooks' defaults
-    expect = [0, 1, 1, 2] + list(HOOKS.values())
+    # GRAD_IN_FORWARD 0, DW_ACCUM 1, LEAN 0, FP8_FAST_ACCUM 2 from the environment; hooks' defaults
+    expect = [0, 1, 0, 2] + list(HOOKS.values())
     assert lines[-2].split() == [str(v) for v in expect], p.stdout
     assert lines[-1].startswith('opforge::linear_cross_entropy: expected OPFORGE_LCE_CHUNK_SIZE to be a positive '
                                 'integer, but got "12x"'), p.stdout

@@ -19,7 +19,7 @@
 // buffers themselves (lce::Problem::dw_dtype / db_dtype): the same dW GEMM writes its 16-bit D with beta = 0 on the
 // first chunk and adds with beta = 1 after (fp32 math inside cuBLAS, one rounding per GEMM), so no fp32 V x H
 // accumulator exists and no final cast runs.
-// Lean mode (lce::Problem::lean, knob OPFORGE_LCE_LEAN=1, 16-bit input, weight and bias of one dtype;
+// Lean mode (lce::Problem::lean, knob OPFORGE_LCE_LEAN, on by default, 16-bit input, weight and bias of one dtype;
 // linear_cross_entropy.h has its numerics): the logits GEMM writes the chunk in the storage dtype (fp32 accumulation
 // and the bias epilogue inside the GEMM, one rounding), the row kernels read it 8 elements per 16-byte load and compute
 // in fp32, and the logit gradient overwrites the same buffer in place, which the dX and dW GEMMs then read: one
@@ -56,7 +56,7 @@ using lce::Problem;
 // re-writes V x H, so fewer, larger chunks amortise it; 768 MiB keeps the peak near the floor.
 constexpr int64_t kCudaChunkBudget = int64_t{768} << 20;
 // Lean mode's budget for its one 16-bit [chunk, V] buffer (two with linear_jsd's teacher): 512 MiB gives 2048 rows at
-// V = 128256 in bf16 (1024 for linear_jsd), half as many chunks as the default mode's 1024 rows, so half as many
+// V = 128256 in bf16 (1024 for linear_jsd), half as many chunks as the 1024 rows of float32 chunks (OPFORGE_LCE_LEAN=0), so half as many
 // passes of the dW GEMM over the V x H gradient. The bound on lean mode's memory above the inputs and the
 // gradients' own storage: this buffer, plus per-token vectors, cuBLAS's workspace and the [V] fp32 bias-gradient sum.
 constexpr int64_t kLeanChunkBudget = int64_t{512} << 20;

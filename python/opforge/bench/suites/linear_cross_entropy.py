@@ -1,8 +1,9 @@
 """linear_cross_entropy (forward, forward+backward) against eager F.linear + F.cross_entropy (fp32 loss),
 torch.compile of it, Liger-Kernel's LigerFusedLinearCrossEntropyLoss and cut_cross_entropy's linear_cross_entropy
 (when importable), torch's F.linear_cross_entropy chunked path (torch >= 2.13), and the floor: the three GEMMs
-(logits, dX, dW; 2·BT·H·V FLOPs each) measured alone with torch.mm (cuBLAS on CUDA). On CUDA also opforge's lean
-mode (the knob OPFORGE_LCE_LEAN=1 around the call: "opforge(lean)"), beside "opforge" in the process's default mode.
+(logits, dX, dW; 2·BT·H·V FLOPs each) measured alone with torch.mm (cuBLAS on CUDA). On CUDA also opforge with
+float32 logits chunks (the knob OPFORGE_LCE_LEAN=0 around the call: "opforge(fp32 chunks)"), beside "opforge" in the
+process's mode (lean mode by default: 16-bit logits chunks).
 
 Rows: for each (shape, pass, impl) the time in µs with metric = time / the GEMM floor of that pass (unit
 "xGEMM": forward's floor is one GEMM, forward+backward's three), and a second row (op linear_cross_entropy_mem)
@@ -58,10 +59,10 @@ def ours_recompute(x, w, t):
         torch.ops.opforge._set_knob("OPFORGE_LCE_GRAD_IN_FORWARD", prev)
 
 
-def ours_lean(x, w, t):
-    """Lean mode (OPFORGE_LCE_LEAN=1 through the knob: 16-bit logits chunks, the gradient in place, 16-bit dW
-    accumulation, 2048-row chunks at V = 128256), to measure it beside the process's default in one run."""
-    prev = torch.ops.opforge._set_knob("OPFORGE_LCE_LEAN", 1)
+def ours_fp32_chunks(x, w, t):
+    """Lean mode off (OPFORGE_LCE_LEAN=0 through the knob: float32 logits chunks, a 16-bit copy of the gradient,
+    float32 dW accumulation, 1024-row chunks at V = 128256), to measure it beside the process's mode in one run."""
+    prev = torch.ops.opforge._set_knob("OPFORGE_LCE_LEAN", 0)
     try:
         return opforge.linear_cross_entropy(x, w, t)
     finally:
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     if hasattr(F, "linear_cross_entropy"):
         impls["F.linear_cross_entropy(chunked)"] = torch_chunked
     if cuda:
-        impls["opforge(lean)"] = ours_lean
+        impls["opforge(fp32 chunks)"] = ours_fp32_chunks
         for name, make in (("liger", make_liger), ("cut_cross_entropy", make_cce)):
             fn = make()
             if fn is not None:
