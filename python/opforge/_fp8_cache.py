@@ -17,10 +17,24 @@ An entry is reused only while all of these are unchanged since it was made:
     whose in-place writes reach the fused weight without bumping its counter).
 Writes that none of these see (through `.data`, or from outside torch) need `opforge.functional.fp8_cache_clear()`.
 
-Where the cache cannot be verified the layers call fp8_linear, which quantizes in the op each call: while Dynamo
-traces (torch.compile), inside torch.func transforms, for a weight that is not a plain Parameter (a DTensor, a
-tensor subclass, a tensor put in the parameter's place by functional_call, an inference tensor), and while a
-torch.distributed process group is initialized (FSDP2 gathers each step's parameters into the same storage).
+Where the cache cannot be verified, or would hold what the training setup frees, the layers call fp8_linear, which
+quantizes in the op each call:
+  * while Dynamo traces (torch.compile) and inside torch.func transforms;
+  * for a weight that is not a plain Parameter: a DTensor (tensor parallel, and FSDP2's sharded parameters), FSDP1's
+    FlatParameter or the plain tensors FSDP1 puts in the module for its forward, another tensor subclass, a tensor
+    put in the parameter's place by functional_call, an inference tensor;
+  * for a Parameter FSDP1 flattened (`use_orig_params=True`: its data is a view into the FlatParameter, re-gathered
+    between uses; marked by FSDP's own `_fsdp_flattened` attribute);
+  * for the Parameter of a module that FSDP manages (FSDP2's `fully_shard` or FSDP1; FSDP sets the module attribute
+    `_is_fsdp_managed_module` that Dynamo reads): FSDP2's unsharded Parameter is one object for the whole run whose
+    storage is freed after use and all-gathered again, with its version counter preserved, so a write to the sharded
+    parameter outside `torch.optim` would reach it unseen; and the cache would keep a full FP8 copy of every
+    sharded weight.
+Plain DDP (DistributedDataParallel over ordinary Parameters) keeps the cache: each rank holds the whole weight in its
+own storage and the optimizer writes it in place, as in a single process (its broadcast at construction copies into
+the parameters, which bumps their version counters). A torch.distributed collective that writes into a Parameter
+(`dist.broadcast(w)`, `dist.all_reduce(w)`) bumps no version counter: inside an optimizer step (the broadcasts of
+ZeroRedundancyOptimizer) the optimizer generation covers it; called by hand, it needs `fp8_cache_clear()` after.
 
 Memory: each cached weight holds two FP8 copies (its own size in bfloat16) for as long as the Parameter lives.
 """
@@ -64,17 +78,24 @@ def clear() -> None:
     _CACHE.clear()
 
 
-def usable(weight: torch.Tensor) -> bool:
-    """True when a cached operand of `weight` can be verified (see the module's docstring)."""
+def _fsdp_managed(weight: torch.Tensor, modules: Tuple) -> bool:
+    """True when FSDP (FSDP1 or FSDP2) owns `weight`: FSDP1 marks the parameters it flattened, FSDP1 and FSDP2 mark
+    every module they manage (the attributes `torch.distributed.fsdp` sets for Dynamo)."""
+    if getattr(weight, "_fsdp_flattened", False):
+        return True
+    return any(getattr(m, "_is_fsdp_managed_module", False) for m in modules)
+
+
+def usable(weight: torch.Tensor, modules: Tuple = ()) -> bool:
+    """True when a cached operand of `weight` can be verified (see the module's docstring). `modules`: the modules
+    that hold `weight` (the FP8 layer; for a fused projection of the patch, its owner too)."""
     if torch.compiler.is_compiling() or type(weight) is not torch.nn.Parameter:
         return False
     if torch._C._functorch.maybe_current_level() is not None or torch._C._functorch.is_functorch_wrapped_tensor(weight):
         return False
     if weight.is_inference() or weight.device.type == "meta" or weight.layout != torch.strided:
         return False
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return False
-    return True
+    return not _fsdp_managed(weight, modules)
 
 
 def _storage_ref(weight: torch.Tensor):
@@ -109,12 +130,13 @@ def operands(weight: torch.nn.Parameter, granularity: str, extra: Tuple = (),
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], granularity: str,
-           grad_dtype: Optional[torch.dtype] = None, extra: Tuple = (), keep: Tuple = ()) -> torch.Tensor:
-    """fp8_linear(input, weight, bias) with the weight's operands from the cache where it is usable, else fp8_linear
-    itself: the same bits either way."""
+           grad_dtype: Optional[torch.dtype] = None, extra: Tuple = (), keep: Tuple = (),
+           modules: Tuple = ()) -> torch.Tensor:
+    """fp8_linear(input, weight, bias) with the weight's operands from the cache where it is usable (`modules`: those
+    holding `weight`, see `usable`), else fp8_linear itself: the same bits either way."""
     from . import functional as OF
 
-    if not usable(weight) or not hasattr(torch.ops.opforge, "_fp8_linear_quantized"):
+    if not usable(weight, modules) or not hasattr(torch.ops.opforge, "_fp8_linear_quantized"):
         return OF.fp8_linear(input, weight, bias, granularity=granularity, grad_dtype=grad_dtype)
     ops = operands(weight, granularity, extra, keep)
     return torch.ops.opforge._fp8_linear_quantized(input, weight, *ops, bias, granularity=granularity,

@@ -961,8 +961,10 @@ def fp8_cache_clear() -> None:
     `opforge.nn.Linear(..., fp8=...)` and the projections of `opforge.patch.apply(model, fp8=...)` keep each weight's
     quantized operands (q(W) and q(Wᵀ) with their scales) and reuse them while the weight is unchanged: the same
     Parameter, version counter, storage, data_ptr, dtype and device, and no `torch.optim` step since they were made
-    (docs/ops/fp8.md: The weight cache). A write that none of these record — through `weight.data`, or by code outside
-    torch — is not seen: call this after it.
+    (docs/ops/fp8.md: The weight cache). A write that none of these record — through `weight.data`, a
+    `torch.distributed` collective into the weight outside an optimizer step, or code outside torch — is not seen:
+    call this after it. The cache is used under DDP; under FSDP (FSDP2 and FSDP1), DTensor, torch.compile and
+    torch.func the layers quantize in the op.
 
     Returns:
         None.

@@ -35,9 +35,10 @@ class Linear(torch.nn.Linear):
         fp8: str or None, keyword-only. `"tensorwise"` or `"rowwise"`: compute the layer with
             `opforge.functional.fp8_linear` (FP8 GEMMs, current scaling; activation must be `"none"`). Default: None
             (off). The layer keeps its weight's quantized operands and reuses them while the weight is unchanged
-            (until an optimizer step or an in-place write; bit-identical to quantizing each call): set the attribute
-            `fp8_cache = False` to quantize in every call; `opforge.functional.fp8_cache_clear` after writes
-            through `weight.data` (docs/ops/fp8.md: The weight cache).
+            (until an optimizer step or an in-place write; bit-identical to quantizing each call; kept under DDP,
+            off under FSDP, DTensor, torch.compile and torch.func): set the attribute `fp8_cache = False` to
+            quantize in every call; `opforge.functional.fp8_cache_clear` after writes through `weight.data`
+            (docs/ops/fp8.md: The weight cache).
 
     Shape: input `(*, K)` -> output `(*, N)`.
 
@@ -66,7 +67,7 @@ class Linear(torch.nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             if self.fp8_cache:
-                return _fp8_cache.linear(input, self.weight, self.bias, self.fp8)
+                return _fp8_cache.linear(input, self.weight, self.bias, self.fp8, modules=(self,))
             return F.fp8_linear(input, self.weight, self.bias, granularity=self.fp8)
         return F.linear(input, self.weight, self.bias, self.activation)
 

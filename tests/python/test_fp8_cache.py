@@ -2,7 +2,9 @@
 is bit-identical to fp8_linear in the output and every gradient; fp8_linear saves q(inputᵀ) (FP8) in place of the
 input where the scales allow; opforge.nn.Linear(fp8=...) and the patch's FP8 projections reuse the cached operands
 while the weight is unchanged and never serve stale ones (after optimizer steps of every torch.optim implementation,
-in-place writes, load_state_dict, .to(), .data replacement, writes through a fused projection's row Parameters)."""
+in-place writes, load_state_dict, .to(), .data replacement, writes through a fused projection's row Parameters);
+under DDP (gloo, 2 processes) the patched model trains as without the cache and reuses the operands, under FSDP2 and
+FSDP1 the cache stays off."""
 import copy
 
 import pytest
@@ -324,6 +326,25 @@ def test_compiled_layer_quantizes_in_the_op():
     torch._dynamo.reset()
 
 
+def test_fsdp_marked_weights_and_modules_quantize_in_the_op():
+    """The markers FSDP sets (a flattened Parameter, a managed module) turn the cache off for that layer only; an
+    unmarked layer keeps it."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 32)
+    for mark in ("module", "parameter", None):
+        m = opforge.nn.Linear(32, 16, fp8="tensorwise")
+        if mark == "module":
+            m._is_fsdp_managed_module = True
+        elif mark == "parameter":
+            m.weight._fsdp_flattened = True
+        n0 = _fp8_cache.QUANTIZED[0]
+        with _CountOps() as rec, torch.no_grad():
+            y = m(x)
+        assert _fp8_cache.QUANTIZED[0] - n0 == (mark is None), mark
+        assert ("opforge::fp8_linear" in rec.n) == (mark is not None), mark
+        assert _same(y, _fresh(m, x)), mark
+
+
 # ---- the patch's FP8 projections ---------------------------------------------------------------------------------
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
@@ -355,7 +376,7 @@ def test_patched_model_steps_as_without_the_cache(granularity, monkeypatch):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         with monkeypatch.context() as mp:
             if not cached:
-                mp.setattr(_fp8_cache, "usable", lambda w: False)
+                mp.setattr(_fp8_cache, "usable", lambda w, modules=(): False)
             out = []
             for step in range(3):
                 n0 = _fp8_cache.QUANTIZED[0]
@@ -375,3 +396,128 @@ def test_patched_model_steps_as_without_the_cache(granularity, monkeypatch):
     for a, b in zip(*runs):
         for x, y in zip(a, b):
             assert _same(x, y)
+
+
+# ---- DDP, FSDP2 and FSDP1 (gloo, 2 processes on the CPU) ---------------------------------------------------------
+
+DIST_STEPS = 4
+
+
+def _uncached(w, modules=()):
+    return False
+
+
+def _dist_train(make, ids, cached, write=None, zero=False):
+    """(losses, parameters after DIST_STEPS AdamW steps, cache fills per step) of the model `make()` returns, each
+    step a forward and backward then a no_grad forward (whose operands are the ones just made). `write(model)` runs
+    between the last two steps; `zero`: AdamW in ZeroRedundancyOptimizer (each rank steps its share of the
+    parameters and broadcasts them). Uncached: every projection quantizes in fp8_linear."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    saved = _fp8_cache.usable
+    if not cached:
+        _fp8_cache.usable = _uncached
+    try:
+        model = make()
+        if zero:
+            opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, fills = [], []
+        for step in range(DIST_STEPS):
+            if write is not None and step == DIST_STEPS - 1:
+                write(model)
+            n0 = _fp8_cache.QUANTIZED[0]
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            with torch.no_grad():
+                losses.append(loss.detach())
+                losses.append(model(input_ids=ids, labels=ids).loss)
+            fills.append(_fp8_cache.QUANTIZED[0] - n0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for n, p in model.named_parameters()}
+        return torch.stack(losses), params, fills
+    finally:
+        _fp8_cache.usable = saved
+
+
+def _dist_worker(rank, world, init, granularity, out):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from opforge import patch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    n_fp8 = 4 * TINY["num_hidden_layers"]  # fused q/k/v, o, fused gate/up, down
+    try:
+        ids = torch.randint(0, TINY["vocab_size"], (4, 8), generator=torch.Generator().manual_seed(1))[rank::world]
+
+        def llama(seed):
+            torch.manual_seed(seed)
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().train()
+            patch.apply(model, fp8=granularity)
+            return model
+
+        def ddp():
+            model = llama(rank)  # each rank its own weights, cached by a forward before DDP broadcasts rank 0's
+            with torch.no_grad():
+                model(input_ids=ids)
+            return DDP(model)
+
+        def fsdp2():
+            model = llama(0)
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            return model
+
+        def fsdp1():
+            return FSDP1(llama(0), use_orig_params=True, device_id=torch.device("cpu"))
+
+        def write(model):  # an in-place write to the (sharded) weights that no optimizer step announces
+            names = [n for n, _ in model.named_parameters() if n.endswith("proj.weight")]
+            assert len(names) == n_fp8, names
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n in names:
+                        p.mul_(-1)
+
+        res = {}
+        for name, make in (("ddp", ddp), ("ddp_zero", ddp), ("fsdp2", fsdp2), ("fsdp1", fsdp1)):
+            res[name] = {cached: _dist_train(make, ids, cached, write, zero=name == "ddp_zero")
+                         for cached in (True, False)}
+        torch.save(res, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("granularity", GRANS)
+def test_cache_under_ddp_and_fsdp_gloo(tmp_path, granularity):
+    """DDP (AdamW, and AdamW in ZeroRedundancyOptimizer): the cached patched model trains as the one quantizing in
+    the op, bit for bit (losses, parameters after AdamW steps and an in-place write), each step quantizing each FP8
+    weight once although it runs two forwards; rank 1's operands cached before DDP broadcast rank 0's weights are not
+    used. FSDP2 (fully_shard) and FSDP1 (use_orig_params): the cache never fills and the results are those of
+    quantizing in the op."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "res.pt"
+    mp.spawn(_dist_worker, args=(2, f"file://{tmp_path / 'store'}", granularity, str(out)), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    n_fp8 = 4 * TINY["num_hidden_layers"]  # fused q/k/v, o, fused gate/up, down
+    for rank, res in enumerate(ranks):
+        for name in ("ddp", "ddp_zero", "fsdp2", "fsdp1"):
+            (l1, p1, f1), (l0, p0, f0) = res[name][True], res[name][False]
+            assert f0 == [0] * DIST_STEPS, (rank, name)
+            assert f1 == ([n_fp8 if name.startswith("ddp") else 0] * DIST_STEPS), (rank, name, f1)
+            assert _same(l1, l0), (rank, name, l1, l0)
+            assert p1.keys() == p0.keys()
+            for n in p1:
+                assert _same(p1[n], p0[n]), (rank, name, n)
+    for name in ("ddp", "ddp_zero"):
+        for n, p in ranks[0][name][True][1].items():  # DDP's replicas agree
+            assert _same(p, ranks[1][name][True][1][n]), (name, n)
