@@ -16,7 +16,8 @@
 #
 # Needs a C++ compiler; installs what is missing (scripts/bootstrap.sh) into the current Python -- a virtual
 # environment if one is active, else the system's: torch 2.13.0 (when no torch is installed), pytest,
-# hypothesis, expecttest, transformers (the Hugging Face patching tests), tqdm, matplotlib (pip),
+# hypothesis, expecttest, transformers (the Hugging Face patching tests), torchao 0.18.0 (the FP8 tests compare
+# opforge's scales and casts with its float8 recipe), tqdm, matplotlib (pip),
 # CMake >= 3.26 and ninja (pip; pip's scripts folder goes first on PATH), GoogleTest (Debian's libgtest-dev,
 # with apt-get: it needs root, and says so before it installs; without root it names the command and stops).
 # Environment: PYTHON (default python3), OPFORGE_JOBS (ninja -j, default: number of cores).
@@ -30,7 +31,7 @@ JOBS=${OPFORGE_JOBS:-$(nproc)}
 # --- what the tests need, installed only when missing (scripts/bootstrap.sh) -----------------------
 . scripts/bootstrap.sh
 ob_torch
-ob_pip pytest hypothesis expecttest transformers tqdm matplotlib
+ob_pip pytest hypothesis expecttest transformers torchao=torchao==0.18.0 tqdm matplotlib
 ob_build_tools
 ob_gtest || exit 1
 
