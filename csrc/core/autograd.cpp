@@ -70,7 +70,9 @@ variable_list OpNode::apply(variable_list&& grads) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<bool> needs(num_outputs());
   bool any = false;
-  for (const auto i : c10::irange(needs.size())) any |= (needs[i] = should_compute_output(i));
+  // what this backward pass asks for (torch.autograd.grad(..., inputs=...) prunes the rest), not every edge
+  // that requires grad: a weight's gradient is not computed when only the input's is wanted
+  for (const auto i : c10::irange(needs.size())) any |= (needs[i] = task_should_compute_output(i));
   if (!any) return variable_list(num_outputs());
   std::vector<at::Tensor> saved;
   saved.reserve(saved_.size());

@@ -244,3 +244,55 @@ def test_zero_size_views_give_contiguous_outputs(device, op):
     out, meta = fn(a), fn(a.to("meta"))
     assert out.shape == meta.shape == (0, 5)
     assert out.stride() == meta.stride() == (5, 1), (out.stride(), meta.stride())
+
+
+# ---- backward computes only the gradients this backward pass asks for ------------------------------------
+
+
+class _OutputMasks(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the `output_mask` argument of every opforge backward op called under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.masks = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "opforge":
+            for i, a in enumerate(func._schema.arguments):
+                if a.name == "output_mask":
+                    self.masks.append((func.name(), list(kwargs.get("output_mask", args[i] if i < len(args) else []))))
+        return func(*args, **kwargs)
+
+
+def _weighted_ops():
+    """(name, inputs, fn(inputs) -> output): ops with an input and a weight (position 0 and 1 of their masks)."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    idx = torch.tensor([0, 2, 1, -1, 2, 0])
+    return [
+        ("linear", [r(6, 8), r(5, 8)], lambda x, w: opforge.linear(x, w)),
+        ("indexed_linear", [r(6, 8), r(3, 5, 8)], lambda x, w: opforge.indexed_linear(x, w, idx)),
+        ("rms_norm", [r(6, 8), r(8)], lambda x, w: opforge.rms_norm(x, (8,), w)),
+        ("swiglu_linear", [r(6, 8), r(10, 8)], lambda x, w: opforge.swiglu_linear(x, w)),
+        ("fp8_linear", [r(6, 16).float(), r(16, 16).float()], lambda x, w: opforge.fp8_linear(x, w)),
+    ]
+
+
+@pytest.mark.parametrize("case", _weighted_ops(), ids=lambda c: c[0])
+@pytest.mark.parametrize("wanted", [0, 1], ids=["input", "weight"])
+def test_backward_computes_only_the_requested_gradient(case, wanted):
+    """torch.autograd.grad(y, [input]) must not compute the weight's gradient (nor the reverse): the backward op
+    gets an output_mask with only the requested entry set, and its gradient is the one a full backward gives."""
+    name, inputs, fn = case
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    y = fn(*leaves)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    full = torch.autograd.grad(fn(*leaves), leaves, dy)
+    with _OutputMasks() as rec:
+        (got,) = torch.autograd.grad(y, [leaves[wanted]], dy)
+    masks = [m for op, m in rec.masks if op.endswith("backward")]
+    assert masks, f"{name}: no backward op with an output_mask ran ({rec.masks})"
+    for m in masks:
+        assert m[wanted] and not m[1 - wanted], f"{name}: output_mask {m} when only input {wanted} was requested"
+    torch.testing.assert_close(got, full[wanted], rtol=0, atol=0)

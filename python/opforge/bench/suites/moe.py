@@ -6,8 +6,9 @@ Rows per (tokens T, hidden D, intermediate I, experts E), op `mixtral_moe_block`
                      the experts that are hit (one host sync and two GEMMs each);
     HF grouped_mm    the same block with transformers' `grouped_mm` experts, when this transformers has them;
     opforge          the block of a copy of the model patched by `opforge.patch.apply` (same weights).
-The metric is TFLOP/s of the experts' GEMMs (6 · T · top_k · 3 · D · I for forward+backward), the router's
-small GEMM left out. Before timing, the patched block's output is checked against the unpatched block in float64
+Forward+backward is a training step's: the gradients of the input and of every parameter of the block (router and
+expert banks). The metric is TFLOP/s of the experts' GEMMs (6 · T · top_k · 3 · D · I for forward+backward), the
+router's small GEMM left out. Before timing, the patched block's output is checked against the unpatched block in float64
 (a float64 copy run through transformers' expert loop, on the first 256 tokens) by the tests' tolerance rule.
 
     python -m opforge bench --ops moe [--quick]
@@ -87,7 +88,11 @@ def main(argv=None) -> int:
             group = []
             for impl, block in blocks.items():
                 xi = x.detach().clone().requires_grad_()
-                step = harness.fwd_bwd(_block_fn(block), [xi], dy)
+                # the gradients of a training step: the input's and every parameter's (router, expert banks);
+                # an expert that gets no token has none (allow_unused)
+                wrt = [xi, *(p for p in block.parameters() if p.requires_grad)]
+                step = (lambda fn=_block_fn(block), xi=xi, wrt=wrt:
+                        torch.autograd.grad(fn(xi), wrt, dy, allow_unused=True))
                 if impl == "HF grouped_mm":  # a peer that this GPU or torch may not run: its row says n/a
                     try:
                         t = run.time(step)
