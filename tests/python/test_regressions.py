@@ -249,20 +249,14 @@ def test_zero_size_views_give_contiguous_outputs(device, op):
 # ---- backward computes only the gradients this backward pass asks for ------------------------------------
 
 
-class _OutputMasks(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the `output_mask` argument of every opforge backward op called under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.masks = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "opforge":
-            for i, a in enumerate(func._schema.arguments):
-                if a.name == "output_mask":
-                    self.masks.append((func.name(), list(kwargs.get("output_mask", args[i] if i < len(args) else []))))
-        return func(*args, **kwargs)
+def _output_masks(calls):
+    """[(op name, output_mask)] of the opforge calls (conformance.RecordOpforgeCalls) that take an output_mask."""
+    out = []
+    for func, args, kwargs in calls:
+        for i, a in enumerate(func._schema.arguments):
+            if a.name == "output_mask":
+                out.append((func.name(), list(kwargs.get("output_mask", args[i] if i < len(args) else []))))
+    return out
 
 
 def _weighted_ops():
@@ -289,10 +283,12 @@ def test_backward_computes_only_the_requested_gradient(case, wanted):
     y = fn(*leaves)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
     full = torch.autograd.grad(fn(*leaves), leaves, dy)
-    with _OutputMasks() as rec:
+    from conformance import RecordOpforgeCalls
+
+    with RecordOpforgeCalls() as rec:
         (got,) = torch.autograd.grad(y, [leaves[wanted]], dy)
-    masks = [m for op, m in rec.masks if op.endswith("backward")]
-    assert masks, f"{name}: no backward op with an output_mask ran ({rec.masks})"
+    masks = [m for op, m in _output_masks(rec.calls) if op.endswith("backward")]
+    assert masks, f"{name}: no backward op with an output_mask ran"
     for m in masks:
         assert m[wanted] and not m[1 - wanted], f"{name}: output_mask {m} when only input {wanted} was requested"
     torch.testing.assert_close(got, full[wanted], rtol=0, atol=0)
