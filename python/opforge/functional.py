@@ -534,8 +534,9 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
         softcap: float or None. c > 0 caps the logits to c · tanh(logits / c) before the loss. Default: None.
         chunk_size: int or None. Tokens per chunk (at most `chunk_size × V` float32 logits exist at a time).
             Default: None: the environment variable `OPFORGE_LCE_CHUNK_SIZE` (read once per process) if set,
-            else a memory budget (768 MiB of logits plus their 16-bit gradient copy on CUDA, 32 MiB on CPU),
-            rounded down to a multiple of 64 tokens.
+            else a memory budget (CUDA: 512 MiB of 16-bit logits in lean mode, the default for 16-bit inputs, else
+            768 MiB of float32 logits plus their 16-bit gradient copy; 32 MiB on CPU), rounded down to a multiple
+            of 64 tokens.
 
     Returns:
         `()` for `"mean"`/`"sum"`, `(*)` for `"none"`, in float32 (float64 for float64 input): the dtype the loss
