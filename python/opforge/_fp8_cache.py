@@ -40,7 +40,7 @@ Memory: each cached weight holds two FP8 copies (its own size in bfloat16) for a
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -130,14 +130,15 @@ def operands(weight: torch.nn.Parameter, granularity: str, extra: Tuple = (),
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], granularity: str,
-           grad_dtype: Optional[torch.dtype] = None, extra: Tuple = (), keep: Tuple = (),
-           modules: Tuple = ()) -> torch.Tensor:
+           grad_dtype: Optional[torch.dtype] = None, modules: Tuple = (),
+           alias_key: Optional[Callable[[], Tuple[Tuple, Tuple]]] = None) -> torch.Tensor:
     """fp8_linear(input, weight, bias) with the weight's operands from the cache where it is usable (`modules`: those
-    holding `weight`, see `usable`), else fp8_linear itself: the same bits either way."""
+    holding `weight`, see `usable`), else fp8_linear itself: the same bits either way. `alias_key`: () -> (extra,
+    keep) of `operands`, called only when the cache is used."""
     from . import functional as OF
 
     if not usable(weight, modules) or not hasattr(torch.ops.opforge, "_fp8_linear_quantized"):
         return OF.fp8_linear(input, weight, bias, granularity=granularity, grad_dtype=grad_dtype)
-    ops = operands(weight, granularity, extra, keep)
+    ops = operands(weight, granularity, *(alias_key() if alias_key is not None else ()))
     return torch.ops.opforge._fp8_linear_quantized(input, weight, *ops, bias, granularity=granularity,
                                                    grad_dtype=grad_dtype)

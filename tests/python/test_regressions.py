@@ -5,6 +5,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 import opforge
+from conformance import RecordOpforgeCalls
 from opforge import patch
 
 
@@ -283,8 +284,6 @@ def test_backward_computes_only_the_requested_gradient(case, wanted):
     y = fn(*leaves)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
     full = torch.autograd.grad(fn(*leaves), leaves, dy)
-    from conformance import RecordOpforgeCalls
-
     with RecordOpforgeCalls() as rec:
         (got,) = torch.autograd.grad(y, [leaves[wanted]], dy)
     masks = [m for op, m in _output_masks(rec.calls) if op.endswith("backward")]

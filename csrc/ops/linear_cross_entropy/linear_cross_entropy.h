@@ -15,19 +15,20 @@
 // accumulate in that dtype instead (Problem::dw_dtype / db_dtype): the dW GEMM adds into the 16-bit gradient with
 // beta = 1 (fp32 math inside, one rounding per GEMM), no fp32 V x H buffer, no final cast.
 //
-// Lean mode (CUDA, the default; knob OPFORGE_LCE_LEAN=0 turns it off; where input, linear_weight and linear_bias share one 16-bit dtype): the
-// logits chunk is held in that storage dtype instead of fp32. The logits GEMM accumulates in fp32, adds the bias in its
-// epilogue and rounds once to bf16/fp16; the row kernels read it with 16-byte loads and compute in fp32; the logit
-// gradient overwrites the same buffer in place and feeds the dX and dW GEMMs directly (no second [chunk, V] buffer);
-// db sums that 16-bit gradient with fp32 accumulation. dW accumulates in the 16-bit gradient itself (beta = 1 GEMMs,
-// fp32 math inside, one rounding per chunk, as OPFORGE_LCE_DW_ACCUM=1), so no fp32 V x H buffer exists. The chunk
-// size comes from a 512 MiB budget for the one 16-bit [chunk, V] buffer (two with linear_jsd's teacher): 2048 rows at
-// V = 128256 in bf16 (1024 for linear_jsd). Numerics: the logits are rounded to the storage dtype before the softmax,
-// as Hugging Face's own lm_head output (and torch.compile's unfused loss over it) is: each logit carries a relative
-// error of at most u = 2^-8 for bf16 (2^-11 for fp16: half the dtype's eps), so to first order the loss moves by at
-// most u · Σ_j |∂loss/∂z_j| · |z_j| (for the plain cross-entropy row: u · (|z_t| + Σ_j p_j |z_j|) per token) and
-// p_j by at most p_j · u · (|z_j| + Σ_k p_k |z_k|); (m, r), the loss and every accumulation stay fp32. The logit gradient is rounded to the storage dtype as with
-// OPFORGE_LCE_LEAN=0 (where the gradient GEMMs read a 16-bit copy of it).
+// Lean mode (CUDA, where input, linear_weight and linear_bias share one 16-bit dtype; the default, the knob
+// OPFORGE_LCE_LEAN=0 turns it off): the logits chunk is held in that storage dtype instead of fp32. The logits GEMM
+// accumulates in fp32, adds the bias in its epilogue and rounds once to bf16/fp16; the row kernels read it with 16-byte
+// loads and compute in fp32; the logit gradient overwrites the same buffer in place and feeds the dX and dW GEMMs
+// directly (no second [chunk, V] buffer); db sums that 16-bit gradient with fp32 accumulation. dW accumulates in the
+// 16-bit gradient itself (beta = 1 GEMMs, fp32 math inside, one rounding per chunk, as OPFORGE_LCE_DW_ACCUM=1), so no
+// fp32 V x H buffer exists. The chunk size comes from a 512 MiB budget for the one 16-bit [chunk, V] buffer (two with
+// linear_jsd's teacher): 2048 rows at V = 128256 in bf16 (1024 for linear_jsd). Numerics: the logits are rounded to the
+// storage dtype before the softmax, as Hugging Face's own lm_head output (and torch.compile's unfused loss over it) is:
+// each logit carries a relative error of at most u = 2^-8 for bf16 (2^-11 for fp16: half the dtype's eps), so to first
+// order the loss moves by at most u · Σ_j |∂loss/∂z_j| · |z_j| (for the plain cross-entropy row:
+// u · (|z_t| + Σ_j p_j |z_j|) per token) and p_j by at most p_j · u · (|z_j| + Σ_k p_k |z_k|); (m, r), the loss and
+// every accumulation stay fp32. The logit gradient is rounded to the storage dtype as with OPFORGE_LCE_LEAN=0 (where
+// the gradient GEMMs read a 16-bit copy).
 //
 // Two autograd paths (linear_cross_entropy.cpp, docs/ops/linear_cross_entropy.md):
 //   gradient in forward (reduction "mean" / "sum", the default): the forward's chunk loop also computes the logit

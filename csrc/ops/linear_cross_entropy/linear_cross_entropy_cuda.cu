@@ -55,10 +55,11 @@ using lce::Problem;
 // GiB (the fp32 dW accumulator, V x H x 4 bytes, sets the floor). Each chunk's fp32 dW accumulation re-reads and
 // re-writes V x H, so fewer, larger chunks amortise it; 768 MiB keeps the peak near the floor.
 constexpr int64_t kCudaChunkBudget = int64_t{768} << 20;
-// Lean mode's budget for its one 16-bit [chunk, V] buffer (two with linear_jsd's teacher): 512 MiB gives 2048 rows at
-// V = 128256 in bf16 (1024 for linear_jsd), half as many chunks as the 1024 rows of float32 chunks (OPFORGE_LCE_LEAN=0), so half as many
-// passes of the dW GEMM over the V x H gradient. The bound on lean mode's memory above the inputs and the
-// gradients' own storage: this buffer, plus per-token vectors, cuBLAS's workspace and the [V] fp32 bias-gradient sum.
+// Lean mode's budget for its one 16-bit [chunk, V] buffer (two with linear_jsd's teacher): 512 MiB gives 2048 rows
+// at V = 128256 in bf16 (1024 for linear_jsd), half as many chunks as the 1024 rows of float32 chunks
+// (OPFORGE_LCE_LEAN=0), so half as many passes of the dW GEMM over the V x H gradient. The bound on lean mode's memory
+// above the inputs and the gradients' own storage: this buffer, plus per-token vectors, cuBLAS's workspace and the [V]
+// fp32 bias-gradient sum.
 constexpr int64_t kLeanChunkBudget = int64_t{512} << 20;
 constexpr int kThreads = 512;
 

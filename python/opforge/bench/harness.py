@@ -572,15 +572,20 @@ def time_fn(fn: Callable[[], object], device: str, *, warmup: int, reps: int) ->
 
 
 def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
-            grad_output: Optional[torch.Tensor] = None) -> Callable[[], object]:
+            grad_output: Optional[torch.Tensor] = None, params: Sequence[torch.Tensor] = ()) -> Callable[[], object]:
     """A closure running fn(*inputs) forward and backward (torch.autograd.grad with respect to the inputs
-    that require grad, so nothing accumulates between repetitions)."""
+    that require grad, so nothing accumulates between repetitions). `params`: more tensors to differentiate (a
+    module's parameters, as a training step does); one that the call does not reach (an expert without tokens) gets
+    none."""
     wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    n_inputs = len(wrt)
+    wrt += [p for p in params if p.requires_grad]
+    unused = len(wrt) > n_inputs
 
     def run():
         out = fn(*inputs)
         g = grad_output if grad_output is not None else torch.ones_like(out)
-        return torch.autograd.grad(out, wrt, g)
+        return torch.autograd.grad(out, wrt, g, allow_unused=unused)
 
     return run
 

@@ -52,7 +52,6 @@ def write_csv(path: Path, rows: List[dict]) -> None:
         w.writerows(rows)
 
 
-
 def pyplot(what: str):
     """matplotlib.pyplot on the Agg backend (files only), or None with "(no <what>: matplotlib is not installed;
     pip install matplotlib)" on stderr."""
@@ -64,6 +63,7 @@ def pyplot(what: str):
         print(f"(no {what}: matplotlib is not installed; pip install matplotlib)", file=sys.stderr)
         return None
     return plt
+
 
 def plot(path: Path, results: List[Result], title: str) -> bool:
     """Draws the results' loss curves (train every step, validation at its steps) into the PNG `path`.

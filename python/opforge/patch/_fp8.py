@@ -39,10 +39,7 @@ def linear(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Module, fp8: s
     Linear, or the operand object of `_fused.gemm_operand`), with the weight's quantized operands cached."""
     w = lin.weight
     modules = (owner, lin) if isinstance(lin, torch.nn.Module) else (owner,)
-    if not _fp8_cache.usable(w, modules):
-        return OF.fp8_linear(x, w, lin.bias, granularity=fp8)
-    extra, keep = _alias_key(owner, w)
-    return _fp8_cache.linear(x, w, lin.bias, fp8, extra=extra, keep=keep, modules=modules)
+    return _fp8_cache.linear(x, w, lin.bias, fp8, modules=modules, alias_key=lambda: _alias_key(owner, w))
 
 
 def _alias_key(owner: torch.nn.Module, weight: torch.Tensor):

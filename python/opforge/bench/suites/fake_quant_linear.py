@@ -130,13 +130,8 @@ def main(argv=None) -> int:
                         leaves = [t_.detach().clone().requires_grad_() for t_ in (x, w, b)]
                         if impl.startswith("torchao"):
                             xl = x.detach().clone().requires_grad_()
-
-                            def ao_step(xl=xl, ao=ao, fwd_only=pass_ == "fwd"):
-                                if fwd_only:
-                                    return ao(x)
-                                return torch.autograd.grad(ao(xl), [xl, ao.weight, ao.bias], dy)
-
-                            step = ao_step
+                            step = ((lambda ao=ao: ao(x)) if pass_ == "fwd" else
+                                    harness.fwd_bwd(ao, [xl], dy, params=[ao.weight, ao.bias]))
                         else:
                             step = (lambda fn=fn: fn(x, w, b)) if pass_ == "fwd" else harness.fwd_bwd(fn, leaves, dy)
                         t, method = run.time_graphed(impl, lambda i, step=step: step(), 4)

@@ -115,9 +115,8 @@ def main(argv=None) -> int:
                     if fn is not None:
                         xl, wl = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
                         if isinstance(fn, torch.nn.Module):
-                            params = [xl, *fn.parameters()]
                             step = ((lambda fn=fn: fn(x)) if pass_ == "fwd" else
-                                    (lambda fn=fn, xl=xl, params=params: torch.autograd.grad(fn(xl), params, dy)))
+                                    harness.fwd_bwd(fn, [xl], dy, params=list(fn.parameters())))
                         else:
                             step = (lambda fn=fn: fn(x, w)) if pass_ == "fwd" else harness.fwd_bwd(fn, [xl, wl], dy)
                         t, method = run.time_graphed(impl, lambda i, step=step: step(), 4)

@@ -88,11 +88,8 @@ def main(argv=None) -> int:
             group = []
             for impl, block in blocks.items():
                 xi = x.detach().clone().requires_grad_()
-                # the gradients of a training step: the input's and every parameter's (router, expert banks);
-                # an expert that gets no token has none (allow_unused)
-                wrt = [xi, *(p for p in block.parameters() if p.requires_grad)]
-                step = (lambda fn=_block_fn(block), xi=xi, wrt=wrt:
-                        torch.autograd.grad(fn(xi), wrt, dy, allow_unused=True))
+                # the gradients of a training step: the input's and every parameter's (router, expert banks)
+                step = harness.fwd_bwd(_block_fn(block), [xi], dy, params=list(block.parameters()))
                 if impl == "HF grouped_mm":  # a peer that this GPU or torch may not run: its row says n/a
                     try:
                         t = run.time(step)
