@@ -245,3 +245,26 @@ def lean_accum_factor(k: int) -> float:
     OPFORGE_LCE_DW_ACCUM=1): 2 × k for k > 1 (k roundings of a partial sum of dW's size, each at most the baseline's
     one; test_linear_cross_entropy._accum_factor derives it), the rule's own 2 for k = 1."""
     return 2.0 * k if k > 1 else 2.0
+
+
+# ---- two processes in a gloo process group (the CPU's distributed tests) ------------------------------------
+
+
+def _gloo_main(rank, world, init, worker, args):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        worker(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(tmp_path, worker, *args, world: int = 2) -> None:
+    """Runs worker(rank, world, *args) in `world` spawned processes, each with one thread and in one gloo process
+    group (a file store under tmp_path), destroyed after; raises when a process fails. `worker` must be a module-level
+    function (it is pickled)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_main, args=(world, f"file://{tmp_path / 'store'}", worker, args), nprocs=world, join=True)

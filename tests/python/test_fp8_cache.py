@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import opforge
+from conftest import spawn_gloo
 from opforge import _fp8_cache
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -401,6 +402,7 @@ def test_patched_model_steps_as_without_the_cache(granularity, monkeypatch):
 # ---- DDP, FSDP2 and FSDP1 (gloo, 2 processes on the CPU) ---------------------------------------------------------
 
 DIST_STEPS = 4
+N_FP8 = 4 * TINY["num_hidden_layers"]  # FP8 projections: fused q/k/v, o, fused gate/up, down
 
 
 def _uncached(w, modules=()):
@@ -443,57 +445,50 @@ def _dist_train(make, ids, cached, write=None, zero=False):
         _fp8_cache.usable = saved
 
 
-def _dist_worker(rank, world, init, granularity, out):
-    import torch.distributed as dist
+def _dist_worker(rank, world, granularity, out):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from opforge import patch
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    n_fp8 = 4 * TINY["num_hidden_layers"]  # fused q/k/v, o, fused gate/up, down
-    try:
-        ids = torch.randint(0, TINY["vocab_size"], (4, 8), generator=torch.Generator().manual_seed(1))[rank::world]
+    ids = torch.randint(0, TINY["vocab_size"], (4, 8), generator=torch.Generator().manual_seed(1))[rank::world]
 
-        def llama(seed):
-            torch.manual_seed(seed)
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().train()
-            patch.apply(model, fp8=granularity)
-            return model
+    def llama(seed):
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().train()
+        patch.apply(model, fp8=granularity)
+        return model
 
-        def ddp():
-            model = llama(rank)  # each rank its own weights, cached by a forward before DDP broadcasts rank 0's
-            with torch.no_grad():
-                model(input_ids=ids)
-            return DDP(model)
+    def ddp():
+        model = llama(rank)  # each rank its own weights, cached by a forward before DDP broadcasts rank 0's
+        with torch.no_grad():
+            model(input_ids=ids)
+        return DDP(model)
 
-        def fsdp2():
-            model = llama(0)
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
-            return model
+    def fsdp2():
+        model = llama(0)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
 
-        def fsdp1():
-            return FSDP1(llama(0), use_orig_params=True, device_id=torch.device("cpu"))
+    def fsdp1():
+        return FSDP1(llama(0), use_orig_params=True, device_id=torch.device("cpu"))
 
-        def write(model):  # an in-place write to the (sharded) weights that no optimizer step announces
-            names = [n for n, _ in model.named_parameters() if n.endswith("proj.weight")]
-            assert len(names) == n_fp8, names
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if n in names:
-                        p.mul_(-1)
+    def write(model):  # an in-place write to the (sharded) weights that no optimizer step announces
+        names = [n for n, _ in model.named_parameters() if n.endswith("proj.weight")]
+        assert len(names) == N_FP8, names
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in names:
+                    p.mul_(-1)
 
-        res = {}
-        for name, make in (("ddp", ddp), ("ddp_zero", ddp), ("fsdp2", fsdp2), ("fsdp1", fsdp1)):
-            res[name] = {cached: _dist_train(make, ids, cached, write, zero=name == "ddp_zero")
-                         for cached in (True, False)}
-        torch.save(res, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    res = {}
+    for name, make in (("ddp", ddp), ("ddp_zero", ddp), ("fsdp2", fsdp2), ("fsdp1", fsdp1)):
+        res[name] = {cached: _dist_train(make, ids, cached, write, zero=name == "ddp_zero")
+                     for cached in (True, False)}
+    torch.save(res, f"{out}.{rank}")
 
 
 @pytest.mark.parametrize("granularity", GRANS)
@@ -503,17 +498,14 @@ def test_cache_under_ddp_and_fsdp_gloo(tmp_path, granularity):
     weight once although it runs two forwards; rank 1's operands cached before DDP broadcast rank 0's weights are not
     used. FSDP2 (fully_shard) and FSDP1 (use_orig_params): the cache never fills and the results are those of
     quantizing in the op."""
-    import torch.multiprocessing as mp
-
     out = tmp_path / "res.pt"
-    mp.spawn(_dist_worker, args=(2, f"file://{tmp_path / 'store'}", granularity, str(out)), nprocs=2, join=True)
+    spawn_gloo(tmp_path, _dist_worker, granularity, str(out))
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
-    n_fp8 = 4 * TINY["num_hidden_layers"]  # fused q/k/v, o, fused gate/up, down
     for rank, res in enumerate(ranks):
         for name in ("ddp", "ddp_zero", "fsdp2", "fsdp1"):
             (l1, p1, f1), (l0, p0, f0) = res[name][True], res[name][False]
             assert f0 == [0] * DIST_STEPS, (rank, name)
-            assert f1 == ([n_fp8 if name.startswith("ddp") else 0] * DIST_STEPS), (rank, name, f1)
+            assert f1 == ([N_FP8 if name.startswith("ddp") else 0] * DIST_STEPS), (rank, name, f1)
             assert _same(l1, l0), (rank, name, l1, l0)
             assert p1.keys() == p0.keys()
             for n in p1:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import opforge
+from conftest import spawn_gloo
 from opforge import patch
 from opforge import testing as T
 
@@ -230,41 +231,33 @@ def test_fp8_training_tracks_bf16_within_the_seed_spread():
 
 # ---- DDP and FSDP2 (gloo, 2 processes on the CPU) --------------------------------------------------------------
 
-def _ranks_worker(rank, world, init, granularity, out):
-    import torch.distributed as dist
+def _ranks_worker(rank, world, granularity, out):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        base = _llama("cpu")
-        patch.apply(base, fp8=granularity)
-        ids = _ids("cpu")[rank::world]  # this rank's half of the batch
-        res = {}
-        ddp = DDP(copy.deepcopy(base))
-        ddp(input_ids=ids, labels=ids).loss.backward()
-        res["ddp"] = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
-        fsdp = copy.deepcopy(base)
-        for layer in fsdp.model.layers:
-            fully_shard(layer)
-        fully_shard(fsdp)
-        fsdp(input_ids=ids, labels=ids).loss.backward()
-        res["fsdp"] = {n: p.grad.full_tensor().clone() for n, p in fsdp.named_parameters()}
-        if rank == 0:
-            torch.save(res, out)
-    finally:
-        dist.destroy_process_group()
+    base = _llama("cpu")
+    patch.apply(base, fp8=granularity)
+    ids = _ids("cpu")[rank::world]  # this rank's half of the batch
+    res = {}
+    ddp = DDP(copy.deepcopy(base))
+    ddp(input_ids=ids, labels=ids).loss.backward()
+    res["ddp"] = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+    fsdp = copy.deepcopy(base)
+    for layer in fsdp.model.layers:
+        fully_shard(layer)
+    fully_shard(fsdp)
+    fsdp(input_ids=ids, labels=ids).loss.backward()
+    res["fsdp"] = {n: p.grad.full_tensor().clone() for n, p in fsdp.named_parameters()}
+    if rank == 0:
+        torch.save(res, out)
 
 
 @pytest.mark.parametrize("granularity", GRANS)
 def test_fp8_ddp_and_fsdp2_gloo(tmp_path, granularity):
     """Each rank quantizes its own tokens (current scaling is per rank's tensors); DDP's and FSDP2's gradients are the
     mean of the per-rank FP8 gradients that one process computes from the same halves of the batch."""
-    import torch.multiprocessing as mp
-
     out = tmp_path / "grads.pt"
-    mp.spawn(_ranks_worker, args=(2, f"file://{tmp_path / 'store'}", granularity, str(out)), nprocs=2, join=True)
+    spawn_gloo(tmp_path, _ranks_worker, granularity, str(out))
     got = torch.load(out)
     model = _llama("cpu")
     patch.apply(model, fp8=granularity)
