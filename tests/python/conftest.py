@@ -257,6 +257,9 @@ def _gloo_main(rank, world, init, worker, args):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         worker(rank, world, *args)
+        # every rank done with its collectives before any tears the group down (a rank destroying it while a peer's
+        # gloo work is still in flight aborts the peer)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
