@@ -199,7 +199,8 @@ Operand quantize_operand(const Backend& be, const at::Tensor& X, at::ScalarType 
   Operand out;
   out.data = at::empty(Xc.sizes(), Xc.options().dtype(dtype));
   out.scale = at::empty({rowwise ? Xc.size(0) : 1}, Xc.options().dtype(at::kFloat));
-  be.rows(Xc, out.data, out.scale, rowwise);
+  out.inv_scale = at::empty_like(out.scale);
+  be.rows(Xc, out.data, out.scale, out.inv_scale, rowwise);
   return out;
 }
 
@@ -210,7 +211,8 @@ Operand quantize_operand_t(const Backend& be, const at::Tensor& X, at::ScalarTyp
   Operand out;
   out.data = at::empty({Xc.size(1), Xc.size(0)}, Xc.options().dtype(dtype));
   out.scale = at::empty({rowwise ? Xc.size(1) : 1}, Xc.options().dtype(at::kFloat));
-  be.cols(Xc, out.data, out.scale, rowwise);
+  out.inv_scale = at::empty_like(out.scale);
+  be.cols(Xc, out.data, out.scale, out.inv_scale, rowwise);
   return out;
 }
 
@@ -221,8 +223,10 @@ std::pair<Operand, Operand> quantize_operand_both(const Backend& be, const at::T
   q.data = at::empty(Xc.sizes(), Xc.options().dtype(dtype));
   qt.data = at::empty({Xc.size(1), Xc.size(0)}, Xc.options().dtype(dtype));
   q.scale = at::empty({1}, Xc.options().dtype(at::kFloat));
+  q.inv_scale = at::empty_like(q.scale);
   qt.scale = q.scale;
-  be.both(Xc, q.data, qt.data, q.scale);
+  qt.inv_scale = q.inv_scale;
+  be.both(Xc, q.data, qt.data, q.scale, q.inv_scale);
   return {q, qt};
 }
 
@@ -250,8 +254,10 @@ at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::Sca
   const auto opts = A.data.options().dtype(out_dtype);
   if (Ra == 0 || Rb == 0 || C == 0) return at::zeros({Ra, Rb}, opts);
   // _scaled_mm takes the dequantization scales (1 / scale, in fp32 as torchao computes them): (R_a, 1) and
-  // (1, R_b) for rowwise, one element each for tensorwise.
-  at::Tensor inv_a = A.scale.reciprocal(), inv_b = B.scale.reciprocal();
+  // (1, R_b) for rowwise, one element each for tensorwise. The quantizers write them beside the scales; an
+  // operand given by the caller has its reciprocal taken here.
+  at::Tensor inv_a = A.inv_scale.defined() ? A.inv_scale : A.scale.reciprocal();
+  at::Tensor inv_b = B.inv_scale.defined() ? B.inv_scale : B.scale.reciprocal();
   at::Tensor a = A.data, b = B.data;
   int64_t Rb_pad = Rb;
   if (A.data.is_cuda()) {
@@ -306,7 +312,7 @@ namespace {
 
 /// A precomputed operand as scaled_gemm reads it: data row-major, scale flat.
 Operand as_operand(const at::Tensor& data, const at::Tensor& scale) {
-  return {data.contiguous(), scale.reshape({-1}).contiguous()};
+  return {data.contiguous(), scale.reshape({-1}).contiguous(), at::Tensor()};
 }
 
 /// The forward GEMM and bias of fp8_linear from its quantized operands: Y (*, N) in input's dtype.

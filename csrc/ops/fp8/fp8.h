@@ -99,27 +99,33 @@ Granularity check_fp8_linear_backward_args(const at::Tensor& grad_output, const 
                                            std::optional<at::ScalarType> bias_dtype);
 
 /// Backend kernel: quantizes X [R, C] (contiguous, floating) into data [R, C] (contiguous, of the FP8 dtype to
-/// produce) and scale (float32, contiguous: 1 element tensorwise, R rowwise). Defined by each backend
-/// (CPU: fp8_cpu.cpp, CUDA: fp8_cuda.cu).
-void quantize_rows_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwise);
-void quantize_rows_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwise);
-using QuantizeRowsFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, bool);
+/// produce) and scale (float32, contiguous: 1 element tensorwise, R rowwise); inv_scale, when defined (float32,
+/// scale's size), gets 1 / scale (the dequantization scale the scaled GEMM reads, IEEE division: the bits of
+/// scale.reciprocal()). Defined by each backend (CPU: fp8_cpu.cpp, CUDA: fp8_cuda.cu).
+void quantize_rows_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, at::Tensor& inv_scale, bool rowwise);
+void quantize_rows_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, at::Tensor& inv_scale,
+                        bool rowwise);
+using QuantizeRowsFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, bool);
 
 /// Backend kernel: quantizes Xᵀ along its rows straight from X [R, C] (contiguous, floating), with no transposed
 /// copy of X: data_t [C, R] (contiguous, of the FP8 dtype to produce) and scale (float32, contiguous: 1 element
 /// tensorwise, C rowwise: one per row of Xᵀ, i.e. per column of X) get the bits that quantize_rows gives for
-/// Xᵀ.contiguous(). Defined by each backend.
-void quantize_cols_cpu(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise);
-void quantize_cols_cuda(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise);
-using QuantizeColsFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, bool);
+/// Xᵀ.contiguous(); inv_scale, when defined, 1 / scale (as quantize_rows). Defined by each backend.
+void quantize_cols_cpu(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, at::Tensor& inv_scale,
+                       bool rowwise);
+void quantize_cols_cuda(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, at::Tensor& inv_scale,
+                        bool rowwise);
+using QuantizeColsFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, bool);
 
 /// Backend kernel, tensorwise only: quantizes X [R, C] (contiguous, floating) in both orientations with its one
 /// scale, from one amax pass and one cast pass: data [R, C] and data_t [C, R] (contiguous, of the FP8 dtype to
 /// produce) and scale (float32, 1 element) get the bits of quantize_rows of X and of Xᵀ.contiguous() (whose
-/// tensorwise scales are equal). Defined by each backend.
-void quantize_both_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale);
-void quantize_both_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale);
-using QuantizeBothFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);
+/// tensorwise scales are equal); inv_scale, when defined, 1 / scale (as quantize_rows). Defined by each backend.
+void quantize_both_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale,
+                       at::Tensor& inv_scale);
+void quantize_both_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale,
+                        at::Tensor& inv_scale);
+using QuantizeBothFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);
 
 /// One backend's quantization kernels: the set that the kernel bodies shared by CPU and CUDA call.
 struct Backend {
@@ -128,10 +134,13 @@ struct Backend {
   QuantizeBothFn both;  ///< tensorwise: X and Xᵀ in one pass
 };
 
-/// One quantized GEMM operand: data [R, C] FP8 row-major, scale float32 [1] (tensorwise) or [R] (rowwise).
+/// One quantized GEMM operand: data [R, C] FP8 row-major, scale float32 [1] (tensorwise) or [R] (rowwise), and
+/// inv_scale = 1 / scale (scale's shape) when the quantizer wrote it (undefined for operands given by the caller:
+/// scaled_gemm then takes the reciprocal).
 struct Operand {
   at::Tensor data;
   at::Tensor scale;
+  at::Tensor inv_scale;
 };
 
 /// Quantizes X [R, C] (made contiguous) along its rows to `dtype` with the backend's row kernel.

@@ -47,6 +47,15 @@ void cast_of(const scalar_t* x, fp8_t* y, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) y[i] = fp8::saturate_cast<fp8_t>(static_cast<float>(x[i]), scale);
 }
 
+/// inv_scale = 1 / scale element by element (IEEE division, the bits of scale.reciprocal()), when inv_scale is
+/// defined.
+void write_inverse(const at::Tensor& scale, at::Tensor& inv_scale) {
+  if (!inv_scale.defined()) return;
+  const float* s = scale.const_data_ptr<float>();
+  float* inv = inv_scale.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < scale.numel(); ++i) inv[i] = 1.0f / s[i];
+}
+
 /// max |x| over x[0, n) as a parallel reduction, NaN if any is NaN.
 template <typename scalar_t, typename acc_t>
 acc_t tensor_amax(const scalar_t* x, int64_t n) {
@@ -151,7 +160,8 @@ void quantize_cols_typed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& sc
 
 }  // namespace
 
-void quantize_rows_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwise) {
+void quantize_rows_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, at::Tensor& inv_scale,
+                       bool rowwise) {
   TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous());
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
     if (data.scalar_type() == at::kFloat8_e4m3fn) {
@@ -160,9 +170,11 @@ void quantize_rows_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& scale,
       quantize_rows_typed<scalar_t, c10::Float8_e5m2>(X, data, scale, rowwise);
     }
   });
+  write_inverse(scale, inv_scale);
 }
 
-void quantize_cols_cpu(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise) {
+void quantize_cols_cpu(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, at::Tensor& inv_scale,
+                       bool rowwise) {
   TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data_t.is_contiguous());
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
     if (data_t.scalar_type() == at::kFloat8_e4m3fn) {
@@ -171,9 +183,11 @@ void quantize_cols_cpu(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scal
       quantize_cols_typed<scalar_t, c10::Float8_e5m2>(X, data_t, scale, rowwise, nullptr);
     }
   });
+  write_inverse(scale, inv_scale);
 }
 
-void quantize_both_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale) {
+void quantize_both_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale,
+                       at::Tensor& inv_scale) {
   TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous() && data_t.is_contiguous());
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
     if (data.scalar_type() == at::kFloat8_e4m3fn) {
@@ -184,6 +198,7 @@ void quantize_both_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t
                                                         data.mutable_data_ptr<c10::Float8_e5m2>());
     }
   });
+  write_inverse(scale, inv_scale);
 }
 
 /// The CPU's quantization kernels.

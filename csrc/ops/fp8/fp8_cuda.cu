@@ -77,6 +77,13 @@ __device__ __forceinline__ bits_t block_max(bits_t v, bits_t* smem) {
   return v;
 }
 
+/// scale[i] = s and, when inv_scale is non-null, inv_scale[i] = 1 / s (IEEE division: the bits of
+/// scale.reciprocal(), the dequantization scale the scaled GEMM reads).
+__device__ __forceinline__ void store_scale(float* scale, float* inv_scale, int64_t i, float s) {
+  scale[i] = s;
+  if (inv_scale != nullptr) inv_scale[i] = 1.0f / s;
+}
+
 template <typename scalar_t, typename fp8_t, int VEC>
 __device__ __forceinline__ void cast_vec(const scalar_t* __restrict__ x, fp8_t* __restrict__ y, float scale) {
   const cuda::Vec<scalar_t, VEC> in = *reinterpret_cast<const cuda::Vec<scalar_t, VEC>*>(x);
@@ -90,7 +97,7 @@ __device__ __forceinline__ void cast_vec(const scalar_t* __restrict__ x, fp8_t* 
 template <typename scalar_t, typename fp8_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
     quantize_rowwise_kernel(const scalar_t* __restrict__ X, fp8_t* __restrict__ Y, float* __restrict__ scale,
-                            int64_t R, int64_t C) {
+                            float* __restrict__ inv_scale, int64_t R, int64_t C) {
   using T = AmaxTraits<scalar_t>;
   using bits_t = typename T::bits_t;
   __shared__ bits_t smem[kThreads / 32];
@@ -109,12 +116,12 @@ __global__ void __launch_bounds__(kThreads)
     }
     m = block_max(m, smem);
     const float s = fp8::scale_of(T::value_of(m), fp8::max_of<fp8_t>());
-    if (threadIdx.x == 0) scale[r] = s;
+    if (threadIdx.x == 0) store_scale(scale, inv_scale, r, s);
     for (int64_t v = threadIdx.x; v < nvec; v += kThreads) cast_vec<scalar_t, fp8_t, VEC>(x + v * VEC, y + v * VEC, s);
   }
 }
 
-/// Tensorwise, pass 1: atomicMax of |x|'s bit patterns over X [n] into *amax (zero-initialised).
+/// Tensorwise, pass 1: atomicMax of |x|'s bit patterns over X [n] into *amax (zeroed by zeroed_amax).
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
     amax_kernel(const scalar_t* __restrict__ X, int64_t n, typename AmaxTraits<scalar_t>::bits_t* __restrict__ amax) {
@@ -139,14 +146,16 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) atomicMax(amax, m);
 }
 
-/// Tensorwise, pass 2: the scale from *amax (each block computes it; block 0 stores it), then the cast.
+/// Tensorwise, pass 2: the scale from *amax (each block computes it; block 0 stores it and its inverse), then the
+/// cast.
 template <typename scalar_t, typename fp8_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
     cast_tensorwise_kernel(const scalar_t* __restrict__ X, fp8_t* __restrict__ Y, int64_t n,
-                           const typename AmaxTraits<scalar_t>::bits_t* __restrict__ amax, float* __restrict__ scale) {
+                           const typename AmaxTraits<scalar_t>::bits_t* __restrict__ amax, float* __restrict__ scale,
+                           float* __restrict__ inv_scale) {
   using T = AmaxTraits<scalar_t>;
   const float s = fp8::scale_of(T::value_of(*amax), fp8::max_of<fp8_t>());
-  if (blockIdx.x == 0 && threadIdx.x == 0) scale[0] = s;
+  if (blockIdx.x == 0 && threadIdx.x == 0) store_scale(scale, inv_scale, 0, s);
   const int64_t nvec = n / VEC, stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; v < nvec; v += stride) {
     cast_vec<scalar_t, fp8_t, VEC>(X + v * VEC, Y + v * VEC, s);
@@ -154,6 +163,17 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = nvec * VEC + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
     Y[i] = fp8::saturate_cast<fp8_t>(static_cast<float>(X[i]), s);
   }
+}
+
+/// A buffer of `words` amax words of bits_t on X's device, zeroed on the current stream by a memset (no kernel
+/// launch: the quantizers are on the host-bound path of small FP8 GEMMs).
+template <typename bits_t>
+at::Tensor zeroed_amax(const at::Tensor& X, int64_t words) {
+  const int64_t bytes = words * static_cast<int64_t>(sizeof(bits_t));
+  at::Tensor amax = at::empty({bytes}, X.options().dtype(at::kByte));
+  C10_CUDA_CHECK(cudaMemsetAsync(amax.mutable_data_ptr(), 0, static_cast<size_t>(bytes),
+                                 at::cuda::getCurrentCUDAStream()));
+  return amax;
 }
 
 /// Tensorwise pass 1 on the current stream: atomicMax of |x|'s bit patterns over X [n] into *amax (zeroed).
@@ -166,7 +186,7 @@ void launch_amax(const scalar_t* x, int64_t n, typename AmaxTraits<scalar_t>::bi
 }
 
 template <typename scalar_t, typename fp8_t, int VEC>
-void launch(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwise) {
+void launch(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, float* inv, bool rowwise) {
   const int64_t R = X.size(0), C = X.size(1), n = R * C;
   auto stream = at::cuda::getCurrentCUDAStream();
   const scalar_t* x = X.const_data_ptr<scalar_t>();
@@ -175,28 +195,28 @@ void launch(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwi
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   if (rowwise) {
     const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(R, sms * 16));
-    quantize_rowwise_kernel<scalar_t, fp8_t, VEC><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, y, s, R, C);
+    quantize_rowwise_kernel<scalar_t, fp8_t, VEC><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, y, s, inv, R, C);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
   using bits_t = typename AmaxTraits<scalar_t>::bits_t;
-  at::Tensor amax = at::zeros({static_cast<int64_t>(sizeof(bits_t))}, X.options().dtype(at::kByte));
+  at::Tensor amax = zeroed_amax<bits_t>(X, 1);
   bits_t* a = reinterpret_cast<bits_t*>(amax.mutable_data_ptr());
   launch_amax<scalar_t, VEC>(x, n, a);
   const int64_t blocks = cuda::grid_for((n + VEC - 1) / VEC, kThreads);
-  cast_tensorwise_kernel<scalar_t, fp8_t, VEC><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, y, n, a, s);
+  cast_tensorwise_kernel<scalar_t, fp8_t, VEC><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, y, n, a, s, inv);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename scalar_t, typename fp8_t>
-void launch_vec(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwise) {
+void launch_vec(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, float* inv, bool rowwise) {
   constexpr int kVec = cuda::vec_size<scalar_t>();
   // rows start on a vector boundary when C % VEC == 0 (rowwise); the flat tensorwise loop has a scalar tail
   const bool vectorized = cuda::is_aligned16(X.const_data_ptr()) && (!rowwise || X.size(1) % kVec == 0);
   if (vectorized) {
-    launch<scalar_t, fp8_t, kVec>(X, data, scale, rowwise);
+    launch<scalar_t, fp8_t, kVec>(X, data, scale, inv, rowwise);
   } else {
-    launch<scalar_t, fp8_t, 1>(X, data, scale, rowwise);
+    launch<scalar_t, fp8_t, 1>(X, data, scale, inv, rowwise);
   }
 }
 
@@ -206,7 +226,7 @@ void launch_vec(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool r
 constexpr int kWarps = kThreads / 32;
 
 /// Rowwise pass 1 of Xᵀ: the amax of each column of X [R, C] (C % VEC == 0) as |x|'s bit patterns, atomicMax'ed into
-/// amax[C] (zero-initialised). Block (bx, by) covers the 32·VEC columns from bx·32·VEC over the rows
+/// amax[C] (zeroed by zeroed_amax). Block (bx, by) covers the 32·VEC columns from bx·32·VEC over the rows
 /// [by·rows_per_band, (by + 1)·rows_per_band): lane l of warp w reads the VEC columns at l·VEC of rows w, w + 8, ...
 /// (a warp reads 32 consecutive 16-byte vectors of one row); the 8 warps' maxima meet in shared memory.
 template <typename scalar_t, int VEC>
@@ -270,7 +290,7 @@ template <typename scalar_t, typename fp8_t, int VEC, bool kRowwise, bool kStrai
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const scalar_t* __restrict__ X, fp8_t* __restrict__ Yt, fp8_t* __restrict__ Y, int64_t R,
                           int64_t C, int64_t col_tiles, const typename AmaxTraits<scalar_t>::bits_t* __restrict__ amax,
-                          float* __restrict__ scale) {
+                          float* __restrict__ scale, float* __restrict__ inv_scale) {
   using T = AmaxTraits<scalar_t>;
   constexpr float hi = fp8::max_of<fp8_t>();
   constexpr int kRows = tile_rows<VEC>(), kVecs = kTileCols / VEC, kWords = kRows / 4, kPieces = kRows / 16;
@@ -288,11 +308,11 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t col = c0 + threadIdx.x;
       const float s = col < C ? fp8::scale_of(T::value_of(amax[col]), hi) : 0.0f;
       tile_scale[threadIdx.x] = s;
-      if (r0 == 0 && col < C) scale[col] = s;
+      if (r0 == 0 && col < C) store_scale(scale, inv_scale, col, s);
     }
     __syncthreads();
   } else if (blockIdx.x == 0 && threadIdx.x == 0) {
-    scale[0] = s_tensor;
+    store_scale(scale, inv_scale, 0, s_tensor);
   }
 
   const int q = threadIdx.x / kVecs, cv = (threadIdx.x % kVecs) * VEC;
@@ -345,7 +365,8 @@ __global__ void __launch_bounds__(kThreads)
 /// tensorwise): the amax pass (per column rowwise, of the tensor else) into a zeroed buffer of words, then the
 /// cast-transpose. X [R, C] non-empty, C % VEC == 0 and X 16-byte aligned when VEC > 1.
 template <typename scalar_t, typename fp8_t, int VEC>
-void launch_transposed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise, fp8_t* y) {
+void launch_transposed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, float* inv, bool rowwise,
+                       fp8_t* y) {
   using bits_t = typename AmaxTraits<scalar_t>::bits_t;
   const int64_t R = X.size(0), C = X.size(1);
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -353,7 +374,7 @@ void launch_transposed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scal
   fp8_t* yt = reinterpret_cast<fp8_t*>(data_t.mutable_data_ptr());
   float* s = scale.mutable_data_ptr<float>();
   const int64_t words = rowwise ? C : 1;
-  at::Tensor amax = at::zeros({words * static_cast<int64_t>(sizeof(bits_t))}, X.options().dtype(at::kByte));
+  at::Tensor amax = zeroed_amax<bits_t>(X, words);
   bits_t* a = reinterpret_cast<bits_t*>(amax.mutable_data_ptr());
   if (rowwise) {
     // bands of at least 64 rows (few atomics), enough blocks to fill the device several times over
@@ -380,83 +401,97 @@ void launch_transposed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scal
   const auto grid = static_cast<unsigned>(tiles);
   if (rowwise) {
     cast_transpose_kernel<scalar_t, fp8_t, VEC, true, false>
-        <<<grid, kThreads, 0, stream>>>(x, yt, nullptr, R, C, col_tiles, a, s);
+        <<<grid, kThreads, 0, stream>>>(x, yt, nullptr, R, C, col_tiles, a, s, inv);
   } else if (y != nullptr) {
     cast_transpose_kernel<scalar_t, fp8_t, VEC, false, true>
-        <<<grid, kThreads, 0, stream>>>(x, yt, y, R, C, col_tiles, a, s);
+        <<<grid, kThreads, 0, stream>>>(x, yt, y, R, C, col_tiles, a, s, inv);
   } else {
     cast_transpose_kernel<scalar_t, fp8_t, VEC, false, false>
-        <<<grid, kThreads, 0, stream>>>(x, yt, nullptr, R, C, col_tiles, a, s);
+        <<<grid, kThreads, 0, stream>>>(x, yt, nullptr, R, C, col_tiles, a, s, inv);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 /// launch_transposed with 16-byte accesses when X is aligned and its rows start on vector boundaries.
 template <typename scalar_t, typename fp8_t>
-void launch_transposed_vec(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise, fp8_t* y) {
+void launch_transposed_vec(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, float* inv, bool rowwise,
+                           fp8_t* y) {
   constexpr int kVec = cuda::vec_size<scalar_t>();
   if (cuda::is_aligned16(X.const_data_ptr()) && X.size(1) % kVec == 0) {
-    launch_transposed<scalar_t, fp8_t, kVec>(X, data_t, scale, rowwise, y);
+    launch_transposed<scalar_t, fp8_t, kVec>(X, data_t, scale, inv, rowwise, y);
   } else {
-    launch_transposed<scalar_t, fp8_t, 1>(X, data_t, scale, rowwise, y);
+    launch_transposed<scalar_t, fp8_t, 1>(X, data_t, scale, inv, rowwise, y);
   }
 }
 
-/// Fills scale with the scale of an empty group (amax 0: the floor's), for the FP8 dtype `fp8`.
-void fill_empty_scale(at::ScalarType fp8, at::Tensor& scale) {
+/// Fills scale with the scale of an empty group (amax 0: the floor's), for the FP8 dtype `fp8`, and inv_scale (when
+/// defined) with its inverse.
+void fill_empty_scale(at::ScalarType fp8, at::Tensor& scale, at::Tensor& inv_scale) {
   const float s = fp8 == at::kFloat8_e4m3fn ? fp8::scale_of(0.0, fp8::max_of<c10::Float8_e4m3fn>())
                                             : fp8::scale_of(0.0, fp8::max_of<c10::Float8_e5m2>());
-  if (scale.numel() > 0) scale.fill_(s);
+  if (scale.numel() == 0) return;
+  scale.fill_(s);
+  if (inv_scale.defined()) inv_scale.fill_(1.0f / s);
+}
+
+/// inv_scale's data, or null when it is undefined (the kernels then write the scales alone).
+float* inverse_ptr(at::Tensor& inv_scale) {
+  return inv_scale.defined() ? inv_scale.mutable_data_ptr<float>() : nullptr;
 }
 
 }  // namespace
 
-void quantize_rows_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwise) {
+void quantize_rows_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, at::Tensor& inv_scale,
+                        bool rowwise) {
   TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous());
   const c10::cuda::CUDAGuard device_guard(X.device());
   if (X.numel() == 0) {  // empty groups: amax 0, the floor's scale (as the CPU kernel)
-    fill_empty_scale(data.scalar_type(), scale);
+    fill_empty_scale(data.scalar_type(), scale, inv_scale);
     return;
   }
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
     if (data.scalar_type() == at::kFloat8_e4m3fn) {
-      launch_vec<scalar_t, c10::Float8_e4m3fn>(X, data, scale, rowwise);
+      launch_vec<scalar_t, c10::Float8_e4m3fn>(X, data, scale, inverse_ptr(inv_scale), rowwise);
     } else {
-      launch_vec<scalar_t, c10::Float8_e5m2>(X, data, scale, rowwise);
+      launch_vec<scalar_t, c10::Float8_e5m2>(X, data, scale, inverse_ptr(inv_scale), rowwise);
     }
   });
 }
 
-void quantize_cols_cuda(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise) {
+void quantize_cols_cuda(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, at::Tensor& inv_scale,
+                        bool rowwise) {
   TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data_t.is_contiguous());
   const c10::cuda::CUDAGuard device_guard(X.device());
   if (X.numel() == 0) {
-    fill_empty_scale(data_t.scalar_type(), scale);
+    fill_empty_scale(data_t.scalar_type(), scale, inv_scale);
     return;
   }
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
     if (data_t.scalar_type() == at::kFloat8_e4m3fn) {
-      launch_transposed_vec<scalar_t, c10::Float8_e4m3fn>(X, data_t, scale, rowwise, nullptr);
+      launch_transposed_vec<scalar_t, c10::Float8_e4m3fn>(X, data_t, scale, inverse_ptr(inv_scale), rowwise, nullptr);
     } else {
-      launch_transposed_vec<scalar_t, c10::Float8_e5m2>(X, data_t, scale, rowwise, nullptr);
+      launch_transposed_vec<scalar_t, c10::Float8_e5m2>(X, data_t, scale, inverse_ptr(inv_scale), rowwise, nullptr);
     }
   });
 }
 
-void quantize_both_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale) {
+void quantize_both_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale,
+                        at::Tensor& inv_scale) {
   TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous() && data_t.is_contiguous());
   const c10::cuda::CUDAGuard device_guard(X.device());
   if (X.numel() == 0) {
-    fill_empty_scale(data.scalar_type(), scale);
+    fill_empty_scale(data.scalar_type(), scale, inv_scale);
     return;
   }
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
     if (data.scalar_type() == at::kFloat8_e4m3fn) {
       using fp8_t = c10::Float8_e4m3fn;
-      launch_transposed_vec<scalar_t, fp8_t>(X, data_t, scale, false, reinterpret_cast<fp8_t*>(data.mutable_data_ptr()));
+      launch_transposed_vec<scalar_t, fp8_t>(X, data_t, scale, inverse_ptr(inv_scale), false,
+                                             reinterpret_cast<fp8_t*>(data.mutable_data_ptr()));
     } else {
       using fp8_t = c10::Float8_e5m2;
-      launch_transposed_vec<scalar_t, fp8_t>(X, data_t, scale, false, reinterpret_cast<fp8_t*>(data.mutable_data_ptr()));
+      launch_transposed_vec<scalar_t, fp8_t>(X, data_t, scale, inverse_ptr(inv_scale), false,
+                                             reinterpret_cast<fp8_t*>(data.mutable_data_ptr()));
     }
   });
 }
