@@ -1,12 +1,17 @@
 """torch.func.vmap over linear_cat: functorch has no batching fallback for an op with a Tensor[]
 argument, so linear_cat and linear_cat_backward carry their own rules (python/opforge/functional.py). Per-sample
-gradients (vmap(grad(...))), jacrev, batched weights and batch dims other than 0 equal torch's own cat + linear."""
+gradients (vmap(grad(...))), jacrev, batched weights and batch dims other than 0 equal torch's own cat + linear.
+torch.autograd.grad(..., is_grads_batched=True) runs under torch's legacy vmap, whose fallback refuses a Tensor[]
+as well: both ops register the list-aware loop of csrc/core/legacy_batched for its `Batched` key."""
+import warnings
+
 import pytest
 import torch
 import torch.func as tf
 import torch.nn.functional as TF
 
 import opforge
+from opforge.testing import assert_matches_reference, linear_cat_reference
 
 
 def _f(ours):
@@ -128,3 +133,102 @@ def test_batched_weight_over_an_empty_batch(device):
     assert ours.shape == (0, 2, 6)
     gw, gb = tf.vmap(tf.grad(lambda w, b: opforge.linear_cat([a, c], w, b).sum(), argnums=(0, 1)))(W, B)
     assert gw.shape == W.shape and gb.shape == B.shape
+
+
+# ---- torch.autograd.grad(..., is_grads_batched=True): torch's legacy vmap ------------------------------------------
+
+
+def _pieces(device, dtype):
+    """Pieces (3, 2, K_i) with a zero-width one, weight (6, 7) and bias (6,), all requiring grad."""
+    torch.manual_seed(4)
+    xs = [torch.randn(3, 2, k, device=device).to(dtype).requires_grad_() for k in (3, 0, 4)]
+    w = (torch.randn(6, 7, device=device) / 7 ** 0.5).to(dtype).requires_grad_()
+    return xs, w, torch.randn(6, device=device).to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("wrt", ["all", "weight_and_bias", "pieces", "no_bias"])
+def test_is_grads_batched_equals_the_per_sample_loop(device, dtype, wrt):
+    """torch.autograd.grad with a leading batch of upstream gradients and is_grads_batched=True (it raised "Batching
+    rule not implemented for opforge::linear_cat_backward"): each sample's gradients are those of the per-sample
+    torch.autograd.grad loop, bit for bit (the same kernels run once per sample), and match the float64 reference
+    by the tolerance rule against torch's cat + linear in the same dtype; only the asked-for gradients are
+    computed (the backward's output_mask follows `inputs`)."""
+    xs, w, b = _pieces(device, dtype)
+    bias = None if wrt == "no_bias" else b
+    args = {"all": (*xs, w, b), "weight_and_bias": (w, b), "pieces": tuple(xs), "no_bias": (*xs, w)}[wrt]
+    y = opforge.linear_cat(xs, w, bias)
+    gos = torch.randn(5, *y.shape, device=device).to(dtype)
+    batched = torch.autograd.grad(y, args, gos, retain_graph=True, is_grads_batched=True)
+    loop = [torch.autograd.grad(y, args, g, retain_graph=True) for g in gos]
+
+    def grads(fn, cast):
+        out = []
+        for g in gos:
+            a = [t.detach().to(cast).requires_grad_() for t in (*xs, w, b)]
+            yy = fn(a[:3], a[3], a[4] if bias is not None else None)
+            gg = torch.autograd.grad(yy, a, g.to(cast), allow_unused=True)
+            out.append({id(t): gi for t, gi in zip((*xs, w, b), gg)})
+        return out
+
+    ref = grads(linear_cat_reference, torch.float64)
+    base = grads(lambda xs_, w_, b_: TF.linear(torch.cat(xs_, -1), w_, b_), dtype)
+    assert len(batched) == len(args)
+    for j, (t, got) in enumerate(zip(args, batched)):
+        assert got.shape == (5, *t.shape) and got.dtype == t.dtype, f"gradient {j}: {got.shape} {got.dtype}"
+        torch.testing.assert_close(got, torch.stack([lp[j] for lp in loop]), rtol=0, atol=0)
+        assert_matches_reference(got, torch.stack([r[id(t)] for r in ref]), torch.stack([r[id(t)] for r in base]),
+                                 what=f"is_grads_batched gradient {j}")
+
+
+def test_is_grads_batched_with_create_graph(device):
+    """is_grads_batched=True with create_graph=True (the differentiable double backward, ATen ops under the legacy
+    vmap): the gradients and a second derivative through them equal those of the per-sample loop."""
+    xs, w, b = _pieces(device, torch.float64)
+    args = (*xs, w, b)
+    y = opforge.linear_cat(xs, w, b)
+    gos = torch.randn(4, *y.shape, device=device, dtype=torch.float64)
+    batched = torch.autograd.grad(y, args, gos, create_graph=True, is_grads_batched=True)
+    loop = [torch.autograd.grad(y, args, g, create_graph=True) for g in gos]
+    stacked = [torch.stack([lp[j] for lp in loop]) for j in range(len(args))]
+    for got, want in zip(batched, stacked):
+        torch.testing.assert_close(got, want)
+    second = [torch.autograd.grad(sum((g * g.tanh()).sum() for g in gs), args, allow_unused=True)
+              for gs in (batched, stacked)]
+    for got, want in zip(*second):
+        assert (got is None) == (want is None)
+        if want is not None:
+            torch.testing.assert_close(got, want)
+
+
+def test_legacy_vmap_nested_levels(device):
+    """The legacy `Batched` kernel aligns the batch dims of two nested levels (torch._vmap_internals.vmap, which
+    is_grads_batched uses): a piece batched at the outer level only, a weight and a piece at the inner one; the
+    forward and linear_cat_backward (a Tensor[] argument and return) equal the per-sample results."""
+    from torch._vmap_internals import vmap as legacy_vmap
+
+    torch.manual_seed(5)
+    d = torch.float64
+    a = torch.randn(2, 3, 2, device=device, dtype=d)     # outer level, dim 0
+    C = torch.randn(4, 3, 5, device=device, dtype=d)     # inner level, dim 0
+    W = torch.randn(6, 4, 7, device=device, dtype=d)     # inner level, dim 1
+    b = torch.randn(6, device=device, dtype=d)
+    dY = torch.randn(3, 2, 4, 6, device=device, dtype=d)  # outer level at dim 1, inner at dim 2
+    mask = [True, True, True]
+
+    def backward(a, c, w, g):
+        gx, gw, gb = torch.ops.opforge.linear_cat_backward(g, [a, c], w, mask, d)
+        return (*gx, gw, gb)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the legacy vmap's notice that torch.vmap replaces it
+        out = legacy_vmap(legacy_vmap(lambda a, c, w: opforge.linear_cat([a, c], w, b), in_dims=(None, 0, 1)),
+                          in_dims=(0, None, None))(a, C, W)
+        grads = legacy_vmap(legacy_vmap(backward, in_dims=(None, 0, 1, 1)), in_dims=(0, None, None, 1))(a, C, W, dY)
+    assert out.shape == (2, 4, 3, 6)
+    for i in range(2):
+        for j in range(4):
+            torch.testing.assert_close(out[i, j], TF.linear(torch.cat([a[i], C[j]], -1), W[:, j], b))
+            want = backward(a[i], C[j], W[:, j], dY[:, i, j])
+            for got, r in zip(grads, want):
+                torch.testing.assert_close(got[i, j], r, rtol=0, atol=0)

@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "core/dispatch.h"
 #include "core/layout.h"
+#include "core/legacy_batched.h"
 #include "opforge/opforge.h"
 
 namespace opforge {
@@ -220,6 +221,13 @@ TORCH_LIBRARY_IMPL(opforge, Meta, m) {
 TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   m.impl("linear_cat", &linear_cat_autograd);
   register_backward_op_autograd(m, "linear_cat_backward");
+}
+
+// torch.autograd.grad(..., is_grads_batched=True) runs the backward under torch's legacy vmap, whose own fallback
+// refuses an op with a Tensor[] argument or return: the list-aware per-sample loop of core/legacy_batched.
+TORCH_LIBRARY_IMPL(opforge, Batched, m) {
+  register_legacy_batched_loop(m, "linear_cat");
+  register_legacy_batched_loop(m, "linear_cat_backward");
 }
 
 // torch.autocast: as torch's linear (and cat, which follows its inputs' dtype after they are cast)
