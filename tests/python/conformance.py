@@ -4,7 +4,7 @@
 checks: forward and gradients against the float64 reference of ``opforge.testing`` with the tolerance
 rule, ``torch.library.opcheck``, ``torch.compile(fullgraph=True)`` static and dynamic, ``gradcheck`` and
 ``gradgradcheck`` (or the lazy double-backward error), Meta against the real kernels, every bad input,
-compiled autograd, ``torch.func`` and autocast. ``test_consistency.py`` fails when a public schema in
+compiled autograd, ``torch.func``, ``is_grads_batched`` and autocast. ``test_consistency.py`` fails when a public schema in
 ``csrc/library.cpp`` has no entry here.
 
 Adding an op (docs/adding_an_op.md, "The conformance entry"): write a sample generator and a bad-input

@@ -315,6 +315,27 @@ def test_torch_func(device, entry):
             _close(a, b, f"{entry.name}: torch.func.{impl_name}, argument {pos[i]}")
 
 
+# ---- torch.autograd.grad(..., is_grads_batched=True): the backward under torch's legacy vmap --------------------
+
+
+@pytest.mark.parametrize("entry", entry_params("test_is_grads_batched"))
+def test_is_grads_batched(device, entry):
+    """A leading batch of 3 upstream gradients through one backward (torch's legacy `Batched` key: its loop fallback,
+    or csrc/core/legacy_batched for an op with a Tensor[] argument or return) equals the per-sample loop."""
+    if not entry.differentiable:
+        return _assert_no_history(entry, device)
+    s = entry.small_samples(device)[0]
+    args, diff = prepare(s.args)
+    outs = [o for o in as_tuple(_bind(entry.op, s.kwargs)(*args)) if o.requires_grad]
+    gouts = [torch.randn(3, *o.shape, dtype=o.dtype, device=o.device) for o in outs]
+    batched = torch.autograd.grad(outs, diff, gouts, retain_graph=True, allow_unused=True, is_grads_batched=True)
+    loop = [torch.autograd.grad(outs, diff, [g[i] for g in gouts], retain_graph=True, allow_unused=True)
+            for i in range(3)]
+    for j, got in enumerate(batched):
+        want = None if loop[0][j] is None else torch.stack([lp[j] for lp in loop])
+        _close(got, want, f"{entry.name} {s.name}: is_grads_batched gradient {j}")
+
+
 # ---- autocast: eager, compiled and FakeTensor agree, and follow the native op's policy ---------------------------
 
 
