@@ -40,6 +40,8 @@ TORCH_LIBRARY(opforge, m) {
   // ---- fp8 (csrc/ops/fp8) ----
   // (data, scale): current-scaling FP8 quantization, data = dtype(clamp(float32(input) · scale, ±fp8_max)) rounded to nearest even, scale = float32(fp8_max / max(amax, 1e-12)) with amax = max|input| over the tensor ("tensorwise", scale shape []) or over each row of the last dim ("rowwise", scale (*, 1)); dtype float8_e4m3fn (None) or float8_e5m2; not differentiable
   m.def("quantize_fp8(Tensor input, ScalarType? dtype=None, str granularity=\"tensorwise\") -> (Tensor data, Tensor scale)");
+  // a weight's FP8 operands for _fp8_linear_quantized in one call: quantize_fp8(weight) and quantize_fp8(weight.t()) in float8_e4m3fn (tensorwise: one amax pass and one cast pass write both)
+  m.def("_quantize_fp8_weight(Tensor weight, str granularity=\"tensorwise\") -> (Tensor data, Tensor scale, Tensor data_t, Tensor scale_t)");
   // y = deq(q(input)) · deq(q(weight))ᵀ + bias with input, weight quantized by quantize_fp8 to float8_e4m3fn ("tensorwise": one scale each; "rowwise": per token and per output channel), the scaled FP8 GEMM in fp32, output in input's dtype; gradients in FP8 with grad_output in grad_dtype (None: float8_e5m2 tensorwise, float8_e4m3fn rowwise)
   m.def("fp8_linear(Tensor input, Tensor weight, Tensor? bias=None, *, str granularity=\"tensorwise\", ScalarType? grad_dtype=None) -> Tensor");
   // (grad_input, grad_weight, grad_bias) of fp8_linear: grad_input = deq(q(grad_output)) · deq(q(weight)), grad_weight = deq(q(grad_outputᵀ)) · deq(q(inputᵀ))ᵀ (rowwise: scales along each GEMM's non-contracted dim), grad_bias = Σ_rows grad_output in bias_dtype (fp32 accumulation); each only if its output_mask entry is set

@@ -245,6 +245,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_forward(
     const std::optional<at::Tensor>& weight_scale = std::nullopt, c10::string_view granularity = "tensorwise",
     std::optional<at::ScalarType> grad_dtype = std::nullopt);
 
+/// The weight operands of _fp8_linear_quantized for a 2-D weight (N, K), in float8_e4m3fn: (data (N, K), scale,
+/// data_t (K, N), scale_t) with the bits of quantize_fp8(weight, float8_e4m3fn, granularity) and of
+/// quantize_fp8(weight.t(), float8_e4m3fn, granularity); scale and scale_t are flat float32 (1 element each
+/// tensorwise; N and K rowwise). Tensorwise, one amax pass and one cast pass write both orientations. Not
+/// differentiable. Raises: a weight that is not 2-D (ValueError) or not floating (TypeError), another granularity
+/// (ValueError).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _quantize_fp8_weight(
+    const at::Tensor& weight, c10::string_view granularity = "tensorwise");
+
 /// fp8_linear(input, weight, bias, granularity, grad_dtype) with the weight's quantized operands precomputed:
 /// weight_data (N, K) / weight_scale (1 or N elements) = quantize_fp8(weight, float8_e4m3fn, granularity),
 /// weight_t_data (K, N) / weight_t_scale (1 or K elements) = quantize_fp8(weight.t(), float8_e4m3fn, granularity).

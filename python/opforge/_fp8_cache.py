@@ -3,8 +3,9 @@ fp8=...)`).
 
 fp8_linear quantizes its weight twice a step: q(W) in the forward, q(Wᵀ) in the backward (and the forward again
 under activation recomputation), although the weight only changes at optimizer steps. The layers keep
-(q(W), s_W, q(Wᵀ), s_Wᵀ) per weight Parameter and granularity, computed by `quantize_fp8` (the bits fp8_linear
-computes inside), and pass them to the private op `_fp8_linear_quantized`, which is bit-identical to fp8_linear.
+(q(W), s_W, q(Wᵀ), s_Wᵀ) per weight Parameter and granularity, computed by the private op `_quantize_fp8_weight`
+(the bits of `quantize_fp8` of W and of Wᵀ, which fp8_linear computes inside; tensorwise, one amax pass and one cast
+pass write both), and pass them to the private op `_fp8_linear_quantized`, which is bit-identical to fp8_linear.
 
 An entry is reused only while all of these are unchanged since it was made:
   * the Parameter itself (entries are weakly keyed by the object: a dead Parameter's entry goes with it);
@@ -107,7 +108,7 @@ def _storage_ref(weight: torch.Tensor):
 def operands(weight: torch.nn.Parameter, granularity: str, extra: Tuple = (),
              keep: Tuple = ()) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q(W), s_W, q(Wᵀ), s_Wᵀ) of `weight` for `granularity`: quantize_fp8(W) and quantize_fp8(Wᵀ) in
-    float8_e4m3fn, from the cache when it still holds them for the weight as it is now, else computed and stored.
+    float8_e4m3fn (one `_quantize_fp8_weight` call; the scales flat), from the cache when it still holds them for the weight as it is now, else computed and stored.
     `extra`: more of the key (ints); `keep`: objects the entry holds (those whose ids are in `extra`)."""
     _install_hook()
     key = (_GENERATION[0], weight._version, weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape),
@@ -119,8 +120,7 @@ def operands(weight: torch.nn.Parameter, granularity: str, extra: Tuple = (),
         return entry.operands
     with torch.no_grad(), torch.inference_mode(False):  # (normal tensors even when first made under inference
         w = weight.detach()                             # mode: a later training forward saves them for backward)
-        d, s = torch.ops.opforge.quantize_fp8(w, None, granularity)
-        dt, st = torch.ops.opforge.quantize_fp8(w.t(), None, granularity)
+        d, s, dt, st = torch.ops.opforge._quantize_fp8_weight(w, granularity)
     QUANTIZED[0] += 1
     if entries is None:
         entries = {}

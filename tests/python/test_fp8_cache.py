@@ -42,6 +42,58 @@ def _grads(fn, tensors, g):
     return y.detach(), [t.grad for t in tensors]
 
 
+# ---- _quantize_fp8_weight: the bits of quantize_fp8 of W and of Wᵀ --------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(17, 33), (64, 48), (1, 130), (24, 1), (0, 16), (8, 0)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
+def test_quantize_fp8_weight_is_quantize_fp8_of_w_and_its_transpose(device, granularity, dtype, shape, layout):
+    torch.manual_seed(0)
+    base = torch.randn(shape[0], shape[1] * 2, dtype=torch.float64) * 5
+    if base.numel():  # an exact zero and a large value among the elements
+        base.view(-1)[0] = 0.0
+        base.view(-1)[-1] = 300.0
+    if layout == "contiguous":
+        w = base[:, : shape[1]].contiguous()
+    elif layout == "transposed":
+        w = base[:, : shape[1]].contiguous().t().contiguous().t()  # (N, K) with K-major storage
+    else:
+        w = base[:, ::2]  # every other column: no dim contiguous in rows
+    w = w.to(dtype=dtype, device=device)
+    d, s, dt, st = OPS._quantize_fp8_weight(w, granularity)
+    rd, rs = opforge.quantize_fp8(w, None, granularity)
+    rdt, rst = opforge.quantize_fp8(w.t(), None, granularity)
+    assert d.dtype == dt.dtype == E4 and s.dtype == st.dtype == torch.float32
+    assert d.shape == w.shape and dt.shape == w.t().shape and d.is_contiguous() and dt.is_contiguous()
+    assert s.shape == (rs.numel(),) and st.shape == (rst.numel(),)
+    assert torch.equal(d.view(torch.uint8), rd.view(torch.uint8))
+    assert torch.equal(dt.view(torch.uint8), rdt.view(torch.uint8))
+    assert torch.equal(s, rs.reshape(-1)) and torch.equal(st, rst.reshape(-1))
+    assert s.data_ptr() != st.data_ptr() or s.numel() == 0  # outputs never alias
+    # Meta: the same shapes and dtypes
+    md, ms, mdt, mst = OPS._quantize_fp8_weight(w.to("meta"), granularity)
+    for real, meta in zip((d, s, dt, st), (md, ms, mdt, mst)):
+        assert real.shape == meta.shape and real.dtype == meta.dtype and real.stride() == meta.stride()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_fp8_weight_errors(device):
+    pre = "opforge::_quantize_fp8_weight: "
+    with pytest.raises(ValueError, match=pre + "expected a 2-D weight"):
+        OPS._quantize_fp8_weight(torch.randn(2, 3, 4, device=device))
+    with pytest.raises(ValueError, match=pre + "expected a 2-D weight"):
+        OPS._quantize_fp8_weight(torch.randn(4, device=device))
+    with pytest.raises(TypeError, match=pre):
+        OPS._quantize_fp8_weight(torch.ones(2, 3, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=pre):
+        OPS._quantize_fp8_weight(torch.randn(2, 3, device=device), "blockwise")
+    w = torch.randn(4, 8, device=device, requires_grad=True)
+    d, s, dt, st = OPS._quantize_fp8_weight(w)  # not differentiable: no history
+    assert all(t.grad_fn is None and not t.requires_grad for t in (d, s, dt, st))
+
+
 # ---- _fp8_linear_quantized and the saved q(inputᵀ): the bits of fp8_linear ------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -191,7 +243,7 @@ def test_layer_reuses_the_operands_until_the_weight_changes(device, granularity)
             y = m(x)
             y.backward(g)
     assert _fp8_cache.QUANTIZED[0] - n0 == 1
-    assert rec.n.get("opforge::quantize_fp8", 0) == 2  # q(W), q(Wᵀ), once
+    assert rec.n.get("opforge::_quantize_fp8_weight", 0) == 1  # q(W), q(Wᵀ), once
     assert "opforge::fp8_linear" not in rec.n and "opforge::fp8_linear_backward" not in rec.n
     # the cached layer's output and gradients are the uncached op's, bit for bit
     ref = _fresh(m, x, g)

@@ -47,6 +47,14 @@ std::pair<at::ScalarType, Granularity> check_quantize_fp8_args(const at::Tensor&
   return {t, g};
 }
 
+Granularity check_quantize_fp8_weight_args(const at::Tensor& weight, c10::string_view granularity) {
+  constexpr const char* op = "_quantize_fp8_weight";
+  check_floating(op, "weight", weight);
+  TORCH_CHECK_VALUE(weight.dim() == 2, "opforge::", op, ": expected a 2-D weight (out_features, in_features), but got ",
+                    weight.dim(), " dimension(s)");
+  return parse_granularity(op, granularity);
+}
+
 c10::SymDimVector scale_sym_sizes(const at::Tensor& input, Granularity g) {
   if (g == Granularity::kTensorwise) return {};
   c10::SymDimVector s(input.sym_sizes().begin(), input.sym_sizes().end());
@@ -308,6 +316,21 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_impl(const Backend& be, const at
   return {q.data.view(input.sizes()), q.scale.view_symint(scale_sym_sizes(input, g))};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight_impl(const Backend& be,
+                                                                                    const at::Tensor& weight,
+                                                                                    c10::string_view granularity) {
+  const bool rowwise = check_quantize_fp8_weight_args(weight, granularity) == Granularity::kRowwise;
+  if (rowwise) {
+    const Operand q = quantize_operand(be, weight, at::kFloat8_e4m3fn, true);
+    const Operand qt = quantize_operand_t(be, weight, at::kFloat8_e4m3fn, true);
+    return {q.data, q.scale, qt.data, qt.scale};
+  }
+  // tensorwise: both orientations from one amax pass and one cast pass; the transposed operand's scale is the same
+  // value in a tensor of its own (outputs never alias)
+  const auto [q, qt] = quantize_operand_both(be, weight, at::kFloat8_e4m3fn);
+  return {q.data, q.scale, qt.data, q.scale.clone()};
+}
+
 namespace {
 
 /// A precomputed operand as scaled_gemm reads it: data row-major, scale flat.
@@ -449,6 +472,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& input, std::op
   static auto op = typed_op<decltype(quantize_fp8)>("opforge::quantize_fp8");
   return op.call(input, dtype, granularity);
 }
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _quantize_fp8_weight(const at::Tensor& weight,
+                                                                                c10::string_view granularity) {
+  static auto op = typed_op<decltype(_quantize_fp8_weight)>("opforge::_quantize_fp8_weight");
+  return op.call(weight, granularity);
+}
 at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
   static auto op = typed_op<decltype(fp8_linear)>("opforge::fp8_linear");
@@ -498,6 +526,15 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_meta(const at::Tensor& input, st
   const auto [t, g] = check_quantize_fp8_args(input, dtype, granularity);
   return {at::empty_symint(input.sym_sizes(), input.options().dtype(t)),
           at::empty_symint(scale_sym_sizes(input, g), input.options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight_meta(const at::Tensor& weight,
+                                                                                    c10::string_view granularity) {
+  const bool rowwise = check_quantize_fp8_weight_args(weight, granularity) == Granularity::kRowwise;
+  const auto fp8 = weight.options().dtype(at::kFloat8_e4m3fn), f32 = weight.options().dtype(at::kFloat);
+  const c10::SymInt N = weight.sym_size(0), K = weight.sym_size(1);
+  return {at::empty_symint({N, K}, fp8), at::empty_symint({rowwise ? N : c10::SymInt(1)}, f32),
+          at::empty_symint({K, N}, fp8), at::empty_symint({rowwise ? K : c10::SymInt(1)}, f32)};
 }
 
 at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -666,6 +703,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_autograd(const at::Tensor& input
   return opforge::quantize_fp8(input, dtype, granularity);
 }
 
+// _quantize_fp8_weight, like quantize_fp8, runs below autograd (its outputs carry no history).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight_autograd(const at::Tensor& weight,
+                                                                                        c10::string_view granularity) {
+  check_no_forward_ad("_quantize_fp8_weight", weight);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return opforge::_quantize_fp8_weight(weight, granularity);
+}
+
 // _fp8_linear_forward is what the Autograd kernels above call below autograd; called directly its outputs carry
 // no history (as quantize_fp8's: fp8_linear and _fp8_linear_quantized are the differentiable ops).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_autograd(
@@ -681,6 +726,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_autograd(
 
 TORCH_LIBRARY_IMPL(opforge, Meta, m) {
   m.impl("quantize_fp8", &quantize_fp8_meta);
+  m.impl("_quantize_fp8_weight", &quantize_fp8_weight_meta);
   m.impl("fp8_linear", &fp8_linear_meta);
   m.impl("fp8_linear_backward", &fp8_linear_backward_meta);
   m.impl("_fp8_linear_forward", &fp8_linear_forward_meta);
@@ -690,6 +736,7 @@ TORCH_LIBRARY_IMPL(opforge, Meta, m) {
 
 TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   m.impl("quantize_fp8", &quantize_fp8_autograd);
+  m.impl("_quantize_fp8_weight", &quantize_fp8_weight_autograd);
   m.impl("fp8_linear", &fp8_linear_autograd);
   register_backward_op_autograd(m, "fp8_linear_backward");
   m.impl("_fp8_linear_quantized", &fp8_linear_quantized_autograd);
@@ -705,6 +752,7 @@ OPFORGE_AUTOCAST(fp8, {{"fp8_linear", AutocastPolicy::kLowerPrecision, {"input",
                        {"_fp8_linear_quantized", AutocastPolicy::kLowerPrecision, {"input", "bias"}},
                        {"fp8_linear_backward", AutocastPolicy::kInputDtype},
                        {"_fp8_linear_quantized_backward", AutocastPolicy::kInputDtype},
-                       {"quantize_fp8", AutocastPolicy::kInputDtype}})
+                       {"quantize_fp8", AutocastPolicy::kInputDtype},
+                       {"_quantize_fp8_weight", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

@@ -53,6 +53,8 @@ std::pair<at::ScalarType, Granularity> check_quantize_fp8_args(const at::Tensor&
                                                               std::optional<at::ScalarType> dtype,
                                                               c10::string_view granularity);
 
+/// Checks of _quantize_fp8_weight (Meta too): weight 2-D and floating, the granularity; returns the granularity.
+Granularity check_quantize_fp8_weight_args(const at::Tensor& weight, c10::string_view granularity);
 /// Shape of quantize_fp8's scale: [] tensorwise, input's shape with the last dim 1 rowwise.
 c10::SymDimVector scale_sym_sizes(const at::Tensor& input, Granularity g);
 
@@ -173,6 +175,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_impl(const Backend& be, const at
                                                      std::optional<at::ScalarType> dtype,
                                                      c10::string_view granularity);
 
+/// _quantize_fp8_weight's kernel body shared by CPU and CUDA.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight_impl(const Backend& be,
+                                                                                    const at::Tensor& weight,
+                                                                                    c10::string_view granularity);
 /// fp8_linear's kernel body shared by CPU and CUDA.
 at::Tensor fp8_linear_impl(const Backend& be, const at::Tensor& input, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias, c10::string_view granularity,
@@ -212,6 +218,10 @@ struct Kernels {
                                                          std::optional<at::ScalarType> dtype,
                                                          c10::string_view granularity) {
     return quantize_fp8_impl(B, input, dtype, granularity);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight(
+      const at::Tensor& weight, c10::string_view granularity) {
+    return quantize_fp8_weight_impl(B, weight, granularity);
   }
   static at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, c10::string_view granularity,
@@ -253,6 +263,7 @@ struct Kernels {
   /// Registers the kernels for the library's dispatch key.
   static void register_for(torch::Library& m) {
     m.impl("quantize_fp8", &Kernels::quantize_fp8);
+    m.impl("_quantize_fp8_weight", &Kernels::quantize_fp8_weight);
     m.impl("fp8_linear", &Kernels::fp8_linear);
     m.impl("fp8_linear_backward", &Kernels::fp8_linear_backward);
     m.impl("_fp8_linear_forward", &Kernels::fp8_linear_forward);
