@@ -208,7 +208,7 @@ def suite_ops(mesh):
               grads=False)
 
         def quantized(a, w_, b_, gr):  # fp8_linear with the weight's operands precomputed (the layers' cache)
-            ops = [t.detach() for t in (*opforge.quantize_fp8(w_, None, gr), *opforge.quantize_fp8(w_.t(), None, gr))]
+            ops = [t.detach() for t in torch.ops.opforge._quantize_fp8_weight(w_, gr)]
             return torch.ops.opforge._fp8_linear_quantized(a, w_, *ops, b_, granularity=gr)
         for gran in ("tensorwise", "rowwise"):
             check(f"_fp8_linear_quantized {gran}", lambda a, w_, b_, gr=gran: quantized(a, w_, b_, gr), [xl, W, b],

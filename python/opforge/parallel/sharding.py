@@ -26,6 +26,7 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 | linear, _linear_forward, fake_quant_linear, linear_cat | R; column-wise (weight S(0), bias S(0), output S(-1)); row-wise (input S(-1), weight S(1), output P; no bias, activation none; not fake_quant_linear or linear_cat); token-sharded (input S(d), weight R) |
 | their backward | the three strategies' gradients (column-wise: grad_input P; token-sharded: grad_weight P) |
 | quantize_fp8 | R; rowwise: S(d) on a leading dim (data and scale alike) |
+| _quantize_fp8_weight | R (the scales of Wᵀ run across the output channels, tensorwise's across the whole weight) |
 | fp8_linear | R; rowwise: column-wise (weight S(0), bias S(0), output S(-1)) and token-sharded (input S(d), weight R) |
 | fp8_linear_backward, _fp8_linear_quantized_backward | R (its rowwise scales run across tokens and output channels) |
 | _fp8_linear_forward, _fp8_linear_quantized | R (quantized operands precomputed for whole tensors) |
@@ -363,6 +364,11 @@ def _quantize_fp8(input, dtype=None, granularity="tensorwise"):
     if granularity == "rowwise":
         out += [([p, p], [p, None, None]) for p in _leading(_ndim(input) - 1)]
     return out
+
+
+@_rule("_quantize_fp8_weight")
+def _quantize_fp8_weight(weight, granularity="tensorwise"):
+    return [([R, R, R, R], [R, None])]
 
 
 @_rule("fp8_linear")
