@@ -53,6 +53,8 @@ _GENERATION = [0]
 _HOOK: list = []
 #: how many times operands were quantized for the cache (tests read it to see that reuse happened)
 QUANTIZED = [0]
+#: the library's private ops the cache calls; a library without them (built before they were added) gets fp8_linear
+_PRIVATE_OPS = ("_quantize_fp8_weight", "_fp8_linear_quantized")
 
 
 class _Entry:
@@ -137,7 +139,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     keep) of `operands`, called only when the cache is used."""
     from . import functional as OF
 
-    if not usable(weight, modules) or not hasattr(torch.ops.opforge, "_fp8_linear_quantized"):
+    if not usable(weight, modules) or not all(hasattr(torch.ops.opforge, op) for op in _PRIVATE_OPS):
         return OF.fp8_linear(input, weight, bias, granularity=granularity, grad_dtype=grad_dtype)
     ops = operands(weight, granularity, *(alias_key() if alias_key is not None else ()))
     return torch.ops.opforge._fp8_linear_quantized(input, weight, *ops, bias, granularity=granularity,

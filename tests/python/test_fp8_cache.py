@@ -379,6 +379,37 @@ def test_compiled_layer_quantizes_in_the_op():
     torch._dynamo.reset()
 
 
+class _OpsWithout:
+    """torch.ops.opforge with some ops missing (a library built before they were added): every other attribute is
+    the namespace's own."""
+
+    def __init__(self, ns, missing):
+        self._ns, self._missing = ns, set(missing)
+
+    def __getattr__(self, name):
+        if name in self._missing:
+            raise AttributeError(f"'_OpNamespace' 'opforge' object has no attribute '{name}'")
+        return getattr(self._ns, name)
+
+
+@pytest.mark.parametrize("missing", [("_quantize_fp8_weight",), ("_fp8_linear_quantized",)])
+def test_layer_without_the_private_ops_quantizes_in_the_op(missing, monkeypatch):
+    """A library that lacks either private op of the cache (the operands' quantizer or the quantized GEMM): the
+    layer calls fp8_linear, with its values, instead of failing on the missing op."""
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(32, 16, fp8="tensorwise")
+    x, g = torch.randn(5, 32), torch.randn(5, 16)
+    ref = _fresh(m, x, g)
+    monkeypatch.setattr(torch.ops, "opforge", _OpsWithout(torch.ops.opforge, missing))
+    n0 = _fp8_cache.QUANTIZED[0]
+    x = x.clone().requires_grad_()
+    y = m(x)
+    y.backward(g)
+    assert _fp8_cache.QUANTIZED[0] == n0
+    for got, want in zip((y.detach(), x.grad, m.weight.grad, m.bias.grad), ref):
+        assert _same(got, want)
+
+
 def test_fsdp_marked_weights_and_modules_quantize_in_the_op():
     """The markers FSDP sets (a flattened Parameter, a managed module) turn the cache off for that layer only; an
     unmarked layer keeps it."""
