@@ -14,9 +14,15 @@ An entry is reused only while all of these are unchanged since it was made:
   * the optimizer generation: bumped after every step of any `torch.optim.Optimizer` (a global step post-hook), as
     fused steps (`torch.optim.AdamW(fused=True)`) write the parameters without bumping their version counters;
   * its storage (the same storage object, alive), data_ptr, dtype, device, shape and strides (`.to()`, `.data = ...`);
-  * the caller's `extra` key (the patch passes the state of the Parameters standing for a fused projection's rows,
-    whose in-place writes reach the fused weight without bumping its counter).
+  * the caller's aliases of the weight, each its identity, version counter and data_ptr (the patch passes the
+    Parameters standing for a fused projection's rows, whose in-place writes reach the fused weight without bumping
+    its counter; the entry holds them, so that their ids are not reused).
 Writes that none of these see (through `.data`, or from outside torch) need `opforge.functional.fp8_cache_clear()`.
+
+After each optimizer step the same hook quantizes again the cached operands of the weights that optimizer holds,
+keyed on the weights as the step left them: the host issues those small quantizations while the device still runs
+the step, instead of between the next forward's GEMMs, where the device would wait for each (not while Dynamo
+traces or a CUDA graph is captured; a weight written again before its next use is quantized at that use).
 
 Where the cache cannot be verified, or would hold what the training setup frees, the layers call fp8_linear, which
 quantizes in the op each call:
@@ -58,14 +64,37 @@ _PRIVATE_OPS = ("_quantize_fp8_weight", "_fp8_linear_quantized")
 
 
 class _Entry:
-    __slots__ = ("key", "storage", "operands", "keep")
+    __slots__ = ("key", "storage", "operands", "aliases")
 
-    def __init__(self, key, storage, operands, keep):
-        self.key, self.storage, self.operands, self.keep = key, storage, operands, keep
+    def __init__(self, key, storage, operands, aliases):
+        self.key, self.storage, self.operands, self.aliases = key, storage, operands, aliases
 
 
 def _step_post_hook(opt, args, kwargs) -> None:
     _GENERATION[0] += 1
+    _refresh(opt)
+
+
+def _capturing() -> bool:
+    """True while the current CUDA stream captures a graph (nothing may be allocated or launched for the cache)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _refresh(opt) -> None:
+    """Right after an optimizer step, quantizes again the cached operands of the parameters that step updated, so
+    that the host issues the weight quantizations while the device still runs the step's kernels, not one by one in
+    the next forward (where each small quantization waits on the host between the layers' GEMMs). The new entries
+    are keyed on the parameters as the step left them, so a weight that changes again before its next use is
+    quantized at that use, as without the refresh. Nothing is refreshed while Dynamo traces or a CUDA graph is
+    captured (those entries are quantized at their next use)."""
+    if not _CACHE or torch.compiler.is_compiling() or _capturing():
+        return
+    stepped = {id(p) for group in opt.param_groups for p in group["params"]}
+    for p, entries in list(_CACHE.items()):  # the cached weights (a few per layer), not every parameter
+        if id(p) not in stepped or not usable(p):
+            continue
+        for granularity, entry in list(entries.items()):
+            _quantize(p, granularity, _key(p, entry.aliases), entries, entry.aliases)
 
 
 def _install_hook() -> None:
@@ -107,40 +136,53 @@ def _storage_ref(weight: torch.Tensor):
     return StorageWeakRef(weight.untyped_storage())
 
 
-def operands(weight: torch.nn.Parameter, granularity: str, extra: Tuple = (),
-             keep: Tuple = ()) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _key(weight: torch.Tensor, aliases: Tuple) -> Tuple:
+    """What an entry of `weight` depends on (see the module's docstring), its aliases' state included."""
+    return (_GENERATION[0], weight._version, weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape),
+            weight.stride(), tuple((id(a), a._version, a.data_ptr()) for a in aliases))
+
+
+def _quantize(weight: torch.Tensor, granularity: str, key: Tuple, entries: Optional[dict],
+              aliases: Tuple) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantizes `weight` for the cache and stores the entry (holding `aliases`) under `key`; returns its operands."""
+    with torch.no_grad(), torch.inference_mode(False):  # (normal tensors even when first made under inference
+        w = weight.detach()                             # mode: a later training forward saves them for backward)
+        ops = tuple(torch.ops.opforge._quantize_fp8_weight(w, granularity))
+    QUANTIZED[0] += 1
+    if entries is None:
+        entries = {}
+        _CACHE[weight] = entries
+    entries[granularity] = _Entry(key, _storage_ref(weight), ops, aliases)
+    return ops
+
+
+def operands(weight: torch.nn.Parameter, granularity: str,
+             aliases: Tuple = ()) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q(W), s_W, q(Wᵀ), s_Wᵀ) of `weight` for `granularity`: quantize_fp8(W) and quantize_fp8(Wᵀ) in
-    float8_e4m3fn (one `_quantize_fp8_weight` call; the scales flat), from the cache when it still holds them for the weight as it is now, else computed and stored.
-    `extra`: more of the key (ints); `keep`: objects the entry holds (those whose ids are in `extra`)."""
+    float8_e4m3fn (one `_quantize_fp8_weight` call; the scales flat), from the cache when it still holds them for
+    the weight as it is now, else computed and stored. `aliases`: tensors whose in-place writes reach the weight
+    unseen by its version counter (their identities, version counters and data_ptrs join the key; the entry holds
+    them)."""
     _install_hook()
-    key = (_GENERATION[0], weight._version, weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape),
-           weight.stride(), extra)
+    key = _key(weight, aliases)
     entries = _CACHE.get(weight)
     entry = entries.get(granularity) if entries is not None else None
     if entry is not None and entry.key == key and not entry.storage.expired() \
             and entry.storage.cdata == weight.untyped_storage()._cdata:
         return entry.operands
-    with torch.no_grad(), torch.inference_mode(False):  # (normal tensors even when first made under inference
-        w = weight.detach()                             # mode: a later training forward saves them for backward)
-        d, s, dt, st = torch.ops.opforge._quantize_fp8_weight(w, granularity)
-    QUANTIZED[0] += 1
-    if entries is None:
-        entries = {}
-        _CACHE[weight] = entries
-    entries[granularity] = _Entry(key, _storage_ref(weight), (d, s, dt, st), keep)
-    return d, s, dt, st
+    return _quantize(weight, granularity, key, entries, aliases)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], granularity: str,
            grad_dtype: Optional[torch.dtype] = None, modules: Tuple = (),
-           alias_key: Optional[Callable[[], Tuple[Tuple, Tuple]]] = None) -> torch.Tensor:
+           aliases: Optional[Callable[[], Tuple]] = None) -> torch.Tensor:
     """fp8_linear(input, weight, bias) with the weight's operands from the cache where it is usable (`modules`: those
-    holding `weight`, see `usable`), else fp8_linear itself: the same bits either way. `alias_key`: () -> (extra,
-    keep) of `operands`, called only when the cache is used."""
+    holding `weight`, see `usable`), else fp8_linear itself: the same bits either way. `aliases`: () -> the weight's
+    aliases (see `operands`), called only when the cache is used."""
     from . import functional as OF
 
     if not usable(weight, modules) or not all(hasattr(torch.ops.opforge, op) for op in _PRIVATE_OPS):
         return OF.fp8_linear(input, weight, bias, granularity=granularity, grad_dtype=grad_dtype)
-    ops = operands(weight, granularity, *(alias_key() if alias_key is not None else ()))
+    ops = operands(weight, granularity, aliases() if aliases is not None else ())
     return torch.ops.opforge._fp8_linear_quantized(input, weight, *ops, bias, granularity=granularity,
                                                    grad_dtype=grad_dtype)

@@ -309,6 +309,36 @@ def test_layer_never_serves_stale_operands(device, granularity, name):
     assert _same(m2(x.double()).detach(), _fresh(m2, x.double())), name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("name", ["sgd", "adamw_foreach", "adamw_single", "adamw_fused"])
+def test_optimizer_step_refreshes_the_operands_it_changed(device, granularity, name):
+    """An optimizer step quantizes again the cached operands of the weights it updated (the next forward quantizes
+    nothing and serves the bits of fp8_linear on the new weight); a layer whose weight another optimizer holds is
+    not touched by this one's step and is quantized again at its next use; a write after the step is never hidden
+    by the refreshed entry."""
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(48, 24, device=device, fp8=granularity)
+    other = opforge.nn.Linear(48, 24, device=device, fp8=granularity)
+    x = torch.randn(6, 48, device=device)
+    (m(x).sum() + other(x).sum()).backward()  # both cached
+    kw = {"sgd": {}, "adamw_foreach": {"foreach": True}, "adamw_single": {"foreach": False},
+          "adamw_fused": {"fused": True}}[name]
+    cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+    opt = cls(m.parameters(), lr=0.5, **kw)
+    n0 = _fp8_cache.QUANTIZED[0]
+    opt.step()
+    assert _fp8_cache.QUANTIZED[0] - n0 == 1  # m's weight, not other's
+    n0 = _fp8_cache.QUANTIZED[0]
+    y = m(x).detach()
+    assert _fp8_cache.QUANTIZED[0] == n0 and _same(y, _fresh(m, x))
+    assert _same(other(x).detach(), _fresh(other, x)) and _fp8_cache.QUANTIZED[0] - n0 == 1
+    with torch.no_grad():  # a write after the step: the refreshed entry is stale, the next forward quantizes
+        m.weight.mul_(-1)
+    n0 = _fp8_cache.QUANTIZED[0]
+    assert _same(m(x).detach(), _fresh(m, x)) and _fp8_cache.QUANTIZED[0] - n0 == 1
+
+
 def test_operands_cached_under_inference_mode_serve_training():
     """Operands first made under torch.inference_mode are normal tensors: a training forward saves them."""
     torch.manual_seed(0)
@@ -468,8 +498,13 @@ def test_patched_model_steps_as_without_the_cache(granularity, monkeypatch):
                 with torch.no_grad():
                     model(input_ids=ids)  # a second forward: the same operands
                 if cached:
-                    assert _fp8_cache.QUANTIZED[0] - n0 == 4 * TINY["num_hidden_layers"], step
+                    # each projection once, by the first forward; after that by each optimizer step's refresh
+                    fills = 4 if step == 0 else 0
+                    assert _fp8_cache.QUANTIZED[0] - n0 == fills * TINY["num_hidden_layers"], step
+                n0 = _fp8_cache.QUANTIZED[0]
                 opt.step()
+                if cached:
+                    assert _fp8_cache.QUANTIZED[0] - n0 == 4 * TINY["num_hidden_layers"], step
             with torch.no_grad():
                 model(input_ids=ids)  # operands cached after the last step
                 # q_proj's rows written through the Parameter standing for them (the fused weight's version counter
@@ -493,8 +528,9 @@ def _uncached(w, modules=()):
 
 
 def _dist_train(make, ids, cached, write=None, zero=False):
-    """(losses, parameters after DIST_STEPS AdamW steps, cache fills per step) of the model `make()` returns, each
-    step a forward and backward then a no_grad forward (whose operands are the ones just made). `write(model)` runs
+    """(losses, parameters after DIST_STEPS AdamW steps, cache fills in each step's forwards, cache fills in each
+    optimizer step) of the model `make()` returns, each step a forward and backward then a no_grad forward (whose
+    operands are the ones just made). `write(model)` runs
     between the last two steps; `zero`: AdamW in ZeroRedundancyOptimizer (each rank steps its share of the
     parameters and broadcasts them). Uncached: every projection quantizes in fp8_linear."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -508,7 +544,7 @@ def _dist_train(make, ids, cached, write=None, zero=False):
             opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses, fills = [], []
+        losses, fills, refreshes = [], [], []
         for step in range(DIST_STEPS):
             if write is not None and step == DIST_STEPS - 1:
                 write(model)
@@ -519,11 +555,13 @@ def _dist_train(make, ids, cached, write=None, zero=False):
                 losses.append(loss.detach())
                 losses.append(model(input_ids=ids, labels=ids).loss)
             fills.append(_fp8_cache.QUANTIZED[0] - n0)
+            n0 = _fp8_cache.QUANTIZED[0]
             opt.step()
+            refreshes.append(_fp8_cache.QUANTIZED[0] - n0)
             opt.zero_grad(set_to_none=True)
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in model.named_parameters()}
-        return torch.stack(losses), params, fills
+        return torch.stack(losses), params, fills, refreshes
     finally:
         _fp8_cache.usable = saved
 
@@ -577,18 +615,23 @@ def _dist_worker(rank, world, granularity, out):
 @pytest.mark.parametrize("granularity", GRANS)
 def test_cache_under_ddp_and_fsdp_gloo(tmp_path, granularity):
     """DDP (AdamW, and AdamW in ZeroRedundancyOptimizer): the cached patched model trains as the one quantizing in
-    the op, bit for bit (losses, parameters after AdamW steps and an in-place write), each step quantizing each FP8
-    weight once although it runs two forwards; rank 1's operands cached before DDP broadcast rank 0's weights are not
-    used. FSDP2 (fully_shard) and FSDP1 (use_orig_params): the cache never fills and the results are those of
+    the op, bit for bit (losses, parameters after AdamW steps and an in-place write), each FP8 weight quantized once
+    by the first forward and then by each optimizer step's refresh (in ZeroRedundancyOptimizer also by its inner
+    optimizer's step), never in the forwards after a step, but again in the forward after the unannounced write;
+    rank 1's operands cached before DDP broadcast rank 0's weights are not used. FSDP2 (fully_shard) and FSDP1 (use_orig_params): the cache never fills and the results are those of
     quantizing in the op."""
     out = tmp_path / "res.pt"
     spawn_gloo(tmp_path, _dist_worker, granularity, str(out))
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     for rank, res in enumerate(ranks):
         for name in ("ddp", "ddp_zero", "fsdp2", "fsdp1"):
-            (l1, p1, f1), (l0, p0, f0) = res[name][True], res[name][False]
-            assert f0 == [0] * DIST_STEPS, (rank, name)
-            assert f1 == ([N_FP8 if name.startswith("ddp") else 0] * DIST_STEPS), (rank, name, f1)
+            (l1, p1, f1, r1), (l0, p0, f0, r0) = res[name][True], res[name][False]
+            assert f0 == [0] * DIST_STEPS and r0 == [0] * DIST_STEPS, (rank, name)
+            if name.startswith("ddp"):
+                assert f1 == [N_FP8] + [0] * (DIST_STEPS - 2) + [N_FP8], (rank, name, f1)
+                assert all(N_FP8 <= r <= (2 * N_FP8 if name == "ddp_zero" else N_FP8) for r in r1), (rank, name, r1)
+            else:
+                assert f1 == [0] * DIST_STEPS and r1 == [0] * DIST_STEPS, (rank, name, f1, r1)
             assert _same(l1, l0), (rank, name, l1, l0)
             assert p1.keys() == p0.keys()
             for n in p1:

@@ -39,27 +39,24 @@ def linear(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Module, fp8: s
     Linear, or the operand object of `_fused.gemm_operand`), with the weight's quantized operands cached."""
     w = lin.weight
     modules = (owner, lin) if isinstance(lin, torch.nn.Module) else (owner,)
-    return _fp8_cache.linear(x, w, lin.bias, fp8, modules=modules, alias_key=lambda: _alias_key(owner, w))
+    return _fp8_cache.linear(x, w, lin.bias, fp8, modules=modules, aliases=lambda: _aliases(owner, w))
 
 
-def _alias_key(owner: torch.nn.Module, weight: torch.Tensor):
-    """(ids and version counters, the objects) of the Parameters standing for rows of `weight` when it is a fused
-    projection's weight of `owner`: writes through them change the fused rows without bumping its counter (and
-    replacing their `.data` makes new ones)."""
+def _aliases(owner: torch.nn.Module, weight: torch.Tensor):
+    """The Parameters standing for rows of `weight` when it is a fused projection's weight of `owner`: writes through
+    them change the fused rows without bumping its counter (and replacing their `.data` makes new ones)."""
     fused = owner.__dict__.get("_opforge_fused")
     if not fused:
-        return (), ()
-    extra, keep = [], []
+        return ()
+    keep = []
     for base, parts in fused.values():
         if base.__dict__.get("_parameters", {}).get("weight") is not weight:
             continue
         for *_, sl in parts:
             cached = sl.__dict__.get("_opforge_alias_weight")
             if cached is not None:
-                alias = cached[0]
-                extra.append((id(alias), alias._version, alias.data_ptr()))
-                keep.append(alias)
-    return tuple(extra), tuple(keep)
+                keep.append(cached[0])
+    return tuple(keep)
 
 
 def _fp8_linear(old: torch.nn.Linear, fp8: str) -> onn.Linear:
