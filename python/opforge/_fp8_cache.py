@@ -94,7 +94,10 @@ def _refresh(opt) -> None:
         if id(p) not in stepped or not usable(p):
             continue
         for granularity, entry in list(entries.items()):
-            _quantize(p, granularity, _key(p, entry.aliases), entries, entry.aliases)
+            try:
+                _quantize(p, granularity, _key(p, entry.aliases), entries, entry.aliases)
+            except Exception:  # (e.g. out of memory) the refresh must not fail the step: the weight's next use
+                entries.pop(granularity, None)  # quantizes it, and raises there if it still cannot
 
 
 def _install_hook() -> None:

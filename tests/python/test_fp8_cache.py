@@ -639,3 +639,22 @@ def test_cache_under_ddp_and_fsdp_gloo(tmp_path, granularity):
     for name in ("ddp", "ddp_zero"):
         for n, p in ranks[0][name][True][1].items():  # DDP's replicas agree
             assert _same(p, ranks[1][name][True][1][n]), (name, n)
+
+
+def test_a_failed_refresh_does_not_fail_the_optimizer_step(monkeypatch):
+    """A refresh that raises (here: the quantizer) drops the entry; the step completes, and the next use quantizes."""
+    torch.manual_seed(0)
+    m = opforge.nn.Linear(32, 16, fp8="tensorwise")
+    x = torch.randn(4, 32)
+    m(x).sum().backward()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(_fp8_cache, "_quantize", broken)
+        opt.step()  # does not raise
+    assert "tensorwise" not in _fp8_cache._CACHE.get(m.weight, {})
+    n0 = _fp8_cache.QUANTIZED[0]
+    assert _same(m(x).detach(), _fresh(m, x)) and _fp8_cache.QUANTIZED[0] - n0 == 1
