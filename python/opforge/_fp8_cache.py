@@ -90,8 +90,12 @@ def _refresh(opt) -> None:
     if not _CACHE or torch.compiler.is_compiling() or _capturing():
         return
     stepped = {id(p) for group in opt.param_groups for p in group["params"]}
-    for p, entries in list(_CACHE.items()):  # the cached weights (a few per layer), not every parameter
-        if id(p) not in stepped or not usable(p):
+    # The cached weights (a few per layer), not every parameter. One C-level copy of the underlying dict (atomic
+    # under the GIL): iterating `_CACHE` itself runs Python code between its items, where another thread's FP8
+    # forward may insert an entry and the iteration would raise "dictionary changed size during iteration".
+    for ref, entries in list(_CACHE.data.items()):
+        p = ref()
+        if p is None or id(p) not in stepped or not usable(p):
             continue
         for granularity, entry in list(entries.items()):
             try:
