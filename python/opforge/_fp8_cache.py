@@ -117,6 +117,13 @@ def clear() -> None:
     _CACHE.clear()
 
 
+def forget(tensors) -> None:
+    """Drop the cached operands of `tensors` (weights no FP8 layer uses any more: an optimizer step would otherwise
+    keep quantizing them again, and the cache keep their FP8 copies)."""
+    for t in tensors:
+        _CACHE.pop(t, None)
+
+
 def _fsdp_managed(weight: torch.Tensor, modules: Tuple) -> bool:
     """True when FSDP (FSDP1 or FSDP2) owns `weight`: FSDP1 marks the parameters it flattened, FSDP1 and FSDP2 mark
     every module they manage (the attributes `torch.distributed.fsdp` sets for Dynamo)."""

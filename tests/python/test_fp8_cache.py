@@ -707,3 +707,22 @@ def test_refresh_while_another_thread_fills_the_cache():
         sys.setswitchinterval(interval)
     assert errors == []
     assert _same(m(x).detach(), _fresh(m, x))
+
+
+def test_revert_drops_the_cached_operands():
+    """After `patch.revert`, no projection is FP8: the cache holds nothing of the model, and an optimizer step over
+    the reverted model quantizes nothing (the refresh does not keep quantizing weights no FP8 layer uses)."""
+    from opforge import patch
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float().train()
+    patch.apply(model, fp8="tensorwise")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    _run(model, ids)  # every FP8 projection cached
+    patch.revert(model)
+    assert not any(p in _fp8_cache._CACHE for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _run(model, ids)
+    n0 = _fp8_cache.QUANTIZED[0]
+    opt.step()
+    assert _fp8_cache.QUANTIZED[0] == n0

@@ -507,6 +507,10 @@ def revert(model: torch.nn.Module) -> int:
         if L.is_patched_class(m) or any(a.startswith("_opforge_") for a in m.__dict__):
             L.restore_class(m)
             n += 1
+    if n:  # the weights of the former FP8 projections: no step refreshes their cached operands any more
+        from .. import _fp8_cache
+
+        _fp8_cache.forget(model.parameters())
     return n
 
 
