@@ -101,6 +101,8 @@ VARIANTS = {
                         "fast accumulation, torchao's default)",
     "opforge-fp8-rowwise-fast": "HF + opforge.patch.apply(fp8=\"rowwise\"), OPFORGE_FP8_FAST_ACCUM=2 (every GEMM's fast "
                                 "accumulation, torchao's rowwise recipe)",
+    "opforge-fp8-lt": "HF + opforge.patch.apply(fp8=\"tensorwise\"), the GEMMs through opforge's cuBLASLt engine (test "
+                      "hook fp8_gemm = 1) instead of torch._scaled_mm",
     "opforge-fp8+compile-layers": "HF + opforge.patch.apply(fp8=\"tensorwise\") + torch.compile per layer",
     "opforge-fp8+compile-model": "HF + opforge.patch.apply(fp8=\"tensorwise\") + torch.compile(model)",
     "opforge-fp8-rowwise+compile-model": "HF + opforge.patch.apply(fp8=\"rowwise\") + torch.compile(model)",
@@ -119,6 +121,11 @@ VARIANT_ENV = {
     "opforge-fp8-rowwise-fast": {"OPFORGE_FP8_FAST_ACCUM": "2"},
     "opforge-dwbf16": {"OPFORGE_LCE_DW_ACCUM": "1"},
     "opforge-dwbf16-c2048": {"OPFORGE_LCE_DW_ACCUM": "1", "OPFORGE_LCE_CHUNK_SIZE": "2048"},
+}
+#: test hooks (csrc/core/knobs.h) a variant's process sets through torch.ops.opforge._set_knob before it builds the
+#: model: the FP8 GEMMs through opforge's cuBLASLt engine.
+VARIANT_KNOBS = {
+    "opforge-fp8-lt": {"fp8_gemm": 1},
 }
 #: --family -> (config class, model class, liger patch function, extra config of that family). The MoE sizes: 8
 #: experts of intermediate / 8, top-2 (Qwen2-MoE: a shared expert of intermediate / 4).
@@ -292,6 +299,8 @@ def build_variant(a: argparse.Namespace, variant: str):
     report = None
     if use_opforge:
         fp8 = ("rowwise" if "-fp8-rowwise" in variant else "tensorwise") if "-fp8" in variant else None
+        for name, value in VARIANT_KNOBS.get(variant, {}).items():
+            torch.ops.opforge._set_knob(name, value)
         report = str(patch.apply(model, recompute=not variant.startswith("opforge-norecompute"),
                                  inductor_math="-inductor" in variant, fp8=fp8))
     if variant.startswith("torchao-fp8"):
@@ -376,7 +385,8 @@ def run_variant(a: argparse.Namespace) -> dict:
     ms = statistics.median(times) * 1e3
     out = {"variant": variant, "ms_per_step": ms, "tokens_per_s": a.batch * a.seq / (ms / 1e3),
            "peak_mem_gib": _peak_memory_gib(device), "losses": losses, "warmup_s": t_compile, "report": report,
-           "status": "ok", "env": {k: os.environ.get(k) for k in VARIANT_ENV.get(variant, {})}}
+           "status": "ok", "env": {k: os.environ.get(k) for k in VARIANT_ENV.get(variant, {})},
+           "knobs": VARIANT_KNOBS.get(variant, {})}
     if "+compile" in variant:
         out["dynamo"] = dynamo_stats()
     if a.profile:
@@ -554,6 +564,8 @@ def run_family(a: argparse.Namespace) -> list:
     for r in results:
         if r.get("env"):  # what the variant's own process saw of VARIANT_ENV
             print(f"\n{r['variant']}: env " + " ".join(f"{k}={v}" for k, v in r["env"].items()))
+        if r.get("knobs"):  # the test hooks the variant's process set
+            print(f"\n{r['variant']}: knobs " + " ".join(f"{k}={v}" for k, v in r["knobs"].items()))
     for r in results:
         if r.get("report"):
             print(f"\n{r['variant']}: {r['report']}")

@@ -53,6 +53,10 @@
 //                           caller falls back to gemm and an elementwise pass).
 //   gemm_ex(D, A, B, args)  cublasGemmEx / cublasGemmStridedBatchedEx only (any dtype incl. float64);
 //                           args.epilogue must be kNone and args.bias undefined.
+//   gemm_fp8(D, A, B, scale_a, scale_b, fast_accum)
+//                           D = scale_a · scale_b · (A · Bᵀ), A and B float8, tensorwise scales read on the device,
+//                           through cuBLASLt with the cached plan of its signature; false, having written nothing,
+//                           where cuBLASLt declines (the caller falls back to at::_scaled_mm).
 //   lt_enabled(dtype)       Whether gemm_lt may take this dtype (not float64; not switched off).
 //   check_int_dims(op, ...) The user-facing error when a dimension exceeds cuBLAS's int arguments.
 //
@@ -125,6 +129,19 @@ bool gemm_swiglu(const at::Tensor& Z, const at::Tensor& H, const at::Tensor& A, 
 /// D = alpha · op(A) · op(B) + beta · D through cublasGemmEx (batched: cublasGemmStridedBatchedEx); no
 /// epilogue, no bias. Any supported dtype, float64 included. k == 0 gives beta · D.
 void gemm_ex(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args = {});
+
+/// D[m, n] = scale_a · scale_b · (A · Bᵀ) through cuBLASLt: A [m, k] and B [n, k] float8 (float8_e4m3fn or
+/// float8_e5m2, not both float8_e5m2), 2-D with unit last strides; D [m, n] bfloat16, float16 or float32 with a unit
+/// last stride; scale_a and scale_b one-element float32 tensors on D's device, the dequantization multipliers (the
+/// reciprocals of the quantization scales), read by the kernel (no host synchronization). fp32 accumulation;
+/// fast_accum false promotes the FP8 tensor cores' partial sums to fp32 at cuBLASLt's interval, true never
+/// (CUBLASLT_MATMUL_DESC_FAST_ACCUM). cuBLASLt's FP8 kernels want k and the leading dimensions of A and B multiples
+/// of 16 and 16-byte aligned pointers. The plan (descriptor, layouts, heuristic's algorithm) is cached per signature
+/// as gemm_lt's; the scale pointers are set per call. Returns false, having written nothing, where cuBLASLt declines
+/// (or the test hook linear_lt switched cuBLASLt off, or the problem is empty); the caller then runs
+/// at::_scaled_mm. Shape, dtype and device mismatches raise (programming errors of the calling op).
+bool gemm_fp8(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale_a,
+              const at::Tensor& scale_b, bool fast_accum);
 
 /// True when gemm_lt may run GEMMs whose A and B have dtype `t`: not float64 (cuBLASLt's fp64 epilogue
 /// support is narrow; gemm_ex serves it) and cuBLASLt not switched off (test hook linear_lt).

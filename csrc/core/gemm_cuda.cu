@@ -38,6 +38,8 @@ cudaDataType_t cuda_type(at::ScalarType t) {
     case at::kFloat: return CUDA_R_32F;
     case at::kHalf: return CUDA_R_16F;
     case at::kBFloat16: return CUDA_R_16BF;
+    case at::kFloat8_e4m3fn: return CUDA_R_8F_E4M3;
+    case at::kFloat8_e5m2: return CUDA_R_8F_E5M2;
     default: TORCH_CHECK(false, "opforge::gemm: no cuBLAS type for ", t, " (floating dtypes only)");
   }
   return CUDA_R_32F;
@@ -56,6 +58,8 @@ cublasComputeType_t compute_type(at::ScalarType t) {
 }
 
 bool is_16bit(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
 // ---- the problem ------------------------------------------------------------------------------------
 
@@ -87,13 +91,24 @@ struct Problem {
   Mat a, b, d;
 };
 
-Problem problem_of(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args) {
+/// The problem D = op(A) · op(B) after its checks. `fp8`: gemm_fp8's dtypes (A and B float8, not both e5m2; D
+/// 16-bit or float32), else A and B of one dtype and D of it (or float32 for 16-bit A and B).
+Problem problem_of(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args,
+                   bool fp8 = false) {
   TORCH_CHECK(A.dim() == D.dim() && B.dim() == D.dim(), "opforge::gemm: expected A, B and D of one rank, but got ",
               num_str(A.dim()), ", ", num_str(B.dim()), " and ", num_str(D.dim()));
   const at::ScalarType ab = A.scalar_type(), dt = D.scalar_type();
-  TORCH_CHECK(B.scalar_type() == ab && (dt == ab || (dt == at::kFloat && is_16bit(ab))),
-              "opforge::gemm: expected A and B of one dtype and D of that dtype (or float32 for 16-bit A and B), "
-              "but got ", ab, ", ", B.scalar_type(), " and ", dt);
+  if (fp8) {
+    TORCH_CHECK(is_fp8(ab) && is_fp8(B.scalar_type()) &&
+                    !(ab == at::kFloat8_e5m2 && B.scalar_type() == at::kFloat8_e5m2) &&
+                    (is_16bit(dt) || dt == at::kFloat),
+                "opforge::gemm: expected float8 A and B (not both float8_e5m2) and a bfloat16, float16 or float32 "
+                "D, but got ", ab, ", ", B.scalar_type(), " and ", dt);
+  } else {
+    TORCH_CHECK(B.scalar_type() == ab && (dt == ab || (dt == at::kFloat && is_16bit(ab))),
+                "opforge::gemm: expected A and B of one dtype and D of that dtype (or float32 for 16-bit A and B), "
+                "but got ", ab, ", ", B.scalar_type(), " and ", dt);
+  }
   TORCH_CHECK(D.is_cuda() && A.device() == D.device() && B.device() == D.device(),
               "opforge::gemm: expected A, B and D on one CUDA device, but got ", A.device(), ", ", B.device(),
               " and ", D.device());
@@ -215,35 +230,52 @@ struct LtKeyHash {
   }
 };
 
-/// Builds the plan of one signature (cuBLAS's column-major view, see the top of this file).
-/// The epilogue's pointers of this call.
+/// The FP8 parts of a call (gemm_fp8): the dequantization multipliers, device pointers to one float each, and the
+/// accumulation mode.
+struct LtScales {
+  const void* a;    // our A's: cuBLAS's B_SCALE_POINTER
+  const void* b;    // our B's: cuBLAS's A_SCALE_POINTER
+  bool fast_accum;  // CUBLASLT_MATMUL_DESC_FAST_ACCUM
+};
+
+/// The pointers of this call that live in the descriptor: the epilogue's, and the FP8 scales.
 struct LtPointers {
-  const void* bias;  // the bias, or bias_grad for a BGRAD epilogue (cuBLASLt's one BIAS_POINTER)
+  const void* bias;                // the bias, or bias_grad for a BGRAD epilogue (cuBLASLt's one BIAS_POINTER)
   void* aux;
+  const LtScales* fp8 = nullptr;  // FP8 operands only
 };
 
 void set_pointers(cublasLtMatmulDesc_t op, const LtPointers& ptrs) {
   set_desc(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, ptrs.bias);
   set_desc(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, ptrs.aux);
+  if (ptrs.fp8 != nullptr) {
+    set_desc(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, ptrs.fp8->b);
+    set_desc(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, ptrs.fp8->a);
+  }
 }
 
-std::unique_ptr<LtPlan> make_plan(const Problem& p, const GemmArgs& args, at::ScalarType ab, at::ScalarType dt,
-                                  cublasComputeType_t compute, cublasLtEpilogue_t epilogue, const LtPointers& ptrs,
-                                  size_t workspace_size) {
+/// Builds the plan of one signature (cuBLAS's column-major view, see the top of this file). `a_type`, `b_type`: our
+/// A's and B's dtypes.
+std::unique_ptr<LtPlan> make_plan(const Problem& p, const GemmArgs& args, at::ScalarType a_type,
+                                  at::ScalarType b_type, at::ScalarType dt, cublasComputeType_t compute,
+                                  cublasLtEpilogue_t epilogue, const LtPointers& ptrs, size_t workspace_size) {
   auto plan = std::make_unique<LtPlan>();
   TORCH_CUDABLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, compute, CUDA_R_32F));
   set_desc(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, args.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
   set_desc(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, args.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
   set_desc(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+  if (ptrs.fp8 != nullptr) {
+    set_desc(plan->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(ptrs.fp8->fast_accum));
+  }
   if (args.epilogue == Epilogue::kGELUTanhAux) {
     set_desc(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, mat_of(args.aux, "aux").ld);
   }
   set_pointers(plan->op, ptrs);  // the heuristic sees this call's pointers (their alignments are in the key)
 
-  const cudaDataType_t tab = cuda_type(ab), td = cuda_type(dt);
+  const cudaDataType_t td = cuda_type(dt);
   // cuBLAS's A = our B: stored column-major [n, k] ([k, n] when trans_b), i.e. our B's [cols, rows]
-  TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, tab, p.b.cols, p.b.rows, p.b.ld));
-  TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, tab, p.a.cols, p.a.rows, p.a.ld));
+  TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, cuda_type(b_type), p.b.cols, p.b.rows, p.b.ld));
+  TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, cuda_type(a_type), p.a.cols, p.a.rows, p.a.ld));
   TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, td, p.n, p.m, p.d.ld));
   if (p.batch > 1) {
     const int32_t count = static_cast<int32_t>(p.batch);
@@ -283,14 +315,14 @@ std::unique_ptr<LtPlan> make_plan(const Problem& p, const GemmArgs& args, at::Sc
 }
 
 /// This thread's plan for the signature, built on first use.
-LtPlan& plan_for(const LtKey& key, const Problem& p, const GemmArgs& args, at::ScalarType ab, at::ScalarType dt,
-                 cublasComputeType_t compute, cublasLtEpilogue_t epilogue, const LtPointers& ptrs,
-                 size_t workspace_size) {
+LtPlan& plan_for(const LtKey& key, const Problem& p, const GemmArgs& args, at::ScalarType a_type,
+                 at::ScalarType b_type, at::ScalarType dt, cublasComputeType_t compute, cublasLtEpilogue_t epilogue,
+                 const LtPointers& ptrs, size_t workspace_size) {
   thread_local std::unordered_map<LtKey, std::unique_ptr<LtPlan>, LtKeyHash> cache;
   auto it = cache.find(key);
   if (it != cache.end()) return *it->second;
   if (cache.size() >= kLtCacheCapacity) cache.clear();
-  auto plan = make_plan(p, args, ab, dt, compute, epilogue, ptrs, workspace_size);
+  auto plan = make_plan(p, args, a_type, b_type, dt, compute, epilogue, ptrs, workspace_size);
   return *cache.emplace(key, std::move(plan)).first->second;
 }
 
@@ -467,26 +499,27 @@ void check_int_dims(const char* op, int64_t M, int64_t K, int64_t N) {
               ", N = ", num_str(N), "; split the input's rows into smaller calls");
 }
 
-bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args) {
-  const Problem p = problem_of(D, A, B, args);
-  const at::ScalarType ab = A.scalar_type(), dt = D.scalar_type();
-  if (is_empty(p) || !lt_enabled(ab)) return false;
-  check_int(p);
-  at::Tensor bias = args.bias;
-  if (bias.defined()) bias = cuda::aligned16_or_copy(bias);  // the bias epilogue wants 16-byte alignment
-  if (try_sm90(p, D, A, args, bias)) return true;
+namespace {
+
+/// Runs the checked, non-empty problem through cuBLASLt with the cached plan of its signature; false, having written
+/// nothing, where cuBLASLt declines. `bias`: args.bias made 16-byte aligned (or undefined). `fp8`: gemm_fp8's scales
+/// (A and B float8), else nullptr.
+bool lt_run(const Problem& p, const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args,
+            const at::Tensor& bias, const LtScales* fp8) {
+  const at::ScalarType a_type = A.scalar_type(), b_type = B.scalar_type(), dt = D.scalar_type();
   const void* bias_ptr = bias.defined() ? bias.const_data_ptr() : nullptr;
   void* aux_ptr = args.epilogue == Epilogue::kGELUTanhAux ? args.aux.mutable_data_ptr() : nullptr;
   void* bias_grad_ptr = args.epilogue == Epilogue::kBiasGradA || args.epilogue == Epilogue::kBiasGradB
                             ? args.bias_grad.mutable_data_ptr()
                             : nullptr;
-  const cublasComputeType_t compute = compute_type(ab);
+  // FP8 products accumulate in fp32 (cuBLASLt's only compute type for them)
+  const cublasComputeType_t compute = fp8 != nullptr ? CUBLAS_COMPUTE_32F : compute_type(a_type);
   const cublasLtEpilogue_t epilogue = lt_epilogue(args.epilogue, bias.defined());
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
   const uint32_t align_bias = bias_ptr ? alignment_of(bias_ptr) : 0, align_aux = aux_ptr ? alignment_of(aux_ptr) : 0,
                  align_bias_grad = bias_grad_ptr ? alignment_of(bias_grad_ptr) : 0;
   const LtKey key{D.get_device(),
-                  static_cast<int64_t>(ab),
+                  static_cast<int64_t>(a_type),
                   static_cast<int64_t>(dt),
                   static_cast<int64_t>(compute),
                   args.trans_a,
@@ -510,11 +543,11 @@ bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, cons
                   align_aux,
                   align_bias_grad,
                   static_cast<int64_t>(workspace_size),
-                  0,
-                  0,
+                  static_cast<int64_t>(b_type),
+                  fp8 != nullptr ? 1 + static_cast<int64_t>(fp8->fast_accum) : 0,
                   0};
-  const LtPointers ptrs{bias_grad_ptr != nullptr ? bias_grad_ptr : bias_ptr, aux_ptr};
-  LtPlan& plan = plan_for(key, p, args, ab, dt, compute, epilogue, ptrs, workspace_size);
+  const LtPointers ptrs{bias_grad_ptr != nullptr ? bias_grad_ptr : bias_ptr, aux_ptr, fp8};
+  LtPlan& plan = plan_for(key, p, args, a_type, b_type, dt, compute, epilogue, ptrs, workspace_size);
   if (!plan.ok) return false;
   set_pointers(plan.op, ptrs);  // this call's (the plan is this thread's: no other thread touches it)
   const float alpha = static_cast<float>(args.alpha), beta = static_cast<float>(args.beta);
@@ -528,6 +561,35 @@ bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, cons
   }
   TORCH_CUDABLAS_CHECK(st);
   return true;
+}
+
+}  // namespace
+
+bool gemm_lt(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const GemmArgs& args) {
+  const Problem p = problem_of(D, A, B, args);
+  if (is_empty(p) || !lt_enabled(A.scalar_type())) return false;
+  check_int(p);
+  at::Tensor bias = args.bias;
+  if (bias.defined()) bias = cuda::aligned16_or_copy(bias);  // the bias epilogue wants 16-byte alignment
+  if (try_sm90(p, D, A, args, bias)) return true;
+  return lt_run(p, D, A, B, args, bias, nullptr);
+}
+
+bool gemm_fp8(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale_a,
+              const at::Tensor& scale_b, bool fast_accum) {
+  GemmArgs args;
+  args.trans_b = true;  // D = A · Bᵀ: both operands K-major, cuBLASLt's "TN", the one layout of its FP8 kernels
+  TORCH_CHECK(A.dim() == 2, "opforge::gemm: gemm_fp8 takes 2-D operands, but got ", num_str(A.dim()), "-D");
+  const Problem p = problem_of(D, A, B, args, /*fp8=*/true);
+  for (const at::Tensor* s : {&scale_a, &scale_b}) {
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->numel() == 1 && s->device() == D.device(),
+                "opforge::gemm: expected one-element float32 scales on D's device, but got ", s->scalar_type(),
+                " of ", num_str(s->numel()), " elements on ", s->device());
+  }
+  if (is_empty(p) || knobs::get(knobs::Knob::kLinearLt) == 0) return false;
+  check_int(p);
+  const LtScales scales{scale_a.const_data_ptr(), scale_b.const_data_ptr(), fast_accum};
+  return lt_run(p, D, A, B, args, at::Tensor(), &scales);
 }
 
 bool gemm_swiglu(const at::Tensor& Z, const at::Tensor& H, const at::Tensor& A, const at::Tensor& B,

@@ -57,6 +57,11 @@
 //   indexed_linear_path  0 (default): by shape; 1: the gather-GEMV; 2: the tiled grouped GEMM; 3: torch's
 //                        _grouped_mm where it applies, else the tiled grouped GEMM
 //                        (ops/indexed_linear/indexed_linear_cuda.cu).
+//   fp8_gemm             -1 (default): fp8_linear's tensorwise scaled GEMMs on CUDA through the engine that
+//                        kFp8GemmEngine (ops/fp8/fp8_cuda.cu) names; 0: at::_scaled_mm; 1: opforge's cuBLASLt
+//                        engine (core/gemm.h, gemm_fp8: plans cached per shape, the scales read on the device),
+//                        at::_scaled_mm where cuBLASLt declines; 2: as 1, and a declined problem raises (the tests'
+//                        proof that the engine ran). Rowwise GEMMs always run at::_scaled_mm; the CPU ignores it.
 #pragma once
 
 #include <cstdint>
@@ -68,7 +73,7 @@ enum class Knob : int {
   // user-facing modes (environment variables)
   kLceGradInForward, kLceDwAccum, kLceChunkSize, kLceLean, kFp8FastAccum,
   // test hooks
-  kLinearLt, kGemmSm90, kLinearGemv, kRmsForward, kRmsBackward, kRopeRowsKernel, kIndexedLinearPath
+  kLinearLt, kGemmSm90, kLinearGemv, kRmsForward, kRmsBackward, kRopeRowsKernel, kIndexedLinearPath, kFp8Gemm
 };
 
 /// The knob's current value. Throws ValueError for OPFORGE_LCE_CHUNK_SIZE set to text that is not a positive

@@ -105,34 +105,57 @@ def test_fp8_linear_matches_quantized_reference(device, granularity, dtype, MKN)
     assert err < 2 * 2 ** -4
 
 
+def _check_gemms_within_bounds(x, w, g, granularity, grad_dtype, fast_fwd, fast_bwd):
+    """fp8_linear(x, w) and its backward with g: each of the three GEMMs within the rounding bound of its
+    accumulation (opforge.testing.fp8_gemm_bound; fast_fwd / fast_bwd: one truncating accumulator over the whole
+    contraction, as fast accumulation runs on CUDA) of the float64 product of the same quantized operands."""
+    rowwise, cuda, e4 = granularity == "rowwise", x.is_cuda, torch.float8_e4m3fn
+    gdt = grad_dtype or (e4 if rowwise else torch.float8_e5m2)
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = opforge.fp8_linear(x, w, granularity=granularity, grad_dtype=grad_dtype)
+    y.backward(g)
+    M, K, N = x.shape[:-1].numel(), w.shape[1], w.shape[0]
+    xc, wc, gc = x.detach().cpu().reshape(M, K), w.detach().cpu(), g.cpu().reshape(M, N)
+    for what, ours, (a, b), fast in (
+            ("output", y, (_deq(xc, e4, rowwise), _deq(wc, e4, rowwise)), fast_fwd),
+            ("grad_input", x.grad, (_deq(gc, gdt, rowwise), _deq(wc.t(), e4, rowwise)), fast_bwd),
+            ("grad_weight", w.grad, (_deq(gc.t(), gdt, rowwise), _deq(xc.t(), e4, rowwise)), fast_bwd)):
+        bound = T.fp8_gemm_bound(a, b, ours.dtype, rowwise, cuda, fast_accum=cuda and fast) + 1e-30
+        err = (ours.detach().cpu().double().reshape(a.shape[0], b.shape[0]) - a @ b.t()).abs()
+        assert (err <= bound).all(), (what, (err - bound).max().item())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("granularity", GRANS)
 @pytest.mark.parametrize("mode", [1, 2])
 def test_fp8_fast_accumulation_within_its_bound(device, granularity, mode, knob):
     """OPFORGE_FP8_FAST_ACCUM=1 (the forward GEMM) and 2 (all three GEMMs): each GEMM within the rounding bound of
-    its accumulation (opforge.testing.fp8_gemm_bound with fast_accum: one truncating accumulator over the whole
-    contraction on CUDA; the CPU ignores the knob), K = 1024 so that the bound differs from the default's."""
+    its accumulation (the CPU ignores the knob), K = 1024 so that the bound differs from the default's."""
     knob("OPFORGE_FP8_FAST_ACCUM", mode)
     M, K, N = 64, 1024, 48
-    rowwise = granularity == "rowwise"
-    cuda = device == "cuda"
-    x = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
-    w = (torch.randn(N, K, dtype=torch.bfloat16, device=device) * 0.05).requires_grad_()
-    y = opforge.fp8_linear(x, w, granularity=granularity)
-    e4 = torch.float8_e4m3fn
-    xd, wd = _deq(x.detach().cpu(), e4, rowwise), _deq(w.detach().cpu(), e4, rowwise)
-    fwd = T.fp8_gemm_bound(xd, wd, torch.bfloat16, rowwise, cuda, fast_accum=cuda) + 1e-30
-    assert ((y.detach().cpu().double() - xd @ wd.t()).abs() <= fwd).all()
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=device)
+    w = torch.randn(N, K, dtype=torch.bfloat16, device=device) * 0.05
     g = torch.randn(M, N, dtype=torch.bfloat16, device=device)
-    y.backward(g)
-    gdt = e4 if rowwise else torch.float8_e5m2
-    fast_bwd = cuda and mode == 2
-    a, b = _deq(g.cpu(), gdt, rowwise), _deq(w.detach().cpu().t(), e4, rowwise)
-    bound = T.fp8_gemm_bound(a, b, torch.bfloat16, rowwise, cuda, fast_accum=fast_bwd) + 1e-30
-    assert ((x.grad.cpu().double() - a @ b.t()).abs() <= bound).all()
-    a, b = _deq(g.cpu().t(), gdt, rowwise), _deq(x.detach().cpu().t(), e4, rowwise)
-    bound = T.fp8_gemm_bound(a, b, torch.bfloat16, rowwise, cuda, fast_accum=fast_bwd) + 1e-30
-    assert ((w.grad.cpu().double() - a @ b.t()).abs() <= bound).all()
+    _check_gemms_within_bounds(x, w, g, granularity, None, True, mode == 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="opforge's cuBLASLt FP8 engine runs on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("fast", [0, 1, 2])
+@pytest.mark.parametrize("shape", [(64, 1024, 48), (7, 33, 17), (2, 65, 40, 24), (1, 16, 16), (300, 80, 144)])
+def test_fp8_gemm_engine_within_bounds(dtype, grad_dtype, fast, shape, knob):
+    """The tensorwise GEMMs through opforge's cuBLASLt engine (test hook fp8_gemm = 2: the engine runs every one or
+    raises), with and without fast accumulation, every output dtype, both gradient formats, aligned shapes and
+    shapes that take the padding: each GEMM within the rounding bound of its accumulation."""
+    knob("fp8_gemm", 2)
+    knob("OPFORGE_FP8_FAST_ACCUM", fast)
+    *lead, K, N = shape
+    torch.manual_seed(0)
+    x = torch.randn(*lead, K, dtype=torch.float64).to(dtype=dtype, device="cuda")
+    w = (torch.randn(N, K, dtype=torch.float64) * 0.05).to(dtype=dtype, device="cuda")
+    g = torch.randn(*lead, N, dtype=torch.float64).to(dtype=dtype, device="cuda")
+    _check_gemms_within_bounds(x, w, g, "tensorwise", grad_dtype, fast >= 1, fast == 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -389,7 +389,8 @@ def test_bench_hf_llama_smoke(tmp_path):
 
 def test_bench_hf_llama_variant_environment(tmp_path):
     """bench_hf_llama's opforge-dwbf16-c2048 variant runs (CPU smoke config) with its VARIANT_ENV in its own process:
-    the worker reports OPFORGE_LCE_DW_ACCUM=1 and OPFORGE_LCE_CHUNK_SIZE=2048; every VARIANT_ENV key is a variant."""
+    the worker reports OPFORGE_LCE_DW_ACCUM=1 and OPFORGE_LCE_CHUNK_SIZE=2048; every VARIANT_ENV and VARIANT_KNOBS key
+    is a variant."""
     import re
     from pathlib import Path
 
@@ -397,7 +398,7 @@ def test_bench_hf_llama_variant_environment(tmp_path):
     sys.path.insert(0, str(script.parent))
     import bench_hf_llama
 
-    assert set(bench_hf_llama.VARIANT_ENV) <= set(bench_hf_llama.VARIANTS)
+    assert set(bench_hf_llama.VARIANT_ENV) | set(bench_hf_llama.VARIANT_KNOBS) <= set(bench_hf_llama.VARIANTS)
     env = {k: v for k, v in os.environ.items() if k not in ("OPFORGE_LCE_DW_ACCUM", "OPFORGE_LCE_CHUNK_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     p = subprocess.run([sys.executable, str(script), "--smoke", "--no-save", "--variants", "opforge-dwbf16-c2048"],

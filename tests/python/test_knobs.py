@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODES = {"OPFORGE_LCE_GRAD_IN_FORWARD": 1, "OPFORGE_LCE_DW_ACCUM": 0, "OPFORGE_LCE_CHUNK_SIZE": 0, "OPFORGE_LCE_LEAN": 1,
          "OPFORGE_FP8_FAST_ACCUM": 0}
 HOOKS = {"linear_lt": 1, "linear_gemv": -1, "rms_norm_forward": -1, "rms_norm_backward": -1, "rope_rows_kernel": 0,
-         "indexed_linear_path": 0}
+         "indexed_linear_path": 0, "fp8_gemm": -1}
 
 
 def _code(path: Path) -> str:
@@ -51,7 +51,7 @@ def test_set_knob_returns_the_previous_value_and_restores():
 
 def test_unknown_knob_names_every_knob():
     with pytest.raises(ValueError, match=r"opforge::_set_knob: expected OPFORGE_LCE_GRAD_IN_FORWARD, .*"
-                                         r"rope_rows_kernel or indexed_linear_path, but got OPFORGE_ROPE_KERNEL"):
+                                         r"indexed_linear_path or fp8_gemm, but got OPFORGE_ROPE_KERNEL"):
         torch.ops.opforge._set_knob("OPFORGE_ROPE_KERNEL", 1)
 
 
@@ -73,7 +73,7 @@ def test_environment_sets_modes_not_hooks():
     env = _clean_env(OPFORGE_LCE_GRAD_IN_FORWARD="0", OPFORGE_LCE_DW_ACCUM="1", OPFORGE_LCE_CHUNK_SIZE="12x",
                      OPFORGE_LCE_LEAN="0", OPFORGE_FP8_FAST_ACCUM="2",
                      OPFORGE_LINEAR_LT="0", linear_lt="0", OPFORGE_LINEAR_GEMV="1", OPFORGE_ROPE_KERNEL="1",
-                     rope_rows_kernel="1", OPFORGE_INDEXED_LINEAR_PATH="gemv", OPFORGE_RMS_FWD="2")
+                     rope_rows_kernel="1", OPFORGE_INDEXED_LINEAR_PATH="gemv", OPFORGE_RMS_FWD="2", fp8_gemm="1")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     lines = p.stdout.strip().splitlines()

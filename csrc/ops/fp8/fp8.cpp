@@ -255,7 +255,7 @@ int64_t round_up16(int64_t v) { return (v + 15) / 16 * 16; }
 bool fast_accum_forward() { return knobs::get(knobs::Knob::kFp8FastAccum) >= 1; }
 bool fast_accum_backward() { return knobs::get(knobs::Knob::kFp8FastAccum) >= 2; }
 
-at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::ScalarType out_dtype,
+at::Tensor scaled_gemm(const Backend& be, const Operand& A, const Operand& B, bool rowwise, at::ScalarType out_dtype,
                        bool fast_accum) {
   const int64_t Ra = A.data.size(0), Rb = B.data.size(0), C = A.data.size(1);
   TORCH_INTERNAL_ASSERT(B.data.size(1) == C);
@@ -292,8 +292,11 @@ at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::Sca
   // (OPFORGE_FP8_FAST_ACCUM) never does.
   const at::ScalarType gemm_dtype =
       rowwise ? at::kBFloat16 : (out_dtype == at::kDouble ? at::kFloat : out_dtype);
-  at::Tensor Y = at::_scaled_mm(a, b.t(), inv_a, inv_b, std::nullopt, std::nullopt, gemm_dtype,
-                                /*use_fast_accum=*/fast_accum);
+  at::Tensor Y;
+  if (!rowwise && be.gemm != nullptr) Y = be.gemm(a, b, inv_a, inv_b, gemm_dtype, fast_accum);
+  if (!Y.defined()) {
+    Y = at::_scaled_mm(a, b.t(), inv_a, inv_b, std::nullopt, std::nullopt, gemm_dtype, /*use_fast_accum=*/fast_accum);
+  }
   if (Rb_pad == Rb) return Y.scalar_type() == out_dtype ? Y : Y.to(out_dtype);
   // the padded columns sliced off into a fresh [R_a, R_b] tensor with row-major strides (the Meta kernel's): a
   // .contiguous() of the slice would keep its stride R_b_pad where a dim has size 1
@@ -339,9 +342,9 @@ Operand as_operand(const at::Tensor& data, const at::Tensor& scale) {
 }
 
 /// The forward GEMM and bias of fp8_linear from its quantized operands: Y (*, N) in input's dtype.
-at::Tensor forward_gemm(const Operand& x, const Operand& w, const at::Tensor& input, const at::Tensor& weight,
-                        const std::optional<at::Tensor>& bias, bool rowwise) {
-  at::Tensor Y = scaled_gemm(x, w, rowwise, input.scalar_type(), fast_accum_forward());
+at::Tensor forward_gemm(const Backend& be, const Operand& x, const Operand& w, const at::Tensor& input,
+                        const at::Tensor& weight, const std::optional<at::Tensor>& bias, bool rowwise) {
+  at::Tensor Y = scaled_gemm(be, x, w, rowwise, input.scalar_type(), fast_accum_forward());
   if (bias.has_value() && bias->defined()) Y.add_(to_input_dtype(*bias, input.scalar_type()));
   return linear_op::as_output(Y, input, weight);
 }
@@ -367,13 +370,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_gemms(
   if (output_mask[0]) {
     // dX[M, K] = dY[M, N] · W[N, K]: contraction over N, so dY per row and W per column (Wᵀ per row, read from W)
     const Operand wq = wt != nullptr ? *wt : quantize_operand_t(be, weight, at::kFloat8_e4m3fn, rowwise);
-    grad_input = scaled_gemm(g_rows, wq, rowwise, x_dtype, fast_accum_backward());
+    grad_input = scaled_gemm(be, g_rows, wq, rowwise, x_dtype, fast_accum_backward());
   }
   if (output_mask[1]) {
     // dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over the tokens M, so dY and X per column (their transposes
     // per row, read from dY and X, or q(Xᵀ) as the forward wrote it)
     const Operand xq = xt != nullptr ? *xt : quantize_operand_t(be, X.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
-    grad_weight = scaled_gemm(g_cols, xq, rowwise, weight.scalar_type(), fast_accum_backward());
+    grad_weight = scaled_gemm(be, g_cols, xq, rowwise, weight.scalar_type(), fast_accum_backward());
   }
   if (output_mask[2]) grad_bias = linear_op::sum_rows(G, bias_dtype);
   return {grad_input, grad_weight, grad_bias};
@@ -392,7 +395,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_impl(
   const Operand w = weight_data.has_value() && weight_data->defined()
                         ? as_operand(*weight_data, *weight_scale)
                         : quantize_operand(be, weight, at::kFloat8_e4m3fn, /*rowwise=*/false);
-  return {forward_gemm(x, w, input, weight, bias, /*rowwise=*/false), xt.data, xt.scale};
+  return {forward_gemm(be, x, w, input, weight, bias, /*rowwise=*/false), xt.data, xt.scale};
 }
 
 at::Tensor fp8_linear_quantized_impl(const Backend& be, const at::Tensor& input, const at::Tensor& weight,
@@ -405,7 +408,7 @@ at::Tensor fp8_linear_quantized_impl(const Backend& be, const at::Tensor& input,
                                                        grad_dtype) == Granularity::kRowwise;
   const int64_t M = rows_of(input), K = weight.size(1);
   const Operand x = quantize_operand(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
-  return forward_gemm(x, as_operand(weight_data, weight_scale), input, weight, bias, rowwise);
+  return forward_gemm(be, x, as_operand(weight_data, weight_scale), input, weight, bias, rowwise);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_impl(
@@ -446,7 +449,7 @@ at::Tensor fp8_linear_impl(const Backend& be, const at::Tensor& input, const at:
   // input per token, weight per output channel (rowwise), both in e4m3; the weight from its own precision
   const Operand x = quantize_operand(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
   const Operand w = quantize_operand(be, weight, at::kFloat8_e4m3fn, rowwise);
-  return forward_gemm(x, w, input, weight, bias, rowwise);
+  return forward_gemm(be, x, w, input, weight, bias, rowwise);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_impl(

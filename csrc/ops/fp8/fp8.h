@@ -129,11 +129,22 @@ void quantize_both_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& data_
                         at::Tensor& inv_scale);
 using QuantizeBothFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);
 
-/// One backend's quantization kernels: the set that the kernel bodies shared by CPU and CUDA call.
+/// Backend GEMM, tensorwise: out [R_a, R_b] = (a · bᵀ) · inv_a · inv_b in out_dtype (bfloat16, float16 or float32)
+/// for FP8 a [R_a, C] and b [R_b, C] row-major (on CUDA, C and R_b already padded to multiples of 16) and one-element
+/// float32 dequantization scales inv_a, inv_b; fast_accum as scaled_gemm's. Returns an undefined tensor, having
+/// written nothing, where the backend leaves the GEMM to at::_scaled_mm. CUDA: scaled_gemm_cuda (fp8_cuda.cu); the
+/// CPU has none (nullptr).
+at::Tensor scaled_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& inv_a,
+                            const at::Tensor& inv_b, at::ScalarType out_dtype, bool fast_accum);
+using ScaledGemmFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    at::ScalarType, bool);
+
+/// One backend's kernels: the set that the kernel bodies shared by CPU and CUDA call.
 struct Backend {
   QuantizeRowsFn rows;  ///< X along its rows
   QuantizeColsFn cols;  ///< Xᵀ along its rows, read from X
   QuantizeBothFn both;  ///< tensorwise: X and Xᵀ in one pass
+  ScaledGemmFn gemm;    ///< tensorwise scaled GEMM of the backend's own, or nullptr (at::_scaled_mm)
 };
 
 /// One quantized GEMM operand: data [R, C] FP8 row-major, scale float32 [1] (tensorwise) or [R] (rowwise), and
@@ -157,12 +168,12 @@ Operand quantize_operand_t(const Backend& be, const at::Tensor& X, at::ScalarTyp
 /// pass; both operands hold the same one-element scale tensor. The bits of quantize_operand of X and of X.t().
 std::pair<Operand, Operand> quantize_operand_both(const Backend& be, const at::Tensor& X, at::ScalarType dtype);
 
-/// out[R_a, R_b] = (A · Bᵀ) / (s_a ⊗ s_b) in out_dtype by at::_scaled_mm (fp32 accumulation; the product in
-/// bfloat16 for rowwise scales, float32 for a float64 out_dtype, else out_dtype; then converted). On CUDA, C and
-/// R_b are padded with zeros to multiples of 16 (the scaled GEMM's requirement) and the first R_b columns copied
-/// into a fresh row-major [R_a, R_b] tensor. fast_accum: CUDA's use_fast_accum (the tensor cores' partial sum never
-/// moved to fp32; the CPU ignores it).
-at::Tensor scaled_gemm(const Operand& A, const Operand& B, bool rowwise, at::ScalarType out_dtype,
+/// out[R_a, R_b] = (A · Bᵀ) / (s_a ⊗ s_b) in out_dtype by the backend's GEMM (be.gemm, tensorwise, where it takes
+/// the problem) or at::_scaled_mm (fp32 accumulation; the product in bfloat16 for rowwise scales, float32 for a
+/// float64 out_dtype, else out_dtype; then converted). On CUDA, C and R_b are padded with zeros to multiples of 16
+/// (the scaled GEMM's requirement) and the first R_b columns copied into a fresh row-major [R_a, R_b] tensor.
+/// fast_accum: CUDA's use_fast_accum (the tensor cores' partial sum never moved to fp32; the CPU ignores it).
+at::Tensor scaled_gemm(const Backend& be, const Operand& A, const Operand& B, bool rowwise, at::ScalarType out_dtype,
                        bool fast_accum = false);
 
 /// Which of fp8_linear's GEMMs run with fast accumulation (the knob OPFORGE_FP8_FAST_ACCUM: 1 the forward's, 2

@@ -202,7 +202,7 @@ void quantize_both_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t
 }
 
 /// The CPU's quantization kernels.
-constexpr Backend kCpuBackend{&quantize_rows_cpu, &quantize_cols_cpu, &quantize_both_cpu};
+constexpr Backend kCpuBackend{&quantize_rows_cpu, &quantize_cols_cpu, &quantize_both_cpu, nullptr};
 
 }  // namespace fp8_op
 

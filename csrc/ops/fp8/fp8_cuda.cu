@@ -13,7 +13,8 @@
 //               quantize_both's variant also stores each row's bytes into data as it casts them.
 // amax is reduced as the bit patterns of |x|: for non-negative IEEE values the unsigned order is the numeric order,
 // and every NaN pattern is above inf's, so the integer max propagates NaN as the recipe asks.
-// The GEMMs are at::_scaled_mm (fp8.cpp: scaled_gemm). Fusing this quantization into the producers' epilogues
+// The GEMMs: scaled_gemm_cuda (opforge's cuBLASLt engine, core/gemm.h gemm_fp8, where the test hook fp8_gemm sends
+// tensorwise GEMMs) or at::_scaled_mm (fp8.cpp: scaled_gemm). Fusing this quantization into the producers' epilogues
 // (rms_norm, swiglu, GEMM) removes the separate read of the high-precision tensor; the kernels here are the
 // reference those fusions are checked against.
 #include <ATen/cuda/CUDAContext.h>
@@ -26,6 +27,8 @@
 
 #include "core/cuda_utils.cuh"
 #include "core/dispatch.h"
+#include "core/gemm.h"
+#include "core/knobs.h"
 #include "ops/fp8/fp8.h"
 #include "ops/fp8/fp8_math.h"
 
@@ -496,8 +499,31 @@ void quantize_both_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& data_
   });
 }
 
-/// The CUDA quantization kernels.
-constexpr Backend kCudaBackend{&quantize_rows_cuda, &quantize_cols_cuda, &quantize_both_cuda};
+namespace {
+
+/// What runs the tensorwise scaled GEMMs when the test hook fp8_gemm is -1 (its default): false at::_scaled_mm, true
+/// opforge's cuBLASLt engine (gemm::gemm_fp8). Not yet measured against at::_scaled_mm on the H200: at::_scaled_mm.
+constexpr bool kFp8GemmEngine = false;
+
+}  // namespace
+
+at::Tensor scaled_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& inv_a,
+                            const at::Tensor& inv_b, at::ScalarType out_dtype, bool fast_accum) {
+  const int64_t mode = knobs::get(knobs::Knob::kFp8Gemm);
+  if (mode == 0 || (mode < 0 && !kFp8GemmEngine)) return at::Tensor();
+  const c10::cuda::CUDAGuard device_guard(a.device());
+  at::Tensor out = at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
+  // the scales as cuBLASLt reads them: one float from a 16-byte boundary (a slice's scale may sit at an offset)
+  const bool ran = gemm::gemm_fp8(out, a, b, cuda::aligned16_or_copy(inv_a.reshape({1})),
+                                  cuda::aligned16_or_copy(inv_b.reshape({1})), fast_accum);
+  TORCH_CHECK(ran || mode < 2, "opforge::fp8_linear: cuBLASLt declined the FP8 GEMM of [", a.size(0), ", ", a.size(1),
+              "] x [", b.size(0), ", ", b.size(1), "]ᵀ (", a.scalar_type(), " x ", b.scalar_type(), " -> ", out_dtype,
+              "; test hook fp8_gemm = 2)");
+  return ran ? out : at::Tensor();
+}
+
+/// The CUDA kernels.
+constexpr Backend kCudaBackend{&quantize_rows_cuda, &quantize_cols_cuda, &quantize_both_cuda, &scaled_gemm_cuda};
 
 }  // namespace fp8_op
 
