@@ -263,6 +263,10 @@ def families(quick: bool):
                 x, w, b = make((32, 64), dt, u), make((48, 64), dt, u), make((48,), dt, u)
                 for g in ("tensorwise", "rowwise"):
                     backward(opforge.fp8_linear(x, w, b, granularity=g))
+                # the tensorwise GEMMs through opforge's cuBLASLt engine (gemm_fp8), with and without fast accumulation
+                for fast in (0, 2):
+                    with knobs(fp8_gemm=2, OPFORGE_FP8_FAST_ACCUM=fast):
+                        backward(opforge.fp8_linear(x, w, b))
         out.append(("fp8", fp8))
     if hasattr(ops, "rope"):
         def rope(dt, u):
