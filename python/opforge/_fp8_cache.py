@@ -2,10 +2,15 @@
 fp8=...)`).
 
 fp8_linear quantizes its weight twice a step: q(W) in the forward, q(Wᵀ) in the backward (and the forward again
-under activation recomputation), although the weight only changes at optimizer steps. The layers keep
-(q(W), s_W, q(Wᵀ), s_Wᵀ) per weight Parameter and granularity, computed by the private op `_quantize_fp8_weight`
-(the bits of `quantize_fp8` of W and of Wᵀ, which fp8_linear computes inside; tensorwise, one amax pass and one cast
-pass write both), and pass them to the private op `_fp8_linear_quantized`, which is bit-identical to fp8_linear.
+under activation recomputation), although the weight only changes at optimizer steps. The layers keep the operands
+per weight Parameter and granularity and pass them as (q(W), s_W, q(Wᵀ), s_Wᵀ) to the private op
+`_fp8_linear_quantized`, which is bit-identical to fp8_linear:
+  * tensorwise: q(W) and its scale alone, from `quantize_fp8(W)`; the scale of Wᵀ is the same number, so q(Wᵀ) is
+    q(W)'s bytes transposed and goes to the op as the view q(W).t(), which the backward's dX GEMM makes row-major
+    with a transpose kernel (one FP8 copy of the weight in memory between steps, the transposed one only while its
+    layer's backward runs);
+  * rowwise: q(W) per row of W and q(Wᵀ) per column, from the private op `_quantize_fp8_weight` (the bits of
+    `quantize_fp8` of W and of Wᵀ).
 
 An entry is reused only while all of these are unchanged since it was made:
   * the Parameter itself (entries are weakly keyed by the object: a dead Parameter's entry goes with it);
@@ -43,7 +48,8 @@ the parameters, which bumps their version counters). A torch.distributed collect
 (`dist.broadcast(w)`, `dist.all_reduce(w)`) bumps no version counter: inside an optimizer step (the broadcasts of
 ZeroRedundancyOptimizer) the optimizer generation covers it; called by hand, it needs `fp8_cache_clear()` after.
 
-Memory: each cached weight holds two FP8 copies (its own size in bfloat16) for as long as the Parameter lives.
+Memory: each cached weight holds one FP8 copy tensorwise (half its size in bfloat16), two rowwise, for as long as
+the Parameter lives.
 """
 from __future__ import annotations
 
@@ -161,7 +167,12 @@ def _quantize(weight: torch.Tensor, granularity: str, key: Tuple, entries: Optio
     """Quantizes `weight` for the cache and stores the entry (holding `aliases`) under `key`; returns its operands."""
     with torch.no_grad(), torch.inference_mode(False):  # (normal tensors even when first made under inference
         w = weight.detach()                             # mode: a later training forward saves them for backward)
-        ops = tuple(torch.ops.opforge._quantize_fp8_weight(w, granularity))
+        if granularity == "tensorwise":  # q(Wᵀ) = q(W)ᵀ (one scale): the transposed view, no second copy
+            data, scale = torch.ops.opforge.quantize_fp8(w, torch.float8_e4m3fn, "tensorwise")
+            scale = scale.reshape(1)
+            ops = (data, scale, data.t(), scale)
+        else:
+            ops = tuple(torch.ops.opforge._quantize_fp8_weight(w, granularity))
     QUANTIZED[0] += 1
     if entries is None:
         entries = {}
@@ -173,8 +184,8 @@ def _quantize(weight: torch.Tensor, granularity: str, key: Tuple, entries: Optio
 def operands(weight: torch.nn.Parameter, granularity: str,
              aliases: Tuple = ()) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q(W), s_W, q(Wᵀ), s_Wᵀ) of `weight` for `granularity`: quantize_fp8(W) and quantize_fp8(Wᵀ) in
-    float8_e4m3fn (one `_quantize_fp8_weight` call; the scales flat), from the cache when it still holds them for
-    the weight as it is now, else computed and stored. `aliases`: tensors whose in-place writes reach the weight
+    float8_e4m3fn (the scales flat; tensorwise, q(Wᵀ) is the transposed view of q(W), see the module's docstring),
+    from the cache when it still holds them for the weight as it is now, else computed and stored. `aliases`: tensors whose in-place writes reach the weight
     unseen by its version counter (their identities, version counters and data_ptrs join the key; the entry holds
     them)."""
     _install_hook()

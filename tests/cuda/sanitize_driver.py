@@ -267,6 +267,13 @@ def families(quick: bool):
                 for fast in (0, 2):
                     with knobs(fp8_gemm=2, OPFORGE_FP8_FAST_ACCUM=fast):
                         backward(opforge.fp8_linear(x, w, b))
+                # the layers' cached operands, tensorwise: q(Wᵀ) as the view q(W).t(), made row-major by the FP8
+                # transpose kernel (ragged 64 x 64 tiles)
+                x, w = make((32, 70), dt, u), make((130, 70), dt, u)
+                with torch.no_grad():
+                    d, s = opforge.quantize_fp8(w.detach())
+                ops = (d, s.reshape(1), d.t(), s.reshape(1))
+                backward(torch.ops.opforge._fp8_linear_quantized(x, w, *ops, None, granularity="tensorwise"))
         out.append(("fp8", fp8))
     if hasattr(ops, "rope"):
         def rope(dt, u):

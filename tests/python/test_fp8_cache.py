@@ -119,6 +119,40 @@ def test_quantized_op_is_fp8_linear_bitwise(device, granularity, dtype, x_shape,
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_shape, N", [((7, 33), 17), ((130, 70), 65), ((3, 200), 129), ((64, 64), 64)])
+def test_quantized_op_takes_the_transposed_view_tensorwise(device, dtype, x_shape, N):
+    """Tensorwise, q(Wᵀ) given as the view q(W).t() (as the layers' cache gives it: one FP8 copy of the weight): the
+    backward's transpose kernel makes it row-major; output and gradients bit-identical to fp8_linear (shapes across
+    the kernel's 64 x 64 tiles, ragged at both ends)."""
+    torch.manual_seed(0)
+    x = torch.randn(x_shape, dtype=dtype, device=device, requires_grad=True)
+    w = torch.randn(N, x_shape[-1], dtype=dtype, device=device, requires_grad=True)
+    g = torch.randn(*x_shape[:-1], N, dtype=dtype, device=device)
+    with torch.no_grad():
+        d, s = opforge.quantize_fp8(w.detach(), None, "tensorwise")
+    ops = (d, s.reshape(1), d.t(), s.reshape(1))
+    y1, g1 = _grads(lambda: OPS._fp8_linear_quantized(x, w, *ops, None, granularity="tensorwise"), [x, w], g)
+    y2, g2 = _grads(lambda: opforge.fp8_linear(x, w, granularity="tensorwise"), [x, w], g)
+    assert _same(y1, y2) and all(_same(a, c) for a, c in zip(g1, g2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+def test_cache_holds_one_fp8_copy_tensorwise(device, granularity):
+    """Tensorwise, the cached q(Wᵀ) is the transposed view of the cached q(W) (the same storage); rowwise, two
+    tensors (per-row and per-column scales)."""
+    m = opforge.nn.Linear(48, 24, device=device, fp8=granularity)
+    m(torch.randn(4, 48, device=device)).sum().backward()
+    d, s, dt, st = _fp8_cache.operands(m.weight, granularity)
+    assert d.shape == (24, 48) and dt.shape == (48, 24) and d.is_contiguous()
+    shared = dt.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
+    assert shared == (granularity == "tensorwise")
+    ref = opforge.quantize_fp8(m.weight.detach().t().contiguous(), None, granularity)[0]
+    assert torch.equal(dt.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("granularity", GRANS)
 def test_fp8_linear_saves_fp8_input_t_where_the_scale_allows(device, granularity):
     """Tensorwise with a weight gradient: autograd keeps q(inputᵀ) [K, M] in e4m3 (one scale) and not the input;
@@ -243,7 +277,9 @@ def test_layer_reuses_the_operands_until_the_weight_changes(device, granularity)
             y = m(x)
             y.backward(g)
     assert _fp8_cache.QUANTIZED[0] - n0 == 1
-    assert rec.n.get("opforge::_quantize_fp8_weight", 0) == 1  # q(W), q(Wᵀ), once
+    # once: tensorwise q(W) (q(Wᵀ) is its transposed view), rowwise q(W) and q(Wᵀ)
+    quantizer = "opforge::quantize_fp8" if granularity == "tensorwise" else "opforge::_quantize_fp8_weight"
+    assert rec.n.get(quantizer, 0) == 1
     assert "opforge::fp8_linear" not in rec.n and "opforge::fp8_linear_backward" not in rec.n
     # the cached layer's output and gradients are the uncached op's, bit for bit
     ref = _fresh(m, x, g)

@@ -336,9 +336,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight_i
 
 namespace {
 
-/// A precomputed operand as scaled_gemm reads it: data row-major, scale flat.
-Operand as_operand(const at::Tensor& data, const at::Tensor& scale) {
-  return {data.contiguous(), scale.reshape({-1}).contiguous(), at::Tensor()};
+/// A precomputed operand as scaled_gemm reads it: data row-major, scale flat. Data given as the transposed view of a
+/// row-major tensor (the layers' cache passes q(W).t() for q(Wᵀ) under tensorwise scales, which are equal) is made
+/// row-major by the backend's transpose kernel.
+Operand as_operand(const Backend& be, const at::Tensor& data, const at::Tensor& scale) {
+  const bool transposed = data.dim() == 2 && !data.is_contiguous() && data.t().is_contiguous();
+  return {transposed ? be.transpose(data.t()) : data.contiguous(), scale.reshape({-1}).contiguous(), at::Tensor()};
 }
 
 /// The forward GEMM and bias of fp8_linear from its quantized operands: Y (*, N) in input's dtype.
@@ -393,7 +396,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_impl(
   // q(X) for the forward GEMM and q(Xᵀ) for the backward's dW from one amax pass and one cast pass
   auto [x, xt] = quantize_operand_both(be, input.reshape({M, K}), at::kFloat8_e4m3fn);
   const Operand w = weight_data.has_value() && weight_data->defined()
-                        ? as_operand(*weight_data, *weight_scale)
+                        ? as_operand(be, *weight_data, *weight_scale)
                         : quantize_operand(be, weight, at::kFloat8_e4m3fn, /*rowwise=*/false);
   return {forward_gemm(be, x, w, input, weight, bias, /*rowwise=*/false), xt.data, xt.scale};
 }
@@ -408,7 +411,7 @@ at::Tensor fp8_linear_quantized_impl(const Backend& be, const at::Tensor& input,
                                                        grad_dtype) == Granularity::kRowwise;
   const int64_t M = rows_of(input), K = weight.size(1);
   const Operand x = quantize_operand(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
-  return forward_gemm(be, x, as_operand(weight_data, weight_scale), input, weight, bias, rowwise);
+  return forward_gemm(be, x, as_operand(be, weight_data, weight_scale), input, weight, bias, rowwise);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_impl(
@@ -422,8 +425,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_imp
                                                                  granularity, grad_dtype, bias_dtype);
   const at::ScalarType gdt = grad_dtype_of("_fp8_linear_quantized_backward", grad_dtype, g);
   std::optional<Operand> xt, wt;
-  if (given(input_t_data)) xt = as_operand(*input_t_data, *input_t_scale);
-  if (given(weight_t_data)) wt = as_operand(*weight_t_data, *weight_t_scale);
+  if (given(input_t_data)) xt = as_operand(be, *input_t_data, *input_t_scale);
+  if (given(weight_t_data)) wt = as_operand(be, *weight_t_data, *weight_t_scale);
   const bool has_input = given(input);
   const at::ScalarType x_dtype = has_input ? input->scalar_type() : grad_output.scalar_type();
   auto [gi, gw, gb] = backward_gemms(be, grad_output, has_input ? *input : at::Tensor(), xt ? &*xt : nullptr, weight,

@@ -139,12 +139,19 @@ at::Tensor scaled_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::
 using ScaledGemmFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     at::ScalarType, bool);
 
+/// Backend kernel: Xᵀ [C, R], contiguous, of X [R, C] (contiguous, an FP8 dtype): the bytes transposed. CPU:
+/// transpose_fp8_cpu (fp8_cpu.cpp), CUDA: transpose_fp8_cuda (fp8_cuda.cu, a tiled shared-memory transpose).
+at::Tensor transpose_fp8_cpu(const at::Tensor& X);
+at::Tensor transpose_fp8_cuda(const at::Tensor& X);
+using TransposeFn = at::Tensor (*)(const at::Tensor&);
+
 /// One backend's kernels: the set that the kernel bodies shared by CPU and CUDA call.
 struct Backend {
   QuantizeRowsFn rows;  ///< X along its rows
   QuantizeColsFn cols;  ///< Xᵀ along its rows, read from X
   QuantizeBothFn both;  ///< tensorwise: X and Xᵀ in one pass
   ScaledGemmFn gemm;    ///< tensorwise scaled GEMM of the backend's own, or nullptr (at::_scaled_mm)
+  TransposeFn transpose;  ///< FP8 bytes transposed
 };
 
 /// One quantized GEMM operand: data [R, C] FP8 row-major, scale float32 [1] (tensorwise) or [R] (rowwise), and

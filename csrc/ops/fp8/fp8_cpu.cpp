@@ -202,7 +202,12 @@ void quantize_both_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t
 }
 
 /// The CPU's quantization kernels.
-constexpr Backend kCpuBackend{&quantize_rows_cpu, &quantize_cols_cpu, &quantize_both_cpu, nullptr};
+at::Tensor transpose_fp8_cpu(const at::Tensor& X) {
+  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous());
+  return X.t().contiguous();  // ATen's copy (a transposed source takes its blocked path)
+}
+
+constexpr Backend kCpuBackend{&quantize_rows_cpu, &quantize_cols_cpu, &quantize_both_cpu, nullptr, &transpose_fp8_cpu};
 
 }  // namespace fp8_op
 

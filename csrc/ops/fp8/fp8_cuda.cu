@@ -522,8 +522,53 @@ at::Tensor scaled_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::
   return ran ? out : at::Tensor();
 }
 
+namespace {
+
+constexpr int kTransposeTile = 64;  // a block transposes a 64 x 64 tile of bytes
+
+/// Y [C, R] = Xᵀ of bytes X [R, C]: each block stages a 64 x 64 tile in shared memory, read along X's rows and
+/// written along Y's (both coalesced); the tile's row stride of 68 bytes (17 words) spreads the column reads over
+/// the banks.
+__global__ void __launch_bounds__(kThreads) transpose_bytes_kernel(const uint8_t* __restrict__ X,
+                                                                   uint8_t* __restrict__ Y, int64_t R, int64_t C,
+                                                                   int64_t col_tiles) {
+  constexpr int kT = kTransposeTile, kStep = kThreads / kT;
+  __shared__ uint8_t tile[kT][kT + 4];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) / col_tiles * kT;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) % col_tiles * kT;
+  const int tx = threadIdx.x % kT, ty = threadIdx.x / kT;
+  for (int i = ty; i < kT; i += kStep) {
+    const int64_t r = r0 + i, c = c0 + tx;
+    if (r < R && c < C) tile[i][tx] = X[r * C + c];
+  }
+  __syncthreads();
+  for (int i = ty; i < kT; i += kStep) {
+    const int64_t c = c0 + i, r = r0 + tx;  // Y's row c, column r
+    if (c < C && r < R) Y[c * R + r] = tile[tx][i];
+  }
+}
+
+}  // namespace
+
+at::Tensor transpose_fp8_cuda(const at::Tensor& X) {
+  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && X.element_size() == 1);
+  const c10::cuda::CUDAGuard device_guard(X.device());
+  const int64_t R = X.size(0), C = X.size(1);
+  at::Tensor Y = at::empty({C, R}, X.options());
+  if (X.numel() == 0) return Y;
+  const int64_t col_tiles = (C + kTransposeTile - 1) / kTransposeTile;
+  const int64_t tiles = col_tiles * ((R + kTransposeTile - 1) / kTransposeTile);
+  TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "opforge::fp8_linear: a ", R, " x ", C,
+              " FP8 operand exceeds one grid of transposition tiles");
+  transpose_bytes_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      static_cast<const uint8_t*>(X.const_data_ptr()), static_cast<uint8_t*>(Y.mutable_data_ptr()), R, C, col_tiles);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return Y;
+}
+
 /// The CUDA kernels.
-constexpr Backend kCudaBackend{&quantize_rows_cuda, &quantize_cols_cuda, &quantize_both_cuda, &scaled_gemm_cuda};
+constexpr Backend kCudaBackend{&quantize_rows_cuda, &quantize_cols_cuda, &quantize_both_cuda, &scaled_gemm_cuda,
+                               &transpose_fp8_cuda};
 
 }  // namespace fp8_op
 
