@@ -17,7 +17,11 @@ An entry is reused only while all of these are unchanged since it was made:
   * its `_version` counter: bumped by every in-place write through it or a view of it (`torch.optim`'s for-each and
     single-tensor steps, `load_state_dict`'s copy, `torch.nn.init`, `with torch.no_grad(): w.add_(1)`);
   * the optimizer generation: bumped after every step of any `torch.optim.Optimizer` (a global step post-hook), as
-    fused steps (`torch.optim.AdamW(fused=True)`) write the parameters without bumping their version counters;
+    fused steps (`torch.optim.AdamW(fused=True)`) write the parameters without bumping their version counters. The
+    entries of weights that the stepping optimizer does not hold (frozen base weights under LoRA, the weights of
+    another optimizer) and that were current before its step move to the new generation: a step writes only the
+    parameters of its own param_groups (ZeroRedundancyOptimizer's broadcasts run inside its outer step, whose
+    param_groups hold every parameter; its inner optimizer's step holds the local shard alone);
   * its storage (the same storage object, alive), data_ptr, dtype, device, shape and strides (`.to()`, `.data = ...`);
   * the caller's aliases of the weight, each its identity, version counter and data_ptr (the patch passes the
     Parameters standing for a fused projection's rows, whose in-place writes reach the fused weight without bumping
@@ -78,7 +82,7 @@ class _Entry:
 
 def _step_post_hook(opt, args, kwargs) -> None:
     _GENERATION[0] += 1
-    _refresh(opt)
+    _after_step(opt, _GENERATION[0] - 1)
 
 
 def _capturing() -> bool:
@@ -86,22 +90,33 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def _refresh(opt) -> None:
-    """Right after an optimizer step, quantizes again the cached operands of the parameters that step updated, so
-    that the host issues the weight quantizations while the device still runs the step's kernels, not one by one in
-    the next forward (where each small quantization waits on the host between the layers' GEMMs). The new entries
-    are keyed on the parameters as the step left them, so a weight that changes again before its next use is
-    quantized at that use, as without the refresh. Nothing is refreshed while Dynamo traces or a CUDA graph is
-    captured (those entries are quantized at their next use)."""
-    if not _CACHE or torch.compiler.is_compiling() or _capturing():
+def _after_step(opt, before: int) -> None:
+    """Right after a step of `opt` (the generation was `before` during the step):
+      * the entries of the weights `opt` does not hold, current before the step, move to the new generation (the
+        step did not write those weights; their other key parts still judge any other change);
+      * the cached operands of the weights `opt` holds are quantized again, so that the host issues the weight
+        quantizations while the device still runs the step's kernels, not one by one in the next forward (where each
+        small quantization waits on the host between the layers' GEMMs). The new entries are keyed on the parameters
+        as the step left them, so a weight that changes again before its next use is quantized at that use, as
+        without the refresh. Nothing is quantized while Dynamo traces or a CUDA graph is captured (those entries are
+        quantized at their next use)."""
+    if not _CACHE:
         return
+    refresh = not (torch.compiler.is_compiling() or _capturing())
     stepped = {id(p) for group in opt.param_groups for p in group["params"]}
     # The cached weights (a few per layer), not every parameter. One C-level copy of the underlying dict (atomic
     # under the GIL): iterating `_CACHE` itself runs Python code between its items, where another thread's FP8
     # forward may insert an entry and the iteration would raise "dictionary changed size during iteration".
     for ref, entries in list(_CACHE.data.items()):
         p = ref()
-        if p is None or id(p) not in stepped or not usable(p):
+        if p is None:
+            continue
+        if id(p) not in stepped:
+            for entry in list(entries.values()):
+                if entry.key[0] == before:
+                    entry.key = (_GENERATION[0],) + entry.key[1:]
+            continue
+        if not refresh or not usable(p):
             continue
         for granularity, entry in list(entries.items()):
             try:

@@ -351,8 +351,8 @@ def test_layer_never_serves_stale_operands(device, granularity, name):
 def test_optimizer_step_refreshes_the_operands_it_changed(device, granularity, name):
     """An optimizer step quantizes again the cached operands of the weights it updated (the next forward quantizes
     nothing and serves the bits of fp8_linear on the new weight); a layer whose weight another optimizer holds is
-    not touched by this one's step and is quantized again at its next use; a write after the step is never hidden
-    by the refreshed entry."""
+    not touched by this one's step and keeps its operands (served at its next use with no quantization); a write
+    after the step is never hidden by the refreshed entry."""
     torch.manual_seed(0)
     m = opforge.nn.Linear(48, 24, device=device, fp8=granularity)
     other = opforge.nn.Linear(48, 24, device=device, fp8=granularity)
@@ -364,11 +364,60 @@ def test_optimizer_step_refreshes_the_operands_it_changed(device, granularity, n
     n0 = _fp8_cache.QUANTIZED[0]
     y = m(x).detach()
     assert _fp8_cache.QUANTIZED[0] == n0 and _same(y, _fresh(m, x))
-    assert _same(other(x).detach(), _fresh(other, x)) and _fp8_cache.QUANTIZED[0] - n0 == 1
+    assert _same(other(x).detach(), _fresh(other, x)) and _fp8_cache.QUANTIZED[0] == n0
     with torch.no_grad():  # a write after the step: the refreshed entry is stale, the next forward quantizes
         m.weight.mul_(-1)
     n0 = _fp8_cache.QUANTIZED[0]
     assert _same(m(x).detach(), _fresh(m, x)) and _fp8_cache.QUANTIZED[0] - n0 == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+def test_frozen_weights_keep_their_operands_across_steps(device, granularity):
+    """A frozen FP8 layer (the base weight under LoRA: no optimizer holds it) is quantized once over many steps of an
+    optimizer over the trainable layer, and serves fp8_linear's bits; an in-place write to it is still seen."""
+    torch.manual_seed(0)
+    frozen = opforge.nn.Linear(48, 24, device=device, fp8=granularity).requires_grad_(False)
+    train = opforge.nn.Linear(24, 24, device=device, fp8=granularity)
+    opt = torch.optim.AdamW(train.parameters(), lr=1e-2)
+    x = torch.randn(6, 48, device=device)
+    n0 = _fp8_cache.QUANTIZED[0]
+    for _ in range(4):
+        train(frozen(x)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    # frozen: once (its first use); train: once at its first use, then each step's refresh
+    assert _fp8_cache.QUANTIZED[0] - n0 == 1 + 1 + 4
+    n0 = _fp8_cache.QUANTIZED[0]
+    assert _same(frozen(x), _fresh(frozen, x)) and _fp8_cache.QUANTIZED[0] == n0
+    with torch.no_grad():
+        frozen.weight.mul_(-1)
+    assert _same(frozen(x), _fresh(frozen, x)) and _fp8_cache.QUANTIZED[0] - n0 == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
+def test_two_optimizers_quantize_each_weight_once_a_step(device, granularity):
+    """Two optimizers stepped one after the other (each over one layer): each step refreshes its own weights and
+    leaves the other's current, so each weight is quantized once per training step, and the next forward quantizes
+    nothing and serves fp8_linear's bits."""
+    torch.manual_seed(0)
+    a = opforge.nn.Linear(48, 24, device=device, fp8=granularity)
+    b = opforge.nn.Linear(24, 24, device=device, fp8=granularity)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
+    x = torch.randn(6, 48, device=device)
+    b(a(x)).square().mean().backward()
+    for _ in range(3):
+        n0 = _fp8_cache.QUANTIZED[0]
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad(set_to_none=True)
+        opt_b.zero_grad(set_to_none=True)
+        assert _fp8_cache.QUANTIZED[0] - n0 == 2
+        h = a(x)
+        assert _same(h.detach(), _fresh(a, x)) and _same(b(h).detach(), _fresh(b, h.detach()))
+        b(a(x)).square().mean().backward()
+        assert _fp8_cache.QUANTIZED[0] - n0 == 2
 
 
 def test_operands_cached_under_inference_mode_serve_training():
