@@ -258,13 +258,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _quantize_fp8_weight(
 /// weight_data (N, K) / weight_scale (1 or N elements) = quantize_fp8(weight, float8_e4m3fn, granularity),
 /// weight_t_data (K, N) / weight_t_scale (1 or K elements) = quantize_fp8(weight.t(), float8_e4m3fn, granularity).
 /// Bit-identical to fp8_linear for those operands (forward and gradients); gradients flow to input, weight and bias,
-/// none to the quantized operands. Raises: fp8_linear's errors; operands of another dtype (TypeError), shape,
-/// scale size or device (ValueError, RuntimeError).
+/// none to the quantized operands. save_input: autograd saves the input for backward, which quantizes inputᵀ from
+/// it there (the bits the forward would have kept), instead of the forward's q(inputᵀ) (kept tensorwise with a
+/// weight gradient): saved-tensor hooks that drop a recomputable input (opforge.patch's recompute) then free it.
+/// Raises: fp8_linear's errors; operands of another dtype (TypeError), shape, scale size or device (ValueError,
+/// RuntimeError).
 at::Tensor _fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_data,
                                  const at::Tensor& weight_scale, const at::Tensor& weight_t_data,
                                  const at::Tensor& weight_t_scale, const std::optional<at::Tensor>& bias = std::nullopt,
                                  c10::string_view granularity = "tensorwise",
-                                 std::optional<at::ScalarType> grad_dtype = std::nullopt);
+                                 std::optional<at::ScalarType> grad_dtype = std::nullopt, bool save_input = false);
 
 /// fp8_linear_backward from saved quantized operands: grad_weight's GEMM reads q(inputᵀ) (input_t_data [K, M],
 /// input_t_scale) when given, else quantizes input; grad_input's GEMM reads q(weightᵀ) (weight_t_data [K, N],

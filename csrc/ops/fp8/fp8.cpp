@@ -506,10 +506,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_forward(
 at::Tensor _fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_data,
                                  const at::Tensor& weight_scale, const at::Tensor& weight_t_data,
                                  const at::Tensor& weight_t_scale, const std::optional<at::Tensor>& bias,
-                                 c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+                                 c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
+                                 bool save_input) {
   static auto op = typed_op<decltype(_fp8_linear_quantized)>("opforge::_fp8_linear_quantized");
   return op.call(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias, granularity,
-                 grad_dtype);
+                 grad_dtype, save_input);
 }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_quantized_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
@@ -572,7 +573,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_meta(
 at::Tensor fp8_linear_quantized_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_data,
                                      const at::Tensor& weight_scale, const at::Tensor& weight_t_data,
                                      const at::Tensor& weight_t_scale, const std::optional<at::Tensor>& bias,
-                                     c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+                                     c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
+                                     bool /*save_input*/) {
   check_fp8_linear_quantized_args(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias,
                                   granularity, grad_dtype);
   return at::empty_symint(linear_op::output_sym_sizes(input, weight), input.options());
@@ -628,7 +630,8 @@ variable_list fp8_linear_backward_fn(const BackwardArgs& a) {
 }
 
 /// The forward of both differentiable ops' Autograd kernels: (output, q(inputᵀ) data, its scale), the last two
-/// defined only when they are to be saved (a node is recorded, tensorwise, the weight needs a gradient).
+/// defined only when they are to be saved (a node is recorded, tensorwise, the weight needs a gradient, and the
+/// caller did not ask for the input to be saved instead: `save_input`).
 /// `weight_q`: q(weight) and q(weightᵀ) precomputed (_fp8_linear_quantized), else null (fp8_linear).
 struct Fp8LinearCall {
   const at::Tensor& input;
@@ -637,9 +640,11 @@ struct Fp8LinearCall {
   c10::string_view granularity;
   std::optional<at::ScalarType> grad_dtype;
   const std::array<at::Tensor, 4>* weight_q;
+  bool save_input;
 
   bool keeps_input_t(bool grad) const {
-    return grad && weight.requires_grad() && parse_granularity("fp8_linear", granularity) == Granularity::kTensorwise;
+    return grad && !save_input && weight.requires_grad() &&
+           parse_granularity("fp8_linear", granularity) == Granularity::kTensorwise;
   }
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(bool grad) const {
@@ -650,8 +655,9 @@ struct Fp8LinearCall {
     }
     if (weight_q == nullptr) return {opforge::fp8_linear(input, weight, bias, granularity, grad_dtype), {}, {}};
     const auto& q = *weight_q;
-    return {opforge::_fp8_linear_quantized(input, weight, q[0], q[1], q[2], q[3], bias, granularity, grad_dtype), {},
-            {}};
+    return {opforge::_fp8_linear_quantized(input, weight, q[0], q[1], q[2], q[3], bias, granularity, grad_dtype,
+                                           save_input),
+            {}, {}};
   }
 
   void save(OpNode& n, const std::tuple<at::Tensor, at::Tensor, at::Tensor>& r) const {
@@ -673,7 +679,7 @@ constexpr Differentiability kFp8LinearOutputs[3] = {kDifferentiable, kNotDiffere
 at::Tensor fp8_linear_autograd(const at::Tensor& input, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                std::optional<at::ScalarType> grad_dtype) {
-  const Fp8LinearCall call{input, weight, bias, granularity, grad_dtype, nullptr};
+  const Fp8LinearCall call{input, weight, bias, granularity, grad_dtype, nullptr, false};
   return std::get<0>(autograd_op(
       {"fp8_linear", "opforge::Fp8LinearBackward", fp8_linear_backward_fn, nullptr}, kFp8LinearOutputs,
       [&](bool grad) { return call.forward(grad); },
@@ -685,13 +691,13 @@ at::Tensor fp8_linear_quantized_autograd(const at::Tensor& input, const at::Tens
                                          const at::Tensor& weight_data, const at::Tensor& weight_scale,
                                          const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
                                          const std::optional<at::Tensor>& bias, c10::string_view granularity,
-                                         std::optional<at::ScalarType> grad_dtype) {
+                                         std::optional<at::ScalarType> grad_dtype, bool save_input) {
   // the operands' checks before anything runs (the forward's op checks them again): a malformed operand is
   // reported by this op's name
   check_fp8_linear_quantized_args(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias,
                                   granularity, grad_dtype);
   const std::array<at::Tensor, 4> q{weight_data, weight_scale, weight_t_data, weight_t_scale};
-  const Fp8LinearCall call{input, weight, bias, granularity, grad_dtype, &q};
+  const Fp8LinearCall call{input, weight, bias, granularity, grad_dtype, &q, save_input};
   return std::get<0>(autograd_op(
       {"_fp8_linear_quantized", "opforge::Fp8LinearBackward", fp8_linear_backward_fn, nullptr}, kFp8LinearOutputs,
       [&](bool grad) { return call.forward(grad); },

@@ -263,7 +263,8 @@ struct Kernels {
                                          const at::Tensor& weight_data, const at::Tensor& weight_scale,
                                          const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
                                          const std::optional<at::Tensor>& bias, c10::string_view granularity,
-                                         std::optional<at::ScalarType> grad_dtype) {
+                                         std::optional<at::ScalarType> grad_dtype, bool /*save_input*/) {
+    // save_input chooses what autograd saves: the kernel's output is the same either way
     return fp8_linear_quantized_impl(B, input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale,
                                      bias, granularity, grad_dtype);
   }

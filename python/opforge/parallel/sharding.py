@@ -393,7 +393,7 @@ def _fp8_linear_forward(input, weight, bias=None, weight_data=None, weight_scale
 
 @_rule("_fp8_linear_quantized")
 def _fp8_linear_quantized(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias=None, *,
-                          granularity="tensorwise", grad_dtype=None):
+                          granularity="tensorwise", grad_dtype=None, save_input=False):
     return [([R], [R, R, R, R, R, R, _opt(bias, R)])]
 
 
