@@ -18,10 +18,13 @@ An entry is reused only while all of these are unchanged since it was made:
     single-tensor steps, `load_state_dict`'s copy, `torch.nn.init`, `with torch.no_grad(): w.add_(1)`);
   * the optimizer generation: bumped after every step of any `torch.optim.Optimizer` (a global step post-hook), as
     fused steps (`torch.optim.AdamW(fused=True)`) write the parameters without bumping their version counters. The
-    entries of weights that the stepping optimizer does not hold (frozen base weights under LoRA, the weights of
-    another optimizer) and that were current before its step move to the new generation: a step writes only the
-    parameters of its own param_groups (ZeroRedundancyOptimizer's broadcasts run inside its outer step, whose
-    param_groups hold every parameter; its inner optimizer's step holds the local shard alone);
+    entries of weights that another optimizer (one that has stepped) holds and that were current before the step
+    move to the new generation: a step writes only the parameters of its own param_groups (ZeroRedundancyOptimizer's
+    broadcasts run inside its outer step, whose param_groups hold every parameter; its inner optimizer's step holds
+    the local shard alone). The weights no optimizer holds (frozen base weights under LoRA, the model copies of
+    mixed-precision master weights) are quantized again at their first use after a step: they are often written
+    right after one unseen by their version counters (PEFT's merge_adapter / unmerge_adapter add to `weight.data`,
+    apex and DeepSpeed copy the master weights back through `.data` or a collective);
   * its storage (the same storage object, alive), data_ptr, dtype, device, shape and strides (`.to()`, `.data = ...`);
   * the caller's aliases of the weight, each its identity, version counter and data_ptr (the patch passes the
     Parameters standing for a fused projection's rows, whose in-place writes reach the fused weight without bumping
@@ -57,6 +60,7 @@ the Parameter lives.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -67,6 +71,8 @@ _CACHE = WeakIdKeyDictionary()
 #: bumped after every torch.optim step and by clear(): every entry made before is stale
 _GENERATION = [0]
 _HOOK: list = []
+#: the optimizers that have stepped (weakly held): a weight one of them holds is written by that one's steps
+_OPTIMIZERS = weakref.WeakSet()
 #: how many times operands were quantized for the cache (tests read it to see that reuse happened)
 QUANTIZED = [0]
 #: the library's private ops the cache calls; a library without them (built before they were added) gets fp8_linear
@@ -92,8 +98,9 @@ def _capturing() -> bool:
 
 def _after_step(opt, before: int) -> None:
     """Right after a step of `opt` (the generation was `before` during the step):
-      * the entries of the weights `opt` does not hold, current before the step, move to the new generation (the
-        step did not write those weights; their other key parts still judge any other change);
+      * the entries of the weights another optimizer holds (and `opt` does not), current before the step, move to
+        the new generation (the step did not write those weights; their other key parts still judge any other
+        change); those of the weights no optimizer holds go stale (see the module's docstring);
       * the cached operands of the weights `opt` holds are quantized again, so that the host issues the weight
         quantizations while the device still runs the step's kernels, not one by one in the next forward (where each
         small quantization waits on the host between the layers' GEMMs). The new entries are keyed on the parameters
@@ -103,7 +110,16 @@ def _after_step(opt, before: int) -> None:
     if not _CACHE:
         return
     refresh = not (torch.compiler.is_compiling() or _capturing())
-    stepped = {id(p) for group in opt.param_groups for p in group["params"]}
+    _OPTIMIZERS.add(opt)
+    stepped = _held(opt)
+    # Only the weights another optimizer holds keep their entries: a weight that no optimizer holds may be written
+    # right after this step without bumping its version counter (mixed-precision master weights copied back through
+    # `.data` or a collective, as apex and DeepSpeed do; PEFT's merge_adapter / unmerge_adapter `weight.data += ...`
+    # on a frozen base weight), which the generation bump of this step catches at the weight's next use.
+    others = set()
+    for o in list(_OPTIMIZERS):
+        if o is not opt:
+            others |= _held(o)
     # The cached weights (a few per layer), not every parameter. One C-level copy of the underlying dict (atomic
     # under the GIL): iterating `_CACHE` itself runs Python code between its items, where another thread's FP8
     # forward may insert an entry and the iteration would raise "dictionary changed size during iteration".
@@ -112,6 +128,8 @@ def _after_step(opt, before: int) -> None:
         if p is None:
             continue
         if id(p) not in stepped:
+            if id(p) not in others:
+                continue
             for entry in list(entries.values()):
                 if entry.key[0] == before:
                     entry.key = (_GENERATION[0],) + entry.key[1:]
@@ -123,6 +141,11 @@ def _after_step(opt, before: int) -> None:
                 _quantize(p, granularity, _key(p, entry.aliases), entries, entry.aliases)
             except Exception:  # (e.g. out of memory) the refresh must not fail the step: the weight's next use
                 entries.pop(granularity, None)  # quantizes it, and raises there if it still cannot
+
+
+def _held(opt) -> set:
+    """The ids of the parameters of `opt`'s param_groups."""
+    return {id(p) for group in opt.param_groups for p in group["params"]}
 
 
 def _install_hook() -> None:
