@@ -60,7 +60,9 @@ the Parameter lives.
 """
 from __future__ import annotations
 
+import threading
 import weakref
+from contextlib import contextmanager
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -75,6 +77,8 @@ _HOOK: list = []
 _OPTIMIZERS = weakref.WeakSet()
 #: how many times operands were quantized for the cache (tests read it to see that reuse happened)
 QUANTIZED = [0]
+#: per thread: `saving_input()` is active (the FP8 GEMMs save their input, which saved-tensor hooks may drop)
+_LOCAL = threading.local()
 #: the library's private ops the cache calls; a library without them (built before they were added) gets fp8_linear
 _PRIVATE_OPS = ("_quantize_fp8_weight", "_fp8_linear_quantized")
 
@@ -236,6 +240,20 @@ def operands(weight: torch.nn.Parameter, granularity: str,
     return _quantize(weight, granularity, key, entries, aliases)
 
 
+@contextmanager
+def saving_input():
+    """While active (in this thread), the cached FP8 GEMMs have autograd save their input instead of their FP8
+    q(inputᵀ) (`_fp8_linear_quantized(save_input=True)`; the backward quantizes inputᵀ from it, the same bits):
+    opforge.patch's selective recomputation drops a recomputable input from the saved tensors and computes it again
+    in backward, which frees it only when the GEMM saves the input itself."""
+    before = getattr(_LOCAL, "save_input", False)
+    _LOCAL.save_input = True
+    try:
+        yield
+    finally:
+        _LOCAL.save_input = before
+
+
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], granularity: str,
            grad_dtype: Optional[torch.dtype] = None, modules: Tuple = (),
            aliases: Optional[Callable[[], Tuple]] = None) -> torch.Tensor:
@@ -247,5 +265,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if not usable(weight, modules) or not all(hasattr(torch.ops.opforge, op) for op in _PRIVATE_OPS):
         return OF.fp8_linear(input, weight, bias, granularity=granularity, grad_dtype=grad_dtype)
     ops = operands(weight, granularity, aliases() if aliases is not None else ())
+    if getattr(_LOCAL, "save_input", False):
+        return torch.ops.opforge._fp8_linear_quantized(input, weight, *ops, bias, granularity=granularity,
+                                                       grad_dtype=grad_dtype, save_input=True)
     return torch.ops.opforge._fp8_linear_quantized(input, weight, *ops, bias, granularity=granularity,
                                                    grad_dtype=grad_dtype)

@@ -175,6 +175,31 @@ def test_fp8_linear_saves_fp8_input_t_where_the_scale_allows(device, granularity
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("granularity", GRANS)
+def test_save_input_saves_the_input_and_keeps_the_bits(device, granularity):
+    """_fp8_linear_quantized(save_input=True): autograd saves the input (never q(inputᵀ)), and the output and every
+    gradient are the bits of the default (the backward quantizes inputᵀ from the input)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 32, device=device, requires_grad=True)
+    w = torch.randn(16, 32, device=device, requires_grad=True)
+    g = torch.randn(2, 6, 16, device=device)
+    ops = _operands(w, granularity)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = OPS._fp8_linear_quantized(x, w, *ops, None, granularity=granularity, save_input=True)
+    assert (E4, (32, 12)) not in saved and (torch.float32, (2, 6, 32)) in saved
+    y.backward(g)
+    y1, g1 = y.detach(), [x.grad, w.grad]
+    y2, g2 = _grads(lambda: OPS._fp8_linear_quantized(x, w, *ops, None, granularity=granularity), [x, w], g)
+    assert _same(y1, y2) and all(_same(a, c) for a, c in zip(g1, g2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("granularity", GRANS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_quantize_fp8_of_a_transposed_view_is_that_of_a_copy(device, granularity, dtype):
     """quantize_fp8(w.t()) reads w in place (the transposed kernel): the bits of quantizing a contiguous copy,

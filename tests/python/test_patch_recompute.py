@@ -35,13 +35,14 @@ DTYPES = [torch.float32, torch.bfloat16]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _pair(family="llama", dtype=torch.float32, device="cpu", **cfg):
-    """(recompute=False, recompute=True) patched copies of one random model, in train mode."""
+def _pair(family="llama", dtype=torch.float32, device="cpu", fp8=None, **cfg):
+    """(recompute=False, recompute=True) patched copies of one random model (FP8 projections with `fp8`), in train
+    mode."""
     torch.manual_seed(0)
     base = FAMILIES[family](**cfg).to(device=device, dtype=dtype)
     off, on = copy.deepcopy(base), copy.deepcopy(base)
-    patch.apply(off, recompute=False)
-    patch.apply(on)  # the default
+    patch.apply(off, recompute=False, fp8=fp8)
+    patch.apply(on, fp8=fp8)  # recompute: the default
     return off.train(), on.train()
 
 
@@ -136,6 +137,28 @@ def test_saved_bytes_per_layer_drop_by_the_formula(dtype):
     assert live_off - live_on == T * (2 * D + I + Dq + Dkv) * e, (live_off, live_on)
     assert torch.equal(y_on, y_off) and torch.equal(gx_on, gx_off)
     assert all(torch.equal(g_on[n], g_off[n]) for n in g_off)
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_fp8_projections_drop_their_recomputable_inputs(granularity):
+    """With FP8 projections, recompute drops what the GEMMs would keep of the two norm outputs and swiglu's output:
+    tensorwise their FP8 q(inputᵀ) (the GEMM saves the input under the recipe hooks and quantizes inputᵀ again in
+    backward), rowwise the inputs themselves; output and every gradient bit-identical to recompute=False."""
+    dtype = torch.bfloat16
+    off, on = _pair("llama", dtype, fp8=granularity)
+    live_off, y_off, gx_off, g_off = _layer_live_bytes(off, dtype)
+    live_on, y_on, gx_on, g_on = _layer_live_bytes(on, dtype)
+    cfg, T, e = on.config, 2 * 16, torch.finfo(dtype).bits // 8
+    D, I = cfg.hidden_size, cfg.intermediate_size
+    hd = D // cfg.num_attention_heads
+    Dq, Dkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    # bytes per element the three GEMMs keep without recompute, and their scales (tensorwise: one float32 each)
+    kept, scales = (1, 3 * 4) if granularity == "tensorwise" else (e, 0)
+    assert live_off - live_on == T * ((2 * D + I) * kept + (Dq + Dkv) * e) + scales, (live_off, live_on)
+    assert torch.equal(y_on, y_off) and torch.equal(gx_on, gx_off)
+    assert all(torch.equal(g_on[n], g_off[n]) for n in g_off)
+    ids = _ids()
+    _assert_bitwise(_step(on, ids), _step(off, ids))
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -351,7 +351,9 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             torch.func transforms; with no grad (inference, generate) nothing changes. Under torch.autocast the
             GEMM keeps its own low-precision copy of a norm's output, so the norms' share is not saved there.
             Without opforge.rope, or with per-head q/k norms (Qwen3, Gemma 3), v is not copied (q/k keep the fused
-            output anyway). Default: True.
+            output anyway). With `fp8`, the three GEMMs would keep the FP8 transposed copy of their input (tensorwise:
+            T·(2·D + I) bytes a layer) instead: they keep the input, which the recipes drop, and quantize it again in
+            backward (one more amax pass over it). Default: True.
         linear: bool. Swap the remaining plain torch.nn.Linear modules for opforge.nn.Linear. Default: True.
         rms_norm: bool. Swap the remaining RMSNorm modules for opforge.nn.RMSNorm (Gemma's (1 + weight) norms keep
             their module and get opforge's forward). Default: True.

@@ -1,12 +1,18 @@
 """Selective activation recomputation (apply(recompute=True)). A GEMM saves its input for the weight gradient; where
 that input is a norm's or an activation's output, computable again from tensors saved anyway (the norm's input and
 rstd, the gated activation's gate and up), the GEMM runs under saved-tensor hooks that store a recipe instead of the
-tensor, so the tensor is freed after the forward and computed again, bitwise, when the backward needs it."""
+tensor, so the tensor is freed after the forward and computed again, bitwise, when the backward needs it. An FP8
+GEMM (apply(fp8=...)) would save its FP8 q(inputᵀ) instead of the input: under the hooks it saves the input
+(`_fp8_cache.saving_input`), so that the recipe stands for it and the backward quantizes inputᵀ again (the same
+bits)."""
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional
 
 import torch
+
+from .. import _fp8_cache
 
 
 def recompute_on(owner: torch.nn.Module) -> bool:
@@ -108,8 +114,12 @@ def call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
             return made[-1]
         return _Kept(t) if isinstance(t, torch.Tensor) else t
 
+    # an FP8 GEMM saves the input (for the recipe) rather than its FP8 q(inputᵀ); not under autocast, where the GEMM
+    # gets a cast copy of the input that no recipe stands for (its q(inputᵀ), half that copy's size, is smaller)
+    fp8_input = contextlib.nullcontext() if torch.is_autocast_enabled(target.device.type) \
+        else _fp8_cache.saving_input()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack_recipe):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack_recipe), fp8_input:
             return call()
     finally:
         if made and target._version != version:  # changed in place after it was saved: backward must raise
