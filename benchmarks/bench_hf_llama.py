@@ -101,6 +101,8 @@ VARIANTS = {
                         "fast accumulation, torchao's default)",
     "opforge-fp8-rowwise-fast": "HF + opforge.patch.apply(fp8=\"rowwise\"), OPFORGE_FP8_FAST_ACCUM=2 (every GEMM's fast "
                                 "accumulation, torchao's rowwise recipe)",
+    "opforge-fp8-norecompute": "HF + opforge.patch.apply(fp8=\"tensorwise\", recompute=False) (the GEMMs keep "
+                               "q(inputᵀ) of the norm and SwiGLU outputs)",
     "opforge-fp8-lt": "HF + opforge.patch.apply(fp8=\"tensorwise\"), the GEMMs through opforge's cuBLASLt engine (test "
                       "hook fp8_gemm = 1) instead of torch._scaled_mm",
     "opforge-fp8+compile-layers": "HF + opforge.patch.apply(fp8=\"tensorwise\") + torch.compile per layer",
@@ -301,7 +303,7 @@ def build_variant(a: argparse.Namespace, variant: str):
         fp8 = ("rowwise" if "-fp8-rowwise" in variant else "tensorwise") if "-fp8" in variant else None
         for name, value in VARIANT_KNOBS.get(variant, {}).items():
             torch.ops.opforge._set_knob(name, value)
-        report = str(patch.apply(model, recompute=not variant.startswith("opforge-norecompute"),
+        report = str(patch.apply(model, recompute="-norecompute" not in variant,
                                  inductor_math="-inductor" in variant, fp8=fp8))
     if variant.startswith("torchao-fp8"):
         # torchao's float8 training (its recipe, dynamic scaling): every decoder-layer Linear, lm_head left in bf16
