@@ -227,9 +227,9 @@ def operands(weight: torch.nn.Parameter, granularity: str,
              aliases: Tuple = ()) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q(W), s_W, q(Wᵀ), s_Wᵀ) of `weight` for `granularity`: quantize_fp8(W) and quantize_fp8(Wᵀ) in
     float8_e4m3fn (the scales flat; tensorwise, q(Wᵀ) is the transposed view of q(W), see the module's docstring),
-    from the cache when it still holds them for the weight as it is now, else computed and stored. `aliases`: tensors whose in-place writes reach the weight
-    unseen by its version counter (their identities, version counters and data_ptrs join the key; the entry holds
-    them)."""
+    from the cache when it still holds them for the weight as it is now, else computed and stored. `aliases`:
+    tensors whose in-place writes reach the weight unseen by its version counter (their identities, version
+    counters and data_ptrs join the key; the entry holds them)."""
     _install_hook()
     key = _key(weight, aliases)
     entries = _CACHE.get(weight)
@@ -265,8 +265,6 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if not usable(weight, modules) or not all(hasattr(torch.ops.opforge, op) for op in _PRIVATE_OPS):
         return OF.fp8_linear(input, weight, bias, granularity=granularity, grad_dtype=grad_dtype)
     ops = operands(weight, granularity, aliases() if aliases is not None else ())
-    if getattr(_LOCAL, "save_input", False):
-        return torch.ops.opforge._fp8_linear_quantized(input, weight, *ops, bias, granularity=granularity,
-                                                       grad_dtype=grad_dtype, save_input=True)
     return torch.ops.opforge._fp8_linear_quantized(input, weight, *ops, bias, granularity=granularity,
-                                                   grad_dtype=grad_dtype)
+                                                   grad_dtype=grad_dtype,
+                                                   save_input=getattr(_LOCAL, "save_input", False))

@@ -198,7 +198,8 @@ void launch(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, float* inv
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   if (rowwise) {
     const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(R, sms * 16));
-    quantize_rowwise_kernel<scalar_t, fp8_t, VEC><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, y, s, inv, R, C);
+    quantize_rowwise_kernel<scalar_t, fp8_t, VEC>
+        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, y, s, inv, R, C);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -207,7 +208,8 @@ void launch(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, float* inv
   bits_t* a = reinterpret_cast<bits_t*>(amax.mutable_data_ptr());
   launch_amax<scalar_t, VEC>(x, n, a);
   const int64_t blocks = cuda::grid_for((n + VEC - 1) / VEC, kThreads);
-  cast_tensorwise_kernel<scalar_t, fp8_t, VEC><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, y, n, a, s, inv);
+  cast_tensorwise_kernel<scalar_t, fp8_t, VEC>
+      <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, y, n, a, s, inv);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
