@@ -233,30 +233,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward(
     c10::string_view granularity = "tensorwise", std::optional<at::ScalarType> grad_dtype = std::nullopt,
     std::optional<at::ScalarType> bias_dtype = std::nullopt);
 
-/// fp8_linear's forward for autograd, tensorwise only: (output, input_t_data [K, M] float8_e4m3fn, input_t_scale
+/// fp8_linear's forward for autograd, tensorwise only: (output, input_t_data [K, M] float8_e4m3fn, input_t_inv_scale
 /// [1] float32) with output = fp8_linear(input, weight, bias) bit for bit and q(inputᵀ) the transpose of the
-/// forward's q(input) (the same scale), written by the same quantization pass: what grad_weight's GEMM reads. With
-/// weight_data/weight_scale (quantize_fp8(weight) in float8_e4m3fn) the weight is not quantized here. Not
+/// forward's q(input) (the same scale), written by the same quantization pass, with its dequantization scale
+/// 1 / scale: what grad_weight's GEMM reads. With weight_data (quantize_fp8(weight) in float8_e4m3fn) and
+/// weight_inv_scale (the reciprocal of its scale, [1]) the weight is not quantized here. Not
 /// differentiable (its outputs carry no history: fp8_linear's Autograd kernel calls it below autograd). Raises:
 /// fp8_linear's errors, rowwise (ValueError), malformed weight operands (ValueError, TypeError).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias = std::nullopt,
     const std::optional<at::Tensor>& weight_data = std::nullopt,
-    const std::optional<at::Tensor>& weight_scale = std::nullopt, c10::string_view granularity = "tensorwise",
+    const std::optional<at::Tensor>& weight_inv_scale = std::nullopt, c10::string_view granularity = "tensorwise",
     std::optional<at::ScalarType> grad_dtype = std::nullopt);
 
-/// The weight operands of _fp8_linear_quantized for a 2-D weight (N, K), in float8_e4m3fn: (data (N, K), scale,
-/// data_t (K, N), scale_t) with the bits of quantize_fp8(weight, float8_e4m3fn, granularity) and of
-/// quantize_fp8(weight.t(), float8_e4m3fn, granularity); scale and scale_t are flat float32 (1 element each
-/// tensorwise; N and K rowwise). Tensorwise, one amax pass and one cast pass write both orientations. Not
+/// The weight operands of _fp8_linear_quantized for a 2-D weight (N, K), in float8_e4m3fn: (data (N, K), inv_scale,
+/// data_t (K, N), inv_scale_t): data and data_t the bits of quantize_fp8(weight, float8_e4m3fn, granularity) and of
+/// quantize_fp8(weight.t(), float8_e4m3fn, granularity), inv_scale and inv_scale_t the reciprocals of their scales
+/// (IEEE division: the bits of scale.reciprocal(); the dequantization scales the scaled GEMMs read), flat float32
+/// (1 element each tensorwise; N and K rowwise). Tensorwise, one amax pass and one cast pass write both. Not
 /// differentiable. Raises: a weight that is not 2-D (ValueError) or not floating (TypeError), another granularity
 /// (ValueError).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _quantize_fp8_weight(
     const at::Tensor& weight, c10::string_view granularity = "tensorwise");
 
 /// fp8_linear(input, weight, bias, granularity, grad_dtype) with the weight's quantized operands precomputed:
-/// weight_data (N, K) / weight_scale (1 or N elements) = quantize_fp8(weight, float8_e4m3fn, granularity),
-/// weight_t_data (K, N) / weight_t_scale (1 or K elements) = quantize_fp8(weight.t(), float8_e4m3fn, granularity).
+/// weight_data (N, K) and weight_t_data (K, N) the data of quantize_fp8(weight, float8_e4m3fn, granularity) and of
+/// quantize_fp8(weight.t(), ...), weight_inv_scale (1 or N elements) and weight_t_inv_scale (1 or K elements) the
+/// reciprocals of their scales (the dequantization scales the GEMMs read), as _quantize_fp8_weight returns them.
 /// Bit-identical to fp8_linear for those operands (forward and gradients); gradients flow to input, weight and bias,
 /// none to the quantized operands. save_input: autograd saves the input for backward, which quantizes inputᵀ from
 /// it there (the bits the forward would have kept), instead of the forward's q(inputᵀ) (kept tensorwise with a
@@ -264,21 +267,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _quantize_fp8_weight(
 /// Raises: fp8_linear's errors; operands of another dtype (TypeError), shape, scale size or device (ValueError,
 /// RuntimeError).
 at::Tensor _fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_data,
-                                 const at::Tensor& weight_scale, const at::Tensor& weight_t_data,
-                                 const at::Tensor& weight_t_scale, const std::optional<at::Tensor>& bias = std::nullopt,
+                                 const at::Tensor& weight_inv_scale, const at::Tensor& weight_t_data,
+                                 const at::Tensor& weight_t_inv_scale,
+                                 const std::optional<at::Tensor>& bias = std::nullopt,
                                  c10::string_view granularity = "tensorwise",
                                  std::optional<at::ScalarType> grad_dtype = std::nullopt, bool save_input = false);
 
 /// fp8_linear_backward from saved quantized operands: grad_weight's GEMM reads q(inputᵀ) (input_t_data [K, M],
-/// input_t_scale) when given, else quantizes input; grad_input's GEMM reads q(weightᵀ) (weight_t_data [K, N],
-/// weight_t_scale) when given, else quantizes weight. The bits of fp8_linear_backward. grad_input has input's
+/// input_t_inv_scale = 1 / its scale) when given, else quantizes input; grad_input's GEMM reads q(weightᵀ)
+/// (weight_t_data [K, N], weight_t_inv_scale = 1 / its scale) when given, else quantizes weight. The bits of fp8_linear_backward. grad_input has input's
 /// shape and dtype, or (*, K) of grad_output's leading dims in grad_output's dtype when input is not given.
 /// Raises: fp8_linear_backward's errors; grad_weight asked for with neither input nor input_t_data (ValueError).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_quantized_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
-    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
-    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask,
+    const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask,
     c10::string_view granularity = "tensorwise", std::optional<at::ScalarType> grad_dtype = std::nullopt,
     std::optional<at::ScalarType> bias_dtype = std::nullopt);
 // ---- end fp8 ----

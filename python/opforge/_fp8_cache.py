@@ -3,8 +3,9 @@ fp8=...)`).
 
 fp8_linear quantizes its weight twice a step: q(W) in the forward, q(Wᵀ) in the backward (and the forward again
 under activation recomputation), although the weight only changes at optimizer steps. The layers keep the operands
-per weight Parameter and granularity and pass them as (q(W), s_W, q(Wᵀ), s_Wᵀ) to the private op
-`_fp8_linear_quantized`, which is bit-identical to fp8_linear:
+per weight Parameter and granularity and pass them as (q(W), 1 / s_W, q(Wᵀ), 1 / s_Wᵀ) to the private op
+`_fp8_linear_quantized`, which is bit-identical to fp8_linear (the dequantization scales that the GEMMs read, taken
+once per entry instead of once per GEMM):
   * tensorwise: q(W) and its scale alone, from `quantize_fp8(W)`; the scale of Wᵀ is the same number, so q(Wᵀ) is
     q(W)'s bytes transposed and goes to the op as the view q(W).t(), which the backward's dX GEMM makes row-major
     with a transpose kernel (one FP8 copy of the weight in memory between steps, the transposed one only while its
@@ -204,17 +205,24 @@ def _key(weight: torch.Tensor, aliases: Tuple) -> Tuple:
             weight.stride(), tuple((id(a), a._version, a.data_ptr()) for a in aliases))
 
 
+def quantize(weight: torch.Tensor, granularity: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The operands of a 2-D floating `weight` (N, K) as the cache holds them, computed now (no history, normal tensors
+    even under inference mode): (q(W) [N, K], 1 / s_W, q(Wᵀ) [K, N], 1 / s_Wᵀ) in float8_e4m3fn with flat float32
+    dequantization scales. Tensorwise, q(Wᵀ) = q(W)ᵀ (one scale): the transposed view of q(W), no second copy;
+    rowwise, `_quantize_fp8_weight`'s outputs. Raises the quantizers' errors."""
+    with torch.no_grad(), torch.inference_mode(False):  # (normal tensors even when first made under inference
+        w = weight.detach()                             # mode: a later training forward saves them for backward)
+        if granularity == "tensorwise":
+            data, scale = torch.ops.opforge.quantize_fp8(w, torch.float8_e4m3fn, "tensorwise")
+            inv_scale = scale.reshape(1).reciprocal()
+            return data, inv_scale, data.t(), inv_scale
+        return tuple(torch.ops.opforge._quantize_fp8_weight(w, granularity))
+
+
 def _quantize(weight: torch.Tensor, granularity: str, key: Tuple, entries: Optional[dict],
               aliases: Tuple) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantizes `weight` for the cache and stores the entry (holding `aliases`) under `key`; returns its operands."""
-    with torch.no_grad(), torch.inference_mode(False):  # (normal tensors even when first made under inference
-        w = weight.detach()                             # mode: a later training forward saves them for backward)
-        if granularity == "tensorwise":  # q(Wᵀ) = q(W)ᵀ (one scale): the transposed view, no second copy
-            data, scale = torch.ops.opforge.quantize_fp8(w, torch.float8_e4m3fn, "tensorwise")
-            scale = scale.reshape(1)
-            ops = (data, scale, data.t(), scale)
-        else:
-            ops = tuple(torch.ops.opforge._quantize_fp8_weight(w, granularity))
+    ops = quantize(weight, granularity)
     QUANTIZED[0] += 1
     if entries is None:
         entries = {}
@@ -225,8 +233,9 @@ def _quantize(weight: torch.Tensor, granularity: str, key: Tuple, entries: Optio
 
 def operands(weight: torch.nn.Parameter, granularity: str,
              aliases: Tuple = ()) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q(W), s_W, q(Wᵀ), s_Wᵀ) of `weight` for `granularity`: quantize_fp8(W) and quantize_fp8(Wᵀ) in
-    float8_e4m3fn (the scales flat; tensorwise, q(Wᵀ) is the transposed view of q(W), see the module's docstring),
+    """(q(W), 1 / s_W, q(Wᵀ), 1 / s_Wᵀ) of `weight` for `granularity`: the data of quantize_fp8(W) and
+    quantize_fp8(Wᵀ) in float8_e4m3fn with the reciprocals of their scales, flat (`_quantize_fp8_weight`'s outputs;
+    tensorwise, q(Wᵀ) is the transposed view of q(W), see the module's docstring),
     from the cache when it still holds them for the weight as it is now, else computed and stored. `aliases`:
     tensors whose in-place writes reach the weight unseen by its version counter (their identities, version
     counters and data_ptrs join the key; the entry holds them)."""

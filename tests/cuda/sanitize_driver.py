@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import opforge
+from opforge import _fp8_cache
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 ROOT = Path(__file__).resolve().parents[2]
@@ -270,9 +271,7 @@ def families(quick: bool):
                 # the layers' cached operands, tensorwise: q(Wᵀ) as the view q(W).t(), made row-major by the FP8
                 # transpose kernel (ragged 64 x 64 tiles)
                 x, w = make((32, 70), dt, u), make((130, 70), dt, u)
-                with torch.no_grad():
-                    d, s = opforge.quantize_fp8(w.detach())
-                ops = (d, s.reshape(1), d.t(), s.reshape(1))
+                ops = _fp8_cache.quantize(w, "tensorwise")
                 backward(torch.ops.opforge._fp8_linear_quantized(x, w, *ops, None, granularity="tensorwise"))
         out.append(("fp8", fp8))
     if hasattr(ops, "rope"):

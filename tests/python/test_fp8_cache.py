@@ -29,9 +29,11 @@ def _same(a, b):
 
 
 def _operands(w, granularity):
+    """(q(W), 1 / s_W, q(Wᵀ), 1 / s_Wᵀ) from the public quantize_fp8: the operands _fp8_linear_quantized takes."""
     with torch.no_grad():
-        return (*opforge.quantize_fp8(w.detach(), None, granularity),
-                *opforge.quantize_fp8(w.detach().t(), None, granularity))
+        d, s = opforge.quantize_fp8(w.detach(), None, granularity)
+        dt, st = opforge.quantize_fp8(w.detach().t(), None, granularity)
+        return d, s.reciprocal(), dt, st.reciprocal()
 
 
 def _grads(fn, tensors, g):
@@ -70,7 +72,8 @@ def test_quantize_fp8_weight_is_quantize_fp8_of_w_and_its_transpose(device, gran
     assert s.shape == (rs.numel(),) and st.shape == (rst.numel(),)
     assert torch.equal(d.view(torch.uint8), rd.view(torch.uint8))
     assert torch.equal(dt.view(torch.uint8), rdt.view(torch.uint8))
-    assert torch.equal(s, rs.reshape(-1)) and torch.equal(st, rst.reshape(-1))
+    # the dequantization scales: the reciprocals of quantize_fp8's scales, bit for bit
+    assert torch.equal(s, rs.reshape(-1).reciprocal()) and torch.equal(st, rst.reshape(-1).reciprocal())
     assert s.data_ptr() != st.data_ptr() or s.numel() == 0  # outputs never alias
     # Meta: the same shapes and dtypes
     md, ms, mdt, mst = OPS._quantize_fp8_weight(w.to("meta"), granularity)
@@ -129,9 +132,7 @@ def test_quantized_op_takes_the_transposed_view_tensorwise(device, dtype, x_shap
     x = torch.randn(x_shape, dtype=dtype, device=device, requires_grad=True)
     w = torch.randn(N, x_shape[-1], dtype=dtype, device=device, requires_grad=True)
     g = torch.randn(*x_shape[:-1], N, dtype=dtype, device=device)
-    with torch.no_grad():
-        d, s = opforge.quantize_fp8(w.detach(), None, "tensorwise")
-    ops = (d, s.reshape(1), d.t(), s.reshape(1))
+    ops = _fp8_cache.quantize(w, "tensorwise")  # q(Wᵀ) as the view q(W).t()
     y1, g1 = _grads(lambda: OPS._fp8_linear_quantized(x, w, *ops, None, granularity="tensorwise"), [x, w], g)
     y2, g2 = _grads(lambda: opforge.fp8_linear(x, w, granularity="tensorwise"), [x, w], g)
     assert _same(y1, y2) and all(_same(a, c) for a, c in zip(g1, g2))
@@ -222,11 +223,11 @@ def test_private_ops_bad_inputs(device):
     pre = "opforge::_fp8_linear_quantized: "
     with pytest.raises(TypeError, match=pre + "expected weight_data to be torch.float8_e4m3fn, but got Float8_e5m2"):
         OPS._fp8_linear_quantized(x, w, d.view(torch.float8_e5m2), s, dt, st)
-    with pytest.raises(TypeError, match=pre + "expected weight_t_scale to be torch.float32, but got Double"):
+    with pytest.raises(TypeError, match=pre + "expected weight_t_inv_scale to be torch.float32, but got Double"):
         OPS._fp8_linear_quantized(x, w, d, s, dt, st.double())
     with pytest.raises(ValueError, match=pre + r"expected weight_t_data of shape \[16, 8\], but got \[8, 16\]"):
         OPS._fp8_linear_quantized(x, w, d, s, d, st)
-    with pytest.raises(ValueError, match=pre + r"expected weight_scale with 8 element\(s\), but got shape \[\]"):
+    with pytest.raises(ValueError, match=pre + r"expected weight_inv_scale with 8 element\(s\), but got shape \[\]"):
         OPS._fp8_linear_quantized(x, w, d, s, dt, st, granularity="rowwise")
     with pytest.raises(ValueError, match=pre + "expected granularity"):
         OPS._fp8_linear_quantized(x, w, d, s, dt, st, granularity="blockwise")
@@ -234,7 +235,7 @@ def test_private_ops_bad_inputs(device):
         OPS._fp8_linear_quantized(torch.randn(4, 15, device=device), w, d, s, dt, st)
     with pytest.raises(ValueError, match="opforge::_fp8_linear_forward: expected granularity \"tensorwise\""):
         OPS._fp8_linear_forward(x, w, granularity="rowwise")
-    with pytest.raises(ValueError, match="opforge::_fp8_linear_forward: expected weight_data and weight_scale both"):
+    with pytest.raises(ValueError, match="opforge::_fp8_linear_forward: expected weight_data and weight_inv_scale both"):
         OPS._fp8_linear_forward(x, w, None, d)
     with pytest.raises(ValueError, match="opforge::_fp8_linear_quantized_backward: expected input or input_t_data"):
         OPS._fp8_linear_quantized_backward(torch.randn(4, 8, device=device), None, None, None, w, None, None,

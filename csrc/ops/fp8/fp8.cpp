@@ -100,7 +100,7 @@ bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defi
 
 void check_fp8_linear_forward_args(const at::Tensor& input, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& weight_data,
-                                   const std::optional<at::Tensor>& weight_scale, c10::string_view granularity,
+                                   const std::optional<at::Tensor>& weight_inv_scale, c10::string_view granularity,
                                    std::optional<at::ScalarType> grad_dtype) {
   constexpr const char* op = "_fp8_linear_forward";
   linear_op::check_linear_args(op, input, weight, bias);
@@ -109,18 +109,18 @@ void check_fp8_linear_forward_args(const at::Tensor& input, const at::Tensor& we
   TORCH_CHECK_VALUE(g == Granularity::kTensorwise, "opforge::", op,
                     ": expected granularity \"tensorwise\" (a rowwise q(inputᵀ) is scaled per column of input, "
                     "not the forward's per-row scales), but got \"rowwise\"");
-  TORCH_CHECK_VALUE(given(weight_data) == given(weight_scale), "opforge::", op,
-                    ": expected weight_data and weight_scale both given or both None, but got ",
-                    given(weight_data) ? "weight_data alone" : "weight_scale alone");
+  TORCH_CHECK_VALUE(given(weight_data) == given(weight_inv_scale), "opforge::", op,
+                    ": expected weight_data and weight_inv_scale both given or both None, but got ",
+                    given(weight_data) ? "weight_data alone" : "weight_inv_scale alone");
   if (given(weight_data)) {
-    check_weight_operand(op, "weight_data", *weight_data, "weight_scale", *weight_scale, weight.sym_size(0),
+    check_weight_operand(op, "weight_data", *weight_data, "weight_inv_scale", *weight_inv_scale, weight.sym_size(0),
                          weight.sym_size(1), 1, weight);
   }
 }
 
 Granularity check_fp8_linear_quantized_args(const at::Tensor& input, const at::Tensor& weight,
-                                            const at::Tensor& weight_data, const at::Tensor& weight_scale,
-                                            const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                            const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
+                                            const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                             const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                             std::optional<at::ScalarType> grad_dtype) {
   constexpr const char* op = "_fp8_linear_quantized";
@@ -129,18 +129,18 @@ Granularity check_fp8_linear_quantized_args(const at::Tensor& input, const at::T
   grad_dtype_of(op, grad_dtype, g);
   const bool rowwise = g == Granularity::kRowwise;
   const c10::SymInt N = weight.sym_size(0), K = weight.sym_size(1);
-  check_weight_operand(op, "weight_data", weight_data, "weight_scale", weight_scale, N, K,
+  check_weight_operand(op, "weight_data", weight_data, "weight_inv_scale", weight_inv_scale, N, K,
                        rowwise ? N : c10::SymInt(1), weight);
-  check_weight_operand(op, "weight_t_data", weight_t_data, "weight_t_scale", weight_t_scale, K, N,
+  check_weight_operand(op, "weight_t_data", weight_t_data, "weight_t_inv_scale", weight_t_inv_scale, K, N,
                        rowwise ? K : c10::SymInt(1), weight);
   return g;
 }
 
 Granularity check_fp8_linear_quantized_backward_args(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
-    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
-    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
     std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
   constexpr const char* op = "_fp8_linear_quantized_backward";
   check_floating(op, "grad_output", grad_output);
@@ -165,14 +165,15 @@ Granularity check_fp8_linear_quantized_backward_args(
   grad_dtype_of(op, grad_dtype, g);
   const bool rowwise = g == Granularity::kRowwise;
   const c10::SymInt N = weight.sym_size(0), K = weight.sym_size(1);
-  TORCH_CHECK_VALUE(given(input_t_data) == given(input_t_scale) && given(weight_t_data) == given(weight_t_scale),
+  TORCH_CHECK_VALUE(given(input_t_data) == given(input_t_inv_scale) &&
+                        given(weight_t_data) == given(weight_t_inv_scale),
                     "opforge::", op, ": expected each saved operand's data and scale both given or both None");
   if (given(input_t_data)) {
-    check_weight_operand(op, "input_t_data", *input_t_data, "input_t_scale", *input_t_scale, K,
+    check_weight_operand(op, "input_t_data", *input_t_data, "input_t_inv_scale", *input_t_inv_scale, K,
                          sym_rows_of(grad_output), rowwise ? K : c10::SymInt(1), weight);
   }
   if (given(weight_t_data)) {
-    check_weight_operand(op, "weight_t_data", *weight_t_data, "weight_t_scale", *weight_t_scale, K, N,
+    check_weight_operand(op, "weight_t_data", *weight_t_data, "weight_t_inv_scale", *weight_t_inv_scale, K, N,
                          rowwise ? K : c10::SymInt(1), weight);
   }
   TORCH_CHECK_VALUE(!output_mask[1] || given(input) || given(input_t_data), "opforge::", op,
@@ -262,10 +263,10 @@ at::Tensor scaled_gemm(const Backend& be, const Operand& A, const Operand& B, bo
   const auto opts = A.data.options().dtype(out_dtype);
   if (Ra == 0 || Rb == 0 || C == 0) return at::zeros({Ra, Rb}, opts);
   // _scaled_mm takes the dequantization scales (1 / scale, in fp32 as torchao computes them): (R_a, 1) and
-  // (1, R_b) for rowwise, one element each for tensorwise. The quantizers write them beside the scales; an
-  // operand given by the caller has its reciprocal taken here.
-  at::Tensor inv_a = A.inv_scale.defined() ? A.inv_scale : A.scale.reciprocal();
-  at::Tensor inv_b = B.inv_scale.defined() ? B.inv_scale : B.scale.reciprocal();
+  // (1, R_b) for rowwise, one element each for tensorwise. The quantizers write them beside the scales, and the
+  // operands given by a caller carry them (no reciprocal launched per GEMM).
+  TORCH_INTERNAL_ASSERT(A.inv_scale.defined() && B.inv_scale.defined());
+  at::Tensor inv_a = A.inv_scale, inv_b = B.inv_scale;
   at::Tensor a = A.data, b = B.data;
   int64_t Rb_pad = Rb;
   if (A.data.is_cuda()) {
@@ -323,25 +324,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight_i
                                                                                     const at::Tensor& weight,
                                                                                     c10::string_view granularity) {
   const bool rowwise = check_quantize_fp8_weight_args(weight, granularity) == Granularity::kRowwise;
+  // the dequantization scales (1 / scale, written by the quantizers), which the scaled GEMMs read
   if (rowwise) {
     const Operand q = quantize_operand(be, weight, at::kFloat8_e4m3fn, true);
     const Operand qt = quantize_operand_t(be, weight, at::kFloat8_e4m3fn, true);
-    return {q.data, q.scale, qt.data, qt.scale};
+    return {q.data, q.inv_scale, qt.data, qt.inv_scale};
   }
   // tensorwise: both orientations from one amax pass and one cast pass; the transposed operand's scale is the same
   // value in a tensor of its own (outputs never alias)
   const auto [q, qt] = quantize_operand_both(be, weight, at::kFloat8_e4m3fn);
-  return {q.data, q.scale, qt.data, q.scale.clone()};
+  return {q.data, q.inv_scale, qt.data, q.inv_scale.clone()};
 }
 
 namespace {
 
-/// A precomputed operand as scaled_gemm reads it: data row-major, scale flat. Data given as the transposed view of a
-/// row-major tensor (the layers' cache passes q(W).t() for q(Wᵀ) under tensorwise scales, which are equal) is made
-/// row-major by the backend's transpose kernel.
-Operand as_operand(const Backend& be, const at::Tensor& data, const at::Tensor& scale) {
+/// A precomputed operand as scaled_gemm reads it: data row-major, its dequantization scale (1 / scale) flat. Data
+/// given as the transposed view of a row-major tensor (the layers' cache passes q(W).t() for q(Wᵀ) under tensorwise
+/// scales, which are equal) is made row-major by the backend's transpose kernel.
+Operand as_operand(const Backend& be, const at::Tensor& data, const at::Tensor& inv_scale) {
   const bool transposed = data.dim() == 2 && !data.is_contiguous() && data.t().is_contiguous();
-  return {transposed ? be.transpose(data.t()) : data.contiguous(), scale.reshape({-1}).contiguous(), at::Tensor()};
+  return {transposed ? be.transpose(data.t()) : data.contiguous(), at::Tensor(), inv_scale.reshape({-1}).contiguous()};
 }
 
 /// The forward GEMM and bias of fp8_linear from its quantized operands: Y (*, N) in input's dtype.
@@ -389,44 +391,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_gemms(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_impl(
     const Backend& be, const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
     c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
-  check_fp8_linear_forward_args(input, weight, bias, weight_data, weight_scale, granularity, grad_dtype);
+  check_fp8_linear_forward_args(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype);
   const int64_t M = rows_of(input), K = weight.size(1);
   // q(X) for the forward GEMM and q(Xᵀ) for the backward's dW from one amax pass and one cast pass
   auto [x, xt] = quantize_operand_both(be, input.reshape({M, K}), at::kFloat8_e4m3fn);
   const Operand w = weight_data.has_value() && weight_data->defined()
-                        ? as_operand(be, *weight_data, *weight_scale)
+                        ? as_operand(be, *weight_data, *weight_inv_scale)
                         : quantize_operand(be, weight, at::kFloat8_e4m3fn, /*rowwise=*/false);
-  return {forward_gemm(be, x, w, input, weight, bias, /*rowwise=*/false), xt.data, xt.scale};
+  return {forward_gemm(be, x, w, input, weight, bias, /*rowwise=*/false), xt.data, xt.inv_scale};
 }
 
 at::Tensor fp8_linear_quantized_impl(const Backend& be, const at::Tensor& input, const at::Tensor& weight,
-                                     const at::Tensor& weight_data, const at::Tensor& weight_scale,
-                                     const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                     const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
+                                     const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                      const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                      std::optional<at::ScalarType> grad_dtype) {
-  const bool rowwise = check_fp8_linear_quantized_args(input, weight, weight_data, weight_scale, weight_t_data,
-                                                       weight_t_scale, bias, granularity,
+  const bool rowwise = check_fp8_linear_quantized_args(input, weight, weight_data, weight_inv_scale, weight_t_data,
+                                                       weight_t_inv_scale, bias, granularity,
                                                        grad_dtype) == Granularity::kRowwise;
   const int64_t M = rows_of(input), K = weight.size(1);
   const Operand x = quantize_operand(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
-  return forward_gemm(be, x, as_operand(be, weight_data, weight_scale), input, weight, bias, rowwise);
+  return forward_gemm(be, x, as_operand(be, weight_data, weight_inv_scale), input, weight, bias, rowwise);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_impl(
     const Backend& be, const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
-    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
-    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
     std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
-  const Granularity g = check_fp8_linear_quantized_backward_args(grad_output, input, input_t_data, input_t_scale,
-                                                                 weight, weight_t_data, weight_t_scale, output_mask,
+  const Granularity g = check_fp8_linear_quantized_backward_args(grad_output, input, input_t_data, input_t_inv_scale,
+                                                                 weight, weight_t_data, weight_t_inv_scale, output_mask,
                                                                  granularity, grad_dtype, bias_dtype);
   const at::ScalarType gdt = grad_dtype_of("_fp8_linear_quantized_backward", grad_dtype, g);
   std::optional<Operand> xt, wt;
-  if (given(input_t_data)) xt = as_operand(be, *input_t_data, *input_t_scale);
-  if (given(weight_t_data)) wt = as_operand(be, *weight_t_data, *weight_t_scale);
+  if (given(input_t_data)) xt = as_operand(be, *input_t_data, *input_t_inv_scale);
+  if (given(weight_t_data)) wt = as_operand(be, *weight_t_data, *weight_t_inv_scale);
   const bool has_input = given(input);
   const at::ScalarType x_dtype = has_input ? input->scalar_type() : grad_output.scalar_type();
   auto [gi, gw, gb] = backward_gemms(be, grad_output, has_input ? *input : at::Tensor(), xt ? &*xt : nullptr, weight,
@@ -498,29 +500,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
     c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
   static auto op = typed_op<decltype(_fp8_linear_forward)>("opforge::_fp8_linear_forward");
-  return op.call(input, weight, bias, weight_data, weight_scale, granularity, grad_dtype);
+  return op.call(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype);
 }
 at::Tensor _fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_data,
-                                 const at::Tensor& weight_scale, const at::Tensor& weight_t_data,
-                                 const at::Tensor& weight_t_scale, const std::optional<at::Tensor>& bias,
+                                 const at::Tensor& weight_inv_scale, const at::Tensor& weight_t_data,
+                                 const at::Tensor& weight_t_inv_scale, const std::optional<at::Tensor>& bias,
                                  c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
                                  bool save_input) {
   static auto op = typed_op<decltype(_fp8_linear_quantized)>("opforge::_fp8_linear_quantized");
-  return op.call(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias, granularity,
+  return op.call(input, weight, weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale, bias, granularity,
                  grad_dtype, save_input);
 }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_quantized_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
-    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
-    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
     std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
   static auto op = typed_op<decltype(_fp8_linear_quantized_backward)>("opforge::_fp8_linear_quantized_backward");
-  return op.call(grad_output, input, input_t_data, input_t_scale, weight, weight_t_data, weight_t_scale, output_mask,
-                 granularity, grad_dtype, bias_dtype);
+  return op.call(grad_output, input, input_t_data, input_t_inv_scale, weight, weight_t_data, weight_t_inv_scale,
+                 output_mask, granularity, grad_dtype, bias_dtype);
 }
 
 namespace {
@@ -560,9 +562,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_meta(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_meta(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
     c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
-  check_fp8_linear_forward_args(input, weight, bias, weight_data, weight_scale, granularity, grad_dtype);
+  check_fp8_linear_forward_args(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype);
   c10::SymInt M = 1;
   for (int64_t d = 0; d + 1 < input.dim(); ++d) M = M * input.sym_size(d);
   return {at::empty_symint(linear_op::output_sym_sizes(input, weight), input.options()),
@@ -571,23 +573,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_meta(
 }
 
 at::Tensor fp8_linear_quantized_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_data,
-                                     const at::Tensor& weight_scale, const at::Tensor& weight_t_data,
-                                     const at::Tensor& weight_t_scale, const std::optional<at::Tensor>& bias,
+                                     const at::Tensor& weight_inv_scale, const at::Tensor& weight_t_data,
+                                     const at::Tensor& weight_t_inv_scale, const std::optional<at::Tensor>& bias,
                                      c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
                                      bool /*save_input*/) {
-  check_fp8_linear_quantized_args(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias,
+  check_fp8_linear_quantized_args(input, weight, weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale, bias,
                                   granularity, grad_dtype);
   return at::empty_symint(linear_op::output_sym_sizes(input, weight), input.options());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_meta(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
-    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
-    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
     std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
-  check_fp8_linear_quantized_backward_args(grad_output, input, input_t_data, input_t_scale, weight, weight_t_data,
-                                           weight_t_scale, output_mask, granularity, grad_dtype, bias_dtype);
+  check_fp8_linear_quantized_backward_args(grad_output, input, input_t_data, input_t_inv_scale, weight, weight_t_data,
+                                           weight_t_inv_scale, output_mask, granularity, grad_dtype, bias_dtype);
   if (input.has_value() && input->defined()) {
     return linear_op::empty_backward_outputs(*input, weight, output_mask, bias_dtype);
   }
@@ -607,9 +609,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_met
 
 // ---- Autograd ----------------------------------------------------------------------------------------
 
-// Saved: 0 input (undefined when q(inputᵀ) was kept instead), 1 weight, 2 input_t_data, 3 input_t_scale (q(inputᵀ)
-// from the forward: tensorwise with a weight gradient to compute), 4 weight_t_data, 5 weight_t_scale (q(weightᵀ) given
-// to _fp8_linear_quantized). Attributes: granularity (0 tensorwise, 1 rowwise), grad_dtype (-1 for the default),
+// Saved: 0 input (undefined when q(inputᵀ) was kept instead), 1 weight, 2 input_t_data, 3 input_t_inv_scale
+// (q(inputᵀ) and its dequantization scale from the forward: tensorwise with a weight gradient to compute),
+// 4 weight_t_data, 5 weight_t_inv_scale (q(weightᵀ) given to _fp8_linear_quantized). Attributes: granularity (0 tensorwise, 1 rowwise), grad_dtype (-1 for the default),
 // bias's dtype (-1 without bias). Edges: 0 input, 1 weight, 2 bias. With only high-precision tensors saved the
 // public fp8_linear_backward runs; else its private form reading the saved FP8 operands.
 variable_list fp8_linear_backward_fn(const BackwardArgs& a) {
@@ -688,15 +690,15 @@ at::Tensor fp8_linear_autograd(const at::Tensor& input, const at::Tensor& weight
 }
 
 at::Tensor fp8_linear_quantized_autograd(const at::Tensor& input, const at::Tensor& weight,
-                                         const at::Tensor& weight_data, const at::Tensor& weight_scale,
-                                         const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                         const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
+                                         const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                          const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                          std::optional<at::ScalarType> grad_dtype, bool save_input) {
   // the operands' checks before anything runs (the forward's op checks them again): a malformed operand is
   // reported by this op's name
-  check_fp8_linear_quantized_args(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias,
+  check_fp8_linear_quantized_args(input, weight, weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale, bias,
                                   granularity, grad_dtype);
-  const std::array<at::Tensor, 4> q{weight_data, weight_scale, weight_t_data, weight_t_scale};
+  const std::array<at::Tensor, 4> q{weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale};
   const Fp8LinearCall call{input, weight, bias, granularity, grad_dtype, &q, save_input};
   return std::get<0>(autograd_op(
       {"_fp8_linear_quantized", "opforge::Fp8LinearBackward", fp8_linear_backward_fn, nullptr}, kFp8LinearOutputs,
@@ -727,11 +729,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight_a
 // no history (as quantize_fp8's: fp8_linear and _fp8_linear_quantized are the differentiable ops).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_autograd(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
     c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
   check_no_forward_ad("_fp8_linear_forward", input, weight, bias);
   at::AutoDispatchBelowADInplaceOrView guard;
-  return opforge::_fp8_linear_forward(input, weight, bias, weight_data, weight_scale, granularity, grad_dtype);
+  return opforge::_fp8_linear_forward(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype);
 }
 
 }  // namespace

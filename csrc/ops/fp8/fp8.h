@@ -63,17 +63,17 @@ Granularity check_fp8_linear_args(const at::Tensor& input, const at::Tensor& wei
                                   const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                   std::optional<at::ScalarType> grad_dtype);
 
-/// Checks of _fp8_linear_forward (Meta too): fp8_linear's, tensorwise only, weight_data and weight_scale given
+/// Checks of _fp8_linear_forward (Meta too): fp8_linear's, tensorwise only, weight_data and weight_inv_scale given
 /// together and each well formed (check_weight_operand).
 void check_fp8_linear_forward_args(const at::Tensor& input, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& weight_data,
-                                   const std::optional<at::Tensor>& weight_scale, c10::string_view granularity,
+                                   const std::optional<at::Tensor>& weight_inv_scale, c10::string_view granularity,
                                    std::optional<at::ScalarType> grad_dtype);
 
 /// Checks of _fp8_linear_quantized (Meta too): fp8_linear's, then the four weight operands (check_weight_operand).
 Granularity check_fp8_linear_quantized_args(const at::Tensor& input, const at::Tensor& weight,
-                                            const at::Tensor& weight_data, const at::Tensor& weight_scale,
-                                            const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                            const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
+                                            const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                             const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                             std::optional<at::ScalarType> grad_dtype);
 
@@ -89,9 +89,9 @@ void check_weight_operand(const char* op, const char* data_name, const at::Tenso
 /// q(inputᵀ) [K, M], q(weightᵀ) [K, N]), grad_weight needing input or q(inputᵀ), the granularity and grad_dtype.
 Granularity check_fp8_linear_quantized_backward_args(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
-    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
-    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
     std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype);
 
 /// Checks of fp8_linear_backward (Meta too): linear_backward's shape checks, the granularity, grad_dtype.
@@ -155,8 +155,8 @@ struct Backend {
 };
 
 /// One quantized GEMM operand: data [R, C] FP8 row-major, scale float32 [1] (tensorwise) or [R] (rowwise), and
-/// inv_scale = 1 / scale (scale's shape) when the quantizer wrote it (undefined for operands given by the caller:
-/// scaled_gemm then takes the reciprocal).
+/// inv_scale = 1 / scale (scale's shape), the dequantization scale scaled_gemm reads. The quantizers write both; an
+/// operand given by a caller (the private ops' precomputed or saved operands) carries inv_scale alone.
 struct Operand {
   at::Tensor data;
   at::Tensor scale;
@@ -205,22 +205,22 @@ at::Tensor fp8_linear_impl(const Backend& be, const at::Tensor& input, const at:
 /// _fp8_linear_forward's kernel body shared by CPU and CUDA.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_impl(
     const Backend& be, const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+    const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
     c10::string_view granularity, std::optional<at::ScalarType> grad_dtype);
 
 /// _fp8_linear_quantized's kernel body shared by CPU and CUDA.
 at::Tensor fp8_linear_quantized_impl(const Backend& be, const at::Tensor& input, const at::Tensor& weight,
-                                     const at::Tensor& weight_data, const at::Tensor& weight_scale,
-                                     const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                     const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
+                                     const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                      const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                      std::optional<at::ScalarType> grad_dtype);
 
 /// _fp8_linear_quantized_backward's kernel body shared by CPU and CUDA.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_impl(
     const Backend& be, const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
-    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+    const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
-    const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
+    const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
     std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype);
 
 /// fp8_linear_backward's kernel body shared by CPU and CUDA.
@@ -255,28 +255,28 @@ struct Kernels {
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward(
       const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-      const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_scale,
+      const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
       c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
-    return fp8_linear_forward_impl(B, input, weight, bias, weight_data, weight_scale, granularity, grad_dtype);
+    return fp8_linear_forward_impl(B, input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype);
   }
   static at::Tensor fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weight,
-                                         const at::Tensor& weight_data, const at::Tensor& weight_scale,
-                                         const at::Tensor& weight_t_data, const at::Tensor& weight_t_scale,
+                                         const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
+                                         const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                          const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                          std::optional<at::ScalarType> grad_dtype, bool /*save_input*/) {
     // save_input chooses what autograd saves: the kernel's output is the same either way
-    return fp8_linear_quantized_impl(B, input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale,
+    return fp8_linear_quantized_impl(B, input, weight, weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale,
                                      bias, granularity, grad_dtype);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward(
       const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
-      const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_scale,
+      const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
       const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
-      const std::optional<at::Tensor>& weight_t_scale, std::array<bool, 3> output_mask,
+      const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask,
       c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
       std::optional<at::ScalarType> bias_dtype) {
-    return fp8_linear_quantized_backward_impl(B, grad_output, input, input_t_data, input_t_scale, weight,
-                                              weight_t_data, weight_t_scale, output_mask, granularity, grad_dtype,
+    return fp8_linear_quantized_backward_impl(B, grad_output, input, input_t_data, input_t_inv_scale, weight,
+                                              weight_t_data, weight_t_inv_scale, output_mask, granularity, grad_dtype,
                                               bias_dtype);
   }
   /// Registers the kernels for the library's dispatch key.

@@ -386,23 +386,24 @@ def _fp8_linear_backward(grad_output, input, weight, output_mask, granularity="t
 
 
 @_rule("_fp8_linear_forward")
-def _fp8_linear_forward(input, weight, bias=None, weight_data=None, weight_scale=None, *, granularity="tensorwise",
-                        grad_dtype=None):
-    return [([R, R, R], [R, R, _opt(bias, R), _opt(weight_data, R), _opt(weight_scale, R)])]
+def _fp8_linear_forward(input, weight, bias=None, weight_data=None, weight_inv_scale=None, *,
+                        granularity="tensorwise", grad_dtype=None):
+    return [([R, R, R], [R, R, _opt(bias, R), _opt(weight_data, R), _opt(weight_inv_scale, R)])]
 
 
 @_rule("_fp8_linear_quantized")
-def _fp8_linear_quantized(input, weight, weight_data, weight_scale, weight_t_data, weight_t_scale, bias=None, *,
-                          granularity="tensorwise", grad_dtype=None, save_input=False):
+def _fp8_linear_quantized(input, weight, weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale,
+                          bias=None, *, granularity="tensorwise", grad_dtype=None, save_input=False):
     return [([R], [R, R, R, R, R, R, _opt(bias, R)])]
 
 
 @_rule("_fp8_linear_quantized_backward")
-def _fp8_linear_quantized_backward(grad_output, input, input_t_data, input_t_scale, weight, weight_t_data,
-                                   weight_t_scale, output_mask, granularity="tensorwise", grad_dtype=None,
+def _fp8_linear_quantized_backward(grad_output, input, input_t_data, input_t_inv_scale, weight, weight_t_data,
+                                   weight_t_inv_scale, output_mask, granularity="tensorwise", grad_dtype=None,
                                    bias_dtype=None):
-    return [(_masked(output_mask, R, R, R), [R, _opt(input, R), _opt(input_t_data, R), _opt(input_t_scale, R), R,
-                                             _opt(weight_t_data, R), _opt(weight_t_scale, R), None, None, None, None])]
+    return [(_masked(output_mask, R, R, R), [R, _opt(input, R), _opt(input_t_data, R), _opt(input_t_inv_scale, R),
+                                             R, _opt(weight_t_data, R), _opt(weight_t_inv_scale, R), None, None, None,
+                                             None])]
 
 
 @_rule("linear_cat")

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import opforge
+from opforge import _fp8_cache
 from opforge import testing
 
 from .. import harness
@@ -47,7 +48,7 @@ def ours(granularity: str):
 def cached(granularity: str, w: torch.Tensor):
     """fp8_linear with the weight's FP8 operands precomputed once (what opforge.nn.Linear(fp8=...) and the patch's
     FP8 projections run between optimizer steps: `_fp8_linear_quantized`, no weight quantization in the call)."""
-    ops = (*opforge.quantize_fp8(w, None, granularity), *opforge.quantize_fp8(w.t(), None, granularity))
+    ops = _fp8_cache.quantize(w, granularity)
     return lambda x, w: torch.ops.opforge._fp8_linear_quantized(x, w, *ops, granularity=granularity)
 
 
