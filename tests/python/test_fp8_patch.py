@@ -89,6 +89,71 @@ class _CountFP8(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+#: the producers' private ops that also write max |output| for the FP8 GEMM reading it
+PRODUCER_OPS = ("opforge::_rms_norm_forward_amax", "opforge::_fused_add_rms_norm_forward_amax",
+                "opforge::_swiglu_packed_amax")
+
+
+class _AmaxUse(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the producers that ran and, per FP8 GEMM op, (weight's shape, whether it was handed input_amax)."""
+
+    def __init__(self):
+        super().__init__()
+        self.producers, self.gemms = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.name()
+        if name in PRODUCER_OPS:
+            self.producers.append(name)
+        elif name in FORWARD_OPS[1:] or name == "opforge::_fp8_linear_quantized_backward":
+            weight = args[1] if name != "opforge::_fp8_linear_quantized_backward" else args[4]
+            self.gemms.append((name, tuple(weight.shape), kwargs.get("input_amax") is not None))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_fp8_producers_hand_their_amax_to_the_gemms(device, recompute):
+    """Tensorwise, eager: input_layernorm, the fused residual add + post_attention_layernorm and the SwiGLU write
+    max |output| beside their output, and the q/k/v, gate/up and down_proj GEMMs take it (input_amax: forward, and
+    the backward's quantization of inputᵀ under recompute) instead of their own amax pass; o_proj (input from the
+    attention) computes its own. Loss, logits and every gradient are bit-identical to the GEMMs computing every amax
+    themselves (the test hook PRODUCER_AMAX = False)."""
+    if not all(hasattr(torch.ops.opforge, op.split("::")[1]) for op in PRODUCER_OPS):
+        pytest.skip("this build has no amax-producing ops")
+    from opforge.patch import _fp8 as P8
+
+    model = _llama(device)
+    assert patch.apply(model, fp8="tensorwise", recompute=recompute).ok
+    ids = _ids(device)
+    cfg = model.config
+    with _AmaxUse() as rec:
+        model(input_ids=ids, labels=ids).loss.backward()
+    layers = cfg.num_hidden_layers
+    assert sorted(rec.producers) == sorted(PRODUCER_OPS[1:] * layers + PRODUCER_OPS[:1] * layers)
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
+    handed = {(qkv, cfg.hidden_size), (2 * cfg.intermediate_size, cfg.hidden_size),
+              (cfg.hidden_size, cfg.intermediate_size)}
+    forward = [g for g in rec.gemms if g[0] != "opforge::_fp8_linear_quantized_backward"]
+    assert len(forward) == 4 * layers
+    for _, shape, given in forward:
+        assert given == (shape in handed), shape
+    backward = [g for g in rec.gemms if g[0] == "opforge::_fp8_linear_quantized_backward"]
+    if recompute:  # the saved (dropped, recomputed) inputs are quantized again with the producers' amax
+        assert sum(given for *_, given in backward) == 3 * layers
+    model.zero_grad(set_to_none=True)
+    fused = _step(model, ids)
+    P8.PRODUCER_AMAX = False
+    try:
+        model.zero_grad(set_to_none=True)
+        plain = _step(model, ids)
+    finally:
+        P8.PRODUCER_AMAX = True
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
+    assert fused[2].keys() == plain[2].keys() and all(torch.equal(fused[2][n], plain[2][n]) for n in plain[2])
+
+
 @pytest.mark.parametrize("granularity", GRANS)
 def test_fp8_patch_within_the_rule_of_the_unpatched_model(device, granularity):
     ref = _llama(device)

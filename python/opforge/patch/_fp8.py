@@ -12,6 +12,7 @@ its storage but not its version counter): their identities and version counters 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -32,6 +33,34 @@ def check_fp8(fp8: Optional[str]) -> None:
     if fp8 is not None and fp8 not in OF.FP8_GRANULARITIES:
         raise ValueError(f"opforge.patch.apply: expected fp8 to be None, "
                          f"{' or '.join(repr(g) for g in OF.FP8_GRANULARITIES)}, but got {fp8!r}")
+
+
+#: the private ops of opforge's producers that also return their output's amax (max |y|, the tensorwise recipe's
+#: reduction), which the FP8 GEMM reading that output takes instead of its own amax pass
+_PRODUCERS = ("_rms_norm_forward_amax", "_fused_add_rms_norm_forward_amax", "_swiglu_packed_amax")
+_BUILT: list = []
+#: test hook: False makes every FP8 GEMM compute its input's amax itself (the same bits either way)
+PRODUCER_AMAX = True
+
+
+def amax_on(owner: torch.nn.Module) -> bool:
+    """True when `owner`'s FP8 GEMMs take their input's amax from the opforge kernel that produced the input (the
+    decoder layer's norms, the MLP's SwiGLU): tensorwise scales (one amax per tensor), eager (torch.compile traces
+    the plain ops and Inductor fuses there; torch.func transforms see the plain ops too), and a build with the
+    producers' private ops."""
+    if not PRODUCER_AMAX or owner.__dict__.get("_opforge_fp8") != "tensorwise" or torch.compiler.is_compiling() \
+            or torch._C._functorch.maybe_current_level() is not None:
+        return False
+    if not _BUILT:
+        _BUILT.append(all(hasattr(torch.ops.opforge, op) for op in _PRODUCERS)
+                      and hasattr(_fp8_cache, "input_amax"))
+    return _BUILT[0]
+
+
+def input_amax(x: torch.Tensor, amax: Optional[torch.Tensor]):
+    """A context in which the FP8 GEMMs reading `x` take `amax` (max |x|, from x's producer) instead of computing
+    it (`_fp8_cache.input_amax`); nothing when amax is None."""
+    return contextlib.nullcontext() if amax is None else _fp8_cache.input_amax(x, amax)
 
 
 def linear(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Module, fp8: str) -> torch.Tensor:

@@ -79,6 +79,16 @@ def add_norm(owner: torch.nn.Module, n: torch.nn.Module, x: torch.Tensor,
     return OF.fused_add_rms_norm(x, residual, (x.shape[-1],), w, eps(n))
 
 
+def norm_amax(owner: torch.nn.Module, n: torch.nn.Module, x: torch.Tensor,
+              consumer: torch.nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(norm(owner, n, x), max |output| for `consumer`'s FP8 GEMMs, or None where they compute it themselves, see
+    `_fp8.amax_on`): the private op `_rms_norm_forward_amax` writes both in one pass (its output bit-identical)."""
+    if not FP8.amax_on(consumer) or torch_math(owner):
+        return norm(owner, n, x), None
+    h, _, amax = torch.ops.opforge._rms_norm_forward_amax.default(x, [x.shape[-1]], norm_weight(owner, n), eps(n))
+    return h, amax
+
+
 def proj(owner: torch.nn.Module, x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
     fp8 = owner.__dict__.get("_opforge_fp8")  # apply(model, fp8=...): the FP8 GEMM, also under compile
     if fp8 is not None:
@@ -240,16 +250,18 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
         a = attn(hidden_states=x, **kwargs)[0]
     else:
         n = self.input_layernorm
-        h = norm(self, n, x)
+        h, amax = norm_amax(self, n, x, attn)
         if recompute:  # the q/k/v GEMM keeps a recipe for h, not h (read by gemm)
             attn._opforge_pending = (h, OF.rms_norm, (x.detach(), (h.shape[-1],), norm_weight(self, n).detach(),
                                                       eps(n)), "input_layernorm's output", h._version)
             try:
-                a = attn(hidden_states=h, **kwargs)[0]
+                with FP8.input_amax(h, amax):
+                    a = attn(hidden_states=h, **kwargs)[0]
             finally:
                 attn.__dict__.pop("_opforge_pending", None)
         else:  # (also what torch.compile traces: no __dict__ bookkeeping)
-            a = attn(hidden_states=h, **kwargs)[0]
+            with FP8.input_amax(h, amax):
+                a = attn(hidden_states=h, **kwargs)[0]
     if layout != "pre":
         a = norm(self, self.post_attention_layernorm, a)
     if self._opforge_dropout:
@@ -262,18 +274,30 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
         m = norm(self, self.post_feedforward_layernorm, self.mlp(r))
         return r + (m if mult is None else m * mult)
     n = self.pre_feedforward_layernorm if layout == "sandwich" else self.post_attention_layernorm
+    # the gate/up GEMM's input amax from the norm's kernel where the MLP's GEMMs are FP8 (tensorwise, eager)
+    amax = None
     if recompute:  # the fused op's rstd: the gate/up GEMM keeps a recipe (residual, rstd) for h
         w = norm_weight(self, n)
-        h, r, rstd = torch.ops.opforge._fused_add_rms_norm_forward.default(a, x, [a.shape[-1]], w, eps(n))
+        if FP8.amax_on(self.mlp):
+            h, r, rstd, amax = torch.ops.opforge._fused_add_rms_norm_forward_amax.default(a, x, [a.shape[-1]], w,
+                                                                                         eps(n))
+        else:
+            h, r, rstd = torch.ops.opforge._fused_add_rms_norm_forward.default(a, x, [a.shape[-1]], w, eps(n))
         what = "pre_feedforward_layernorm's output" if layout == "sandwich" else "post_attention_layernorm's output"
         self.mlp._opforge_pending = (h, R.norm_from_rstd, (r.detach(), rstd, w.detach()), what, h._version)
         try:
-            m = self.mlp(h)
+            with FP8.input_amax(h, amax):
+                m = self.mlp(h)
         finally:
             self.mlp.__dict__.pop("_opforge_pending", None)
     else:
-        h, r = add_norm(self, n, a, x)
-        m = self.mlp(h)
+        if FP8.amax_on(self.mlp) and not torch_math(self):
+            h, r, _, amax = torch.ops.opforge._fused_add_rms_norm_forward_amax.default(
+                a, x, [a.shape[-1]], norm_weight(self, n), eps(n))
+        else:
+            h, r = add_norm(self, n, a, x)
+        with FP8.input_amax(h, amax):
+            m = self.mlp(h)
     if layout == "sandwich":
         m = norm(self, self.post_feedforward_layernorm, m)
     if self._opforge_dropout:
@@ -392,11 +416,20 @@ def mlp_forward(self, x):
         for i, w in loras:
             halves[i] = _add(halves[i], P.delta(w, x))
         gu = torch.cat(halves, dim=-1)
-    h = gated_act(self, gu)
+    amax = None  # down_proj's input amax from the SwiGLU kernel where down_proj is FP8 (tensorwise, eager)
+    if FP8.amax_on(self) and self.__dict__.get("_opforge_act", "silu") == "silu" and not torch_math(self):
+        h, amax = torch.ops.opforge._swiglu_packed_amax.default(gu)
+    else:
+        h = gated_act(self, gu)
+
+    def down():
+        with FP8.input_amax(h, amax):
+            return self.down_proj(h)
+
     if R.recompute_on(self):  # down_proj keeps a recipe (the activation of the gate/up output it saves), not h
         what = "swiglu's output" if self.__dict__.get("_opforge_act", "silu") == "silu" else "geglu's output"
-        return R.call_dropping(lambda: self.down_proj(h), h, _act_again(self), (gu.detach(),), what)
-    return self.down_proj(h)
+        return R.call_dropping(down, h, _act_again(self), (gu.detach(),), what)
+    return down()
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
