@@ -130,7 +130,8 @@ def test_saved_bytes_per_layer_drop_by_the_formula(dtype, fp8):
     """The bytes one layer keeps for backward drop by the formula; output and gradients bit-identical. With FP8
     projections, what the GEMMs would keep of the two norm outputs and swiglu's output: tensorwise their FP8
     q(inputᵀ) (the GEMM saves the input under the recipe hooks and quantizes inputᵀ again in backward), rowwise the
-    inputs themselves."""
+    inputs themselves; and tensorwise, o_proj's q(inputᵀ) and its scale (o_proj saves the attention's output,
+    which the attention keeps for its own backward)."""
     off, on = _pair("llama", dtype, fp8=fp8)
     live_off, y_off, gx_off, g_off = _layer_live_bytes(off, dtype)
     live_on, y_on, gx_on, g_on = _layer_live_bytes(on, dtype)
@@ -141,7 +142,8 @@ def test_saved_bytes_per_layer_drop_by_the_formula(dtype, fp8):
     # bytes per element the GEMMs keep of the two norm outputs and swiglu's output without recompute, and their
     # scales (FP8 tensorwise: one float32 each); and the fused q/k/v output less the copy of v
     kept, scales = (1, 3 * 4) if fp8 == "tensorwise" else (e, 0)
-    assert live_off - live_on == T * ((2 * D + I) * kept + (Dq + Dkv) * e) + scales, (live_off, live_on)
+    o_proj = T * Dq + 4 if fp8 == "tensorwise" else 0
+    assert live_off - live_on == T * ((2 * D + I) * kept + (Dq + Dkv) * e) + scales + o_proj, (live_off, live_on)
     assert torch.equal(y_on, y_off) and torch.equal(gx_on, gx_off)
     assert all(torch.equal(g_on[n], g_off[n]) for n in g_off)
     if fp8 is not None:

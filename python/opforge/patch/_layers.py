@@ -365,7 +365,8 @@ def attention_forward(self, hidden_states, *args, **kwargs):
         self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
         scaling=self.scaling, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return self.o_proj(attn_output), attn_weights
+    with R.saving_input_of_attention(self, attn_output):  # FP8: saves the attention's output, held anyway
+        return self.o_proj(attn_output), attn_weights
 
 
 def _lora_plan(m: torch.nn.Module, fused_name: str, parts: tuple):

@@ -129,6 +129,36 @@ def call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
         made.clear()
 
 
+def saved_by_producer(x: torch.Tensor, depth: int = 4) -> bool:
+    """True when the autograd node that computed `x` (reached through at most `depth` nodes of single-input views)
+    has saved its output in x's storage for its own backward, as the attention kernels do (flash, memory-efficient,
+    cuDNN and the CPU flash kernel keep O; transformers' transpose / reshape of it are views where the kernel wrote
+    O in (batch, seq, heads, dim) order): a GEMM reading x may then save x itself at no cost instead of a copy."""
+    node, storage = x.grad_fn, x.untyped_storage().data_ptr()
+    for _ in range(depth):
+        if node is None:
+            return False
+        out = getattr(node, "_saved_output", None)
+        if isinstance(out, torch.Tensor):
+            return out.untyped_storage().data_ptr() == storage and out.dtype == x.dtype
+        nxt = node.next_functions
+        if len(nxt) != 1:
+            return False
+        node = nxt[0][0]
+    return False
+
+
+def saving_input_of_attention(owner: torch.nn.Module, x: torch.Tensor):
+    """A context for o_proj(x) of a patched attention: o_proj's tensorwise FP8 GEMM saves x (the attention
+    output, held anyway by the attention's backward: `saved_by_producer`) instead of its FP8 q(xᵀ), under
+    recompute=True (eager autograd, no other saved-tensor hooks) and not under autocast (where the GEMM would save
+    a cast copy); otherwise nothing."""
+    if owner.__dict__.get("_opforge_fp8") != "tensorwise" or not recompute_on(owner) \
+            or torch.is_autocast_enabled(x.device.type) or not _recordable(x) or not saved_by_producer(x):
+        return contextlib.nullcontext()
+    return _fp8_cache.saving_input()
+
+
 def norm_from_rstd(z: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rms_norm's output from its input z and the rstd its forward computed: the private op
     `_rms_norm_apply` (z · rstd · weight in float32, float64 for float64, rounded once: the forward kernels' last
