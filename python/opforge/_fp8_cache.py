@@ -30,7 +30,9 @@ An entry is reused only while all of these are unchanged since it was made:
   * the caller's aliases of the weight, each its identity, version counter and data_ptr (the patch passes the
     Parameters standing for a fused projection's rows, whose in-place writes reach the fused weight without bumping
     its counter; the entry holds them, so that their ids are not reused).
-Writes that none of these see (through `.data`, or from outside torch) need `opforge.functional.fp8_cache_clear()`.
+PEFT merges (`merge_adapter`, `unmerge_adapter`, `merge_and_unload`: writes through `.data`) into the projections of
+`opforge.patch.apply(model, fp8=...)` drop the merged weight's entries (`forget`, called by `patch._peft.MergeLog`).
+Other writes that none of these see (through `.data`, or from outside torch) need `opforge.functional.fp8_cache_clear()`.
 
 After each optimizer step the same hook quantizes again the cached operands of the weights that optimizer holds,
 keyed on the weights as the step left them: the host issues those small quantizations while the device still runs
@@ -119,8 +121,8 @@ def _after_step(opt, before: int) -> None:
     stepped = _held(opt)
     # Only the weights another optimizer holds keep their entries: a weight that no optimizer holds may be written
     # right after this step without bumping its version counter (mixed-precision master weights copied back through
-    # `.data` or a collective, as apex and DeepSpeed do; PEFT's merge_adapter / unmerge_adapter `weight.data += ...`
-    # on a frozen base weight), which the generation bump of this step catches at the weight's next use.
+    # `.data` or a collective, as apex and DeepSpeed do; a PEFT merge into a frozen base weight outside the patch),
+    # which the generation bump of this step catches at the weight's next use.
     others = set()
     for o in list(_OPTIMIZERS):
         if o is not opt:

@@ -448,6 +448,177 @@ def test_peft_merge_after_training_serves_the_merged_weight(granularity):
         assert _same(merged, model(input_ids=ids).logits)
 
 
+# ---- PEFT LoRA merges into the patched FP8 projections ---------------------------------------------------------
+#
+# merge_adapter / unmerge_adapter / merge_and_unload write the base weights through `.data` (no version bump). The
+# patched model's FP8 projections (the fused q/k/v and gate/up GEMMs, o_proj and down_proj as opforge.nn.Linear) must
+# serve, after each, the bits of the operands quantized afresh (the same model after fp8_cache_clear), and be within
+# test_fp8_patch.py's FP8 rule of the unpatched PEFT model in the same merge state: its norm-relative error of the
+# logits is at most 2 x that of torch's composition of the same FP8 math (each LoRA base layer's GEMM replaced by
+# conformance.py's composition, reading the base weight as it is now) plus 2^-4 * 10^-2.
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FP8_SLACK = 2 ** -4 * 1e-2
+
+
+def _lora_config(peft):
+    # init_lora_weights=False: B is random too, so every merge changes the base weights
+    return peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, lora_dropout=0.0, task_type="CAUSAL_LM",
+                           target_modules=LORA_TARGETS)
+
+
+def _tiny_llama(transformers):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
+def _copy_adapters(dst, src):
+    with torch.no_grad():
+        mine = dict(src.named_parameters())
+        for n, p in dst.named_parameters():
+            if "lora_" in n:
+                p.copy_(mine[n])
+
+
+def _torch_fp8_bases(model, granularity):
+    """An unpatched PEFT model whose LoRA base layers compute torch's composition of fp8_linear (the weight read at
+    each call, so merges are seen)."""
+    from conformance import _fp8_linear_baseline
+
+    for m in model.modules():
+        base = m.__dict__.get("_modules", {}).get("base_layer")
+        if isinstance(base, torch.nn.Linear):
+            base.forward = (lambda x, lin=base: _fp8_linear_baseline(x, lin.weight, lin.bias,
+                                                                     granularity=granularity))
+    return model
+
+
+def _peft_fp8_models(order, granularity):
+    """(patched FP8 PEFT model, unpatched PEFT model, the unpatched one with torch's FP8 composition), with the same
+    base weights and adapters; `order`: get_peft_model then apply, or apply then get_peft_model."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    from opforge import patch
+
+    base = _tiny_llama(transformers)
+    ref = peft.get_peft_model(copy.deepcopy(base), _lora_config(peft))
+    ref8 = _torch_fp8_bases(copy.deepcopy(ref), granularity)
+    if order == "peft_then_apply":
+        model = peft.get_peft_model(copy.deepcopy(base), _lora_config(peft))
+        assert patch.apply(model, fp8=granularity).ok
+    else:
+        inner = copy.deepcopy(base)
+        assert patch.apply(inner, fp8=granularity).ok
+        model = peft.get_peft_model(inner, _lora_config(peft))
+    _copy_adapters(model, ref)
+    layer = model.base_model.model.model.layers[0]
+    for called in (layer.self_attn.o_proj, layer.mlp.down_proj):  # FP8 in both orders, under the LoRA layer
+        assert type(called.base_layer) is opforge.nn.Linear and called.base_layer.fp8 == granularity
+    return model, ref, ref8
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _check_current(model, ref, ref8, ids):
+    """The patched model's logits now: fp8_linear's bits on the weights as they are (the same model with the cache
+    cleared) and within the FP8 rule of the unpatched model."""
+    from opforge import testing as T
+
+    out = _logits(model, ids)
+    want, want8 = _logits(ref, ids), _logits(ref8, ids)
+    opforge.functional.fp8_cache_clear()
+    assert _same(out, _logits(model, ids)), "the cached FP8 operands are stale"
+    err, err8 = T.relative_error(out, want), T.relative_error(want8, want)
+    assert err <= 2 * err8 + FP8_SLACK, (err, err8)
+
+
+PEFT_SCENARIOS = {
+    # merged forward, unmerge, forward
+    "merge_forward_unmerge": lambda m, kw: [m.merge_adapter(), "check", m.unmerge_adapter(), "check"],
+    # unmerged forward, merge, forward
+    "forward_merge": lambda m, kw: [m.merge_adapter(), "check"],
+    # merge and unmerge with no forward between: (W + d) - d is not W bit for bit
+    "merge_unmerge": lambda m, kw: [m.merge_adapter(), m.unmerge_adapter(), "check"],
+    # PEFT's safe merge replaces the base weights' .data
+    "safe_merge_forward_unmerge": lambda m, kw: [m.merge_adapter(safe_merge=True), "check", m.unmerge_adapter(),
+                                                 "check"],
+}
+
+
+@pytest.mark.parametrize("order", ["peft_then_apply", "apply_then_peft"])
+@pytest.mark.parametrize("granularity", GRANS)
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("scenario", list(PEFT_SCENARIOS))
+def test_peft_merge_and_unmerge_serve_the_current_weights(order, granularity, train, scenario):
+    """Every FP8 projection a LoRA layer merges into (the fused q/k/v and gate/up, o_proj, down_proj), both orders,
+    after an optimizer step over the adapters or none: after merge_adapter / unmerge_adapter (also safe_merge, and
+    the two with no forward between) the logits are fp8_linear's bits on the current weights (see _check_current)."""
+    model, ref, ref8 = _peft_fp8_models(order, granularity)
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    if train:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        _copy_adapters(ref, model)
+        _copy_adapters(ref8, model)
+    model.eval(), ref.eval(), ref8.eval()
+    _logits(model, ids)  # the operands cached before the first merge or unmerge
+    steps = iter(PEFT_SCENARIOS[scenario](_Recorder(), None))
+    for step in steps:
+        if step == "check":
+            _check_current(model, ref, ref8, ids)
+            continue
+        name, args, kwargs = step
+        for m in (model, ref, ref8):
+            getattr(m, name)(*args, **kwargs)
+
+
+class _Recorder:
+    """Records the PEFT calls of a scenario, to replay them on the three models in step."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: (name, args, kwargs)
+
+
+@pytest.mark.parametrize("order", ["peft_then_apply", "apply_then_peft"])
+@pytest.mark.parametrize("granularity", GRANS)
+def test_peft_merge_and_unload_serves_the_merged_weights(order, granularity):
+    """merge_and_unload after apply, after a forward that cached the base weights' operands: the unloaded model's
+    FP8 projections serve the merged weights' bits."""
+    model, ref, ref8 = _peft_fp8_models(order, granularity)
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    _logits(model, ids)
+    model, ref, ref8 = (m.merge_and_unload() for m in (model, ref, ref8))
+    _check_current(model, ref, ref8, ids)
+
+
+@pytest.mark.parametrize("granularity", GRANS)
+def test_peft_wrapped_after_a_forward_then_merged_and_unloaded(granularity):
+    """apply, a forward (the base weights' operands cached), get_peft_model (an adapter loaded the same way), then
+    merge_and_unload with no forward between: no forward ever ran under the LoRA layers, yet the unloaded model serves
+    the merged weights' bits."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    from opforge import patch
+
+    base = _tiny_llama(transformers)
+    ref = peft.get_peft_model(copy.deepcopy(base), _lora_config(peft))
+    ref8 = _torch_fp8_bases(copy.deepcopy(ref), granularity)
+    model = copy.deepcopy(base)
+    assert patch.apply(model, fp8=granularity).ok
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    _logits(model.eval(), ids)
+    model = peft.get_peft_model(model, _lora_config(peft))
+    _copy_adapters(model, ref)
+    model, ref, ref8 = (m.merge_and_unload() for m in (model, ref, ref8))
+    _check_current(model.eval(), ref.eval(), ref8.eval(), ids)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("granularity", GRANS)
 def test_two_optimizers_quantize_each_weight_once_a_step(device, granularity):

@@ -12,6 +12,7 @@ from . import _fp8 as FP8
 from . import _fused as F
 from . import _layers as L
 from . import _modules as M
+from . import _peft as P
 from ._report import PatchReport
 
 #: transformers versions whose layer signatures and forwards the adapters follow (checked by `apply`).
@@ -504,6 +505,7 @@ def revert(model: torch.nn.Module) -> int:
             m._modules[child] = old
             n += 1
     for m in list(model.modules()):
+        P.unwatch(m)  # PEFT's plain merged_adapters lists back
         if "_opforge_fused" in m.__dict__:
             F.unfuse(m)
         if L.is_patched_class(m) or any(a.startswith("_opforge_") for a in m.__dict__):

@@ -8,7 +8,9 @@ experts of a mixture-of-experts block) keeps the model's precision.
 
 Every FP8 projection reuses its weight's quantized operands while the weight is unchanged (`opforge._fp8_cache`).
 A fused projection's rows are also reachable through the Parameters standing for q_proj, k_proj, ... (which share
-its storage but not its version counter): their identities and version counters are part of the cache key.
+its storage but not its version counter): their identities and version counters are part of the cache key. The
+merges of PEFT tuner layers over these projections (in either order of PEFT and apply) drop the merged weight's
+cached operands (`_peft.MergeLog`): the patched modules name their projection slots in `_opforge_fp8_slots`.
 """
 from __future__ import annotations
 
@@ -20,12 +22,14 @@ import torch
 from .. import _fp8_cache
 from .. import functional as OF
 from .. import nn as onn
+from . import _peft as P
 from ._report import PatchReport
 
 #: module kinds of the patched classes (`_layers.subclass`) whose projections go FP8, with the projection each
 #: calls as a module
 _CALLED = {"attention": "o_proj", "mlp": "down_proj"}
 _FUSED = {"attention": "qkv", "mlp": "gate/up"}
+_FUSED_NAME = {"attention": "qkv_proj", "mlp": "gate_up_proj"}
 
 
 def check_fp8(fp8: Optional[str]) -> None:
@@ -105,14 +109,18 @@ def enable(model: torch.nn.Module, report: PatchReport, fp8: str) -> int:
             continue
         called = _CALLED[kind]
         sub = m._modules.get(called)
-        if type(sub) not in (torch.nn.Linear, onn.Linear) or getattr(sub, "activation", "none") != "none":
+        base, lora = P.split(sub) if sub is not None else (None, None)
+        if type(base) not in (torch.nn.Linear, onn.Linear) or getattr(base, "activation", "none") != "none":
             report.skipped.append((f"{name}.{called}", type(sub).__name__,
                                    f"not a plain Linear: left in the model's precision (fp8={fp8!r})"))
-        else:
+        else:  # a LoRA layer (PEFT wrapped the model first): its base layer goes FP8, PEFT's forward stays
             from . import _modules as M
 
-            M._set(model, f"{name}.{called}", _fp8_linear(sub, fp8))
+            M._set(model, f"{name}.{called}" if lora is None else f"{name}.{called}.base_layer",
+                   _fp8_linear(base, fp8))
         m._opforge_fp8 = fp8
+        m._opforge_fp8_slots = tuple(m.__dict__.get("_opforge_parts", ())) + (_FUSED_NAME[kind], called)
+        P.watch_slots(m, m._opforge_fp8_slots)  # the tuner layers already there (see _peft's docstring)
         report.patched.append((name, type(m).__dict__["_opforge_base"].__name__,
                                f"FP8 {fp8} projections (fp8_linear: fused {_FUSED[kind]}, {called})"))
         n += 1

@@ -312,6 +312,8 @@ def attention_forward(self, hidden_states, *args, **kwargs):
     Gemma 3) or over the whole projection (OLMo 2), RoPE by opforge; the KV cache, the attention function (sdpa,
     flash, eager, with sliding windows and Gemma 2's score soft-capping) and o_proj as transformers."""
     kwargs = bind(self, args, kwargs)
+    if not torch.compiler.is_compiling() and "_opforge_fp8_slots" in self.__dict__:
+        P.watch_slots(self, self._opforge_fp8_slots)  # PEFT merges into the FP8 projections drop cached operands
     hooked = bypassed_hooks(self)
     plan = None if hooked else _lora_plan(self, "qkv_proj", self._opforge_parts)
     if plan is None:
@@ -404,6 +406,8 @@ def _act_again(owner):
 
 def mlp_forward(self, x):
     """down_proj(act(gate) · up) with [gate | up] the output of one fused GEMM."""
+    if not torch.compiler.is_compiling() and "_opforge_fp8_slots" in self.__dict__:
+        P.watch_slots(self, self._opforge_fp8_slots)  # PEFT merges into the FP8 projections drop cached operands
     hooked = bypassed_hooks(self)
     plan = None if hooked else _lora_plan(self, "gate_up_proj", self._opforge_parts)
     if plan is None:
@@ -554,6 +558,14 @@ def _reduce_ex(self, protocol):
     return _rebuild, (self._opforge_base, self._opforge_kind), state
 
 
+def _setattr(self, name, value) -> None:
+    """Module.__setattr__; a PEFT tuner layer put in an FP8 projection's slot (get_peft_model and
+    PeftModel.from_pretrained `setattr` it) has its merges seen by the FP8 weight cache from now on (`_peft.watch`)."""
+    self._opforge_base.__setattr__(self, name, value)
+    if isinstance(value, torch.nn.Module) and name in self.__dict__.get("_opforge_fp8_slots", ()):
+        P.watch(value)
+
+
 def _setstate(self, state) -> None:
     self._opforge_base.__setstate__(self, state)
     mod = sys.modules.get(self._opforge_base.__module__)
@@ -586,6 +598,8 @@ def subclass(cls: type, kind: str) -> type:
         ns = {"forward": _with_signature(FORWARDS[kind], cls.forward), "_opforge_base": cls, "_opforge_kind": kind,
               "_opforge_arg_names": tuple(names), "__module__": "opforge.patch", "__doc__": cls.__doc__,
               "__reduce_ex__": _reduce_ex, "__setstate__": _setstate}
+        if kind in ("attention", "mlp"):
+            ns["__setattr__"] = _setattr
         _SUBCLASSES[key] = type(f"Opforge{cls.__name__}", (cls,), ns)
     return _SUBCLASSES[key]
 
