@@ -597,6 +597,27 @@ def test_peft_merge_and_unload_serves_the_merged_weights(order, granularity):
     _check_current(model, ref, ref8, ids)
 
 
+@pytest.mark.parametrize("order", ["peft_then_apply", "apply_then_peft"])
+def test_revert_after_merge_and_unload_gives_plain_linears_back(order):
+    """merge_and_unload drops the LoRA layers (which held the record of o_proj's / down_proj's FP8 swap when PEFT came
+    first); revert still puts every torch.nn.Linear back: the state_dict and logits of the unpatched merged model,
+    bit for bit, and no opforge module left."""
+    from opforge import patch
+
+    model, ref, _ = _peft_fp8_models(order, "tensorwise")
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    _logits(model.eval(), ids)
+    model, ref = model.merge_and_unload(), ref.merge_and_unload()
+    patch.revert(model)
+    assert not patch.is_patched(model)
+    assert not [n for n, m in model.named_modules() if type(m).__module__.startswith("opforge")]
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.o_proj) is torch.nn.Linear and type(layer.mlp.down_proj) is torch.nn.Linear
+    sd, rsd = model.state_dict(), ref.state_dict()
+    assert sd.keys() == rsd.keys() and all(torch.equal(sd[k], rsd[k]) for k in rsd)
+    assert torch.equal(_logits(model.eval(), ids), _logits(ref.eval(), ids))
+
+
 @pytest.mark.parametrize("granularity", GRANS)
 def test_peft_wrapped_after_a_forward_then_merged_and_unloaded(granularity):
     """apply, a forward (the base weights' operands cached), get_peft_model (an adapter loaded the same way), then

@@ -250,7 +250,8 @@ def is_patched(model: torch.nn.Module) -> bool:
     Returns:
         bool.
     """
-    return any(L.is_patched_class(m) or "_opforge_swapped" in m.__dict__ for m in model.modules())
+    return any(L.is_patched_class(m) or "_opforge_swapped" in m.__dict__ or "_opforge_original" in m.__dict__
+               for m in model.modules())
 
 
 def _patch(model, report: PatchReport, *, decoder, loss, inductor_math, recompute, linear, rms_norm, mlp) -> None:
@@ -498,12 +499,14 @@ def revert(model: torch.nn.Module) -> int:
     for m in list(model.modules()):
         swapped = m.__dict__.pop("_opforge_swapped", None)
         for child, old in (swapped or {}).items():
-            new = m._modules[child]
-            for pname, p in new.named_parameters():  # the current Parameters (e.g. after .to()) go back
-                owner, _, leaf = pname.rpartition(".")
-                setattr(old.get_submodule(owner) if owner else old, leaf, p)
-            m._modules[child] = old
+            M.restore(m, child, old)
             n += 1
+    for m in list(model.modules()):  # swapped modules whose parent left the model (PEFT's merge_and_unload)
+        for child, sub in list(m._modules.items()):
+            old = sub.__dict__.get("_opforge_original") if sub is not None else None
+            if old is not None:
+                M.restore(m, child, old)
+                n += 1
     for m in list(model.modules()):
         P.unwatch(m)  # PEFT's plain merged_adapters lists back
         if "_opforge_fused" in m.__dict__:

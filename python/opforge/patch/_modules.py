@@ -94,12 +94,25 @@ def _looks_rms_norm(m: torch.nn.Module) -> bool:
 
 
 def _set(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
-    """Replace submodule `name` by `new`, remembering the old module on its parent for revert."""
+    """Replace submodule `name` by `new`, remembering the old module for revert: on its parent, and on `new` itself
+    (`_opforge_original`), for a parent that leaves the model with `new` kept (PEFT's merge_and_unload puts a LoRA
+    layer's base layer in the LoRA layer's place)."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     swapped = parent.__dict__.setdefault("_opforge_swapped", {})
     swapped.setdefault(child, parent._modules[child])
+    new.__dict__["_opforge_original"] = swapped[child]
     parent._modules[child] = new
+
+
+def restore(parent: torch.nn.Module, child: str, old: torch.nn.Module) -> None:
+    """Put `old` back as `parent`'s submodule `child`, with the current Parameters of the module it replaced (those
+    the optimizer, `.to()` or a load have since)."""
+    new = parent._modules[child]
+    for pname, p in new.named_parameters():
+        owner, _, leaf = pname.rpartition(".")
+        setattr(old.get_submodule(owner) if owner else old, leaf, p)
+    parent._modules[child] = old
 
 
 def apply_modules(model: torch.nn.Module, report: PatchReport, done: set, *, linear: bool, rms_norm: bool,
