@@ -373,7 +373,7 @@ def test_opcheck(case):
     torch.library.opcheck(op, args)
 
 
-def test_cpu_amax_independent_of_threads(single_thread=None):
+def test_cpu_amax_independent_of_threads():
     x = _randn((257, 1030), torch.bfloat16, "cpu", 4.0)
     n = torch.get_num_threads()
     try:
@@ -389,7 +389,7 @@ def test_cpu_amax_independent_of_threads(single_thread=None):
 
 def test_sharding_rules_replicate_amax():
     from opforge.parallel.sharding import RULES, R
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
 
     class Spec:  # what the rules read: the tensor's shape
         def __init__(self, shape):
