@@ -15,6 +15,10 @@ TORCH_LIBRARY(opforge, m) {
   m.def("_swiglu_linear_forward(Tensor input, Tensor weight, Tensor? bias=None) -> (Tensor output, Tensor pre_activation)");
   // rms_norm plus rstd = 1/sqrt(mean(x²) + eps) over the normalized dims, [*] in float32 (float64 for float64)
   m.def("_rms_norm_forward(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor rstd)");
+  // _rms_norm_forward plus amax = max |output| as stored ([1] float32, float64 for float64; NaN if any output is NaN, else inf if any is inf; 0 when empty), reduced as the output is written; amax not differentiable (FP8 current scaling of the next GEMM's input)
+  m.def("_rms_norm_forward_amax(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor rstd, Tensor amax)");
+  // _fused_add_rms_norm_forward plus amax of output (the normed tensor, not residual_out), as _rms_norm_forward_amax's
+  m.def("_fused_add_rms_norm_forward_amax(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> (Tensor output, Tensor residual_out, Tensor rstd, Tensor amax)");
   // input · rstd · weight from a saved rstd (normalized dims = input's dims after rstd's): bitwise the output of
   // _rms_norm_forward / _fused_add_rms_norm_forward for that input (z for the fused op), rstd and weight; not
   // differentiable (opforge.patch recomputes a norm's output with it in backward)
@@ -85,6 +89,8 @@ TORCH_LIBRARY(opforge, m) {
   m.def("swiglu_backward(Tensor grad_output, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   // y = silu(input[..., :I]) · input[..., I:], input (*, 2I) the packed [gate | up] halves -> (*, I)
   m.def("swiglu_packed(Tensor input) -> Tensor");
+  // swiglu_packed plus amax = max |output| as stored, as _rms_norm_forward_amax's (reduced as the output is written; not differentiable)
+  m.def("_swiglu_packed_amax(Tensor input) -> (Tensor output, Tensor amax)");
   // grad_input (*, 2I) of swiglu_packed, both halves written in one fused pass
   m.def("swiglu_packed_backward(Tensor grad_output, Tensor input) -> Tensor");
   // y = silu(z[..., 0::2]) · z[..., 1::2], z = input · weightᵀ + bias; input (*, K), weight (2I, K) with the gate's and

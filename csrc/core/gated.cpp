@@ -70,6 +70,11 @@ at::Tensor gated_packed_meta(const char* op, const at::Tensor& input) {
   return at::empty_symint(gated_packed_output_shape(input), input.options());
 }
 
+std::tuple<at::Tensor, at::Tensor> gated_packed_amax_meta(const char* op, const at::Tensor& input) {
+  at::Tensor output = gated_packed_meta(op, input);
+  return {output, at::empty({1}, input.options().dtype(input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat))};
+}
+
 at::Tensor gated_packed_backward_meta(const char* op, const at::Tensor& grad_output, const at::Tensor& input) {
   check_gated_packed_backward(op, grad_output, input);
   return at::empty_symint(input.sym_sizes(), input.options());

@@ -44,6 +44,8 @@ at::Tensor gated_meta(const char* op, const at::Tensor& gate, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> gated_backward_meta(const char* op, const at::Tensor& grad_output,
                                                        const at::Tensor& gate, const at::Tensor& up);
 at::Tensor gated_packed_meta(const char* op, const at::Tensor& input);
+/// The packed *_amax ops' Meta kernel: gated_packed_meta's output and amax [1], float32 (float64 for float64 input).
+std::tuple<at::Tensor, at::Tensor> gated_packed_amax_meta(const char* op, const at::Tensor& input);
 at::Tensor gated_packed_backward_meta(const char* op, const at::Tensor& grad_output, const at::Tensor& input);
 
 }  // namespace opforge

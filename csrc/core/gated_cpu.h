@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/activation.h"
+#include "core/amax_cpu.h"
 #include "core/dispatch.h"
 #include "core/gated.h"
 #include "core/layout.h"
@@ -111,17 +112,27 @@ namespace detail {
 inline int64_t gated_cols(const at::Tensor& t) { return t.dim() == 0 ? 1 : t.size(-1); }
 
 // Y[r, :] = act(G[r, :]) · U[r, :] over rows × cols, G and U rows read at g.offset(r) (+ g_col0 for a packed half),
-// Y contiguous [rows, cols].
+// Y contiguous [rows, cols]. amax (the *_amax ops; null otherwise): [1] in amax's dtype (core/amax_cpu.h), set to
+// max |y| over Y, each segment of Y folded right after it is written.
 template <Activation A>
 void gated_forward_rows(const Rows& g, int64_t g_col0, const Rows& u, int64_t u_col0, int64_t rows,
-                        int64_t cols, at::Tensor& Y) {
+                        int64_t cols, at::Tensor& Y, at::Tensor* amax = nullptr) {
   OPFORGE_DISPATCH_FLOATING(Y.scalar_type(), "opforge::gated", [&] {
     const scalar_t* gp = g.tensor().const_data_ptr<scalar_t>() + g_col0;
     const scalar_t* up = u.tensor().const_data_ptr<scalar_t>() + u_col0;
     scalar_t* yp = Y.mutable_data_ptr<scalar_t>();
+    if (amax == nullptr) {
+      parallel_rows(rows, cols, [&](int64_t r, int64_t c0, int64_t c1) {
+        map_binary_range(gp + g.offset(r), up + u.offset(r), yp + r * cols, c0, c1, GatedVecOp<A>{});
+      });
+      return;
+    }
+    AmaxWord<scalar_t> word;
     parallel_rows(rows, cols, [&](int64_t r, int64_t c0, int64_t c1) {
       map_binary_range(gp + g.offset(r), up + u.offset(r), yp + r * cols, c0, c1, GatedVecOp<A>{});
+      word.combine(AmaxBits<scalar_t>::fold(yp + r * cols + c0, c1 - c0));
     });
+    word.store(*amax);
   });
 }
 
@@ -177,6 +188,20 @@ at::Tensor gated_packed_forward(const char* op, const at::Tensor& input) {
   const Rows x(input);                               // [rows, 2I]
   detail::gated_forward_rows<A>(x, 0, x, I, rows_of(input), I, Y);
   return Y;
+}
+
+/// gated_packed_forward plus amax = max |y| over its output as stored ([1], float32, float64 for float64; NaN if any
+/// y is NaN, else inf if any is inf; 0 when empty), folded in as the output is written: (output, amax).
+template <Activation A>
+std::tuple<at::Tensor, at::Tensor> gated_packed_forward_amax(const char* op, const at::Tensor& input) {
+  const int64_t I = check_gated_packed(op, input).expect_int();
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = I;
+  at::Tensor Y = at::empty(shape, input.options());  // [*, I], contiguous, as Meta
+  at::Tensor amax = zeroed_amax_tensor(Y);
+  const Rows x(input);  // [rows, 2I]
+  detail::gated_forward_rows<A>(x, 0, x, I, rows_of(input), I, Y, &amax);
+  return {Y, amax};
 }
 
 /// grad_input (*, 2I) of the packed form, contiguous in input's dtype, both halves written by one pass.

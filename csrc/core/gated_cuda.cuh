@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/activation.h"
+#include "core/amax_cuda.cuh"
 #include "core/dispatch.h"
 #include "core/gated.h"
 #include "core/layout.h"
@@ -93,6 +94,67 @@ at::Tensor gated_packed_forward(const char* op, const at::Tensor& input) {
     launch_binary_rows<scalar_t>(X.narrow(-1, 0, I), sx, X.narrow(-1, I, I), sx, I, Y, GatedOp<A>{});
   });
   return Y;
+}
+
+/// out[i] = op(a[r * sa + col], b[r * sb + col]) as map_binary_rows_kernel (the same lanes, so the same bits), and
+/// the max |out| over the values the block stores atomicMax'ed into *amax (core/amax_cuda.cuh; zeroed beforehand).
+/// A 1-D block of kMapThreads threads, all of which reach the reduction (grid-stride loop, no early exit).
+template <int VEC, typename scalar_t, typename Op>
+__global__ void __launch_bounds__(kMapThreads)
+    map_binary_rows_amax_kernel(const scalar_t* __restrict__ a, int64_t sa,  // [n / cols, cols] by sa
+                                const scalar_t* __restrict__ b, int64_t sb,  // [n / cols, cols] by sb
+                                scalar_t* __restrict__ out,                  // [n]
+                                int64_t n, int64_t cols, Op op,
+                                typename AmaxBits<scalar_t>::bits_t* __restrict__ amax) {  // [1]
+  using opmath_t = at::opmath_type<scalar_t>;
+  using bits_t = typename AmaxBits<scalar_t>::bits_t;
+  using V = Vec<scalar_t, VEC>;
+  __shared__ bits_t smem[32];
+  bits_t m = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC; i < n; i += stride * VEC) {
+    const int64_t r = i / cols, col = i - r * cols;
+    const V x = *reinterpret_cast<const V*>(a + r * sa + col);
+    const V c = *reinterpret_cast<const V*>(b + r * sb + col);
+    V y;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      y.val[k] = static_cast<scalar_t>(op(static_cast<opmath_t>(x.val[k]), static_cast<opmath_t>(c.val[k])));
+      amax_fold(m, y.val[k]);
+    }
+    *reinterpret_cast<V*>(out + i) = y;
+  }
+  block_amax_atomic(m, amax, smem);
+}
+
+/// gated_packed_forward plus amax = max |y| over its output as stored ([1] float32, float64 for float64; NaN if any y
+/// is NaN, else inf if any is inf; 0 when empty), reduced in the same kernel as the output is written (one atomicMax
+/// per block into a memset-zeroed word): (output, amax). The output's bits are gated_packed_forward's.
+template <Activation A>
+std::tuple<at::Tensor, at::Tensor> gated_packed_forward_amax(const char* op, const at::Tensor& input) {
+  const int64_t I = check_gated_packed(op, input).expect_int();
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = I;
+  at::Tensor Y = at::empty(shape, input.options());  // [*, I], contiguous
+  c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor amax = zeroed_amax_tensor(Y);
+  const auto [X, sx] = rows_or_contiguous(input);  // [rows, 2I] by sx
+  OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::gated_packed_amax", [&] {
+    using bits_t = typename AmaxBits<scalar_t>::bits_t;
+    const int64_t n = Y.numel();
+    const scalar_t* g = X.const_data_ptr<scalar_t>();
+    const scalar_t* u = g + I;
+    scalar_t* y = Y.mutable_data_ptr<scalar_t>();
+    bits_t* word = reinterpret_cast<bits_t*>(amax.mutable_data_ptr());
+    constexpr int VEC = vec_size<scalar_t>();
+    const bool vectorize = rows_vectorizable<VEC>(g, I, sx) && rows_vectorizable<VEC>(u, I, sx) &&
+                           rows_vectorizable<VEC>(y, I, I);
+    launch_vec_or_scalar<VEC>(X.device(), n, vectorize, [&](auto w, int64_t blocks, cudaStream_t stream) {
+      map_binary_rows_amax_kernel<decltype(w)::value>
+          <<<blocks, kMapThreads, 0, stream>>>(g, sx, u, sx, y, n, I, GatedOp<A>{}, word);
+    });
+  });
+  return {Y, amax};
 }
 
 /// grad_input (*, 2I) of the packed form, contiguous in input's dtype, both halves written by one pass.

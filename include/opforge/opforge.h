@@ -71,6 +71,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> _fused_add_rms_norm_forward(
     const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, std::optional<double> eps);
 
+/// _rms_norm_forward plus amax = max |output| over the output as stored: (output, rstd, amax), amax [1] float32
+/// (float64 for float64 input) on output's device; NaN if any output is NaN, else inf if any is inf; 0 when empty.
+/// Outputs other than amax bitwise those of _rms_norm_forward; amax not differentiable (FP8 current scaling).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _rms_norm_forward_amax(const at::Tensor& input,
+                                                                      c10::SymIntArrayRef normalized_shape,
+                                                                      const std::optional<at::Tensor>& weight,
+                                                                      std::optional<double> eps);
+
+/// _fused_add_rms_norm_forward plus amax of output (the normed tensor, not residual_out), as _rms_norm_forward_amax's:
+/// (output, residual_out, rstd, amax).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _fused_add_rms_norm_forward_amax(
+    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps);
+
 /// Gradients of rms_norm from the saved rstd (*): (grad_input of input's shape and dtype, grad_weight of
 /// weight's shape and dtype, accumulated over rows in float32); entry i only when output_mask[i]. The
 /// normalized dims are input's dims after rstd's.
@@ -112,6 +126,11 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_output
 /// input (*, 2I) floating, any strides, last dimension even (ValueError otherwise) -> (*, I) in input's dtype,
 /// contiguous; fp32 math for fp16/bf16; bitwise equal to swiglu(gate, up) on the two halves.
 at::Tensor swiglu_packed(const at::Tensor& input);
+
+/// swiglu_packed plus amax = max |output| over the output as stored: (output, amax), amax [1] float32 (float64 for
+/// float64 input) on output's device; NaN if any output is NaN, else inf if any is inf; 0 when empty. output bitwise
+/// swiglu_packed's; amax not differentiable (FP8 current scaling of the down projection's input).
+std::tuple<at::Tensor, at::Tensor> _swiglu_packed_amax(const at::Tensor& input);
 
 /// grad_input (*, 2I) of swiglu_packed in one fused pass, contiguous, in input's dtype: with gate, up the halves of
 /// input and s = σ(gate), grad_input[..., :I] = grad_output · up · s · (1 + gate · (1 − s)),

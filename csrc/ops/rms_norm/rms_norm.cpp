@@ -3,12 +3,14 @@
 // Op structure (schemas in csrc/library.cpp):
 //   _rms_norm_forward, _fused_add_rms_norm_forward   CPU/CUDA/Meta kernels; also return rstd [*] (fp32)
 //                                                    for the backward.
+//   _rms_norm_forward_amax,                          the same plus amax = max |output| [1] (FP8 current scaling),
+//   _fused_add_rms_norm_forward_amax                 reduced as the kernels write the output; amax has no history.
 //   rms_norm, fused_add_rms_norm                     CompositeExplicitAutograd: the forward op without
 //                                                    its rstd, so they have exactly one kernel each.
 //   rms_norm_backward                                CPU/CUDA/Meta kernels; not differentiable.
 //   _rms_norm_apply                                  CPU/CUDA/Meta kernels; not differentiable (opforge.patch's
 //                                                    recompute of a saved activation).
-// The four forward ops have the Autograd kernels below (one node each, core/autograd.h).
+// The six forward ops have the Autograd kernels below (one node each, core/autograd.h).
 #include "ops/rms_norm/rms_norm.h"
 
 #include <ATen/OpMathType.h>
@@ -17,6 +19,7 @@
 #include <torch/library.h>
 
 #include <limits>
+#include <type_traits>
 
 #include "core/autocast.h"
 #include "core/autograd.h"
@@ -34,6 +37,8 @@ double default_eps(at::ScalarType input_dtype) {
 }
 
 at::ScalarType rstd_dtype(at::ScalarType input_dtype) { return at::toOpMathType(input_dtype); }
+
+at::ScalarType amax_dtype(at::ScalarType output_dtype) { return output_dtype == at::kDouble ? at::kDouble : at::kFloat; }
 
 double resolve_eps(const char* op, std::optional<double> eps, at::ScalarType input_dtype) {
   const double e = eps.has_value() ? *eps : default_eps(input_dtype);
@@ -55,8 +60,29 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(ForwardKernel kernel, const 
                                                     const std::optional<at::Tensor>& weight, std::optional<double> eps) {
   const auto p = check_forward("rms_norm", input, normalized_shape, weight, eps);
   auto o = empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/false);
-  kernel(p, o.Y, o.Z, o.rstd);
+  kernel(p, o.Y, o.Z, o.rstd, nullptr);
   return {o.Y, o.rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_forward_amax(ForwardKernel kernel, const at::Tensor& input,
+                                                                     c10::SymIntArrayRef normalized_shape,
+                                                                     const std::optional<at::Tensor>& weight,
+                                                                     std::optional<double> eps) {
+  const auto p = check_forward("rms_norm", input, normalized_shape, weight, eps);
+  auto o = empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/false);
+  at::Tensor amax;
+  kernel(p, o.Y, o.Z, o.rstd, &amax);
+  return {o.Y, o.rstd, amax};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_amax(
+    ForwardKernel kernel, const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  const auto p = check_forward("fused_add_rms_norm", input, normalized_shape, weight, eps, residual);
+  auto o = empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/true);
+  at::Tensor amax;
+  kernel(p, o.Y, o.Z, o.rstd, &amax);
+  return {o.Y, o.Z, o.rstd, amax};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward(ForwardKernel kernel, const at::Tensor& input,
@@ -66,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward(Forwar
                                                                           std::optional<double> eps) {
   const auto p = check_forward("fused_add_rms_norm", input, normalized_shape, weight, eps, residual);
   auto o = empty_forward_outputs(p, input, normalized_shape.size(), /*fused=*/true);
-  kernel(p, o.Y, o.Z, o.rstd);
+  kernel(p, o.Y, o.Z, o.rstd, nullptr);
   return {o.Y, o.Z, o.rstd};
 }
 
@@ -221,6 +247,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> _fused_add_rms_norm_forward(
   static auto op = typed_op<decltype(_fused_add_rms_norm_forward)>("opforge::_fused_add_rms_norm_forward");
   return op.call(input, residual, normalized_shape, weight, eps);
 }
+std::tuple<at::Tensor, at::Tensor, at::Tensor> _rms_norm_forward_amax(const at::Tensor& input,
+                                                                      c10::SymIntArrayRef normalized_shape,
+                                                                      const std::optional<at::Tensor>& weight,
+                                                                      std::optional<double> eps) {
+  static auto op = typed_op<decltype(_rms_norm_forward_amax)>("opforge::_rms_norm_forward_amax");
+  return op.call(input, normalized_shape, weight, eps);
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _fused_add_rms_norm_forward_amax(
+    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  static auto op = typed_op<decltype(_fused_add_rms_norm_forward_amax)>("opforge::_fused_add_rms_norm_forward_amax");
+  return op.call(input, residual, normalized_shape, weight, eps);
+}
 at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
                     std::optional<double> eps) {
   using Sig = at::Tensor(const at::Tensor&, c10::SymIntArrayRef, const std::optional<at::Tensor>&, std::optional<double>);
@@ -299,6 +338,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_meta(
   return {at::empty_symint(input.sym_sizes(), input.options()), at::empty_symint(input.sym_sizes(), input.options()),
           at::empty_symint(lead, input.options().dtype(rmsnorm::rstd_dtype(input.scalar_type())))};
 }
+// the *_amax ops: the forward's outputs and amax [1] in amax_dtype
+at::Tensor amax_meta(const at::Tensor& input) {
+  return at::empty({1}, input.options().dtype(rmsnorm::amax_dtype(input.scalar_type())));
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_forward_amax_meta(const at::Tensor& input,
+                                                                          c10::SymIntArrayRef normalized_shape,
+                                                                          const std::optional<at::Tensor>& weight,
+                                                                          std::optional<double> eps) {
+  auto [output, rstd] = rms_norm_forward_meta(input, normalized_shape, weight, eps);
+  return {output, rstd, amax_meta(input)};
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_amax_meta(
+    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  auto [output, residual_out, rstd] = fused_add_rms_norm_forward_meta(input, residual, normalized_shape, weight, eps);
+  return {output, residual_out, rstd, amax_meta(input)};
+}
 at::Tensor rms_norm_apply_meta(const at::Tensor& input, const at::Tensor& rstd, const std::optional<at::Tensor>& weight) {
   rmsnorm::check_apply_args(input, rstd, weight);
   return at::empty_symint(input.sym_sizes(), input.options());
@@ -351,12 +407,20 @@ variable_list fused_add_rms_norm_backward_fn(const BackwardArgs& a) {
 
 // rms_norm's and _rms_norm_forward's Autograd kernel: `forward(grad)` returns (output, rstd), rstd only when grad
 // (the public op's kernel has none to return).
+// _rms_norm_forward_amax's: `forward(grad)` returns (output, rstd, amax), amax not differentiable.
 template <typename Forward>
-std::tuple<at::Tensor, at::Tensor> rms_norm_recorded(const char* op, const at::Tensor& input,
-                                                     const std::optional<at::Tensor>& weight, Forward&& forward) {
+auto rms_norm_recorded(const char* op, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                       Forward&& forward) {
+  using Result = std::invoke_result_t<Forward&, bool>;
+  constexpr size_t kOutputs = std::tuple_size_v<Result>;
+  static_assert(kOutputs == 2 || kOutputs == 3, "rms_norm_recorded: (output, rstd[, amax])");
+  constexpr Differentiability kNot = kNotDifferentiable;
+  Differentiability outputs[kOutputs];
+  outputs[0] = kDifferentiable;
+  for (size_t i = 1; i < kOutputs; ++i) outputs[i] = kNot;
   return autograd_op(
-      {op, "opforge::RMSNormBackward", rms_norm_backward_fn, nullptr}, {kDifferentiable, kNotDifferentiable}, forward,
-      [&](OpNode& n, const std::tuple<at::Tensor, at::Tensor>& out) {
+      {op, "opforge::RMSNormBackward", rms_norm_backward_fn, nullptr}, outputs, forward,
+      [&](OpNode& n, const Result& out) {
         n.save(input);
         n.save(weight);
         n.save(std::get<1>(out));  // rstd
@@ -367,19 +431,23 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_recorded(const char* op, const at::T
 // fused_add_rms_norm's and _fused_add_rms_norm_forward's: `forward(grad)` returns (output, residual_out, rstd).
 // residual_out = input + residual is differentiable in input and residual only: with only weight requiring grad it
 // has no history (requires_grad False, as torch's input + residual).
+// _fused_add_rms_norm_forward_amax's: (output, residual_out, rstd, amax), amax not differentiable.
 template <typename Forward>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_recorded(const char* op, const at::Tensor& input,
-                                                                           const at::Tensor& residual,
-                                                                           const std::optional<at::Tensor>& weight,
-                                                                           Forward&& forward) {
+auto fused_add_rms_norm_recorded(const char* op, const at::Tensor& input, const at::Tensor& residual,
+                                 const std::optional<at::Tensor>& weight, Forward&& forward) {
+  using Result = std::invoke_result_t<Forward&, bool>;
+  constexpr size_t kOutputs = std::tuple_size_v<Result>;
+  static_assert(kOutputs == 3 || kOutputs == 4, "fused_add_rms_norm_recorded: (output, residual_out, rstd[, amax])");
+  Differentiability outputs[kOutputs];
+  outputs[0] = kDifferentiable;
+  outputs[1] = differentiable_in({0, 1});
+  for (size_t i = 2; i < kOutputs; ++i) outputs[i] = kNotDifferentiable;
   return autograd_op(
-      {op, "opforge::FusedAddRMSNormBackward", fused_add_rms_norm_backward_fn, nullptr},
-      {kDifferentiable, differentiable_in({0, 1}), kNotDifferentiable}, forward,
-      [&](OpNode& n, const std::tuple<at::Tensor, at::Tensor, at::Tensor>& out) {
-        const auto& [output, residual_out, rstd] = out;
-        n.save(residual_out, /*is_output=*/true);
+      {op, "opforge::FusedAddRMSNormBackward", fused_add_rms_norm_backward_fn, nullptr}, outputs, forward,
+      [&](OpNode& n, const Result& out) {
+        n.save(std::get<1>(out), /*is_output=*/true);  // residual_out
         n.save(weight);
-        n.save(rstd);
+        n.save(std::get<2>(out));  // rstd
         n.attr(static_cast<int64_t>(input.scalar_type()));
         n.attr(static_cast<int64_t>(residual.scalar_type()));
       },
@@ -426,6 +494,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_autogr
   });
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_forward_amax_autograd(const at::Tensor& input,
+                                                                              c10::SymIntArrayRef normalized_shape,
+                                                                              const std::optional<at::Tensor>& weight,
+                                                                              std::optional<double> eps) {
+  return rms_norm_recorded("_rms_norm_forward_amax", input, weight, [&](bool) {
+    return opforge::_rms_norm_forward_amax(input, normalized_shape, weight, eps);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_amax_autograd(
+    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  return fused_add_rms_norm_recorded("_fused_add_rms_norm_forward_amax", input, residual, weight, [&](bool) {
+    return opforge::_fused_add_rms_norm_forward_amax(input, residual, normalized_shape, weight, eps);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opforge, CompositeExplicitAutograd, m) {
@@ -437,6 +522,8 @@ TORCH_LIBRARY_IMPL(opforge, Meta, m) {
   m.impl("_rms_norm_apply", &rms_norm_apply_meta);
   m.impl("_rms_norm_forward", &rms_norm_forward_meta);
   m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_meta);
+  m.impl("_rms_norm_forward_amax", &rms_norm_forward_amax_meta);
+  m.impl("_fused_add_rms_norm_forward_amax", &fused_add_rms_norm_forward_amax_meta);
   m.impl("rms_norm_backward", &rms_norm_backward_meta);
 }
 
@@ -445,11 +532,13 @@ TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm_autograd);
   m.impl("_rms_norm_forward", &rms_norm_forward_autograd);
   m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_autograd);
+  m.impl("_rms_norm_forward_amax", &rms_norm_forward_amax_autograd);
+  m.impl("_fused_add_rms_norm_forward_amax", &fused_add_rms_norm_forward_amax_autograd);
   register_backward_op_autograd(m, "rms_norm_backward");
   register_not_differentiable_autograd(m, "_rms_norm_apply");
 }
 
 // torch.autocast: as the native ops these mirror (core/autocast.h)
-OPFORGE_AUTOCAST(rms_norm, {{"rms_norm", AutocastPolicy::kInputDtype}, {"_rms_norm_forward", AutocastPolicy::kInputDtype}, {"fused_add_rms_norm", AutocastPolicy::kInputDtype}, {"_fused_add_rms_norm_forward", AutocastPolicy::kInputDtype}, {"rms_norm_backward", AutocastPolicy::kInputDtype}})
+OPFORGE_AUTOCAST(rms_norm, {{"rms_norm", AutocastPolicy::kInputDtype}, {"_rms_norm_forward", AutocastPolicy::kInputDtype}, {"fused_add_rms_norm", AutocastPolicy::kInputDtype}, {"_fused_add_rms_norm_forward", AutocastPolicy::kInputDtype}, {"_rms_norm_forward_amax", AutocastPolicy::kInputDtype}, {"_fused_add_rms_norm_forward_amax", AutocastPolicy::kInputDtype}, {"rms_norm_backward", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

@@ -87,13 +87,30 @@ struct ForwardOutputs {
 };
 ForwardOutputs empty_forward_outputs(const Problem& p, const at::Tensor& input, int64_t normalized_ndim, bool fused);
 
-/// A backend's forward: fills Y (and Z where p.R is defined) and rstd, as allocated by empty_forward_outputs.
-using ForwardKernel = void (*)(const Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd);
+/// A backend's forward: fills Y (and Z where p.R is defined) and rstd, as allocated by empty_forward_outputs; when
+/// `amax` is not null (the *_amax ops), also sets *amax to amax_of(Y): a new [1] tensor on Y's device, float32
+/// (float64 for float64), max |y| over Y as stored (NaN if any y is NaN, else inf if any is inf; 0 when Y is empty).
+using ForwardKernel = void (*)(const Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd, at::Tensor* amax);
+
+/// dtype of the *_amax ops' amax: float32 for float32/float16/bfloat16 output, float64 for float64.
+at::ScalarType amax_dtype(at::ScalarType output_dtype);
 
 /// _rms_norm_forward on one backend: checks, allocates the outputs and runs `kernel`; returns (Y, rstd).
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(ForwardKernel kernel, const at::Tensor& input,
                                                     c10::SymIntArrayRef normalized_shape,
                                                     const std::optional<at::Tensor>& weight, std::optional<double> eps);
+
+/// _rms_norm_forward_amax on one backend: rms_norm_forward's outputs and amax of Y; returns (Y, rstd, amax).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_forward_amax(ForwardKernel kernel, const at::Tensor& input,
+                                                                     c10::SymIntArrayRef normalized_shape,
+                                                                     const std::optional<at::Tensor>& weight,
+                                                                     std::optional<double> eps);
+
+/// _fused_add_rms_norm_forward_amax on one backend: fused_add_rms_norm_forward's outputs and amax of Y (the normed
+/// output, not Z); returns (Y, Z, rstd, amax).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_amax(
+    ForwardKernel kernel, const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps);
 
 /// _fused_add_rms_norm_forward on one backend: as rms_norm_forward with a residual; returns (Y, Z, rstd).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward(ForwardKernel kernel, const at::Tensor& input,

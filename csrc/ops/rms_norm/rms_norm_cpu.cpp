@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "core/amax_cpu.h"
 #include "core/dispatch.h"
 #include "ops/rms_norm/rms_norm.h"
 
@@ -117,9 +118,11 @@ void forward_row(const scalar_t* x, const scalar_t* r, const scalar_t* w, scalar
   apply_row(x, rs, w, y, N);
 }
 
-// Shared by _rms_norm_forward and _fused_add_rms_norm_forward: fills Y, Z (fused only) and rstd.
-void forward_cpu(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd) {
+// Shared by _rms_norm_forward and _fused_add_rms_norm_forward (and their *_amax forms): fills Y, Z (fused only) and
+// rstd; with amax, each task folds the rows of Y it has just written (core/amax_cpu.h) into *amax.
+void forward_cpu(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd, at::Tensor* amax) {
   const int64_t M = p.M, N = p.N;
+  if (amax != nullptr) *amax = cpu::zeroed_amax_tensor(Y);
   if (M == 0) return;
   if (N == 0) {
     rstd.fill_(1.0 / std::sqrt(p.eps));
@@ -135,12 +138,18 @@ void forward_cpu(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Te
     scalar_t* z = Z.defined() ? Z.mutable_data_ptr<scalar_t>() : nullptr;         // [M, N]
     opmath_t* rs = rstd.mutable_data_ptr<opmath_t>();                            // [M]
     const double eps = p.eps;
+    cpu::AmaxWord<scalar_t> word;
+    const bool want_amax = amax != nullptr;
     at::parallel_for(0, M, row_grain(N), [&](int64_t m0, int64_t m1) {
+      typename cpu::AmaxBits<scalar_t>::bits_t task_max = 0;
       for (int64_t m = m0; m < m1; ++m) {
         forward_row<scalar_t>(x + m * N, r ? r + m * N : nullptr, w, y + m * N, z ? z + m * N : nullptr, rs + m, N,
                               eps);
+        if (want_amax) task_max = cpu::AmaxBits<scalar_t>::fold(y + m * N, N, task_max);
       }
+      if (want_amax) word.combine(task_max);
     });
+    if (want_amax) word.store(*amax);
   });
 }
 
@@ -148,6 +157,19 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cpu(const at::Tensor& input,
                                                         const std::optional<at::Tensor>& weight,
                                                         std::optional<double> eps) {
   return rmsnorm::rms_norm_forward(forward_cpu, input, normalized_shape, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_forward_amax_cpu(const at::Tensor& input,
+                                                                         c10::SymIntArrayRef normalized_shape,
+                                                                         const std::optional<at::Tensor>& weight,
+                                                                         std::optional<double> eps) {
+  return rmsnorm::rms_norm_forward_amax(forward_cpu, input, normalized_shape, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_amax_cpu(
+    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  return rmsnorm::fused_add_rms_norm_forward_amax(forward_cpu, input, residual, normalized_shape, weight, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cpu(
@@ -305,6 +327,8 @@ TORCH_LIBRARY_IMPL(opforge, CPU, m) {
   m.impl("_rms_norm_apply", &rms_norm_apply_cpu);
   m.impl("_rms_norm_forward", &rms_norm_forward_cpu);
   m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_cpu);
+  m.impl("_rms_norm_forward_amax", &rms_norm_forward_amax_cpu);
+  m.impl("_fused_add_rms_norm_forward_amax", &fused_add_rms_norm_forward_amax_cpu);
   m.impl("rms_norm_backward", &rms_norm_backward_cpu);
 }
 

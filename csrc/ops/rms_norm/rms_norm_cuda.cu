@@ -24,6 +24,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "core/amax_cuda.cuh"
 #include "core/cuda_utils.cuh"
 #include "core/dispatch.h"
 #include "core/knobs.h"
@@ -50,7 +51,9 @@ constexpr int kMaxThreadsFwd = 1024;  // forward: threads per row at most (launc
 // MAXV > 0: the thread's vectors v = tid + k·TPR (k < MAXV) stay in registers; with PIPE the next
 // row's vectors are loaded before this row's reduction and stores, so loads stay in flight across the
 // barrier. MAXV == 0: streaming.
-template <typename T, int VEC, int MAXV, bool FUSED, bool PIPE>
+// AMAX (the *_amax ops): each thread also folds the y it stores into a running max, and each warp atomicMax'es its max
+// into *amax at the end (core/amax_cuda.cuh); without AMAX the kernel is the one the plain ops run.
+template <typename T, int VEC, int MAXV, bool FUSED, bool PIPE, bool AMAX>
 __global__ void __launch_bounds__(kMaxThreadsFwd)
     rms_norm_forward_kernel(const T* __restrict__ X,      // [M, N]
                             const T* __restrict__ R,      // [M, N] (FUSED)
@@ -58,9 +61,11 @@ __global__ void __launch_bounds__(kMaxThreadsFwd)
                             T* __restrict__ Y,            // [M, N]
                             T* __restrict__ Z,            // [M, N] (FUSED)
                             at::opmath_type<T>* __restrict__ rstd,  // [M]
-                            int64_t M, int64_t N, at::opmath_type<T> eps) {
+                            int64_t M, int64_t N, at::opmath_type<T> eps,
+                            typename cuda::AmaxBits<T>::bits_t* __restrict__ amax) {  // [1] (AMAX)
   using opmath_t = at::opmath_type<T>;
   using V = Vec<T, VEC>;
+  typename cuda::AmaxBits<T>::bits_t ymax = 0;
   __shared__ opmath_t smem[2][32];
   RowSum<opmath_t> row_sum{smem};
   const int tid = threadIdx.x, tpr = blockDim.x;
@@ -96,6 +101,7 @@ __global__ void __launch_bounds__(kMaxThreadsFwd)
     for (int j = 0; j < VEC; ++j) {
       const opmath_t wj = W != nullptr ? static_cast<opmath_t>(w.val[j]) : opmath_t(1);
       y.val[j] = static_cast<T>(static_cast<opmath_t>(a.val[j]) * rs * wj);
+      if constexpr (AMAX) cuda::amax_fold(ymax, y.val[j]);
     }
     reinterpret_cast<V*>(Y + base)[v] = y;
   };
@@ -156,6 +162,7 @@ __global__ void __launch_bounds__(kMaxThreadsFwd)
       }
     }
   }
+  if constexpr (AMAX) cuda::warp_amax_atomic(ymax, amax);  // whole warps (blockDim.x % 32 == 0), no early exit
 }
 
 // ---- forward variants 1..4 (default_forward_variant picks them; variant 0 is the kernel above) --------------
@@ -167,7 +174,8 @@ __global__ void __launch_bounds__(kMaxThreadsFwd)
 // for every row; WEARLY: with the row's loads, before the reduction). Index: 32-bit offsets where
 // M·N < 2^31, 64-bit otherwise. Fewer live registers than variant 0 (no weight cache, no next-row
 // buffer), so more blocks are resident per SM and more row loads are in flight.
-template <typename T, int VEC, int NV, bool FUSED, bool WEARLY, typename Index>
+// AMAX: as rms_norm_forward_kernel's (a warp's atomicMax after its row; a warp past M exits before, as a whole).
+template <typename T, int VEC, int NV, bool FUSED, bool WEARLY, typename Index, bool AMAX>
 __global__ void __launch_bounds__(1024)
     rms_norm_forward_row_kernel(const T* __restrict__ X,      // [M, N]
                                 const T* __restrict__ R,      // [M, N] (FUSED)
@@ -175,7 +183,8 @@ __global__ void __launch_bounds__(1024)
                                 T* __restrict__ Y,            // [M, N]
                                 T* __restrict__ Z,            // [M, N] (FUSED)
                                 at::opmath_type<T>* __restrict__ rstd,  // [M]
-                                int64_t M, Index N, at::opmath_type<T> eps) {
+                                int64_t M, Index N, at::opmath_type<T> eps,
+                                typename cuda::AmaxBits<T>::bits_t* __restrict__ amax) {  // [1] (AMAX)
   using opmath_t = at::opmath_type<T>;
   using V = Vec<T, VEC>;
   __shared__ opmath_t smem[2][32];
@@ -218,6 +227,7 @@ __global__ void __launch_bounds__(1024)
   const opmath_t rs = opmath_t(1) / sqrt(row_sum(ss) / static_cast<opmath_t>(N) + eps);
   if (threadIdx.x == 0) rstd[row] = rs;
   V* Yv = reinterpret_cast<V*>(Y + base);
+  typename cuda::AmaxBits<T>::bits_t ymax = 0;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const Index v = tid + k * tpr;
@@ -228,10 +238,12 @@ __global__ void __launch_bounds__(1024)
       for (int j = 0; j < VEC; ++j) {
         const opmath_t wj = W != nullptr ? static_cast<opmath_t>(w[k].val[j]) : opmath_t(1);
         y.val[j] = static_cast<T>(static_cast<opmath_t>(a[k].val[j]) * rs * wj);
+        if constexpr (AMAX) cuda::amax_fold(ymax, y.val[j]);
       }
       Yv[v] = y;
     }
   }
+  if constexpr (AMAX) cuda::warp_amax_atomic(ymax, amax);
 }
 
 constexpr int kRowKernelMaxThreads = 1024;
@@ -266,6 +278,7 @@ inline int forward_vecs_per_thread(int variant, int64_t nvec) {
 template <typename T, bool FUSED>
 struct ForwardArgs {
   using opmath_t = at::opmath_type<T>;
+  using bits_t = typename cuda::AmaxBits<T>::bits_t;
   const T* x;
   const T* r;
   const T* w;
@@ -273,20 +286,22 @@ struct ForwardArgs {
   T* z;
   opmath_t* rs;
   opmath_t eps;
-  ForwardArgs(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd)
+  bits_t* amax;  // the amax word (null without amax)
+  ForwardArgs(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd, at::Tensor* amax_out)
       : x(p.X.const_data_ptr<T>()),
         r(FUSED ? p.R.const_data_ptr<T>() : nullptr),
         w(p.W.defined() ? p.W.const_data_ptr<T>() : nullptr),
         y(Y.mutable_data_ptr<T>()),
         z(FUSED ? Z.mutable_data_ptr<T>() : nullptr),
         rs(rstd.mutable_data_ptr<opmath_t>()),
-        eps(static_cast<opmath_t>(p.eps)) {}
+        eps(static_cast<opmath_t>(p.eps)),
+        amax(amax_out != nullptr ? reinterpret_cast<bits_t*>(amax_out->mutable_data_ptr()) : nullptr) {}
 };
 
 // Runs forward variant 1..4 (the chooser, or the test hook rms_norm_forward) for this problem; false, having
 // launched nothing, when variant 0 is chosen or the chosen variant does not apply (float64, rows too
 // long, more than 2^31 row groups).
-template <typename T, bool FUSED>
+template <typename T, bool FUSED, bool AMAX>
 bool launch_forward_variant(const rmsnorm::Problem& p, const ForwardArgs<T, FUSED>& a, bool vec) {
   if constexpr (std::is_same_v<T, double>) {
     return false;
@@ -306,16 +321,16 @@ bool launch_forward_variant(const rmsnorm::Problem& p, const ForwardArgs<T, FUSE
     const dim3 block(tpr, rows_per_block);
     auto stream = at::cuda::getCurrentCUDAStream();
     auto go = [&](auto kernel, auto n) {
-      kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(a.x, a.r, a.w, a.y, a.z, a.rs, M, n, a.eps);
+      kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(a.x, a.r, a.w, a.y, a.z, a.rs, M, n, a.eps, a.amax);
     };
     // NV_ and WEARLY_ as template arguments; Index from the problem's size (vector widths only: the
     // scalar fallback of unaligned or odd rows always takes 64-bit offsets)
     auto run = [&](auto nv_c, auto early_c) {
       constexpr int NV_ = decltype(nv_c)::value;
       constexpr bool E_ = decltype(early_c)::value;
-      if (vec && small) go(rms_norm_forward_row_kernel<T, VEC, NV_, FUSED, E_, int32_t>, static_cast<int32_t>(N));
-      else if (vec) go(rms_norm_forward_row_kernel<T, VEC, NV_, FUSED, E_, int64_t>, N);
-      else go(rms_norm_forward_row_kernel<T, 1, NV_, FUSED, E_, int64_t>, N);
+      if (vec && small) go(rms_norm_forward_row_kernel<T, VEC, NV_, FUSED, E_, int32_t, AMAX>, static_cast<int32_t>(N));
+      else if (vec) go(rms_norm_forward_row_kernel<T, VEC, NV_, FUSED, E_, int64_t, AMAX>, N);
+      else go(rms_norm_forward_row_kernel<T, 1, NV_, FUSED, E_, int64_t, AMAX>, N);
     };
     using F = std::false_type;
     using I1 = std::integral_constant<int, 1>;
@@ -706,15 +721,15 @@ int64_t resident_blocks(int threads) {
 }
 
 // Launcher: device guard, current stream, launch, launch check. M == 0 or N == 0 launch nothing.
-template <typename T, bool FUSED>
-void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd) {
+template <typename T, bool FUSED, bool AMAX>
+void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd, at::Tensor* amax) {
   const int64_t M = p.M, N = p.N;
-  const ForwardArgs<T, FUSED> a(p, Y, Z, rstd);
+  const ForwardArgs<T, FUSED> a(p, Y, Z, rstd, amax);
   constexpr int VEC = cuda::vec_size<T>();
   const bool vec = N % VEC == 0 && cuda::is_aligned16(a.x) && cuda::is_aligned16(a.y) &&
                    (a.w == nullptr || cuda::is_aligned16(a.w)) &&
                    (!FUSED || (cuda::is_aligned16(a.r) && cuda::is_aligned16(a.z)));
-  if (launch_forward_variant<T, FUSED>(p, a, vec)) return;
+  if (launch_forward_variant<T, FUSED, AMAX>(p, a, vec)) return;
   const int64_t nvec = vec ? N / VEC : N;
   // For 4-byte and wider types, rows pipelined and up to 1024 threads per row (H200, fp32 32768x4096: 3895 against
   // 3495 GB/s without; 16384x8192: 3886 against 3427); 2-byte types run neither (bf16 32768x4096: 3518 against 3396
@@ -727,10 +742,10 @@ void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at:
   auto stream = at::cuda::getCurrentCUDAStream();
 #define OPFORGE_RMS_FORWARD_LAUNCH(V_, MAXV_, PIPE_)                                                     \
   do {                                                                                                   \
-    constexpr auto kernel = rms_norm_forward_kernel<T, V_, MAXV_, FUSED, PIPE_>;                         \
+    constexpr auto kernel = rms_norm_forward_kernel<T, V_, MAXV_, FUSED, PIPE_, AMAX>;                   \
     const int64_t grid =                                                                                 \
         std::min<int64_t>(row_groups, num_sms() * resident_blocks<kernel>(map.tpr * rows_per_block));    \
-    kernel<<<grid, block, 0, stream>>>(a.x, a.r, a.w, a.y, a.z, a.rs, M, N, a.eps);                      \
+    kernel<<<grid, block, 0, stream>>>(a.x, a.r, a.w, a.y, a.z, a.rs, M, N, a.eps, a.amax);              \
   } while (0)
   if (vec) {
     if (map.cached) OPFORGE_RMS_FORWARD_LAUNCH(VEC, kMaxVecsPerThread, kWide);
@@ -743,16 +758,24 @@ void launch_forward(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at:
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void forward_cuda(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd) {
-  if (p.M == 0) return;
+// amax (the *_amax ops): a memset-zeroed word that the forward kernel raises as it stores Y (the AMAX instantiations:
+// the same variant, mapping and per-row arithmetic as without amax, so Y, Z and rstd are bitwise the plain op's).
+void forward_cuda(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd, at::Tensor* amax) {
   c10::cuda::CUDAGuard guard(p.X.device());
+  if (amax != nullptr) *amax = cuda::zeroed_amax_tensor(Y);
+  if (p.M == 0) return;
   if (p.N == 0) {
     rstd.fill_(1.0 / std::sqrt(p.eps));
     return;
   }
   OPFORGE_DISPATCH_FLOATING(p.X.scalar_type(), "opforge::rms_norm", [&] {
-    if (p.R.defined()) launch_forward<scalar_t, true>(p, Y, Z, rstd);
-    else launch_forward<scalar_t, false>(p, Y, Z, rstd);
+    if (amax != nullptr) {
+      if (p.R.defined()) launch_forward<scalar_t, true, true>(p, Y, Z, rstd, amax);
+      else launch_forward<scalar_t, false, true>(p, Y, Z, rstd, amax);
+    } else {
+      if (p.R.defined()) launch_forward<scalar_t, true, false>(p, Y, Z, rstd, nullptr);
+      else launch_forward<scalar_t, false, false>(p, Y, Z, rstd, nullptr);
+    }
   });
 }
 
@@ -760,6 +783,19 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input
                                                          const std::optional<at::Tensor>& weight,
                                                          std::optional<double> eps) {
   return rmsnorm::rms_norm_forward(forward_cuda, input, normalized_shape, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_forward_amax_cuda(const at::Tensor& input,
+                                                                          c10::SymIntArrayRef normalized_shape,
+                                                                          const std::optional<at::Tensor>& weight,
+                                                                          std::optional<double> eps) {
+  return rmsnorm::rms_norm_forward_amax(forward_cuda, input, normalized_shape, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_amax_cuda(
+    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  return rmsnorm::fused_add_rms_norm_forward_amax(forward_cuda, input, residual, normalized_shape, weight, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cuda(
@@ -927,6 +963,8 @@ TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
   m.impl("_rms_norm_apply", &rms_norm_apply_cuda);
   m.impl("_rms_norm_forward", &rms_norm_forward_cuda);
   m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_cuda);
+  m.impl("_rms_norm_forward_amax", &rms_norm_forward_amax_cuda);
+  m.impl("_fused_add_rms_norm_forward_amax", &fused_add_rms_norm_forward_amax_cuda);
   m.impl("rms_norm_backward", &rms_norm_backward_cuda);
 }
 

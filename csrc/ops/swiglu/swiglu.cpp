@@ -1,4 +1,4 @@
-// swiglu and swiglu_packed, y = silu(gate) · up (Shazeer 2020, "GLU Variants Improve Transformer"): public C++ API,
+// swiglu, swiglu_packed and _swiglu_packed_amax (swiglu_packed plus max |output|), y = silu(gate) · up (Shazeer 2020, "GLU Variants Improve Transformer"): public C++ API,
 // Meta kernels and autograd. Checkers, Meta and kernels: the gated engine (core/gated.h) with Activation::kSiLU.
 #include "opforge/opforge.h"
 
@@ -25,6 +25,10 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_output
 
 at::Tensor swiglu_packed(const at::Tensor& input) {
   static auto op = typed_op<decltype(swiglu_packed)>("opforge::swiglu_packed");
+  return op.call(input);
+}
+std::tuple<at::Tensor, at::Tensor> _swiglu_packed_amax(const at::Tensor& input) {
+  static auto op = typed_op<decltype(_swiglu_packed_amax)>("opforge::_swiglu_packed_amax");
   return op.call(input);
 }
 at::Tensor swiglu_packed_backward(const at::Tensor& grad_output, const at::Tensor& input) {
@@ -103,12 +107,27 @@ at::Tensor swiglu_packed_autograd(const at::Tensor& input) {
       [&](OpNode& n, const at::Tensor&) { n.save(input); }, input);
 }
 
+// _swiglu_packed_amax: swiglu_packed's node (same backward, same saved input) over (output, amax), amax without
+// history.
+std::tuple<at::Tensor, at::Tensor> swiglu_packed_amax_meta(const at::Tensor& input) {
+  return gated_packed_amax_meta("swiglu_packed", input);
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_packed_amax_autograd(const at::Tensor& input) {
+  return autograd_op(
+      {"_swiglu_packed_amax", "opforge::SwigluPackedBackward", swiglu_packed_backward_fn,
+       swiglu_packed_double_backward_fn},
+      {kDifferentiable, kNotDifferentiable}, [&](bool) { return opforge::_swiglu_packed_amax(input); },
+      [&](OpNode& n, const std::tuple<at::Tensor, at::Tensor>&) { n.save(input); }, input);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opforge, Meta, m) {
   m.impl("swiglu", &swiglu_meta);
   m.impl("swiglu_backward", &swiglu_backward_meta);
   m.impl("swiglu_packed", &swiglu_packed_meta);
+  m.impl("_swiglu_packed_amax", &swiglu_packed_amax_meta);
   m.impl("swiglu_packed_backward", &swiglu_packed_backward_meta);
 }
 
@@ -116,6 +135,7 @@ TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
   m.impl("swiglu", &swiglu_autograd);
   register_backward_op_autograd(m, "swiglu_backward");
   m.impl("swiglu_packed", &swiglu_packed_autograd);
+  m.impl("_swiglu_packed_amax", &swiglu_packed_amax_autograd);
   register_backward_op_autograd(m, "swiglu_packed_backward");
 }
 
@@ -123,6 +143,7 @@ TORCH_LIBRARY_IMPL(opforge, Autograd, m) {
 OPFORGE_AUTOCAST(swiglu, {{"swiglu", AutocastPolicy::kInputDtype},
                           {"swiglu_backward", AutocastPolicy::kInputDtype},
                           {"swiglu_packed", AutocastPolicy::kInputDtype},
+                          {"_swiglu_packed_amax", AutocastPolicy::kInputDtype},
                           {"swiglu_packed_backward", AutocastPolicy::kInputDtype}})
 
 }  // namespace opforge

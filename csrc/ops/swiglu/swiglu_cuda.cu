@@ -22,6 +22,10 @@ at::Tensor swiglu_packed_cuda(const at::Tensor& input) {
   return cuda::gated_packed_forward<kSwiglu>("swiglu_packed", input);
 }
 
+std::tuple<at::Tensor, at::Tensor> swiglu_packed_amax_cuda(const at::Tensor& input) {
+  return cuda::gated_packed_forward_amax<kSwiglu>("swiglu_packed", input);
+}
+
 at::Tensor swiglu_packed_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input) {
   return cuda::gated_packed_backward<kSwiglu>("swiglu_packed_backward", grad_output, input);
 }
@@ -32,6 +36,7 @@ TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
   m.impl("swiglu", &swiglu_cuda);
   m.impl("swiglu_backward", &swiglu_backward_cuda);
   m.impl("swiglu_packed", &swiglu_packed_cuda);
+  m.impl("_swiglu_packed_amax", &swiglu_packed_amax_cuda);
   m.impl("swiglu_packed_backward", &swiglu_packed_backward_cuda);
 }
 

@@ -16,6 +16,7 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 | --- | --- |
 | rms_norm, fused_add_rms_norm (and _forward, _rms_norm_apply) | R; S(d) on a leading (token) dim, weight R |
 | their backward | as forward; grad_weight P when token-sharded; a P grad_output with R inputs gives P |
+| _rms_norm_forward_amax, _fused_add_rms_norm_forward_amax, _swiglu_packed_amax | R only (amax, a max over the whole output, is replicated: a sharded input is gathered) |
 | sigmoid, square, swiglu | R or S(d) on any dim, all inputs alike |
 | square_add | as square; other S on its matching dim, R where it broadcasts |
 | elementwise / swiglu backward | as forward (broadcast grads P); P grad_output with R inputs gives P |
@@ -134,6 +135,19 @@ def _fused_add_rms_norm_forward(input, residual, normalized_shape, weight=None, 
             for p in [R, *_leading(_ndim(input) - len(normalized_shape))]]
 
 
+# The *_amax ops (FP8 current scaling): amax is the max over the whole output, which no placement of the local results
+# expresses (a partial max is not a DTensor placement), so they run replicated only: DTensor gathers a sharded input
+# and every rank computes the same, replicated amax (and replicated outputs).
+@_rule("_rms_norm_forward_amax")
+def _rms_norm_forward_amax(input, normalized_shape, weight=None, eps=None):
+    return [([R, R, R], [R, None, _opt(weight, R), None])]
+
+
+@_rule("_fused_add_rms_norm_forward_amax")
+def _fused_add_rms_norm_forward_amax(input, residual, normalized_shape, weight=None, eps=None):
+    return [([R, R, R, R], [R, R, None, _opt(weight, R), None])]
+
+
 @_rule("rms_norm_backward")
 def _rms_norm_backward(grad_output, input, rstd, weight, output_mask):
     gw = output_mask[1] and weight is not None
@@ -209,6 +223,12 @@ def _geglu_packed_backward(grad_output, input, approximate="none"):
 @_rule("swiglu_packed")
 def _swiglu_packed(input):
     return [([p], [p]) for p in [R, *_leading(_ndim(input) - 1)]]
+
+
+@_rule("_swiglu_packed_amax")
+def _swiglu_packed_amax(input):
+    # replicated only, as the rms_norm *_amax ops (a partial max is not a placement)
+    return [([R, R], [R])]
 
 
 @_rule("swiglu_packed_backward")
