@@ -20,6 +20,7 @@ import opforge
 from conftest import spawn_gloo
 from opforge import patch
 from opforge import testing as T
+from opforge.patch import _fp8 as FP8_PATCH
 
 from conformance import _fp8_linear_baseline
 
@@ -94,6 +95,14 @@ PRODUCER_OPS = ("opforge::_rms_norm_forward_amax", "opforge::_fused_add_rms_norm
                 "opforge::_swiglu_packed_amax")
 
 
+class _Owner(torch.nn.Module):
+    """A module as a patched attention / MLP with tensorwise FP8 projections looks to `_fp8.amax_on`."""
+
+    def __init__(self):
+        super().__init__()
+        self._opforge_fp8 = "tensorwise"
+
+
 class _AmaxUse(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the producers that ran and, per FP8 GEMM op, (weight's shape, whether it was handed input_amax)."""
 
@@ -121,8 +130,7 @@ def test_fp8_producers_hand_their_amax_to_the_gemms(device, recompute):
     themselves (the test hook PRODUCER_AMAX = False)."""
     if not all(hasattr(torch.ops.opforge, op.split("::")[1]) for op in PRODUCER_OPS):
         pytest.skip("this build has no amax-producing ops")
-    from opforge.patch import _fp8 as P8
-
+    assert FP8_PATCH.amax_on(_Owner()), "the producers' ops are built but the patch does not hand their amax on"
     model = _llama(device)
     assert patch.apply(model, fp8="tensorwise", recompute=recompute).ok
     ids = _ids(device)
@@ -144,12 +152,12 @@ def test_fp8_producers_hand_their_amax_to_the_gemms(device, recompute):
         assert sum(given for *_, given in backward) == 3 * layers
     model.zero_grad(set_to_none=True)
     fused = _step(model, ids)
-    P8.PRODUCER_AMAX = False
+    FP8_PATCH.PRODUCER_AMAX = False
     try:
         model.zero_grad(set_to_none=True)
         plain = _step(model, ids)
     finally:
-        P8.PRODUCER_AMAX = True
+        FP8_PATCH.PRODUCER_AMAX = True
     assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
     assert fused[2].keys() == plain[2].keys() and all(torch.equal(fused[2][n], plain[2][n]) for n in plain[2])
 
