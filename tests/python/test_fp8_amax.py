@@ -365,3 +365,24 @@ def _dtensor_worker(rank, world):
 
 def test_dtensor_rules_take_input_amax_replicated(tmp_path):
     spawn_gloo(tmp_path, _dtensor_worker, world=2)
+
+
+# ---- opcheck: Meta/fake kernels, autograd registration, AOT dispatch with input_amax ---------------------------
+# (opcheck's test_schema multiplies the FP8 operands, which the CPU's mul lacks: left out)
+UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+@pytest.mark.parametrize("device", ALL_DEVICES)
+@pytest.mark.parametrize("save_input", [False, True])
+def test_opcheck_with_input_amax(device, save_input):
+    x = torch.randn(6, 24, device=device, requires_grad=True)
+    w = torch.randn(5, 24, device=device, requires_grad=True)
+    q = _weight_operands(w)
+    a = _amax(x.detach())
+    torch.library.opcheck(OPS._fp8_linear_quantized.default, (x, w, *q, None),
+                          {"save_input": save_input, "input_amax": a}, test_utils=UTILS)
+    torch.library.opcheck(OPS._fp8_linear_forward.default, (x.detach(), w.detach()), {"input_amax": a},
+                          test_utils=UTILS)
+    g = torch.randn(6, 5, device=device)
+    torch.library.opcheck(OPS._fp8_linear_quantized_backward.default,
+                          (g, x.detach(), None, None, w.detach(), None, None, [True, True, False]), {"input_amax": a},
+                          test_utils=UTILS)
