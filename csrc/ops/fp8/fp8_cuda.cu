@@ -194,8 +194,8 @@ void launch_amax(const scalar_t* x, int64_t n, typename AmaxTraits<scalar_t>::bi
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-/// The amax word of a tensorwise quantization of X: `given`'s (a caller's amax, read in place), else a zeroed
-/// buffer that `compute` (the amax pass, on the current stream) fills; `buffer` keeps that buffer alive.
+/// The amax word of a tensorwise quantization of X: `given`'s (a caller's amax, read in place by the cast kernels),
+/// else a word zeroed by a memset that the amax pass fills on the current stream (`buffer` holds it).
 template <typename scalar_t>
 const typename AmaxTraits<scalar_t>::bits_t* tensorwise_amax(const at::Tensor& X, const at::Tensor& given,
                                                              at::Tensor& buffer) {
