@@ -258,12 +258,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward(
 /// 1 / scale: what grad_weight's GEMM reads. With weight_data (quantize_fp8(weight) in float8_e4m3fn) and
 /// weight_inv_scale (the reciprocal of its scale, [1]) the weight is not quantized here. Not
 /// differentiable (its outputs carry no history: fp8_linear's Autograd kernel calls it below autograd). Raises:
-/// fp8_linear's errors, rowwise (ValueError), malformed weight operands (ValueError, TypeError).
+/// fp8_linear's errors, rowwise (ValueError), malformed weight operands (ValueError, TypeError). input_amax: max|input|
+/// computed by the kernel that wrote input ([1], float32; float64 for a float64 input; on input's device), which
+/// replaces the quantizer's amax pass (the same bits when it is that amax); a malformed one raises TypeError (dtype),
+/// ValueError (shape) or RuntimeError (device).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias = std::nullopt,
     const std::optional<at::Tensor>& weight_data = std::nullopt,
     const std::optional<at::Tensor>& weight_inv_scale = std::nullopt, c10::string_view granularity = "tensorwise",
-    std::optional<at::ScalarType> grad_dtype = std::nullopt);
+    std::optional<at::ScalarType> grad_dtype = std::nullopt,
+    const std::optional<at::Tensor>& input_amax = std::nullopt);
 
 /// The weight operands of _fp8_linear_quantized for a 2-D weight (N, K), in float8_e4m3fn: (data (N, K), inv_scale,
 /// data_t (K, N), inv_scale_t): data and data_t the bits of quantize_fp8(weight, float8_e4m3fn, granularity) and of
@@ -283,27 +287,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _quantize_fp8_weight(
 /// none to the quantized operands. save_input: autograd saves the input for backward, which quantizes inputᵀ from
 /// it there (the bits the forward would have kept), instead of the forward's q(inputᵀ) (kept tensorwise with a
 /// weight gradient): saved-tensor hooks that drop a recomputable input (opforge.patch's recompute) then free it.
+/// input_amax (tensorwise): max|input| given, as _fp8_linear_forward's; autograd saves it with the input under
+/// save_input for the backward's q(inputᵀ); it gets no gradient.
 /// Raises: fp8_linear's errors; operands of another dtype (TypeError), shape, scale size or device (ValueError,
-/// RuntimeError).
+/// RuntimeError); input_amax with rowwise scales (ValueError) or malformed (as _fp8_linear_forward's).
 at::Tensor _fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_data,
                                  const at::Tensor& weight_inv_scale, const at::Tensor& weight_t_data,
                                  const at::Tensor& weight_t_inv_scale,
                                  const std::optional<at::Tensor>& bias = std::nullopt,
                                  c10::string_view granularity = "tensorwise",
-                                 std::optional<at::ScalarType> grad_dtype = std::nullopt, bool save_input = false);
+                                 std::optional<at::ScalarType> grad_dtype = std::nullopt, bool save_input = false,
+                                 const std::optional<at::Tensor>& input_amax = std::nullopt);
 
 /// fp8_linear_backward from saved quantized operands: grad_weight's GEMM reads q(inputᵀ) (input_t_data [K, M],
 /// input_t_inv_scale = 1 / its scale) when given, else quantizes input; grad_input's GEMM reads q(weightᵀ)
 /// (weight_t_data [K, N], weight_t_inv_scale = 1 / its scale) when given, else quantizes weight. The bits of fp8_linear_backward. grad_input has input's
 /// shape and dtype, or (*, K) of grad_output's leading dims in grad_output's dtype when input is not given.
-/// Raises: fp8_linear_backward's errors; grad_weight asked for with neither input nor input_t_data (ValueError).
+/// input_amax (tensorwise, with input): max|input| given for q(inputᵀ), as _fp8_linear_forward's.
+/// Raises: fp8_linear_backward's errors; grad_weight asked for with neither input nor input_t_data (ValueError);
+/// input_amax without input or with rowwise scales (ValueError) or malformed (as _fp8_linear_forward's).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_quantized_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
     const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask,
     c10::string_view granularity = "tensorwise", std::optional<at::ScalarType> grad_dtype = std::nullopt,
-    std::optional<at::ScalarType> bias_dtype = std::nullopt);
+    std::optional<at::ScalarType> bias_dtype = std::nullopt,
+    const std::optional<at::Tensor>& input_amax = std::nullopt);
 // ---- end fp8 ----
 // ---- linear variants: linear_cat, indexed_linear ----
 

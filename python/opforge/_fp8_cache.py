@@ -265,17 +265,57 @@ def saving_input():
         _LOCAL.save_input = before
 
 
+@contextmanager
+def input_amax(input: torch.Tensor, amax: torch.Tensor):
+    """While active (in this thread), `linear` called on `input` itself (the same tensor object, not written in place
+    since: its `_version` unchanged) takes `amax` as its input_amax: for a caller that computed h and its amax in one
+    kernel (rms_norm, fused_add_rms_norm, swiglu_packed) and calls a module that reaches `linear` with h, possibly
+    through wrappers (PEFT's LoRA layers pass their input to the base layer as it is), as in
+    `with _fp8_cache.input_amax(h, amax): self.down_proj(h)`. Nests (the innermost entry for a tensor wins); nothing
+    stays after the block.
+
+    Args:
+        input: the tensor whose amax is handed down.
+        amax: max|input| over the whole tensor, [1], float32 (float64 for a float64 input), on input's device (the
+            interface of `_fp8_linear_quantized`'s input_amax, whose checks apply where it is used).
+    """
+    stack = getattr(_LOCAL, "amax", None)
+    if stack is None:
+        stack = _LOCAL.amax = []
+    stack.append((input, input._version, amax))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _amax_of(input: torch.Tensor) -> Optional[torch.Tensor]:
+    """The amax that an active `input_amax` block gives for `input` as it is now, or None."""
+    for t, version, amax in reversed(getattr(_LOCAL, "amax", None) or ()):
+        if t is input:
+            return amax if t._version == version else None
+    return None
+
+
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], granularity: str,
            grad_dtype: Optional[torch.dtype] = None, modules: Tuple = (),
-           aliases: Optional[Callable[[], Tuple]] = None) -> torch.Tensor:
+           aliases: Optional[Callable[[], Tuple]] = None, input_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp8_linear(input, weight, bias) with the weight's operands from the cache where it is usable (`modules`: those
     holding `weight`, see `usable`), else fp8_linear itself: the same bits either way. `aliases`: () -> the weight's
-    aliases (see `operands`), called only when the cache is used."""
+    aliases (see `operands`), called only when the cache is used. `input_amax`: max|input| ([1], float32; float64 for
+    a float64 input) computed by the kernel that wrote input, or None (then the one an active `input_amax` block gives
+    for this very input, if any): tensorwise, `_fp8_linear_quantized` quantizes input (and, under `saving_input`,
+    inputᵀ in backward) from it instead of its own amax pass, the same bits; rowwise and fp8_linear ignore it."""
     from . import functional as OF
 
     if not usable(weight, modules) or not all(hasattr(torch.ops.opforge, op) for op in _PRIVATE_OPS):
         return OF.fp8_linear(input, weight, bias, granularity=granularity, grad_dtype=grad_dtype)
     ops = operands(weight, granularity, aliases() if aliases is not None else ())
+    kwargs = {}
+    if granularity == "tensorwise":
+        amax = input_amax if input_amax is not None else _amax_of(input)
+        if amax is not None:
+            kwargs["input_amax"] = amax
     return torch.ops.opforge._fp8_linear_quantized(input, weight, *ops, bias, granularity=granularity,
                                                    grad_dtype=grad_dtype,
-                                                   save_input=getattr(_LOCAL, "save_input", False))
+                                                   save_input=getattr(_LOCAL, "save_input", False), **kwargs)

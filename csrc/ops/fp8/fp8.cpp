@@ -96,16 +96,40 @@ c10::SymInt sym_rows_of(const at::Tensor& t) {
   return M;
 }
 bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+/// The tensor of an optional argument, undefined when absent.
+at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return given(t) ? *t : at::Tensor(); }
 }  // namespace
+
+at::ScalarType amax_dtype_of(at::ScalarType input_dtype) {
+  return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_input_amax(const char* op, const std::optional<at::Tensor>& input_amax, const at::Tensor& input,
+                      Granularity g) {
+  if (!given(input_amax)) return;
+  const at::Tensor& a = *input_amax;
+  TORCH_CHECK_VALUE(g == Granularity::kTensorwise, "opforge::", op,
+                    ": expected input_amax only with granularity \"tensorwise\" (rowwise scales take each row's "
+                    "amax), but got granularity \"rowwise\" with input_amax");
+  const at::ScalarType expected = amax_dtype_of(input.scalar_type());
+  TORCH_CHECK_TYPE(a.scalar_type() == expected, "opforge::", op, ": expected input_amax to be ", expected, " for a ",
+                   input.scalar_type(), " input, but got ", a.scalar_type());
+  TORCH_CHECK_VALUE(a.dim() == 1 && a.sym_size(0) == 1, "opforge::", op,
+                    ": expected input_amax of shape [1] (max|input| over the whole tensor), but got ",
+                    shape_str(a.sym_sizes()));
+  check_same_device(op, "input_amax", a, "input", input);
+}
 
 void check_fp8_linear_forward_args(const at::Tensor& input, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& weight_data,
                                    const std::optional<at::Tensor>& weight_inv_scale, c10::string_view granularity,
-                                   std::optional<at::ScalarType> grad_dtype) {
+                                   std::optional<at::ScalarType> grad_dtype,
+                                   const std::optional<at::Tensor>& input_amax) {
   constexpr const char* op = "_fp8_linear_forward";
   linear_op::check_linear_args(op, input, weight, bias);
   const Granularity g = parse_granularity(op, granularity);
   grad_dtype_of(op, grad_dtype, g);
+  check_input_amax(op, input_amax, input, g);
   TORCH_CHECK_VALUE(g == Granularity::kTensorwise, "opforge::", op,
                     ": expected granularity \"tensorwise\" (a rowwise q(inputᵀ) is scaled per column of input, "
                     "not the forward's per-row scales), but got \"rowwise\"");
@@ -122,11 +146,13 @@ Granularity check_fp8_linear_quantized_args(const at::Tensor& input, const at::T
                                             const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
                                             const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                             const std::optional<at::Tensor>& bias, c10::string_view granularity,
-                                            std::optional<at::ScalarType> grad_dtype) {
+                                            std::optional<at::ScalarType> grad_dtype,
+                                            const std::optional<at::Tensor>& input_amax) {
   constexpr const char* op = "_fp8_linear_quantized";
   linear_op::check_linear_args(op, input, weight, bias);
   const Granularity g = parse_granularity(op, granularity);
   grad_dtype_of(op, grad_dtype, g);
+  check_input_amax(op, input_amax, input, g);
   const bool rowwise = g == Granularity::kRowwise;
   const c10::SymInt N = weight.sym_size(0), K = weight.sym_size(1);
   check_weight_operand(op, "weight_data", weight_data, "weight_inv_scale", weight_inv_scale, N, K,
@@ -141,7 +167,8 @@ Granularity check_fp8_linear_quantized_backward_args(
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
     const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
-    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype,
+    const std::optional<at::Tensor>& input_amax) {
   constexpr const char* op = "_fp8_linear_quantized_backward";
   check_floating(op, "grad_output", grad_output);
   check_floating(op, "weight", weight);
@@ -178,6 +205,9 @@ Granularity check_fp8_linear_quantized_backward_args(
   }
   TORCH_CHECK_VALUE(!output_mask[1] || given(input) || given(input_t_data), "opforge::", op,
                     ": expected input or input_t_data for grad_weight (output_mask[1]), but got neither");
+  TORCH_CHECK_VALUE(!given(input_amax) || given(input), "opforge::", op,
+                    ": expected input with input_amax (the amax of the input it quantizes), but got input None");
+  if (given(input)) check_input_amax(op, input_amax, *input, g);
   return g;
 }
 
@@ -202,30 +232,35 @@ Granularity check_fp8_linear_backward_args(const at::Tensor& grad_output, const 
   return g;
 }
 
-Operand quantize_operand(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise) {
+Operand quantize_operand(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise,
+                         const at::Tensor& amax) {
+  TORCH_INTERNAL_ASSERT(!amax.defined() || !rowwise);
   TORCH_INTERNAL_ASSERT(X.dim() == 2);
   const at::Tensor Xc = X.contiguous();
   Operand out;
   out.data = at::empty(Xc.sizes(), Xc.options().dtype(dtype));
   out.scale = at::empty({rowwise ? Xc.size(0) : 1}, Xc.options().dtype(at::kFloat));
   out.inv_scale = at::empty_like(out.scale);
-  be.rows(Xc, out.data, out.scale, out.inv_scale, rowwise);
+  be.rows(Xc, out.data, out.scale, out.inv_scale, rowwise, amax);
   return out;
 }
 
-Operand quantize_operand_t(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise) {
-  TORCH_INTERNAL_ASSERT(X.dim() == 2);
-  if (!X.is_contiguous() && X.t().is_contiguous()) return quantize_operand(be, X.t(), dtype, rowwise);
+Operand quantize_operand_t(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise,
+                           const at::Tensor& amax) {
+  TORCH_INTERNAL_ASSERT(X.dim() == 2 && (!amax.defined() || !rowwise));
+  // (a tensorwise amax is that of X and of Xᵀ alike)
+  if (!X.is_contiguous() && X.t().is_contiguous()) return quantize_operand(be, X.t(), dtype, rowwise, amax);
   const at::Tensor Xc = X.contiguous();
   Operand out;
   out.data = at::empty({Xc.size(1), Xc.size(0)}, Xc.options().dtype(dtype));
   out.scale = at::empty({rowwise ? Xc.size(1) : 1}, Xc.options().dtype(at::kFloat));
   out.inv_scale = at::empty_like(out.scale);
-  be.cols(Xc, out.data, out.scale, out.inv_scale, rowwise);
+  be.cols(Xc, out.data, out.scale, out.inv_scale, rowwise, amax);
   return out;
 }
 
-std::pair<Operand, Operand> quantize_operand_both(const Backend& be, const at::Tensor& X, at::ScalarType dtype) {
+std::pair<Operand, Operand> quantize_operand_both(const Backend& be, const at::Tensor& X, at::ScalarType dtype,
+                                                  const at::Tensor& amax) {
   TORCH_INTERNAL_ASSERT(X.dim() == 2);
   const at::Tensor Xc = X.contiguous();
   Operand q, qt;
@@ -235,7 +270,7 @@ std::pair<Operand, Operand> quantize_operand_both(const Backend& be, const at::T
   q.inv_scale = at::empty_like(q.scale);
   qt.scale = q.scale;
   qt.inv_scale = q.inv_scale;
-  be.both(Xc, q.data, qt.data, q.scale, q.inv_scale);
+  be.both(Xc, q.data, qt.data, q.scale, q.inv_scale, amax);
   return {q, qt};
 }
 
@@ -355,11 +390,12 @@ at::Tensor forward_gemm(const Backend& be, const Operand& x, const Operand& w, c
 }
 
 /// The gradients of fp8_linear from grad_output and whichever operands were kept: q(Xᵀ) (`xt`) or X [M, K]
-/// (`X`, quantized here), q(Wᵀ) (`wt`) or the weight (quantized here). grad_input [M, K] in `x_dtype`.
+/// (`X`, quantized here; `x_amax`: its amax given, or undefined), q(Wᵀ) (`wt`) or the weight (quantized here).
+/// grad_input [M, K] in `x_dtype`.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_gemms(
     const Backend& be, const at::Tensor& grad_output, const at::Tensor& X, const Operand* xt, const at::Tensor& weight,
     const Operand* wt, std::array<bool, 3> output_mask, bool rowwise, at::ScalarType gdt, at::ScalarType x_dtype,
-    at::ScalarType bias_dtype) {
+    at::ScalarType bias_dtype, const at::Tensor& x_amax = at::Tensor()) {
   const int64_t K = weight.size(1), N = weight.size(0), M = rows_of(grad_output);
   const at::Tensor G = grad_output.reshape({M, N});
   // q(dY) [M, N] for dX and q(dYᵀ) [N, M] for dW: tensorwise, one scale serves both, so when both are needed one
@@ -380,7 +416,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_gemms(
   if (output_mask[1]) {
     // dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over the tokens M, so dY and X per column (their transposes
     // per row, read from dY and X, or q(Xᵀ) as the forward wrote it)
-    const Operand xq = xt != nullptr ? *xt : quantize_operand_t(be, X.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
+    const Operand xq =
+        xt != nullptr ? *xt : quantize_operand_t(be, X.reshape({M, K}), at::kFloat8_e4m3fn, rowwise, x_amax);
     grad_weight = scaled_gemm(be, g_cols, xq, rowwise, weight.scalar_type(), fast_accum_backward());
   }
   if (output_mask[2]) grad_bias = linear_op::sum_rows(G, bias_dtype);
@@ -392,11 +429,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_gemms(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_impl(
     const Backend& be, const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
-    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
-  check_fp8_linear_forward_args(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype);
+    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
+    const std::optional<at::Tensor>& input_amax) {
+  check_fp8_linear_forward_args(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype,
+                                input_amax);
   const int64_t M = rows_of(input), K = weight.size(1);
-  // q(X) for the forward GEMM and q(Xᵀ) for the backward's dW from one amax pass and one cast pass
-  auto [x, xt] = quantize_operand_both(be, input.reshape({M, K}), at::kFloat8_e4m3fn);
+  // q(X) for the forward GEMM and q(Xᵀ) for the backward's dW from one amax pass (none with input_amax) and one cast
+  // pass
+  auto [x, xt] = quantize_operand_both(be, input.reshape({M, K}), at::kFloat8_e4m3fn, or_undefined(input_amax));
   const Operand w = weight_data.has_value() && weight_data->defined()
                         ? as_operand(be, *weight_data, *weight_inv_scale)
                         : quantize_operand(be, weight, at::kFloat8_e4m3fn, /*rowwise=*/false);
@@ -407,12 +447,14 @@ at::Tensor fp8_linear_quantized_impl(const Backend& be, const at::Tensor& input,
                                      const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
                                      const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                      const std::optional<at::Tensor>& bias, c10::string_view granularity,
-                                     std::optional<at::ScalarType> grad_dtype) {
+                                     std::optional<at::ScalarType> grad_dtype,
+                                     const std::optional<at::Tensor>& input_amax) {
   const bool rowwise = check_fp8_linear_quantized_args(input, weight, weight_data, weight_inv_scale, weight_t_data,
-                                                       weight_t_inv_scale, bias, granularity,
-                                                       grad_dtype) == Granularity::kRowwise;
+                                                       weight_t_inv_scale, bias, granularity, grad_dtype,
+                                                       input_amax) == Granularity::kRowwise;
   const int64_t M = rows_of(input), K = weight.size(1);
-  const Operand x = quantize_operand(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise);
+  const Operand x =
+      quantize_operand(be, input.reshape({M, K}), at::kFloat8_e4m3fn, rowwise, or_undefined(input_amax));
   return forward_gemm(be, x, as_operand(be, weight_data, weight_inv_scale), input, weight, bias, rowwise);
 }
 
@@ -421,10 +463,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_imp
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
     const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
-    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype,
+    const std::optional<at::Tensor>& input_amax) {
   const Granularity g = check_fp8_linear_quantized_backward_args(grad_output, input, input_t_data, input_t_inv_scale,
                                                                  weight, weight_t_data, weight_t_inv_scale, output_mask,
-                                                                 granularity, grad_dtype, bias_dtype);
+                                                                 granularity, grad_dtype, bias_dtype, input_amax);
   const at::ScalarType gdt = grad_dtype_of("_fp8_linear_quantized_backward", grad_dtype, g);
   std::optional<Operand> xt, wt;
   if (given(input_t_data)) xt = as_operand(be, *input_t_data, *input_t_inv_scale);
@@ -433,7 +476,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_imp
   const at::ScalarType x_dtype = has_input ? input->scalar_type() : grad_output.scalar_type();
   auto [gi, gw, gb] = backward_gemms(be, grad_output, has_input ? *input : at::Tensor(), xt ? &*xt : nullptr, weight,
                                      wt ? &*wt : nullptr, output_mask, g == Granularity::kRowwise, gdt, x_dtype,
-                                     bias_dtype.value_or(x_dtype));
+                                     bias_dtype.value_or(x_dtype), or_undefined(input_amax));
   if (gi.defined()) {
     if (has_input) {
       gi = gi.view(input->sizes());
@@ -501,28 +544,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_forward(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
-    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
+    const std::optional<at::Tensor>& input_amax) {
   static auto op = typed_op<decltype(_fp8_linear_forward)>("opforge::_fp8_linear_forward");
-  return op.call(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype);
+  return op.call(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype, input_amax);
 }
 at::Tensor _fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& weight_data,
                                  const at::Tensor& weight_inv_scale, const at::Tensor& weight_t_data,
                                  const at::Tensor& weight_t_inv_scale, const std::optional<at::Tensor>& bias,
                                  c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
-                                 bool save_input) {
+                                 bool save_input, const std::optional<at::Tensor>& input_amax) {
   static auto op = typed_op<decltype(_fp8_linear_quantized)>("opforge::_fp8_linear_quantized");
   return op.call(input, weight, weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale, bias, granularity,
-                 grad_dtype, save_input);
+                 grad_dtype, save_input, input_amax);
 }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> _fp8_linear_quantized_backward(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
     const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
-    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype,
+    const std::optional<at::Tensor>& input_amax) {
   static auto op = typed_op<decltype(_fp8_linear_quantized_backward)>("opforge::_fp8_linear_quantized_backward");
   return op.call(grad_output, input, input_t_data, input_t_inv_scale, weight, weight_t_data, weight_t_inv_scale,
-                 output_mask, granularity, grad_dtype, bias_dtype);
+                 output_mask, granularity, grad_dtype, bias_dtype, input_amax);
 }
 
 namespace {
@@ -563,8 +608,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_meta(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_meta(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
-    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
-  check_fp8_linear_forward_args(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype);
+    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
+    const std::optional<at::Tensor>& input_amax) {
+  check_fp8_linear_forward_args(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype,
+                                input_amax);
   c10::SymInt M = 1;
   for (int64_t d = 0; d + 1 < input.dim(); ++d) M = M * input.sym_size(d);
   return {at::empty_symint(linear_op::output_sym_sizes(input, weight), input.options()),
@@ -576,9 +623,9 @@ at::Tensor fp8_linear_quantized_meta(const at::Tensor& input, const at::Tensor& 
                                      const at::Tensor& weight_inv_scale, const at::Tensor& weight_t_data,
                                      const at::Tensor& weight_t_inv_scale, const std::optional<at::Tensor>& bias,
                                      c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
-                                     bool /*save_input*/) {
+                                     bool /*save_input*/, const std::optional<at::Tensor>& input_amax) {
   check_fp8_linear_quantized_args(input, weight, weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale, bias,
-                                  granularity, grad_dtype);
+                                  granularity, grad_dtype, input_amax);
   return at::empty_symint(linear_op::output_sym_sizes(input, weight), input.options());
 }
 
@@ -587,9 +634,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_met
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
     const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
-    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype) {
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype,
+    const std::optional<at::Tensor>& input_amax) {
   check_fp8_linear_quantized_backward_args(grad_output, input, input_t_data, input_t_inv_scale, weight, weight_t_data,
-                                           weight_t_inv_scale, output_mask, granularity, grad_dtype, bias_dtype);
+                                           weight_t_inv_scale, output_mask, granularity, grad_dtype, bias_dtype,
+                                           input_amax);
   if (input.has_value() && input->defined()) {
     return linear_op::empty_backward_outputs(*input, weight, output_mask, bias_dtype);
   }
@@ -611,7 +660,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_met
 
 // Saved: 0 input (undefined when q(inputᵀ) was kept instead), 1 weight, 2 input_t_data, 3 input_t_inv_scale
 // (q(inputᵀ) and its dequantization scale from the forward: tensorwise with a weight gradient to compute),
-// 4 weight_t_data, 5 weight_t_inv_scale (q(weightᵀ) given to _fp8_linear_quantized). Attributes: granularity (0 tensorwise, 1 rowwise), grad_dtype (-1 for the default),
+// 4 weight_t_data, 5 weight_t_inv_scale (q(weightᵀ) given to _fp8_linear_quantized), 6 input_amax (given to
+// _fp8_linear_quantized, kept beside a saved input for the backward's q(inputᵀ)). Attributes: granularity (0 tensorwise, 1 rowwise), grad_dtype (-1 for the default),
 // bias's dtype (-1 without bias). Edges: 0 input, 1 weight, 2 bias. With only high-precision tensors saved the
 // public fp8_linear_backward runs; else its private form reading the saved FP8 operands.
 variable_list fp8_linear_backward_fn(const BackwardArgs& a) {
@@ -627,7 +677,8 @@ variable_list fp8_linear_backward_fn(const BackwardArgs& a) {
   }
   auto [gi, gw, gb] = opforge::_fp8_linear_quantized_backward(a.grads[0], opt(a.saved[0]), opt(a.saved[2]),
                                                               opt(a.saved[3]), a.saved[1], opt(a.saved[4]),
-                                                              opt(a.saved[5]), mask, granularity, gdt, bdt);
+                                                              opt(a.saved[5]), mask, granularity, gdt, bdt,
+                                                              opt(a.saved[6]));
   return {gi, gw, gb};
 }
 
@@ -635,6 +686,7 @@ variable_list fp8_linear_backward_fn(const BackwardArgs& a) {
 /// defined only when they are to be saved (a node is recorded, tensorwise, the weight needs a gradient, and the
 /// caller did not ask for the input to be saved instead: `save_input`).
 /// `weight_q`: q(weight) and q(weightᵀ) precomputed (_fp8_linear_quantized), else null (fp8_linear).
+/// `input_amax`: max|input| given (_fp8_linear_quantized), else undefined.
 struct Fp8LinearCall {
   const at::Tensor& input;
   const at::Tensor& weight;
@@ -643,6 +695,7 @@ struct Fp8LinearCall {
   std::optional<at::ScalarType> grad_dtype;
   const std::array<at::Tensor, 4>* weight_q;
   bool save_input;
+  at::Tensor input_amax;
 
   bool keeps_input_t(bool grad) const {
     return grad && !save_input && weight.requires_grad() &&
@@ -653,13 +706,17 @@ struct Fp8LinearCall {
     if (keeps_input_t(grad)) {
       std::optional<at::Tensor> wd, ws;
       if (weight_q != nullptr) wd = (*weight_q)[0], ws = (*weight_q)[1];
-      return opforge::_fp8_linear_forward(input, weight, bias, wd, ws, granularity, grad_dtype);
+      return opforge::_fp8_linear_forward(input, weight, bias, wd, ws, granularity, grad_dtype, amax());
     }
     if (weight_q == nullptr) return {opforge::fp8_linear(input, weight, bias, granularity, grad_dtype), {}, {}};
     const auto& q = *weight_q;
     return {opforge::_fp8_linear_quantized(input, weight, q[0], q[1], q[2], q[3], bias, granularity, grad_dtype,
-                                           save_input),
+                                           save_input, amax()),
             {}, {}};
+  }
+
+  std::optional<at::Tensor> amax() const {
+    return input_amax.defined() ? std::optional<at::Tensor>(input_amax) : std::nullopt;
   }
 
   void save(OpNode& n, const std::tuple<at::Tensor, at::Tensor, at::Tensor>& r) const {
@@ -670,6 +727,8 @@ struct Fp8LinearCall {
     n.save(std::get<2>(r));
     n.save(weight_q != nullptr ? (*weight_q)[2] : at::Tensor());
     n.save(weight_q != nullptr ? (*weight_q)[3] : at::Tensor());
+    // the amax goes with the input it describes (the backward quantizes inputᵀ from a saved input alone)
+    n.save(kept ? at::Tensor() : input_amax);
     n.attr(static_cast<int64_t>(parse_granularity("fp8_linear", granularity) == Granularity::kRowwise ? 1 : 0));
     n.attr(grad_dtype.has_value() ? static_cast<int64_t>(*grad_dtype) : int64_t{-1});
     n.attr(bias.has_value() && bias->defined() ? static_cast<int64_t>(bias->scalar_type()) : int64_t{-1});
@@ -681,7 +740,7 @@ constexpr Differentiability kFp8LinearOutputs[3] = {kDifferentiable, kNotDiffere
 at::Tensor fp8_linear_autograd(const at::Tensor& input, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                std::optional<at::ScalarType> grad_dtype) {
-  const Fp8LinearCall call{input, weight, bias, granularity, grad_dtype, nullptr, false};
+  const Fp8LinearCall call{input, weight, bias, granularity, grad_dtype, nullptr, false, at::Tensor()};
   return std::get<0>(autograd_op(
       {"fp8_linear", "opforge::Fp8LinearBackward", fp8_linear_backward_fn, nullptr}, kFp8LinearOutputs,
       [&](bool grad) { return call.forward(grad); },
@@ -693,13 +752,16 @@ at::Tensor fp8_linear_quantized_autograd(const at::Tensor& input, const at::Tens
                                          const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
                                          const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                          const std::optional<at::Tensor>& bias, c10::string_view granularity,
-                                         std::optional<at::ScalarType> grad_dtype, bool save_input) {
+                                         std::optional<at::ScalarType> grad_dtype, bool save_input,
+                                         const std::optional<at::Tensor>& input_amax) {
   // the operands' checks before anything runs (the forward's op checks them again): a malformed operand is
   // reported by this op's name
   check_fp8_linear_quantized_args(input, weight, weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale, bias,
-                                  granularity, grad_dtype);
+                                  granularity, grad_dtype, input_amax);
   const std::array<at::Tensor, 4> q{weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale};
-  const Fp8LinearCall call{input, weight, bias, granularity, grad_dtype, &q, save_input};
+  // the amax carries no gradient: detached, it is saved (when it is) as a plain tensor
+  const Fp8LinearCall call{input, weight, bias, granularity, grad_dtype, &q, save_input,
+                           given(input_amax) ? input_amax->detach() : at::Tensor()};
   return std::get<0>(autograd_op(
       {"_fp8_linear_quantized", "opforge::Fp8LinearBackward", fp8_linear_backward_fn, nullptr}, kFp8LinearOutputs,
       [&](bool grad) { return call.forward(grad); },
@@ -730,10 +792,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_fp8_weight_a
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_autograd(
     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
-    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
+    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
+    const std::optional<at::Tensor>& input_amax) {
   check_no_forward_ad("_fp8_linear_forward", input, weight, bias);
   at::AutoDispatchBelowADInplaceOrView guard;
-  return opforge::_fp8_linear_forward(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype);
+  return opforge::_fp8_linear_forward(input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype,
+                                      input_amax);
 }
 
 }  // namespace

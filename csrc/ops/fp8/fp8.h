@@ -19,6 +19,9 @@
 // (_fp8_linear_forward) and autograd saves q(Xᵀ) (FP8, half of a bf16 X) instead of X; rowwise scales of Xᵀ run
 // per column of X, so the rowwise backward quantizes Xᵀ from the saved X. _fp8_linear_quantized takes q(W) and
 // q(Wᵀ) precomputed (opforge's Python layers cache them per optimizer step) and skips both weight passes.
+// input_amax (the private ops, tensorwise): max|X| handed in by the kernel that wrote X (rms_norm, fused_add_rms_norm,
+// swiglu_packed compute it as they store X), so the quantizers of X and of Xᵀ skip their amax pass: the backends'
+// quantizers take an `amax` tensor (undefined: computed from X as before) and read its bits as the amax pass's word.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -58,24 +61,36 @@ Granularity check_quantize_fp8_weight_args(const at::Tensor& weight, c10::string
 /// Shape of quantize_fp8's scale: [] tensorwise, input's shape with the last dim 1 rowwise.
 c10::SymDimVector scale_sym_sizes(const at::Tensor& input, Granularity g);
 
+/// Checks of the private ops' input_amax (Meta too), when given: tensorwise only (ValueError), dtype float32 for a
+/// bfloat16/float16/float32 input and float64 for a float64 one (TypeError), shape [1] (ValueError), input's device
+/// (RuntimeError), each message naming `op`.
+void check_input_amax(const char* op, const std::optional<at::Tensor>& input_amax, const at::Tensor& input,
+                      Granularity g);
+
+/// The dtype of an amax of `input_dtype`'s values: float64 for float64, float32 otherwise.
+at::ScalarType amax_dtype_of(at::ScalarType input_dtype);
+
 /// Checks of fp8_linear (Meta too): linear's checks, the granularity, grad_dtype.
 Granularity check_fp8_linear_args(const at::Tensor& input, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias, c10::string_view granularity,
                                   std::optional<at::ScalarType> grad_dtype);
 
 /// Checks of _fp8_linear_forward (Meta too): fp8_linear's, tensorwise only, weight_data and weight_inv_scale given
-/// together and each well formed (check_weight_operand).
+/// together and each well formed (check_weight_operand), input_amax (check_input_amax).
 void check_fp8_linear_forward_args(const at::Tensor& input, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& weight_data,
                                    const std::optional<at::Tensor>& weight_inv_scale, c10::string_view granularity,
-                                   std::optional<at::ScalarType> grad_dtype);
+                                   std::optional<at::ScalarType> grad_dtype,
+                                   const std::optional<at::Tensor>& input_amax);
 
-/// Checks of _fp8_linear_quantized (Meta too): fp8_linear's, then the four weight operands (check_weight_operand).
+/// Checks of _fp8_linear_quantized (Meta too): fp8_linear's, then the four weight operands (check_weight_operand),
+/// input_amax (check_input_amax).
 Granularity check_fp8_linear_quantized_args(const at::Tensor& input, const at::Tensor& weight,
                                             const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
                                             const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                             const std::optional<at::Tensor>& bias, c10::string_view granularity,
-                                            std::optional<at::ScalarType> grad_dtype);
+                                            std::optional<at::ScalarType> grad_dtype,
+                                            const std::optional<at::Tensor>& input_amax);
 
 /// One precomputed operand of `op`: `data` float8_e4m3fn of shape [rows, cols] on `like`'s device (TypeError for
 /// another dtype, ValueError for another shape, RuntimeError for another device), `scale` float32 on that device
@@ -86,13 +101,15 @@ void check_weight_operand(const char* op, const char* data_name, const at::Tenso
 
 /// Checks of _fp8_linear_quantized_backward (Meta too): grad_output floating of shape (*, N) (input's leading dims
 /// when input is given, with linear's checks of input and weight), the saved operands' shapes (check_weight_operand:
-/// q(inputᵀ) [K, M], q(weightᵀ) [K, N]), grad_weight needing input or q(inputᵀ), the granularity and grad_dtype.
+/// q(inputᵀ) [K, M], q(weightᵀ) [K, N]), grad_weight needing input or q(inputᵀ), the granularity and grad_dtype,
+/// input_amax (check_input_amax; given only with input).
 Granularity check_fp8_linear_quantized_backward_args(
     const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
     const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
-    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype);
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype,
+    const std::optional<at::Tensor>& input_amax);
 
 /// Checks of fp8_linear_backward (Meta too): linear_backward's shape checks, the granularity, grad_dtype.
 Granularity check_fp8_linear_backward_args(const at::Tensor& grad_output, const at::Tensor& input,
@@ -103,31 +120,39 @@ Granularity check_fp8_linear_backward_args(const at::Tensor& grad_output, const 
 /// Backend kernel: quantizes X [R, C] (contiguous, floating) into data [R, C] (contiguous, of the FP8 dtype to
 /// produce) and scale (float32, contiguous: 1 element tensorwise, R rowwise); inv_scale, when defined (float32,
 /// scale's size), gets 1 / scale (the dequantization scale the scaled GEMM reads, IEEE division: the bits of
-/// scale.reciprocal()). Defined by each backend (CPU: fp8_cpu.cpp, CUDA: fp8_cuda.cu).
-void quantize_rows_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, at::Tensor& inv_scale, bool rowwise);
+/// scale.reciprocal()). amax, tensorwise only: undefined, or max|X| given (one element on X's device, float64 for a
+/// float64 X, float32 otherwise; the amax pass's value, which its bits stand for): the scale comes from it and no
+/// amax pass runs. A given amax is rounded to X's dtype first (the identity for X's own amax; for the amax of a
+/// higher-precision tensor that X was rounded from, the amax of X: rounding is monotone). Defined by each backend
+/// (CPU: fp8_cpu.cpp, CUDA: fp8_cuda.cu).
+void quantize_rows_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, at::Tensor& inv_scale, bool rowwise,
+                       const at::Tensor& amax);
 void quantize_rows_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, at::Tensor& inv_scale,
-                        bool rowwise);
-using QuantizeRowsFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, bool);
+                        bool rowwise, const at::Tensor& amax);
+using QuantizeRowsFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, bool, const at::Tensor&);
 
 /// Backend kernel: quantizes Xᵀ along its rows straight from X [R, C] (contiguous, floating), with no transposed
 /// copy of X: data_t [C, R] (contiguous, of the FP8 dtype to produce) and scale (float32, contiguous: 1 element
 /// tensorwise, C rowwise: one per row of Xᵀ, i.e. per column of X) get the bits that quantize_rows gives for
-/// Xᵀ.contiguous(); inv_scale, when defined, 1 / scale (as quantize_rows). Defined by each backend.
+/// Xᵀ.contiguous(); inv_scale, when defined, 1 / scale (as quantize_rows); amax as quantize_rows'. Defined by each
+/// backend.
 void quantize_cols_cpu(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, at::Tensor& inv_scale,
-                       bool rowwise);
+                       bool rowwise, const at::Tensor& amax);
 void quantize_cols_cuda(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, at::Tensor& inv_scale,
-                        bool rowwise);
-using QuantizeColsFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, bool);
+                        bool rowwise, const at::Tensor& amax);
+using QuantizeColsFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, bool, const at::Tensor&);
 
 /// Backend kernel, tensorwise only: quantizes X [R, C] (contiguous, floating) in both orientations with its one
 /// scale, from one amax pass and one cast pass: data [R, C] and data_t [C, R] (contiguous, of the FP8 dtype to
 /// produce) and scale (float32, 1 element) get the bits of quantize_rows of X and of Xᵀ.contiguous() (whose
-/// tensorwise scales are equal); inv_scale, when defined, 1 / scale (as quantize_rows). Defined by each backend.
+/// tensorwise scales are equal); inv_scale, when defined, 1 / scale (as quantize_rows); amax as quantize_rows' (a
+/// given one leaves the cast pass alone). Defined by each backend.
 void quantize_both_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale,
-                       at::Tensor& inv_scale);
+                       at::Tensor& inv_scale, const at::Tensor& amax);
 void quantize_both_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale,
-                        at::Tensor& inv_scale);
-using QuantizeBothFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&);
+                        at::Tensor& inv_scale, const at::Tensor& amax);
+using QuantizeBothFn = void (*)(const at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&,
+                                const at::Tensor&);
 
 /// Backend GEMM, tensorwise: out [R_a, R_b] = (a · bᵀ) · inv_a · inv_b in out_dtype (bfloat16, float16 or float32)
 /// for FP8 a [R_a, C] and b [R_b, C] row-major (on CUDA, C and R_b already padded to multiples of 16) and one-element
@@ -163,17 +188,22 @@ struct Operand {
   at::Tensor inv_scale;
 };
 
-/// Quantizes X [R, C] (made contiguous) along its rows to `dtype` with the backend's row kernel.
-Operand quantize_operand(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise);
+/// Quantizes X [R, C] (made contiguous) along its rows to `dtype` with the backend's row kernel. amax: undefined,
+/// or max|X| given (tensorwise; see quantize_rows_cpu).
+Operand quantize_operand(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise,
+                         const at::Tensor& amax = at::Tensor());
 
 /// Quantizes Xᵀ [C, R] along its rows (X's columns) to `dtype`, from X [R, C]: the backend's transposed kernel on
 /// X made contiguous (no transposed copy), or its row kernel on Xᵀ in place when Xᵀ is the row-major one (X a
-/// transposed view). The bits of quantize_operand(be, X.t(), dtype, rowwise).
-Operand quantize_operand_t(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise);
+/// transposed view). The bits of quantize_operand(be, X.t(), dtype, rowwise). amax as quantize_operand's.
+Operand quantize_operand_t(const Backend& be, const at::Tensor& X, at::ScalarType dtype, bool rowwise,
+                           const at::Tensor& amax = at::Tensor());
 
 /// Tensorwise: (q(X) [R, C], q(Xᵀ) [C, R]) in `dtype` from X [R, C] (made contiguous), one amax pass and one cast
 /// pass; both operands hold the same one-element scale tensor. The bits of quantize_operand of X and of X.t().
-std::pair<Operand, Operand> quantize_operand_both(const Backend& be, const at::Tensor& X, at::ScalarType dtype);
+/// amax as quantize_operand's (given: the cast pass alone).
+std::pair<Operand, Operand> quantize_operand_both(const Backend& be, const at::Tensor& X, at::ScalarType dtype,
+                                                  const at::Tensor& amax = at::Tensor());
 
 /// out[R_a, R_b] = (A · Bᵀ) / (s_a ⊗ s_b) in out_dtype by the backend's GEMM (be.gemm, tensorwise, where it takes
 /// the problem) or at::_scaled_mm (fp32 accumulation; the product in bfloat16 for rowwise scales, float32 for a
@@ -206,14 +236,16 @@ at::Tensor fp8_linear_impl(const Backend& be, const at::Tensor& input, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward_impl(
     const Backend& be, const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
-    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype);
+    c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
+    const std::optional<at::Tensor>& input_amax);
 
 /// _fp8_linear_quantized's kernel body shared by CPU and CUDA.
 at::Tensor fp8_linear_quantized_impl(const Backend& be, const at::Tensor& input, const at::Tensor& weight,
                                      const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
                                      const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                      const std::optional<at::Tensor>& bias, c10::string_view granularity,
-                                     std::optional<at::ScalarType> grad_dtype);
+                                     std::optional<at::ScalarType> grad_dtype,
+                                     const std::optional<at::Tensor>& input_amax);
 
 /// _fp8_linear_quantized_backward's kernel body shared by CPU and CUDA.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_impl(
@@ -221,7 +253,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_imp
     const std::optional<at::Tensor>& input_t_data, const std::optional<at::Tensor>& input_t_inv_scale,
     const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
     const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask, c10::string_view granularity,
-    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype);
+    std::optional<at::ScalarType> grad_dtype, std::optional<at::ScalarType> bias_dtype,
+    const std::optional<at::Tensor>& input_amax);
 
 /// fp8_linear_backward's kernel body shared by CPU and CUDA.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_backward_impl(
@@ -256,17 +289,20 @@ struct Kernels {
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_forward(
       const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
       const std::optional<at::Tensor>& weight_data, const std::optional<at::Tensor>& weight_inv_scale,
-      c10::string_view granularity, std::optional<at::ScalarType> grad_dtype) {
-    return fp8_linear_forward_impl(B, input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype);
+      c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
+      const std::optional<at::Tensor>& input_amax) {
+    return fp8_linear_forward_impl(B, input, weight, bias, weight_data, weight_inv_scale, granularity, grad_dtype,
+                                   input_amax);
   }
   static at::Tensor fp8_linear_quantized(const at::Tensor& input, const at::Tensor& weight,
                                          const at::Tensor& weight_data, const at::Tensor& weight_inv_scale,
                                          const at::Tensor& weight_t_data, const at::Tensor& weight_t_inv_scale,
                                          const std::optional<at::Tensor>& bias, c10::string_view granularity,
-                                         std::optional<at::ScalarType> grad_dtype, bool /*save_input*/) {
+                                         std::optional<at::ScalarType> grad_dtype, bool /*save_input*/,
+                                         const std::optional<at::Tensor>& input_amax) {
     // save_input chooses what autograd saves: the kernel's output is the same either way
     return fp8_linear_quantized_impl(B, input, weight, weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale,
-                                     bias, granularity, grad_dtype);
+                                     bias, granularity, grad_dtype, input_amax);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward(
       const at::Tensor& grad_output, const std::optional<at::Tensor>& input,
@@ -274,10 +310,10 @@ struct Kernels {
       const at::Tensor& weight, const std::optional<at::Tensor>& weight_t_data,
       const std::optional<at::Tensor>& weight_t_inv_scale, std::array<bool, 3> output_mask,
       c10::string_view granularity, std::optional<at::ScalarType> grad_dtype,
-      std::optional<at::ScalarType> bias_dtype) {
+      std::optional<at::ScalarType> bias_dtype, const std::optional<at::Tensor>& input_amax) {
     return fp8_linear_quantized_backward_impl(B, grad_output, input, input_t_data, input_t_inv_scale, weight,
                                               weight_t_data, weight_t_inv_scale, output_mask, granularity, grad_dtype,
-                                              bias_dtype);
+                                              bias_dtype, input_amax);
   }
   /// Registers the kernels for the library's dispatch key.
   static void register_for(torch::Library& m) {

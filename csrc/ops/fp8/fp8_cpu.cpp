@@ -5,6 +5,7 @@
 //          columns row by row) or of the tensor, then the cast in 64 x 64 tiles written transposed (a tile's
 //          reads and writes stay in the cache);
 //   both   tensorwise X and Xᵀ: the tiled cast writes each element to both outputs.
+// Tensorwise, an amax given by the caller (fp8.h: quantize_rows_cpu) replaces the reduction.
 // The GEMMs are at::_scaled_mm's CPU kernel (fp8.cpp: scaled_gemm).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -67,8 +68,20 @@ acc_t tensor_amax(const scalar_t* x, int64_t n) {
       [](acc_t a, acc_t b) { return nan_max(a, b); });
 }
 
+/// The tensorwise amax of X [R, C] (contiguous) as a float64: the given `amax` (float64 for a float64 X, else
+/// float32) rounded to scalar_t (the identity for X's own amax; see quantize_rows_cpu in fp8.h), or computed.
+template <typename scalar_t, typename acc_t>
+double tensorwise_amax(const at::Tensor& X, const at::Tensor& amax) {
+  if (!amax.defined()) {
+    return static_cast<double>(tensor_amax<scalar_t, acc_t>(X.const_data_ptr<scalar_t>(), X.numel()));
+  }
+  TORCH_INTERNAL_ASSERT(amax.numel() == 1 && amax.scalar_type() == c10::CppTypeToScalarType<acc_t>::value);
+  return static_cast<double>(static_cast<acc_t>(static_cast<scalar_t>(*amax.const_data_ptr<acc_t>())));
+}
+
 template <typename scalar_t, typename fp8_t>
-void quantize_rows_typed(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwise) {
+void quantize_rows_typed(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, bool rowwise,
+                         const at::Tensor& amax) {
   // amax in the input's precision (exact for every dtype), then float64 for the scale, as the recipe computes it
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   constexpr float hi = fp8::max_of<fp8_t>();
@@ -87,7 +100,7 @@ void quantize_rows_typed(const at::Tensor& X, at::Tensor& data, at::Tensor& scal
     });
     return;
   }
-  const float st = fp8::scale_of(static_cast<double>(tensor_amax<scalar_t, acc_t>(x, R * C)), hi);
+  const float st = fp8::scale_of(tensorwise_amax<scalar_t, acc_t>(X, amax), hi);
   s[0] = st;
   at::parallel_for(0, R * C, at::internal::GRAIN_SIZE,
                    [&](int64_t begin, int64_t end) { cast_of(x + begin, y + begin, end - begin, st); });
@@ -144,7 +157,8 @@ void cast_transposed(const scalar_t* x, int64_t R, int64_t C, const float* s, bo
 
 /// quantize_cols (y == nullptr) and quantize_both (y: X's own data, tensorwise) for one input and FP8 dtype.
 template <typename scalar_t, typename fp8_t>
-void quantize_cols_typed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise, fp8_t* y) {
+void quantize_cols_typed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, bool rowwise, fp8_t* y,
+                         const at::Tensor& amax) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   constexpr float hi = fp8::max_of<fp8_t>();
   const int64_t R = X.size(0), C = X.size(1);
@@ -153,7 +167,7 @@ void quantize_cols_typed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& sc
   if (rowwise) {
     column_scales<scalar_t, acc_t>(x, R, C, hi, s);
   } else {
-    s[0] = fp8::scale_of(static_cast<double>(tensor_amax<scalar_t, acc_t>(x, R * C)), hi);
+    s[0] = fp8::scale_of(tensorwise_amax<scalar_t, acc_t>(X, amax), hi);
   }
   cast_transposed<scalar_t, fp8_t>(x, R, C, s, rowwise, data_t.mutable_data_ptr<fp8_t>(), y);
 }
@@ -161,41 +175,41 @@ void quantize_cols_typed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& sc
 }  // namespace
 
 void quantize_rows_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, at::Tensor& inv_scale,
-                       bool rowwise) {
-  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous());
+                       bool rowwise, const at::Tensor& amax) {
+  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous() && !(rowwise && amax.defined()));
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
     if (data.scalar_type() == at::kFloat8_e4m3fn) {
-      quantize_rows_typed<scalar_t, c10::Float8_e4m3fn>(X, data, scale, rowwise);
+      quantize_rows_typed<scalar_t, c10::Float8_e4m3fn>(X, data, scale, rowwise, amax);
     } else {
-      quantize_rows_typed<scalar_t, c10::Float8_e5m2>(X, data, scale, rowwise);
+      quantize_rows_typed<scalar_t, c10::Float8_e5m2>(X, data, scale, rowwise, amax);
     }
   });
   write_inverse(scale, inv_scale);
 }
 
 void quantize_cols_cpu(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, at::Tensor& inv_scale,
-                       bool rowwise) {
-  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data_t.is_contiguous());
+                       bool rowwise, const at::Tensor& amax) {
+  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data_t.is_contiguous() && !(rowwise && amax.defined()));
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
     if (data_t.scalar_type() == at::kFloat8_e4m3fn) {
-      quantize_cols_typed<scalar_t, c10::Float8_e4m3fn>(X, data_t, scale, rowwise, nullptr);
+      quantize_cols_typed<scalar_t, c10::Float8_e4m3fn>(X, data_t, scale, rowwise, nullptr, amax);
     } else {
-      quantize_cols_typed<scalar_t, c10::Float8_e5m2>(X, data_t, scale, rowwise, nullptr);
+      quantize_cols_typed<scalar_t, c10::Float8_e5m2>(X, data_t, scale, rowwise, nullptr, amax);
     }
   });
   write_inverse(scale, inv_scale);
 }
 
 void quantize_both_cpu(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale,
-                       at::Tensor& inv_scale) {
+                       at::Tensor& inv_scale, const at::Tensor& amax) {
   TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous() && data_t.is_contiguous());
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
     if (data.scalar_type() == at::kFloat8_e4m3fn) {
       quantize_cols_typed<scalar_t, c10::Float8_e4m3fn>(X, data_t, scale, false,
-                                                          data.mutable_data_ptr<c10::Float8_e4m3fn>());
+                                                          data.mutable_data_ptr<c10::Float8_e4m3fn>(), amax);
     } else {
       quantize_cols_typed<scalar_t, c10::Float8_e5m2>(X, data_t, scale, false,
-                                                        data.mutable_data_ptr<c10::Float8_e5m2>());
+                                                        data.mutable_data_ptr<c10::Float8_e5m2>(), amax);
     }
   });
   write_inverse(scale, inv_scale);

@@ -13,6 +13,8 @@
 //               quantize_both's variant also stores each row's bytes into data as it casts them.
 // amax is reduced as the bit patterns of |x|: for non-negative IEEE values the unsigned order is the numeric order,
 // and every NaN pattern is above inf's, so the integer max propagates NaN as the recipe asks.
+// Tensorwise, an amax given by the caller (a [1] float32 tensor, float64 for float64 inputs: the same word as the
+// amax pass's, read in place by the cast kernels) replaces the memset and the amax pass.
 // The GEMMs: scaled_gemm_cuda (opforge's cuBLASLt engine, core/gemm.h gemm_fp8, where the test hook fp8_gemm sends
 // tensorwise GEMMs) or at::_scaled_mm (fp8.cpp: scaled_gemm). Fusing this quantization into the producers' epilogues
 // (rms_norm, swiglu, GEMM) removes the separate read of the high-precision tensor; the kernels here are the
@@ -38,13 +40,17 @@ namespace {
 
 constexpr int kThreads = 256;
 
-/// The accumulation type of amax (exact for the input) and the unsigned integer of its bit pattern.
+/// The accumulation type of amax (exact for the input) and the unsigned integer of its bit pattern. value_of rounds
+/// the amax to scalar_t first: the identity for an amax of scalar_t values (the amax pass's), and for a given amax of
+/// the higher-precision tensor that X was rounded from (under autocast), the amax of X (rounding is monotone).
 template <typename scalar_t>
 struct AmaxTraits {
   using acc_t = float;
   using bits_t = uint32_t;
   __device__ static bits_t bits_of_abs(scalar_t x) { return __float_as_uint(fabsf(static_cast<float>(x))); }
-  __device__ static double value_of(bits_t b) { return static_cast<double>(__uint_as_float(b)); }
+  __device__ static double value_of(bits_t b) {
+    return static_cast<double>(static_cast<float>(static_cast<scalar_t>(__uint_as_float(b))));
+  }
 };
 template <>
 struct AmaxTraits<double> {
@@ -188,8 +194,31 @@ void launch_amax(const scalar_t* x, int64_t n, typename AmaxTraits<scalar_t>::bi
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+/// The amax word of a tensorwise quantization of X: `given`'s (a caller's amax, read in place by the cast kernels),
+/// else a word zeroed by a memset that the amax pass fills on the current stream (`buffer` holds it).
+template <typename scalar_t>
+const typename AmaxTraits<scalar_t>::bits_t* tensorwise_amax(const at::Tensor& X, const at::Tensor& given,
+                                                             at::Tensor& buffer) {
+  using bits_t = typename AmaxTraits<scalar_t>::bits_t;
+  if (given.defined()) {
+    TORCH_INTERNAL_ASSERT(given.numel() == 1 && given.element_size() == sizeof(bits_t) &&
+                          given.device() == X.device());
+    return static_cast<const bits_t*>(given.const_data_ptr());
+  }
+  buffer = zeroed_amax<bits_t>(X, 1);
+  bits_t* a = reinterpret_cast<bits_t*>(buffer.mutable_data_ptr());
+  const scalar_t* x = X.const_data_ptr<scalar_t>();
+  if (cuda::is_aligned16(x)) {
+    launch_amax<scalar_t, cuda::vec_size<scalar_t>()>(x, X.numel(), a);
+  } else {
+    launch_amax<scalar_t, 1>(x, X.numel(), a);
+  }
+  return a;
+}
+
 template <typename scalar_t, typename fp8_t, int VEC>
-void launch(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, float* inv, bool rowwise) {
+void launch(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, float* inv, bool rowwise,
+            const at::Tensor& given_amax) {
   const int64_t R = X.size(0), C = X.size(1), n = R * C;
   auto stream = at::cuda::getCurrentCUDAStream();
   const scalar_t* x = X.const_data_ptr<scalar_t>();
@@ -203,10 +232,8 @@ void launch(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, float* inv
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  using bits_t = typename AmaxTraits<scalar_t>::bits_t;
-  at::Tensor amax = zeroed_amax<bits_t>(X, 1);
-  bits_t* a = reinterpret_cast<bits_t*>(amax.mutable_data_ptr());
-  launch_amax<scalar_t, VEC>(x, n, a);
+  at::Tensor buffer;
+  const auto* a = tensorwise_amax<scalar_t>(X, given_amax, buffer);
   const int64_t blocks = cuda::grid_for((n + VEC - 1) / VEC, kThreads);
   cast_tensorwise_kernel<scalar_t, fp8_t, VEC>
       <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, y, n, a, s, inv);
@@ -214,14 +241,15 @@ void launch(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, float* inv
 }
 
 template <typename scalar_t, typename fp8_t>
-void launch_vec(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, float* inv, bool rowwise) {
+void launch_vec(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, float* inv, bool rowwise,
+                const at::Tensor& amax) {
   constexpr int kVec = cuda::vec_size<scalar_t>();
   // rows start on a vector boundary when C % VEC == 0 (rowwise); the flat tensorwise loop has a scalar tail
   const bool vectorized = cuda::is_aligned16(X.const_data_ptr()) && (!rowwise || X.size(1) % kVec == 0);
   if (vectorized) {
-    launch<scalar_t, fp8_t, kVec>(X, data, scale, inv, rowwise);
+    launch<scalar_t, fp8_t, kVec>(X, data, scale, inv, rowwise, amax);
   } else {
-    launch<scalar_t, fp8_t, 1>(X, data, scale, inv, rowwise);
+    launch<scalar_t, fp8_t, 1>(X, data, scale, inv, rowwise, amax);
   }
 }
 
@@ -367,21 +395,23 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 /// Xᵀ's quantization on the current stream (quantize_cols; quantize_both when y, X's own data, is non-null,
-/// tensorwise): the amax pass (per column rowwise, of the tensor else) into a zeroed buffer of words, then the
-/// cast-transpose. X [R, C] non-empty, C % VEC == 0 and X 16-byte aligned when VEC > 1.
+/// tensorwise): the amax pass (per column rowwise, of the tensor else, where `given_amax` is undefined) into a zeroed
+/// buffer of words, then the cast-transpose. X [R, C] non-empty, C % VEC == 0 and X 16-byte aligned when VEC > 1.
 template <typename scalar_t, typename fp8_t, int VEC>
 void launch_transposed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, float* inv, bool rowwise,
-                       fp8_t* y) {
+                       fp8_t* y, const at::Tensor& given_amax) {
   using bits_t = typename AmaxTraits<scalar_t>::bits_t;
   const int64_t R = X.size(0), C = X.size(1);
   auto stream = at::cuda::getCurrentCUDAStream();
   const scalar_t* x = X.const_data_ptr<scalar_t>();
   fp8_t* yt = reinterpret_cast<fp8_t*>(data_t.mutable_data_ptr());
   float* s = scale.mutable_data_ptr<float>();
-  const int64_t words = rowwise ? C : 1;
-  at::Tensor amax = zeroed_amax<bits_t>(X, words);
-  bits_t* a = reinterpret_cast<bits_t*>(amax.mutable_data_ptr());
+  at::Tensor buffer;
+  const bits_t* a = nullptr;
   if (rowwise) {
+    buffer = zeroed_amax<bits_t>(X, C);
+    bits_t* col_amax = reinterpret_cast<bits_t*>(buffer.mutable_data_ptr());
+    a = col_amax;
     // bands of at least 64 rows (few atomics), enough blocks to fill the device several times over
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const int64_t col_blocks = (C + 32 * VEC - 1) / (32 * VEC);
@@ -392,12 +422,10 @@ void launch_transposed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scal
                 " columns exceed one grid");
     column_amax_kernel<scalar_t, VEC>
         <<<dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>((R + rows_per_band - 1) / rows_per_band)),
-           kThreads, 0, stream>>>(x, R, C, rows_per_band, a);
+           kThreads, 0, stream>>>(x, R, C, rows_per_band, col_amax);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-  } else if (cuda::is_aligned16(x)) {
-    launch_amax<scalar_t, cuda::vec_size<scalar_t>()>(x, R * C, a);
   } else {
-    launch_amax<scalar_t, 1>(x, R * C, a);
+    a = tensorwise_amax<scalar_t>(X, given_amax, buffer);
   }
   const int64_t col_tiles = (C + kTileCols - 1) / kTileCols;
   const int64_t tiles = col_tiles * ((R + tile_rows<VEC>() - 1) / tile_rows<VEC>());
@@ -420,12 +448,12 @@ void launch_transposed(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scal
 /// launch_transposed with 16-byte accesses when X is aligned and its rows start on vector boundaries.
 template <typename scalar_t, typename fp8_t>
 void launch_transposed_vec(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, float* inv, bool rowwise,
-                           fp8_t* y) {
+                           fp8_t* y, const at::Tensor& amax) {
   constexpr int kVec = cuda::vec_size<scalar_t>();
   if (cuda::is_aligned16(X.const_data_ptr()) && X.size(1) % kVec == 0) {
-    launch_transposed<scalar_t, fp8_t, kVec>(X, data_t, scale, inv, rowwise, y);
+    launch_transposed<scalar_t, fp8_t, kVec>(X, data_t, scale, inv, rowwise, y, amax);
   } else {
-    launch_transposed<scalar_t, fp8_t, 1>(X, data_t, scale, inv, rowwise, y);
+    launch_transposed<scalar_t, fp8_t, 1>(X, data_t, scale, inv, rowwise, y, amax);
   }
 }
 
@@ -447,8 +475,8 @@ float* inverse_ptr(at::Tensor& inv_scale) {
 }  // namespace
 
 void quantize_rows_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& scale, at::Tensor& inv_scale,
-                        bool rowwise) {
-  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous());
+                        bool rowwise, const at::Tensor& amax) {
+  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous() && !(rowwise && amax.defined()));
   const c10::cuda::CUDAGuard device_guard(X.device());
   if (X.numel() == 0) {  // empty groups: amax 0, the floor's scale (as the CPU kernel)
     fill_empty_scale(data.scalar_type(), scale, inv_scale);
@@ -456,16 +484,16 @@ void quantize_rows_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& scale
   }
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
     if (data.scalar_type() == at::kFloat8_e4m3fn) {
-      launch_vec<scalar_t, c10::Float8_e4m3fn>(X, data, scale, inverse_ptr(inv_scale), rowwise);
+      launch_vec<scalar_t, c10::Float8_e4m3fn>(X, data, scale, inverse_ptr(inv_scale), rowwise, amax);
     } else {
-      launch_vec<scalar_t, c10::Float8_e5m2>(X, data, scale, inverse_ptr(inv_scale), rowwise);
+      launch_vec<scalar_t, c10::Float8_e5m2>(X, data, scale, inverse_ptr(inv_scale), rowwise, amax);
     }
   });
 }
 
 void quantize_cols_cuda(const at::Tensor& X, at::Tensor& data_t, at::Tensor& scale, at::Tensor& inv_scale,
-                        bool rowwise) {
-  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data_t.is_contiguous());
+                        bool rowwise, const at::Tensor& amax) {
+  TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data_t.is_contiguous() && !(rowwise && amax.defined()));
   const c10::cuda::CUDAGuard device_guard(X.device());
   if (X.numel() == 0) {
     fill_empty_scale(data_t.scalar_type(), scale, inv_scale);
@@ -473,15 +501,17 @@ void quantize_cols_cuda(const at::Tensor& X, at::Tensor& data_t, at::Tensor& sca
   }
   OPFORGE_DISPATCH_FLOATING(X.scalar_type(), "opforge::quantize_fp8", [&] {
     if (data_t.scalar_type() == at::kFloat8_e4m3fn) {
-      launch_transposed_vec<scalar_t, c10::Float8_e4m3fn>(X, data_t, scale, inverse_ptr(inv_scale), rowwise, nullptr);
+      launch_transposed_vec<scalar_t, c10::Float8_e4m3fn>(X, data_t, scale, inverse_ptr(inv_scale), rowwise, nullptr,
+                                                          amax);
     } else {
-      launch_transposed_vec<scalar_t, c10::Float8_e5m2>(X, data_t, scale, inverse_ptr(inv_scale), rowwise, nullptr);
+      launch_transposed_vec<scalar_t, c10::Float8_e5m2>(X, data_t, scale, inverse_ptr(inv_scale), rowwise, nullptr,
+                                                        amax);
     }
   });
 }
 
 void quantize_both_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& data_t, at::Tensor& scale,
-                        at::Tensor& inv_scale) {
+                        at::Tensor& inv_scale, const at::Tensor& amax) {
   TORCH_INTERNAL_ASSERT(X.dim() == 2 && X.is_contiguous() && data.is_contiguous() && data_t.is_contiguous());
   const c10::cuda::CUDAGuard device_guard(X.device());
   if (X.numel() == 0) {
@@ -492,11 +522,11 @@ void quantize_both_cuda(const at::Tensor& X, at::Tensor& data, at::Tensor& data_
     if (data.scalar_type() == at::kFloat8_e4m3fn) {
       using fp8_t = c10::Float8_e4m3fn;
       launch_transposed_vec<scalar_t, fp8_t>(X, data_t, scale, inverse_ptr(inv_scale), false,
-                                             reinterpret_cast<fp8_t*>(data.mutable_data_ptr()));
+                                             reinterpret_cast<fp8_t*>(data.mutable_data_ptr()), amax);
     } else {
       using fp8_t = c10::Float8_e5m2;
       launch_transposed_vec<scalar_t, fp8_t>(X, data_t, scale, inverse_ptr(inv_scale), false,
-                                             reinterpret_cast<fp8_t*>(data.mutable_data_ptr()));
+                                             reinterpret_cast<fp8_t*>(data.mutable_data_ptr()), amax);
     }
   });
 }

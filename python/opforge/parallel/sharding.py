@@ -29,8 +29,8 @@ never a silently wrong result. Placements per op (S = Shard, R = Replicate, P = 
 | quantize_fp8 | R; rowwise: S(d) on a leading dim (data and scale alike) |
 | _quantize_fp8_weight | R (the scales of Wᵀ run across the output channels, tensorwise's across the whole weight) |
 | fp8_linear | R; rowwise: column-wise (weight S(0), bias S(0), output S(-1)) and token-sharded (input S(d), weight R) |
-| fp8_linear_backward, _fp8_linear_quantized_backward | R (its rowwise scales run across tokens and output channels) |
-| _fp8_linear_forward, _fp8_linear_quantized | R (quantized operands precomputed for whole tensors) |
+| fp8_linear_backward, _fp8_linear_quantized_backward | R (its rowwise scales run across tokens and output channels; input_amax R) |
+| _fp8_linear_forward, _fp8_linear_quantized | R (quantized operands precomputed for whole tensors; input_amax R) |
 | indexed_linear (and backward) | R; experts sharded (weight S(0), output P); weight S(1) (column-wise within each expert); token-sharded |
 | linear_cross_entropy (all its ops) | vocabulary-parallel when linear_weight is S(0) (opforge.parallel.loss); token-sharded for sum/none; R |
 | _linear_cross_entropy_scale_grads | each gradient keeps its placement |
@@ -376,7 +376,8 @@ def _fake_quantize_weight(weight, bits=4, group_size=-1, symmetric=True):
 # Rowwise scales run along the last dim (per token of the input, per output channel of the weight): column-wise
 # (weight S(0)) and token-sharded forwards are exact. The backward quantizes grad_output per column for grad_weight
 # (an amax over every token) and the weight per column for grad_input (over the output channels): it runs
-# replicated (DTensor gathers its operands), for both granularities.
+# replicated (DTensor gathers its operands), for both granularities. input_amax (the private ops' keyword-only
+# max|input|, after the positional arguments in DTensor's list) is the whole tensor's amax: R, like the scales.
 
 @_rule("quantize_fp8")
 def _quantize_fp8(input, dtype=None, granularity="tensorwise"):
@@ -407,23 +408,25 @@ def _fp8_linear_backward(grad_output, input, weight, output_mask, granularity="t
 
 @_rule("_fp8_linear_forward")
 def _fp8_linear_forward(input, weight, bias=None, weight_data=None, weight_inv_scale=None, *,
-                        granularity="tensorwise", grad_dtype=None):
-    return [([R, R, R], [R, R, _opt(bias, R), _opt(weight_data, R), _opt(weight_inv_scale, R)])]
+                        granularity="tensorwise", grad_dtype=None, input_amax=None):
+    return [([R, R, R], [R, R, _opt(bias, R), _opt(weight_data, R), _opt(weight_inv_scale, R),
+                         _opt(input_amax, R)])]
 
 
 @_rule("_fp8_linear_quantized")
 def _fp8_linear_quantized(input, weight, weight_data, weight_inv_scale, weight_t_data, weight_t_inv_scale,
-                          bias=None, *, granularity="tensorwise", grad_dtype=None, save_input=False):
-    return [([R], [R, R, R, R, R, R, _opt(bias, R)])]
+                          bias=None, *, granularity="tensorwise", grad_dtype=None, save_input=False,
+                          input_amax=None):
+    return [([R], [R, R, R, R, R, R, _opt(bias, R), _opt(input_amax, R)])]
 
 
 @_rule("_fp8_linear_quantized_backward")
 def _fp8_linear_quantized_backward(grad_output, input, input_t_data, input_t_inv_scale, weight, weight_t_data,
                                    weight_t_inv_scale, output_mask, granularity="tensorwise", grad_dtype=None,
-                                   bias_dtype=None):
+                                   bias_dtype=None, *, input_amax=None):
     return [(_masked(output_mask, R, R, R), [R, _opt(input, R), _opt(input_t_data, R), _opt(input_t_inv_scale, R),
                                              R, _opt(weight_t_data, R), _opt(weight_t_inv_scale, R), None, None, None,
-                                             None])]
+                                             None, _opt(input_amax, R)])]
 
 
 @_rule("linear_cat")
