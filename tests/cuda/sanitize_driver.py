@@ -270,9 +270,11 @@ def families(quick: bool):
                         backward(opforge.fp8_linear(x, w, b))
                 # the layers' cached operands, tensorwise: q(Wᵀ) as the view q(W).t(), made row-major by the FP8
                 # transpose kernel (ragged 64 x 64 tiles)
-                x, w = make((32, 70), dt, u), make((130, 70), dt, u)
-                ops = _fp8_cache.quantize(w, "tensorwise")
-                backward(torch.ops.opforge._fp8_linear_quantized(x, w, *ops, None, granularity="tensorwise"))
+                # (and the 4 x 4 block kernel where both sides are multiples of 16)
+                for x_shape, w_shape in (((32, 70), (130, 70)), ((32, 80), (144, 80))):
+                    x, w = make(x_shape, dt, u), make(w_shape, dt, u)
+                    ops = _fp8_cache.quantize(w, "tensorwise")
+                    backward(torch.ops.opforge._fp8_linear_quantized(x, w, *ops, None, granularity="tensorwise"))
         out.append(("fp8", fp8))
     if hasattr(ops, "rope"):
         def rope(dt, u):

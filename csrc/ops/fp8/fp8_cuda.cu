@@ -580,6 +580,51 @@ __global__ void __launch_bounds__(kThreads) transpose_bytes_kernel(const uint8_t
   }
 }
 
+/// The 4 x 4 byte block of rows a[0..3] (4 bytes each, column j in byte j) transposed: b[k] holds column k's bytes of
+/// rows 0..3, row q in byte q.
+__device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&a)[4], uint32_t (&b)[4]) {
+  // __byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of the 8 bytes y:x
+  const uint32_t lo01 = __byte_perm(a[0], a[1], 0x5140), hi01 = __byte_perm(a[0], a[1], 0x7362);
+  const uint32_t lo23 = __byte_perm(a[2], a[3], 0x5140), hi23 = __byte_perm(a[2], a[3], 0x7362);
+  b[0] = __byte_perm(lo01, lo23, 0x5410);
+  b[1] = __byte_perm(lo01, lo23, 0x7632);
+  b[2] = __byte_perm(hi01, hi23, 0x5410);
+  b[3] = __byte_perm(hi01, hi23, 0x7632);
+}
+
+/// transpose_bytes_kernel for R and C multiples of 16 with X and Y 16-byte aligned (the GEMM operands' usual shapes):
+/// thread t loads the 4 x 4 byte block at rows r0 + 4·(t / 16), columns c0 + 4·(t % 16) of the 64 x 64 tile as four
+/// 4-byte words (a warp reads two 64-byte row segments per word), transposes it in registers and stores its four
+/// columns as words of the transposed tile in shared memory (row stride 17 words); then thread t writes 16 bytes of
+/// Y's row c0 + t / 4 (columns r0 + 16·(t % 4) ..) with one 16-byte store: a quarter of the byte kernel's memory
+/// instructions. Tiles cut by R or C keep their whole 16-row / 4-column groups (R % 16 == C % 16 == 0).
+__global__ void __launch_bounds__(kThreads) transpose_bytes_4x4_kernel(const uint8_t* __restrict__ X,
+                                                                       uint8_t* __restrict__ Y, int64_t R, int64_t C,
+                                                                       int64_t col_tiles) {
+  constexpr int kT = kTransposeTile, kWords = kT / 4;
+  static_assert(kThreads == kWords * kWords && kThreads == kT * 4, "one 4 x 4 block and one 16-byte store a thread");
+  __shared__ uint32_t tile_t[kT][kWords + 1];  // tile_t[c][w]: X's column c0 + c at rows r0 + 4w .. r0 + 4w + 3
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) / col_tiles * kT;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) % col_tiles * kT;
+  const int br = threadIdx.x / kWords, bc = threadIdx.x % kWords;
+  const int64_t r = r0 + 4 * br, c = c0 + 4 * bc;
+  uint32_t a[4] = {0u, 0u, 0u, 0u}, b[4];
+  if (r < R && c < C) {  // rows r .. r + 3 and columns c .. c + 3 all inside (R % 4 == C % 4 == 0)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) a[q] = *reinterpret_cast<const uint32_t*>(X + (r + q) * C + c);
+  }
+  transpose_4x4_bytes(a, b);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) tile_t[4 * bc + k][br] = b[k];
+  __syncthreads();
+  const int k = threadIdx.x / 4, j = threadIdx.x % 4;
+  const int64_t yc = c0 + k, yr = r0 + 16 * j;  // Y's row yc, bytes yr .. yr + 15 (inside: R % 16 == 0)
+  if (yc < C && yr < R) {
+    const uint4 v{tile_t[k][4 * j], tile_t[k][4 * j + 1], tile_t[k][4 * j + 2], tile_t[k][4 * j + 3]};
+    *reinterpret_cast<uint4*>(Y + yc * R + yr) = v;
+  }
+}
+
 }  // namespace
 
 at::Tensor transpose_fp8_cuda(const at::Tensor& X) {
@@ -592,8 +637,14 @@ at::Tensor transpose_fp8_cuda(const at::Tensor& X) {
   const int64_t tiles = col_tiles * ((R + kTransposeTile - 1) / kTransposeTile);
   TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "opforge::fp8_linear: a ", R, " x ", C,
               " FP8 operand exceeds one grid of transposition tiles");
-  transpose_bytes_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<const uint8_t*>(X.const_data_ptr()), static_cast<uint8_t*>(Y.mutable_data_ptr()), R, C, col_tiles);
+  const auto* x = static_cast<const uint8_t*>(X.const_data_ptr());
+  auto* y = static_cast<uint8_t*>(Y.mutable_data_ptr());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (R % 16 == 0 && C % 16 == 0 && cuda::is_aligned16(x) && cuda::is_aligned16(y)) {
+    transpose_bytes_4x4_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(x, y, R, C, col_tiles);
+  } else {
+    transpose_bytes_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(x, y, R, C, col_tiles);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return Y;
 }
