@@ -84,6 +84,20 @@ QUANTIZED = [0]
 _LOCAL = threading.local()
 #: the library's private ops the cache calls; a library without them (built before they were added) gets fp8_linear
 _PRIVATE_OPS = ("_quantize_fp8_weight", "_fp8_linear_quantized")
+#: the torch.ops.opforge namespace object on which every one of _PRIVATE_OPS was found (checked again, per call,
+#: until they are all there, and for another namespace object)
+_PRIVATE_FOUND: list = [None]
+
+
+def _private_ops_built() -> bool:
+    """True when the loaded library has the cache's private ops (a library built before them has not)."""
+    ns = torch.ops.opforge
+    if _PRIVATE_FOUND[0] is ns:
+        return True
+    if all(hasattr(ns, op) for op in _PRIVATE_OPS):
+        _PRIVATE_FOUND[0] = ns
+        return True
+    return False
 
 
 class _Entry:
@@ -180,17 +194,19 @@ def _fsdp_managed(weight: torch.Tensor, modules: Tuple) -> bool:
     every module they manage (the attributes `torch.distributed.fsdp` sets for Dynamo)."""
     if getattr(weight, "_fsdp_flattened", False):
         return True
-    return any(getattr(m, "_is_fsdp_managed_module", False) for m in modules)
+    # the instance attribute FSDP sets, read from __dict__ (a missing attribute through Module.__getattr__ costs
+    # microseconds on every FP8 call)
+    return any(getattr(m, "__dict__", {}).get("_is_fsdp_managed_module", False) for m in modules)
 
 
 def usable(weight: torch.Tensor, modules: Tuple = ()) -> bool:
     """True when a cached operand of `weight` can be verified (see the module's docstring). `modules`: the modules
     that hold `weight` (the FP8 layer; for a fused projection of the patch, its owner too)."""
-    if torch.compiler.is_compiling() or type(weight) is not torch.nn.Parameter:
+    if type(weight) is not torch.nn.Parameter or torch.compiler.is_compiling():
         return False
     if torch._C._functorch.maybe_current_level() is not None or torch._C._functorch.is_functorch_wrapped_tensor(weight):
         return False
-    if weight.is_inference() or weight.device.type == "meta" or weight.layout != torch.strided:
+    if weight.is_inference() or weight.is_meta or weight.layout != torch.strided:
         return False
     return not _fsdp_managed(weight, modules)
 
@@ -306,9 +322,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     a float64 input) computed by the kernel that wrote input, or None (then the one an active `input_amax` block gives
     for this very input, if any): tensorwise, `_fp8_linear_quantized` quantizes input (and, under `saving_input`,
     inputᵀ in backward) from it instead of its own amax pass, the same bits; rowwise and fp8_linear ignore it."""
-    from . import functional as OF
+    if not usable(weight, modules) or not _private_ops_built():
+        from . import functional as OF
 
-    if not usable(weight, modules) or not all(hasattr(torch.ops.opforge, op) for op in _PRIVATE_OPS):
         return OF.fp8_linear(input, weight, bias, granularity=granularity, grad_dtype=grad_dtype)
     ops = operands(weight, granularity, aliases() if aliases is not None else ())
     kwargs = {}
