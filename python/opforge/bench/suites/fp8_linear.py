@@ -142,4 +142,54 @@ def main(argv=None) -> int:
                 run.say_case(f"quantize_fp8 {g}", "fwd", dtype, (M, K), group)
             del x, w, dy, impls
             run.release()
+    producers(run)
     return run.finish()
+
+
+def producers(run) -> None:
+    """The kernels that hand their output's amax to the FP8 GEMM reading it (the patch's input_layernorm, residual
+    add + post_attention_layernorm and SwiGLU at the Llama shapes): each private `*_amax` op against the same op
+    without the amax, the op followed by the separate amax pass it replaces (quantize_fp8's tensorwise cast includes
+    it: measured as the op then quantize_fp8, against the `*_amax` op then the same cast reading the given amax,
+    `_fp8_linear_quantized`'s path, not separately callable) and a device copy of the same bytes (the ceiling). GB/s
+    of the op's minimal bytes: its inputs read once, its outputs written once."""
+    device, dtype = run.device, torch.bfloat16
+    M, D, I = (8192, 2048, 8192) if device.startswith("cuda") else (512, 256, 1024)
+    x = torch.randn(M, D, device=device, dtype=dtype)
+    res = torch.randn(M, D, device=device, dtype=dtype)
+    nw = torch.rand(D, device=device, dtype=dtype) + 0.5
+    gu = torch.randn(M, 2 * I, device=device, dtype=dtype)
+    ops = torch.ops.opforge
+    cases = {
+        "rms_norm": ((M, D), 2 * M * D * 2, {
+            "op": lambda: ops._rms_norm_forward(x, [D], nw, 1e-6),
+            "op + amax": lambda: ops._rms_norm_forward_amax(x, [D], nw, 1e-6),
+            "op, then quantize_fp8": lambda: opforge.quantize_fp8(ops._rms_norm_forward(x, [D], nw, 1e-6)[0]),
+        }),
+        "fused_add_rms_norm": ((M, D), 4 * M * D * 2, {
+            "op": lambda: ops._fused_add_rms_norm_forward(x, res, [D], nw, 1e-6),
+            "op + amax": lambda: ops._fused_add_rms_norm_forward_amax(x, res, [D], nw, 1e-6),
+            "op, then quantize_fp8": lambda: opforge.quantize_fp8(
+                ops._fused_add_rms_norm_forward(x, res, [D], nw, 1e-6)[0]),
+        }),
+        "swiglu_packed": ((M, 2 * I), 3 * M * I * 2, {
+            "op": lambda: ops.swiglu_packed(gu),
+            "op + amax": lambda: ops._swiglu_packed_amax(gu),
+            "op, then quantize_fp8": lambda: opforge.quantize_fp8(ops.swiglu_packed(gu)),
+        }),
+    }
+    for name, (shape, nbytes, impls) in cases.items():
+        if not all(hasattr(ops, n) for n in ("_rms_norm_forward_amax", "_swiglu_packed_amax")):
+            print(f"  [n/a] {name}: this build has no amax-producing ops", file=sys.stderr)
+            return
+        src = torch.empty(nbytes // 2 // 2, device=device, dtype=dtype)
+        dst = torch.empty_like(src)
+        impls = dict(impls, **{"device copy (same bytes)": lambda src=src, dst=dst: dst.copy_(src)})
+        group = []
+        with torch.no_grad():
+            for impl, fn in impls.items():
+                t, _ = run.time_graphed(impl, lambda i, fn=fn: fn(), 4)
+                run.add(f"fp8 producer {name}", shape, dtype, impl, "fwd", t, harness.gbps(nbytes, t), "GB/s")
+                group.append(f"{impl} {harness._fmt(t)}us {harness._fmt(harness.gbps(nbytes, t), 0)}GB/s")
+        run.say_case(f"fp8 producer {name}", "fwd", dtype, shape, group)
+        run.release()
