@@ -274,6 +274,8 @@ def input_amax(input: torch.Tensor, amax: torch.Tensor):
     `with _fp8_cache.input_amax(h, amax): self.down_proj(h)`. Nests (the innermost entry for a tensor wins); nothing
     stays after the block. An inference tensor (made under `torch.inference_mode()`) has no version counter, so an
     in-place write to it could not be seen: the block hands nothing down for it (the GEMMs compute their amax).
+    Writes that bump no version counter (through `.data`, or from outside torch, e.g. a forward pre-hook doing
+    `h.data.mul_(2)`) are not seen either: such a hook must write through the tensor itself or return a new one.
 
     Args:
         input: the tensor whose amax is handed down.
