@@ -288,13 +288,19 @@ def input_amax(input: torch.Tensor, amax: torch.Tensor):
     kernel (rms_norm, fused_add_rms_norm, swiglu_packed) and calls a module that reaches `linear` with h, possibly
     through wrappers (PEFT's LoRA layers pass their input to the base layer as it is), as in
     `with _fp8_cache.input_amax(h, amax): self.down_proj(h)`. Nests (the innermost entry for a tensor wins); nothing
-    stays after the block.
+    stays after the block. An inference tensor (made under `torch.inference_mode()`) has no version counter, so an
+    in-place write to it could not be seen: the block hands nothing down for it (the GEMMs compute their amax).
+    Writes that bump no version counter (through `.data`, or from outside torch, e.g. a forward pre-hook doing
+    `h.data.mul_(2)`) are not seen either: such a hook must write through the tensor itself or return a new one.
 
     Args:
         input: the tensor whose amax is handed down.
         amax: max|input| over the whole tensor, [1], float32 (float64 for a float64 input), on input's device (the
             interface of `_fp8_linear_quantized`'s input_amax, whose checks apply where it is used).
     """
+    if input.is_inference():
+        yield
+        return
     stack = getattr(_LOCAL, "amax", None)
     if stack is None:
         stack = _LOCAL.amax = []

@@ -295,6 +295,18 @@ def test_input_amax_block_hands_the_amax_to_that_tensor_only():
         assert _same(m(h2), m(h2.clone()))
 
 
+def test_input_amax_block_hands_nothing_for_an_inference_tensor():
+    """An inference tensor has no version counter (an in-place write to it could not be seen): the block is accepted
+    and the GEMM computes the amax itself (a wrong amax given has no effect)."""
+    m = _layer()
+    with torch.inference_mode():
+        h = torch.randn(6, 24)
+        ref = m(h.clone())
+        with _fp8_cache.input_amax(h, _amax(h) * 3):
+            assert _same(m(h), ref)
+    assert not getattr(_fp8_cache._LOCAL, "amax", [])
+
+
 def test_input_amax_blocks_nest_and_stay_in_their_thread():
     m = _layer()
     h, k = torch.randn(6, 24), torch.randn(6, 24)

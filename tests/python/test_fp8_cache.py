@@ -620,6 +620,54 @@ def test_revert_after_merge_and_unload_gives_plain_linears_back(order):
     assert torch.equal(_logits(model.eval(), ids), _logits(ref.eval(), ids))
 
 
+@pytest.mark.parametrize("order", ["peft_then_apply", "apply_then_peft"])
+@pytest.mark.parametrize("merged", [False, True])
+def test_revert_keeps_the_lora_layers(order, merged):
+    """revert with the LoRA layers still in the model (apply then get_peft_model puts them in the slots of the FP8
+    o_proj / down_proj): every opforge module goes, each LoRA layer holds a torch.nn.Linear base layer again, and the
+    state_dict and logits are the unpatched PEFT model's, bit for bit (merged or not)."""
+    from opforge import patch
+
+    model, ref, _ = _peft_fp8_models(order, "tensorwise")
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    _logits(model.eval(), ids)
+    if merged:
+        model.merge_adapter(), ref.merge_adapter()
+    patch.revert(model)
+    assert not patch.is_patched(model)
+    assert not [n for n, m in model.named_modules() if type(m).__module__.startswith("opforge")]
+    layer = model.base_model.model.model.layers[0]
+    for called in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert type(called.base_layer) is torch.nn.Linear
+    sd, rsd = model.state_dict(), ref.state_dict()
+    assert sd.keys() == rsd.keys() and all(torch.equal(sd[k], rsd[k]) for k in rsd)
+    assert torch.equal(_logits(model.eval(), ids), _logits(ref.eval(), ids))
+
+
+@pytest.mark.parametrize("order", ["peft_then_apply", "apply_then_peft"])
+@pytest.mark.parametrize("fp8", [None, "tensorwise"])
+def test_disable_adapter_with_merged_adapters(order, fp8):
+    """disable_adapter() over merged adapters: PEFT's LoRA forward unmerges before its base GEMM, so the fused q/k/v
+    and gate/up GEMMs must too. The first forward under the block serves the base weights (the bits of the same
+    model with the cache cleared; unquantized, the unpatched PEFT model's logits within float32 rounding)."""
+    from opforge import patch
+
+    model, ref, _ = _peft_fp8_models(order, "tensorwise")
+    if fp8 is None:
+        patch.revert(model)
+        assert patch.apply(model).ok
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    model.eval(), ref.eval()
+    _logits(model, ids)
+    model.merge_adapter(), ref.merge_adapter()
+    with model.disable_adapter(), ref.disable_adapter():
+        first = _logits(model, ids)
+        opforge.functional.fp8_cache_clear()
+        assert _same(first, _logits(model, ids))
+        if fp8 is None:
+            torch.testing.assert_close(first, _logits(ref, ids), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("granularity", GRANS)
 def test_peft_wrapped_after_a_forward_then_merged_and_unloaded(granularity):
     """apply, a forward (the base weights' operands cached), get_peft_model (an adapter loaded the same way), then

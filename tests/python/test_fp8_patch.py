@@ -162,6 +162,26 @@ def test_fp8_producers_hand_their_amax_to_the_gemms(device, recompute):
     assert fused[2].keys() == plain[2].keys() and all(torch.equal(fused[2][n], plain[2][n]) for n in plain[2])
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+def test_fp8_patch_under_inference_mode(device, recompute):
+    """torch.inference_mode(): the norms' outputs are inference tensors (no version counter), so the producers hand no
+    amax on; the logits are those under torch.no_grad(), bit for bit, training mode or not, and generate() runs."""
+    model = _llama(device)
+    assert patch.apply(model, fp8="tensorwise", recompute=recompute).ok
+    ids = _ids(device)
+    for train in (True, False):
+        model.train(train)
+        with torch.no_grad():
+            want = model(input_ids=ids).logits
+        with torch.inference_mode():
+            assert not FP8_PATCH.amax_on(model.model.layers[0].mlp)
+            assert torch.equal(model(input_ids=ids).logits, want)
+    with torch.inference_mode():
+        out = model.generate(ids[:, :4], attention_mask=torch.ones_like(ids[:, :4]), max_new_tokens=3,
+                             do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 7)
+
+
 @pytest.mark.parametrize("granularity", GRANS)
 def test_fp8_patch_within_the_rule_of_the_unpatched_model(device, granularity):
     ref = _llama(device)

@@ -51,9 +51,10 @@ def amax_on(owner: torch.nn.Module) -> bool:
     """True when `owner`'s FP8 GEMMs take their input's amax from the opforge kernel that produced the input (the
     decoder layer's norms, the MLP's SwiGLU): tensorwise scales (one amax per tensor), eager (torch.compile traces
     the plain ops and Inductor fuses there; torch.func transforms see the plain ops too), and a build with the
-    producers' private ops."""
+    producers' private ops; not under `torch.inference_mode()` (inference tensors have no version counter, so
+    `_fp8_cache.input_amax` could not see an in-place write to the producer's output)."""
     if not PRODUCER_AMAX or owner.__dict__.get("_opforge_fp8") != "tensorwise" or torch.compiler.is_compiling() \
-            or torch._C._functorch.maybe_current_level() is not None:
+            or torch._C._functorch.maybe_current_level() is not None or torch.is_inference_mode_enabled():
         return False
     if not _BUILT:
         _BUILT.append(all(hasattr(torch.ops.opforge, op) for op in _PRODUCERS)

@@ -390,6 +390,11 @@ def _lora_plan(m: torch.nn.Module, fused_name: str, parts: tuple):
         if w is None or not isinstance(b, F.FusedProjectionSlice):
             return None
         loras.append((i, w))
+    for w in ([wrap] if wrap is not None else []) + [w for _, w in loras]:
+        # PEFT's LoRA forward with the adapters disabled unmerges before its base layer's GEMM: so must the fused
+        # GEMM, which reads the base rows before `_peft.delta` sees the layer (else merged deltas are served once)
+        if w.disable_adapters and w.merged:
+            w.unmerge()
     if not torch.compiler.is_compiling():
         F.sync_slices(m)
     base = F.gemm_operand(m, fused_name, base)  # frozen slices' rows detached; tensors assigned to slices in theirs

@@ -107,8 +107,17 @@ def _set(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
 
 def restore(parent: torch.nn.Module, child: str, old: torch.nn.Module) -> None:
     """Put `old` back as `parent`'s submodule `child`, with the current Parameters of the module it replaced (those
-    the optimizer, `.to()` or a load have since)."""
+    the optimizer, `.to()` or a load have since). Where a wrapper took that module's place since (PEFT's
+    get_peft_model after apply puts a LoRA layer in the slot, holding the module as its base_layer), `old` goes back
+    where the module is now, under the wrapper."""
     new = parent._modules[child]
+    if new is not None and new.__dict__.get("_opforge_original") is not old:
+        for holder in new.modules():
+            name = next((n for n, sub in holder._modules.items()
+                         if sub is not None and sub.__dict__.get("_opforge_original") is old), None)
+            if name is not None:
+                parent, child, new = holder, name, holder._modules[name]
+                break
     for pname, p in new.named_parameters():
         owner, _, leaf = pname.rpartition(".")
         setattr(old.get_submodule(owner) if owner else old, leaf, p)
