@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "core/amax_cuda.cuh"
 #include "core/cuda_utils.cuh"
 #include "core/dispatch.h"
 #include "core/gemm.h"
@@ -40,43 +41,27 @@ namespace {
 
 constexpr int kThreads = 256;
 
-/// The accumulation type of amax (exact for the input) and the unsigned integer of its bit pattern. value_of rounds
-/// the amax to scalar_t first: the identity for an amax of scalar_t values (the amax pass's), and for a given amax of
-/// the higher-precision tensor that X was rounded from (under autocast), the amax of X (rounding is monotone).
+/// The amax word of scalar_t inputs (core/amax_cuda.cuh's AmaxBits: the unsigned integer of |x|'s bit pattern, as
+/// the producers' amax holds it) and its value. value_of rounds the amax to scalar_t first: the identity for an amax
+/// of scalar_t values (the amax pass's), and for a given amax of the higher-precision tensor that X was rounded from
+/// (under autocast), the amax of X (rounding is monotone).
 template <typename scalar_t>
-struct AmaxTraits {
-  using acc_t = float;
-  using bits_t = uint32_t;
-  __device__ static bits_t bits_of_abs(scalar_t x) { return __float_as_uint(fabsf(static_cast<float>(x))); }
+struct AmaxTraits : cuda::AmaxBits<scalar_t> {
+  using bits_t = typename cuda::AmaxBits<scalar_t>::bits_t;
   __device__ static double value_of(bits_t b) {
     return static_cast<double>(static_cast<float>(static_cast<scalar_t>(__uint_as_float(b))));
   }
 };
 template <>
-struct AmaxTraits<double> {
-  using acc_t = double;
-  using bits_t = unsigned long long;
-  __device__ static bits_t bits_of_abs(double x) {
-    return static_cast<bits_t>(__double_as_longlong(fabs(x)));
-  }
+struct AmaxTraits<double> : cuda::AmaxBits<double> {
   __device__ static double value_of(bits_t b) { return __longlong_as_double(static_cast<long long>(b)); }
 };
-
-template <typename bits_t>
-__device__ __forceinline__ bits_t warp_max(bits_t v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const bits_t o = __shfl_xor_sync(0xffffffffu, v, off);
-    v = o > v ? o : v;
-  }
-  return v;
-}
 
 /// The block's max of v (every thread gets it). smem: kThreads / 32 words.
 template <typename bits_t>
 __device__ __forceinline__ bits_t block_max(bits_t v, bits_t* smem) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  v = warp_max(v);
+  v = cuda::warp_max_bits(v);
   __syncthreads();  // the previous row's readers of smem are done
   if (lane == 0) smem[warp] = v;
   __syncthreads();

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <array>
 #include <optional>
@@ -145,6 +146,41 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(BackwardKernel kernel, cons
 inline at::Tensor as_weight_grad(const at::Tensor& sum, const at::Tensor& weight) {
   return sum.view(weight.sizes()).to(weight.scalar_type());
 }
+
+/// The forward ops' kernels of one backend's ForwardKernel `K` (the four private forward ops above bound to it),
+/// written once for the CPU and CUDA.
+template <ForwardKernel K>
+struct ForwardOps {
+  static std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                                     const std::optional<at::Tensor>& weight,
+                                                     std::optional<double> eps) {
+    return rms_norm_forward(K, input, normalized_shape, weight, eps);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_amax(const at::Tensor& input,
+                                                                      c10::SymIntArrayRef normalized_shape,
+                                                                      const std::optional<at::Tensor>& weight,
+                                                                      std::optional<double> eps) {
+    return rms_norm_forward_amax(K, input, normalized_shape, weight, eps);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add(const at::Tensor& input, const at::Tensor& residual,
+                                                                  c10::SymIntArrayRef normalized_shape,
+                                                                  const std::optional<at::Tensor>& weight,
+                                                                  std::optional<double> eps) {
+    return fused_add_rms_norm_forward(K, input, residual, normalized_shape, weight, eps);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_add_amax(
+      const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
+      const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+    return fused_add_rms_norm_forward_amax(K, input, residual, normalized_shape, weight, eps);
+  }
+  /// Registers _rms_norm_forward, _fused_add_rms_norm_forward and their *_amax forms for the library's dispatch key.
+  static void register_for(torch::Library& m) {
+    m.impl("_rms_norm_forward", &ForwardOps::rms_norm);
+    m.impl("_fused_add_rms_norm_forward", &ForwardOps::fused_add);
+    m.impl("_rms_norm_forward_amax", &ForwardOps::rms_norm_amax);
+    m.impl("_fused_add_rms_norm_forward_amax", &ForwardOps::fused_add_amax);
+  }
+};
 
 }  // namespace rmsnorm
 }  // namespace opforge

@@ -153,31 +153,6 @@ void forward_cpu(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::Te
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cpu(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
-                                                        const std::optional<at::Tensor>& weight,
-                                                        std::optional<double> eps) {
-  return rmsnorm::rms_norm_forward(forward_cpu, input, normalized_shape, weight, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_forward_amax_cpu(const at::Tensor& input,
-                                                                         c10::SymIntArrayRef normalized_shape,
-                                                                         const std::optional<at::Tensor>& weight,
-                                                                         std::optional<double> eps) {
-  return rmsnorm::rms_norm_forward_amax(forward_cpu, input, normalized_shape, weight, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_amax_cpu(
-    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
-    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  return rmsnorm::fused_add_rms_norm_forward_amax(forward_cpu, input, residual, normalized_shape, weight, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cpu(
-    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
-    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  return rmsnorm::fused_add_rms_norm_forward(forward_cpu, input, residual, normalized_shape, weight, eps);
-}
-
 // One backward row (rs = rstd of the row):
 //   s = Σ w·dy·x;  dx = rs·w·dy − x·(rs³·s/N);  dw_acc += dy·x·rs (when dw_acc)
 template <typename scalar_t>
@@ -325,10 +300,7 @@ at::Tensor rms_norm_apply_cpu(const at::Tensor& input, const at::Tensor& rstd, c
 
 TORCH_LIBRARY_IMPL(opforge, CPU, m) {
   m.impl("_rms_norm_apply", &rms_norm_apply_cpu);
-  m.impl("_rms_norm_forward", &rms_norm_forward_cpu);
-  m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_cpu);
-  m.impl("_rms_norm_forward_amax", &rms_norm_forward_amax_cpu);
-  m.impl("_fused_add_rms_norm_forward_amax", &fused_add_rms_norm_forward_amax_cpu);
+  rmsnorm::ForwardOps<forward_cpu>::register_for(m);
   m.impl("rms_norm_backward", &rms_norm_backward_cpu);
 }
 

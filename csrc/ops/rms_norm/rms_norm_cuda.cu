@@ -779,31 +779,6 @@ void forward_cuda(const rmsnorm::Problem& p, at::Tensor& Y, at::Tensor& Z, at::T
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
-                                                         const std::optional<at::Tensor>& weight,
-                                                         std::optional<double> eps) {
-  return rmsnorm::rms_norm_forward(forward_cuda, input, normalized_shape, weight, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_forward_amax_cuda(const at::Tensor& input,
-                                                                          c10::SymIntArrayRef normalized_shape,
-                                                                          const std::optional<at::Tensor>& weight,
-                                                                          std::optional<double> eps) {
-  return rmsnorm::rms_norm_forward_amax(forward_cuda, input, normalized_shape, weight, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_amax_cuda(
-    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
-    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  return rmsnorm::fused_add_rms_norm_forward_amax(forward_cuda, input, residual, normalized_shape, weight, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_cuda(
-    const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
-    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  return rmsnorm::fused_add_rms_norm_forward(forward_cuda, input, residual, normalized_shape, weight, eps);
-}
-
 // _rms_norm_apply: y = x · rstd[row] · w (w null: · 1), the forward kernels' last step with the operations and order of
 // their scale_store (written here per element), so bitwise their output for the same x, rstd and w. One block per row
 // (grid-stride), VEC elements per access: 16 bytes where X, W and Y are 16-byte aligned and N is a multiple of it,
@@ -961,10 +936,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
 
 TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
   m.impl("_rms_norm_apply", &rms_norm_apply_cuda);
-  m.impl("_rms_norm_forward", &rms_norm_forward_cuda);
-  m.impl("_fused_add_rms_norm_forward", &fused_add_rms_norm_forward_cuda);
-  m.impl("_rms_norm_forward_amax", &rms_norm_forward_amax_cuda);
-  m.impl("_fused_add_rms_norm_forward_amax", &fused_add_rms_norm_forward_amax_cuda);
+  rmsnorm::ForwardOps<forward_cuda>::register_for(m);
   m.impl("rms_norm_backward", &rms_norm_backward_cuda);
 }
 
