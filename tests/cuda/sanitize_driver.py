@@ -260,7 +260,27 @@ def families(quick: bool):
                 for k, n in ((0, 72), (72, 0)):
                     gy, x, w = (make(s, dt, u, requires_grad=False) for s in ((33, n), (33, k), (n, k)))
                     torch.ops.opforge.fp8_linear_backward(gy, x, w, [True, True, False], g, None, None)
+            # the producers that write their output's amax (the patch's norms and SwiGLU, every rms_norm forward
+            # variant's amax instantiation through its test hook), on ragged rows and a row-strided packed input
+            if hasattr(ops, "_swiglu_packed_amax"):
+                nw = make((72,), dt, u, requires_grad=False)
+                for variant in range(5):
+                    with knobs(rms_norm_forward=variant):
+                        for rows in (1, 33):
+                            x, r = (make((rows, 72), dt, u, requires_grad=False) for _ in range(2))
+                            ops._rms_norm_forward_amax(x, [72], nw, 1e-6)
+                            ops._fused_add_rms_norm_forward_amax(x, r, [72], nw, 1e-6)
+                for shape in ((33, 2 * 37), (5, 2 * 64)):
+                    ops._swiglu_packed_amax(make(shape, dt, u, requires_grad=False))
+                ops._swiglu_packed_amax(make((9, 3 * 64), dt, u, requires_grad=False)[:, : 2 * 64])
             if torch.cuda.get_device_capability() >= (8, 9) and not VENDOR_SAFE:
+                # the cast kernels reading a given amax (input_amax: no amax pass), forward and the saved input's
+                # backward quantization
+                x, w = make((33, 72), dt, u), make((40, 72), dt, u)
+                ops_w = _fp8_cache.quantize(w, "tensorwise")
+                amax = x.detach().abs().amax().reshape(1).to(torch.float64 if dt == torch.float64 else torch.float32)
+                backward(torch.ops.opforge._fp8_linear_quantized(x, w, *ops_w, None, granularity="tensorwise",
+                                                                 save_input=True, input_amax=amax))
                 x, w, b = make((32, 64), dt, u), make((48, 64), dt, u), make((48,), dt, u)
                 for g in ("tensorwise", "rowwise"):
                     backward(opforge.fp8_linear(x, w, b, granularity=g))
@@ -273,8 +293,8 @@ def families(quick: bool):
                 # (and the 4 x 4 block kernel where both sides are multiples of 16)
                 for x_shape, w_shape in (((32, 70), (130, 70)), ((32, 80), (144, 80))):
                     x, w = make(x_shape, dt, u), make(w_shape, dt, u)
-                    ops = _fp8_cache.quantize(w, "tensorwise")
-                    backward(torch.ops.opforge._fp8_linear_quantized(x, w, *ops, None, granularity="tensorwise"))
+                    ops_w = _fp8_cache.quantize(w, "tensorwise")
+                    backward(torch.ops.opforge._fp8_linear_quantized(x, w, *ops_w, None, granularity="tensorwise"))
         out.append(("fp8", fp8))
     if hasattr(ops, "rope"):
         def rope(dt, u):
