@@ -162,6 +162,15 @@ def suite_ops(mesh):
     for p in (R, S0, S1):
         check("swiglu_packed", opforge.swiglu_packed, [rn(4, 6, 16)], [p], mesh)
     check("swiglu_packed (last dim sharded: redistributed)", opforge.swiglu_packed, [rn(4, 6, 16)], [S2], mesh)
+    # the FP8 producers' forms that also return max |output| (run replicated: a sharded input is gathered first)
+    opforge_ops = torch.ops.opforge
+    for p in (R, S0, S1):
+        check("_rms_norm_forward_amax", lambda a, w: opforge_ops._rms_norm_forward_amax(a, (8,), w, 1e-6),
+              [x, w8], [p, R], mesh)
+        check("_fused_add_rms_norm_forward_amax",
+              lambda a, b, w: opforge_ops._fused_add_rms_norm_forward_amax(a, b, (8,), w, 1e-6),
+              [x, r, w8], [p, p, R], mesh)
+        check("_swiglu_packed_amax", opforge_ops._swiglu_packed_amax, [rn(4, 6, 16)], [p], mesh)
     for approximate in ("none", "tanh"):
         for p in (R, S0, S1, S2):
             check(f"geglu {approximate}", lambda a, b, ap=approximate: opforge.geglu(a, b, ap), [x, r], [p, p], mesh)
