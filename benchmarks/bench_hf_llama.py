@@ -105,9 +105,9 @@ VARIANTS = {
                                "q(inputᵀ) of the norm and SwiGLU outputs)",
     "opforge-fp8-lt": "HF + opforge.patch.apply(fp8=\"tensorwise\"), the GEMMs through opforge's cuBLASLt engine (test "
                       "hook fp8_gemm = 1) instead of torch._scaled_mm",
-    "opforge-fp8-noamax": "HF + opforge.patch.apply(fp8=\"tensorwise\"), every FP8 GEMM computing its input's amax "
-                          "itself (test hook opforge.patch._fp8.PRODUCER_AMAX = False) instead of taking the norm's "
-                          "or SwiGLU's",
+    "opforge-fp8-amax": "HF + opforge.patch.apply(fp8=\"tensorwise\"), the q/k/v, gate/up and down GEMMs taking their "
+                        "input's amax from the norm's or SwiGLU's kernel (test hook "
+                        "opforge.patch._fp8.PRODUCER_AMAX_DEVICES with \"cuda\") instead of their own amax pass",
     "opforge-fp8+compile-layers": "HF + opforge.patch.apply(fp8=\"tensorwise\") + torch.compile per layer",
     "opforge-fp8+compile-model": "HF + opforge.patch.apply(fp8=\"tensorwise\") + torch.compile(model)",
     "opforge-fp8-rowwise+compile-model": "HF + opforge.patch.apply(fp8=\"rowwise\") + torch.compile(model)",
@@ -306,10 +306,10 @@ def build_variant(a: argparse.Namespace, variant: str):
         fp8 = ("rowwise" if "-fp8-rowwise" in variant else "tensorwise") if "-fp8" in variant else None
         for name, value in VARIANT_KNOBS.get(variant, {}).items():
             torch.ops.opforge._set_knob(name, value)
-        if variant == "opforge-fp8-noamax":
+        if variant == "opforge-fp8-amax":
             from opforge.patch import _fp8 as patch_fp8
 
-            patch_fp8.PRODUCER_AMAX = False
+            patch_fp8.PRODUCER_AMAX_DEVICES.add("cuda")
         report = str(patch.apply(model, recompute="-norecompute" not in variant,
                                  inductor_math="-inductor" in variant, fp8=fp8))
     if variant.startswith("torchao-fp8"):

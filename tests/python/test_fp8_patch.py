@@ -122,7 +122,7 @@ class _AmaxUse(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("recompute", [True, False])
-def test_fp8_producers_hand_their_amax_to_the_gemms(device, recompute):
+def test_fp8_producers_hand_their_amax_to_the_gemms(device, recompute, monkeypatch):
     """Tensorwise, eager: input_layernorm, the fused residual add + post_attention_layernorm and the SwiGLU write
     max |output| beside their output, and the q/k/v, gate/up and down_proj GEMMs take it (input_amax: forward, and
     the backward's quantization of inputᵀ under recompute) instead of their own amax pass; o_proj (input from the
@@ -130,6 +130,7 @@ def test_fp8_producers_hand_their_amax_to_the_gemms(device, recompute):
     themselves (the test hook PRODUCER_AMAX = False)."""
     if not all(hasattr(torch.ops.opforge, op.split("::")[1]) for op in PRODUCER_OPS):
         pytest.skip("this build has no amax-producing ops")
+    monkeypatch.setattr(FP8_PATCH, "PRODUCER_AMAX_DEVICES", {"cpu", "cuda"})  # CUDA's hand-off proven here
     assert FP8_PATCH.amax_on(_Owner()), "the producers' ops are built but the patch does not hand their amax on"
     model = _llama(device)
     assert patch.apply(model, fp8="tensorwise", recompute=recompute).ok

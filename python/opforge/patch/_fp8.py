@@ -45,16 +45,23 @@ _PRODUCERS = ("_rms_norm_forward_amax", "_fused_add_rms_norm_forward_amax", "_sw
 _BUILT: list = []
 #: test hook: False makes every FP8 GEMM compute its input's amax itself (the same bits either way)
 PRODUCER_AMAX = True
+#: test hook: the device types on which the producers hand their amax on. CUDA's amax kernels have not yet run on a
+#: GPU: they join this set once the CUDA tests of tests/python/test_amax_producers.py, test_fp8_amax.py and
+#: test_fp8_patch.py (which add "cuda" here) have passed on the H100/H200; until then CUDA models compute every amax
+#: in the FP8 GEMMs (bench variant opforge-fp8-amax measures the hand-off).
+PRODUCER_AMAX_DEVICES = {"cpu"}
 
 
-def amax_on(owner: torch.nn.Module) -> bool:
+def amax_on(owner: torch.nn.Module, x: Optional[torch.Tensor] = None) -> bool:
     """True when `owner`'s FP8 GEMMs take their input's amax from the opforge kernel that produced the input (the
-    decoder layer's norms, the MLP's SwiGLU): tensorwise scales (one amax per tensor), eager (torch.compile traces
-    the plain ops and Inductor fuses there; torch.func transforms see the plain ops too), and a build with the
-    producers' private ops; not under `torch.inference_mode()` (inference tensors have no version counter, so
-    `_fp8_cache.input_amax` could not see an in-place write to the producer's output)."""
+    decoder layer's norms, the MLP's SwiGLU) from `x` (the producer's input; None: any device): tensorwise scales
+    (one amax per tensor), eager (torch.compile traces the plain ops and Inductor fuses there; torch.func transforms
+    see the plain ops too), x on a device of PRODUCER_AMAX_DEVICES, and a build with the producers' private ops; not
+    under `torch.inference_mode()` (inference tensors have no version counter, so `_fp8_cache.input_amax` could not
+    see an in-place write to the producer's output)."""
     if not PRODUCER_AMAX or owner.__dict__.get("_opforge_fp8") != "tensorwise" or torch.compiler.is_compiling() \
-            or torch._C._functorch.maybe_current_level() is not None or torch.is_inference_mode_enabled():
+            or torch._C._functorch.maybe_current_level() is not None or torch.is_inference_mode_enabled() \
+            or (x is not None and x.device.type not in PRODUCER_AMAX_DEVICES):
         return False
     if not _BUILT:
         _BUILT.append(all(hasattr(torch.ops.opforge, op) for op in _PRODUCERS)

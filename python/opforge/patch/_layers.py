@@ -83,7 +83,7 @@ def norm_amax(owner: torch.nn.Module, n: torch.nn.Module, x: torch.Tensor,
               consumer: torch.nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(norm(owner, n, x), max |output| for `consumer`'s FP8 GEMMs, or None where they compute it themselves, see
     `_fp8.amax_on`): the private op `_rms_norm_forward_amax` writes both in one pass (its output bit-identical)."""
-    if not FP8.amax_on(consumer) or torch_math(owner):
+    if not FP8.amax_on(consumer, x) or torch_math(owner):
         return norm(owner, n, x), None
     h, _, amax = torch.ops.opforge._rms_norm_forward_amax.default(x, [x.shape[-1]], norm_weight(owner, n), eps(n))
     return h, amax
@@ -278,7 +278,7 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
     amax = None
     if recompute:  # the fused op's rstd: the gate/up GEMM keeps a recipe (residual, rstd) for h
         w = norm_weight(self, n)
-        if FP8.amax_on(self.mlp):
+        if FP8.amax_on(self.mlp, a):
             h, r, rstd, amax = torch.ops.opforge._fused_add_rms_norm_forward_amax.default(a, x, [a.shape[-1]], w,
                                                                                          eps(n))
         else:
@@ -291,7 +291,7 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
         finally:
             self.mlp.__dict__.pop("_opforge_pending", None)
     else:
-        if FP8.amax_on(self.mlp) and not torch_math(self):
+        if FP8.amax_on(self.mlp, a) and not torch_math(self):
             h, r, _, amax = torch.ops.opforge._fused_add_rms_norm_forward_amax.default(
                 a, x, [a.shape[-1]], norm_weight(self, n), eps(n))
         else:
@@ -427,7 +427,7 @@ def mlp_forward(self, x):
             halves[i] = _add(halves[i], P.delta(w, x))
         gu = torch.cat(halves, dim=-1)
     amax = None  # down_proj's input amax from the SwiGLU kernel where down_proj is FP8 (tensorwise, eager)
-    if FP8.amax_on(self) and self.__dict__.get("_opforge_act", "silu") == "silu" and not torch_math(self):
+    if FP8.amax_on(self, gu) and self.__dict__.get("_opforge_act", "silu") == "silu" and not torch_math(self):
         h, amax = torch.ops.opforge._swiglu_packed_amax.default(gu)
     else:
         h = gated_act(self, gu)
