@@ -43,9 +43,10 @@ constexpr Entry kEntries[] = {
     {"rope_rows_kernel", 0, Read::kNone, "rope"},
     {"indexed_linear_path", 0, Read::kNone, "indexed_linear"},
     {"fp8_gemm", -1, Read::kNone, "fp8_linear"},
+    {"fp8_transpose", -1, Read::kNone, "fp8_linear"},
 };
 constexpr int kCount = sizeof(kEntries) / sizeof(kEntries[0]);
-static_assert(kCount == static_cast<int>(Knob::kFp8Gemm) + 1, "one entry per Knob");
+static_assert(kCount == static_cast<int>(Knob::kFp8Transpose) + 1, "one entry per Knob");
 
 // The value of a kPositive variable whose text is not a positive integer (get() raises the error).
 constexpr int64_t kInvalid = std::numeric_limits<int64_t>::min();

@@ -62,6 +62,10 @@
 //                        engine (core/gemm.h, gemm_fp8: plans cached per shape, the scales read on the device),
 //                        at::_scaled_mm where cuBLASLt declines; 2: as 1, and a declined problem raises (the tests'
 //                        proof that the engine ran). Rowwise GEMMs always run at::_scaled_mm; the CPU ignores it.
+//   fp8_transpose        -1 (default): the FP8 byte transpose (the backward's q(Wᵀ) from a cached q(W)) by the
+//                        kernel kFp8Transpose4x4 (ops/fp8/fp8_cuda.cu) names; 0: the byte kernel; 1: the 4 x 4 block
+//                        kernel where both sides are multiples of 16 (word loads, 16-byte stores), else the byte
+//                        kernel. The CPU ignores it.
 #pragma once
 
 #include <cstdint>
@@ -73,7 +77,8 @@ enum class Knob : int {
   // user-facing modes (environment variables)
   kLceGradInForward, kLceDwAccum, kLceChunkSize, kLceLean, kFp8FastAccum,
   // test hooks
-  kLinearLt, kGemmSm90, kLinearGemv, kRmsForward, kRmsBackward, kRopeRowsKernel, kIndexedLinearPath, kFp8Gemm
+  kLinearLt, kGemmSm90, kLinearGemv, kRmsForward, kRmsBackward, kRopeRowsKernel, kIndexedLinearPath, kFp8Gemm,
+  kFp8Transpose
 };
 
 /// The knob's current value. Throws ValueError for OPFORGE_LCE_CHUNK_SIZE set to text that is not a positive

@@ -294,7 +294,9 @@ def families(quick: bool):
                 for x_shape, w_shape in (((32, 70), (130, 70)), ((32, 80), (144, 80))):
                     x, w = make(x_shape, dt, u), make(w_shape, dt, u)
                     ops_w = _fp8_cache.quantize(w, "tensorwise")
-                    backward(torch.ops.opforge._fp8_linear_quantized(x, w, *ops_w, None, granularity="tensorwise"))
+                    with knobs(fp8_transpose=1):
+                        backward(torch.ops.opforge._fp8_linear_quantized(x, w, *ops_w, None,
+                                                                         granularity="tensorwise"))
         out.append(("fp8", fp8))
     if hasattr(ops, "rope"):
         def rope(dt, u):

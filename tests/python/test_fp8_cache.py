@@ -125,11 +125,13 @@ def test_quantized_op_is_fp8_linear_bitwise(device, granularity, dtype, x_shape,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("x_shape, N", [((7, 33), 17), ((130, 70), 65), ((3, 200), 129), ((64, 64), 64), ((5, 80), 144),
                                         ((9, 256), 48)])
-def test_quantized_op_takes_the_transposed_view_tensorwise(device, dtype, x_shape, N):
+@pytest.mark.parametrize("transpose", [0, 1], ids=["byte-kernel", "4x4-kernel"])
+def test_quantized_op_takes_the_transposed_view_tensorwise(device, dtype, x_shape, N, transpose, knob):
     """Tensorwise, q(Wᵀ) given as the view q(W).t() (as the layers' cache gives it: one FP8 copy of the weight): the
     backward's transpose kernel makes it row-major; output and gradients bit-identical to fp8_linear (shapes across
-    the kernel's 64 x 64 tiles, ragged at both ends; on CUDA, sides that are multiples of 16 take the 4 x 4 block
-    kernel, the others the byte kernel)."""
+    the kernel's 64 x 64 tiles, ragged at both ends; on CUDA the test hook fp8_transpose picks the byte kernel or the
+    4 x 4 block kernel, which takes the shapes whose sides are multiples of 16)."""
+    knob("fp8_transpose", transpose)
     torch.manual_seed(0)
     x = torch.randn(x_shape, dtype=dtype, device=device, requires_grad=True)
     w = torch.randn(N, x_shape[-1], dtype=dtype, device=device, requires_grad=True)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODES = {"OPFORGE_LCE_GRAD_IN_FORWARD": 1, "OPFORGE_LCE_DW_ACCUM": 0, "OPFORGE_LCE_CHUNK_SIZE": 0, "OPFORGE_LCE_LEAN": 1,
          "OPFORGE_FP8_FAST_ACCUM": 0}
 HOOKS = {"linear_lt": 1, "linear_gemv": -1, "rms_norm_forward": -1, "rms_norm_backward": -1, "rope_rows_kernel": 0,
-         "indexed_linear_path": 0, "fp8_gemm": -1}
+         "indexed_linear_path": 0, "fp8_gemm": -1, "fp8_transpose": -1}
 
 
 def _code(path: Path) -> str:
@@ -51,7 +51,7 @@ def test_set_knob_returns_the_previous_value_and_restores():
 
 def test_unknown_knob_names_every_knob():
     with pytest.raises(ValueError, match=r"opforge::_set_knob: expected OPFORGE_LCE_GRAD_IN_FORWARD, .*"
-                                         r"indexed_linear_path or fp8_gemm, but got OPFORGE_ROPE_KERNEL"):
+                                         r"indexed_linear_path, fp8_gemm or fp8_transpose, but got OPFORGE_ROPE_KERNEL"):
         torch.ops.opforge._set_knob("OPFORGE_ROPE_KERNEL", 1)
 
 
