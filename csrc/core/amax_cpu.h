@@ -14,6 +14,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "core/amax.h"
+
 namespace opforge {
 namespace cpu {
 
@@ -57,7 +59,7 @@ class AmaxWord {
 
 /// The [1] amax tensor of an output of `dtype` on the CPU, zero (the value of an empty output).
 inline at::Tensor zeroed_amax_tensor(const at::Tensor& like) {
-  return at::zeros({1}, like.options().dtype(like.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
+  return empty_amax(like).zero_();
 }
 
 }  // namespace cpu

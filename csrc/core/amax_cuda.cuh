@@ -21,6 +21,8 @@
 
 #include <cstdint>
 
+#include "core/amax.h"
+
 namespace opforge {
 namespace cuda {
 
@@ -88,7 +90,7 @@ __device__ __forceinline__ void block_amax_atomic(bits_t m, bits_t* amax, bits_t
 /// The amax output of a producer of `like`'s dtype: shape [1], float32 (float64 for float64), on like's device,
 /// zeroed by a memset on the current stream (the value of an empty output).
 inline at::Tensor zeroed_amax_tensor(const at::Tensor& like) {
-  at::Tensor amax = at::empty({1}, like.options().dtype(like.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
+  at::Tensor amax = empty_amax(like);
   C10_CUDA_CHECK(cudaMemsetAsync(amax.mutable_data_ptr(), 0, static_cast<size_t>(amax.nbytes()),
                                  at::cuda::getCurrentCUDAStream()));
   return amax;

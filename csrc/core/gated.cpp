@@ -1,6 +1,7 @@
 // The gated ops' checkers and Meta kernels (core/gated.h), shared by swiglu and geglu.
 #include "core/gated.h"
 
+#include "core/amax.h"
 #include "core/check.h"
 
 namespace opforge {
@@ -72,7 +73,7 @@ at::Tensor gated_packed_meta(const char* op, const at::Tensor& input) {
 
 std::tuple<at::Tensor, at::Tensor> gated_packed_amax_meta(const char* op, const at::Tensor& input) {
   at::Tensor output = gated_packed_meta(op, input);
-  return {output, at::empty({1}, input.options().dtype(input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat))};
+  return {output, empty_amax(input)};
 }
 
 at::Tensor gated_packed_backward_meta(const char* op, const at::Tensor& grad_output, const at::Tensor& input) {

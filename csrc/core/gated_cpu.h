@@ -178,15 +178,15 @@ std::tuple<at::Tensor, at::Tensor> gated_backward(const char* op, const at::Tens
 }
 
 /// The packed form: the same maps over the halves input[r, :I], input[r, I:] of each row of one (*, 2I) tensor;
-/// (*, I) contiguous in input's dtype.
+/// (*, I) contiguous in input's dtype. amax: as gated_forward_rows's (null: none).
 template <Activation A>
-at::Tensor gated_packed_forward(const char* op, const at::Tensor& input) {
+at::Tensor gated_packed_forward(const char* op, const at::Tensor& input, at::Tensor* amax = nullptr) {
   const int64_t I = check_gated_packed(op, input).expect_int();
   std::vector<int64_t> shape = input.sizes().vec();
   shape.back() = I;
   at::Tensor Y = at::empty(shape, input.options());  // [*, I], contiguous, as Meta
   const Rows x(input);                               // [rows, 2I]
-  detail::gated_forward_rows<A>(x, 0, x, I, rows_of(input), I, Y);
+  detail::gated_forward_rows<A>(x, 0, x, I, rows_of(input), I, Y, amax);
   return Y;
 }
 
@@ -194,13 +194,8 @@ at::Tensor gated_packed_forward(const char* op, const at::Tensor& input) {
 /// y is NaN, else inf if any is inf; 0 when empty), folded in as the output is written: (output, amax).
 template <Activation A>
 std::tuple<at::Tensor, at::Tensor> gated_packed_forward_amax(const char* op, const at::Tensor& input) {
-  const int64_t I = check_gated_packed(op, input).expect_int();
-  std::vector<int64_t> shape = input.sizes().vec();
-  shape.back() = I;
-  at::Tensor Y = at::empty(shape, input.options());  // [*, I], contiguous, as Meta
-  at::Tensor amax = zeroed_amax_tensor(Y);
-  const Rows x(input);  // [rows, 2I]
-  detail::gated_forward_rows<A>(x, 0, x, I, rows_of(input), I, Y, &amax);
+  at::Tensor amax = zeroed_amax_tensor(input);  // the output's dtype and device
+  at::Tensor Y = gated_packed_forward<A>(op, input, &amax);
   return {Y, amax};
 }
 

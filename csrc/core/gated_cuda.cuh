@@ -96,8 +96,9 @@ at::Tensor gated_packed_forward(const char* op, const at::Tensor& input) {
   return Y;
 }
 
-/// out[i] = op(a[r * sa + col], b[r * sb + col]) as map_binary_rows_kernel (the same lanes, so the same bits), and
-/// the max |out| over the values the block stores atomicMax'ed into *amax (core/amax_cuda.cuh; zeroed beforehand).
+/// out[i] = op(a[r * sa + col], b[r * sb + col]) as map_binary_rows_kernel (its walk and binary_lanes, so the same
+/// bits), and the max |out| over the values the block stores atomicMax'ed into *amax (core/amax_cuda.cuh; zeroed
+/// beforehand).
 /// A 1-D block of kMapThreads threads, all of which reach the reduction (grid-stride loop, no early exit).
 template <int VEC, typename scalar_t, typename Op>
 __global__ void __launch_bounds__(kMapThreads)
@@ -106,23 +107,15 @@ __global__ void __launch_bounds__(kMapThreads)
                                 scalar_t* __restrict__ out,                  // [n]
                                 int64_t n, int64_t cols, Op op,
                                 typename AmaxBits<scalar_t>::bits_t* __restrict__ amax) {  // [1]
-  using opmath_t = at::opmath_type<scalar_t>;
   using bits_t = typename AmaxBits<scalar_t>::bits_t;
-  using V = Vec<scalar_t, VEC>;
   __shared__ bits_t smem[32];
   bits_t m = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC; i < n; i += stride * VEC) {
     const int64_t r = i / cols, col = i - r * cols;
-    const V x = *reinterpret_cast<const V*>(a + r * sa + col);
-    const V c = *reinterpret_cast<const V*>(b + r * sb + col);
-    V y;
+    const Vec<scalar_t, VEC> y = binary_lanes<VEC>(a + r * sa + col, b + r * sb + col, out + i, op);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      y.val[k] = static_cast<scalar_t>(op(static_cast<opmath_t>(x.val[k]), static_cast<opmath_t>(c.val[k])));
-      amax_fold(m, y.val[k]);
-    }
-    *reinterpret_cast<V*>(out + i) = y;
+    for (int k = 0; k < VEC; ++k) amax_fold(m, y.val[k]);
   }
   block_amax_atomic(m, amax, smem);
 }

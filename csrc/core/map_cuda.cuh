@@ -176,10 +176,11 @@ void launch_map3_to2(const at::Tensor& A, const at::Tensor& B, const at::Tensor&
 
 // ---- row-strided inputs -------------------------------------------------------------------------------------
 
-// out[0, W) = op(a[0, W), b[0, W)) as one W-wide access per pointer (W == 1: scalar), math in opmath.
+// out[0, W) = op(a[0, W), b[0, W)) as one W-wide access per pointer (W == 1: scalar), math in opmath; returns the
+// values stored (for an epilogue over them, e.g. an amax).
 template <int W, typename scalar_t, typename Op>
-__device__ __forceinline__ void binary_lanes(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
-                                             scalar_t* __restrict__ out, const Op& op) {
+__device__ __forceinline__ Vec<scalar_t, W> binary_lanes(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
+                                                         scalar_t* __restrict__ out, const Op& op) {
   using opmath_t = at::opmath_type<scalar_t>;
   const Vec<scalar_t, W> x = *reinterpret_cast<const Vec<scalar_t, W>*>(a);
   const Vec<scalar_t, W> c = *reinterpret_cast<const Vec<scalar_t, W>*>(b);
@@ -188,6 +189,7 @@ __device__ __forceinline__ void binary_lanes(const scalar_t* __restrict__ a, con
   for (int k = 0; k < W; ++k)
     y.val[k] = static_cast<scalar_t>(op(static_cast<opmath_t>(x.val[k]), static_cast<opmath_t>(c.val[k])));
   *reinterpret_cast<Vec<scalar_t, W>*>(out) = y;
+  return y;
 }
 
 // (out0, out1)[0, W) = op(a, b, c)[0, W) as one W-wide access per pointer (W == 1: scalar), math in opmath.

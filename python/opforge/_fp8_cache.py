@@ -84,18 +84,18 @@ QUANTIZED = [0]
 _LOCAL = threading.local()
 #: the library's private ops the cache calls; a library without them (built before they were added) gets fp8_linear
 _PRIVATE_OPS = ("_quantize_fp8_weight", "_fp8_linear_quantized")
-#: the torch.ops.opforge namespace object on which every one of _PRIVATE_OPS was found (checked again, per call,
-#: until they are all there, and for another namespace object)
-_PRIVATE_FOUND: list = [None]
+#: per tuple of op names, the torch.ops.opforge namespace object on which all of them were found
+_FOUND: dict = {}
 
 
-def _private_ops_built() -> bool:
-    """True when the loaded library has the cache's private ops (a library built before them has not)."""
+def ops_built(names: Tuple[str, ...]) -> bool:
+    """True when the loaded library has every op of `names` (a library built before them has not). Remembered once
+    found, per namespace object; checked again, per call, while some are missing."""
     ns = torch.ops.opforge
-    if _PRIVATE_FOUND[0] is ns:
+    if _FOUND.get(names) is ns:
         return True
-    if all(hasattr(ns, op) for op in _PRIVATE_OPS):
-        _PRIVATE_FOUND[0] = ns
+    if all(hasattr(ns, op) for op in names):
+        _FOUND[names] = ns
         return True
     return False
 
@@ -321,23 +321,22 @@ def _amax_of(input: torch.Tensor) -> Optional[torch.Tensor]:
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], granularity: str,
            grad_dtype: Optional[torch.dtype] = None, modules: Tuple = (),
-           aliases: Optional[Callable[[], Tuple]] = None, input_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+           aliases: Optional[Callable[[], Tuple]] = None) -> torch.Tensor:
     """fp8_linear(input, weight, bias) with the weight's operands from the cache where it is usable (`modules`: those
     holding `weight`, see `usable`), else fp8_linear itself: the same bits either way. `aliases`: () -> the weight's
-    aliases (see `operands`), called only when the cache is used. `input_amax`: max|input| ([1], float32; float64 for
-    a float64 input) computed by the kernel that wrote input, or None (then the one an active `input_amax` block gives
-    for this very input, if any): tensorwise, `_fp8_linear_quantized` quantizes input (and, under `saving_input`,
-    inputᵀ in backward) from it instead of its own amax pass, the same bits; rowwise and fp8_linear ignore it."""
-    if not usable(weight, modules) or not _private_ops_built():
+    aliases (see `operands`), called only when the cache is used. Tensorwise, the amax an active `input_amax` block
+    gives for this very input (max|input| from the kernel that wrote it) goes to `_fp8_linear_quantized`, which
+    quantizes input (and, under `saving_input`, inputᵀ in backward) from it instead of its own amax pass: the same
+    bits; rowwise and fp8_linear compute their own."""
+    if not usable(weight, modules) or not ops_built(_PRIVATE_OPS):
         from . import functional as OF
 
         return OF.fp8_linear(input, weight, bias, granularity=granularity, grad_dtype=grad_dtype)
     ops = operands(weight, granularity, aliases() if aliases is not None else ())
     kwargs = {}
-    if granularity == "tensorwise":
-        amax = input_amax if input_amax is not None else _amax_of(input)
-        if amax is not None:
-            kwargs["input_amax"] = amax
+    amax = _amax_of(input) if granularity == "tensorwise" else None
+    if amax is not None:
+        kwargs["input_amax"] = amax
     return torch.ops.opforge._fp8_linear_quantized(input, weight, *ops, bias, granularity=granularity,
                                                    grad_dtype=grad_dtype,
                                                    save_input=getattr(_LOCAL, "save_input", False), **kwargs)

@@ -40,7 +40,7 @@ __all__ = [
     "FLOAT64_TOLERANCE",
 ]
 __all__ += ["linear_cat_reference", "indexed_linear_reference", "experts_present"]  # linear variants
-__all__ += ["linear_leaves"]
+__all__ += ["linear_leaves", "same_bits"]
 
 #: Elementwise bound for float64 results, relative to max(1, the reference's largest magnitude).
 FLOAT64_TOLERANCE = 1e-12
@@ -207,6 +207,27 @@ def relative_error(actual: Tensor, reference: Tensor) -> float:
     num = torch.linalg.vector_norm(a - r).item()
     den = torch.linalg.vector_norm(r).item()
     return num / den if den > 0 else num
+
+
+def same_bits(actual: Optional[Tensor], expected: Optional[Tensor]) -> bool:
+    """True when the two tensors have the same dtype, shape and bit patterns (NaN payloads, signed zeros and FP8
+    bytes included: the test of a kernel that must reproduce another bit for bit), or are both None.
+
+    Args:
+        actual: a tensor of any floating dtype (FP8 included), or None.
+        expected: the same, or None.
+
+    Returns:
+        bool.
+    """
+    if actual is None or expected is None:
+        return actual is None and expected is None
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return False
+    ints = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+    view = ints.get(actual.dtype)
+    return torch.equal(actual.view(view), expected.view(view)) if view is not None else torch.equal(actual, expected)
 
 
 def gemm_error_bound(input: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor:

@@ -3,8 +3,9 @@
 the input's true amax every output and gradient is bit-identical to the call without it (bf16/fp16/fp32/fp64, ragged
 shapes, zeros, NaN, inf, save_input on and off, with and without a weight gradient); a given amax is the one the
 scale comes from (checked against the recipe computed here); malformed ones raise errors naming the op (Meta kernels
-too); the amax gets no gradient; `_fp8_cache.linear` forwards it, and `_fp8_cache.input_amax` hands it down through a
-module call for that very tensor only; the DTensor rules take it replicated."""
+too); the amax gets no gradient; `_fp8_cache.input_amax` hands it down through a module call to
+`_fp8_cache.linear` for that very tensor only; the DTensor rules take it replicated."""
+import contextlib
 import threading
 
 import pytest
@@ -12,23 +13,14 @@ import torch
 
 import opforge
 from conftest import ALL_DEVICES, spawn_gloo
-from opforge import _fp8_cache
+from opforge import _fp8_cache, testing
 
 OPS = torch.ops.opforge
 E4 = torch.float8_e4m3fn
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 
 
-def _bits(t):
-    if t.dtype in (E4, torch.float8_e5m2):
-        return t.view(torch.uint8)
-    return t.view({torch.float64: torch.int64, torch.float32: torch.int32}.get(t.dtype, torch.int16))
-
-
-def _same(a, b):
-    if a is None or b is None:
-        return a is None and b is None
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+_same = testing.same_bits
 
 
 def _amax(x):
@@ -257,23 +249,32 @@ def _layer(dtype=torch.float32, fp8="tensorwise"):
     return opforge.nn.Linear(24, 10, fp8=fp8, dtype=dtype)
 
 
-def _run(m, h, **kw):
+def _run(m, h, amax=None):
+    """The layer's output and input gradient on a fresh leaf copy of h, inside an `input_amax` block for it when
+    `amax` is given."""
     h = h.detach().requires_grad_()
-    y = m(h) if not kw else _fp8_cache.linear(h, m.weight, m.bias, m.fp8, modules=(m,), **kw)
+    with _fp8_cache.input_amax(h, amax) if amax is not None else contextlib.nullcontext():
+        y = m(h)
     y.sum().backward()
     return y.detach(), h.grad
 
 
-def test_cache_linear_forwards_input_amax():
+def _with_amax(m, t, a):
+    """The private op itself on the layer's cached operands, given amax `a` (what the layer should run)."""
+    ops = _fp8_cache.operands(m.weight, m.fp8)
+    return OPS._fp8_linear_quantized(t, m.weight, *ops, m.bias, granularity=m.fp8, input_amax=a).detach()
+
+
+def test_cache_linear_forwards_the_blocks_amax():
     m = _layer()
     h = torch.randn(6, 24)
     ref = _run(m, h)
-    assert all(_same(a, b) for a, b in zip(_run(m, h, input_amax=_amax(h)), ref))
-    wrong = _run(m, h, input_amax=_amax(h) * 3)
+    assert all(_same(a, b) for a, b in zip(_run(m, h, _amax(h)), ref))
+    wrong = _run(m, h, _amax(h) * 3)
     assert not _same(wrong[0], ref[0])  # the given amax is used
     # rowwise ignores it (a wrong one changes nothing)
     mr = _layer(fp8="rowwise")
-    assert _same(_run(mr, h, input_amax=_amax(h) * 3)[0], _run(mr, h)[0])
+    assert _same(_run(mr, h, _amax(h) * 3)[0], _run(mr, h)[0])
 
 
 def test_input_amax_block_hands_the_amax_to_that_tensor_only():
@@ -281,7 +282,7 @@ def test_input_amax_block_hands_the_amax_to_that_tensor_only():
     h = torch.randn(6, 24)
     wrong = _amax(h) * 3  # a wrong amax shows where it was used
     ref = m(h).detach()
-    used = _fp8_cache.linear(h, m.weight, m.bias, "tensorwise", modules=(m,), input_amax=wrong).detach()
+    used = _with_amax(m, h, wrong)
     assert not _same(used, ref)
     with _fp8_cache.input_amax(h, wrong):
         assert _same(m(h), used)
@@ -311,17 +312,13 @@ def test_input_amax_blocks_nest_and_stay_in_their_thread():
     m = _layer()
     h, k = torch.randn(6, 24), torch.randn(6, 24)
     a3, a5 = _amax(h) * 3, _amax(h) * 5
-
-    def with_amax(t, a):
-        return _fp8_cache.linear(t, m.weight, m.bias, "tensorwise", modules=(m,), input_amax=a).detach()
-
     with _fp8_cache.input_amax(h, a3):
         with _fp8_cache.input_amax(k, _amax(k) * 3):
-            assert _same(m(h), with_amax(h, a3))  # the outer entry still serves h
-            assert _same(m(k), with_amax(k, _amax(k) * 3))
+            assert _same(m(h), _with_amax(m, h, a3))  # the outer entry still serves h
+            assert _same(m(k), _with_amax(m, k, _amax(k) * 3))
         with _fp8_cache.input_amax(h, a5):
-            assert _same(m(h), with_amax(h, a5))  # the innermost entry wins
-        assert _same(m(h), with_amax(h, a3))
+            assert _same(m(h), _with_amax(m, h, a5))  # the innermost entry wins
+        assert _same(m(h), _with_amax(m, h, a3))
         seen = []
         t = threading.Thread(target=lambda: seen.append(m(h).detach()))
         t.start()

@@ -12,7 +12,7 @@ import torch
 
 import opforge
 from conftest import spawn_gloo
-from opforge import _fp8_cache
+from opforge import _fp8_cache, testing
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 GRANS = ["tensorwise", "rowwise"]
@@ -20,12 +20,7 @@ E4 = torch.float8_e4m3fn
 OPS = torch.ops.opforge
 
 
-def _bits(t):
-    return t.view({torch.float64: torch.int64, torch.float32: torch.int32}.get(t.dtype, torch.int16))
-
-
-def _same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+_same = testing.same_bits
 
 
 def _operands(w, granularity):

@@ -128,10 +128,8 @@ def test_fp8_producers_hand_their_amax_to_the_gemms(device, recompute, monkeypat
     the backward's quantization of inputᵀ under recompute) instead of their own amax pass; o_proj (input from the
     attention) computes its own. Loss, logits and every gradient are bit-identical to the GEMMs computing every amax
     themselves (the test hook PRODUCER_AMAX = False)."""
-    if not all(hasattr(torch.ops.opforge, op.split("::")[1]) for op in PRODUCER_OPS):
-        pytest.skip("this build has no amax-producing ops")
     monkeypatch.setattr(FP8_PATCH, "PRODUCER_AMAX_DEVICES", {"cpu", "cuda"})  # CUDA's hand-off proven here
-    assert FP8_PATCH.amax_on(_Owner()), "the producers' ops are built but the patch does not hand their amax on"
+    assert FP8_PATCH.amax_on(_Owner()), "the patch does not hand the producers' amax on (ops missing from the build?)"
     model = _llama(device)
     assert patch.apply(model, fp8="tensorwise", recompute=recompute).ok
     ids = _ids(device)

@@ -4,6 +4,7 @@
 
 #include <torch/library.h>
 
+#include "core/amax.h"
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/check.h"
@@ -98,11 +99,11 @@ c10::SymInt sym_rows_of(const at::Tensor& t) {
 bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 /// The tensor of an optional argument, undefined when absent.
 at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return given(t) ? *t : at::Tensor(); }
-}  // namespace
-
-at::ScalarType amax_dtype_of(at::ScalarType input_dtype) {
-  return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
+/// The optional argument of a tensor, None when undefined.
+std::optional<at::Tensor> or_none(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
+}  // namespace
 
 void check_input_amax(const char* op, const std::optional<at::Tensor>& input_amax, const at::Tensor& input,
                       Granularity g) {
@@ -111,7 +112,7 @@ void check_input_amax(const char* op, const std::optional<at::Tensor>& input_ama
   TORCH_CHECK_VALUE(g == Granularity::kTensorwise, "opforge::", op,
                     ": expected input_amax only with granularity \"tensorwise\" (rowwise scales take each row's "
                     "amax), but got granularity \"rowwise\" with input_amax");
-  const at::ScalarType expected = amax_dtype_of(input.scalar_type());
+  const at::ScalarType expected = amax_dtype(input.scalar_type());
   TORCH_CHECK_TYPE(a.scalar_type() == expected, "opforge::", op, ": expected input_amax to be ", expected, " for a ",
                    input.scalar_type(), " input, but got ", a.scalar_type());
   TORCH_CHECK_VALUE(a.dim() == 1 && a.sym_size(0) == 1, "opforge::", op,
@@ -661,24 +662,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_quantized_backward_met
 // Saved: 0 input (undefined when q(inputᵀ) was kept instead), 1 weight, 2 input_t_data, 3 input_t_inv_scale
 // (q(inputᵀ) and its dequantization scale from the forward: tensorwise with a weight gradient to compute),
 // 4 weight_t_data, 5 weight_t_inv_scale (q(weightᵀ) given to _fp8_linear_quantized), 6 input_amax (given to
-// _fp8_linear_quantized, kept beside a saved input for the backward's q(inputᵀ)). Attributes: granularity (0 tensorwise, 1 rowwise), grad_dtype (-1 for the default),
-// bias's dtype (-1 without bias). Edges: 0 input, 1 weight, 2 bias. With only high-precision tensors saved the
-// public fp8_linear_backward runs; else its private form reading the saved FP8 operands.
+// _fp8_linear_quantized, kept beside a saved input for the backward's q(inputᵀ)). Attributes: granularity
+// (0 tensorwise, 1 rowwise), grad_dtype (-1 for the default), bias's dtype (-1 without bias). Edges: 0 input,
+// 1 weight, 2 bias. With only high-precision tensors saved the public fp8_linear_backward runs; else its private form
+// reading the saved FP8 operands.
 variable_list fp8_linear_backward_fn(const BackwardArgs& a) {
   const char* granularity = a.attrs[0].toInt() == 1 ? "rowwise" : "tensorwise";
   std::optional<at::ScalarType> gdt, bdt;
   if (a.attrs[1].toInt() >= 0) gdt = static_cast<at::ScalarType>(a.attrs[1].toInt());
   if (a.attrs[2].toInt() >= 0) bdt = static_cast<at::ScalarType>(a.attrs[2].toInt());
   const std::array<bool, 3> mask{a.needs[0], a.needs[1], bdt && a.needs[2]};
-  const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
   if (!a.saved[2].defined() && !a.saved[4].defined()) {
     auto [gi, gw, gb] = opforge::fp8_linear_backward(a.grads[0], a.saved[0], a.saved[1], mask, granularity, gdt, bdt);
     return {gi, gw, gb};
   }
-  auto [gi, gw, gb] = opforge::_fp8_linear_quantized_backward(a.grads[0], opt(a.saved[0]), opt(a.saved[2]),
-                                                              opt(a.saved[3]), a.saved[1], opt(a.saved[4]),
-                                                              opt(a.saved[5]), mask, granularity, gdt, bdt,
-                                                              opt(a.saved[6]));
+  auto [gi, gw, gb] = opforge::_fp8_linear_quantized_backward(a.grads[0], or_none(a.saved[0]), or_none(a.saved[2]),
+                                                              or_none(a.saved[3]), a.saved[1], or_none(a.saved[4]),
+                                                              or_none(a.saved[5]), mask, granularity, gdt, bdt,
+                                                              or_none(a.saved[6]));
   return {gi, gw, gb};
 }
 
@@ -706,17 +707,13 @@ struct Fp8LinearCall {
     if (keeps_input_t(grad)) {
       std::optional<at::Tensor> wd, ws;
       if (weight_q != nullptr) wd = (*weight_q)[0], ws = (*weight_q)[1];
-      return opforge::_fp8_linear_forward(input, weight, bias, wd, ws, granularity, grad_dtype, amax());
+      return opforge::_fp8_linear_forward(input, weight, bias, wd, ws, granularity, grad_dtype, or_none(input_amax));
     }
     if (weight_q == nullptr) return {opforge::fp8_linear(input, weight, bias, granularity, grad_dtype), {}, {}};
     const auto& q = *weight_q;
     return {opforge::_fp8_linear_quantized(input, weight, q[0], q[1], q[2], q[3], bias, granularity, grad_dtype,
-                                           save_input, amax()),
+                                           save_input, or_none(input_amax)),
             {}, {}};
-  }
-
-  std::optional<at::Tensor> amax() const {
-    return input_amax.defined() ? std::optional<at::Tensor>(input_amax) : std::nullopt;
   }
 
   void save(OpNode& n, const std::tuple<at::Tensor, at::Tensor, at::Tensor>& r) const {

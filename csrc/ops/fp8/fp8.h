@@ -67,9 +67,6 @@ c10::SymDimVector scale_sym_sizes(const at::Tensor& input, Granularity g);
 void check_input_amax(const char* op, const std::optional<at::Tensor>& input_amax, const at::Tensor& input,
                       Granularity g);
 
-/// The dtype of an amax of `input_dtype`'s values: float64 for float64, float32 otherwise.
-at::ScalarType amax_dtype_of(at::ScalarType input_dtype);
-
 /// Checks of fp8_linear (Meta too): linear's checks, the granularity, grad_dtype.
 Granularity check_fp8_linear_args(const at::Tensor& input, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias, c10::string_view granularity,

@@ -21,6 +21,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "core/amax.h"
 #include "core/autocast.h"
 #include "core/autograd.h"
 #include "core/check.h"
@@ -37,8 +38,6 @@ double default_eps(at::ScalarType input_dtype) {
 }
 
 at::ScalarType rstd_dtype(at::ScalarType input_dtype) { return at::toOpMathType(input_dtype); }
-
-at::ScalarType amax_dtype(at::ScalarType output_dtype) { return output_dtype == at::kDouble ? at::kDouble : at::kFloat; }
 
 double resolve_eps(const char* op, std::optional<double> eps, at::ScalarType input_dtype) {
   const double e = eps.has_value() ? *eps : default_eps(input_dtype);
@@ -338,22 +337,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_meta(
   return {at::empty_symint(input.sym_sizes(), input.options()), at::empty_symint(input.sym_sizes(), input.options()),
           at::empty_symint(lead, input.options().dtype(rmsnorm::rstd_dtype(input.scalar_type())))};
 }
-// the *_amax ops: the forward's outputs and amax [1] in amax_dtype
-at::Tensor amax_meta(const at::Tensor& input) {
-  return at::empty({1}, input.options().dtype(rmsnorm::amax_dtype(input.scalar_type())));
-}
+// the *_amax ops: the forward's outputs and their amax (empty_amax)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_forward_amax_meta(const at::Tensor& input,
                                                                           c10::SymIntArrayRef normalized_shape,
                                                                           const std::optional<at::Tensor>& weight,
                                                                           std::optional<double> eps) {
   auto [output, rstd] = rms_norm_forward_meta(input, normalized_shape, weight, eps);
-  return {output, rstd, amax_meta(input)};
+  return {output, rstd, empty_amax(input)};
 }
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_forward_amax_meta(
     const at::Tensor& input, const at::Tensor& residual, c10::SymIntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, std::optional<double> eps) {
   auto [output, residual_out, rstd] = fused_add_rms_norm_forward_meta(input, residual, normalized_shape, weight, eps);
-  return {output, residual_out, rstd, amax_meta(input)};
+  return {output, residual_out, rstd, empty_amax(input)};
 }
 at::Tensor rms_norm_apply_meta(const at::Tensor& input, const at::Tensor& rstd, const std::optional<at::Tensor>& weight) {
   rmsnorm::check_apply_args(input, rstd, weight);

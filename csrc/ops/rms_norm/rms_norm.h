@@ -93,9 +93,6 @@ ForwardOutputs empty_forward_outputs(const Problem& p, const at::Tensor& input, 
 /// (float64 for float64), max |y| over Y as stored (NaN if any y is NaN, else inf if any is inf; 0 when Y is empty).
 using ForwardKernel = void (*)(const Problem& p, at::Tensor& Y, at::Tensor& Z, at::Tensor& rstd, at::Tensor* amax);
 
-/// dtype of the *_amax ops' amax: float32 for float32/float16/bfloat16 output, float64 for float64.
-at::ScalarType amax_dtype(at::ScalarType output_dtype);
-
 /// _rms_norm_forward on one backend: checks, allocates the outputs and runs `kernel`; returns (Y, rstd).
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(ForwardKernel kernel, const at::Tensor& input,
                                                     c10::SymIntArrayRef normalized_shape,

@@ -42,7 +42,6 @@ def check_fp8(fp8: Optional[str]) -> None:
 #: the private ops of opforge's producers that also return their output's amax (max |y|, the tensorwise recipe's
 #: reduction), which the FP8 GEMM reading that output takes instead of its own amax pass
 _PRODUCERS = ("_rms_norm_forward_amax", "_fused_add_rms_norm_forward_amax", "_swiglu_packed_amax")
-_BUILT: list = []
 #: test hook: False makes every FP8 GEMM compute its input's amax itself (the same bits either way)
 PRODUCER_AMAX = True
 #: test hook: the device types on which the producers hand their amax on. CUDA's amax kernels have not yet run on a
@@ -55,18 +54,15 @@ PRODUCER_AMAX_DEVICES = {"cpu"}
 def amax_on(owner: torch.nn.Module, x: Optional[torch.Tensor] = None) -> bool:
     """True when `owner`'s FP8 GEMMs take their input's amax from the opforge kernel that produced the input (the
     decoder layer's norms, the MLP's SwiGLU) from `x` (the producer's input; None: any device): tensorwise scales
-    (one amax per tensor), eager (torch.compile traces the plain ops and Inductor fuses there; torch.func transforms
-    see the plain ops too), x on a device of PRODUCER_AMAX_DEVICES, and a build with the producers' private ops; not
-    under `torch.inference_mode()` (inference tensors have no version counter, so `_fp8_cache.input_amax` could not
-    see an in-place write to the producer's output)."""
+    (one amax per tensor), eager (torch.compile traces the plain ops and Inductor fuses there, inductor_math's torch
+    math included; torch.func transforms see the plain ops too), x on a device of PRODUCER_AMAX_DEVICES, and a build
+    with the producers' private ops; not under `torch.inference_mode()` (inference tensors have no version counter,
+    so `_fp8_cache.input_amax` could not see an in-place write to the producer's output)."""
     if not PRODUCER_AMAX or owner.__dict__.get("_opforge_fp8") != "tensorwise" or torch.compiler.is_compiling() \
             or torch._C._functorch.maybe_current_level() is not None or torch.is_inference_mode_enabled() \
             or (x is not None and x.device.type not in PRODUCER_AMAX_DEVICES):
         return False
-    if not _BUILT:
-        _BUILT.append(all(hasattr(torch.ops.opforge, op) for op in _PRODUCERS)
-                      and hasattr(_fp8_cache, "input_amax"))
-    return _BUILT[0]
+    return _fp8_cache.ops_built(_PRODUCERS)
 
 
 def input_amax(x: torch.Tensor, amax: Optional[torch.Tensor]):

@@ -83,7 +83,7 @@ def norm_amax(owner: torch.nn.Module, n: torch.nn.Module, x: torch.Tensor,
               consumer: torch.nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(norm(owner, n, x), max |output| for `consumer`'s FP8 GEMMs, or None where they compute it themselves, see
     `_fp8.amax_on`): the private op `_rms_norm_forward_amax` writes both in one pass (its output bit-identical)."""
-    if not FP8.amax_on(consumer, x) or torch_math(owner):
+    if not FP8.amax_on(consumer, x):
         return norm(owner, n, x), None
     h, _, amax = torch.ops.opforge._rms_norm_forward_amax.default(x, [x.shape[-1]], norm_weight(owner, n), eps(n))
     return h, amax
@@ -274,15 +274,17 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
         m = norm(self, self.post_feedforward_layernorm, self.mlp(r))
         return r + (m if mult is None else m * mult)
     n = self.pre_feedforward_layernorm if layout == "sandwich" else self.post_attention_layernorm
-    # the gate/up GEMM's input amax from the norm's kernel where the MLP's GEMMs are FP8 (tensorwise, eager)
     amax = None
-    if recompute:  # the fused op's rstd: the gate/up GEMM keeps a recipe (residual, rstd) for h
+    if recompute or FP8.amax_on(self.mlp, a):  # the fused op's rstd; the gate/up GEMM's input amax (FP8 tensorwise)
         w = norm_weight(self, n)
         if FP8.amax_on(self.mlp, a):
             h, r, rstd, amax = torch.ops.opforge._fused_add_rms_norm_forward_amax.default(a, x, [a.shape[-1]], w,
                                                                                          eps(n))
         else:
             h, r, rstd = torch.ops.opforge._fused_add_rms_norm_forward.default(a, x, [a.shape[-1]], w, eps(n))
+    else:
+        h, r = add_norm(self, n, a, x)
+    if recompute:  # the gate/up GEMM keeps a recipe (residual, rstd) for h
         what = "pre_feedforward_layernorm's output" if layout == "sandwich" else "post_attention_layernorm's output"
         self.mlp._opforge_pending = (h, R.norm_from_rstd, (r.detach(), rstd, w.detach()), what, h._version)
         try:
@@ -291,11 +293,6 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
         finally:
             self.mlp.__dict__.pop("_opforge_pending", None)
     else:
-        if FP8.amax_on(self.mlp, a) and not torch_math(self):
-            h, r, _, amax = torch.ops.opforge._fused_add_rms_norm_forward_amax.default(
-                a, x, [a.shape[-1]], norm_weight(self, n), eps(n))
-        else:
-            h, r = add_norm(self, n, a, x)
         with FP8.input_amax(h, amax):
             m = self.mlp(h)
     if layout == "sandwich":
@@ -427,7 +424,7 @@ def mlp_forward(self, x):
             halves[i] = _add(halves[i], P.delta(w, x))
         gu = torch.cat(halves, dim=-1)
     amax = None  # down_proj's input amax from the SwiGLU kernel where down_proj is FP8 (tensorwise, eager)
-    if FP8.amax_on(self, gu) and self.__dict__.get("_opforge_act", "silu") == "silu" and not torch_math(self):
+    if FP8.amax_on(self, gu) and self.__dict__.get("_opforge_act", "silu") == "silu":
         h, amax = torch.ops.opforge._swiglu_packed_amax.default(gu)
     else:
         h = gated_act(self, gu)
