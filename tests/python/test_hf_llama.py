@@ -406,3 +406,20 @@ def test_bench_hf_llama_variant_environment(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "opforge-dwbf16-c2048: env OPFORGE_LCE_DW_ACCUM=1 OPFORGE_LCE_CHUNK_SIZE=2048" in p.stdout, p.stdout
     assert re.search(r"^\s+opforge-dwbf16-c2048\s+ok\b", p.stdout, re.M), p.stdout  # the worker's status
+
+
+def test_bench_hf_llama_seed_spread_bound():
+    """bench_hf_llama's loss bound from the seed spread: the mean relative distance of the hf-seed1 run's losses from
+    HF eager's, per step (float64 reference written out), and an error for runs with no logged loss."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_hf_llama
+
+    a, b = [11.5, 11.0, 10.0], [11.615, 10.89, 10.3]
+    want = (0.115 / 11.5 + 0.11 / 11.0 + 0.3 / 10.0) / 3
+    assert abs(bench_hf_llama.seed_spread_bound(a, b) - want) <= 1e-12
+    assert bench_hf_llama.seed_spread_bound(a, a) == 0.0
+    with pytest.raises(ValueError, match="seed_spread_bound"):
+        bench_hf_llama.seed_spread_bound([], [])
+    assert "hf-seed1" in bench_hf_llama.VARIANTS
