@@ -239,6 +239,17 @@ def _rounding_verdict(before: dict, after: dict, ref: dict) -> Optional[str]:
             f"own 16-bit run ({mine[where]:.2e} against {theirs[where]:.2e} of the largest value in {where})")
 
 
+def _fp8_activations(model: torch.nn.Module, on: bool) -> int:
+    """Records `on` (apply's fp8_activations) on every patched MLP of `model` (`_opforge_fp8_activations`, read by
+    `_recompute.fp8_activations_on`); returns how many."""
+    n = 0
+    for m in model.modules():
+        if type(m).__dict__.get("_opforge_kind") == "mlp":
+            m._opforge_fp8_activations = on
+            n += 1
+    return n
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 def is_patched(model: torch.nn.Module) -> bool:
@@ -321,7 +332,8 @@ def _patch(model, report: PatchReport, *, decoder, loss, inductor_math, recomput
 
 def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, inductor_math: bool = False,
           recompute: bool = True, linear: bool = True, rms_norm: bool = True, mlp: bool = True, check: bool = True,
-          strict: bool = False, verbose: bool = False, fp8: Optional[str] = None) -> PatchReport:
+          strict: bool = False, verbose: bool = False, fp8: Optional[str] = None,
+          fp8_activations: bool = False) -> PatchReport:
     """Patch `model` in place to run on opforge ops (see the package docstring); `revert` undoes it.
 
     Args:
@@ -380,6 +392,30 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             `opforge.nn.Linear(..., fp8=...)` holding the same Parameters. The self-check (`check`) runs before
             FP8 is switched on: it judges the patch's structure with its usual tolerances (FP8's rounding is the
             op's, tested against its own bound). Needs `decoder=True`. Default: None (the model's precision).
+        fp8_activations: bool. Keep the gate/up output gu = [gate | up] `(T, 2I)` that the gated activation of
+            every patched MLP keeps for its backward as float8_e4m3fn with one float32 scale per token
+            (`opforge.quantize_fp8(gu, float8_e4m3fn, "rowwise")`: data `(T, 2I)`, scale `(T, 1)`, gu ≈ data / scale;
+            COAT, Xi et al. 2024, "COAT: Compressing Optimizer states and Activation for memory-efficient FP8
+            Training"), dequantized when backward needs it (`data.to(dtype).div_(scale)`: float32 opmath, one
+            rounding to the model dtype). Saved per layer: T·2I·(e − 1) − 4·T bytes with e bytes per element (bf16:
+            half of gu: 128 MiB a layer at 8192 tokens and I = 8192, 2 GiB over 16 layers). With `recompute=True` down_proj's input is
+            computed again from the FP8 copy (the activation of the dequantized gu), so no full-precision gu
+            survives the forward (the activation's backward reuses that dequantized gu: one dequantization a layer).
+            Numerics: the forward (outputs, loss) is bitwise that of fp8_activations=False; backward sees each
+            element of gate and up with a relative error of at most 2^-4 (e4m3's rounding; absolute 2^-10 / scale,
+            i.e. amax_token / 458752, for the elements below e4m3's normal range) and one rounding to the model dtype,
+            so gradients are no longer bitwise those of fp8_activations=False, and with `recompute=True` down_proj's
+            weight gradient reads the activation of that rounded gu (the recipes' bitwise promise does not hold
+            for this option). Cost: one rowwise quantize pass over gu in forward and one dequantize pass in backward
+            per layer. Off (exactly fp8_activations=False) where the recipes of `recompute` are off: no grad
+            (inference, `generate`, inference_mode), other saved-tensor hooks (activation checkpointing that is not
+            reentrant, save_on_cpu, yours), torch.compile/export tracing, torch.func transforms. Independent of `fp8`
+            (works with None, "tensorwise", "rowwise"; tensorwise SwiGLU still hands down_proj its amax). The
+            experts of a mixture-of-experts block keep their gate/up output in the model dtype (a shared expert,
+            a patched MLP, has the option); LoRA adapters on gate/up are included (the activation's input is the
+            sum). Like `fp8`, it is switched on after the self-check (`check` judges the patch's structure, which
+            the option does not change; the FP8 rounding of the saved tensor is the op's, tested against its own
+            bound). Needs `decoder=True`. Default: False.
 
     The fused projections (read docs/patching.md, "Fused projections", before training):
         * **Build the optimizer after `apply`.** `model.parameters()` then holds one fused `qkv_proj.weight`
@@ -447,6 +483,10 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
                     raise RuntimeError(msg)
                 warnings.warn(msg, stacklevel=2)
                 return PatchReport(skipped=[("", name, msg)])
+        if report.patched and not _fp8_activations(model, bool(fp8_activations)) and fp8_activations:
+            report.skipped.append(("", name, "fp8_activations=True: no patched MLP, so no gate/up output kept in FP8 "
+                                             "(needs decoder=True and a family with an adapter; the experts of a "
+                                             "mixture-of-experts block keep theirs in the model's dtype)"))
         if fp8 is not None and report.patched and not FP8.enable(model, report, fp8):
             report.skipped.append(("", name, f"fp8={fp8!r}: no patched decoder layer, so no FP8 projection "
                                              "(fp8 needs decoder=True and a family with an adapter)"))

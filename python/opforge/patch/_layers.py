@@ -407,7 +407,9 @@ def _act_again(owner):
 
 
 def mlp_forward(self, x):
-    """down_proj(act(gate) · up) with [gate | up] the output of one fused GEMM."""
+    """down_proj(act(gate) · up) with [gate | up] the output of one fused GEMM. With apply(fp8_activations=True)
+    the activation's backward reads gu from its rowwise e4m3 copy (`_recompute.Fp8Saved`), LoRA adapters on
+    gate/up included (gu is then the sum the activation reads)."""
     if not torch.compiler.is_compiling() and "_opforge_fp8_slots" in self.__dict__:
         P.watch_slots(self, self._opforge_fp8_slots)  # PEFT merges into the FP8 projections drop cached operands
     hooked = bypassed_hooks(self)
@@ -423,11 +425,19 @@ def mlp_forward(self, x):
         for i, w in loras:
             halves[i] = _add(halves[i], P.delta(w, x))
         gu = torch.cat(halves, dim=-1)
-    amax = None  # down_proj's input amax from the SwiGLU kernel where down_proj is FP8 (tensorwise, eager)
+    # down_proj's input amax from the SwiGLU kernel where down_proj is FP8 (tensorwise, eager)
     if FP8.amax_on(self, gu) and self.__dict__.get("_opforge_act", "silu") == "silu":
-        h, amax = torch.ops.opforge._swiglu_packed_amax.default(gu)
+        def act():
+            return torch.ops.opforge._swiglu_packed_amax.default(gu)
     else:
-        h = gated_act(self, gu)
+        def act():
+            return gated_act(self, gu), None
+    # fp8_activations: the activation keeps a recipe (gu dequantized from its rowwise e4m3 copy), not gu
+    saved = R.Fp8Saved(gu) if gu.requires_grad and R.fp8_activations_on(self) and R.droppable(gu) else None
+    if saved is not None:
+        h, amax = R.call_dropping(act, gu, saved.saved(), saved.args, "the gate/up output", gemm=False)
+    else:
+        h, amax = act()
 
     def down():
         with FP8.input_amax(h, amax):
@@ -435,6 +445,8 @@ def mlp_forward(self, x):
 
     if R.recompute_on(self):  # down_proj keeps a recipe (the activation of the gate/up output it saves), not h
         what = "swiglu's output" if self.__dict__.get("_opforge_act", "silu") == "silu" else "geglu's output"
+        if saved is not None:  # from the FP8 copy: no full-precision gu is kept
+            return R.call_dropping(down, h, saved.activation(_act_again(self)), saved.args, what)
         return R.call_dropping(down, h, _act_again(self), (gu.detach(),), what)
     return down()
 
@@ -445,7 +457,9 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     once, so both GEMMs run on rows already grouped (`index_sorted=True`: no sort, gather or scatter inside either);
     the rows are put back in pair order, scaled by the router's weights and summed per token. Every step is a
     gather through a permutation or a sum over the k choices, so the result and its gradients are deterministic.
-    The router (top-k, its weights, the auxiliary loss) stays transformers'."""
+    The router (top-k, its weights, the auxiliary loss) stays transformers'. apply(fp8_activations=True) does not
+    reach the experts: their gate/up output stays in the model's dtype (a shared expert is a patched MLP and has
+    it)."""
     if bypassed_hooks(self):
         return _fall_back(self, _HOOKS, hidden_states, top_k_index, top_k_weights)
     T, D = hidden_states.shape

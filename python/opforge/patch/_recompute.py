@@ -4,7 +4,12 @@ rstd, the gated activation's gate and up), the GEMM runs under saved-tensor hook
 tensor, so the tensor is freed after the forward and computed again, bitwise, when the backward needs it. An FP8
 GEMM (apply(fp8=...)) would save its FP8 q(inputᵀ) instead of the input: under the hooks it saves the input
 (`_fp8_cache.saving_input`), so that the recipe stands for it and the backward quantizes inputᵀ again (the same
-bits)."""
+bits).
+
+The same hooks keep the gated activation's input in FP8 (apply(fp8_activations=True), `Fp8Saved`): the activation runs
+under them with a recipe that dequantizes a rowwise float8_e4m3fn copy of its input (the gate/up output), made in
+the forward, so the full-precision gate/up output is freed after the forward; down_proj's recipe then computes the
+activation from that copy too. That recipe is not bitwise the forward's tensor (see `Fp8Saved`)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,11 +21,24 @@ from .. import _fp8_cache
 
 
 def recompute_on(owner: torch.nn.Module) -> bool:
-    """True when `owner` (patched with recompute=True) may drop a saved activation now: eager autograd records
-    (grad mode on), no other saved-tensor hooks are active (activation checkpointing, save_on_cpu, user hooks),
-    and neither torch.compile/export traces (Inductor's partitioner decides recompute there) nor a torch.func
-    transform runs (those refuse saved-tensor hooks)."""
-    if torch.compiler.is_compiling() or not owner.__dict__.get("_opforge_recompute", False):
+    """True when `owner` (patched with recompute=True) may drop a saved activation now (`hooks_usable`)."""
+    return owner.__dict__.get("_opforge_recompute", False) and hooks_usable()
+
+
+def fp8_activations_on(owner: torch.nn.Module) -> bool:
+    """True when `owner` (a patched MLP, apply(fp8_activations=True)) may keep its gate/up output in FP8 for the
+    activation's backward now: the conditions of `recompute_on` (`hooks_usable`)."""
+    return owner.__dict__.get("_opforge_fp8_activations", False) and hooks_usable()
+
+
+def hooks_usable() -> bool:
+    """True when opforge's saved-tensor hooks may replace saved tensors now: eager autograd records (grad mode on,
+    so not under no_grad or inference_mode), no other saved-tensor hooks are active (activation checkpointing,
+    save_on_cpu, user hooks), and neither torch.compile/export traces (Inductor's partitioner decides recompute
+    there) nor a torch.func transform runs (those refuse saved-tensor hooks). The patched forwards enter their hooks
+    one after the other (the gate/up GEMM's, the activation's, down_proj's), never one inside another, so one never
+    sees another as "other hooks"."""
+    if torch.compiler.is_compiling():
         return False
     return (torch.is_grad_enabled() and torch._C._autograd._saved_tensors_hooks_is_enabled()
             and not _other_saved_tensors_hooks() and torch._C._functorch.maybe_current_level() is None)
@@ -96,11 +114,18 @@ def _unpack_recipe(packed):
     return full.as_strided(*packed.view)
 
 
-def call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
+def droppable(target: torch.Tensor) -> bool:
+    """True when `call_dropping` can stand a recipe for `target`: a `_recordable` tensor that is its whole storage,
+    contiguous."""
+    return _recordable(target) and target.storage_offset() == 0 and target.is_contiguous() \
+        and target.untyped_storage().nbytes() == target.numel() * target.element_size()
+
+
+def call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str, gemm: bool = True):
     """`call()`, with every tensor it saves for backward that is a view of `target` (same storage and dtype)
-    replaced by a `_Recipe` `fn(*args)` (args: tensors saved anyway, detached, and constants)."""
-    if not _recordable(target) or target.storage_offset() != 0 or not target.is_contiguous() \
-            or target.untyped_storage().nbytes() != target.numel() * target.element_size():
+    replaced by a `_Recipe` `fn(*args)` (args: tensors saved anyway, detached, and constants). `gemm`: call is a
+    GEMM whose FP8 form must save its input (see below)."""
+    if not droppable(target):
         return call()
     ptr, dtype, device, version = target.untyped_storage().data_ptr(), target.dtype, target.device, target._version
     state = [fn, args]
@@ -116,7 +141,7 @@ def call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
 
     # an FP8 GEMM saves the input (for the recipe) rather than its FP8 q(inputᵀ); not under autocast, where the GEMM
     # gets a cast copy of the input that no recipe stands for (its q(inputᵀ), half that copy's size, is smaller)
-    fp8_input = contextlib.nullcontext() if torch.is_autocast_enabled(target.device.type) \
+    fp8_input = contextlib.nullcontext() if not gemm or torch.is_autocast_enabled(target.device.type) \
         else _fp8_cache.saving_input()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack_recipe), fp8_input:
@@ -127,6 +152,49 @@ def call_dropping(call, target: torch.Tensor, fn, args: tuple, what: str):
                 r.stale = True
         state.clear()  # pack may outlive the call (held by the graph): it must not hold the recipe
         made.clear()
+
+
+def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """data / scale in `dtype`: `data.to(dtype).div_(scale)`, exact up to the division, computed in float32 opmath
+    (float64 for float64) and rounded once to `dtype` (an e4m3 value is exact in every floating dtype); no float32
+    buffer."""
+    return data.to(dtype).div_(scale)
+
+
+class Fp8Saved:
+    """The gate/up output gu `(*, 2I)` of a patched MLP kept for backward as `quantize_fp8(gu, float8_e4m3fn,
+    "rowwise")`: data `(*, 2I)` e4m3 and one float32 scale per token `(*, 1)`, 2I + 4 bytes a token in place of
+    2I·e (apply(fp8_activations=True); the approach of COAT, Xi et al. 2024, "COAT: Compressing Optimizer states
+    and Activation for memory-efficient FP8 Training": FP8 storage of the inputs of non-linear layers, with
+    fine-grained scales).
+
+    `saved()` is the recipe the activation's backward reads in place of gu: `dequantize_fp8(data, scale)`, which
+    differs from gu by the e4m3 rounding (relative 2^-4 per element in e4m3's normal range, absolute 2^-10 / scale
+    below it) and then one rounding to gu's dtype. `activation(act)` is down_proj's recipe (apply(recompute=True)):
+    act of that dequantized gu, so no full-precision gu outlives the forward; it is not bitwise the forward's
+    act(gu). down_proj's backward runs right before the activation's (which needs its gradient), so the tensor
+    that recipe dequantized is handed to the activation's recipe (once) instead of being dequantized again."""
+
+    __slots__ = ("args", "dtype", "_full")
+
+    def __init__(self, gu: torch.Tensor):
+        with torch.no_grad():
+            self.args = tuple(torch.ops.opforge.quantize_fp8(gu.detach(), torch.float8_e4m3fn, "rowwise"))
+        self.dtype, self._full = gu.dtype, None
+
+    def saved(self):
+        """fn of the activation's recipe: gu dequantized, the one down_proj's recipe made if it is waiting."""
+        def fn(data, scale):
+            full, self._full = self._full, None
+            return full if full is not None else dequantize_fp8(data, scale, self.dtype)
+        return fn
+
+    def activation(self, act):
+        """fn of down_proj's recipe: act(gu dequantized), keeping the dequantized gu for the activation's recipe."""
+        def fn(data, scale):
+            self._full = dequantize_fp8(data, scale, self.dtype)
+            return act(self._full)
+        return fn
 
 
 def saved_by_producer(x: torch.Tensor, depth: int = 4) -> bool:
