@@ -26,7 +26,8 @@ Inductor fuses with its neighbours instead of opforge's ops (opaque in the graph
 less GPU time a step, docs/patching.md). In hf_llama.csv, rows with variant "opforge-opaque+compile" are
 "opforge+compile" under its earlier name, and rows of those commits named "opforge+compile" are
 "opforge-inductor+compile". The "opforge-fp8" variants patch with ``fp8="tensorwise"`` ("-fp8-rowwise":
-``"rowwise"``): every decoder-layer projection on opforge.fp8_linear, lm_head and the loss in bf16.
+``"rowwise"``): every decoder-layer projection on opforge.fp8_linear, lm_head and the loss in bf16. The "-fp8act"
+variants add ``fp8_activations=True`` (the gate/up output kept for SwiGLU's backward in rowwise e4m3).
 
     # the default configuration on one GPU (about 10 minutes on an H200, compile included):
     python benchmarks/bench_hf_llama.py
@@ -42,6 +43,8 @@ less GPU time a step, docs/patching.md). In hf_llama.csv, rows with variant "opf
         opforge-fp8+compile-layers,opforge-fp8+compile-model,torchao-fp8+compile-model,torchao-fp8-rowwise+compile-model
     # every logged loss of 100 FP8 steps against the bf16 seed spread (HF eager from seed 0 and from seed 1):
     python benchmarks/bench_hf_llama.py --variants hf,hf-seed1,opforge,opforge-fp8 --steps 100 --warmup 2
+    # the gate/up output kept in FP8 for SwiGLU's backward (fp8_activations=True), bf16 and FP8 projections:
+    python benchmarks/bench_hf_llama.py --variants hf,opforge,opforge-fp8act,opforge-fp8,opforge-fp8-fp8act
     # a profile (torch.profiler table of one step) of some variants:
     python benchmarks/bench_hf_llama.py --variants opforge,liger --profile
     # CPU smoke run (tiny config, 3 steps, no compile variants; used by tests/python/test_hf_llama.py):
@@ -113,6 +116,8 @@ VARIANTS = {
     "opforge-fp8-amax": "HF + opforge.patch.apply(fp8=\"tensorwise\"), the q/k/v, gate/up and down GEMMs taking their "
                         "input's amax from the norm's or SwiGLU's kernel (test hook "
                         "opforge.patch._fp8.PRODUCER_AMAX_DEVICES with \"cuda\") instead of their own amax pass",
+    "opforge-fp8act": "HF + opforge.patch.apply(fp8_activations=True)",
+    "opforge-fp8-fp8act": "HF + opforge.patch.apply(fp8=\"tensorwise\", fp8_activations=True)",
     "opforge-fp8+compile-layers": "HF + opforge.patch.apply(fp8=\"tensorwise\") + torch.compile per layer",
     "opforge-fp8+compile-model": "HF + opforge.patch.apply(fp8=\"tensorwise\") + torch.compile(model)",
     "opforge-fp8-rowwise+compile-model": "HF + opforge.patch.apply(fp8=\"rowwise\") + torch.compile(model)",
@@ -309,7 +314,9 @@ def build_variant(a: argparse.Namespace, variant: str):
         torch.cuda.reset_peak_memory_stats()
     report = None
     if use_opforge:
-        fp8 = ("rowwise" if "-fp8-rowwise" in variant else "tensorwise") if "-fp8" in variant else None
+        fp8act = variant.endswith("-fp8act")  # fp8_activations=True; the rest of the name as without it
+        base = variant[:-len("-fp8act")] if fp8act else variant
+        fp8 = ("rowwise" if "-fp8-rowwise" in base else "tensorwise") if "-fp8" in base else None
         for name, value in VARIANT_KNOBS.get(variant, {}).items():
             torch.ops.opforge._set_knob(name, value)
         if variant == "opforge-fp8-amax":
@@ -317,7 +324,7 @@ def build_variant(a: argparse.Namespace, variant: str):
 
             patch_fp8.PRODUCER_AMAX_DEVICES.add("cuda")
         report = str(patch.apply(model, recompute="-norecompute" not in variant,
-                                 inductor_math="-inductor" in variant, fp8=fp8))
+                                 inductor_math="-inductor" in variant, fp8=fp8, fp8_activations=fp8act))
     if variant.startswith("torchao-fp8"):
         # torchao's float8 training (its recipe, dynamic scaling): every decoder-layer Linear, lm_head left in bf16
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # ImportError: variant n/a

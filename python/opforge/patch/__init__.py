@@ -28,7 +28,8 @@ still hold; signature, keyword arguments, return type and KV-cache handling are 
   gate/up output (its gradient is one tensor: no cat);
 * mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the experts' two GEMMs on `opforge.indexed_linear`; the
   router (top-k, weights, auxiliary loss) is transformers';
-* saved activations (`recompute=True`, eager training): see `apply`.
+* saved activations (`recompute=True`, eager training; `fp8_activations=True`: the gate/up output kept in FP8 for
+  the activation's backward): see `apply`.
 
 **The loss** of a `*ForCausalLM` whose `loss_function` is transformers' `ForCausalLMLoss`: with `labels`, the loss
 is `opforge.linear_cross_entropy` of the final hidden states and `lm_head.weight` (labels shifted by one,

@@ -483,7 +483,11 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
                     raise RuntimeError(msg)
                 warnings.warn(msg, stacklevel=2)
                 return PatchReport(skipped=[("", name, msg)])
-        if report.patched and not _fp8_activations(model, bool(fp8_activations)) and fp8_activations:
+        n_mlp = _fp8_activations(model, bool(fp8_activations)) if report.patched else 0
+        if fp8_activations and n_mlp:
+            report.notes.append(f"fp8_activations: {n_mlp} patched MLP(s) keep their gate/up output for backward in "
+                                f"rowwise e4m3 (eager training)")
+        elif fp8_activations and report.patched:
             report.skipped.append(("", name, "fp8_activations=True: no patched MLP, so no gate/up output kept in FP8 "
                                              "(needs decoder=True and a family with an adapter; the experts of a "
                                              "mixture-of-experts block keep theirs in the model's dtype)"))
