@@ -173,7 +173,9 @@ class Fp8Saved:
     below it) and then one rounding to gu's dtype. `activation(act)` is down_proj's recipe (apply(recompute=True)):
     act of that dequantized gu, so no full-precision gu outlives the forward; it is not bitwise the forward's
     act(gu). down_proj's backward runs right before the activation's (which needs its gradient), so the tensor
-    that recipe dequantized is handed to the activation's recipe (once) instead of being dequantized again."""
+    that recipe dequantized is handed to the activation's recipe (once) instead of being dequantized again (a
+    backward that stops at down_proj, e.g. torch.autograd.grad of its weight alone, leaves that tensor here until
+    the graph is freed; it is always dequantize_fp8 of the same data, so a later backward reads the same values)."""
 
     __slots__ = ("args", "dtype", "_full")
 
