@@ -462,3 +462,30 @@ def test_the_checks_catch_a_broken_path(monkeypatch):
         mp.setattr(patch_recompute, "Fp8Saved", _KeepsGu)
         live_broken, _ = _layer_live_bytes(on, torch.float32)
     assert live_off - live_broken != _formula(on, torch.float32)
+
+
+def test_lora_on_gate_and_up(monkeypatch):
+    """PEFT LoRA adapters on gate_proj / up_proj (get_peft_model, then apply): the activation's input is the sum
+    [gate + Δgate | up + Δup], kept in FP8 as well; the adapters' gradients are bitwise those of the reference step
+    (`_reference_step`), and each layer dequantizes once."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = FAMILIES["llama"]()
+    models = []
+    for on in (False, True):
+        torch.manual_seed(1)
+        m = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj"], init_lora_weights=False, lora_dropout=0.0))
+        patch.apply(m, recompute=False, fp8_activations=on)
+        models.append(m.train())
+    ref, on = models
+    calls = []
+    real = patch_recompute.dequantize_fp8
+    with monkeypatch.context() as mp:
+        mp.setattr(patch_recompute, "dequantize_fp8", lambda *a: calls.append(1) or real(*a))
+        got = _step(on, _ids())
+    assert len(calls) == COMMON["num_hidden_layers"]
+    expected = _reference_step(ref, _ids(), monkeypatch)
+    assert torch.equal(got[0], expected[0])
+    lora = [n for n, g in got[1].items() if "lora_" in n]
+    assert lora and all(torch.isfinite(got[1][n]).all() and torch.equal(got[1][n], expected[1][n]) for n in lora)
