@@ -4,7 +4,8 @@ each eager and under torch.compile.
 Each variant runs in its own process (same seed, same initial weights, same random tokens), trains
 ``--warmup`` untimed steps and ``--steps`` timed ones (forward with ``labels``, backward, AdamW step; fused
 AdamW on CUDA) and reports tokens/s, ms/step (median of the timed steps), peak memory (CUDA: max allocated
-since the process started, weights and optimizer state included; CPU: peak RSS of the worker) and the loss
+over the training steps, weights, FP8 weight cache, gradients and optimizer state included; the peak of building
+and patching the model, opforge.patch.apply's self-check, is printed apart; CPU: peak RSS of the worker) and the loss
 at the first and last step. The table also gives each variant's largest per-step relative loss difference
 from HF eager, to be read against the bf16 bound (``--loss-bound``; with the variant ``hf-seed1``, HF eager from
 other initial weights, the bound is that run's mean relative distance from HF eager: ``seed_spread_bound``). The
@@ -282,7 +283,9 @@ def build_variant(a: argparse.Namespace, variant: str):
     Liger's or opforge's patch applied as the variant says, AdamW (fused on CUDA), the compile of "+compile"
     variants; ``step(i)`` trains on the i-th of the fixed random token batches (seed 1234; ``a.warmup + a.steps``
     of them). CUDA's peak-memory counter is reset once the model is built (the fp32 initialisation is not
-    counted; weights are). Raises ImportError when the variant needs Liger-Kernel and it is not installed.
+    counted; weights are) and again once the patch is applied (``a.setup_peak_gib``: the peak of applying it,
+    e.g. opforge.patch.apply's self-check; the training steps' peak counts what stays allocated: weights, the FP8
+    weight cache, and from the first step the gradients and the optimizer state). Raises ImportError when the variant needs Liger-Kernel and it is not installed.
     """
     import torch
     import transformers
@@ -332,6 +335,12 @@ def build_variant(a: argparse.Namespace, variant: str):
         recipe = "rowwise" if "-rowwise" in variant else "tensorwise"
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
                                    module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+    if device.startswith("cuda"):
+        # what setting up the variant took at its peak (opforge.patch.apply's self-check runs the model unpatched,
+        # patched and, for a 16-bit model, a float32 copy: a one-time cost of apply, not of training); the peak of
+        # the training steps is counted from here (the weights, and the FP8 weight cache, stay allocated)
+        a.setup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=device.startswith("cuda"))
     step_model = model
     if use_compile:
@@ -406,7 +415,7 @@ def run_variant(a: argparse.Namespace) -> dict:
     losses = [float(x) for x in torch.stack(losses).float().cpu()]
     ms = statistics.median(times) * 1e3
     out = {"variant": variant, "ms_per_step": ms, "tokens_per_s": a.batch * a.seq / (ms / 1e3),
-           "peak_mem_gib": _peak_memory_gib(device), "losses": losses, "warmup_s": t_compile, "report": report,
+           "peak_mem_gib": _peak_memory_gib(device), "setup_peak_gib": getattr(a, "setup_peak_gib", math.nan), "losses": losses, "warmup_s": t_compile, "report": report,
            "status": "ok", "env": {k: os.environ.get(k) for k in VARIANT_ENV.get(variant, {})},
            "knobs": VARIANT_KNOBS.get(variant, {})}
     if "+compile" in variant:
@@ -601,6 +610,10 @@ def run_family(a: argparse.Namespace) -> list:
         print(f"| {label(row['variant'])} | {row['tokens_per_s']:,.0f} | {ratio:.2f}x | {row['ms_per_step']:.1f} | "
               f"{row['peak_mem_gib']:.2f} GiB | {row['first_loss']:.4f} | {row['last_loss']:.4f} | "
               f"{row['max_rel_loss_diff_vs_hf']:.1e}{flag} |")
+    setup = [r for r in results if r["status"] == "ok" and not math.isnan(r.get("setup_peak_gib", math.nan))]
+    if setup:  # the peak column counts the training steps; setting up (apply's self-check) peaked apart
+        print("\nsetup peak (building and patching, before the first step): " + ", ".join(
+            f"{r['variant']} {r['setup_peak_gib']:.2f} GiB" for r in setup))
     for r in results:
         if r.get("env"):  # what the variant's own process saw of VARIANT_ENV
             print(f"\n{r['variant']}: env " + " ".join(f"{k}={v}" for k, v in r["env"].items()))
