@@ -489,3 +489,18 @@ def test_lora_on_gate_and_up(monkeypatch):
     assert torch.equal(got[0], expected[0])
     lora = [n for n, g in got[1].items() if "lora_" in n]
     assert lora and all(torch.isfinite(got[1][n]).all() and torch.equal(got[1][n], expected[1][n]) for n in lora)
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["false", "rowwise", 1, 0, None, [False], torch.tensor(True)], ids=repr)
+def test_fp8_activations_must_be_a_bool(value):
+    """A value that is not a bool is refused before anything changes: bool("false") and bool("rowwise") (a mix-up
+    with fp8=) are True, and would turn on a lossy backward silently."""
+    torch.manual_seed(0)
+    model = FAMILIES["llama"]()
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    with pytest.raises(TypeError, match=r"opforge\.patch\.apply: expected fp8_activations to be a bool"):
+        patch.apply(model, fp8_activations=value)
+    assert not patch.is_patched(model)
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())

@@ -403,8 +403,9 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
             survives the forward (the activation's backward reuses that dequantized gu: one dequantization a layer).
             Numerics: the forward (outputs, loss) is bitwise that of fp8_activations=False; backward sees each
             element of gate and up with a relative error of at most 2^-4 (e4m3's rounding; absolute 2^-10 / scale,
-            i.e. amax_token / 458752, for the elements below e4m3's normal range) and one rounding to the model dtype,
-            so gradients are no longer bitwise those of fp8_activations=False, and with `recompute=True` down_proj's
+            i.e. max(amax_token, 1e-12) / 458752, for the elements below e4m3's normal range: a token whose gu is
+            all below 1e-12 / 448 in magnitude reads zeros) and one rounding to the model dtype, so gradients are
+            no longer bitwise those of fp8_activations=False, and with `recompute=True` down_proj's
             weight gradient reads the activation of that rounded gu (the recipes' bitwise promise does not hold
             for this option). Cost: one rowwise quantize pass over gu in forward and one dequantize pass in backward
             per layer. Off (exactly fp8_activations=False) where the recipes of `recompute` are off: no grad
@@ -435,7 +436,8 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
         `PatchReport`: the patched modules and those left unchanged, with the reason.
 
     Raises:
-        TypeError: model is not a torch.nn.Module.
+        TypeError: model is not a torch.nn.Module; fp8_activations is not a bool (a string such as "false" or
+            "rowwise" would otherwise read as True).
         RuntimeError: a transformers model and transformers outside 5.17 <= version < 6; strict=True and the check
             found different logits, loss or gradients.
         ValueError: strict=True and some module could not be patched, or nothing at all was patchable; fp8 not
@@ -448,6 +450,9 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"opforge.patch.apply: expected a torch.nn.Module, but got {type(model).__name__}")
     FP8.check_fp8(fp8)
+    if not isinstance(fp8_activations, bool):  # bool("false"), bool("rowwise") are True: no silent truthiness
+        raise TypeError(f"opforge.patch.apply: expected fp8_activations to be a bool (True or False), but got "
+                        f"{type(fp8_activations).__name__} {fp8_activations!r}; the model was not changed")
     _check_transformers(model)
     if is_patched(model):
         msg = f"opforge.patch.apply: found nothing to patch in {type(model).__name__}: it is patched already"
