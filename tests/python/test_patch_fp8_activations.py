@@ -504,3 +504,43 @@ def test_fp8_activations_must_be_a_bool(value):
         patch.apply(model, fp8_activations=value)
     assert not patch.is_patched(model)
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
+
+
+def test_gate_up_without_gradient_keeps_no_full_precision_copy(monkeypatch):
+    """gate/up frozen and an input without grad (adapters on down_proj alone; the layers before the first adapter):
+    gu needs no gradient, the activation keeps nothing, but with recompute=True down_proj's recipe still stands
+    for its input. It computes that input from the FP8 copy (the drop of the formula, as where gu needs a
+    gradient), so down_proj's weight gradient is dyᵀ·act(ĝu) (bitwise, through the same GEMM), and no dequantized
+    gu is left waiting for an activation's recipe that does not exist."""
+    made = []
+
+    class _Keeps(patch_recompute.Fp8Saved):
+        def __init__(self, gu):
+            super().__init__(gu)
+            made.append(self)
+
+    monkeypatch.setattr(patch_recompute, "Fp8Saved", _Keeps)
+    live = {}
+    for model in _models():
+        for n, p in model.named_parameters():
+            p.requires_grad_("down_proj" in n)
+        layer = model.model.layers[0]
+        x, pe = _layer_inputs(model, torch.float32)
+        x = x.detach()
+        made.clear()
+        with _LiveStorages([*model.parameters(), x, *pe]) as mode:
+            y = layer(x, position_embeddings=pe, attention_mask=None)
+        live[model.model.layers[0].mlp._opforge_fp8_activations] = mode.live_bytes()
+        y.backward(torch.ones_like(y), retain_graph=True)
+    assert live[False] - live[True] == _formula(model, torch.float32)
+    saved, = made
+    assert saved._full is None  # nothing waits for a recipe that does not exist
+    mlp = model.model.layers[0].mlp
+    got = mlp.down_proj.weight.grad.clone()
+    # the reference: down_proj's weight gradient at act(ĝu), ĝu the dequantized FP8 copy the forward made
+    ghat = (saved.args[0].float() / saved.args[1]).to(torch.float32)
+    h = patch_layers.gated_act(mlp, ghat)
+    # down_proj's output gradient: the layer's output is r + down_proj(h) (no norm after the MLP in Llama): ones
+    out = mlp.down_proj(h)
+    ref, = torch.autograd.grad(out, mlp.down_proj.weight, torch.ones_like(out))
+    assert torch.equal(got, ref)

@@ -191,11 +191,15 @@ class Fp8Saved:
             return full if full is not None else dequantize_fp8(data, scale, self.dtype)
         return fn
 
-    def activation(self, act):
-        """fn of down_proj's recipe: act(gu dequantized), keeping the dequantized gu for the activation's recipe."""
+    def activation(self, act, hand_off: bool = True):
+        """fn of down_proj's recipe: act(gu dequantized), keeping the dequantized gu for the activation's recipe
+        (`hand_off`; False where the activation kept no recipe, gu needing no gradient: nothing would take it, and it
+        would stay alive until the graph is freed)."""
         def fn(data, scale):
-            self._full = dequantize_fp8(data, scale, self.dtype)
-            return act(self._full)
+            full = dequantize_fp8(data, scale, self.dtype)
+            if hand_off:
+                self._full = full
+            return act(full)
         return fn
 
 
