@@ -15,6 +15,9 @@ What is checked:
   recompute=False's (they read the activation of the rounded gu: the one-MLP test bounds them);
 * off where the recipes are off: no_grad, inference_mode, a user's saved-tensor hooks, non-reentrant activation
   checkpointing, torch.func.grad — bitwise fp8_activations=False there;
+* a layer whose gu needs no gradient (gate/up frozen, input without grad) with recompute=True: down_proj's recipe
+  reads the FP8 copy there too (the same drop), and no dequantized gu is left waiting;
+* fp8_activations that is not a bool ("false", "rowwise", 1, None, ...) is refused, the model unchanged;
 * the checks can fail: a dequantization that skips the division by the scale, or a copy of gu kept beside the FP8
   form, is caught (`test_the_checks_catch_a_broken_path`).
 """
