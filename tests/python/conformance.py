@@ -26,11 +26,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as TF
+import torch.utils._pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import opforge
@@ -2427,3 +2429,46 @@ def entry(name: str) -> OpEntry:
         if e.name == name:
             return e
     raise KeyError(f"no conformance entry for {name!r} in tests/python/conformance.py")
+
+
+class LiveStorages(TorchDispatchMode):
+    """Records every storage an op outputs (weakly); ``live_bytes()``: the bytes of those still alive, less the
+    storages that existed before (parameters, inputs: ``known``). What a forward leaves alive for backward."""
+
+    def __init__(self, known):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in known}
+        self.seen = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
+                s = t.untyped_storage()
+                if s.data_ptr() not in self.known:
+                    self.seen[s.data_ptr()] = (weakref.ref(s), s.nbytes())
+        return out
+
+    def live_bytes(self):
+        return sum(n for ref, n in self.seen.values() if ref() is not None)
+
+
+def decoder_layer_inputs(model, dtype, batch=2, seq=16):
+    """(x, (cos, sin)): a random input `(batch, seq, hidden)` that requires grad for the first decoder layer of a
+    transformers causal LM, and the model's rotary embedding of it."""
+    torch.manual_seed(3)
+    x = torch.randn(batch, seq, model.config.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = model.model.rotary_emb(x, torch.arange(seq)[None].expand(batch, -1))
+    return x, (cos, sin)
+
+
+def decoder_layer_live_bytes(model, dtype):
+    """(bytes the first decoder layer's forward leaves alive: its output and what its graph keeps for backward;
+    the output; the input's gradient; the layer's parameters' gradients) — a backward of ones follows the count."""
+    layer = model.model.layers[0]
+    x, pe = decoder_layer_inputs(model, dtype)
+    with LiveStorages([*model.parameters(), x, *pe]) as mode:
+        y = layer(x, position_embeddings=pe, attention_mask=None)
+    live = mode.live_bytes()
+    y.backward(torch.ones_like(y))
+    return live, y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}

@@ -23,18 +23,17 @@ What is checked:
 """
 import copy
 import functools
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from opforge import patch
 from opforge.patch import _fp8 as patch_fp8
 from opforge.patch import _layers as patch_layers
 from opforge.patch import _recompute as patch_recompute
 from opforge.testing import assert_matches_reference, quantize_fp8_reference, relative_error
+
+from conformance import LiveStorages, decoder_layer_inputs, decoder_layer_live_bytes
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 
@@ -82,44 +81,9 @@ def _assert_bitwise(a, b, skip=()):
             assert g_a[n] is not None and torch.equal(g_a[n], g_b[n]), n
 
 
-class _LiveStorages(TorchDispatchMode):
-    """Records every storage an op outputs (weakly); ``live_bytes()``: the bytes of those still alive, less the
-    storages that existed before (parameters, inputs: ``known``)."""
-
-    def __init__(self, known):
-        super().__init__()
-        self.known = {t.untyped_storage().data_ptr() for t in known}
-        self.seen = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
-                s = t.untyped_storage()
-                if s.data_ptr() not in self.known:
-                    self.seen[s.data_ptr()] = (weakref.ref(s), s.nbytes())
-        return out
-
-    def live_bytes(self):
-        return sum(n for ref, n in self.seen.values() if ref() is not None)
-
-
-def _layer_inputs(model, dtype, batch=2, seq=16):
-    torch.manual_seed(3)
-    x = torch.randn(batch, seq, model.config.hidden_size, dtype=dtype, requires_grad=True)
-    cos, sin = model.model.rotary_emb(x, torch.arange(seq)[None].expand(batch, -1))
-    return x, (cos, sin)
-
-
 def _layer_live_bytes(model, dtype):
     """(bytes one decoder layer's forward leaves alive: its output and what its graph keeps; the output)."""
-    layer = model.model.layers[0]
-    x, pe = _layer_inputs(model, dtype)
-    with _LiveStorages([*model.parameters(), x, *pe]) as mode:
-        y = layer(x, position_embeddings=pe, attention_mask=None)
-    live = mode.live_bytes()
-    y.backward(torch.ones_like(y))
-    return live, y.detach()
+    return decoder_layer_live_bytes(model, dtype)[:2]
 
 
 def _formula(model, dtype, T=2 * 16):
@@ -431,7 +395,7 @@ def test_off_inside_torch_func():
     outs = []
     for model in _models():
         layer = model.model.layers[0]
-        x, pe = _layer_inputs(model, torch.float32)
+        x, pe = decoder_layer_inputs(model, torch.float32)
         outs.append(torch.func.grad(lambda t: layer(t, position_embeddings=pe, attention_mask=None).sum())(x.detach()))
     assert torch.equal(outs[0], outs[1])
 
@@ -528,10 +492,10 @@ def test_gate_up_without_gradient_keeps_no_full_precision_copy(monkeypatch):
         for n, p in model.named_parameters():
             p.requires_grad_("down_proj" in n)
         layer = model.model.layers[0]
-        x, pe = _layer_inputs(model, torch.float32)
+        x, pe = decoder_layer_inputs(model, torch.float32)
         x = x.detach()
         made.clear()
-        with _LiveStorages([*model.parameters(), x, *pe]) as mode:
+        with LiveStorages([*model.parameters(), x, *pe]) as mode:
             y = layer(x, position_embeddings=pe, attention_mask=None)
         live[model.model.layers[0].mlp._opforge_fp8_activations] = mode.live_bytes()
         y.backward(torch.ones_like(y), retain_graph=True)

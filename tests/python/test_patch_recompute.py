@@ -11,16 +11,15 @@ kernel variant, and the peak memory of a training step is lower by about the for
 float64-reference tolerance rule (CUDA's attention backward is not bitwise reproducible, so no bitwise claim there).
 """
 import copy
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from opforge import patch
 from opforge.patch import _fp8 as patch_fp8
 from opforge.testing import assert_matches_reference
+
+from conformance import decoder_layer_inputs, decoder_layer_live_bytes
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 
@@ -83,48 +82,6 @@ def test_gradients_bitwise_equal(family, dtype):
     _assert_bitwise(_step(on, _ids(seed=2)), _step(off, _ids(seed=2)))
 
 
-class _LiveStorages(TorchDispatchMode):
-    """Records every storage an op outputs (weakly); ``live_bytes()``: the bytes of those still alive, less the
-    storages that existed before (parameters, inputs: ``known``)."""
-
-    def __init__(self, known):
-        super().__init__()
-        self.known = {t.untyped_storage().data_ptr() for t in known}
-        self.seen = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
-                s = t.untyped_storage()
-                if s.data_ptr() not in self.known:
-                    self.seen[s.data_ptr()] = (weakref.ref(s), s.nbytes())
-        return out
-
-    def live_bytes(self):
-        return sum(n for ref, n in self.seen.values() if ref() is not None)
-
-
-def _layer_inputs(model, dtype, batch=2, seq=16):
-    torch.manual_seed(3)
-    D = model.config.hidden_size
-    x = torch.randn(batch, seq, D, dtype=dtype, requires_grad=True)
-    cos, sin = model.model.rotary_emb(x, torch.arange(seq)[None].expand(batch, -1))
-    return x, (cos, sin)
-
-
-def _layer_live_bytes(model, dtype):
-    """Bytes that one decoder layer's forward leaves alive (its output and what its graph keeps for backward);
-    the output's gradients from a backward, to compare."""
-    layer = model.model.layers[0]
-    x, pe = _layer_inputs(model, dtype)
-    with _LiveStorages([*model.parameters(), x, *pe]) as mode:
-        y = layer(x, position_embeddings=pe, attention_mask=None)
-    live = mode.live_bytes()
-    y.backward(torch.ones_like(y))
-    return live, y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
-
-
 @pytest.mark.parametrize("dtype, fp8", [(torch.float32, None), (torch.bfloat16, None),
                                         (torch.bfloat16, "tensorwise"), (torch.bfloat16, "rowwise")], ids=str)
 def test_saved_bytes_per_layer_drop_by_the_formula(dtype, fp8):
@@ -135,8 +92,8 @@ def test_saved_bytes_per_layer_drop_by_the_formula(dtype, fp8):
     which the attention keeps for its own backward). Where the norms and SwiGLU hand their amax to the GEMMs, the
     GEMMs keep that float32 instead of q(inputᵀ)'s scale."""
     off, on = _pair("llama", dtype, fp8=fp8)
-    live_off, y_off, gx_off, g_off = _layer_live_bytes(off, dtype)
-    live_on, y_on, gx_on, g_on = _layer_live_bytes(on, dtype)
+    live_off, y_off, gx_off, g_off = decoder_layer_live_bytes(off, dtype)
+    live_on, y_on, gx_on, g_on = decoder_layer_live_bytes(on, dtype)
     cfg, T, e = on.config, 2 * 16, torch.finfo(dtype).bits // 8
     D, I = cfg.hidden_size, cfg.intermediate_size
     hd = D // cfg.num_attention_heads
@@ -186,7 +143,7 @@ def test_other_saved_tensor_hooks_see_every_tensor():
 def test_inplace_change_of_a_recipe_input_raises():
     _, on = _pair()
     layer = on.model.layers[0]
-    x, pe = _layer_inputs(on, torch.float32)
+    x, pe = decoder_layer_inputs(on, torch.float32)
     h = x * 1  # a non-leaf layer input, changed in place after the forward
     y = layer(h, position_embeddings=pe, attention_mask=None)
     with torch.no_grad():
@@ -253,7 +210,7 @@ def test_torch_func_falls_back():
     outs = []
     for model in (off, on):
         layer = model.model.layers[0]
-        x, pe = _layer_inputs(model, torch.float32)
+        x, pe = decoder_layer_inputs(model, torch.float32)
         outs.append(torch.func.grad(lambda t: layer(t, position_embeddings=pe, attention_mask=None).sum())(x.detach()))
     assert torch.equal(outs[0], outs[1])
 
