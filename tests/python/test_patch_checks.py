@@ -450,3 +450,27 @@ def test_room_for_a_float32_copy_counts_ten_bytes_a_parameter():
     small = torch.nn.Linear(4, 4)
     assert _apply._room_for_float32_copy(small)
     assert not _apply._room_for_float32_copy(torch.nn.Linear(4, 4, device="meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_self_check_keeps_one_gradient_copy_in_the_model_dtype(dtype):
+    """The self-check's probe keeps each run's gradients in the parameters' own dtype and storage, not float32
+    copies: a 16-bit model's probe holds 2 bytes a trainable parameter (a float32 copy would be 4, plus the 2 of
+    the gradient it was taken from while backward ran), so apply's transient stays about twice the gradients
+    (before and after) instead of five times. The verdict is unchanged: the same model passes, and the wrong
+    gradients of the other self-check tests are still caught (they run through the same probe)."""
+    from opforge.patch import _apply
+
+    model = _llama().to(dtype)
+    res = _apply._probe(model)
+    grads = res["grads"]
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert all(g.dtype == dtype for g in grads.values())
+    assert sum(g.numel() * g.element_size() for g in grads.values()) == trainable
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradient in the model
+    # the errors are taken in float32 (float64 for float64), one parameter at a time: a bf16 difference of 2^-8
+    # relative that a bf16 subtraction would round is seen
+    a = {"w": torch.tensor([1.0, 2.0], dtype=dtype)}
+    b = {"w": torch.tensor([1.0 + 2 ** -7, 2.0], dtype=dtype)}
+    assert _apply._grad_errors(b, a)["w"] == pytest.approx(2 ** -7 / 2.0)
+    assert patch.apply(model).ok

@@ -131,7 +131,10 @@ def _probe(model: torch.nn.Module, routes: Optional[dict] = None) -> Optional[di
                 loss = out.loss if hasattr(out, "loss") else out[0]
                 loss.backward()
             res["loss"] = loss.detach().float()
-            res["grads"] = {n: t.detach().float().clone() for n, t in F.split_gradients(model).items()}
+            # the gradients themselves, in their own dtype (the model's .grad is restored below, so nothing else
+            # holds them): no float32 copy, 2 bytes a parameter for a 16-bit model where a copy would add 4;
+            # _grad_errors widens one parameter at a time
+            res["grads"] = {n: t.detach() for n, t in F.split_gradients(model).items()}
         return res
     finally:
         for h in handles:
@@ -153,7 +156,13 @@ def _grad_errors(grads: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -
     least 1e-3 of the largest gradient of the whole model, so a gradient that is all but zero is not judged
     relative to itself)."""
     floor = 1e-3 * max((t.abs().max().item() for t in ref.values()), default=0.0)
-    return {n: (grads[n] - t).abs().max().item() / max(t.abs().max().item(), floor, 1e-30) for n, t in ref.items()}
+    return {n: _widened(grads[n]).sub_(_widened(t)).abs_().max().item() / max(t.abs().max().item(), floor, 1e-30)
+            for n, t in ref.items()}
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in float32, or float64 for a float64 `t` (differences of 16-bit gradients taken exactly)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32), copy=True)
 
 
 def _mismatch(before: dict, after: dict, dtype: torch.dtype) -> Optional[str]:
