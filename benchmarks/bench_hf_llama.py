@@ -16,7 +16,7 @@ fall back to eager past Dynamo's recompile limit of 8). The "+compile" variants 
 (``--compile-scope layers``, fullgraph=True; identical layers share one compiled graph) and report Dynamo's
 graph breaks, recompiles and graphs; a "+compile-model" or "+compile-layers" variant names its scope, so one
 run can hold both. The "torchao-fp8" variants convert every decoder-layer Linear with torchao's float8 training
-(``convert_to_float8_training``, tensorwise or rowwise recipe; lm_head stays bf16) before compiling; Inductor's cache is ``build/inductor-cache`` unless TORCHINDUCTOR_CACHE_DIR
+(``convert_to_float8_training``, tensorwise or rowwise recipe; lm_head stays bf16) before compiling; Inductor's cache is ``build/inductor-cache/<digest of csrc/library.cpp>`` unless TORCHINDUCTOR_CACHE_DIR
 is set. Weights are initialised on the run's device (``--init-device``, same seed in every variant's process).
 The opforge variants patch with ``patch.apply``'s defaults: in eager, ``recompute=True`` (the norm and SwiGLU
 outputs are computed again in backward instead of kept); under compile Inductor decides what to recompute.
@@ -72,6 +72,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -444,8 +445,11 @@ def spawn_worker(script: Path, worker: str, argv: list, timeout: float) -> dict:
         cmd = [sys.executable, str(script), "--worker", worker, "--json", str(path), *argv]
         env = dict(os.environ, **VARIANT_ENV.get(worker, {}))
         env["PYTHONPATH"] = os.pathsep.join([str(common.REPO_ROOT / "python"), env.get("PYTHONPATH", "")])
-        # Inductor's cache per checkout (as tests/python/conftest.py): a second run skips most compilation
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(common.REPO_ROOT / "build" / "inductor-cache"))
+        # Inductor's cache per checkout and version of the schemas (as tests/python/conftest.py): a second run
+        # skips most compilation, a changed op schema gets a fresh cache
+        library_cpp = common.REPO_ROOT / "csrc" / "library.cpp"
+        schemas = hashlib.sha1(library_cpp.read_bytes()).hexdigest()[:12] if library_cpp.exists() else "schemas"
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(common.REPO_ROOT / "build" / "inductor-cache" / schemas))
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -1,11 +1,15 @@
 """Shared fixtures: devices (CUDA cases skip cleanly without a GPU), dtypes and seeded RNG."""
+import hashlib
 import os
 from pathlib import Path
 
 # Inductor's on-disk cache is keyed on the graph, not on a custom op's schema: a cache shared with
-# another checkout (a worktree whose op takes other arguments) can replay stale code. Each checkout
-# gets its own cache unless one is set.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[2] / "build" / "inductor-cache"))
+# another checkout (a worktree whose op takes other arguments), or kept across a change of the schemas,
+# can replay stale code ("Unknown keyword argument ... for operator 'opforge::...'"). Each checkout and
+# each version of the schemas (csrc/library.cpp holds them all) gets its own cache unless one is set.
+_ROOT = Path(__file__).resolve().parents[2]
+_SCHEMAS = hashlib.sha1((_ROOT / "csrc" / "library.cpp").read_bytes()).hexdigest()[:12]
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_ROOT / "build" / "inductor-cache" / _SCHEMAS))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
