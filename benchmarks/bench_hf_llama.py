@@ -337,9 +337,10 @@ def build_variant(a: argparse.Namespace, variant: str):
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
                                    module_filter_fn=lambda mod, fqn: fqn != "lm_head")
     if device.startswith("cuda"):
-        # what setting up the variant took at its peak (opforge.patch.apply's self-check runs the model unpatched,
-        # patched and, for a 16-bit model, a float32 copy: a one-time cost of apply, not of training); the peak of
-        # the training steps is counted from here (the weights, and the FP8 weight cache, stay allocated)
+        # what setting up the variant took at its peak (opforge.patch.apply's self-check runs the model unpatched
+        # and patched with labels, and a float32 copy where a 16-bit gradient fails its bound: a one-time cost of
+        # apply, not of training); the training steps' peak is counted from here (the weights and the FP8 weight
+        # cache stay allocated)
         a.setup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=device.startswith("cuda"))
@@ -416,7 +417,8 @@ def run_variant(a: argparse.Namespace) -> dict:
     losses = [float(x) for x in torch.stack(losses).float().cpu()]
     ms = statistics.median(times) * 1e3
     out = {"variant": variant, "ms_per_step": ms, "tokens_per_s": a.batch * a.seq / (ms / 1e3),
-           "peak_mem_gib": _peak_memory_gib(device), "setup_peak_gib": getattr(a, "setup_peak_gib", math.nan), "losses": losses, "warmup_s": t_compile, "report": report,
+           "peak_mem_gib": _peak_memory_gib(device), "setup_peak_gib": getattr(a, "setup_peak_gib", math.nan),
+           "losses": losses, "warmup_s": t_compile, "report": report,
            "status": "ok", "env": {k: os.environ.get(k) for k in VARIANT_ENV.get(variant, {})},
            "knobs": VARIANT_KNOBS.get(variant, {})}
     if "+compile" in variant:

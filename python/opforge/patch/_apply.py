@@ -497,7 +497,7 @@ def apply(model: torch.nn.Module, *, decoder: bool = True, loss: bool = True, in
                     raise RuntimeError(msg)
                 warnings.warn(msg, stacklevel=2)
                 return PatchReport(skipped=[("", name, msg)])
-        n_mlp = _fp8_activations(model, bool(fp8_activations)) if report.patched else 0
+        n_mlp = _fp8_activations(model, fp8_activations) if report.patched else 0
         if fp8_activations and n_mlp:
             report.notes.append(f"fp8_activations: {n_mlp} patched MLP(s) keep their gate/up output for backward in "
                                 f"rowwise e4m3 (eager training)")

@@ -435,9 +435,11 @@ def mlp_forward(self, x):
     # fp8_activations: the activation keeps a recipe (gu dequantized from its rowwise e4m3 copy), not gu; down_proj's
     # recipe (recompute) computes its input from that copy too, also where gu needs no gradient but down_proj saves
     # its input (gate/up frozen and an input without grad, e.g. adapters on down_proj alone: else its recipe keeps gu)
-    recipe_for_h = R.recompute_on(self) and any(p.requires_grad for p in self.down_proj.parameters())
-    saved = R.Fp8Saved(gu) if (gu.requires_grad or recipe_for_h) and R.fp8_activations_on(self) \
-        and R.droppable(gu) else None
+    recompute = R.recompute_on(self)
+    saved = None  # (the option's checks first: the default path pays no parameter walk)
+    if R.fp8_activations_on(self) and R.droppable(gu) and (
+            gu.requires_grad or (recompute and any(p.requires_grad for p in self.down_proj.parameters()))):
+        saved = R.Fp8Saved(gu)
     if saved is not None and gu.requires_grad:
         h, amax = R.call_dropping(act, gu, saved.saved(), saved.args, "the gate/up output", gemm=False)
     else:
@@ -447,7 +449,7 @@ def mlp_forward(self, x):
         with FP8.input_amax(h, amax):
             return self.down_proj(h)
 
-    if R.recompute_on(self):  # down_proj keeps a recipe (the activation of the gate/up output it saves), not h
+    if recompute:  # down_proj keeps a recipe (the activation of the gate/up output it saves), not h
         what = "swiglu's output" if self.__dict__.get("_opforge_act", "silu") == "silu" else "geglu's output"
         if saved is not None:  # from the FP8 copy: no full-precision gu is kept
             # the dequantized gu is handed to the activation's recipe only where there is one (gu needs a gradient)
